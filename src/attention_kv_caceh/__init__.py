@@ -1,0 +1,1 @@
+"""attention-kv-caceh: attention over a KV cache, batching and serving latency, measured."""

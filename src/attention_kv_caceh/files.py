@@ -1,0 +1,101 @@
+"""Atomic file writers: every result file is complete or absent, never half-written.
+
+A reader (or a crash, or Ctrl-C) must never see a truncated CSV. Whole files are written to a temporary
+file in the same folder, flushed, fsynced and renamed over the target (`os.replace` is atomic on POSIX).
+Streams of records that must survive a crash line by line (per-request JSONL) are appended and flushed one
+line at a time instead. Parent folders are created as needed.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+__all__ = ["JsonlWriter", "atomic_write_text", "write_csv_atomic", "write_json_atomic"]
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` (UTF-8) to `path` atomically: temporary file in the same folder, then rename.
+
+    Returns the path written. Raises OSError when the folder cannot be created or written.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as tmp:
+            tmp.write(text)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def write_csv_atomic(
+    path: str | os.PathLike[str],
+    rows: Iterable[Mapping[str, Any]],
+    fieldnames: Sequence[str],
+) -> Path:
+    """Write `rows` as a CSV with a header of `fieldnames`, atomically.
+
+    Raises ValueError if a row has a key that is not in `fieldnames` (a silently dropped column would
+    be a lost measurement).
+    """
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=list(fieldnames), extrasaction="raise")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(row)
+    return atomic_write_text(path, buffer.getvalue())
+
+
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write `obj` as indented JSON, atomically. Raises TypeError for objects JSON cannot encode."""
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+class JsonlWriter:
+    """Append one JSON object per line, flushed (and fsynced) as each record is written.
+
+    Used for per-request records: a crash or Ctrl-C after a record is written keeps it. The file is
+    truncated when opened, so one run's file holds one run's records.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fsync = fsync
+        self._file = self.path.open("w", encoding="utf-8")
+        self.count = 0
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        """Write one record as a line of JSON and flush it to disk."""
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        self._file.flush()
+        if self._fsync:
+            os.fsync(self._file.fileno())
+        self.count += 1
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
