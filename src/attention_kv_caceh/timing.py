@@ -18,10 +18,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-from threadpoolctl import threadpool_info
+from threadpoolctl import threadpool_info  # pyright: ignore[reportMissingTypeStubs]
 
 __all__ = [
     "THREAD_ENV_VARS",
@@ -168,7 +168,7 @@ def capture_environment() -> dict[str, Any]:
             "architecture": str(info.get("architecture")),
             "filepath": str(info.get("filepath")),
         }
-        for info in threadpool_info()
+        for info in cast("list[dict[str, Any]]", threadpool_info())
     ]
     env_vars = {
         name: value
