@@ -1,0 +1,157 @@
+"""References that every computed result is checked against (by the tests, and by the benchmark before
+it times anything).
+
+- `reference_attention`: float64, one query row at a time, explicit head mapping for GQA; shares no code
+  with `attention.py` beyond NumPy itself.
+- `check_close`: compares a result to a reference with a tolerance chosen from the dtype
+  (`tolerance_for`), and raises `OracleMismatch` naming the worst element.
+- `check_decode_batch`: batched decode output == the reference computed one sequence at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = [
+    "OracleMismatch",
+    "check_close",
+    "check_decode_batch",
+    "reference_attention",
+    "repeat_kv",
+    "tolerance_for",
+]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+
+
+class OracleMismatch(AssertionError):
+    """A computed result disagrees with its reference beyond the tolerance."""
+
+
+def tolerance_for(dtype: npt.DTypeLike, reduction_length: int = 1) -> tuple[float, float]:
+    """(rtol, atol) for comparing a result of `dtype` against a float64 reference.
+
+    Attention outputs are convex combinations of values of order 1, computed through a dot product of
+    length D and a sum of length T. Rounding errors of a float with unit roundoff u = eps / 2 grow at
+    worst like n * u and in practice like sqrt(n) * u (Higham, "Accuracy and Stability of Numerical
+    Algorithms", 2nd ed., ch. 3), so we allow
+        rtol = atol = 16 * eps * sqrt(max(n, 1))
+    with n = `reduction_length` (pass D + T). float32: eps = 1.19e-7, so n = 192 gives about 2.6e-5;
+    float64: about 4.9e-14 at the same n. The factor 16 covers exp and the division in softmax.
+    """
+    eps = float(np.finfo(np.dtype(dtype)).eps)
+    tol = 16.0 * eps * math.sqrt(max(reduction_length, 1))
+    return tol, tol
+
+
+def check_close(
+    actual: FloatArray,
+    expected: FloatArray,
+    *,
+    rtol: float,
+    atol: float,
+    what: str = "result",
+) -> None:
+    """Raise OracleMismatch unless `actual` matches `expected` in shape and within rtol/atol.
+
+    Test: |actual - expected| <= atol + rtol * |expected| elementwise (as `np.testing.assert_allclose`).
+    """
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        raise OracleMismatch(f"{what}: shape {actual.shape} != reference shape {expected.shape}")
+    if not np.all(np.isfinite(actual)):
+        raise OracleMismatch(f"{what}: contains NaN or inf")
+    diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    allowed = atol + rtol * np.abs(expected.astype(np.float64))
+    if np.any(diff > allowed):
+        worst = np.unravel_index(int(np.argmax(diff - allowed)), diff.shape)
+        raise OracleMismatch(
+            f"{what}: max |error| {float(diff.max()):.3e} exceeds tolerance (rtol={rtol:.1e}, "
+            f"atol={atol:.1e}); worst at index {tuple(int(i) for i in worst)}: "
+            f"{float(actual[worst]):.6g} vs reference {float(expected[worst]):.6g}"
+        )
+
+
+def repeat_kv(x: FloatArray, num_groups: int) -> FloatArray:
+    """Materialise GQA: `[B, H_kv, T, D]` -> `[B, H_kv * G, T, D]` with head h a copy of head h // G.
+
+    This is the explicit form (`repeat_kv` in Llama's reference code) the lab's attention avoids.
+    """
+    return np.repeat(x, num_groups, axis=-3)  # [B, H, T, D]
+
+
+def reference_attention(
+    q: FloatArray,
+    k: FloatArray,
+    v: FloatArray,
+    *,
+    mask: npt.NDArray[np.bool_] | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+    """float64 attention, one query row at a time: `(output [..., Tq, D_v], weights [..., Tq, Tk])`.
+
+    Same contract as `attention.scaled_dot_product_attention` (bottom-right causal alignment, GQA by
+    head index h -> h // (H // H_kv) for 4-D and higher inputs, fully masked rows give zeros), written
+    as the definition: for each row, scores_j = scale * sum_d q_d k_jd, w = exp(s - max s) / sum,
+    out = sum_j w_j v_j. Slow on purpose; meant for small shapes.
+    """
+    q64, k64, v64 = (np.asarray(a, dtype=np.float64) for a in (q, k, v))
+    *lead, tq, dk = q64.shape
+    tk, dv = k64.shape[-2], v64.shape[-1]
+    h, h_kv = (lead[-1], k64.shape[-3]) if q64.ndim >= 4 else (1, 1)
+    group = h // h_kv
+    s = 1.0 / math.sqrt(dk) if scale is None else float(scale)
+    keep = np.ones((*lead, tq, tk), dtype=bool)
+    if mask is not None:
+        keep &= np.broadcast_to(np.asarray(mask, dtype=bool), keep.shape)
+    out = np.zeros((*lead, tq, dv))
+    weights = np.zeros((*lead, tq, tk))
+    for idx in itertools.product(*(range(n) for n in lead)):
+        kv_idx = (*idx[:-1], idx[-1] // group) if q64.ndim >= 4 else idx
+        k_rows, v_rows = k64[kv_idx], v64[kv_idx]  # [Tk, D_k], [Tk, D_v]
+        for i in range(tq):
+            allowed = keep[idx][i].copy()
+            if is_causal:
+                allowed[tk - tq + i + 1 :] = False
+            if not allowed.any():
+                continue
+            scores = np.array([s * float(np.dot(q64[idx][i], k_rows[j])) for j in range(tk)])
+            scores[~allowed] = -np.inf
+            e = np.exp(scores - scores[allowed].max())
+            w = e / e.sum()
+            weights[idx][i] = w
+            out[idx][i] = w @ v_rows
+    return out, weights
+
+
+def check_decode_batch(
+    q_t: FloatArray,
+    keys: FloatArray,
+    values: FloatArray,
+    output: FloatArray,
+    weights: FloatArray,
+) -> None:
+    """Check a batched decode step against the float64 reference run one sequence at a time.
+
+    q_t `[B, H, 1, D]`, keys/values `[B, H_kv, T, D]` (what the cache held after the append), output
+    `[B, H, 1, D]`, weights `[B, H, 1, T]`. Every sequence is recomputed alone (batch of one), so a
+    softmax over the wrong axis or any mixing across the batch fails. Raises OracleMismatch.
+    """
+    b, h, _, d = q_t.shape
+    t = keys.shape[2]
+    if output.shape != (b, h, 1, d) or weights.shape != (b, h, 1, t):
+        raise OracleMismatch(
+            f"decode shapes: output {output.shape} (want {(b, h, 1, d)}), "
+            f"weights {weights.shape} (want {(b, h, 1, t)})"
+        )
+    rtol, atol = tolerance_for(output.dtype, d + t)
+    for i in range(b):
+        ref_out, ref_w = reference_attention(q_t[i : i + 1], keys[i : i + 1], values[i : i + 1])
+        check_close(output[i : i + 1], ref_out, rtol=rtol, atol=atol, what=f"output of sequence {i}")
+        check_close(weights[i : i + 1], ref_w, rtol=rtol, atol=atol, what=f"weights of sequence {i}")
