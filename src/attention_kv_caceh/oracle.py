@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -44,7 +44,7 @@ def tolerance_for(dtype: npt.DTypeLike, reduction_length: int = 1) -> tuple[floa
     with n = `reduction_length` (pass D + T). float32: eps = 1.19e-7, so n = 192 gives about 2.6e-5;
     float64: about 4.9e-14 at the same n. The factor 16 covers exp and the division in softmax.
     """
-    eps = float(np.finfo(np.dtype(dtype)).eps)
+    eps = float(np.finfo(cast("np.dtype[np.floating[Any]]", np.dtype(dtype))).eps)
     tol = 16.0 * eps * math.sqrt(max(reduction_length, 1))
     return tol, tol
 
