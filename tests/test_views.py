@@ -1,0 +1,90 @@
+"""Every observation of the view/copy table, pinned: a change in NumPy's behaviour fails here."""
+
+from __future__ import annotations
+
+import csv
+import io
+import tempfile
+import unittest
+from contextlib import redirect_stdout
+from pathlib import Path
+
+from attention_kv_caceh.experiments import cli
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+
+# experiment -> (same_object, shares_memory, write_propagates, shape, strides, c_contiguous, held)
+EXPECTED = {
+    "list assignment": (True, True, True, "len 2", "-", "-", True),
+    "shallow copy": (False, True, True, "len 2", "-", "-", True),
+    "basic slice": (False, True, True, "(2, 2, 4)", "(48, 16, 4)", "False", True),
+    # The one prediction that fails: fancy indexing copies into an [index, B, D] buffer, transposed.
+    "advanced indexing": (False, False, False, "(2, 2, 4)", "(16, 32, 4)", "False", False),
+    "swapaxes": (False, True, True, "(2, 4, 3)", "(48, 4, 16)", "False", True),
+    "concatenate": (False, False, False, "(2, 4, 4)", "(64, 16, 4)", "True", True),
+}
+
+
+class ViewTableTest(unittest.TestCase):
+    def test_six_experiments_in_order(self) -> None:
+        rows = run_views()
+        self.assertEqual([r.experiment for r in rows], list(EXPECTED))
+
+    def test_every_observation(self) -> None:
+        for row in run_views():
+            with self.subTest(experiment=row.experiment):
+                observed = (
+                    row.same_object,
+                    row.shares_memory,
+                    row.write_propagates,
+                    row.shape,
+                    row.strides,
+                    row.c_contiguous,
+                    row.prediction_held,
+                )
+                self.assertEqual(observed, EXPECTED[row.experiment])
+
+    def test_prediction_held_matches_the_columns(self) -> None:
+        for row in run_views():
+            with self.subTest(experiment=row.experiment):
+                held = (
+                    row.predicted_shares_memory == row.shares_memory
+                    and row.predicted_write_propagates == row.write_propagates
+                    and row.predicted_c_contiguous == row.c_contiguous
+                )
+                self.assertEqual(row.prediction_held, held)
+
+    def test_views_are_the_ones_that_propagate(self) -> None:
+        # Sharing memory and a propagating write go together in every experiment.
+        for row in run_views():
+            with self.subTest(experiment=row.experiment):
+                self.assertEqual(row.shares_memory, row.write_propagates)
+
+    def test_markdown_has_a_row_per_experiment(self) -> None:
+        text = views_markdown(run_views())
+        lines = text.strip().splitlines()
+        self.assertEqual(len(lines), 2 + 6)
+        self.assertIn("prediction held", lines[0])
+        self.assertEqual(sum("**no**" in line for line in lines), 1)
+
+
+class ViewsCommandTest(unittest.TestCase):
+    def test_writes_csv_and_markdown(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            csv_path, md_path = Path(tmp, "out", "views.csv"), Path(tmp, "views.md")
+            out = io.StringIO()
+            with redirect_stdout(out):
+                code = cli.main(["views", "--csv", str(csv_path), "--md", str(md_path)])
+            self.assertEqual(code, 0)
+            with csv_path.open(newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                self.assertEqual(tuple(reader.fieldnames or ()), VIEW_TABLE_COLUMNS)
+                rows = list(reader)
+            self.assertEqual([r["experiment"] for r in rows], list(EXPECTED))
+            self.assertEqual(rows[3]["strides"], "(16, 32, 4)")
+            self.assertTrue(Path(str(csv_path) + ".meta.json").exists())
+            self.assertEqual(md_path.read_text(encoding="utf-8"), views_markdown(run_views()))
+            self.assertIn("| basic slice |", out.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()
