@@ -18,7 +18,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-__all__ = ["JsonlWriter", "atomic_write_text", "write_csv_atomic", "write_json_atomic"]
+__all__ = [
+    "JsonlWriter",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "write_csv_atomic",
+    "write_json_atomic",
+]
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -32,6 +38,26 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as tmp:
             tmp.write(text)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, target)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
+    """Write `data` (e.g. a PNG) to `path` atomically, as `atomic_write_text` does for text.
+
+    Returns the path written. Raises OSError when the folder cannot be created or written.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
             tmp.flush()
             os.fsync(tmp.fileno())
         os.replace(tmp_name, target)

@@ -1,0 +1,289 @@
+"""Cache growth on a tiny shape: oracle first, every step kept, memory accounting, statistics, CLI."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import tempfile
+import unittest
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any, ClassVar
+from unittest import mock
+
+import numpy as np
+
+from attention_kv_caceh.attention import multihead_decode_step
+from attention_kv_caceh.cache import PreallocatedKVCache
+from attention_kv_caceh.experiments import cache_growth, cli
+from attention_kv_caceh.experiments.cache_growth import (
+    CacheGrowthConfig,
+    CacheStepSample,
+    fit_line,
+    measure_cache_memory,
+    rolling_median,
+    run_cache_growth,
+    summarize_cache_growth,
+    theoretical_kv_bytes,
+)
+from attention_kv_caceh.oracle import OracleMismatch
+
+TINY = CacheGrowthConfig(
+    steps=24, batch_size=2, num_heads=4, num_kv_heads=2, head_dim=8, repeats=2, warmup=1, seed=7
+)
+
+
+def synthetic(kind: str, intercept: float, slope: float, steps: int, repeats: int) -> list[CacheStepSample]:
+    """Samples lying exactly on a line (every repeat identical)."""
+    params = CacheGrowthConfig(steps=steps).params()
+    return [
+        CacheStepSample(
+            cache=kind,
+            step=t - 1,
+            sequence_length=t,
+            elapsed_ms=intercept + slope * t,
+            repeat=r,
+            **params,
+        )
+        for r in range(repeats)
+        for t in range(1, steps + 1)
+    ]
+
+
+class ConfigTest(unittest.TestCase):
+    def test_rejects_bad_values_naming_them(self) -> None:
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"steps": 0}, "steps"),
+            ({"batch_size": -1}, "batch_size"),
+            ({"num_heads": 6, "num_kv_heads": 4}, "num_heads=6"),
+            ({"warmup": -1}, "warmup"),
+            ({"dtype": "int32"}, "int32"),
+            ({"model": "gpt-5"}, "gpt-5"),
+            ({"steps": 4, "oracle_steps": (5,)}, "oracle_steps"),
+        ]
+        for kwargs, needle in cases:
+            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, needle):
+                CacheGrowthConfig(**kwargs)
+
+    def test_checked_steps_default(self) -> None:
+        self.assertEqual(CacheGrowthConfig(steps=10).checked_steps, (1, 2, 5, 10))
+        self.assertEqual(CacheGrowthConfig(steps=1).checked_steps, (1,))
+
+
+class RunTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.samples: list[CacheStepSample] = []
+        cls.result = run_cache_growth(TINY, samples=cls.samples)
+
+    def test_every_timed_step_is_kept(self) -> None:
+        rows = self.result.samples
+        self.assertIs(rows, self.samples)
+        self.assertEqual(len(rows), 2 * TINY.repeats * TINY.steps)
+        for kind in ("dynamic", "preallocated"):
+            for r in range(TINY.repeats):
+                with self.subTest(cache=kind, repeat=r):
+                    mine = [s for s in rows if s.cache == kind and s.repeat == r]
+                    self.assertEqual([s.step for s in mine], list(range(TINY.steps)))
+                    self.assertEqual([s.sequence_length for s in mine], list(range(1, TINY.steps + 1)))
+                    self.assertTrue(all(s.elapsed_ms > 0 for s in mine))
+                    self.assertTrue(all(s.warmup == TINY.warmup and s.head_dim == 8 for s in mine))
+
+    def test_oracle_steps_were_checked(self) -> None:
+        self.assertEqual(self.result.checked_steps, (1, 2, 12, 24))
+
+    def test_memory_rows_and_theoretical_size(self) -> None:
+        itemsize = 4
+        for kind in ("dynamic", "preallocated"):
+            rows = [m for m in self.result.memory if m.cache == kind]
+            self.assertEqual([m.sequence_length for m in rows], list(range(1, TINY.steps + 1)))
+            for m in rows:
+                expected = 2 * 2 * m.sequence_length * 8 * itemsize * 2  # B * H_kv * T * D * 4 B * (K, V)
+                self.assertEqual(m.theoretical_bytes, expected)
+                self.assertEqual(
+                    m.theoretical_bytes, theoretical_kv_bytes(2, 2, m.sequence_length, 8, itemsize)
+                )
+                if kind == "dynamic":
+                    self.assertEqual(m.cache_nbytes, m.theoretical_bytes)
+                    self.assertEqual(m.new_buffer_bytes, m.theoretical_bytes)
+                else:
+                    self.assertEqual(m.cache_nbytes, theoretical_kv_bytes(2, 2, TINY.steps, 8, itemsize))
+                    self.assertEqual(m.new_buffer_bytes, 0)
+
+    def test_summary_is_computed(self) -> None:
+        summary = self.result.summary
+        assert summary is not None
+        self.assertEqual(set(summary.fits), {"dynamic", "preallocated"})
+        self.assertEqual(summary.totals["dynamic"]["count"], TINY.repeats)
+        self.assertAlmostEqual(
+            summary.total_ratio,
+            summary.totals["dynamic"]["p50_ms"] / summary.totals["preallocated"]["p50_ms"],
+        )
+
+
+class MemoryAccountingTest(unittest.TestCase):
+    """Preallocated allocations per step do not grow with T; the Dynamic cache's do, like its size."""
+
+    def test_growth(self) -> None:
+        config = CacheGrowthConfig(steps=96, batch_size=2, num_heads=2, num_kv_heads=2, head_dim=32)
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((96, 2, 2, 1, 32), dtype=np.float32)
+        k = rng.standard_normal((96, 2, 2, 1, 32), dtype=np.float32)
+        v = rng.standard_normal((96, 2, 2, 1, 32), dtype=np.float32)
+        pre = measure_cache_memory("preallocated", config, q, k, v)
+        dyn = measure_cache_memory("dynamic", config, q, k, v)
+        pre_peaks = [m.append_peak_bytes for m in pre[1:]]
+        self.assertLess(max(pre_peaks) - min(pre_peaks), 256)  # a few view objects, whatever T is
+        self.assertLess(max(pre_peaks), 2048)
+        pre_slope = fit_line([m.sequence_length for m in pre], [m.append_peak_bytes for m in pre])[0]
+        self.assertLess(abs(pre_slope), 1.0)  # bytes per position
+        # Dynamic: at its peak the append holds one new K (or V) array of T positions: >= half the size.
+        for m in dyn:
+            self.assertGreaterEqual(m.append_peak_bytes, m.theoretical_bytes // 2)
+        dyn_slope = fit_line([m.sequence_length for m in dyn], [m.append_peak_bytes for m in dyn])[0]
+        per_position = theoretical_kv_bytes(2, 2, 1, 32, 4)
+        self.assertGreater(dyn_slope, 0.4 * per_position)
+        self.assertGreater(dyn[-1].append_peak_bytes, 20 * dyn[0].append_peak_bytes)
+        # Each step keeps exactly one more position in the Dynamic cache.
+        self.assertEqual([m.cache_nbytes for m in dyn], [per_position * m.sequence_length for m in dyn])
+
+    def test_refuses_when_already_tracing(self) -> None:
+        import tracemalloc
+
+        tracemalloc.start()
+        try:
+            z = np.zeros((1, 1, 1, 1, 1), dtype=np.float32)
+            with self.assertRaisesRegex(ValueError, "tracemalloc"):
+                measure_cache_memory("dynamic", CacheGrowthConfig(steps=1), z, z, z)
+        finally:
+            tracemalloc.stop()
+
+
+class OracleTest(unittest.TestCase):
+    def test_a_wrong_cache_fails_before_timing(self) -> None:
+        def broken(q_t: Any, k_t: Any, v_t: Any, cache: Any) -> Any:
+            out, weights = multihead_decode_step(q_t, k_t, v_t, cache)
+            if isinstance(cache, PreallocatedKVCache) and cache.length == 5:
+                out = out + np.float32(1e-3)
+            return out, weights
+
+        samples: list[CacheStepSample] = []
+        with (
+            mock.patch.object(cache_growth, "multihead_decode_step", broken),
+            self.assertRaisesRegex(OracleMismatch, "T=5"),
+        ):
+            run_cache_growth(TINY, samples=samples)
+        self.assertEqual(samples, [])
+
+
+class StatisticsTest(unittest.TestCase):
+    def test_fit_line_exact(self) -> None:
+        slope, intercept, r2 = fit_line([1, 2, 3, 4], [3.0, 5.0, 7.0, 9.0])
+        self.assertAlmostEqual(slope, 2.0)
+        self.assertAlmostEqual(intercept, 1.0)
+        self.assertAlmostEqual(r2, 1.0)
+        with self.assertRaises(ValueError):
+            fit_line([1], [1.0])
+
+    def test_rolling_median(self) -> None:
+        np.testing.assert_array_equal(rolling_median([1, 100, 3, 4, 5], 3), [50.5, 3, 4, 4, 4.5])
+        with self.assertRaises(ValueError):
+            rolling_median([1.0], 0)
+
+    def test_summary_of_known_lines(self) -> None:
+        # dynamic = 0.1 + 0.01 T, preallocated = 0.1 + 0.002 T: 2x from T >= 16.7, 10% from T >= 1.3.
+        n = 100
+        samples = synthetic("dynamic", 0.1, 0.01, n, 3) + synthetic("preallocated", 0.1, 0.002, n, 3)
+        s = summarize_cache_growth(samples)
+        self.assertAlmostEqual(s.fits["dynamic"].slope_ms_per_position, 0.01)
+        self.assertAlmostEqual(s.fits["preallocated"].intercept_ms, 0.1)
+        self.assertAlmostEqual(s.fits["dynamic"].r2, 1.0)
+        self.assertAlmostEqual(s.fits["dynamic"].r2_raw, 1.0)
+        t = np.arange(1, n + 1)
+        self.assertAlmostEqual(s.totals["dynamic"]["p50_ms"], float(np.sum(0.1 + 0.01 * t)))
+        self.assertAlmostEqual(s.total_ratio, float(np.sum(0.1 + 0.01 * t) / np.sum(0.1 + 0.002 * t)))
+        self.assertEqual(s.copy_dominates_from, 17)
+        self.assertEqual(s.copy_visible_from, 2)
+        assert s.copy_dominates_fitted is not None
+        self.assertAlmostEqual(s.copy_dominates_fitted, 0.1 / 0.006)
+        self.assertEqual([c["sequence_length"] for c in s.checkpoints], [6, 12, 25, 50, 100])
+        last = s.checkpoints[-1]
+        self.assertAlmostEqual(last["dynamic_p50_ms"], 0.1 + 0.01 * 100)  # window (99, 100] at n/64 = 1
+
+    def test_summary_needs_both_caches(self) -> None:
+        with self.assertRaisesRegex(ValueError, "preallocated"):
+            summarize_cache_growth(synthetic("dynamic", 0.1, 0.01, 10, 1))
+
+
+class CacheCommandTest(unittest.TestCase):
+    FLAGS: ClassVar[list[str]] = [
+        *("--steps", "16", "--batch-size", "1", "--num-heads", "2", "--num-kv-heads", "1"),
+        *("--head-dim", "8", "--repeats", "2", "--warmup", "0"),
+    ]
+
+    def run_cli(self, argv: list[str]) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        with redirect_stdout(out), redirect_stderr(err):
+            code = cli.main(argv)
+        return code, out.getvalue(), err.getvalue()
+
+    def test_writes_raw_memory_summary_meta_and_plot(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "r", "cache.csv")
+            code, out, _ = self.run_cli(["cache", "--csv", str(path), *self.FLAGS, "--plot", f"{tmp}/c.png"])
+            self.assertEqual(code, 0)
+            with path.open(newline="", encoding="utf-8") as f:
+                rows = list(csv.DictReader(f))
+            self.assertEqual(len(rows), 2 * 2 * 16)
+            self.assertEqual(rows[0]["cache"], "dynamic")
+            with Path(tmp, "r", "cache-memory.csv").open(newline="", encoding="utf-8") as f:
+                self.assertEqual(len(list(csv.DictReader(f))), 2 * 16)
+            meta = json.loads(Path(f"{path}.meta.json").read_text(encoding="utf-8"))
+            self.assertEqual(meta["config"]["steps"], 16)
+            self.assertIn("numpy", meta["environment"])
+            self.assertTrue(Path(tmp, "r", "cache-summary.csv").exists())
+            self.assertEqual(Path(tmp, "c.png").read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+            self.assertIn("N-step total time ratio", out)
+
+    def test_model_preset_sets_shape_and_prints_sizes(self) -> None:
+        args = cli.build_parser().parse_args(["cache", "--model", "llama-3-8b", "--steps", "4"])
+        config = cli.cache_config_from_args(args)
+        self.assertEqual((config.num_heads, config.num_kv_heads, config.head_dim), (32, 8, 128))
+        card = cache_growth.kv_size_card(config)
+        self.assertEqual(card["kv_bytes_per_token_all_layers_float16"], 2 * 8 * 128 * 2 * 32)
+
+    def test_bad_input_exits_2_and_creates_nothing(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            for bad in (
+                ["--num-heads", "3", "--num-kv-heads", "2"],
+                ["--steps", "0"],
+                ["--dtype", "float16"],
+                ["--model", "nope"],
+                ["--plot", f"{tmp}/x.jpg"],
+            ):
+                with self.subTest(bad=bad):
+                    code, _, err = self.run_cli(["cache", "--csv", str(path), *bad])
+                    self.assertEqual(code, 2)
+                    self.assertEqual(len(err.strip().splitlines()), 1)
+            self.assertEqual(list(Path(tmp).iterdir()), [])
+
+    def test_interrupt_keeps_samples(self) -> None:
+        def interrupted(config: CacheGrowthConfig, *, samples: list[CacheStepSample], **_: Any) -> None:
+            samples.extend(synthetic("dynamic", 0.1, 0.01, 5, 1))
+            raise KeyboardInterrupt
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            with (
+                mock.patch.object(cli, "run_cache_growth", interrupted),
+                self.assertRaises(KeyboardInterrupt),
+            ):
+                self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+            with path.open(newline="", encoding="utf-8") as f:
+                self.assertEqual(len(list(csv.DictReader(f))), 5)
+
+
+if __name__ == "__main__":
+    unittest.main()
