@@ -1,0 +1,1 @@
+"""Experiments: each builds its inputs, checks its oracle, times, and returns rows. None prints."""
