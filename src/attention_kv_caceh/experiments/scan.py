@@ -277,15 +277,15 @@ def scan_table(
         t = lengths.pop()
         stats = summarize_samples([s.elapsed_ms for s in group])
         p50_s = stats["p50_ms"] / 1000
-        nbytes = float(kv_bytes[b]) if kv_bytes and b in kv_bytes else math.nan
+        nbytes: float = kv_bytes[b] if kv_bytes and b in kv_bytes else math.nan
         kv_gb_s = nbytes / p50_s / 1e9 if p50_s > 0 else math.nan
         probe = probe_samples_ms.get(b) if probe_samples_ms else None
         probe_gb_s = nbytes / (summarize_samples(probe)["p50_ms"] / 1000) / 1e9 if probe else math.nan
         rows.append(
             {
-                "batch_size": float(b),
-                "sequence_length": float(t),
-                "count": stats["count"],
+                "batch_size": b,
+                "sequence_length": t,
+                "count": int(stats["count"]),
                 "p50_ms": stats["p50_ms"],
                 "p95_ms": stats["p95_ms"],
                 "min_ms": stats["min_ms"],
