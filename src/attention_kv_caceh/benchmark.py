@@ -74,28 +74,59 @@ def _positive_int_list(text: str) -> tuple[int, ...]:
 
 def add_scan_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the batch-size scan; defaults are the notes' M1 scan."""
-    parser.add_argument("--csv", type=Path, default=Path("results/benchmark.csv"), help="raw samples CSV")
     parser.add_argument(
-        "--batch-sizes", type=_positive_int_list, default=(1, 2, 4, 8), help="comma-separated B values"
-    )
-    parser.add_argument("--seq-len", type=int, default=128, help="cached positions T before the step")
-    parser.add_argument("--head-dim", type=int, default=None, help="D (default: 64, or the model's)")
-    parser.add_argument("--num-heads", type=int, default=None, help="H (default: 1, or the model's)")
-    parser.add_argument(
-        "--num-kv-heads", type=int, default=None, help="H_kv (default: num heads, or the model's)"
+        "--csv", type=Path, default=Path("results/benchmark.csv"), metavar="PATH", help="raw samples CSV"
     )
     parser.add_argument(
-        "--model", choices=sorted(MODEL_PRESETS), default=None, help="take H, H_kv and D from a real model"
+        "--batch-sizes",
+        type=_positive_int_list,
+        default="1,2,4,8",
+        metavar="B,B,...",
+        help="batch sizes to scan",
     )
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    parser.add_argument("--cache", choices=("dynamic", "preallocated"), default="dynamic")
-    parser.add_argument("--warmup", type=int, default=3, help="unrecorded calls before timing")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per batch size")
-    parser.add_argument("--seed", type=int, default=42)
     parser.add_argument(
-        "--blas-threads", type=int, default=None, help="pin BLAS threads with threadpoolctl for this run"
+        "--seq-len", type=int, metavar="T", default=128, help="cached positions T before the step"
     )
-    parser.add_argument("--plot", type=Path, default=None, help="PNG: P50 with P95 bars, positions/s vs B")
+    parser.add_argument(
+        "--head-dim", type=int, metavar="D", default=None, help="D (default: 64, or the model's)"
+    )
+    parser.add_argument(
+        "--num-heads", type=int, metavar="H", default=None, help="H (default: 1, or the model's)"
+    )
+    parser.add_argument(
+        "--num-kv-heads",
+        type=int,
+        metavar="H_KV",
+        default=None,
+        help="H_kv (default: num heads, or the model's)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=sorted(MODEL_PRESETS),
+        default=None,
+        metavar="PRESET",
+        help=f"take H, H_kv and D from a real model: {', '.join(sorted(MODEL_PRESETS))}",
+    )
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="element type")
+    parser.add_argument(
+        "--cache",
+        choices=("dynamic", "preallocated"),
+        default="dynamic",
+        help="dynamic: np.concatenate each step; preallocated: one buffer, write a slice",
+    )
+    parser.add_argument("--warmup", type=int, metavar="N", default=3, help="unrecorded calls before timing")
+    parser.add_argument("--repeats", type=int, metavar="N", default=30, help="timed calls per batch size")
+    parser.add_argument("--seed", type=int, default=42, help="seed of np.random.default_rng for all inputs")
+    parser.add_argument(
+        "--blas-threads",
+        type=int,
+        metavar="N",
+        default=None,
+        help="pin BLAS threads with threadpoolctl for this run",
+    )
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="PATH.png", help="PNG: P50 with P95 bars, positions/s vs B"
+    )
 
 
 def _scan_config(args: argparse.Namespace) -> ScanConfig:
