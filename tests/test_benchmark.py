@@ -125,6 +125,7 @@ class ScanCliTest(unittest.TestCase):
             (["--no-such-flag"], "unrecognized arguments"),
             (["--blas-threads", "0"], "--blas-threads must be >= 1"),
             (["--plot", str(self.dir / "x.jpg")], "must name a .png"),
+            (["--batch-sizes", "4096", "--seq-len", "1000000"], "GiB"),
         ]
         for extra, message in cases:
             with self.subTest(extra=extra):

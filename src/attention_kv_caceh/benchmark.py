@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
+
+import numpy as np
 
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
@@ -157,11 +160,32 @@ def _scan_config(args: argparse.Namespace) -> ScanConfig:
 def _check_output_path(path: Path, flag: str) -> None:
     if path.exists() and path.is_dir():
         raise UsageError(f"{flag} {path} is a directory, expected a file path")
-    for parent in path.parents:
+    for parent in path.absolute().parents:
         if parent.exists():
             if not parent.is_dir():
                 raise UsageError(f"{flag} {path}: {parent} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise UsageError(f"{flag} {path}: {parent} is not writable")
             break
+
+
+def _check_memory(config: ScanConfig) -> None:
+    """Refuse a scan whose arrays alone would not fit in this machine's memory."""
+    b = max(config.batch_sizes)
+    itemsize = np.dtype(config.dtype).itemsize
+    kv = kv_bytes_per_step(config, b)
+    inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
+    needed = inputs + 3 * kv  # the cache, a concatenation's new arrays, the probe buffer
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if needed > 0.8 * total:
+        raise UsageError(
+            f"this scan needs about {needed / 2**30:.1f} GiB for B={b}, T={config.seq_len}, "
+            f"H_kv={config.num_kv_heads}, D={config.head_dim}, more than 80 % of the "
+            f"{total / 2**30:.1f} GiB of memory; lower --batch-sizes or --seq-len"
+        )
 
 
 def summary_path(csv_path: Path) -> Path:
@@ -235,6 +259,7 @@ def run_scan(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from None
     if args.blas_threads is not None and args.blas_threads < 1:
         raise UsageError(f"--blas-threads must be >= 1, got {args.blas_threads}")
+    _check_memory(config)
     csv_path: Path = args.csv
     _check_output_path(csv_path, "--csv")
     if args.plot is not None:
@@ -401,6 +426,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a file could not be written: say which, without a traceback
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def plot_scan(table: Sequence[dict[str, float]], path: str | Path, *, title: str
     p50 = [r["p50_ms"] for r in table]
     p95_err = [r["p95_ms"] - r["p50_ms"] for r in table]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    ax1.errorbar(b, p50, yerr=[[0] * len(p50), p95_err], marker="o", capsize=4, label="P50 (bar to P95)")
+    ax1.errorbar(b, p50, yerr=[[0] * len(p50), p95_err], marker="o", capsize=4, label="step P50 (bar to P95)")
+    ax1.plot(b, [r["per_sequence_ms"] for r in table], marker="s", ls="--", label="per sequence (P50 / B)")
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("batch size B")
     ax1.set_ylabel("step latency (ms)")
