@@ -36,6 +36,13 @@ __all__ = [
 FloatArray = npt.NDArray[np.floating[Any]]
 BoolArray = npt.NDArray[np.bool_]
 
+# Above this many elements in one head's K (or V) block, Tk x D, the two products go through kernels that
+# stream long K/V at close to the machine's read bandwidth: `np.vecdot` for the scores of a single query
+# row, `np.einsum` otherwise. NumPy's stacked `matmul` does not call BLAS for these matrix-vector shapes
+# and reads at about half that (measured with `attention-kv-caceh --seq-len 4096 --head-dim 128 ...`).
+# Below it, `@` has the lower call overhead, which is what short caches are dominated by.
+_STREAM_MIN_ELEMENTS = 1 << 17
+
 
 def _require_float(name: str, x: npt.NDArray[Any]) -> None:
     if not np.issubdtype(x.dtype, np.floating):
@@ -56,10 +63,12 @@ def softmax(x: FloatArray, axis: int = -1) -> FloatArray:
         raise ValueError(f"axis {axis} is out of range for x of shape {x.shape}")
     m = np.max(x, axis=axis, keepdims=True)  # same shape as x, size 1 along axis (a new array)
     m[np.isneginf(m)] = 0  # a fully masked row: shift by 0, so exp(-inf) = 0 without inf - inf
-    e = np.exp(x - m)
+    e = np.subtract(x, m)  # <= 0 everywhere, so exp cannot overflow
+    np.exp(e, out=e)
     denom = np.sum(e, axis=axis, keepdims=True)
-    # Fully masked rows have denom 0: leave them 0 instead of 0/0.
-    return np.divide(e, denom, out=np.zeros_like(e), where=denom > 0)
+    # Fully masked rows have e == 0 and denom == 0: skip them instead of computing 0/0.
+    np.divide(e, denom, out=e, where=denom > 0)
+    return e
 
 
 def causal_mask(tq: int, tk: int) -> BoolArray:
@@ -142,7 +151,15 @@ def scaled_dot_product_attention(
 
     # GQA: the G query heads of each KV head become rows of one matrix, [..., H_kv, G*Tq, D_k].
     q_rows = q.reshape(*lead_q[:-1], h_kv, g * tq, dk) if q.ndim >= 4 else q
-    scores = (q_rows * s) @ np.swapaxes(k, -1, -2)  # [..., H_kv, G*Tq, D_k] @ [..., H_kv, D_k, Tk]
+    # scores = (q * s) K^T: [..., H_kv, G*Tq, D_k] x [..., H_kv, Tk, D_k] -> [..., H_kv, G*Tq, Tk]
+    stream = tk * max(dk, dv) >= _STREAM_MIN_ELEMENTS
+    rows = q_rows.shape[-2]  # G*Tq query rows per KV head
+    if stream and rows == 1:
+        scores = np.vecdot(k, q_rows * s)[..., None, :]  # one dot of length D_k per key -> [..., 1, Tk]
+    elif stream:
+        scores = np.einsum("...qd,...td->...qt", q_rows * s, k)
+    else:
+        scores = (q_rows * s) @ np.swapaxes(k, -1, -2)
     weights_shape = (*lead_q, tq, tk)
     scores = scores.reshape(weights_shape)  # [..., H, Tq, Tk]
 
@@ -164,12 +181,10 @@ def scaled_dot_product_attention(
         scores = np.where(keep, scores, dtype(-np.inf))  # [..., H, Tq, Tk]
 
     weights = softmax(scores, axis=-1)  # [..., H, Tq, Tk], each row sums to 1 (or is all 0)
-    if q.ndim >= 4:
-        w_rows = weights.reshape(*lead_q[:-1], h_kv, g * tq, tk)  # [..., H_kv, G*Tq, Tk]
-        out = (w_rows @ v).reshape(*lead_q, tq, dv)  # [..., H_kv, G*Tq, D_v] -> [..., H, Tq, D_v]
-    else:
-        out = weights @ v  # [..., Tq, Tk] @ [..., Tk, D_v] -> [..., Tq, D_v]
-    return out, weights
+    w_rows = weights.reshape(*lead_q[:-1], h_kv, g * tq, tk) if q.ndim >= 4 else weights
+    # output = weights V: [..., H_kv, G*Tq, Tk] x [..., H_kv, Tk, D_v] -> [..., H_kv, G*Tq, D_v]
+    out = np.einsum("...qt,...td->...qd", w_rows, v) if stream else w_rows @ v
+    return out.reshape(*lead_q, tq, dv), weights  # [..., H, Tq, D_v], [..., H, Tq, Tk]
 
 
 def decode_step(

@@ -136,12 +136,13 @@ def check_decode_batch(
     values: FloatArray,
     output: FloatArray,
     weights: FloatArray,
-) -> None:
+) -> float:
     """Check a batched decode step against the float64 reference run one sequence at a time.
 
     q_t `[B, H, 1, D]`, keys/values `[B, H_kv, T, D]` (what the cache held after the append), output
     `[B, H, 1, D]`, weights `[B, H, 1, T]`. Every sequence is recomputed alone (batch of one), so a
-    softmax over the wrong axis or any mixing across the batch fails. Raises OracleMismatch.
+    softmax over the wrong axis or any mixing across the batch fails. Returns the largest absolute
+    error of the output; raises OracleMismatch.
     """
     b, h, _, d = q_t.shape
     t = keys.shape[2]
@@ -151,7 +152,10 @@ def check_decode_batch(
             f"weights {weights.shape} (want {(b, h, 1, t)})"
         )
     rtol, atol = tolerance_for(output.dtype, d + t)
+    max_err = 0.0
     for i in range(b):
         ref_out, ref_w = reference_attention(q_t[i : i + 1], keys[i : i + 1], values[i : i + 1])
         check_close(output[i : i + 1], ref_out, rtol=rtol, atol=atol, what=f"output of sequence {i}")
         check_close(weights[i : i + 1], ref_w, rtol=rtol, atol=atol, what=f"weights of sequence {i}")
+        max_err = max(max_err, float(np.max(np.abs(output[i : i + 1].astype(np.float64) - ref_out))))
+    return max_err

@@ -1,0 +1,230 @@
+"""The batch-size scan and its CLI: files, table, verdict, oracle gate, usage errors, interrupts."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+
+from attention_kv_caceh import benchmark
+from attention_kv_caceh.experiments import scan
+from attention_kv_caceh.experiments.scan import ScanConfig, saturation_verdict, scan_table
+from attention_kv_caceh.timing import Sample
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = benchmark.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def read_csv(path: Path) -> list[dict[str, str]]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+class ScanCliTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.dir = Path(self._tmp.name)
+        self.csv = self.dir / "results" / "benchmark.csv"
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def test_default_scan_writes_120_rows_summary_and_metadata(self) -> None:
+        code, out, _ = run_cli("--csv", str(self.csv))
+        self.assertEqual(code, 0)
+        rows = read_csv(self.csv)
+        self.assertEqual(len(rows), 120)
+        self.assertEqual(sorted({int(r["batch_size"]) for r in rows}), [1, 2, 4, 8])
+        for r in rows:
+            self.assertEqual(
+                (r["sequence_length"], r["head_dim"], r["dtype"], r["seed"], r["warmup"]),
+                ("128", "64", "float32", "42", "3"),
+            )
+        self.assertEqual(sorted(int(r["repeat"]) for r in rows if r["batch_size"] == "4"), list(range(30)))
+        summary = read_csv(self.dir / "results" / "benchmark-summary.csv")
+        self.assertEqual([r["batch_size"] for r in summary], ["1", "2", "4", "8"])
+        meta = json.loads((self.dir / "results" / "benchmark.csv.meta.json").read_text())
+        self.assertEqual(meta["status"], "complete")
+        self.assertEqual(meta["config"]["seed"], 42)
+        self.assertEqual(len(meta["probe_samples_ms"]["8"]), 30)
+        self.assertEqual(meta["kv_bytes_per_step"]["1"], 2 * 1 * 129 * 64 * 4)
+        for key in ("python", "numpy", "blas", "cpu_model", "thread_env", "start_time_utc"):
+            self.assertIn(key, meta["environment"])
+        self.assertIn("Saturation:", out)
+        self.assertIn("positions/s", out)
+        last = json.loads(out.strip().splitlines()[-1])  # one JSON object on the last line
+        self.assertEqual(last["rows"], 120)
+
+    def test_summary_is_recomputable_from_raw_rows(self) -> None:
+        code, _, _ = run_cli(
+            "--csv", str(self.csv), "--batch-sizes", "1,3", "--repeats", "5", "--warmup", "0"
+        )
+        self.assertEqual(code, 0)
+        raw = read_csv(self.csv)
+        summary = {r["batch_size"]: r for r in read_csv(self.dir / "results" / "benchmark-summary.csv")}
+        for b in ("1", "3"):
+            values = np.array([float(r["elapsed_ms"]) for r in raw if r["batch_size"] == b])
+            self.assertAlmostEqual(float(summary[b]["p50_ms"]), float(np.percentile(values, 50)))
+            self.assertAlmostEqual(float(summary[b]["p95_ms"]), float(np.percentile(values, 95)))
+            self.assertAlmostEqual(
+                float(summary[b]["positions_per_s"]), int(b) * 128 / (float(np.median(values)) / 1000)
+            )
+
+    def test_model_preset_and_preallocated_cache(self) -> None:
+        code, out, _ = run_cli(
+            "--csv", str(self.csv), "--model", "llama-3-8b", "--batch-sizes", "2", "--seq-len", "16",
+            "--repeats", "2", "--warmup", "1", "--cache", "preallocated", "--dtype", "float64",
+        )  # fmt: skip
+        self.assertEqual(code, 0)
+        row = read_csv(self.csv)[0]
+        self.assertEqual(
+            (
+                row["num_heads"],
+                row["num_kv_heads"],
+                row["head_dim"],
+                row["cache"],
+                row["model"],
+                row["dtype"],
+            ),
+            ("32", "8", "128", "preallocated", "llama-3-8b", "float64"),
+        )
+        self.assertIn("KiB per token", out)
+
+    def test_plot_is_written(self) -> None:
+        png = self.dir / "plots" / "scan.png"
+        code, _, _ = run_cli(
+            "--csv", str(self.csv), "--batch-sizes", "1,2", "--repeats", "2", "--plot", str(png)
+        )
+        self.assertEqual(code, 0)
+        self.assertEqual(png.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+
+    def test_usage_errors_exit_2_with_one_line_and_touch_no_file(self) -> None:
+        self.csv.parent.mkdir(parents=True)
+        self.csv.write_text("keep me\n")
+        cases = [
+            (["--batch-sizes", "0,2"], "batch sizes must be positive"),
+            (["--batch-sizes", "a,b"], "comma-separated integers"),
+            (["--seq-len", "-1"], "seq_len must be >= 1, got -1"),
+            (["--num-heads", "3", "--num-kv-heads", "2"], "num_heads=3 must be a multiple of num_kv_heads=2"),
+            (["--dtype", "float16"], "invalid choice"),
+            (["--repeats", "0"], "repeats must be >= 1"),
+            (["--model", "gpt-5"], "invalid choice"),
+            (["--no-such-flag"], "unrecognized arguments"),
+            (["--blas-threads", "0"], "--blas-threads must be >= 1"),
+            (["--plot", str(self.dir / "x.jpg")], "must name a .png"),
+            (["--batch-sizes", "4096", "--seq-len", "1000000"], "GiB"),
+        ]
+        for extra, message in cases:
+            with self.subTest(extra=extra):
+                code, out, err = run_cli("--csv", str(self.csv), *extra)
+                self.assertEqual(code, 2)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn(message, err)
+                self.assertEqual(out, "")
+                self.assertEqual(self.csv.read_text(), "keep me\n")
+        code, _, err = run_cli("--csv", str(self.dir))
+        self.assertEqual(code, 2)
+        self.assertIn("is a directory", err)
+
+    def test_console_usage_error_has_no_traceback(self) -> None:
+        proc = subprocess.run(
+            [sys.executable, "-m", "attention_kv_caceh.benchmark", "--batch-sizes", "-4"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        self.assertEqual(proc.returncode, 2)
+        self.assertNotIn("Traceback", proc.stderr)
+        self.assertEqual(len(proc.stderr.strip().splitlines()), 1, proc.stderr)
+
+    def test_oracle_failure_aborts_before_timing(self) -> None:
+        real = scan.multihead_decode_step
+
+        def leaky_step(q_t, k_t, v_t, cache):  # type: ignore[no-untyped-def]
+            out, w = real(q_t, k_t, v_t, cache)
+            return out.mean(axis=0, keepdims=True) + 0 * out, w  # mixes sequences across the batch
+
+        with mock.patch.object(scan, "multihead_decode_step", leaky_step):
+            code, _, err = run_cli("--csv", str(self.csv), "--repeats", "2")
+        self.assertEqual(code, 1)
+        self.assertIn("oracle check failed at B=2", err)  # B=1 passes: a batch of one cannot leak
+        rows = read_csv(self.csv)
+        self.assertEqual({r["batch_size"] for r in rows}, {"1"})
+        meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
+        self.assertEqual(meta["status"], "oracle-failed")
+
+    def test_interrupt_keeps_every_finished_sample(self) -> None:
+        real = scan.run_batch
+
+        def interrupted(config, inputs, b):  # type: ignore[no-untyped-def]
+            if b == 4:
+                raise KeyboardInterrupt
+            return real(config, inputs, b)
+
+        with mock.patch.object(benchmark, "run_batch", interrupted):
+            code, _, err = run_cli("--csv", str(self.csv), "--repeats", "3")
+        self.assertEqual(code, 130)
+        self.assertIn("6 samples kept", err)
+        self.assertEqual(len(read_csv(self.csv)), 6)
+        meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
+        self.assertEqual(meta["status"], "interrupted")
+
+
+def samples_for(b: int, values: list[float]) -> list[Sample]:
+    return [Sample(batch_size=b, sequence_length=100, elapsed_ms=v, repeat=i) for i, v in enumerate(values)]
+
+
+class ScanTableTest(unittest.TestCase):
+    def test_table_from_hand_made_samples(self) -> None:
+        samples = samples_for(1, [1.0, 2.0, 3.0]) + samples_for(2, [2.0, 2.0, 2.0, 10.0])
+        table = scan_table(samples, {1: [0.5, 0.5], 2: [1.0]}, {1: 1_000_000, 2: 2_000_000})
+        b1, b2 = table
+        self.assertEqual((b1["p50_ms"], b1["min_ms"], b1["max_ms"]), (2.0, 1.0, 3.0))
+        self.assertAlmostEqual(b1["p95_ms"], 2.9)
+        self.assertEqual(b1["positions_per_s"], 1 * 100 / 0.002)
+        self.assertEqual(b2["per_sequence_ms"], 1.0)
+        self.assertEqual(b2["speedup"], 2.0)
+        self.assertAlmostEqual(b1["kv_read_gb_s"], 1e6 / 0.002 / 1e9)
+        self.assertAlmostEqual(b1["probe_read_gb_s"], 1e6 / 0.0005 / 1e9)
+        self.assertAlmostEqual(b1["bandwidth_ratio"], 0.25)
+
+    def test_saturation_verdicts(self) -> None:
+        def table(pos: dict[int, float]) -> list[dict[str, float]]:
+            return [{"batch_size": float(b), "positions_per_s": p} for b, p in pos.items()]
+
+        self.assertTrue(
+            saturation_verdict(table({1: 100, 2: 190, 4: 300, 8: 320})).startswith("Saturated at B = 4")
+        )
+        self.assertTrue(saturation_verdict(table({1: 100, 2: 105, 4: 400})).startswith("Saturated at B = 1"))
+        verdict = saturation_verdict(table({1: 100, 2: 200, 4: 400}))
+        self.assertTrue(verdict.startswith("Not reached"), verdict)
+        # B 1 -> 4 is two doublings: x1.1 overall is about 4.9 % per doubling.
+        self.assertTrue(saturation_verdict(table({1: 100, 4: 110})).startswith("Saturated at B = 1"))
+
+    def test_config_validation(self) -> None:
+        for kwargs, message in [
+            ({"batch_sizes": ()}, "must not be empty"),
+            ({"batch_sizes": (2, 2)}, "distinct"),
+            ({"cache": "paged"}, "cache must be one of"),
+            ({"warmup": -1}, "warmup"),
+        ]:
+            with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
+                ScanConfig(**kwargs)  # type: ignore[arg-type]
+
+
+if __name__ == "__main__":
+    unittest.main()
