@@ -39,6 +39,7 @@ from attention_kv_caceh.timing import blas_threads_pinned, capture_environment
 __all__ = [
     "SUBCOMMANDS",
     "add_cache_arguments",
+    "add_report_arguments",
     "add_views_arguments",
     "build_parser",
     "cache_config_from_args",
@@ -47,6 +48,7 @@ __all__ = [
     "main",
     "meta_path",
     "run_cache",
+    "run_report",
     "run_views_command",
 ]
 
@@ -333,6 +335,34 @@ def run_views_command(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- report
+
+
+def add_report_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `report`: `--results FOLDER` (raw files to read), `--out PATH.md` (plots go beside it)."""
+    parser.add_argument("--results", default="results", help="folder of raw CSV / JSONL files and .meta.json")
+    parser.add_argument("--out", default="results/REPORT.md", help="Markdown report; PNG plots go beside it")
+
+
+def run_report(args: argparse.Namespace) -> int:
+    """Write the report of a results folder; file problems are listed in it and on stderr (exit 0).
+
+    Raises ValueError when --results is not a folder or --out does not end in .md (nothing written).
+    """
+    from attention_kv_caceh.experiments.report import build_report
+
+    out_path = str(args.out)
+    _check_output_path("--out", out_path, (".md",))
+    result = build_report(args.results, out_path)
+    atomic_write_text(out_path, result.markdown)
+    print(f"wrote {out_path} from {len(result.sources)} raw file(s): {', '.join(result.sources) or 'none'}")
+    for plot in result.plots:
+        print(f"wrote {plot}")
+    for problem in result.problems:
+        print(f"problem: {problem.path}: {problem.problem}", file=sys.stderr)
+    return 0
+
+
 # ----------------------------------------------------------------------------------------------- main
 
 Runner = Callable[[argparse.Namespace], int]
@@ -342,6 +372,11 @@ SUBCOMMANDS: dict[str, tuple[Callable[[argparse.ArgumentParser], None], Runner, 
         add_cache_arguments,
         run_cache,
         "decode N steps over a Dynamic and a Preallocated KV cache: per-step time and memory",
+    ),
+    "report": (
+        add_report_arguments,
+        run_report,
+        "recompute every statistic from the raw files of a folder and write a Markdown report",
     ),
     "views": (
         add_views_arguments,
