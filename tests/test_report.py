@@ -1,0 +1,284 @@
+"""The report recomputes from hand-made raw files with known percentiles, and survives bad files."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import tempfile
+import unittest
+from contextlib import redirect_stderr, redirect_stdout
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.experiments import cli
+from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig, CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.report import (
+    FileProblem,
+    build_report,
+    classify_header,
+    flag_outliers,
+    parse_rows,
+)
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
+from attention_kv_caceh.timing import Sample
+
+SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
+ENV = {"environment": {"cpu_model": "Test CPU", "numpy": "9.9", "blas": [], "thread_env": {}}}
+
+# B -> raw samples (ms). B=1: 1..20 -> P50 10.5, P95 19.05. B=2: 2, 4, ..., 40 -> P50 21, P95 38.1.
+# B=4: nineteen 1.0 and one 100.0 -> P50 1, P95 = 1 + 0.05 * 99 = 5.95; 100 > 2 x 5.95 is an outlier.
+SCAN = {
+    1: [float(i) for i in range(1, 21)],
+    2: [2.0 * i for i in range(1, 21)],
+    4: [1.0] * 19 + [100.0],
+}
+
+
+def write_scan(folder: Path, name: str = "benchmark.csv", meta: bool = True) -> Path:
+    rows = [
+        dataclasses.asdict(Sample(batch_size=b, sequence_length=128, elapsed_ms=v, repeat=i))
+        for b, values in SCAN.items()
+        for i, v in enumerate(values)
+    ]
+    path = write_csv_atomic(folder / name, rows, SAMPLE_FIELDS)
+    if meta:
+        write_json_atomic(
+            Path(f"{path}.meta.json"),
+            {
+                **ENV,
+                "config": {},
+                "probe_samples_ms": {"1": [1.0, 1.0], "2": [2.0], "4": [4.0]},
+                "kv_bytes_per_step": {"1": 1_000_000, "2": 2_000_000, "4": 4_000_000},
+            },
+        )
+    return path
+
+
+def write_cache(folder: Path) -> None:
+    """Timed rows on exact lines (dynamic 0.1 + 0.01 T ms, preallocated 0.1 + 0.002 T) and memory rows."""
+    n = 64
+    params = CacheGrowthConfig(steps=n, batch_size=1, num_heads=1, num_kv_heads=1, head_dim=4).params()
+    timed = [
+        CacheStepSample(
+            cache=kind,
+            step=t - 1,
+            sequence_length=t,
+            elapsed_ms=0.1 + slope * t,
+            repeat=r,
+            **params,
+        )
+        for kind, slope in (("dynamic", 0.01), ("preallocated", 0.002))
+        for r in range(2)
+        for t in range(1, n + 1)
+    ]
+    memory_params = {k: v for k, v in params.items() if k != "warmup"}
+    memory = [
+        CacheMemoryRow(
+            cache=kind,
+            step=t - 1,
+            sequence_length=t,
+            new_buffer_bytes=32 * t if kind == "dynamic" else 0,
+            append_peak_bytes=16 * t if kind == "dynamic" else 500,
+            step_peak_bytes=16 * t + 100,
+            retained_bytes=32,
+            traced_bytes=32 * t,
+            cache_nbytes=32 * t if kind == "dynamic" else 32 * n,
+            theoretical_bytes=32 * t,
+            **memory_params,
+        )
+        for kind in ("dynamic", "preallocated")
+        for t in range(1, n + 1)
+    ]
+    path = write_csv_atomic(
+        folder / "growth.csv",
+        (dataclasses.asdict(s) for s in timed),
+        [f.name for f in dataclasses.fields(CacheStepSample)],
+    )
+    write_json_atomic(Path(f"{path}.meta.json"), {**ENV, "config": {}})
+    write_csv_atomic(
+        folder / "growth-mem.csv",
+        (dataclasses.asdict(m) for m in memory),
+        [f.name for f in dataclasses.fields(CacheMemoryRow)],
+    )
+
+
+class HelpersTest(unittest.TestCase):
+    def test_classify_header_by_columns_not_name(self) -> None:
+        self.assertEqual(classify_header(list(reversed(SAMPLE_FIELDS))), "scan")
+        self.assertEqual(classify_header(list(VIEW_TABLE_COLUMNS)), "views")
+        self.assertEqual(classify_header([f.name for f in dataclasses.fields(CacheStepSample)]), "cache")
+        self.assertEqual(
+            classify_header(["batch_size", "p50_ms", "per_sequence_ms", "positions_per_s"]),
+            "derived:scan summary",
+        )
+        self.assertIsNone(classify_header([*SAMPLE_FIELDS, "extra"][1:]))
+        self.assertIsNone(classify_header([]))
+
+    def test_flag_outliers(self) -> None:
+        self.assertEqual(flag_outliers(SCAN[4]), [19])
+        self.assertEqual(flag_outliers(SCAN[1]), [])
+        self.assertEqual(flag_outliers([]), [])
+
+    def test_parse_rows_names_row_and_column(self) -> None:
+        good = {name: "1" for name in SAMPLE_FIELDS} | {"dtype": "float32", "cache": "dynamic", "model": ""}
+        parsed = parse_rows(Sample, [good])
+        self.assertEqual(parsed[0].elapsed_ms, 1.0)
+        with self.assertRaisesRegex(ValueError, r"row 2: column 'elapsed_ms': 'fast' is not a number"):
+            parse_rows(Sample, [good, good | {"elapsed_ms": "fast"}])
+        with self.assertRaisesRegex(ValueError, r"row 1: column 'repeat': '1.5' is not an integer"):
+            parse_rows(Sample, [good | {"repeat": "1.5"}])
+        with self.assertRaisesRegex(ValueError, "not finite"):
+            parse_rows(Sample, [good | {"elapsed_ms": "nan"}])
+
+
+class ReportTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.folder = Path(self._tmp.name, "results")
+        self.folder.mkdir()
+        self.out = self.folder / "REPORT.md"
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def report(self, plot: bool = False) -> tuple[str, list[FileProblem]]:
+        result = build_report(self.folder, self.out, plot=plot)
+        return result.markdown, result.problems
+
+    def test_scan_percentiles_recomputed_from_raw_samples(self) -> None:
+        write_scan(self.folder)
+        # A summary file with wrong numbers: it must be named and ignored.
+        write_csv_atomic(
+            self.folder / "benchmark-summary.csv",
+            [{"batch_size": 1, "p50_ms": 777.0, "per_sequence_ms": 777.0, "positions_per_s": 1.0}],
+            ["batch_size", "p50_ms", "per_sequence_ms", "positions_per_s"],
+        )
+        text, problems = self.report()
+        self.assertEqual(problems, [])
+        # | B | n | P50 | P95 | min | max | per-seq | ...
+        self.assertIn("| 1 | 20 | 10.5 | 19.05 | 1 | 20 | 10.5 |", text)
+        self.assertIn("| 2 | 20 | 21 | 38.1 | 2 | 40 | 10.5 |", text)
+        self.assertIn("| 4 | 20 | 1 | 5.95 | 1 | 100 | 0.25 |", text)
+        self.assertNotIn("777", text)
+        self.assertIn("`benchmark-summary.csv` (scan summary", text)
+        self.assertIn("B=4 repeat 19: 100 ms", text)  # flagged, and kept: max is 100
+        self.assertIn("Outliers (> 2 x the P95 of its batch size), kept in every statistic: 1:", text)
+        self.assertIn("**Saturation verdict:** Saturated at B = 1", text)
+        self.assertIn("each request waits 2.00x as long per token", text)  # B=2 step P50 21 vs 10.5
+        self.assertIn("| Test CPU |", text)
+        # KV GB/s at B=1: 1e6 bytes / 10.5 ms = 0.09524 GB/s; probe 1e6 / 1 ms = 1 GB/s.
+        self.assertIn("| 0.09524 | 1 | 0.09524 |", text)
+
+    def test_cache_run_fits_and_memory(self) -> None:
+        write_cache(self.folder)
+        text, problems = self.report()
+        self.assertEqual(problems, [])
+        self.assertIn("| dynamic | 10 | 0.1 | 1 | 1 |", text)  # slope 10 us/position, exact line
+        self.assertIn("| preallocated | 2 | 0.1 | 1 | 1 |", text)
+        # totals: sum over T=1..64 of 0.1 + 0.01 T = 6.4 + 20.8 = 27.2 ms; 6.4 + 4.16 = 10.56 ms.
+        self.assertIn("**2.58x**", text)
+        self.assertIn("The Dynamic cache's slope is 5.0x", text)
+        self.assertIn("from T = 17", text)
+        self.assertIn("| dynamic | 16 B | 1.00 KiB | 16 |", text)
+        self.assertIn("Outliers (> 2 x the P95 of its cache in windows of 1 positions): none.", text)
+
+    def test_views_round_trip(self) -> None:
+        rows = run_views()
+        path = write_csv_atomic(
+            self.folder / "v.csv", (dataclasses.asdict(r) for r in rows), VIEW_TABLE_COLUMNS
+        )
+        write_json_atomic(Path(f"{path}.meta.json"), ENV)
+        text, _ = self.report()
+        self.assertIn(views_markdown(rows), text)
+
+    def test_serving_jsonl_summarized(self) -> None:
+        records: list[dict[str, Any]] = [
+            {"request_id": i, "ttft_ms": 10.0 * (i + 1), "itl_ms": [1.0, 3.0], "status": "ok"}
+            for i in range(3)
+        ]
+        lines = [json.dumps(r) for r in records] + ["{broken"]
+        (self.folder / "serve.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        text, problems = self.report()
+        self.assertIn("3 request(s) (ok: 3)", text)
+        self.assertIn("| ttft_ms | 3 | 20 |", text)
+        self.assertIn("| itl_ms | 6 | 2 |", text)
+        self.assertEqual(len(problems), 1)
+        self.assertIn("line 4: malformed JSON", problems[0].problem)
+
+    def test_bad_files_are_named_and_the_rest_reported(self) -> None:
+        write_scan(self.folder, "good.csv")
+        bad = write_scan(self.folder, "bad.csv")
+        lines = bad.read_text(encoding="utf-8").splitlines()
+        lines[3] = lines[3].replace(",128,", ",128x,")
+        bad.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        write_scan(self.folder, "nometa.csv", meta=False)
+        (self.folder / "unknown.csv").write_text("x,y\n1,2\n", encoding="utf-8")
+        (self.folder / "empty.csv").write_text("", encoding="utf-8")
+        header_only = ",".join(SAMPLE_FIELDS) + "\n"
+        (self.folder / "header-only.csv").write_text(header_only, encoding="utf-8")
+        (self.folder / "ragged.csv").write_text(header_only + "1,2\n", encoding="utf-8")
+        (self.folder / "good.csv.meta.json").write_text("{not json", encoding="utf-8")
+
+        text, problems = self.report()
+        by_file = {Path(p.path).name: p.problem for p in problems}
+        self.assertIn("row 3: column 'sequence_length': '128x' is not an integer", by_file["bad.csv"])
+        self.assertIn("missing", by_file["nometa.csv.meta.json"])
+        self.assertIn("malformed JSON", by_file["good.csv.meta.json"])
+        self.assertIn("unrecognised header: x, y", by_file["unknown.csv"])
+        self.assertIn("unrecognised header: (empty)", by_file["empty.csv"])
+        self.assertIn("no rows", by_file["header-only.csv"])
+        self.assertIn("row 1: column 'elapsed_ms' is missing", by_file["ragged.csv"])
+        # The good files are still reported, and every problem is listed in the report itself.
+        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("### Batch-size scan: `nometa.csv`", text)
+        self.assertNotIn("### Batch-size scan: `bad.csv`", text)
+        self.assertIn("## Problems with files", text)
+        for name in by_file:
+            self.assertIn(name, text.split("## Problems with files")[1])
+
+    def test_plots_beside_the_report(self) -> None:
+        write_scan(self.folder)
+        write_cache(self.folder)
+        result = build_report(self.folder, self.out)
+        self.assertEqual(sorted(p.name for p in result.plots), ["REPORT-benchmark.png", "REPORT-growth.png"])
+        for p in result.plots:
+            self.assertEqual(p.read_bytes()[:4], b"\x89PNG")
+            self.assertIn(f"]({p.name})", result.markdown)
+
+    def test_invalid_arguments(self) -> None:
+        with self.assertRaisesRegex(ValueError, "not a folder"):
+            build_report(self.folder / "missing", self.out)
+        with self.assertRaisesRegex(ValueError, r"\.md"):
+            build_report(self.folder, self.folder / "report.txt")
+
+
+class ReportCommandTest(unittest.TestCase):
+    def test_writes_report_and_lists_problems(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp)
+            write_scan(folder)
+            (folder / "junk.csv").write_text("a\n1\n", encoding="utf-8")
+            out, err = io.StringIO(), io.StringIO()
+            with redirect_stdout(out), redirect_stderr(err):
+                code = cli.main(["report", "--results", tmp, "--out", f"{tmp}/r/REPORT.md"])
+            self.assertEqual(code, 0)
+            self.assertIn("junk.csv", err.getvalue())
+            self.assertIn("# Results report", Path(tmp, "r", "REPORT.md").read_text(encoding="utf-8"))
+
+    def test_usage_errors_write_nothing(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            for argv in (
+                ["report", "--results", f"{tmp}/nope", "--out", f"{tmp}/R.md"],
+                ["report", "--results", tmp, "--out", f"{tmp}/R.html"],
+            ):
+                err = io.StringIO()
+                with self.subTest(argv=argv), redirect_stderr(err), redirect_stdout(io.StringIO()):
+                    self.assertEqual(cli.main(argv), 2)
+                self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+            self.assertEqual(list(Path(tmp).iterdir()), [])
+
+
+if __name__ == "__main__":
+    unittest.main()
