@@ -18,6 +18,7 @@ met; an undefined TPOT (one-token response) cannot violate the TPOT SLO.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,12 +72,12 @@ def compute_request_metrics(
             f"token_times_ns has {len(token_times_ns)} events but tokens_per_event has "
             f"{len(tokens_per_event)}"
         )
-    if any(b < a for a, b in zip(token_times_ns, token_times_ns[1:], strict=False)):
+    if any(b < a for a, b in itertools.pairwise(token_times_ns)):
         raise ValueError("token_times_ns must be non-decreasing")
     queue = _ms(sent_ns - arrival_ns) if sent_ns is not None else None
     ttft = _ms(first_token_ns - sent_ns) if first_token_ns is not None and sent_ns is not None else None
     ttft_arrival = _ms(first_token_ns - arrival_ns) if first_token_ns is not None else None
-    itl = tuple(_ms(b - a) for a, b in zip(token_times_ns, token_times_ns[1:], strict=False))
+    itl = tuple(_ms(b - a) for a, b in itertools.pairwise(token_times_ns))
     tpot: float | None = None
     if first_token_ns is not None and finish_ns is not None and tokens_per_event:
         decode_tokens = output_tokens - tokens_per_event[0]

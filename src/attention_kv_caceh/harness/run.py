@@ -61,13 +61,13 @@ class HarnessConfig:
     request_rate: float = math.inf
     burstiness: float = 1.0
     seed: int = 0
-    prompt_len: LengthRange = LengthRange(32, 32)
-    output_len: LengthRange = LengthRange(16, 16)
+    prompt_len: LengthRange = field(default_factory=lambda: LengthRange(32, 32))
+    output_len: LengthRange = field(default_factory=lambda: LengthRange(16, 16))
     warmup_requests: int = 0
     server_slots: int = 8
     prefill_ms: float = 50.0
     per_token_ms: float = 10.0
-    goodput: GoodputSLO = GoodputSLO()
+    goodput: GoodputSLO = field(default_factory=GoodputSLO)
     server_metrics_interval_s: float = 0.1
     timeout_s: float = 600.0
     smoke_test: bool = True

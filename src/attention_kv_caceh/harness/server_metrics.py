@@ -9,6 +9,7 @@ or models). Polling keeps going through errors (recorded, not raised) and stops 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from time import perf_counter_ns
 
@@ -90,7 +91,8 @@ class ServerMetricsPoller:
         if self.snapshot is not None:
             self.samples.append(self.snapshot())
             return True
-        assert self.session is not None and self.url is not None
+        assert self.session is not None
+        assert self.url is not None
         try:
             timeout = aiohttp.ClientTimeout(total=max(1.0, 10 * self.interval_s))
             async with self.session.get(self.url, timeout=timeout) as response:
@@ -126,8 +128,6 @@ class ServerMetricsPoller:
         if self._task is None:
             return
         self._task.cancel()
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await self._task
-        except asyncio.CancelledError:
-            pass
         self._task = None

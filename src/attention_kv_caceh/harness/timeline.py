@@ -15,9 +15,9 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
-from attention_kv_caceh.harness.run import RunResult  # noqa: E402
+from attention_kv_caceh.harness.run import RunResult
 
 __all__ = ["plot_timeline"]
 
@@ -86,6 +86,6 @@ def plot_timeline(result: RunResult, path: str | os.PathLike[str]) -> Path:
     bottom.legend(loc="upper right")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(target, dpi=110)
+    fig.savefig(target, dpi=110)  # pyright: ignore[reportUnknownMemberType]
     plt.close(fig)
     return target
