@@ -37,6 +37,8 @@ def decode(*chunks: bytes) -> tuple[OpenAIStreamDecoder, list[int]]:
     counts: list[int] = []
     for chunk in chunks:
         counts += decoder.feed(chunk)
+        if decoder.failure is not None:
+            raise decoder.failure
     return decoder, counts
 
 
@@ -90,6 +92,13 @@ class DecoderTest(unittest.TestCase):
             decode(b"data: [1, 2]\n\n")
         with self.assertRaises(MalformedSSEError):
             decode(b"data: \xff\xfe\n\n")
+
+    def test_events_before_an_error_in_the_same_read_are_kept(self) -> None:
+        decoder = OpenAIStreamDecoder()
+        counts = decoder.feed(completion_chunk("a") + b"data: {oops\n\n" + completion_chunk("b"))
+        self.assertEqual(counts, [1])
+        self.assertIsInstance(decoder.failure, MalformedSSEError)
+        self.assertEqual(decoder.feed(completion_chunk("c")), [])
 
     def test_data_after_done_is_ignored(self) -> None:
         decoder, counts = decode(completion_chunk("a") + DONE + completion_chunk("b"))

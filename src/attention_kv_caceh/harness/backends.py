@@ -220,6 +220,8 @@ class OpenAIBackend:
                     now = perf_counter_ns()
                     for count in decoder.feed(chunk):
                         record.add_token_event(now, count)
+                    if decoder.failure is not None:
+                        raise decoder.failure
                     if decoder.done:
                         break
         except StreamErrorEvent as exc:

@@ -136,13 +136,14 @@ class OpenAIStreamDecoder:
     """Turn the bytes of one OpenAI-style stream into token counts per token-bearing event.
 
     `feed` returns, for each token-bearing event completed by the bytes, its number of tokens. After the
-    stream: `done` (saw `[DONE]`), `output_tokens` and `output_tokens_source`, `prompt_tokens` (from
-    usage, else None). Raises StreamErrorEvent and MalformedSSEError (see `feed`).
+    stream: `done` (saw `[DONE]`), `failure` (the error that stopped decoding), `output_tokens` and `output_tokens_source`, `prompt_tokens` (from
+    usage, else None).
     """
 
     def __init__(self) -> None:
         self._parser = SSEParser()
         self.done = False
+        self.failure: StreamErrorEvent | MalformedSSEError | None = None
         self.prompt_tokens: int | None = None
         self._usage_completion: int | None = None
         self._counted = 0
@@ -151,20 +152,24 @@ class OpenAIStreamDecoder:
     def feed(self, chunk: bytes) -> list[int]:
         """Parse `chunk`; return the token count of each token-bearing event it completed.
 
-        Raises StreamErrorEvent for an error event, MalformedSSEError for a `data:` payload that is not
-        a JSON object (or not UTF-8). Data after `[DONE]` is ignored.
+        An error event (StreamErrorEvent) or a `data:` payload that is not a JSON object or not UTF-8
+        (MalformedSSEError) stops decoding: the counts of the events before it are still returned, and
+        the exception is left in `failure` for the caller to raise. Data after `[DONE]` is ignored.
         """
-        try:
-            events = self._parser.feed(chunk)
-        except UnicodeDecodeError as exc:
-            raise MalformedSSEError(f"stream is not UTF-8: {exc}") from None
+        if self.failure is not None or self.done:
+            return []
         counts: list[int] = []
-        for event in events:
-            if self.done:
-                break
-            count = self._event(event)
-            if count is not None:
-                counts.append(count)
+        try:
+            for event in self._parser.feed(chunk):
+                count = self._event(event)
+                if count is not None:
+                    counts.append(count)
+                if self.done:
+                    break
+        except UnicodeDecodeError as exc:
+            self.failure = MalformedSSEError(f"stream is not UTF-8: {exc}")
+        except (StreamErrorEvent, MalformedSSEError) as exc:
+            self.failure = exc
         return counts
 
     def _event(self, event: SSEEvent) -> int | None:
