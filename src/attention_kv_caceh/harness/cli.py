@@ -182,7 +182,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _summary_document(result: RunResult | None, summary: dict[str, Any], config: HarnessConfig):
+def _summary_document(
+    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig
+) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "config": config.describe(),
         "environment": capture_environment(),
@@ -214,9 +216,10 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     finished: list[RequestRecord] = []
-    # flush per line (survives a crash or Ctrl-C of this process); no fsync, which would stall the
-    # event loop for milliseconds and show up in the other requests' timestamps.
-    writer = JsonlWriter(args.jsonl, fsync=False) if args.jsonl is not None else None
+    writers: list[JsonlWriter] = []  # opened at the first finished request: a failed smoke test
+    # leaves an earlier file alone. Flushed per line (survives a crash or Ctrl-C of this process);
+    # no fsync, which would stall the event loop for milliseconds and show up in other requests'
+    # timestamps.
     progress = tqdm(
         total=config.num_requests,
         unit="req",
@@ -227,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
 
     def on_record(record: RequestRecord) -> None:
         finished.append(record)
-        if writer is not None:
-            writer.write(record.to_json())
+        if args.jsonl is not None:
+            if not writers:
+                writers.append(JsonlWriter(args.jsonl, fsync=False))
+            writers[0].write(record.to_json())
         progress.update(1)
 
     result: RunResult | None = None
@@ -243,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\ninterrupted: {len(finished)} finished requests kept", file=sys.stderr)
     finally:
         progress.close()
-        if writer is not None:
+        for writer in writers:
             writer.close()
 
     if result is not None:
