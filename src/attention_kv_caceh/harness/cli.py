@@ -30,72 +30,108 @@ __all__ = ["add_arguments", "config_from_args", "format_summary", "main", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the harness's flags on `parser` (kebab-case; defaults appear in --help)."""
+    """Declare the harness's flags on `parser` (kebab-case; each help text shows its default, so any
+    formatter_class works)."""
     g = parser.add_argument_group("backend")
-    g.add_argument("--backend", choices=BACKENDS, default="simulated", help="where requests go")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="OpenAI-compatible server root")
-    g.add_argument("--model", default="", help="model name; empty: the first of GET /v1/models")
+    g.add_argument(
+        "--backend", choices=BACKENDS, default="simulated", help="where requests go (default: %(default)s)"
+    )
+    g.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="OpenAI-compatible server root (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model", default="", help="model name; empty: the first of GET /v1/models (default: %(default)s)"
+    )
     g.add_argument(
         "--api-key-env",
         default="OPENAI_API_KEY",
-        help="name of the environment variable holding the API key (unset: no key sent)",
+        help="name of the environment variable holding the API key (unset: no key sent) (default: %(default)s)",
     )
-    g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    g.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request timeout (s) (default: %(default)s)"
+    )
     g.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="ask the server (vLLM) to ignore EOS so that every request yields its output length",
+        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: %(default)s)",
     )
     g.add_argument(
         "--smoke-test",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="send one request first and stop with a clear message if it fails",
+        help="send one request first and stop with a clear message if it fails (default: %(default)s)",
     )
     g = parser.add_argument_group("load")
-    g.add_argument("--num-requests", type=int, default=16, help="measured requests")
-    g.add_argument("--concurrency", type=int, default=4, help="client in-flight limit (the semaphore)")
+    g.add_argument("--num-requests", type=int, default=16, help="measured requests (default: %(default)s)")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="client in-flight limit (the semaphore) (default: %(default)s)",
+    )
     g.add_argument(
         "--request-rate",
         type=float,
         default=math.inf,
-        help="arrivals per second (inf: all at once; else Poisson/gamma)",
+        help="arrivals per second (inf: all at once; else Poisson/gamma) (default: %(default)s)",
     )
     g.add_argument(
         "--burstiness",
         type=float,
         default=1.0,
-        help="gamma shape of arrival gaps (1: Poisson; <1 burstier), as vLLM",
+        help="gamma shape of arrival gaps (1: Poisson; <1 burstier), as vLLM (default: %(default)s)",
     )
-    g.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts and arrivals")
-    g.add_argument("--prompt-len", default="32", help="prompt tokens: N, or LOW:HIGH drawn uniformly")
-    g.add_argument("--output-len", default="16", help="output tokens: N, or LOW:HIGH drawn uniformly")
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of lengths, prompts and arrivals (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prompt-len",
+        default="32",
+        help="prompt tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+    )
+    g.add_argument(
+        "--output-len",
+        default="16",
+        help="output tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+    )
     g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
-        help="unrecorded requests before the run (same concurrency limit)",
+        help="unrecorded requests before the run (same concurrency limit) (default: %(default)s)",
     )
     g = parser.add_argument_group("simulated backend")
-    g.add_argument("--server-slots", type=int, default=8, help="simulated server batch slots")
-    g.add_argument("--prefill-ms", type=float, default=50.0, help="simulated time to first token")
-    g.add_argument("--per-token-ms", type=float, default=10.0, help="simulated inter-token time")
+    g.add_argument(
+        "--server-slots", type=int, default=8, help="simulated server batch slots (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prefill-ms", type=float, default=50.0, help="simulated time to first token (default: %(default)s)"
+    )
+    g.add_argument(
+        "--per-token-ms", type=float, default=10.0, help="simulated inter-token time (default: %(default)s)"
+    )
     g = parser.add_argument_group("outputs")
-    g.add_argument("--jsonl", type=Path, default=None, help="per-request records, one JSON a line")
-    g.add_argument("--summary-json", type=Path, default=None, help="summary (vLLM key names)")
-    g.add_argument("--plot", type=Path, default=None, help="timeline PNG")
+    g.add_argument(
+        "--jsonl", type=Path, default=None, help="per-request records, one JSON a line (default: %(default)s)"
+    )
+    g.add_argument(
+        "--summary-json", type=Path, default=None, help="summary (vLLM key names) (default: %(default)s)"
+    )
+    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: %(default)s)")
     g.add_argument(
         "--goodput",
         nargs="+",
         default=[],
         metavar="METRIC:MS",
-        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: %(default)s)",
     )
     g.add_argument(
         "--server-metrics-interval",
         type=float,
         default=0.1,
-        help="seconds between polls of the server's /metrics (0: off)",
+        help="seconds between polls of the server's /metrics (0: off) (default: %(default)s)",
     )
 
 
@@ -280,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="attention-kv-caceh harness",
         description="Streamed-request serving harness: TTFT, ITL, TPOT, E2EL per request.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     add_arguments(parser)
     args = parser.parse_args(argv)
