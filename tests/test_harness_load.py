@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import tempfile
 import unittest
@@ -135,6 +136,24 @@ class SemaphoreIsNotTheBatchTest(unittest.TestCase):
         self.assertLess(max(queues), 20.0)
         self.assertLess(ttfts[3], 45.0)  # first wave: prefill only
         self.assertGreater(ttfts[-1], 3 * 55.0 + 20.0 - 5.0)  # fourth wave waited three E2ELs
+
+
+class WarmupAndRateTest(unittest.TestCase):
+    def test_warmup_requests_are_not_recorded_and_honour_the_limit(self) -> None:
+        config = dataclasses.replace(simulated(4, 2, 8), warmup_requests=3)
+        result = asyncio.run(run_harness(config))
+        self.assertEqual(sorted(r.request_id for r in result.records), [0, 1, 2, 3])
+        self.assertEqual(result.summary["num_requests"], 4)
+
+    def test_poisson_arrivals_spread_the_requests(self) -> None:
+        config = dataclasses.replace(simulated(6, 6, 8), request_rate=20.0, seed=3)
+        result = asyncio.run(run_harness(config))
+        arrivals = sorted(r.arrival_ns for r in result.records)
+        self.assertEqual(arrivals[0], result.start_ns)
+        self.assertGreater(arrivals[-1] - arrivals[0], 50_000_000)  # 5 gaps of mean 50 ms
+        for r in result.records:  # each request is sent at (or just after) its arrival
+            self.assertLess(r.metrics().queue_ms or 0.0, 20.0)
+            self.assertGreaterEqual(r.sent_ns or 0, r.arrival_ns)
 
 
 class InterruptTest(unittest.TestCase):

@@ -195,7 +195,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {summary['max_concurrent_requests']}   "
+        f"peak client in-flight: {_fmt(summary['max_concurrent_requests'], 0)}   "
         f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
         f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
         f"(server: {summary.get('server_metrics_source') or 'not polled'})",
