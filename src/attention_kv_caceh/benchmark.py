@@ -62,7 +62,15 @@ Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[arg
 
 
 def _subcommands() -> dict[str, Subcommand]:
-    return {}
+    from attention_kv_caceh.harness import cli as harness_cli
+
+    return {
+        "harness": (
+            "streaming serving harness: TTFT, ITL, TPOT, E2EL per request (simulated or OpenAI-compatible)",
+            harness_cli.add_arguments,
+            harness_cli.run,
+        ),
+    }
 
 
 def _positive_int_list(text: str) -> tuple[int, ...]:

@@ -1,0 +1,257 @@
+"""Backends that turn one request into a stream of timed token events, filling a RequestRecord.
+
+- `SimulatedBackend`: `asyncio.sleep`-driven streams from a `SimulatedServer` with a fixed number of
+  batch slots, so client concurrency (the load's semaphore) and server batch (the slots) can differ
+  without a real server; a request waiting for a slot shows up in its TTFT, as it would on vLLM.
+- `OpenAIBackend`: `/v1/completions` or `/v1/chat/completions` of any OpenAI-compatible server (vLLM,
+  SGLang, ...), streamed over one shared aiohttp session and decoded by the one parser in `sse.py`.
+
+A backend never raises for a failed request: it records the failure kind, HTTP status and error text in
+the record, which is then written like any other (see `records.FAILURE_KINDS`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from time import perf_counter_ns
+from typing import Any, Literal, Protocol
+
+import aiohttp
+
+from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
+from attention_kv_caceh.harness.sse import MalformedSSEError, OpenAIStreamDecoder, StreamErrorEvent
+
+__all__ = [
+    "Backend",
+    "OpenAIBackend",
+    "RequestSpec",
+    "ServerSample",
+    "SimulatedBackend",
+    "SimulatedServer",
+    "endpoint_url",
+]
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """What to ask for: a prompt of about `prompt_tokens` tokens and `output_tokens` tokens out."""
+
+    request_id: int
+    prompt_tokens: int
+    output_tokens: int
+    prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id}: prompt_tokens and output_tokens must be >= 1, got "
+                f"{self.prompt_tokens} and {self.output_tokens}"
+            )
+
+
+class Backend(Protocol):
+    """Sends one request and records its token events into `record` (never raises for failures)."""
+
+    async def generate(self, spec: RequestSpec, record: RequestRecord) -> None: ...
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """The server's queue at `time_ns`: running and waiting requests, KV-cache usage (0..1) if known."""
+
+    time_ns: int
+    running: float
+    waiting: float
+    kv_cache_usage: float | None = None
+
+
+class SimulatedServer:
+    """A server with `slots` batch slots: at most `slots` requests decode at once, the rest wait.
+
+    `samples` records (time, running, waiting) at every change, exactly; `peak_running` and
+    `peak_waiting` are the maxima. Times: `prefill_ms` before the first token, `per_token_ms` between
+    tokens. Raises ValueError for slots < 1 or negative times.
+    """
+
+    def __init__(self, slots: int, prefill_ms: float, per_token_ms: float) -> None:
+        if slots < 1:
+            raise ValueError(f"server slots must be >= 1, got {slots}")
+        if prefill_ms < 0 or per_token_ms < 0:
+            raise ValueError(f"prefill_ms and per_token_ms must be >= 0, got {prefill_ms} and {per_token_ms}")
+        self.slots = slots
+        self.prefill_s = prefill_ms / 1000
+        self.per_token_s = per_token_ms / 1000
+        self._slot_gate = asyncio.Semaphore(slots)
+        self.running = 0
+        self.waiting = 0
+        self.peak_running = 0
+        self.peak_waiting = 0
+        self.samples: list[ServerSample] = []
+
+    def _note(self) -> None:
+        self.peak_running = max(self.peak_running, self.running)
+        self.peak_waiting = max(self.peak_waiting, self.waiting)
+        self.samples.append(ServerSample(perf_counter_ns(), self.running, self.waiting))
+
+    def reset_stats(self) -> None:
+        """Forget samples and peaks (after a warm-up), keeping the current counts."""
+        self.samples = []
+        self.peak_running = self.running
+        self.peak_waiting = self.waiting
+
+    def snapshot(self) -> ServerSample:
+        """The current running and waiting counts (what a `/metrics` poll would see)."""
+        return ServerSample(perf_counter_ns(), self.running, self.waiting)
+
+    async def stream(self, spec: RequestSpec, record: RequestRecord) -> None:
+        """Wait for a slot, prefill, then emit `spec.output_tokens` one-token events into `record`."""
+        if self._slot_gate.locked():  # no free slot: wait in the server's queue
+            self.waiting += 1
+            self._note()
+            try:
+                await self._slot_gate.acquire()
+            finally:
+                self.waiting -= 1
+        else:
+            await self._slot_gate.acquire()  # returns at once
+        self.running += 1
+        self._note()
+        try:
+            await asyncio.sleep(self.prefill_s)
+            record.add_token_event(perf_counter_ns(), 1)
+            for _ in range(spec.output_tokens - 1):
+                await asyncio.sleep(self.per_token_s)
+                record.add_token_event(perf_counter_ns(), 1)
+        finally:
+            self.running -= 1
+            self._slot_gate.release()
+            self._note()
+
+
+class SimulatedBackend:
+    """Streams from a SimulatedServer; output tokens are exactly those asked for."""
+
+    def __init__(self, server: SimulatedServer) -> None:
+        self.server = server
+
+    async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
+        """Fill `record` with one event per token; status "ok" when the stream completes."""
+        await self.server.stream(spec, record)
+        record.stream_end_ns = perf_counter_ns()
+        record.output_tokens = sum(record.tokens_per_event)
+        record.output_tokens_source = "simulated"
+        record.status = STATUS_OK
+
+
+def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
+    """`base_url` (with or without a trailing `/v1`) joined with the endpoint's path."""
+    base = base_url.rstrip("/")
+    base = base.removesuffix("/v1")
+    path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
+    return base + path
+
+
+class OpenAIBackend:
+    """Streams from an OpenAI-compatible `/v1/completions` or `/v1/chat/completions` endpoint.
+
+    Asks for `stream_options: {"include_usage": true, "continuous_usage_stats": true}` so that vLLM
+    reports the tokens of every chunk. `timeout_s` bounds each whole request. The aiohttp session is
+    shared by all requests and owned by the caller.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        base_url: str,
+        model: str,
+        endpoint: Literal["completions", "chat"],
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        ignore_eos: bool = False,
+    ) -> None:
+        if not timeout_s > 0:
+            raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
+        self.session = session
+        self.url = endpoint_url(base_url, endpoint)
+        self.model = model
+        self.endpoint = endpoint
+        self.headers = {"Content-Type": "application/json"}
+        if api_key:
+            self.headers["Authorization"] = f"Bearer {api_key}"
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.ignore_eos = ignore_eos
+
+    def payload(self, spec: RequestSpec) -> dict[str, Any]:
+        """The JSON body of one streamed request."""
+        body: dict[str, Any] = {
+            "model": self.model,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        if self.endpoint == "completions":
+            body["prompt"] = spec.prompt
+            body["max_tokens"] = spec.output_tokens
+        else:
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+            body["max_completion_tokens"] = spec.output_tokens
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+
+    async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
+        """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
+        decoder = OpenAIStreamDecoder()
+        try:
+            async with self.session.post(
+                self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
+            ) as response:
+                record.http_status = response.status
+                if response.status != 200:
+                    body = await response.text(errors="replace")
+                    record.fail(
+                        "http_error",
+                        f"HTTP {response.status}: {body.strip()[:500]}",
+                        perf_counter_ns(),
+                    )
+                    return
+                async for chunk in response.content.iter_any():
+                    now = perf_counter_ns()
+                    for count in decoder.feed(chunk):
+                        record.add_token_event(now, count)
+                    if decoder.failure is not None:
+                        raise decoder.failure
+                    if decoder.done:
+                        break
+        except StreamErrorEvent as exc:
+            record.fail("stream_error", str(exc), perf_counter_ns())
+        except MalformedSSEError as exc:
+            record.fail("malformed_sse", str(exc), perf_counter_ns())
+        except aiohttp.ClientConnectorError as exc:
+            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+            record.fail("stream_cut", f"{type(exc).__name__}: {exc}", perf_counter_ns())
+        except TimeoutError:
+            record.fail("timeout", "request exceeded the timeout", perf_counter_ns())
+        except aiohttp.ClientError as exc:
+            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
+        else:
+            self._finish(decoder, record)
+        finally:
+            if decoder.prompt_tokens is not None:
+                record.prompt_tokens = decoder.prompt_tokens
+            record.output_tokens = decoder.output_tokens
+            record.output_tokens_source = decoder.output_tokens_source
+
+    @staticmethod
+    def _finish(decoder: OpenAIStreamDecoder, record: RequestRecord) -> None:
+        end_ns = perf_counter_ns()
+        if not decoder.done:
+            what = "mid-event" if decoder.truncated else "after the last event"
+            record.fail("incomplete_stream", f"stream ended {what} without data: [DONE]", end_ns)
+        elif not record.token_times_ns:
+            record.fail("no_tokens", "stream finished without a token", end_ns)
+        else:
+            record.stream_end_ns = end_ns
+            record.status = STATUS_OK

@@ -1,0 +1,330 @@
+"""Command line of the serving harness: `attention-kv-caceh harness ...` (or `python -m` this module).
+
+`add_arguments` declares the flags; `run` validates every argument (ValueError naming the bad value)
+before any output file is created, runs the load, prints a setup line and a fixed-width summary table,
+and writes the per-request JSONL (line by line as requests finish), the summary JSON and the timeline.
+Ctrl-C keeps every finished request in the JSONL and still prints and saves a summary of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from attention_kv_caceh.files import JsonlWriter, write_json_atomic
+from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
+from attention_kv_caceh.harness.metrics import parse_goodput
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.run import BACKENDS, HarnessConfig, RunResult, run_harness
+from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
+from attention_kv_caceh.timing import capture_environment
+
+__all__ = ["add_arguments", "config_from_args", "format_summary", "main", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the harness's flags on `parser` (kebab-case; each help text shows its default, so any
+    formatter_class works)."""
+    g = parser.add_argument_group("backend")
+    g.add_argument(
+        "--backend", choices=BACKENDS, default="simulated", help="where requests go (default: %(default)s)"
+    )
+    g.add_argument(
+        "--base-url",
+        default="http://127.0.0.1:8000",
+        help="OpenAI-compatible server root (default: %(default)s)",
+    )
+    g.add_argument(
+        "--model", default="", help="model name; empty: the first of GET /v1/models (default: %(default)s)"
+    )
+    g.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="name of the environment variable holding the API key (unset: no key sent) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--timeout", type=float, default=600.0, help="per-request timeout (s) (default: %(default)s)"
+    )
+    g.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: %(default)s)",
+    )
+    g.add_argument(
+        "--smoke-test",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="send one request first and stop with a clear message if it fails (default: %(default)s)",
+    )
+    g = parser.add_argument_group("load")
+    g.add_argument("--num-requests", type=int, default=16, help="measured requests (default: %(default)s)")
+    g.add_argument(
+        "--concurrency",
+        type=int,
+        default=4,
+        help="client in-flight limit (the semaphore) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="arrivals per second (inf: all at once; else Poisson/gamma) (default: %(default)s)",
+    )
+    g.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of arrival gaps (1: Poisson; <1 burstier), as vLLM (default: %(default)s)",
+    )
+    g.add_argument(
+        "--seed", type=int, default=0, help="seed of lengths, prompts and arrivals (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prompt-len",
+        default="32",
+        help="prompt tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+    )
+    g.add_argument(
+        "--output-len",
+        default="16",
+        help="output tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+    )
+    g.add_argument(
+        "--warmup-requests",
+        type=int,
+        default=0,
+        help="unrecorded requests before the run (same concurrency limit) (default: %(default)s)",
+    )
+    g = parser.add_argument_group("simulated backend")
+    g.add_argument(
+        "--server-slots", type=int, default=8, help="simulated server batch slots (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prefill-ms", type=float, default=50.0, help="simulated time to first token (default: %(default)s)"
+    )
+    g.add_argument(
+        "--per-token-ms", type=float, default=10.0, help="simulated inter-token time (default: %(default)s)"
+    )
+    g = parser.add_argument_group("outputs")
+    g.add_argument(
+        "--jsonl", type=Path, default=None, help="per-request records, one JSON a line (default: %(default)s)"
+    )
+    g.add_argument(
+        "--summary-json", type=Path, default=None, help="summary (vLLM key names) (default: %(default)s)"
+    )
+    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: %(default)s)")
+    g.add_argument(
+        "--goodput",
+        nargs="+",
+        default=[],
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: %(default)s)",
+    )
+    g.add_argument(
+        "--server-metrics-interval",
+        type=float,
+        default=0.1,
+        help="seconds between polls of the server's /metrics (0: off) (default: %(default)s)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> HarnessConfig:
+    """Build and validate the HarnessConfig. Raises ValueError naming the offending value."""
+    key_env: str = args.api_key_env
+    return HarnessConfig(
+        backend=args.backend,
+        base_url=args.base_url,
+        model=args.model,
+        api_key=os.environ.get(key_env) or None,
+        num_requests=args.num_requests,
+        concurrency=args.concurrency,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        seed=args.seed,
+        prompt_len=LengthRange.parse(args.prompt_len, "--prompt-len"),
+        output_len=LengthRange.parse(args.output_len, "--output-len"),
+        warmup_requests=args.warmup_requests,
+        server_slots=args.server_slots,
+        prefill_ms=args.prefill_ms,
+        per_token_ms=args.per_token_ms,
+        goodput=parse_goodput(args.goodput),
+        server_metrics_interval_s=args.server_metrics_interval,
+        timeout_s=args.timeout,
+        smoke_test=args.smoke_test,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def _check_outputs(args: argparse.Namespace) -> None:
+    paths: dict[str, Path | None] = {
+        "--jsonl": args.jsonl,
+        "--summary-json": args.summary_json,
+        "--plot": args.plot,
+    }
+    given = {flag: path for flag, path in paths.items() if path is not None}
+    for flag, path in given.items():
+        if path.is_dir():
+            raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
+    if args.plot is not None and args.plot.suffix.lower() != ".png":
+        raise ValueError(f"--plot {str(args.plot)!r}: the timeline is a PNG; use a .png name")
+    resolved = [path.resolve() for path in given.values()]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"output files must differ, got {sorted(str(p) for p in given.values())}")
+
+
+def _fmt(value: Any, width: int = 9) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width}d}"
+    return f"{float(value):>{width}.2f}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a fixed-width text table (ms), with throughput and server lines above it."""
+    lines = [
+        f"requests: {summary['completed']} ok, {summary['failed']} failed "
+        f"{summary['failures'] or ''}".rstrip(),
+        f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
+        f"   output tokens/s: {summary['output_throughput']:.1f}"
+        f"   total tokens/s: {summary['total_token_throughput']:.1f}",
+        f"peak client in-flight: {_fmt(summary['max_concurrent_requests'], 0)}   "
+        f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
+        f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
+        f"(server: {summary.get('server_metrics_source') or 'not polled'})",
+    ]
+    if summary.get("request_goodput") is not None:
+        lines.append(
+            f"goodput: {summary['request_goodput']:.2f} req/s "
+            f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
+        )
+    header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
+        f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
+    )
+    lines += [header, "-" * len(header)]
+    for metric, label in METRIC_NAMES.items():
+        cells = [
+            summary[f"{prefix}_{metric}_ms"]
+            for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
+        ]
+        lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
+    return "\n".join(lines)
+
+
+def _summary_document(
+    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "config": config.describe(),
+        "environment": capture_environment(),
+        **summary,
+    }
+    if result is not None:
+        doc["server_metrics_errors"] = result.server_metrics_errors[:5]
+    return doc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
+    0 ok, 1 smoke test failed or a request failed, 130 interrupted. Raises ValueError for bad input
+    (before any file is created)."""
+    config = config_from_args(args)
+    _check_outputs(args)
+    print(
+        f"harness: backend={config.backend} "
+        + (f"base_url={config.base_url} " if config.backend != "simulated" else "")
+        + (
+            f"server_slots={config.server_slots} prefill_ms={config.prefill_ms} "
+            f"per_token_ms={config.per_token_ms} "
+            if config.backend == "simulated"
+            else ""
+        )
+        + f"num_requests={config.num_requests} concurrency={config.concurrency} "
+        f"request_rate={config.request_rate} prompt_len={config.prompt_len} "
+        f"output_len={config.output_len}",
+        flush=True,
+    )
+    finished: list[RequestRecord] = []
+    writers: list[JsonlWriter] = []  # opened at the first finished request: a failed smoke test
+    # leaves an earlier file alone. Flushed per line (survives a crash or Ctrl-C of this process);
+    # no fsync, which would stall the event loop for milliseconds and show up in other requests'
+    # timestamps.
+    progress = tqdm(
+        total=config.num_requests,
+        unit="req",
+        file=sys.stderr,
+        delay=3.0,
+        disable=not sys.stderr.isatty(),
+    )
+
+    def on_record(record: RequestRecord) -> None:
+        finished.append(record)
+        if args.jsonl is not None:
+            if not writers:
+                writers.append(JsonlWriter(args.jsonl, fsync=False))
+            writers[0].write(record.to_json())
+        progress.update(1)
+
+    result: RunResult | None = None
+    try:
+        result = asyncio.run(run_harness(config, on_record=on_record))
+    except SmokeTestError as exc:
+        progress.close()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        progress.close()
+        print(f"\ninterrupted: {len(finished)} finished requests kept", file=sys.stderr)
+    finally:
+        progress.close()
+        for writer in writers:
+            writer.close()
+
+    if result is not None:
+        summary = result.summary
+    elif finished:
+        start = min(r.arrival_ns for r in finished)
+        end = max(r.stream_end_ns or r.arrival_ns for r in finished)
+        summary = summarize_run(finished, max(end - start, 1) / 1e9, slo=config.goodput)
+        summary["interrupted"] = True
+    else:
+        return 130
+    print(format_summary(summary))
+    if args.summary_json is not None:
+        write_json_atomic(args.summary_json, _summary_document(result, summary, config))
+    if args.plot is not None and result is not None:
+        from attention_kv_caceh.harness.timeline import plot_timeline
+
+        plot_timeline(result, args.plot)
+    written = [str(p) for p in (args.jsonl, args.summary_json, args.plot) if p is not None]
+    if written:
+        print("wrote: " + ", ".join(written))
+    if result is None:
+        return 130
+    return 0 if summary["failed"] == 0 else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Stand-alone entry: parse `argv`, run; bad input prints one line and returns 2."""
+    parser = argparse.ArgumentParser(
+        prog="attention-kv-caceh harness",
+        description="Streamed-request serving harness: TTFT, ITL, TPOT, E2EL per request.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""The harness's own overhead: ITL error (measured - scripted) against a server with known delays.
+
+Starts the scripted server (`scripted_server.py`) in a child process on 127.0.0.1, streaming one token
+every `--itl-ms` (10 ms) on absolute deadlines, and runs the real HTTP path of the harness
+(openai-completions backend, SSE parser, records) at each concurrency. Reports P50/P99 (and mean, max)
+of measured ITL - scripted ITL and of measured TTFT - scripted TTFT, in ms, via `summarize_samples`.
+Client and server share this machine's cores, so the error includes the server's own lateness.
+
+    uv run python -m attention_kv_caceh.harness.overhead [--concurrency 1 64 256] [--json out.json]
+
+A benchmark, not a test: it asserts nothing and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from attention_kv_caceh.files import write_json_atomic
+from attention_kv_caceh.harness.load import LengthRange
+from attention_kv_caceh.harness.run import HarnessConfig, run_harness
+from attention_kv_caceh.harness.scripted_server import scripted_server_process
+from attention_kv_caceh.timing import capture_environment, summarize_samples
+
+__all__ = ["main", "measure_overhead"]
+
+
+def measure_overhead(
+    url: str, concurrency: int, *, itl_ms: float, ttft_ms: float, tokens: int, waves: int
+) -> dict[str, Any]:
+    """Run `waves * concurrency` requests (at least 16) of `tokens` tokens; return error statistics
+    (ms) of ITL and TTFT against the script. Raises RuntimeError if any request failed."""
+    config = HarnessConfig(
+        backend="openai-completions",
+        base_url=url,
+        model="scripted",
+        num_requests=max(16, waves * concurrency),
+        concurrency=concurrency,
+        output_len=LengthRange(tokens, tokens),
+        server_metrics_interval_s=0,
+        timeout_s=120,
+    )
+    result = asyncio.run(run_harness(config))
+    if result.summary["failed"]:
+        raise RuntimeError(f"concurrency {concurrency}: failures {result.summary['failures']}")
+    itl_err = [x - itl_ms for r in result.records for x in r.metrics().itl_ms]
+    ttft_err = [(r.metrics().ttft_ms or 0.0) - ttft_ms for r in result.records]
+    return {
+        "concurrency": concurrency,
+        "requests": len(result.records),
+        "itl_error": summarize_samples(itl_err),
+        "ttft_error": summarize_samples(ttft_err),
+        "output_throughput": result.summary["output_throughput"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Measure and print the overhead table; returns 0 (1 if a run had failures)."""
+    parser = argparse.ArgumentParser(
+        description="ITL error of the harness against a scripted local server.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--itl-ms", type=float, default=10.0, help="scripted inter-token delay")
+    parser.add_argument("--ttft-ms", type=float, default=20.0, help="scripted time to first token")
+    parser.add_argument("--tokens", type=int, default=50, help="tokens per request")
+    parser.add_argument("--waves", type=int, default=2, help="requests per concurrency slot")
+    parser.add_argument("--json", default=None, help="also save the results as JSON here")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    with scripted_server_process(args.ttft_ms, args.itl_ms) as url:
+        for concurrency in args.concurrency:
+            try:
+                rows.append(
+                    measure_overhead(
+                        url,
+                        concurrency,
+                        itl_ms=args.itl_ms,
+                        ttft_ms=args.ttft_ms,
+                        tokens=args.tokens,
+                        waves=args.waves,
+                    )
+                )
+            except RuntimeError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+    print(
+        f"scripted ITL {args.itl_ms} ms, TTFT {args.ttft_ms} ms, {args.tokens} tokens/request; "
+        "error = measured - scripted (ms)"
+    )
+    header = (
+        f"{'concurrency':>11}{'requests':>9}{'ITL n':>8}{'ITL p50':>9}{'ITL p99':>9}"
+        f"{'ITL mean':>9}{'ITL max':>9}{'TTFT p50':>9}{'TTFT p99':>9}{'tok/s':>9}"
+    )
+    print(header)
+    print("-" * len(header))
+    for row in rows:
+        itl, ttft = row["itl_error"], row["ttft_error"]
+        print(
+            f"{row['concurrency']:>11}{row['requests']:>9}{int(itl['count']):>8}"
+            f"{itl['p50_ms']:>9.3f}{itl['p99_ms']:>9.3f}{itl['mean_ms']:>9.3f}{itl['max_ms']:>9.3f}"
+            f"{ttft['p50_ms']:>9.3f}{ttft['p99_ms']:>9.3f}{row['output_throughput']:>9.0f}"
+        )
+    if args.json:
+        write_json_atomic(args.json, {"environment": capture_environment(), "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

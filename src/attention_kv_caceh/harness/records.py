@@ -1,0 +1,143 @@
+"""The per-request record: every timestamp of one streamed request, and its JSON line.
+
+Each request task owns its record and returns it (no shared mutable result object). Timestamps are
+`time.perf_counter_ns()` values of the one client process, so differences are exact nanoseconds; the
+derived metrics come from `metrics.compute_request_metrics` and are written beside the raw timestamps so
+that every figure in a summary can be recomputed from the JSONL file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from attention_kv_caceh.harness.metrics import RequestMetrics, compute_request_metrics
+
+__all__ = ["FAILURE_KINDS", "JSONL_KEYS", "STATUS_OK", "RequestRecord"]
+
+STATUS_OK = "ok"
+
+# status values other than "ok": the failure kind, recorded per request, never dropped.
+FAILURE_KINDS = (
+    "http_error",  # HTTP 4xx/5xx; `http_status` and the body's start in `error`
+    "stream_error",  # an error event inside a 200 stream
+    "incomplete_stream",  # the stream ended (cleanly) without `data: [DONE]`
+    "stream_cut",  # the connection broke mid-stream
+    "malformed_sse",  # a `data:` line that is not JSON (or not an object)
+    "no_tokens",  # the stream finished without a single token
+    "connection_error",  # refused, DNS failure, unreachable
+    "timeout",  # the request exceeded `--timeout`
+)
+
+# Keys of one JSONL line, in order (the issue's list plus `stream_end_ns`, the end of the stream).
+JSONL_KEYS = (
+    "request_id",
+    "arrival_ns",
+    "sent_ns",
+    "first_token_ns",
+    "token_times_ns",
+    "tokens_per_event",
+    "finish_ns",
+    "stream_end_ns",
+    "prompt_tokens",
+    "output_tokens",
+    "output_tokens_source",
+    "status",
+    "http_status",
+    "error",
+    "queue_ms",
+    "ttft_ms",
+    "itl_ms",
+    "tpot_ms",
+    "e2el_ms",
+    "e2e_ms",
+)
+
+
+@dataclass
+class RequestRecord:
+    """Timestamps (ns, `perf_counter_ns`) and outcome of one request.
+
+    `arrival_ns`: created, or scheduled arrival for a rate-driven load; `sent_ns`: a concurrency slot was
+    acquired and the request is about to go out; `token_times_ns[i]`: arrival of the i-th token-bearing
+    event carrying `tokens_per_event[i]` tokens; `finish_ns`: the last token-bearing event;
+    `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
+    `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
+    statistics), "logprobs" (tokens listed per chunk), "chunks" (one per content-bearing chunk) or
+    "simulated".
+    """
+
+    request_id: int
+    arrival_ns: int
+    prompt_tokens: int
+    sent_ns: int | None = None
+    first_token_ns: int | None = None
+    token_times_ns: list[int] = field(default_factory=lambda: [])
+    tokens_per_event: list[int] = field(default_factory=lambda: [])
+    finish_ns: int | None = None
+    stream_end_ns: int | None = None
+    output_tokens: int = 0
+    output_tokens_source: str = "chunks"
+    status: str = "pending"
+    http_status: int | None = None
+    error: str | None = None
+
+    def add_token_event(self, time_ns: int, num_tokens: int) -> None:
+        """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
+        if self.first_token_ns is None:
+            self.first_token_ns = time_ns
+        self.token_times_ns.append(time_ns)
+        self.tokens_per_event.append(num_tokens)
+        self.finish_ns = time_ns
+
+    def fail(self, kind: str, error: str, end_ns: int | None = None) -> None:
+        """Mark the request failed with a kind from FAILURE_KINDS. Raises ValueError for another kind."""
+        if kind not in FAILURE_KINDS:
+            raise ValueError(f"unknown failure kind {kind!r}; expected one of {FAILURE_KINDS}")
+        self.status = kind
+        self.error = error
+        if end_ns is not None:
+            self.stream_end_ns = end_ns
+
+    @property
+    def ok(self) -> bool:
+        """True for a successful request (only these enter the latency statistics, as in vLLM)."""
+        return self.status == STATUS_OK
+
+    def metrics(self) -> RequestMetrics:
+        """Derived latencies (ms); see `metrics.compute_request_metrics`."""
+        return compute_request_metrics(
+            arrival_ns=self.arrival_ns,
+            sent_ns=self.sent_ns,
+            first_token_ns=self.first_token_ns,
+            token_times_ns=self.token_times_ns,
+            tokens_per_event=self.tokens_per_event,
+            finish_ns=self.finish_ns,
+            output_tokens=self.output_tokens,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        """One JSONL line as a dict with JSONL_KEYS in order; undefined metrics are None (null)."""
+        m = self.metrics()
+        return {
+            "request_id": self.request_id,
+            "arrival_ns": self.arrival_ns,
+            "sent_ns": self.sent_ns,
+            "first_token_ns": self.first_token_ns,
+            "token_times_ns": list(self.token_times_ns),
+            "tokens_per_event": list(self.tokens_per_event),
+            "finish_ns": self.finish_ns,
+            "stream_end_ns": self.stream_end_ns,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "output_tokens_source": self.output_tokens_source,
+            "status": self.status,
+            "http_status": self.http_status,
+            "error": self.error,
+            "queue_ms": m.queue_ms,
+            "ttft_ms": m.ttft_ms,
+            "itl_ms": list(m.itl_ms),
+            "tpot_ms": m.tpot_ms,
+            "e2el_ms": m.e2el_ms,
+            "e2e_ms": m.e2e_ms,
+        }

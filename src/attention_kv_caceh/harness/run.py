@@ -1,0 +1,267 @@
+"""One harness run: smoke test, warm-up, the measured load, server polling, and the summary.
+
+`run_harness` prints nothing: it returns a RunResult (records, summary, client in-flight and server
+series) and hands each finished record to `on_record` as it finishes, so the caller can write it at
+once and keep it if the run is interrupted.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from time import perf_counter_ns
+from typing import Any, Literal, cast
+
+import aiohttp
+import numpy as np
+
+from attention_kv_caceh.harness.backends import (
+    Backend,
+    OpenAIBackend,
+    RequestSpec,
+    ServerSample,
+    SimulatedBackend,
+    SimulatedServer,
+)
+from attention_kv_caceh.harness.load import (
+    InFlightTracker,
+    LengthRange,
+    arrival_offsets_s,
+    make_request_specs,
+    run_requests,
+    smoke_test,
+)
+from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
+from attention_kv_caceh.harness.summary import summarize_run
+
+__all__ = ["BACKENDS", "HarnessConfig", "RunResult", "run_harness"]
+
+BackendName = Literal["simulated", "openai-completions", "openai-chat"]
+BACKENDS: tuple[BackendName, ...] = ("simulated", "openai-completions", "openai-chat")
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Everything a run needs; validated on construction (ValueError names the bad value).
+
+    Times: `prefill_ms`, `per_token_ms` in ms (simulated backend); `server_metrics_interval_s` and
+    `timeout_s` in seconds (interval 0 disables polling); `request_rate` in requests/s (inf = all at
+    once).
+    """
+
+    backend: BackendName = "simulated"
+    base_url: str = "http://127.0.0.1:8000"
+    model: str = ""
+    api_key: str | None = field(default=None, repr=False)
+    num_requests: int = 16
+    concurrency: int = 4
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    seed: int = 0
+    prompt_len: LengthRange = field(default_factory=lambda: LengthRange(32, 32))
+    output_len: LengthRange = field(default_factory=lambda: LengthRange(16, 16))
+    warmup_requests: int = 0
+    server_slots: int = 8
+    prefill_ms: float = 50.0
+    per_token_ms: float = 10.0
+    goodput: GoodputSLO = field(default_factory=GoodputSLO)
+    server_metrics_interval_s: float = 0.1
+    timeout_s: float = 600.0
+    smoke_test: bool = True
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend != "simulated" and not self.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"base URL {self.base_url!r} must start with http:// or https://")
+        checks: list[tuple[bool, str]] = [
+            (self.num_requests >= 1, f"num-requests must be >= 1, got {self.num_requests}"),
+            (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
+            (
+                self.request_rate > 0 and not math.isnan(self.request_rate),
+                f"request-rate must be > 0 or inf, got {self.request_rate}",
+            ),
+            (
+                self.burstiness > 0 and math.isfinite(self.burstiness),
+                f"burstiness must be a positive finite number, got {self.burstiness}",
+            ),
+            (self.warmup_requests >= 0, f"warmup-requests must be >= 0, got {self.warmup_requests}"),
+            (self.server_slots >= 1, f"server-slots must be >= 1, got {self.server_slots}"),
+            (
+                self.prefill_ms >= 0 and math.isfinite(self.prefill_ms),
+                f"prefill-ms must be a finite number >= 0, got {self.prefill_ms}",
+            ),
+            (
+                self.per_token_ms >= 0 and math.isfinite(self.per_token_ms),
+                f"per-token-ms must be a finite number >= 0, got {self.per_token_ms}",
+            ),
+            (
+                self.server_metrics_interval_s >= 0 and math.isfinite(self.server_metrics_interval_s),
+                f"server-metrics-interval must be >= 0 s, got {self.server_metrics_interval_s}",
+            ),
+            (
+                self.timeout_s > 0 and math.isfinite(self.timeout_s),
+                f"timeout must be > 0 s, got {self.timeout_s}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+    def describe(self) -> dict[str, Any]:
+        """The config as JSON-ready values (the API key left out)."""
+        out = asdict(self)
+        out.pop("api_key")
+        out["prompt_len"] = str(self.prompt_len)
+        out["output_len"] = str(self.output_len)
+        out["goodput"] = self.goodput.as_dict()
+        out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+@dataclass
+class RunResult:
+    """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end."""
+
+    config: HarnessConfig
+    records: list[RequestRecord]
+    summary: dict[str, Any]
+    start_ns: int
+    end_ns: int
+    in_flight: list[tuple[int, int]]
+    server_samples: list[ServerSample]
+    server_exact: list[ServerSample]
+    server_metrics_errors: list[str]
+
+    @property
+    def duration_s(self) -> float:
+        return (self.end_ns - self.start_ns) / 1e9
+
+
+async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str:
+    """The first model id from GET /v1/models. Raises ValueError if none can be found."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        timeout = aiohttp.ClientTimeout(total=min(timeout_s, 30.0))
+        async with session.get(url, timeout=timeout) as response:
+            body: Any = await response.json(content_type=None)
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise ValueError(
+            f"no --model given and GET {url} failed ({type(exc).__name__}: {exc}); pass --model"
+        ) from None
+    data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
+    if isinstance(data, list) and data:
+        first: object = cast("list[Any]", data)[0]
+        if isinstance(first, dict):
+            model_id: object = cast("dict[str, Any]", first).get("id")
+            if isinstance(model_id, str):
+                return model_id
+    raise ValueError(f"no --model given and {url} lists no model; pass --model")
+
+
+async def run_harness(
+    config: HarnessConfig,
+    *,
+    on_record: Callable[[RequestRecord], None] | None = None,
+) -> RunResult:
+    """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
+
+    Raises load.SmokeTestError when the smoke test fails, ValueError when no model can be found.
+    Each measured record is passed to `on_record` as its request finishes.
+    """
+    rng = np.random.default_rng(config.seed)
+    smoke_spec = RequestSpec(-1, config.prompt_len.low, min(4, config.output_len.low), "hello")
+    warm_specs = make_request_specs(
+        config.warmup_requests, config.prompt_len, config.output_len, rng, first_id=-1 - 10**6
+    )
+    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
+    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
+
+    session: aiohttp.ClientSession | None = None
+    simulated: SimulatedServer | None = None
+    backend: Backend | None = None
+    if config.backend == "simulated":
+        simulated = SimulatedServer(config.server_slots, config.prefill_ms, config.per_token_ms)
+        backend = SimulatedBackend(simulated)
+    else:
+        # limit=0: the harness's semaphore, not aiohttp's default pool of 100, bounds concurrency.
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    try:
+        if session is not None:
+            model = config.model or await _discover_model(session, config.base_url, config.timeout_s)
+            backend = OpenAIBackend(
+                session,
+                base_url=config.base_url,
+                model=model,
+                endpoint="chat" if config.backend == "openai-chat" else "completions",
+                api_key=config.api_key,
+                timeout_s=config.timeout_s,
+                ignore_eos=config.ignore_eos,
+            )
+        assert backend is not None
+        target = "the simulated server" if simulated is not None else config.base_url
+        if config.smoke_test:
+            await smoke_test(backend, smoke_spec, target)
+        if warm_specs:
+            await run_requests(backend, warm_specs, [0.0] * len(warm_specs), config.concurrency)
+        if simulated is not None:
+            simulated.reset_stats()
+
+        poller: ServerMetricsPoller | None = None
+        if config.server_metrics_interval_s > 0:
+            if simulated is not None:
+                poller = ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
+            elif session is not None:
+                poller = ServerMetricsPoller(
+                    config.server_metrics_interval_s,
+                    session=session,
+                    url=metrics_url(config.base_url),
+                )
+        tracker = InFlightTracker()
+        start_ns = perf_counter_ns()
+        if poller is not None:
+            poller.start()
+        try:
+            records = await run_requests(
+                backend,
+                specs,
+                offsets,
+                config.concurrency,
+                tracker=tracker,
+                on_record=on_record,
+                start_ns=start_ns,
+            )
+        finally:
+            if poller is not None:
+                await poller.stop()
+        end_ns = perf_counter_ns()
+    finally:
+        if session is not None:
+            await session.close()
+
+    summary = summarize_run(
+        records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
+    )
+    server_samples = poller.samples if poller is not None else []
+    server_exact = list(simulated.samples) if simulated is not None else []
+    peaks_from = server_exact or server_samples
+    summary["server_metrics_source"] = (
+        "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
+    )
+    summary["peak_server_running"] = max((s.running for s in peaks_from), default=None)
+    summary["peak_server_waiting"] = max((s.waiting for s in peaks_from), default=None)
+    return RunResult(
+        config=config,
+        records=records,
+        summary=summary,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        in_flight=list(tracker.samples),
+        server_samples=list(server_samples),
+        server_exact=server_exact,
+        server_metrics_errors=list(poller.errors) if poller is not None else [],
+    )

@@ -1,0 +1,286 @@
+"""A local OpenAI-compatible streaming server whose every byte and delay is scripted.
+
+Used by the tests (edge cases of token streams, known TTFT/ITL/queue times) and by the overhead benchmark
+(`overhead.py`). Only for 127.0.0.1. A `Script` is the HTTP status and a list of (delay, bytes) steps;
+`timed_token_script` builds the common case: the first token `ttft_s` after the request arrives, then
+one token every `itl_s`, scheduled on absolute deadlines (so the server's own lateness does not pile up),
+with vLLM-style continuous usage, a final usage-only chunk and `[DONE]`.
+
+Run as a process: `python -m attention_kv_caceh.harness.scripted_server --ttft-ms 50 --itl-ms 10` prints
+`PORT <n>` and serves every request with `max_tokens` tokens until it is terminated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+__all__ = [
+    "DONE",
+    "Script",
+    "ScriptedServer",
+    "Step",
+    "chat_chunk",
+    "completion_chunk",
+    "scripted_server_process",
+    "sse",
+    "timed_token_script",
+]
+
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    """One `data:` event carrying `obj` as JSON."""
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def completion_chunk(text: str | None, usage: dict[str, int] | None = None) -> bytes:
+    """A `/v1/completions` stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
+    choices: list[dict[str, Any]] = (
+        [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
+    )
+    obj: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": choices}
+    if usage is not None:
+        obj["usage"] = usage
+    return sse(obj)
+
+
+def chat_chunk(
+    content: str | None = None,
+    *,
+    role: str | None = None,
+    usage: dict[str, int] | None = None,
+    no_choices: bool = False,
+) -> bytes:
+    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given)."""
+    delta: dict[str, Any] = {}
+    if role is not None:
+        delta["role"] = role
+    if content is not None:
+        delta["content"] = content
+    choices: list[dict[str, Any]] = (
+        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": None}]
+    )
+    obj: dict[str, Any] = {"id": "chat-1", "object": "chat.completion.chunk", "choices": choices}
+    if usage is not None:
+        obj["usage"] = usage
+    return sse(obj)
+
+
+@dataclass(frozen=True)
+class Step:
+    """Wait `delay_s` (relative to the previous step, or absolute from the request's arrival when
+    `absolute` is set), then write `data`."""
+
+    delay_s: float
+    data: bytes
+    absolute: bool = False
+
+
+@dataclass(frozen=True)
+class Script:
+    """How to answer one request: a non-200 `status` answers `body` at once; a 200 streams `steps`;
+    `abort` then drops the connection without ending the chunked body (a stream cut mid-way)."""
+
+    steps: tuple[Step, ...] = ()
+    status: int = 200
+    body: bytes = b""
+    abort: bool = False
+
+
+def timed_token_script(
+    ttft_s: float, itl_s: float, n_tokens: int, *, chat: bool = False, prompt_tokens: int = 8
+) -> Script:
+    """First token at `ttft_s` after arrival, token k at `ttft_s + k * itl_s` (absolute deadlines), each
+    chunk with cumulative usage; then a usage-only chunk and `[DONE]`. Chat streams open with a
+    role-only chunk at arrival."""
+    steps: list[Step] = []
+    if chat:
+        steps.append(Step(0.0, chat_chunk(role="assistant"), absolute=True))
+    for k in range(n_tokens):
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": k + 1}
+        data = chat_chunk(f" t{k}", usage=usage) if chat else completion_chunk(f" t{k}", usage)
+        steps.append(Step(ttft_s + k * itl_s, data, absolute=True))
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens}
+    final = chat_chunk(usage=usage, no_choices=True) if chat else completion_chunk(None, usage)
+    steps += [Step(0.0, final), Step(0.0, DONE)]
+    return Script(tuple(steps))
+
+
+ScriptFor = Callable[[dict[str, Any], str], Script]
+
+
+@dataclass
+class _Counters:
+    in_flight: int = 0
+    peak_in_flight: int = 0
+    requests: int = 0
+    payloads: list[dict[str, Any]] = field(default_factory=lambda: [])
+
+
+class ScriptedServer:
+    """aiohttp server on 127.0.0.1 answering POST /v1/completions and /v1/chat/completions with
+    `script_for(payload, path)`, GET /metrics with `metrics_text`, GET /v1/models with one model.
+
+    `async with ScriptedServer(...) as server:` starts it on a free port (`server.base_url`) and stops it.
+    """
+
+    def __init__(self, script_for: ScriptFor, *, port: int = 0, metrics_text: str | None = None):
+        self.script_for = script_for
+        self.port = port
+        self.metrics_text = metrics_text
+        self.counters = _Counters()
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        payload: dict[str, Any] = await request.json()
+        self.counters.requests += 1
+        self.counters.payloads.append(payload)
+        script = self.script_for(payload, request.path)
+        if script.status != 200:
+            return web.Response(status=script.status, body=script.body)
+        response = web.StreamResponse(
+            status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        self.counters.in_flight += 1
+        self.counters.peak_in_flight = max(self.counters.peak_in_flight, self.counters.in_flight)
+        try:
+            await response.prepare(request)
+            for step in script.steps:
+                wait = step.delay_s - (loop.time() - arrival) if step.absolute else step.delay_s
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                await response.write(step.data)
+            if script.abort:
+                if request.transport is not None:
+                    request.transport.abort()
+                return response
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; nothing to answer
+        finally:
+            self.counters.in_flight -= 1
+        return response
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.metrics_text is None:
+            return web.Response(status=404, text="no metrics")
+        return web.Response(text=self.metrics_text, content_type="text/plain")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    async def start(self) -> str:
+        """Start serving; returns the base URL (http://127.0.0.1:PORT)."""
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._stream)
+        app.router.add_post("/v1/chat/completions", self._stream)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", self.port))
+        self.port = int(sock.getsockname()[1])
+        site = web.SockSite(self._runner, sock, backlog=1024)
+        await site.start()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        """Stop serving and close open connections."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> ScriptedServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+def _max_tokens(payload: dict[str, Any]) -> int:
+    value = payload.get("max_tokens", payload.get("max_completion_tokens", 16))
+    return int(value) if isinstance(value, int) and value > 0 else 16
+
+
+async def _serve(ttft_ms: float, itl_ms: float, port: int) -> None:
+    def script_for(payload: dict[str, Any], path: str) -> Script:
+        return timed_token_script(ttft_ms / 1000, itl_ms / 1000, _max_tokens(payload), chat="chat" in path)
+
+    server = ScriptedServer(script_for, port=port)
+    await server.start()
+    print(f"PORT {server.port}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+@contextlib.contextmanager
+def scripted_server_process(ttft_ms: float, itl_ms: float) -> Generator[str]:
+    """Run the timed scripted server in a child process (its own core and GIL); yields its base URL.
+
+    The child is terminated on exit. Raises RuntimeError if it does not report its port in 30 s.
+    """
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "attention_kv_caceh.harness.scripted_server",
+            f"--ttft-ms={ttft_ms}",
+            f"--itl-ms={itl_ms}",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        if not line.startswith("PORT "):
+            raise RuntimeError(f"scripted server did not start (said {line!r})")
+        yield f"http://127.0.0.1:{int(line.split()[1])}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve timed token streams until terminated (SIGTERM/SIGINT)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token (ms)")
+    parser.add_argument("--itl-ms", type=float, default=10.0, help="inter-token delay (ms)")
+    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free)")
+    args = parser.parse_args(argv)
+    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The one SSE parser and the OpenAI stream decoder: framing, and what counts as a token event."""
+
+from __future__ import annotations
+
+import unittest
+
+from attention_kv_caceh.harness.scripted_server import DONE, chat_chunk, completion_chunk, sse
+from attention_kv_caceh.harness.sse import (
+    MalformedSSEError,
+    OpenAIStreamDecoder,
+    SSEEvent,
+    SSEParser,
+    StreamErrorEvent,
+)
+
+
+class SSEParserTest(unittest.TestCase):
+    def test_events_survive_any_split_of_the_bytes(self) -> None:
+        stream = b'data: {"a": 1}\r\n\r\n: comment\n\nevent: error\ndata: x\ndata: y\r\rdata: [DONE]\n\n'
+        expected = [SSEEvent('{"a": 1}'), SSEEvent("x\ny", "error"), SSEEvent("[DONE]")]
+        for size in (1, 2, 3, 7, len(stream)):
+            parser = SSEParser()
+            events: list[SSEEvent] = []
+            for i in range(0, len(stream), size):
+                events += parser.feed(stream[i : i + size])
+            self.assertEqual(events, expected, f"split every {size} bytes")
+            self.assertFalse(parser.pending)
+
+    def test_an_event_without_its_blank_line_is_pending_not_dispatched(self) -> None:
+        parser = SSEParser()
+        self.assertEqual(parser.feed(b"data: half"), [])
+        self.assertTrue(parser.pending)
+
+
+def decode(*chunks: bytes) -> tuple[OpenAIStreamDecoder, list[int]]:
+    decoder = OpenAIStreamDecoder()
+    counts: list[int] = []
+    for chunk in chunks:
+        counts += decoder.feed(chunk)
+        if decoder.failure is not None:
+            raise decoder.failure
+    return decoder, counts
+
+
+class DecoderTest(unittest.TestCase):
+    def test_role_only_chat_chunk_is_not_a_token(self) -> None:
+        decoder, counts = decode(chat_chunk(role="assistant"), chat_chunk("Hi"), chat_chunk("!"), DONE)
+        self.assertEqual(counts, [1, 1])
+        self.assertTrue(decoder.done)
+        self.assertEqual((decoder.output_tokens, decoder.output_tokens_source), (2, "chunks"))
+
+    def test_usage_only_last_chunk_is_not_a_token_but_sets_the_count(self) -> None:
+        usage = {"prompt_tokens": 5, "completion_tokens": 7}
+        decoder, counts = decode(completion_chunk("a"), completion_chunk(None, usage), DONE)
+        self.assertEqual(counts, [1])
+        self.assertEqual((decoder.output_tokens, decoder.output_tokens_source), (7, "usage"))
+        self.assertEqual(decoder.prompt_tokens, 5)
+
+    def test_continuous_usage_counts_several_tokens_per_chunk_including_the_first(self) -> None:
+        def u(n: int) -> dict[str, int]:
+            return {"prompt_tokens": 3, "completion_tokens": n}
+
+        decoder, counts = decode(
+            chat_chunk(role="assistant", usage=u(0)),
+            chat_chunk("abc", usage=u(3)),
+            chat_chunk("de", usage=u(5)),
+            chat_chunk("f", usage=u(6)),
+            chat_chunk(usage=u(6), no_choices=True),
+            DONE,
+        )
+        self.assertEqual(counts, [3, 2, 1])
+        self.assertEqual((decoder.output_tokens, decoder.output_tokens_source), (6, "usage"))
+
+    def test_logprobs_token_lists_count_tokens_without_usage(self) -> None:
+        chunk = sse({"choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b"]}}]})
+        decoder, counts = decode(chunk, completion_chunk("c"), DONE)
+        self.assertEqual(counts, [2, 1])
+        self.assertEqual((decoder.output_tokens, decoder.output_tokens_source), (3, "logprobs"))
+
+    def test_error_object_and_error_event_raise(self) -> None:
+        with self.assertRaisesRegex(StreamErrorEvent, "out of memory"):
+            decode(completion_chunk("a"), sse({"error": {"message": "out of memory"}}))
+        with self.assertRaisesRegex(StreamErrorEvent, "boom"):
+            decode(b"event: error\ndata: boom\n\n")
+        with self.assertRaisesRegex(StreamErrorEvent, "bad"):
+            decode(sse({"object": "error", "message": "bad"}))
+
+    def test_malformed_data_raises(self) -> None:
+        with self.assertRaisesRegex(MalformedSSEError, "not a JSON object"):
+            decode(completion_chunk("a"), b"data: {oops\n\n")
+        with self.assertRaises(MalformedSSEError):
+            decode(b"data: [1, 2]\n\n")
+        with self.assertRaises(MalformedSSEError):
+            decode(b"data: \xff\xfe\n\n")
+
+    def test_events_before_an_error_in_the_same_read_are_kept(self) -> None:
+        decoder = OpenAIStreamDecoder()
+        counts = decoder.feed(completion_chunk("a") + b"data: {oops\n\n" + completion_chunk("b"))
+        self.assertEqual(counts, [1])
+        self.assertIsInstance(decoder.failure, MalformedSSEError)
+        self.assertEqual(decoder.feed(completion_chunk("c")), [])
+
+    def test_data_after_done_is_ignored(self) -> None:
+        decoder, counts = decode(completion_chunk("a") + DONE + completion_chunk("b"))
+        self.assertEqual(counts, [1])
+        self.assertTrue(decoder.done)
+
+
+if __name__ == "__main__":
+    unittest.main()
