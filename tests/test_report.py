@@ -22,6 +22,7 @@ from attention_kv_caceh.experiments.report import (
 )
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
+from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.timing import Sample
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -194,18 +195,34 @@ class ReportTest(unittest.TestCase):
         self.assertIn(views_markdown(rows), text)
 
     def test_serving_jsonl_summarized(self) -> None:
-        records: list[dict[str, Any]] = [
-            {"request_id": i, "ttft_ms": 10.0 * (i + 1), "itl_ms": [1.0, 3.0], "status": "ok"}
-            for i in range(3)
-        ]
-        lines = [json.dumps(r) for r in records] + ["{broken"]
+        ms = 1_000_000
+        records: list[dict[str, Any]] = []
+        for i in range(3):  # TTFT 10, 20, 30 ms; two gaps of 1 and 3 ms each
+            first = (1 + 10 * (i + 1)) * ms
+            record = RequestRecord(
+                request_id=i,
+                arrival_ns=0,
+                prompt_tokens=4,
+                sent_ns=1 * ms,
+                first_token_ns=first,
+                token_times_ns=[first, first + 1 * ms, first + 4 * ms],
+                tokens_per_event=[1, 1, 1],
+                finish_ns=first + 4 * ms,
+                stream_end_ns=first + 4 * ms,
+                output_tokens=3,
+                status=STATUS_OK,
+            )
+            records.append(record.to_json())
+        failed = RequestRecord(request_id=3, arrival_ns=0, prompt_tokens=4, status="http_error")
+        lines = [json.dumps(r) for r in [*records, failed.to_json()]] + ["{broken", '{"ttft_ms": 1}']
         (self.folder / "serve.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
         text, problems = self.report()
-        self.assertIn("3 request(s) (ok: 3)", text)
-        self.assertIn("| ttft_ms | 3 | 20 |", text)
-        self.assertIn("| itl_ms | 6 | 2 |", text)
-        self.assertEqual(len(problems), 1)
-        self.assertIn("line 4: malformed JSON", problems[0].problem)
+        self.assertIn("4 request(s), 3 completed, failures: http_error: 1", text)
+        self.assertIn("| TTFT (first token - sent) | 3 | 20 |", text)
+        self.assertIn("| ITL | 6 | 2 |", text)
+        self.assertEqual(len(problems), 2)
+        self.assertIn("line 5: malformed JSON", problems[0].problem)
+        self.assertIn("line 6: not a per-request record", problems[1].problem)
 
     def test_bad_files_are_named_and_the_rest_reported(self) -> None:
         write_scan(self.folder, "good.csv")

@@ -9,7 +9,8 @@ kinds are told apart by their CSV header, never by their name:
 - cache-growth raw CSV (`CacheStepSample` fields) and its memory CSV (`CacheMemoryRow` fields), paired
   by their run parameters.
 - the view/copy table (`ViewRow` fields).
-- serving-harness per-request JSONL (`*.jsonl`): latency fields summarized per request.
+- serving-harness per-request JSONL (`*.jsonl`): records rebuilt from their raw timestamps and summarized
+  by the harness's own `summarize_run` (completed requests only).
 
 Outliers are flagged (a sample above 2 x the P95 of its group) and kept. A missing or malformed file is
 named with what is wrong, and everything else is still reported. Plots go beside the report.
@@ -35,6 +36,8 @@ from attention_kv_caceh.experiments.cache_growth import (
 )
 from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
@@ -49,7 +52,6 @@ __all__ = [
 
 # A sample above OUTLIER_FACTOR x the P95 of its group is flagged (kept, never dropped).
 OUTLIER_FACTOR = 2.0
-JSONL_LATENCY_KEYS = ("queue_ms", "ttft_ms", "itl_ms", "tpot_ms", "e2el_ms", "e2e_ms")
 
 T = TypeVar("T")
 
@@ -489,10 +491,18 @@ def _cache_section(
 # ------------------------------------------------------------------------------------------ jsonl
 
 
+def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
+    """A harness RequestRecord from one JSONL object (its raw timestamps; derived keys are ignored)."""
+    names = {f.name for f in fields(RequestRecord)}
+    try:
+        return RequestRecord(**{k: v for k, v in rec.items() if k in names})
+    except TypeError as exc:
+        raise ValueError(f"not a per-request record ({exc})") from None
+
+
 def _jsonl_section(path: Path, problems: list[FileProblem]) -> str | None:
-    values: dict[str, list[float]] = {k: [] for k in JSONL_LATENCY_KEYS}
-    statuses: dict[str, int] = {}
-    count = 0
+    """Serving-harness records, summarized by `harness.summary.summarize_run` from raw timestamps."""
+    records: list[RequestRecord] = []
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
@@ -503,34 +513,37 @@ def _jsonl_section(path: Path, problems: list[FileProblem]) -> str | None:
             continue
         try:
             record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError("not a JSON object")
+            records.append(_record_from_json(typing.cast("dict[str, Any]", record)))
         except json.JSONDecodeError as exc:
             problems.append(FileProblem(str(path), f"line {i}: malformed JSON ({exc.msg}); line skipped"))
-            continue
-        if not isinstance(record, dict) or "request_id" not in record:
-            problems.append(FileProblem(str(path), f"line {i}: not a per-request record; line skipped"))
-            continue
-        rec = typing.cast("dict[str, Any]", record)
-        count += 1
-        status = str(rec.get("status", "?"))
-        statuses[status] = statuses.get(status, 0) + 1
-        for key in JSONL_LATENCY_KEYS:
-            v = rec.get(key)
-            items: list[Any] = typing.cast("list[Any]", v) if isinstance(v, list) else [v]
-            values[key] += [float(x) for x in items if isinstance(x, int | float) and math.isfinite(x)]
-    if count == 0:
+        except ValueError as exc:
+            problems.append(FileProblem(str(path), f"line {i}: {exc}; line skipped"))
+    if not records:
         problems.append(FileProblem(str(path), "no per-request records"))
         return None
+    start = min(r.arrival_ns for r in records)
+    ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
+    duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")
+    try:
+        summary = summarize_run(records, duration_s)
+    except ValueError as exc:
+        problems.append(FileProblem(str(path), f"cannot summarize: {exc}"))
+        return None
     rows: list[list[object]] = []
-    for key, vals in values.items():
-        if vals:
-            st = summarize_samples(vals)
-            rows.append(
-                [key, int(st["count"]), st["p50_ms"], st["p90_ms"], st["p99_ms"], st["mean_ms"], st["max_ms"]]
-            )
-    status_text = ", ".join(f"{k}: {v}" for k, v in sorted(statuses.items()))
+    for metric, label in METRIC_NAMES.items():
+        count = summary.get(f"count_{metric}") or 0
+        if count:
+            row: list[object] = [label, int(count)]
+            row += [float(summary[f"{p}_{metric}_ms"]) for p in ("median", "p90", "p99", "mean", "max")]
+            rows.append(row)
+    failures = ", ".join(f"{k}: {v}" for k, v in summary["failures"].items()) or "none"
     return (
-        f"### Serving run: `{path.name}`\n\n{count} request(s) ({status_text}). Every record with a value "
-        "is counted; ITL pools the gaps of all requests.\n\n"
+        f"### Serving run: `{path.name}`\n\n{summary['num_requests']} request(s), "
+        f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
+        f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s. "
+        "Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools every gap.\n\n"
         + _table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
     )
 
