@@ -97,6 +97,7 @@ def plot_cache_growth(
     path: str | os.PathLike[str],
     *,
     title: str = "",
+    dpi: int = 110,
 ) -> Path:
     """Per-step time against T for both caches, and bytes allocated per step, as one PNG.
 
@@ -176,4 +177,4 @@ def plot_cache_growth(
         mx.set_xlabel("cached positions T after the step")
     else:
         ax.set_xlabel("cached positions T after the step")
-    return save_figure(fig, path)
+    return save_figure(fig, path, dpi=dpi)
