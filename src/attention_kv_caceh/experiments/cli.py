@@ -84,31 +84,68 @@ CACHE_DEFAULTS = CacheGrowthConfig()
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `cache`: output paths, the shape (or a `--model` preset), dtype and the timing knobs."""
     d = CACHE_DEFAULTS
-    parser.add_argument("--csv", default="results/cache.csv", help="raw per-step CSV (timed samples)")
-    parser.add_argument("--steps", type=int, default=d.steps, help="decode steps N (final T)")
-    parser.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences B")
     parser.add_argument(
-        "--num-heads", type=int, default=None, help=f"query heads H (default {d.num_heads}, or the model's)"
+        "--csv",
+        default="results/cache.csv",
+        metavar="PATH.csv",
+        help="raw per-step CSV (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=d.steps, metavar="N", help="decode steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size", type=int, default=d.batch_size, metavar="B", help="(default: %(default)s)"
+    )
+    parser.add_argument(
+        "--num-heads",
+        type=int,
+        default=None,
+        metavar="H",
+        help=f"query heads (default: {d.num_heads}, or the model's)",
     )
     parser.add_argument(
         "--num-kv-heads",
         type=int,
         default=None,
-        help=f"KV heads H_kv (default {d.num_kv_heads}, or the model's)",
+        metavar="H_KV",
+        help=f"KV heads (default: {d.num_kv_heads}, or the model's)",
     )
     parser.add_argument(
-        "--head-dim", type=int, default=None, help=f"head dim D (default {d.head_dim}, or the model's)"
+        "--head-dim",
+        type=int,
+        default=None,
+        metavar="D",
+        help=f"head dim (default: {d.head_dim}, or the model's)",
     )
     parser.add_argument(
         "--model",
         default=None,
+        metavar="PRESET",
         help=f"take H, H_kv and D from a preset ({', '.join(MODEL_PRESETS)}); explicit flags win",
     )
-    parser.add_argument("--dtype", default=d.dtype, help="float32 or float64")
-    parser.add_argument("--repeats", type=int, default=d.repeats, help="timed passes per cache")
-    parser.add_argument("--warmup", type=int, default=d.warmup, help="unrecorded passes per cache first")
-    parser.add_argument("--seed", type=int, default=d.seed, help="seed of the inputs")
-    parser.add_argument("--plot", default=None, help="write a PNG: step time and bytes per step vs T")
+    parser.add_argument(
+        "--dtype", default=d.dtype, metavar="DTYPE", help="float32 or float64 (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=d.repeats,
+        metavar="N",
+        help="timed passes per cache (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=d.warmup,
+        metavar="N",
+        help="unrecorded passes per cache (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=d.seed, metavar="N", help="seed of the inputs (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--plot", default=None, metavar="PATH.png", help="PNG: per-step time and bytes per step against T"
+    )
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
@@ -283,7 +320,8 @@ def run_cache(args: argparse.Namespace) -> int:
         return 1
     except BaseException:
         bar.close()
-        save()
+        if samples or memory:  # nothing taken yet: leave any earlier run's files alone
+            save()
         print(f"interrupted: kept {len(samples)} timed samples in {csv_path}", file=sys.stderr)
         raise
     bar.close()
@@ -306,8 +344,10 @@ def run_cache(args: argparse.Namespace) -> int:
 
 def add_views_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `views`: `--csv PATH.csv`, `--md PATH.md` (both optional; the table is printed anyway)."""
-    parser.add_argument("--csv", default=None, help="write the table as CSV (plus <csv>.meta.json)")
-    parser.add_argument("--md", default=None, help="write the table as Markdown")
+    parser.add_argument(
+        "--csv", default=None, metavar="PATH.csv", help="write the table as CSV (plus <csv>.meta.json)"
+    )
+    parser.add_argument("--md", default=None, metavar="PATH.md", help="write the table as Markdown")
 
 
 def run_views_command(args: argparse.Namespace) -> int:
@@ -340,8 +380,18 @@ def run_views_command(args: argparse.Namespace) -> int:
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `report`: `--results FOLDER` (raw files to read), `--out PATH.md` (plots go beside it)."""
-    parser.add_argument("--results", default="results", help="folder of raw CSV / JSONL files and .meta.json")
-    parser.add_argument("--out", default="results/REPORT.md", help="Markdown report; PNG plots go beside it")
+    parser.add_argument(
+        "--results",
+        default="results",
+        metavar="FOLDER",
+        help="raw CSV / JSONL files and their .meta.json (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out",
+        default="results/REPORT.md",
+        metavar="PATH.md",
+        help="the Markdown report; PNG plots go beside it (default: %(default)s)",
+    )
 
 
 def run_report(args: argparse.Namespace) -> int:
@@ -391,7 +441,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m attention_kv_caceh.experiments.cli",
         description="Experiments of the attention-kv-caceh lab.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (add_arguments, runner, help_text) in SUBCOMMANDS.items():
@@ -399,7 +448,6 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=help_text,
             description=help_text,
-            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
         add_arguments(p)
         p.set_defaults(_run=runner)
