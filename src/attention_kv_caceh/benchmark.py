@@ -62,9 +62,11 @@ Subcommand = tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[arg
 
 
 def _subcommands() -> dict[str, Subcommand]:
+    from attention_kv_caceh.experiments.cli import SUBCOMMANDS as EXPERIMENTS
     from attention_kv_caceh.harness import cli as harness_cli
 
     return {
+        **{name: (help_text, add, run) for name, (add, run, help_text) in EXPERIMENTS.items()},
         "harness": (
             "streaming serving harness: TTFT, ITL, TPOT, E2EL per request (simulated or OpenAI-compatible)",
             harness_cli.add_arguments,
