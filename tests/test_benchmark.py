@@ -124,7 +124,7 @@ class ScanCliTest(unittest.TestCase):
             (["--model", "gpt-5"], "invalid choice"),
             (["--no-such-flag"], "unrecognized arguments"),
             (["--blas-threads", "0"], "--blas-threads must be >= 1"),
-            (["--plot", str(self.dir / "x.jpg")], "must name a .png"),
+            (["--plot", str(self.dir / "x.jpg")], "must end in .png"),
             (["--batch-sizes", "4096", "--seq-len", "1000000"], "GiB"),
         ]
         for extra, message in cases:
@@ -137,7 +137,7 @@ class ScanCliTest(unittest.TestCase):
                 self.assertEqual(self.csv.read_text(), "keep me\n")
         code, _, err = run_cli("--csv", str(self.dir))
         self.assertEqual(code, 2)
-        self.assertIn("is a directory", err)
+        self.assertIn("is a folder", err)
 
     def test_console_usage_error_has_no_traceback(self) -> None:
         proc = subprocess.run(

@@ -34,7 +34,7 @@ from attention_kv_caceh.experiments.scan import (
     saturation_verdict,
     scan_table,
 )
-from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import check_output_path, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
 from attention_kv_caceh.timing import Sample, blas_threads_pinned, capture_environment
@@ -167,18 +167,6 @@ def _scan_config(args: argparse.Namespace) -> ScanConfig:
     )
 
 
-def _check_output_path(path: Path, flag: str) -> None:
-    if path.exists() and path.is_dir():
-        raise UsageError(f"{flag} {path} is a directory, expected a file path")
-    for parent in path.absolute().parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"{flag} {path}: {parent} is not a directory")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise UsageError(f"{flag} {path}: {parent} is not writable")
-            break
-
-
 def _check_memory(config: ScanConfig) -> None:
     """Refuse a scan whose arrays alone would not fit in this machine's memory."""
     b = max(config.batch_sizes)
@@ -201,11 +189,6 @@ def _check_memory(config: ScanConfig) -> None:
 def summary_path(csv_path: Path) -> Path:
     """`results/benchmark.csv` -> `results/benchmark-summary.csv`."""
     return csv_path.with_name(f"{csv_path.stem}-summary.csv")
-
-
-def meta_path(csv_path: Path) -> Path:
-    """`results/benchmark.csv` -> `results/benchmark.csv.meta.json`."""
-    return csv_path.with_name(f"{csv_path.name}.meta.json")
 
 
 def _fmt(value: float, digits: int = 3) -> str:
@@ -271,11 +254,12 @@ def run_scan(args: argparse.Namespace) -> int:
         raise UsageError(f"--blas-threads must be >= 1, got {args.blas_threads}")
     _check_memory(config)
     csv_path: Path = args.csv
-    _check_output_path(csv_path, "--csv")
-    if args.plot is not None:
-        _check_output_path(args.plot, "--plot")
-        if args.plot.suffix.lower() != ".png":
-            raise UsageError(f"--plot must name a .png file, got {args.plot}")
+    try:
+        check_output_path(csv_path, "--csv")
+        if args.plot is not None:
+            check_output_path(args.plot, "--plot", (".png",))
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
 

@@ -22,35 +22,18 @@ __all__ = [
     "JsonlWriter",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_output_path",
+    "meta_path",
     "write_csv_atomic",
     "write_json_atomic",
 ]
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
-    """Write `text` (UTF-8) to `path` atomically: temporary file in the same folder, then rename.
-
-    Returns the path written. Raises OSError when the folder cannot be created or written.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8", newline="") as tmp:
-            tmp.write(text)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, target)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return target
-
-
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
-    """Write `data` (e.g. a PNG) to `path` atomically, as `atomic_write_text` does for text.
+    """Write `data` to `path` atomically: a temporary file in the same folder, fsynced, then renamed.
 
-    Returns the path written. Raises OSError when the folder cannot be created or written.
+    Parent folders are created. Returns the path written. Raises OSError when the folder cannot be
+    created or written; the previous file, if any, is then left as it was.
     """
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -65,6 +48,37 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
         Path(tmp_name).unlink(missing_ok=True)
         raise
     return target
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+    """Write `text` as UTF-8 to `path` atomically (see `atomic_write_bytes`)."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def meta_path(path: str | os.PathLike[str]) -> Path:
+    """The metadata file that sits beside a raw file: `results/x.csv` -> `results/x.csv.meta.json`."""
+    return Path(f"{os.fspath(path)}.meta.json")
+
+
+def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """Validate an output path before anything is written; returns it as a Path.
+
+    Raises ValueError naming `flag` and the path when it is a folder, does not end in one of `suffixes`
+    (if given), or its nearest existing parent is a file or not writable.
+    """
+    p = Path(path)
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise ValueError(f"{flag} {str(p)!r} must end in {' or '.join(suffixes)}")
+    if p.is_dir():
+        raise ValueError(f"{flag} {str(p)!r} is a folder, expected a file path")
+    for parent in p.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{flag} {str(p)!r}: {parent} is not a folder")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise ValueError(f"{flag} {str(p)!r}: {parent} is not writable")
+            break
+    return p
 
 
 def write_csv_atomic(

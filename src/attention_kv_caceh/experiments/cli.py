@@ -31,7 +31,13 @@ from attention_kv_caceh.experiments.cache_growth import (
     total_steps,
 )
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
-from attention_kv_caceh.files import atomic_write_text, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    atomic_write_text,
+    check_output_path,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
 from attention_kv_caceh.timing import blas_threads_pinned, capture_environment
@@ -46,27 +52,15 @@ __all__ = [
     "cache_side_paths",
     "format_cache_summary",
     "main",
-    "meta_path",
     "run_cache",
     "run_report",
     "run_views_command",
 ]
 
 
-def meta_path(csv_path: str | Path) -> Path:
-    """The metadata file beside a raw CSV: `<csv>.meta.json`."""
-    return Path(f"{csv_path}.meta.json")
-
-
 def _check_output_path(flag: str, path: str | None, suffixes: tuple[str, ...]) -> None:
-    """Raise ValueError for an output path with the wrong suffix or one that names a folder."""
-    if path is None:
-        return
-    p = Path(path)
-    if p.suffix.lower() not in suffixes:
-        raise ValueError(f"{flag} {path!r} must end in {' or '.join(suffixes)}")
-    if p.is_dir():
-        raise ValueError(f"{flag} {path!r} is a folder, expected a file path")
+    if path is not None:
+        check_output_path(path, flag, suffixes)
 
 
 def _fmt_bytes(n: float) -> str:

@@ -36,6 +36,7 @@ from attention_kv_caceh.experiments.cache_growth import (
 )
 from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
+from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.timing import Sample, summarize_samples
@@ -201,7 +202,7 @@ def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str | None]]]:
 
 
 def _read_meta(csv_path: Path, problems: list[FileProblem]) -> dict[str, Any] | None:
-    path = Path(f"{csv_path}.meta.json")
+    path = meta_path(csv_path)
     if not path.exists():
         problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
         return None
@@ -277,7 +278,7 @@ def _environment_card(metas: Mapping[str, Mapping[str, Any]]) -> str:
 def _scan_section(
     name: str, samples: list[Sample], meta: Mapping[str, Any] | None, problems: list[FileProblem]
 ) -> tuple[str, list[dict[str, float]]]:
-    meta_name = f"{name}.meta.json"
+    meta_name = meta_path(name).name
     probe = _int_keyed(meta, "probe_samples_ms", meta_name, problems)
     kv = _int_keyed(meta, "kv_bytes_per_step", meta_name, problems)
     table = scan_table(samples, probe, kv)

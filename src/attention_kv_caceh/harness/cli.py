@@ -18,7 +18,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.files import JsonlWriter, write_json_atomic
+from attention_kv_caceh.files import JsonlWriter, check_output_path, write_json_atomic
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
@@ -170,10 +170,7 @@ def _check_outputs(args: argparse.Namespace) -> None:
     }
     given = {flag: path for flag, path in paths.items() if path is not None}
     for flag, path in given.items():
-        if path.is_dir():
-            raise ValueError(f"{flag} {str(path)!r} is a folder, not a file")
-    if args.plot is not None and args.plot.suffix.lower() != ".png":
-        raise ValueError(f"--plot {str(args.plot)!r}: the timeline is a PNG; use a .png name")
+        check_output_path(path, flag, (".png",) if flag == "--plot" else ())
     resolved = [path.resolve() for path in given.values()]
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"output files must differ, got {sorted(str(p) for p in given.values())}")
