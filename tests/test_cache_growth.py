@@ -19,13 +19,15 @@ from attention_kv_caceh.cache import PreallocatedKVCache
 from attention_kv_caceh.experiments import cache_growth, cli
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
+    measure_cache_memory,
+    run_cache_growth,
+    theoretical_kv_bytes,
+)
+from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheStepSample,
     fit_line,
-    measure_cache_memory,
     rolling_median,
-    run_cache_growth,
     summarize_cache_growth,
-    theoretical_kv_bytes,
 )
 from attention_kv_caceh.oracle import OracleMismatch
 

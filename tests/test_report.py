@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.experiments import cli
-from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig, CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
+from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.report import (
     FileProblem,
     build_report,

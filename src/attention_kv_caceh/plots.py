@@ -26,7 +26,7 @@ from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from attention_kv_caceh.experiments.cache_growth import (
+from attention_kv_caceh.experiments.cache_growth_stats import (
     CACHE_KINDS,
     CacheMemoryRow,
     CacheStepSample,

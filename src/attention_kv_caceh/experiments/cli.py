@@ -20,15 +20,17 @@ from typing import Any
 from tqdm import tqdm
 
 from attention_kv_caceh.experiments.cache_growth import (
-    CACHE_KINDS,
     CacheGrowthConfig,
+    kv_size_card,
+    run_cache_growth,
+    total_steps,
+)
+from attention_kv_caceh.experiments.cache_growth_stats import (
+    CACHE_KINDS,
     CacheGrowthSummary,
     CacheMemoryRow,
     CacheStepSample,
-    kv_size_card,
-    run_cache_growth,
     summarize_cache_growth,
-    total_steps,
 )
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import (
