@@ -1,0 +1,374 @@
+"""The Markdown sections of the results report: one function per file kind, plus the environment card.
+
+Each section recomputes its statistics from the raw rows it is given (`scan.scan_table`,
+`cache_growth_stats.summarize_cache_growth`, `harness.summary.summarize_run`, `views.views_markdown`)
+and returns Markdown; finding and reading the files, pairing them and listing what is wrong with them
+is `report.py`'s job. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under
+their section and kept in every statistic.
+"""
+
+from __future__ import annotations
+
+import math
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from attention_kv_caceh.experiments.cache_growth_stats import (
+    CACHE_KINDS,
+    CacheGrowthSummary,
+    CacheMemoryRow,
+    CacheStepSample,
+    summarize_cache_growth,
+)
+from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
+from attention_kv_caceh.experiments.views import ViewRow, views_markdown
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
+from attention_kv_caceh.timing import Sample, summarize_samples
+
+__all__ = [
+    "OUTLIER_FACTOR",
+    "cache_section",
+    "environment_card",
+    "flag_outliers",
+    "scan_section",
+    "serving_section",
+    "views_section",
+]
+
+# A sample above OUTLIER_FACTOR x the P95 of its group is flagged (kept, never dropped).
+OUTLIER_FACTOR = 2.0
+
+
+def flag_outliers(values: Sequence[float], factor: float = OUTLIER_FACTOR) -> list[int]:
+    """Indices of the values above `factor` x their P95 (`summarize_samples`); empty for no values."""
+    if not values:
+        return []
+    limit = factor * summarize_samples(values)["p95_ms"]
+    return [i for i, v in enumerate(values) if v > limit]
+
+
+# -------------------------------------------------------------------------------------------- helpers
+
+
+def _num(x: float, digits: int = 4) -> str:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "n/a"
+    if x == 0:
+        return "0"
+    if abs(x) >= 10 ** (digits + 1) or abs(x) < 10 ** (-digits + 1):
+        return f"{x:.{digits - 1}e}"
+    return f"{x:.{digits}g}"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
+    for row in rows:
+        cells = [_num(c) if isinstance(c, float) else str(c) for c in row]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+# ------------------------------------------------------------------------------------ environment
+
+
+def environment_card(metas: Mapping[str, Mapping[str, Any]]) -> str:
+    """A table of each metadata file's environment (file name -> its parsed `.meta.json`), one
+    column per file; a line saying the environment is unknown when there are none."""
+    if not metas:
+        return "No metadata found: the environment of these results is unknown.\n"
+    keys = [
+        ("start_time_utc", "start (UTC)"),
+        ("cpu_model", "CPU"),
+        ("cpu_count", "CPU count"),
+        ("platform", "platform"),
+        ("python", "Python"),
+        ("numpy", "NumPy"),
+        ("blas", "BLAS"),
+        ("blas_threads", "BLAS threads"),
+        ("thread_env", "thread variables"),
+        ("git_commit", "git commit"),
+    ]
+    names = list(metas)
+    rows: list[list[object]] = []
+    for key, label in keys:
+        cells: list[object] = [label]
+        for name in names:
+            env: Any = metas[name].get("environment", {})
+            value: Any = typing.cast("dict[str, Any]", env).get(key, "?") if isinstance(env, dict) else "?"
+            if key == "blas" and isinstance(value, list):
+                value = ", ".join(
+                    f"{p.get('internal_api')} {p.get('version')}"
+                    for p in typing.cast("list[dict[str, Any]]", value)
+                )
+            elif key == "thread_env" and isinstance(value, dict):
+                value = (
+                    " ".join(f"{k}={v}" for k, v in typing.cast("dict[str, Any]", value).items()) or "none"
+                )
+            elif key == "git_commit" and isinstance(value, str):
+                value = value[:12]
+            cells.append(str(value).replace("|", "/"))
+        rows.append(cells)
+    return _table(["", *names], rows)
+
+
+# ------------------------------------------------------------------------------------------- scan
+
+
+def scan_section(
+    name: str,
+    samples: list[Sample],
+    probe: Mapping[int, Sequence[float]] | None,
+    kv: Mapping[int, int] | None,
+) -> tuple[str, list[dict[str, float]]]:
+    """The section of one batch-size scan CSV and its `scan.scan_table` rows (for the plot).
+
+    `samples` are the file's raw rows (at least one); `probe` (B -> read-bandwidth probe samples, ms)
+    and `kv` (B -> KV bytes read per step) come from its metadata, None where unknown (the bandwidth
+    columns are then n/a). Raises ValueError from `scan_table` on inconsistent samples.
+    """
+    table = scan_table(samples, probe, kv)
+    verdict = saturation_verdict(table)
+    first = samples[0]
+    out = [
+        f"### Batch-size scan: `{name}`\n",
+        f"{len(samples)} raw samples; T = {table[0]['sequence_length']:.0f}, H = {first.num_heads}, "
+        f"H_kv = {first.num_kv_heads}, D = {first.head_dim}, {first.dtype}, {first.cache} cache"
+        + (f", model {first.model}" if first.model else "")
+        + f", {first.warmup} warm-up calls.\n",
+        _table(
+            [
+                "B",
+                "n",
+                "P50 ms",
+                "P95 ms",
+                "min ms",
+                "max ms",
+                "per-seq ms",
+                "positions/s",
+                "speedup",
+                "KV GB/s",
+                "probe GB/s",
+                "KV / probe",
+            ],
+            [
+                [
+                    int(r["batch_size"]),
+                    int(r["count"]),
+                    r["p50_ms"],
+                    r["p95_ms"],
+                    r["min_ms"],
+                    r["max_ms"],
+                    r["per_sequence_ms"],
+                    r["positions_per_s"],
+                    r["speedup"],
+                    r["kv_read_gb_s"],
+                    r["probe_read_gb_s"],
+                    r["bandwidth_ratio"],
+                ]
+                for r in table
+            ],
+        ),
+        f"**Saturation verdict:** {verdict}.\n",
+        "**Why higher throughput does not make a single request faster.** Every sequence of a batch "
+        "waits for the whole step before it gets its next token, so one request's per-token latency is "
+        "the step's P50, not the per-sequence cost:\n",
+    ]
+    base = table[0]
+    for r in table[1:]:
+        out.append(
+            f"- B = {r['batch_size']:.0f}: the step takes {_num(r['p50_ms'])} ms, "
+            f"{r['p50_ms'] / base['p50_ms']:.2f}x the B = {base['batch_size']:.0f} step "
+            f"({_num(base['p50_ms'])} ms), so each request waits {r['p50_ms'] / base['p50_ms']:.2f}x as "
+            f"long per token, while the per-sequence cost is {_num(r['per_sequence_ms'])} ms "
+            f"({r['per_sequence_ms'] / base['per_sequence_ms']:.2f}x) and positions/s rise "
+            f"{r['speedup']:.2f}x."
+        )
+    if len(table) == 1:
+        out.append("- One batch size only: nothing to compare.")
+    out.append("")
+    flagged: list[str] = []
+    for r in table:
+        group = [s for s in samples if s.batch_size == r["batch_size"]]
+        idx = flag_outliers([s.elapsed_ms for s in group])
+        flagged += [
+            f"B={group[i].batch_size} repeat {group[i].repeat}: {_num(group[i].elapsed_ms)} ms" for i in idx
+        ]
+    out.append(_outlier_line(flagged, "its batch size"))
+    return "\n".join(out) + "\n", table
+
+
+def _outlier_line(flagged: Sequence[str], group: str) -> str:
+    if not flagged:
+        return f"Outliers (> {OUTLIER_FACTOR:g} x the P95 of {group}): none.\n"
+    shown = "; ".join(flagged[:10]) + (f"; and {len(flagged) - 10} more" if len(flagged) > 10 else "")
+    return (
+        f"Outliers (> {OUTLIER_FACTOR:g} x the P95 of {group}), kept in every statistic: "
+        f"{len(flagged)}: {shown}.\n"
+    )
+
+
+# ------------------------------------------------------------------------------------------ cache
+
+
+def cache_section(
+    name: str, samples: list[CacheStepSample], memory: list[CacheMemoryRow]
+) -> tuple[str, CacheGrowthSummary]:
+    """The section of one cache-growth raw CSV (with the memory rows of the same run, possibly none)
+    and its `summarize_cache_growth` summary.
+
+    Raises ValueError from `summarize_cache_growth` (a cache without samples or with one position).
+    """
+    s = summarize_cache_growth(samples, memory)
+    first = samples[0]
+    n = max(x.sequence_length for x in samples)
+    repeats = len({x.repeat for x in samples})
+    fd, fp = s.fits["dynamic"], s.fits["preallocated"]
+    out = [
+        f"### KV-cache growth: `{name}`\n",
+        f"{len(samples)} raw step samples: N = {n} steps, B = {first.batch_size}, H = {first.num_heads}, "
+        f"H_kv = {first.num_kv_heads}, D = {first.head_dim}, {first.dtype}"
+        + (f", model {first.model}" if first.model else "")
+        + f", {repeats} timed passes per cache after {first.warmup} warm-up pass(es).\n",
+        "Per-step P50 (all repeats, positions in a window of N/64 ending at T):\n",
+        _table(
+            ["T", "dynamic P50 ms", "preallocated P50 ms", "dynamic / preallocated"],
+            [
+                [int(c["sequence_length"]), c["dynamic_p50_ms"], c["preallocated_p50_ms"], c["ratio"]]
+                for c in s.checkpoints
+            ],
+        ),
+        "Per-step time against T (np.polyfit on the per-position median over repeats):\n",
+        _table(
+            ["cache", "slope us/position", "intercept ms", "R^2", "R^2 (raw)", "N-step total P50 ms"],
+            [
+                [
+                    k,
+                    s.fits[k].slope_ms_per_position * 1000,
+                    s.fits[k].intercept_ms,
+                    s.fits[k].r2,
+                    s.fits[k].r2_raw,
+                    s.totals[k]["p50_ms"],
+                ]
+                for k in CACHE_KINDS
+            ],
+        ),
+        f"**N-step total time ratio** (dynamic / preallocated): **{s.total_ratio:.2f}x**. The Dynamic "
+        f"cache's slope is {fd.slope_ms_per_position / fp.slope_ms_per_position:.1f}x the Preallocated "
+        f"one's: both read T positions in attention, only the Dynamic one also copies them."
+        if fp.slope_ms_per_position > 0
+        else f"**N-step total time ratio** (dynamic / preallocated): **{s.total_ratio:.2f}x**.",
+        "",
+        "**Where the Dynamic cache's copying starts to dominate.** "
+        + (
+            f"The rolling median of the Dynamic step stays >= 1.1x the Preallocated one from T = "
+            f"{s.copy_visible_from}"
+            if s.copy_visible_from is not None
+            else "The Dynamic step is not consistently >= 1.1x the Preallocated one within N"
+        )
+        + "; "
+        + (
+            f"it stays >= 2x (the copy costs more than the whole Preallocated step) from T = "
+            f"{s.copy_dominates_from}"
+            if s.copy_dominates_from is not None
+            else "it does not stay >= 2x within N"
+        )
+        + (
+            f" (the fitted lines reach 2x at T ~ {s.copy_dominates_fitted:.0f})."
+            if s.copy_dominates_fitted is not None
+            else "."
+        )
+        + f" How well a straight line describes the growth: R^2 = {fd.r2:.2f} (dynamic), {fp.r2:.2f} "
+        "(preallocated); a low R^2 means the cost does not grow smoothly with T (cache sizes, page "
+        "faults of fresh allocations, a shared machine), read the plot.\n",
+    ]
+    if s.memory:
+        out.append("Memory (untimed pass under tracemalloc):\n")
+        out.append(
+            _table(
+                [
+                    "cache",
+                    "append peak at T=1",
+                    "append peak at T=N",
+                    "B/position (traced)",
+                    "new buffers B/position",
+                    "largest step peak",
+                    "nbytes at N",
+                    "theoretical at N",
+                ],
+                [
+                    [
+                        k,
+                        _bytes(m["append_bytes_first_step"]),
+                        _bytes(m["append_bytes_last_step"]),
+                        m["append_bytes_per_position"],
+                        m["new_buffer_bytes_per_position"],
+                        _bytes(m["max_step_peak_bytes"]),
+                        _bytes(m["final_cache_nbytes"]),
+                        _bytes(m["final_theoretical_bytes"]),
+                    ]
+                    for k, m in s.memory.items()
+                ],
+            )
+        )
+    else:
+        out.append("No memory CSV with the same run parameters was found.\n")
+    w = max(1, n // 64)
+    flagged: list[str] = []
+    for kind in CACHE_KINDS:
+        rows = [x for x in samples if x.cache == kind]
+        for lo in range(0, n, w):
+            group = [x for x in rows if lo < x.sequence_length <= lo + w]
+            flagged += [
+                f"{kind} T={group[i].sequence_length} repeat {group[i].repeat}: {_num(group[i].elapsed_ms)} ms"
+                for i in flag_outliers([x.elapsed_ms for x in group])
+            ]
+    out.append(_outlier_line(flagged, f"its cache in windows of {w} positions"))
+    return "\n".join(out) + "\n", s
+
+
+# ------------------------------------------------------------------------------------------ views
+
+
+def views_section(name: str, rows: Sequence[ViewRow]) -> str:
+    """The section of one view/copy table CSV (`views.views_markdown` of its rows)."""
+    return f"### View/copy table: `{name}`\n\n{views_markdown(rows)}"
+
+
+# ------------------------------------------------------------------------------------------ jsonl
+
+
+def serving_section(name: str, records: Sequence[RequestRecord]) -> str:
+    """The section of one serving-harness JSONL file, summarized by `harness.summary.summarize_run`
+    from the records' raw timestamps (at least one record; the duration runs from the first arrival
+    to the last stream end or finish).
+
+    Raises ValueError when `summarize_run` cannot summarize the records.
+    """
+    start = min(r.arrival_ns for r in records)
+    ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
+    duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")
+    summary = summarize_run(records, duration_s)
+    rows: list[list[object]] = []
+    for metric, label in METRIC_NAMES.items():
+        count = summary.get(f"count_{metric}") or 0
+        if count:
+            row: list[object] = [label, int(count)]
+            row += [float(summary[f"{p}_{metric}_ms"]) for p in ("median", "p90", "p99", "mean", "max")]
+            rows.append(row)
+    failures = ", ".join(f"{k}: {v}" for k, v in summary["failures"].items()) or "none"
+    return (
+        f"### Serving run: `{name}`\n\n{summary['num_requests']} request(s), "
+        f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
+        f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s. "
+        "Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools every gap.\n\n"
+        + _table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
+    )
