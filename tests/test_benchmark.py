@@ -114,9 +114,13 @@ class ScanCliTest(unittest.TestCase):
     def test_usage_errors_exit_2_with_one_line_and_touch_no_file(self) -> None:
         self.csv.parent.mkdir(parents=True)
         self.csv.write_text("keep me\n")
+        (self.dir / "file.txt").write_text("a file, not a folder\n")
         cases = [
             (["--batch-sizes", "0,2"], "batch sizes must be positive"),
             (["--batch-sizes", "a,b"], "comma-separated integers"),
+            (["--batch-sizes", "1,,2"], "comma-separated integers"),
+            (["--seed", "-1"], "seed must be >= 0"),
+            (["--csv", str(self.dir / "file.txt" / "x.csv")], "file.txt is not a folder"),
             (["--seq-len", "-1"], "seq_len must be >= 1, got -1"),
             (["--num-heads", "3", "--num-kv-heads", "2"], "num_heads=3 must be a multiple of num_kv_heads=2"),
             (["--dtype", "float16"], "invalid choice"),

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -77,12 +77,9 @@ def _subcommands() -> dict[str, Subcommand]:
 
 def _positive_int_list(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+        return tuple(int(part) for part in text.replace(" ", "").split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one batch size, got {text!r}")
-    return values
 
 
 def add_scan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,16 +171,26 @@ def _check_memory(config: ScanConfig) -> None:
     kv = kv_bytes_per_step(config, b)
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
     needed = inputs + 3 * kv  # the cache, a concatenation's new arrays, the probe buffer
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if needed > 0.8 * total:
+    total = _memory_limit()
+    if total is not None and needed > 0.8 * total:
         raise UsageError(
             f"this scan needs about {needed / 2**30:.1f} GiB for B={b}, T={config.seq_len}, "
             f"H_kv={config.num_kv_heads}, D={config.head_dim}, more than 80 % of the "
-            f"{total / 2**30:.1f} GiB of memory; lower --batch-sizes or --seq-len"
+            f"{total / 2**30:.1f} GiB this process may use; lower --batch-sizes or --seq-len"
         )
+
+
+def _memory_limit() -> int | None:
+    """Bytes this process may allocate: physical memory, or a lower address-space limit (ulimit -v)."""
+    import resource
+
+    limits: list[int] = []
+    with suppress(ValueError, OSError, AttributeError):
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limits.append(soft)
+    return min(limits) if limits else None
 
 
 def summary_path(csv_path: Path) -> Path:
@@ -320,10 +327,17 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
             meta["oracle_max_abs_error"][str(b)] = result.oracle_max_abs_error
             flush("running")
     except KeyboardInterrupt:
+        progress.close()
         flush("interrupted")
         done = sum(len(r.samples) for r in results)
-        print(f"\n{PROG}: interrupted; {done} samples kept in {csv_path}", file=sys.stderr)
+        print(f"{PROG}: interrupted; {done} samples kept in {csv_path}", file=sys.stderr)
         return 130
+    except MemoryError:
+        progress.close()
+        flush("out-of-memory")
+        done = sum(len(r.samples) for r in results)
+        print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
+        return 1
     finally:
         progress.close()
 

@@ -43,6 +43,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             tmp.write(data)
             tmp.flush()
             os.fsync(tmp.fileno())
+        os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would give
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
@@ -64,7 +65,8 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
     """Validate an output path before anything is written; returns it as a Path.
 
     Raises ValueError naming `flag` and the path when it is a folder, does not end in one of `suffixes`
-    (if given), or its nearest existing parent is a file or not writable.
+    (if given), or its nearest existing parent is a file or not writable (tested by creating and
+    removing a temporary file there; no folder is created).
     """
     p = Path(path)
     if suffixes and p.suffix.lower() not in suffixes:
@@ -75,10 +77,20 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
         if parent.exists():
             if not parent.is_dir():
                 raise ValueError(f"{flag} {str(p)!r}: {parent} is not a folder")
-            if not os.access(parent, os.W_OK | os.X_OK):
-                raise ValueError(f"{flag} {str(p)!r}: {parent} is not writable")
+            try:  # the only reliable test (root passes os.access everywhere): create and remove a file
+                fd, probe = tempfile.mkstemp(prefix=".write-test.", dir=parent)
+                os.close(fd)
+                os.unlink(probe)
+            except OSError as exc:
+                raise ValueError(f"{flag} {str(p)!r}: cannot write in {parent} ({exc.strerror})") from None
             break
     return p
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def write_csv_atomic(

@@ -102,6 +102,8 @@ class ScanConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.warmup < 0:
             raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0 (np.random.default_rng), got {self.seed}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
