@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 import unittest
 from pathlib import Path
 
-from attention_kv_caceh.files import JsonlWriter, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    JsonlWriter,
+    check_output_path,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 
 
 class AtomicWriteTest(unittest.TestCase):
@@ -36,6 +43,27 @@ class AtomicWriteTest(unittest.TestCase):
             write_csv_atomic(path, rows(), ["x"])
         self.assertEqual(path.read_text().splitlines(), ["x", "1"])
         self.assertEqual(len(list(self.dir.iterdir())), 1)
+
+    def test_written_files_get_umask_permissions_not_0600(self) -> None:
+        old = os.umask(0o022)
+        try:
+            path = write_csv_atomic(self.dir / "x.csv", [{"x": 1}], ["x"])
+        finally:
+            os.umask(old)
+        self.assertEqual(path.stat().st_mode & 0o777, 0o644)
+
+    def test_check_output_path(self) -> None:
+        (self.dir / "file.txt").write_text("x")
+        with self.assertRaisesRegex(ValueError, "--csv .*file.txt is not a folder"):
+            check_output_path(self.dir / "file.txt" / "x.csv", "--csv")
+        with self.assertRaisesRegex(ValueError, "is a folder"):
+            check_output_path(self.dir, "--csv")
+        with self.assertRaisesRegex(ValueError, r"must end in \.png"):
+            check_output_path(self.dir / "x.jpg", "--plot", (".png",))
+        before = sorted(self.dir.iterdir())
+        self.assertEqual(check_output_path(self.dir / "new" / "x.csv", "--csv"), self.dir / "new" / "x.csv")
+        self.assertEqual(sorted(self.dir.iterdir()), before)  # nothing created, not even the folder
+        self.assertEqual(meta_path(self.dir / "x.csv").name, "x.csv.meta.json")
 
     def test_unknown_column_raises(self) -> None:
         with self.assertRaises(ValueError):
