@@ -1,4 +1,5 @@
-"""The harness command: files written, argument errors before any file, real HTTP end to end."""
+"""The harness command: files written, argument errors before any file, runtime failures as one line,
+Ctrl-C, real HTTP end to end."""
 
 from __future__ import annotations
 
@@ -6,11 +7,18 @@ import argparse
 import contextlib
 import io
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
+from unittest import mock
 
+from attention_kv_caceh.harness import overhead
 from attention_kv_caceh.harness.cli import add_arguments, main, run
 from attention_kv_caceh.harness.records import JSONL_KEYS
 from attention_kv_caceh.harness.scripted_server import scripted_server_process
@@ -29,6 +37,19 @@ def quietly(argv: list[str]) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         code = main(argv)
     return code, out.getvalue(), err.getvalue()
+
+
+def free_port() -> int:
+    """A loopback port that was free a moment ago and has no listener."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def no_output_check(path: object, flag: str, suffixes: tuple[str, ...] = ()) -> Path:
+    """Stands in for files.check_output_path where a path passes the check but cannot be written
+    (as /proc/x once did): the failure then comes during the run."""
+    return Path(str(path))
 
 
 class CliTest(unittest.TestCase):
@@ -74,6 +95,12 @@ class CliTest(unittest.TestCase):
         self.assertEqual(doc["good_requests"], 6)
         self.assertIn("environment", doc)
         self.assertEqual(plot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+        meta = json.loads((self.tmp / "r.jsonl.meta.json").read_text())
+        self.assertEqual(meta["status"], "complete")
+        self.assertEqual(meta["records"], 6)
+        self.assertEqual(meta["config"]["concurrency"], 2)
+        self.assertIn("python", meta["environment"])
+        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json, {summary}, {plot}", out)
         self.assertIn("TTFT (first token - sent)", out)
         self.assertIn("peak client in-flight: 2", out)
 
@@ -82,47 +109,149 @@ class CliTest(unittest.TestCase):
         cases = {
             "--output-len=0": "'0'",
             "--prompt-len=8:2": "'8:2'",
-            "--concurrency=0": "concurrency",
+            "--concurrency=0": "0",
             "--num-requests=-3": "-3",
             "--request-rate=-1": "-1",
-            "--burstiness=0": "burstiness",
-            "--server-slots=0": "slots",
+            "--burstiness=0": "0",
+            "--seed=-1": "-1",
+            "--warmup-requests=-1": "-1",
+            "--server-slots=0": "0",
+            "--prefill-ms=-1": "-1",
+            "--per-token-ms=nan": "nan",
             "--goodput=ttft:fast": "ttft:fast",
-            "--timeout=0": "timeout",
-            "--server-metrics-interval=-1": "interval",
+            "--timeout=0": "0",
+            "--server-metrics-interval=-1": "-1",
             f"--plot={self.tmp / 'x.jpg'}": "x.jpg",
+            f"--summary-json={self.tmp / 'file.txt' / 's.json'}": "file.txt",
         }
-        for flag, named in cases.items():
-            with self.subTest(flag=flag):
-                args = parse([flag, "--jsonl", str(jsonl)])
-                with self.assertRaisesRegex(ValueError, named):
+        (self.tmp / "file.txt").write_text("a file, not a folder\n")
+        for arg, value in cases.items():
+            flag = arg.partition("=")[0]
+            with self.subTest(arg=arg):
+                args = parse([arg, "--jsonl", str(jsonl)])
+                out = io.StringIO()
+                with contextlib.redirect_stdout(out), self.assertRaises(ValueError) as caught:
                     run(args)
+                self.assertIn(flag, str(caught.exception))  # the message names the flag ...
+                self.assertIn(value, str(caught.exception))  # ... and the value
+                self.assertEqual(out.getvalue(), "")  # refused before the run
                 self.assertFalse(jsonl.exists())
-        code, _, err = quietly(["--concurrency", "0"])
-        self.assertEqual(code, 2)
-        self.assertIn("concurrency", err)
+        for url in ("http://", "ftp://h", "http://h:99999", "http://[::1"):
+            with self.subTest(url=url):
+                args = parse(["--backend", "openai-chat", "--base-url", url])
+                with self.assertRaisesRegex(ValueError, "--base-url"):
+                    run(args)
+        code, out, err = quietly(["--seed", "-1"])
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(err, "attention-kv-caceh: error: --seed must be >= 0, got -1\n")
 
-    def test_unreachable_server_fails_fast_and_leaves_no_file(self) -> None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    def test_outputs_must_differ_including_the_jsonl_metadata(self) -> None:
         jsonl = self.tmp / "r.jsonl"
+        args = parse(["--jsonl", str(jsonl), "--summary-json", f"{jsonl}.meta.json"])
+        with self.assertRaisesRegex(ValueError, "differ"):
+            run(args)
+        self.assertEqual(list(self.tmp.iterdir()), [])
+
+    def test_jsonl_write_failure_during_the_run_stops_it_with_one_line(self) -> None:
+        (self.tmp / "file.txt").write_text("a file, not a folder\n")
+        jsonl = self.tmp / "file.txt" / "r.jsonl"
+        summary = self.tmp / "s.json"
+        with mock.patch("attention_kv_caceh.harness.cli.check_output_path", no_output_check):
+            code, out, err = quietly(
+                [*FAST, "--num-requests", "8", "--jsonl", str(jsonl), "--summary-json", str(summary)]
+            )
+        self.assertEqual(code, 1)
+        self.assertEqual(len(err.splitlines()), 1, err)  # no asyncio callback tracebacks
+        self.assertRegex(err, r"^attention-kv-caceh: error: could not write --jsonl .*r\.jsonl")
+        self.assertNotIn("wrote:", out)
+        self.assertFalse(summary.exists())
+
+    def test_summary_write_failure_after_the_run_is_one_line_and_lists_only_written_files(self) -> None:
+        (self.tmp / "file.txt").write_text("a file, not a folder\n")
+        jsonl = self.tmp / "r.jsonl"
+        summary = self.tmp / "file.txt" / "s.json"
+        with mock.patch("attention_kv_caceh.harness.cli.check_output_path", no_output_check):
+            code, out, err = quietly(
+                [*FAST, "--num-requests", "4", "--jsonl", str(jsonl), "--summary-json", str(summary)]
+            )
+        self.assertEqual(code, 1)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("attention-kv-caceh: error: could not write an output file", err)
+        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json\n", out)
+        self.assertNotIn("s.json", out)
+        self.assertEqual(len(jsonl.read_text().splitlines()), 4)
+
+    def test_every_request_failing_prints_one_line(self) -> None:
         code, _, err = quietly(
             [
                 "--backend",
-                "openai-completions",
+                "openai-chat",
                 "--base-url",
-                f"http://127.0.0.1:{port}",
+                f"http://127.0.0.1:{free_port()}",
+                "--no-smoke-test",
                 "--model",
                 "m",
-                "--jsonl",
-                str(jsonl),
+                "--num-requests",
+                "3",
             ]
         )
         self.assertEqual(code, 1)
-        self.assertIn("smoke test", err)
-        self.assertIn("server running", err)
-        self.assertFalse(jsonl.exists())
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertRegex(
+            err, r"^attention-kv-caceh: error: 3 of 3 requests failed; first: request 0: connection_error"
+        )
+
+    def test_unreachable_server_is_a_runtime_error_and_leaves_earlier_files_alone(self) -> None:
+        url = f"http://127.0.0.1:{free_port()}"
+        jsonl = self.tmp / "r.jsonl"
+        jsonl.write_text("earlier\n")
+        Path(f"{jsonl}.meta.json").write_text("{}\n")
+        for model in (["--model", "m"], []):  # smoke test; model discovery (GET /v1/models)
+            with self.subTest(model=model):
+                code, _, err = quietly(
+                    ["--backend", "openai-completions", "--base-url", url, *model, "--jsonl", str(jsonl)]
+                )
+                self.assertEqual(code, 1)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn("attention-kv-caceh: error: ", err)
+                self.assertIn(f"the server at {url} could not be reached", err)
+                self.assertNotIn("pass --model", err)
+                self.assertEqual(jsonl.read_text(), "earlier\n")
+                self.assertEqual(Path(f"{jsonl}.meta.json").read_text(), "{}\n")
+
+    def test_ctrl_c_keeps_records_and_lists_only_written_files(self) -> None:
+        jsonl, summary, plot = self.tmp / "h.jsonl", self.tmp / "s.json", self.tmp / "h.png"
+        argv = [
+            *("--num-requests", "500", "--concurrency", "1", "--per-token-ms", "20", "--output-len", "4"),
+            *("--jsonl", str(jsonl), "--summary-json", str(summary), "--plot", str(plot)),
+        ]
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "attention_kv_caceh.harness.cli", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            # Python turns SIGINT into KeyboardInterrupt only when it is not ignored at start.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not (jsonl.exists() and jsonl.stat().st_size > 0) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()
+        self.assertEqual(proc.returncode, 130, err)
+        kept = len(jsonl.read_text().splitlines())
+        self.assertGreaterEqual(kept, 1)
+        self.assertEqual(err, f"attention-kv-caceh: interrupted; {kept} finished requests kept in {jsonl}\n")
+        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json, {summary}\n", out)
+        self.assertFalse(plot.exists())
+        self.assertNotIn("h.png", out)
+        self.assertEqual(json.loads(Path(f"{jsonl}.meta.json").read_text())["status"], "interrupted")
+        self.assertTrue(json.loads(summary.read_text())["interrupted"])
 
     def test_openai_chat_and_completions_end_to_end(self) -> None:
         with scripted_server_process(20, 5) as url:
@@ -153,6 +282,35 @@ class CliTest(unittest.TestCase):
                         self.assertIn(line["output_tokens"], (3, 4, 5))
                         self.assertEqual(line["output_tokens_source"], "usage")
                         self.assertGreaterEqual(line["ttft_ms"], 19.5)
+
+
+class OverheadCommandTest(unittest.TestCase):
+    def test_help_names_the_module_and_shows_every_default(self) -> None:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out), self.assertRaises(SystemExit):
+            overhead.main(["--help"])
+        text = " ".join(out.getvalue().split())
+        self.assertIn("usage: python -m attention_kv_caceh.harness.overhead", text)
+        self.assertNotIn("overhead.py", text)
+        for default in ("[1, 64, 256]", "10.0", "20.0", "50", "2"):
+            self.assertIn(f"(default: {default})", text)
+        self.assertIn("max(16, waves x concurrency)", text)
+        self.assertIn("max(16, waves * concurrency)", overhead.__doc__ or "")
+
+    def test_bad_flags_exit_2_with_one_line_before_the_server_starts(self) -> None:
+        for argv in (["--concurrency", "0"], ["--waves", "0"], ["--tokens", "0"], ["--itl-ms", "nan"]):
+            with self.subTest(argv=argv):
+                err = io.StringIO()
+                with (
+                    contextlib.redirect_stderr(err),
+                    mock.patch.object(
+                        overhead, "scripted_server_process", side_effect=AssertionError("started")
+                    ),
+                ):
+                    code = overhead.main(argv)
+                self.assertEqual(code, 2)
+                self.assertEqual(len(err.getvalue().splitlines()), 1)
+                self.assertIn(f"error: {argv[0]} must be", err.getvalue())
 
 
 if __name__ == "__main__":

@@ -2,8 +2,11 @@
 
 `add_arguments` declares the flags; `run` validates every argument (ValueError naming the bad value)
 before any output file is created, runs the load, prints a setup line and a fixed-width summary table,
-and writes the per-request JSONL (line by line as requests finish), the summary JSON and the timeline.
-Ctrl-C keeps every finished request in the JSONL and still prints and saves a summary of them.
+and writes the per-request JSONL (line by line as requests finish) with its `<jsonl>.meta.json` (config
+and environment), the summary JSON and the timeline. Ctrl-C keeps every finished request in the JSONL
+and still prints and saves a summary of them (no timeline). Runtime failures (server unreachable, smoke
+test failed, failed requests, an output that cannot be written) print one line
+`attention-kv-caceh: error: ...` on stderr and return 1; only files actually written are listed.
 """
 
 from __future__ import annotations
@@ -13,20 +16,30 @@ import asyncio
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.files import JsonlWriter, check_output_path, write_json_atomic
+from attention_kv_caceh.files import JsonlWriter, check_output_path, meta_path, write_json_atomic
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.run import BACKENDS, HarnessConfig, RunResult, run_harness
+from attention_kv_caceh.harness.run import (
+    BACKENDS,
+    HarnessConfig,
+    ModelDiscoveryError,
+    RunResult,
+    run_harness,
+)
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["add_arguments", "config_from_args", "format_summary", "main", "run"]
+
+PROG = "attention-kv-caceh"
+ERROR_PREFIX = f"{PROG}: error:"  # the main CLI's prefix, for usage and runtime errors alike
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -171,6 +184,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
     given = {flag: path for flag, path in paths.items() if path is not None}
     for flag, path in given.items():
         check_output_path(path, flag, (".png",) if flag == "--plot" else ())
+    if args.jsonl is not None:  # its metadata file is written beside it
+        given["--jsonl metadata"] = check_output_path(meta_path(args.jsonl), "--jsonl")
     resolved = [path.resolve() for path in given.values()]
     if len(set(resolved)) != len(resolved):
         raise ValueError(f"output files must differ, got {sorted(str(p) for p in given.values())}")
@@ -216,22 +231,106 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def _summary_document(
-    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig
+    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig, environment: dict[str, Any]
 ) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        "config": config.describe(),
-        "environment": capture_environment(),
-        **summary,
-    }
+    doc: dict[str, Any] = {"config": config.describe(), "environment": environment, **summary}
     if result is not None:
         doc["server_metrics_errors"] = result.server_metrics_errors[:5]
     return doc
 
 
+def _one_line(text: object, limit: int = 300) -> str:
+    """`text` on one line (whitespace runs collapsed), cut to `limit` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def _error(message: object) -> None:
+    """Print a runtime error as the one line `attention-kv-caceh: error: ...` on stderr."""
+    print(f"{ERROR_PREFIX} {_one_line(message, 1000)}", file=sys.stderr)
+
+
+def _failure_line(records: list[RequestRecord]) -> str | None:
+    """One line on the failed requests (how many, and the first one's status and error); None if none."""
+    failed = sorted((r for r in records if not r.ok), key=lambda r: r.request_id)
+    if not failed:
+        return None
+    first = failed[0]
+    http = f" (HTTP {first.http_status})" if first.http_status is not None else ""
+    return (
+        f"{len(failed)} of {len(records)} requests failed; first: request {first.request_id}: "
+        f"{first.status}{http}: {_one_line(first.error)}"
+    )
+
+
+class _JsonlSink:
+    """The per-request JSONL, opened at the first finished request (a failed smoke test leaves an
+    earlier file alone) and flushed per line (survives a crash or Ctrl-C of this process); no fsync,
+    which would stall the event loop for milliseconds and show up in other requests' timestamps.
+    The first OSError is kept in `error` and every later write is refused."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.error: OSError | None = None
+        self.count = 0
+        self._writer: JsonlWriter | None = None
+
+    def write(self, record: RequestRecord) -> bool:
+        """Append `record`; False once writing has failed."""
+        if self.path is None:
+            return True
+        if self.error is not None:
+            return False
+        try:
+            if self._writer is None:
+                meta_path(self.path).unlink(missing_ok=True)  # an earlier run's must not describe this one
+                self._writer = JsonlWriter(self.path, fsync=False)
+            self._writer.write(record.to_json())
+        except OSError as exc:
+            self.error = exc
+            return False
+        self.count += 1
+        return True
+
+    @property
+    def opened(self) -> bool:
+        return self._writer is not None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as exc:
+                self.error = self.error or exc
+
+
+async def _run_until_write_fails(
+    config: HarnessConfig, sink: _JsonlSink, on_record: Callable[[RequestRecord], None]
+) -> RunResult | None:
+    """`run_harness`, with every finished record passed to `on_record` and to `sink`; the run is
+    stopped (None returned) when the sink fails to write. Ctrl-C still raises KeyboardInterrupt."""
+    task: asyncio.Task[RunResult] | None = None
+
+    def record_finished(record: RequestRecord) -> None:
+        on_record(record)
+        if not sink.write(record) and task is not None:
+            task.cancel()
+
+    task = asyncio.create_task(run_harness(config, on_record=record_finished))
+    try:
+        return await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if sink.error is None or (current is not None and current.cancelling()):
+            raise  # cancelled from outside (Ctrl-C)
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
-    0 ok, 1 smoke test failed or a request failed, 130 interrupted. Raises ValueError for bad input
-    (before any file is created)."""
+    0 ok; 1 a runtime failure (server unreachable, smoke test failed, a request failed, an output
+    could not be written), reported as one line on stderr; 130 interrupted. Raises ValueError for bad
+    input (before any file is created)."""
     config = config_from_args(args)
     _check_outputs(args)
     print(
@@ -249,10 +348,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     finished: list[RequestRecord] = []
-    writers: list[JsonlWriter] = []  # opened at the first finished request: a failed smoke test
-    # leaves an earlier file alone. Flushed per line (survives a crash or Ctrl-C of this process);
-    # no fsync, which would stall the event loop for milliseconds and show up in other requests'
-    # timestamps.
+    sink = _JsonlSink(args.jsonl)
     progress = tqdm(
         total=config.num_requests,
         unit="req",
@@ -263,26 +359,31 @@ def run(args: argparse.Namespace) -> int:
 
     def on_record(record: RequestRecord) -> None:
         finished.append(record)
-        if args.jsonl is not None:
-            if not writers:
-                writers.append(JsonlWriter(args.jsonl, fsync=False))
-            writers[0].write(record.to_json())
         progress.update(1)
 
     result: RunResult | None = None
+    interrupted = False
     try:
-        result = asyncio.run(run_harness(config, on_record=on_record))
-    except SmokeTestError as exc:
+        result = asyncio.run(_run_until_write_fails(config, sink, on_record))
+    except (SmokeTestError, ModelDiscoveryError) as exc:
         progress.close()
-        print(f"error: {exc}", file=sys.stderr)
+        _error(exc)
         return 1
     except KeyboardInterrupt:
-        progress.close()
-        print(f"\ninterrupted: {len(finished)} finished requests kept", file=sys.stderr)
+        interrupted = True
     finally:
         progress.close()
-        for writer in writers:
-            writer.close()
+        sink.close()
+
+    if sink.error is not None:
+        _error(
+            f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "
+            f"({sink.count} of {len(finished)} finished requests written)"
+        )
+        return 1
+    if interrupted:
+        kept = f" in {args.jsonl}" if sink.opened else ""
+        print(f"{PROG}: interrupted; {len(finished)} finished requests kept{kept}", file=sys.stderr)
 
     if result is not None:
         summary = result.summary
@@ -294,24 +395,49 @@ def run(args: argparse.Namespace) -> int:
     else:
         return 130
     print(format_summary(summary))
-    if args.summary_json is not None:
-        write_json_atomic(args.summary_json, _summary_document(result, summary, config))
-    if args.plot is not None and result is not None:
-        from attention_kv_caceh.harness.timeline import plot_timeline
 
-        plot_timeline(result, args.plot)
-    written = [str(p) for p in (args.jsonl, args.summary_json, args.plot) if p is not None]
+    written: list[str] = []
+    environment: dict[str, Any] | None = None
+    try:
+        if sink.opened:
+            written.append(str(args.jsonl))
+            environment = capture_environment()
+            meta = {
+                "kind": "serving-harness",
+                "status": "interrupted" if result is None else "complete",
+                "records": sink.count,
+                "config": config.describe(),
+                "environment": environment,
+            }
+            written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
+        if args.summary_json is not None:
+            environment = environment or capture_environment()
+            doc = _summary_document(result, summary, config, environment)
+            written.append(str(write_json_atomic(args.summary_json, doc)))
+        if args.plot is not None and result is not None:  # no timeline of an interrupted run
+            from attention_kv_caceh.harness.timeline import plot_timeline
+
+            written.append(str(plot_timeline(result, args.plot)))
+    except OSError as exc:
+        if written:
+            print("wrote: " + ", ".join(written))
+        _error(f"could not write an output file: {exc}")
+        return 1
     if written:
         print("wrote: " + ", ".join(written))
     if result is None:
         return 130
-    return 0 if summary["failed"] == 0 else 1
+    failures = _failure_line(result.records)
+    if failures is not None:
+        _error(failures)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """Stand-alone entry: parse `argv`, run; bad input prints one line and returns 2."""
     parser = argparse.ArgumentParser(
-        prog="attention-kv-caceh harness",
+        prog=f"{PROG} harness",
         description="Streamed-request serving harness: TTFT, ITL, TPOT, E2EL per request.",
     )
     add_arguments(parser)
@@ -319,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run(args)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
         return 2
 
 

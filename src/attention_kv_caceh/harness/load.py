@@ -29,6 +29,7 @@ __all__ = [
     "make_request_specs",
     "run_requests",
     "smoke_test",
+    "unreachable_message",
 ]
 
 _WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "so far")
@@ -200,6 +201,11 @@ class SmokeTestError(RuntimeError):
     """The one-request smoke test before a run failed; the message says why."""
 
 
+def unreachable_message(target: str, detail: str) -> str:
+    """The one wording of "no connection to the server" (smoke test, model discovery)."""
+    return f"the server at {target} could not be reached ({detail}) - is the server running?"
+
+
 async def smoke_test(backend: Backend, spec: RequestSpec, target: str) -> RequestRecord:
     """Send one request and fail fast if it does not stream tokens successfully.
 
@@ -209,9 +215,10 @@ async def smoke_test(backend: Backend, spec: RequestSpec, target: str) -> Reques
     record.sent_ns = record.arrival_ns
     await backend.generate(spec, record)
     if not record.ok:
+        if record.status == "connection_error":
+            raise SmokeTestError(
+                f"smoke test failed: connection_error: {unreachable_message(target, record.error or '')}"
+            )
         status = f" (HTTP {record.http_status})" if record.http_status is not None else ""
-        hint = " - is the server running?" if record.status == "connection_error" else ""
-        raise SmokeTestError(
-            f"smoke test against {target} failed: {record.status}{status}: {record.error}{hint}"
-        )
+        raise SmokeTestError(f"smoke test against {target} failed: {record.status}{status}: {record.error}")
     return record

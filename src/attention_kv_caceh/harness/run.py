@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
 from typing import Any, Literal, cast
+from urllib.parse import urlsplit
 
 import aiohttp
 import numpy as np
@@ -31,13 +32,14 @@ from attention_kv_caceh.harness.load import (
     make_request_specs,
     run_requests,
     smoke_test,
+    unreachable_message,
 )
 from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
 
-__all__ = ["BACKENDS", "HarnessConfig", "RunResult", "run_harness"]
+__all__ = ["BACKENDS", "HarnessConfig", "ModelDiscoveryError", "RunResult", "run_harness"]
 
 BackendName = Literal["simulated", "openai-completions", "openai-chat"]
 BACKENDS: tuple[BackendName, ...] = ("simulated", "openai-completions", "openai-chat")
@@ -75,37 +77,38 @@ class HarnessConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ValueError(f"backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        if self.backend != "simulated" and not self.base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base URL {self.base_url!r} must start with http:// or https://")
+            raise ValueError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend != "simulated":
+            _check_base_url(self.base_url)
         checks: list[tuple[bool, str]] = [
-            (self.num_requests >= 1, f"num-requests must be >= 1, got {self.num_requests}"),
-            (self.concurrency >= 1, f"concurrency must be >= 1, got {self.concurrency}"),
+            (self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
+            (self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}"),
             (
                 self.request_rate > 0 and not math.isnan(self.request_rate),
-                f"request-rate must be > 0 or inf, got {self.request_rate}",
+                f"--request-rate must be > 0 or inf, got {self.request_rate}",
             ),
             (
                 self.burstiness > 0 and math.isfinite(self.burstiness),
-                f"burstiness must be a positive finite number, got {self.burstiness}",
+                f"--burstiness must be a positive finite number, got {self.burstiness}",
             ),
-            (self.warmup_requests >= 0, f"warmup-requests must be >= 0, got {self.warmup_requests}"),
-            (self.server_slots >= 1, f"server-slots must be >= 1, got {self.server_slots}"),
+            (self.seed >= 0, f"--seed must be >= 0, got {self.seed}"),
+            (self.warmup_requests >= 0, f"--warmup-requests must be >= 0, got {self.warmup_requests}"),
+            (self.server_slots >= 1, f"--server-slots must be >= 1, got {self.server_slots}"),
             (
                 self.prefill_ms >= 0 and math.isfinite(self.prefill_ms),
-                f"prefill-ms must be a finite number >= 0, got {self.prefill_ms}",
+                f"--prefill-ms must be a finite number >= 0, got {self.prefill_ms}",
             ),
             (
                 self.per_token_ms >= 0 and math.isfinite(self.per_token_ms),
-                f"per-token-ms must be a finite number >= 0, got {self.per_token_ms}",
+                f"--per-token-ms must be a finite number >= 0, got {self.per_token_ms}",
             ),
             (
                 self.server_metrics_interval_s >= 0 and math.isfinite(self.server_metrics_interval_s),
-                f"server-metrics-interval must be >= 0 s, got {self.server_metrics_interval_s}",
+                f"--server-metrics-interval must be >= 0 s, got {self.server_metrics_interval_s}",
             ),
             (
                 self.timeout_s > 0 and math.isfinite(self.timeout_s),
-                f"timeout must be > 0 s, got {self.timeout_s}",
+                f"--timeout must be > 0 s, got {self.timeout_s}",
             ),
         ]
         for ok, message in checks:
@@ -142,15 +145,38 @@ class RunResult:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str:
-    """The first model id from GET /v1/models. Raises ValueError if none can be found."""
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+def _check_base_url(base_url: str) -> None:
+    """Raise ValueError naming --base-url unless it is an http(s) URL with a host."""
     try:
-        timeout = aiohttp.ClientTimeout(total=min(timeout_s, 30.0))
-        async with session.get(url, timeout=timeout) as response:
+        parts = urlsplit(base_url)
+        host = parts.hostname if parts.port is None or parts.port > 0 else None
+    except ValueError:  # a bad port or bracketed host
+        host = None
+    if not base_url.startswith(("http://", "https://")) or not host:
+        raise ValueError(f"--base-url {base_url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+
+
+class ModelDiscoveryError(RuntimeError):
+    """No --model was given and none could be read from the server's GET /v1/models."""
+
+
+async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str:
+    """The first model id from GET /v1/models. Raises ModelDiscoveryError if none can be found (the
+    server cannot be reached, does not answer in time, or lists no model)."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    limit_s = min(timeout_s, 30.0)
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as response:
             body: Any = await response.json(content_type=None)
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise ValueError(
+    except aiohttp.ClientConnectionError as exc:
+        detail = f"GET {url}: {type(exc).__name__}: {exc}"
+        raise ModelDiscoveryError(unreachable_message(base_url, detail)) from None
+    except TimeoutError:
+        raise ModelDiscoveryError(
+            f"the server at {base_url} did not answer GET {url} within {limit_s:g} s"
+        ) from None
+    except (aiohttp.ClientError, ValueError) as exc:
+        raise ModelDiscoveryError(
             f"no --model given and GET {url} failed ({type(exc).__name__}: {exc}); pass --model"
         ) from None
     data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
@@ -160,7 +186,7 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
             model_id: object = cast("dict[str, Any]", first).get("id")
             if isinstance(model_id, str):
                 return model_id
-    raise ValueError(f"no --model given and {url} lists no model; pass --model")
+    raise ModelDiscoveryError(f"no --model given and {url} lists no model; pass --model")
 
 
 async def run_harness(
@@ -170,7 +196,8 @@ async def run_harness(
 ) -> RunResult:
     """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
 
-    Raises load.SmokeTestError when the smoke test fails, ValueError when no model can be found.
+    Raises load.SmokeTestError when the smoke test fails, ModelDiscoveryError when no model can be
+    found.
     Each measured record is passed to `on_record` as its request finishes.
     """
     rng = np.random.default_rng(config.seed)
