@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -53,6 +54,16 @@ def synthetic(kind: str, intercept: float, slope: float, steps: int, repeats: in
     ]
 
 
+def help_text(command: str) -> str:
+    """`attention-kv-caceh COMMAND --help` (the main command's parser), whitespace collapsed."""
+    from attention_kv_caceh import benchmark
+
+    out = io.StringIO()
+    with redirect_stdout(out), contextlib.suppress(SystemExit):
+        benchmark.main([command, "--help"])
+    return " ".join(out.getvalue().split())
+
+
 class ConfigTest(unittest.TestCase):
     def test_rejects_bad_values_naming_them(self) -> None:
         cases: list[tuple[dict[str, Any], str]] = [
@@ -63,6 +74,7 @@ class ConfigTest(unittest.TestCase):
             ({"dtype": "int32"}, "int32"),
             ({"model": "gpt-5"}, "gpt-5"),
             ({"steps": 4, "oracle_steps": (5,)}, "oracle_steps"),
+            ({"seed": -1}, "seed"),
         ]
         for kwargs, needle in cases:
             with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, needle):
@@ -271,20 +283,142 @@ class CacheCommandTest(unittest.TestCase):
                     self.assertEqual(len(err.strip().splitlines()), 1)
             self.assertEqual(list(Path(tmp).iterdir()), [])
 
-    def test_interrupt_keeps_samples(self) -> None:
+    def meta(self, path: Path) -> dict[str, Any]:
+        return json.loads(Path(f"{path}.meta.json").read_text(encoding="utf-8"))
+
+    def csv_rows(self, path: Path) -> list[dict[str, str]]:
+        with path.open(newline="", encoding="utf-8") as f:
+            return list(csv.DictReader(f))
+
+    def test_interrupt_keeps_samples_in_one_line_exit_130(self) -> None:
         def interrupted(config: CacheGrowthConfig, *, samples: list[CacheStepSample], **_: Any) -> None:
             samples.extend(synthetic("dynamic", 0.1, 0.01, 5, 1))
             raise KeyboardInterrupt
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
-            with (
-                mock.patch.object(cli, "run_cache_growth", interrupted),
-                self.assertRaises(KeyboardInterrupt),
+            with mock.patch.object(cli, "run_cache_growth", interrupted):
+                code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+            self.assertEqual(code, 130)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertIn("kept 5 timed samples", err)
+            self.assertEqual(len(self.csv_rows(path)), 5)
+            meta = self.meta(path)
+            self.assertEqual((meta["status"], meta["timed_samples"]), ("interrupted", 5))
+            self.assertEqual(self.meta(Path(tmp, "cache-memory.csv"))["status"], "interrupted")
+
+    def test_interrupt_before_any_sample_writes_a_header_only_csv(self) -> None:
+        # Ctrl-C in the oracle: the message and the metadata must describe files that exist.
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            with mock.patch.object(
+                cache_growth, "check_cache_oracle", mock.Mock(side_effect=KeyboardInterrupt)
             ):
-                self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
-            with path.open(newline="", encoding="utf-8") as f:
-                self.assertEqual(len(list(csv.DictReader(f))), 5)
+                code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+            self.assertEqual(code, 130)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertIn(f"kept 0 timed samples in {path}", err)
+            self.assertEqual(self.csv_rows(path), [])
+            self.assertEqual(self.csv_rows(Path(tmp, "cache-memory.csv")), [])
+            self.assertEqual(self.meta(path)["status"], "interrupted")
+
+    def test_complete_run_meta_status(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            code, out, _ = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+            self.assertEqual(code, 0)
+            self.assertEqual(self.meta(path)["status"], "complete")
+            self.assertEqual(self.meta(Path(tmp, "cache-memory.csv"))["status"], "complete")
+            self.assertIn(f"wrote {path}", out)
+
+    def test_oracle_failure_and_runtime_errors_exit_1_in_one_line(self) -> None:
+        def failing(exc: BaseException) -> Any:
+            def run(config: CacheGrowthConfig, *, samples: list[CacheStepSample], **_: Any) -> None:
+                samples.extend(synthetic("dynamic", 0.1, 0.01, 3, 1))
+                raise exc
+
+            return run
+
+        cases: list[tuple[BaseException, str, str]] = [
+            (OracleMismatch("bad output"), "oracle-failed", "oracle check failed"),
+            (MemoryError(), "failed", "out of memory"),
+            (RuntimeError("boom"), "failed", "RuntimeError: boom"),
+        ]
+        for exc, status, needle in cases:
+            with self.subTest(exc=exc), tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp, "cache.csv")
+                with mock.patch.object(cli, "run_cache_growth", failing(exc)):
+                    code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+                self.assertEqual(code, 1)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn(needle, err)
+                self.assertEqual(len(self.csv_rows(path)), 3)
+                self.assertEqual(self.meta(path)["status"], status)
+
+    def test_usage_errors_leave_an_earlier_run_alone(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            earlier = Path(f"{path}.meta.json")
+            earlier.write_text('{"earlier": true}\n', encoding="utf-8")
+            for bad in (
+                ["--seed", "-1"],
+                ["--steps", "1"],
+                ["--steps", "1000000000"],
+                ["--batch-size", "1000", "--num-heads", "64", "--head-dim", "4096"],
+            ):
+                with self.subTest(bad=bad):
+                    code, out, err = self.run_cli(["cache", "--csv", str(path), *bad])
+                    self.assertEqual(code, 2)
+                    self.assertEqual(len(err.strip().splitlines()), 1, err)
+                    self.assertEqual(out, "")
+            self.assertEqual(earlier.read_text(encoding="utf-8"), '{"earlier": true}\n')
+            self.assertEqual(list(Path(tmp).iterdir()), [earlier])
+
+    def test_flags_are_named_in_errors(self) -> None:
+        for bad, needle in (
+            (["--seed", "-1"], "--seed"),
+            (["--num-heads", "3", "--num-kv-heads", "2"], "--num-heads=3"),
+            (["--model", "nope"], "--model"),
+        ):
+            with self.subTest(bad=bad):
+                _, _, err = self.run_cli(["cache", *bad])
+                self.assertIn(needle, err)
+
+    def test_memory_check_names_size_and_flags(self) -> None:
+        config = CacheGrowthConfig(steps=1024, batch_size=4, num_heads=8, num_kv_heads=8, head_dim=64)
+        needed = cache_growth.estimate_run_bytes(config)
+        # inputs (q, k, v for N steps) and both caches at T = N at least
+        self.assertGreater(needed, 1024 * 4 * 24 * 64 * 4 + 2 * 4 * 8 * 1024 * 64 * 4 * 2)
+        cli.check_cache_memory(config)  # a few MiB: fits
+        with (
+            mock.patch.object(cli.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
+            self.assertRaisesRegex(ValueError, r"GiB.*lower --steps, --batch-size"),
+        ):
+            cli.check_cache_memory(config)  # 1 MiB of memory
+
+    def test_every_output_path_is_checked_first(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            blocker = Path(tmp, "file.txt")
+            blocker.write_text("x", encoding="utf-8")
+            Path(tmp, "cache-memory.csv").mkdir()  # a folder where a side file goes
+            for argv in (
+                ["--csv", f"{blocker}/cache.csv"],
+                ["--csv", f"{tmp}/cache.csv"],
+                ["--csv", f"{tmp}/ok.csv", "--plot", f"{blocker}/c.png"],
+            ):
+                with self.subTest(argv=argv):
+                    code, out, err = self.run_cli(["cache", *argv, *self.FLAGS])
+                    self.assertEqual(code, 2)
+                    self.assertEqual(len(err.strip().splitlines()), 1, err)
+                    self.assertEqual(out, "")
+            self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), ["cache-memory.csv", "file.txt"])
+
+    def test_help_shows_each_default_once(self) -> None:
+        text = help_text("cache")
+        self.assertNotIn("(default: None)", text)
+        self.assertNotIn(") (default:", text)
+        self.assertIn("--batch-size B sequences decoded together (default: 2)", text)
+        self.assertIn("--num-heads H query heads (default: 8, or the model's) --num-kv-heads", text)
 
 
 if __name__ == "__main__":

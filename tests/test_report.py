@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
@@ -256,6 +257,57 @@ class ReportTest(unittest.TestCase):
         for name in by_file:
             self.assertIn(name, text.split("## Problems with files")[1])
 
+    def test_truncated_last_row_keeps_the_complete_rows(self) -> None:
+        path = write_scan(self.folder, "cut.csv")
+        text = path.read_text(encoding="utf-8")
+        path.write_text(text[: text.rstrip().rindex(",")], encoding="utf-8")  # cut inside the last row
+        report, problems = self.report()
+        rows = 3 * 20
+        self.assertEqual(
+            [p.problem for p in problems],
+            [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
+        )
+        self.assertIn("### Batch-size scan: `cut.csv`", report)
+        self.assertIn(f"{rows - 1} raw samples", report)
+        self.assertIn("| 4 | 19 |", report)  # the B = 4 group lost its last sample
+        self.assertIn("truncated file?", report.split("## Problems with files")[1])
+
+    def test_a_short_row_before_the_last_still_rejects_the_file(self) -> None:
+        path = write_scan(self.folder, "cut.csv")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        lines[5] = lines[5][: lines[5].rindex(",")]
+        path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10], encoding="utf-8")
+        report, problems = self.report()
+        self.assertEqual(len(problems), 1)
+        self.assertIn("row 5: column", problems[0].problem)
+        self.assertNotIn("### Batch-size scan", report)
+
+    def test_serving_metadata_in_the_card(self) -> None:
+        ms = 1_000_000
+        record = RequestRecord(
+            request_id=0,
+            arrival_ns=0,
+            prompt_tokens=4,
+            sent_ns=ms,
+            first_token_ns=10 * ms,
+            token_times_ns=[10 * ms, 12 * ms],
+            tokens_per_event=[1, 1],
+            finish_ns=12 * ms,
+            stream_end_ns=12 * ms,
+            output_tokens=2,
+            status=STATUS_OK,
+        )
+        for name in ("a.jsonl", "b.jsonl"):
+            (self.folder / name).write_text(json.dumps(record.to_json()) + "\n", encoding="utf-8")
+        serving_env = {"environment": {**ENV["environment"], "cpu_model": "Serving CPU"}, "config": {}}
+        write_json_atomic(self.folder / "a.jsonl.meta.json", serving_env)
+        text, problems = self.report()
+        card = text.split("## Environment")[1].split("## Results")[0]
+        self.assertIn("| a.jsonl |", card)
+        self.assertIn("| Serving CPU |", card)
+        self.assertIn("No metadata for `b.jsonl`", card)
+        self.assertEqual(problems, [])
+
     def test_plots_beside_the_report(self) -> None:
         write_scan(self.folder)
         write_cache(self.folder)
@@ -296,6 +348,32 @@ class ReportCommandTest(unittest.TestCase):
                     self.assertEqual(cli.main(argv), 2)
                 self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
             self.assertEqual(list(Path(tmp).iterdir()), [])
+
+    def test_unwritable_report_or_plot_writes_nothing(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Path(tmp, "results")
+            folder.mkdir()
+            write_scan(folder)
+            blocker = Path(tmp, "file.txt")
+            blocker.write_text("x", encoding="utf-8")
+            Path(tmp, "R-benchmark.png").mkdir()  # where the scan's plot would go
+            before = sorted(p.name for p in Path(tmp).iterdir())
+            for out_path in (f"{blocker}/R.md", f"{tmp}/R.md"):
+                err = io.StringIO()
+                with self.subTest(out=out_path), redirect_stderr(err), redirect_stdout(io.StringIO()):
+                    self.assertEqual(cli.main(["report", "--results", str(folder), "--out", out_path]), 2)
+                self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+            self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), before)
+
+    def test_help_has_no_none_defaults(self) -> None:
+        from attention_kv_caceh import benchmark
+
+        out = io.StringIO()
+        with redirect_stdout(out), contextlib.suppress(SystemExit):
+            benchmark.main(["report", "--help"])
+        text = " ".join(out.getvalue().split())
+        self.assertIn("(default: results/REPORT.md)", text)
+        self.assertNotIn("(default: None)", text)
 
 
 if __name__ == "__main__":

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import json
 import tempfile
 import unittest
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from attention_kv_caceh.experiments import cli
@@ -84,6 +86,35 @@ class ViewsCommandTest(unittest.TestCase):
             self.assertTrue(Path(str(csv_path) + ".meta.json").exists())
             self.assertEqual(md_path.read_text(encoding="utf-8"), views_markdown(run_views()))
             self.assertIn("| basic slice |", out.getvalue())
+            self.assertIn(f"wrote {csv_path}, {csv_path}.meta.json, {md_path}", out.getvalue())
+            meta = json.loads(Path(f"{csv_path}.meta.json").read_text(encoding="utf-8"))
+            self.assertEqual(meta["status"], "complete")
+
+    def test_unwritable_output_writes_nothing(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            blocker = Path(tmp, "file.txt")
+            blocker.write_text("x", encoding="utf-8")
+            Path(tmp, "taken.csv.meta.json").mkdir()
+            for argv in (
+                ["--csv", f"{tmp}/v.csv", "--md", f"{blocker}/v.md"],
+                ["--csv", f"{blocker}/v.csv", "--md", f"{tmp}/v.md"],
+                ["--csv", f"{tmp}/taken.csv", "--md", f"{tmp}/v.md"],
+            ):
+                out, err = io.StringIO(), io.StringIO()
+                with self.subTest(argv=argv), redirect_stdout(out), redirect_stderr(err):
+                    self.assertEqual(cli.main(["views", *argv]), 2)
+                self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+                self.assertEqual(out.getvalue(), "")
+            self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), ["file.txt", "taken.csv.meta.json"])
+
+    def test_help_has_no_none_defaults(self) -> None:
+        from attention_kv_caceh import benchmark
+
+        out = io.StringIO()
+        with redirect_stdout(out), contextlib.suppress(SystemExit):
+            benchmark.main(["views", "--help"])
+        self.assertIn("--md PATH.md", out.getvalue())
+        self.assertNotIn("(default: None)", " ".join(out.getvalue().split()))
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ __all__ = [
     "CacheMemoryRow",
     "CacheStepSample",
     "check_cache_oracle",
+    "estimate_run_bytes",
     "fit_line",
     "kv_size_card",
     "measure_cache_memory",
@@ -81,8 +82,8 @@ class CacheGrowthConfig:
     Defaults (B=2, H=H_kv=8, D=64, N=2048, 1 warm-up pass + 5 timed passes) keep a run near 40 s on a
     2-core machine while the Dynamic cache's copy (16 MiB per step at the end) clearly shows.
 
-    Raises ValueError for non-positive sizes, H not a multiple of H_kv, negative warm-up, an unknown
-    dtype or model preset, or oracle steps outside 1..N.
+    Raises ValueError for non-positive sizes, H not a multiple of H_kv, a negative warm-up or seed, an
+    unknown dtype or model preset, or oracle steps outside 1..N.
     """
 
     steps: int = 2048
@@ -105,6 +106,9 @@ class CacheGrowthConfig:
         warmup: Any = self.warmup
         if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
             raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
+        seed: Any = self.seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
@@ -180,6 +184,35 @@ def kv_size_card(config: CacheGrowthConfig) -> dict[str, Any]:
         card["kv_bytes_per_token_all_layers_float16"] = preset.kv_bytes_per_token(np.float16)
         card["kv_bytes_per_sequence_all_layers"] = preset.kv_bytes_per_token(config.dtype) * config.steps
     return card
+
+
+# Bytes one raw row takes in memory (a dataclass instance with its dict and boxed values) plus its CSV
+# text while the file is written: a round figure above what tracemalloc shows on CPython 3.11 (about
+# 300 B per timed sample, 530 B per memory row, and about 100 B of CSV text held up to three times).
+ROW_BYTES = 1024
+
+
+def estimate_run_bytes(config: CacheGrowthConfig) -> int:
+    """Memory a run needs at its peak, roughly (bytes): what `run_cache_growth` holds at once.
+
+    The seeded inputs for N steps (q `[N, B, H, 1, D]`, k and v `[N, B, H_kv, 1, D]`); during the
+    oracle both caches at T = N plus the Dynamic cache's next concatenation (3 x B x H_kv x N x D x
+    itemsize x 2) and the float64 copies of K and V the reference makes (counted for the whole batch,
+    an upper bound); and every raw row kept (2 x N memory rows and 2 x N x repeats timed samples, at
+    ROW_BYTES each). Attention's own temporaries (`[B, H, 1, T]` scores) are small beside these.
+    """
+    n, b, h, h_kv, d = (
+        config.steps,
+        config.batch_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+    )
+    inputs = n * b * (h + 2 * h_kv) * d * config.itemsize
+    kv = theoretical_kv_bytes(b, h_kv, n, d, config.itemsize)  # one cache's K and V at T = N
+    reference = theoretical_kv_bytes(b, h_kv, n, d, 8)  # float64 K and V of the oracle's reference
+    rows = 2 * n * (1 + config.repeats) * ROW_BYTES
+    return inputs + 3 * kv + reference + rows
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +23,7 @@ from tqdm import tqdm
 
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
+    estimate_run_bytes,
     kv_size_card,
     run_cache_growth,
     total_steps,
@@ -52,6 +55,7 @@ __all__ = [
     "build_parser",
     "cache_config_from_args",
     "cache_side_paths",
+    "check_cache_memory",
     "format_cache_summary",
     "main",
     "run_cache",
@@ -75,49 +79,77 @@ def _fmt_bytes(n: float) -> str:
 # ---------------------------------------------------------------------------------------------- cache
 
 CACHE_DEFAULTS = CacheGrowthConfig()
+# Config field -> flag, to name the flag in a config's error message.
+_CACHE_FLAGS = {
+    "batch_size": "--batch-size",
+    "num_kv_heads": "--num-kv-heads",
+    "num_heads": "--num-heads",
+    "head_dim": "--head-dim",
+    "steps": "--steps",
+    "repeats": "--repeats",
+    "warmup": "--warmup",
+    "dtype": "--dtype",
+    "seed": "--seed",
+}
+# Share of this machine's memory a run may plan to use (as the batch-size scan's check).
+MEMORY_SHARE = 0.8
 
 
 def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `cache`: output paths, the shape (or a `--model` preset), dtype and the timing knobs."""
+    """Flags of `cache`: output paths, the shape (or a `--model` preset), dtype and the timing knobs.
+
+    Flags without a value of their own (the shape flags a preset may fill, `--model`, `--plot`) default
+    to argparse.SUPPRESS: absent from the namespace unless given, and no "(default: None)" in --help.
+    """
     d = CACHE_DEFAULTS
     parser.add_argument(
         "--csv",
         default="results/cache.csv",
         metavar="PATH.csv",
-        help="raw per-step CSV (default: %(default)s)",
+        help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside "
+        "it (default: %(default)s)",
     )
     parser.add_argument(
-        "--steps", type=int, default=d.steps, metavar="N", help="decode steps (default: %(default)s)"
+        "--steps",
+        type=int,
+        default=d.steps,
+        metavar="N",
+        help="decode steps, at least 2 (default: %(default)s)",
     )
     parser.add_argument(
-        "--batch-size", type=int, default=d.batch_size, metavar="B", help="(default: %(default)s)"
+        "--batch-size",
+        type=int,
+        default=d.batch_size,
+        metavar="B",
+        help="sequences decoded together (default: %(default)s)",
     )
     parser.add_argument(
         "--num-heads",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="H",
         help=f"query heads (default: {d.num_heads}, or the model's)",
     )
     parser.add_argument(
         "--num-kv-heads",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="H_KV",
         help=f"KV heads (default: {d.num_kv_heads}, or the model's)",
     )
     parser.add_argument(
         "--head-dim",
         type=int,
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="D",
         help=f"head dim (default: {d.head_dim}, or the model's)",
     )
     parser.add_argument(
         "--model",
-        default=None,
+        default=argparse.SUPPRESS,
         metavar="PRESET",
-        help=f"take H, H_kv and D from a preset ({', '.join(MODEL_PRESETS)}); explicit flags win",
+        help=f"take H, H_kv and D from a preset ({', '.join(MODEL_PRESETS)}); explicit flags win "
+        "(default: none)",
     )
     parser.add_argument(
         "--dtype", default=d.dtype, metavar="DTYPE", help="float32 or float64 (default: %(default)s)"
@@ -137,40 +169,90 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
         help="unrecorded passes per cache (default: %(default)s)",
     )
     parser.add_argument(
-        "--seed", type=int, default=d.seed, metavar="N", help="seed of the inputs (default: %(default)s)"
+        "--seed",
+        type=int,
+        default=d.seed,
+        metavar="N",
+        help="seed of the inputs, >= 0 (default: %(default)s)",
     )
     parser.add_argument(
-        "--plot", default=None, metavar="PATH.png", help="PNG: per-step time and bytes per step against T"
+        "--plot",
+        default=argparse.SUPPRESS,
+        metavar="PATH.png",
+        help="PNG: per-step time and bytes per step against T (default: no plot)",
     )
+
+
+def _optional(args: argparse.Namespace, name: str) -> Any:
+    """An optional flag's value, None when absent (flags defaulting to SUPPRESS are then missing)."""
+    return getattr(args, name, None)
+
+
+def _name_flags(message: str) -> str:
+    """A config error message with its field names replaced by the flags that set them."""
+    pattern = r"\b(" + "|".join(_CACHE_FLAGS) + r")\b"
+    return re.sub(pattern, lambda m: _CACHE_FLAGS[m.group(1)], message)
 
 
 def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
     """Build the validated config; a `--model` preset fills H, H_kv and D unless given explicitly.
 
-    Raises ValueError for an unknown preset or any invalid value (see CacheGrowthConfig).
+    Raises ValueError naming the flag for an unknown preset, any invalid value (see
+    CacheGrowthConfig), or fewer than 2 steps (the summary fits a line over T).
     """
     d = CACHE_DEFAULTS
     heads, kv_heads, head_dim, model = d.num_heads, d.num_kv_heads, d.head_dim, ""
-    if args.model:
-        preset = get_preset(args.model)
+    model_flag: str | None = _optional(args, "model")
+    if model_flag:
+        try:
+            preset = get_preset(model_flag)
+        except ValueError as exc:
+            raise ValueError(f"--model: {exc}") from None
         heads, kv_heads, head_dim, model = (
             preset.num_heads,
             preset.num_kv_heads,
             preset.head_dim,
             preset.name,
         )
-    return CacheGrowthConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        num_heads=heads if args.num_heads is None else args.num_heads,
-        num_kv_heads=kv_heads if args.num_kv_heads is None else args.num_kv_heads,
-        head_dim=head_dim if args.head_dim is None else args.head_dim,
-        dtype=args.dtype,
-        repeats=args.repeats,
-        warmup=args.warmup,
-        seed=args.seed,
-        model=model,
-    )
+    given = {name: _optional(args, name) for name in ("num_heads", "num_kv_heads", "head_dim")}
+    try:
+        config = CacheGrowthConfig(
+            steps=args.steps,
+            batch_size=args.batch_size,
+            num_heads=heads if given["num_heads"] is None else given["num_heads"],
+            num_kv_heads=kv_heads if given["num_kv_heads"] is None else given["num_kv_heads"],
+            head_dim=head_dim if given["head_dim"] is None else given["head_dim"],
+            dtype=args.dtype,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            seed=args.seed,
+            model=model,
+        )
+    except ValueError as exc:
+        raise ValueError(_name_flags(str(exc))) from None
+    if config.steps < 2:
+        raise ValueError(f"--steps must be at least 2 (the summary fits a line over T), got {config.steps}")
+    return config
+
+
+def check_cache_memory(config: CacheGrowthConfig) -> None:
+    """Refuse a run whose arrays and rows would not fit in this machine's memory.
+
+    Compares `cache_growth.estimate_run_bytes` with MEMORY_SHARE of the physical memory; raises
+    ValueError with both sizes in GiB and the flags to lower. Does nothing where the size is unknown.
+    """
+    needed = estimate_run_bytes(config)
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if total > 0 and needed > MEMORY_SHARE * total:
+        raise ValueError(
+            f"this run needs about {needed / 2**30:.1f} GiB for N={config.steps}, B={config.batch_size}, "
+            f"H={config.num_heads}, H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}, "
+            f"{config.repeats} repeats: more than {MEMORY_SHARE:.0%} of the {total / 2**30:.1f} GiB of "
+            "memory; lower --steps, --batch-size, --num-heads, --num-kv-heads, --head-dim or --repeats"
+        )
 
 
 def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
@@ -245,19 +327,33 @@ def _summary_rows(summary: CacheGrowthSummary) -> list[dict[str, Any]]:
     return rows
 
 
-def run_cache(args: argparse.Namespace) -> int:
-    """Run the cache-growth experiment and write its files; returns the exit code (1 on an oracle failure).
-
-    Writes the raw CSV (rewritten atomically after every timed pass, and on Ctrl-C or a crash before
-    re-raising), `<stem>-memory.csv`, `<stem>-summary.csv`, `<csv>.meta.json` and the `--plot` PNG.
-    Raises ValueError for invalid flags before any file is touched.
-    """
-    config = cache_config_from_args(args)
-    csv_path = str(args.csv)
-    plot_path: str | None = args.plot
+def _check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]:
+    """Check every file `cache` may write (the CSV, the files beside it, the plot); returns the side
+    paths. Raises ValueError naming the flag and the path."""
     _check_output_path("--csv", csv_path, (".csv",))
     _check_output_path("--plot", plot_path, (".png",))
     side = cache_side_paths(csv_path)
+    for path in side.values():
+        check_output_path(path, f"--csv {csv_path!r}: the file beside it")
+    return side
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Run the cache-growth experiment and write its files; returns the exit code.
+
+    Writes the raw CSV and `<stem>-memory.csv` (rewritten atomically after the memory pass and every
+    timed pass, and on Ctrl-C, an oracle failure or an error), each with a `.meta.json` whose `status`
+    says how far the run got (`running`, `complete`, `interrupted`, `oracle-failed`, `failed`), then
+    `<stem>-summary.csv` and the `--plot` PNG. Exit codes: 0 done, 1 oracle failure or runtime error
+    (out of memory, a file that cannot be written), 130 Ctrl-C; each prints one line on stderr.
+    Raises ValueError for invalid flags, or a run too large for this machine's memory, before any
+    file is touched.
+    """
+    config = cache_config_from_args(args)
+    csv_path = str(args.csv)
+    plot_path: str | None = _optional(args, "plot")
+    side = _check_cache_outputs(csv_path, plot_path)
+    check_cache_memory(config)
     card = kv_size_card(config)
 
     print(
@@ -283,23 +379,37 @@ def run_cache(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    environment = capture_environment()
+    try:
+        environment = capture_environment()
+    except KeyboardInterrupt:
+        print("interrupted before the run started: nothing written", file=sys.stderr)
+        return 130
     meta: dict[str, Any] = {
+        "status": "running",
         "environment": environment,
         "config": {"experiment": "cache", **dataclasses.asdict(config)},
         "kv_sizes": card,
         "files": {k: str(v) for k, v in side.items() if k != "meta"},
     }
-    write_json_atomic(side["meta"], meta)
     samples: list[CacheStepSample] = []
     memory: list[CacheMemoryRow] = []
     step_fields = tuple(CacheStepSample.__dataclass_fields__)
     memory_fields = tuple(CacheMemoryRow.__dataclass_fields__)
 
-    def save() -> None:
-        if memory:
-            write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
+    def save(status: str, error: str | None = None) -> None:
+        """Rewrite both raw CSVs (complete, possibly header-only) and their metadata."""
+        meta["status"] = status
+        meta["timed_samples"] = len(samples)
+        meta["memory_rows"] = len(memory)
+        if error is not None:
+            meta["error"] = error
+        write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
         write_csv_atomic(csv_path, (dataclasses.asdict(s) for s in samples), step_fields)
+        write_json_atomic(side["meta"], meta)
+        write_json_atomic(side["memory_meta"], {**meta, "files": {"timed": csv_path}})
+
+    def kept() -> str:
+        return f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in {side['memory']}"
 
     bar = tqdm(
         total=total_steps(config),
@@ -308,30 +418,57 @@ def run_cache(args: argparse.Namespace) -> int:
         disable=not sys.stderr.isatty(),
         desc="cache growth",
     )
+    # The handlers only note what happened: the files are written after the except clause has let go
+    # of the traceback, and with it of the run's arrays (a MemoryError would otherwise strike again).
+    failure: tuple[str, str | None] | None = None
     try:
-        run_cache_growth(config, samples=samples, memory=memory, progress=bar.update, on_pass=save)
+        run_cache_growth(
+            config,
+            samples=samples,
+            memory=memory,
+            progress=bar.update,
+            on_pass=lambda: save("running"),
+        )
     except OracleMismatch as exc:
+        failure = ("oracle-failed", str(exc))
+    except KeyboardInterrupt:
+        failure = ("interrupted", None)
+    except MemoryError:
+        failure = ("failed", "out of memory")
+    except Exception as exc:
+        failure = ("failed", f"{type(exc).__name__}: {exc}")
+    finally:
         bar.close()
-        print(f"oracle check failed, nothing timed: {exc}", file=sys.stderr)
+    if failure is not None:
+        status, error = failure
+        save(status, error)
+        if status == "oracle-failed":
+            print(f"oracle check failed, nothing timed ({kept()}): {error}", file=sys.stderr)
+            return 1
+        if status == "interrupted":
+            print(f"interrupted: {kept()}", file=sys.stderr)
+            return 130
+        hint = (
+            "; lower --steps, --batch-size, --num-heads, --head-dim or --repeats"
+            if error == "out of memory"
+            else ""
+        )
+        print(f"error: the run failed ({kept()}): {error}{hint}", file=sys.stderr)
         return 1
-    except BaseException:
-        bar.close()
-        if samples or memory:  # nothing taken yet: leave any earlier run's files alone
-            save()
-        print(f"interrupted: kept {len(samples)} timed samples in {csv_path}", file=sys.stderr)
-        raise
-    bar.close()
-    save()
-    write_json_atomic(side["memory_meta"], {**meta, "files": {"timed": csv_path}})
-    summary = summarize_cache_growth(samples, memory)
-    write_csv_atomic(side["summary"], _summary_rows(summary), tuple(_summary_rows(summary)[0]))
-    print(format_cache_summary(summary, config.steps))
-    print(f"wrote {csv_path} ({len(samples)} rows), {side['memory']}, {side['summary']}, {side['meta']}")
-    if plot_path is not None:
-        from attention_kv_caceh.plots import plot_cache_growth
+    save("complete")
+    try:
+        summary = summarize_cache_growth(samples, memory)
+        write_csv_atomic(side["summary"], _summary_rows(summary), tuple(_summary_rows(summary)[0]))
+        print(format_cache_summary(summary, config.steps))
+        print(f"wrote {csv_path} ({len(samples)} rows), {side['memory']}, {side['summary']}, {side['meta']}")
+        if plot_path is not None:
+            from attention_kv_caceh.plots import plot_cache_growth
 
-        plot_cache_growth(samples, memory, plot_path)
-        print(f"wrote {plot_path}")
+            plot_cache_growth(samples, memory, plot_path)
+            print(f"wrote {plot_path}")
+    except KeyboardInterrupt:
+        print(f"interrupted after the run: {kept()}; the summary or plot is missing", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -341,33 +478,53 @@ def run_cache(args: argparse.Namespace) -> int:
 def add_views_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `views`: `--csv PATH.csv`, `--md PATH.md` (both optional; the table is printed anyway)."""
     parser.add_argument(
-        "--csv", default=None, metavar="PATH.csv", help="write the table as CSV (plus <csv>.meta.json)"
+        "--csv",
+        default=argparse.SUPPRESS,
+        metavar="PATH.csv",
+        help="write the table as CSV, plus <csv>.meta.json (default: not written)",
     )
-    parser.add_argument("--md", default=None, metavar="PATH.md", help="write the table as Markdown")
+    parser.add_argument(
+        "--md",
+        default=argparse.SUPPRESS,
+        metavar="PATH.md",
+        help="write the table as Markdown (default: not written)",
+    )
 
 
 def run_views_command(args: argparse.Namespace) -> int:
     """Run the six view/copy experiments, print the Markdown table, write the files asked for.
 
-    Raises ValueError for an output path with the wrong suffix.
+    Raises ValueError for an output path (`--csv`, its `.meta.json`, `--md`) that has the wrong suffix
+    or cannot be written, before any file is written.
     """
-    csv_path: str | None = args.csv
-    md_path: str | None = args.md
+    csv_path: str | None = _optional(args, "csv")
+    md_path: str | None = _optional(args, "md")
     _check_output_path("--csv", csv_path, (".csv",))
+    if csv_path is not None:
+        check_output_path(meta_path(csv_path), f"--csv {csv_path!r}: the file beside it")
     _check_output_path("--md", md_path, (".md", ".markdown"))
     rows = run_views()
     table = views_markdown(rows)
+    written: list[str] = []
     if csv_path is not None:
         write_csv_atomic(csv_path, (dataclasses.asdict(r) for r in rows), VIEW_TABLE_COLUMNS)
         write_json_atomic(
             meta_path(csv_path),
-            {"environment": capture_environment(), "config": {"experiment": "views"}},
+            {
+                "status": "complete",
+                "environment": capture_environment(),
+                "config": {"experiment": "views"},
+            },
         )
+        written += [csv_path, str(meta_path(csv_path))]
     if md_path is not None:
         atomic_write_text(md_path, table)
+        written.append(md_path)
     print(table, end="")
     held = sum(r.prediction_held for r in rows)
     print(f"\n{held} of {len(rows)} predictions held.")
+    if written:
+        print(f"wrote {', '.join(written)}")
     return 0
 
 
@@ -393,12 +550,15 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
 def run_report(args: argparse.Namespace) -> int:
     """Write the report of a results folder; file problems are listed in it and on stderr (exit 0).
 
-    Raises ValueError when --results is not a folder or --out does not end in .md (nothing written).
+    Raises ValueError when --results is not a folder, or --out or a plot beside it (`<out stem>-<csv
+    stem>.png`) cannot be written (nothing written then).
     """
-    from attention_kv_caceh.experiments.report import build_report
+    from attention_kv_caceh.experiments.report import build_report, planned_plots
 
     out_path = str(args.out)
     _check_output_path("--out", out_path, (".md",))
+    for target in planned_plots(args.results, out_path):
+        check_output_path(target, f"--out {out_path!r}: the plot beside it")
     result = build_report(args.results, out_path)
     atomic_write_text(out_path, result.markdown)
     print(f"wrote {out_path} from {len(result.sources)} raw file(s): {', '.join(result.sources) or 'none'}")
@@ -444,6 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
             name,
             help=help_text,
             description=help_text,
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # as the main command's
         )
         add_arguments(p)
         p.set_defaults(_run=runner)
@@ -451,7 +612,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parse `argv` and run the subcommand; a ValueError becomes one line on stderr and exit code 2."""
+    """Parse `argv` and run the subcommand; a ValueError becomes one line on stderr and exit code 2,
+    an OSError (a file that cannot be written) one line and exit code 1, as in the main command."""
     parser = build_parser()
     args = parser.parse_args(argv)
     runner: Any = args._run
@@ -460,6 +622,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:
+        print(f"{parser.prog} {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ Markdown of each kind (and holds OUTLIER_FACTOR and `flag_outliers`, re-exported
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import typing
@@ -53,6 +54,7 @@ __all__ = [
     "classify_header",
     "flag_outliers",
     "parse_rows",
+    "planned_plots",
 ]
 
 
@@ -158,22 +160,78 @@ def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T
 # ------------------------------------------------------------------------------------------- reading
 
 
-def _read_csv(path: Path) -> tuple[list[str], list[dict[str, str | None]]]:
+@dataclass
+class _CsvFile:
+    """A CSV's header and data rows (a short row has None for its missing cells), and whether its
+    last row may have been cut off: short, or not ended by a line break."""
+
+    header: list[str]
+    rows: list[dict[str, str | None]]
+    tail_suspect: bool
+
+
+def _read_csv(path: Path) -> _CsvFile:
     with path.open(newline="", encoding="utf-8") as f:
-        reader = csv.DictReader(f)
-        header = list(reader.fieldnames or [])
-        rows: list[dict[str, str | None]] = []
-        for row in reader:
-            if None in row:
-                raise ValueError(f"row {len(rows) + 1} has more cells than the header")
-            rows.append(dict(row))
-    return header, rows
+        text = f.read()
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    header = list(reader.fieldnames or [])
+    rows: list[dict[str, str | None]] = []
+    for row in reader:
+        if None in row:
+            raise ValueError(f"row {len(rows) + 1} has more cells than the header")
+        rows.append(dict(row))
+    short = bool(rows) and any(v is None for v in rows[-1].values())
+    return _CsvFile(header, rows, short or not text.endswith(("\n", "\r")))
 
 
-def _read_meta(csv_path: Path, problems: list[FileProblem]) -> dict[str, Any] | None:
+def _read_header(path: Path) -> list[str]:
+    """The header of a CSV ([] when empty or unreadable)."""
+    try:
+        with path.open(newline="", encoding="utf-8") as f:
+            empty: list[str] = []
+            return next(csv.reader(f), empty)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return []
+
+
+def _parses(cls: type[Any], rows: Sequence[Mapping[str, str | None]]) -> bool:
+    try:
+        parse_rows(cls, rows)
+    except ValueError:
+        return False
+    return True
+
+
+def _parse_file_rows(cls: type[T], file: _CsvFile, path: Path, problems: list[FileProblem]) -> list[T]:
+    """parse_rows over a file's rows; a last row cut off (truncated file) is left out and noted.
+
+    Only the last row gets that treatment, and only when it is short or lacks its line break: any other
+    bad row raises ValueError as parse_rows does, and so does a file whose only row is cut off.
+    """
+    try:
+        return parse_rows(cls, file.rows)
+    except ValueError as exc:
+        if not file.tail_suspect or _parses(cls, file.rows[-1:]):
+            raise  # the bad row is not a cut-off last one
+        if len(file.rows) == 1:
+            raise ValueError(f"{exc} (truncated file?); no complete rows") from None
+    last = len(file.rows)
+    parsed = parse_rows(cls, file.rows[:-1])  # a bad row before the last rejects the file
+    problems.append(
+        FileProblem(str(path), f"row {last} is incomplete (truncated file?); {last - 1} complete rows used")
+    )
+    return parsed
+
+
+def _read_meta(
+    csv_path: Path, problems: list[FileProblem], *, required: bool = True
+) -> dict[str, Any] | None:
+    """The parsed `<file>.meta.json` of a raw file; None (with a problem noted, when `required` or
+    malformed) when it is missing or malformed."""
     path = meta_path(csv_path)
     if not path.exists():
-        problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
+        if required:
+            problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
         return None
     try:
         meta = json.loads(path.read_text(encoding="utf-8"))
@@ -251,6 +309,28 @@ def _read_jsonl(path: Path, problems: list[FileProblem]) -> list[RequestRecord] 
 # ------------------------------------------------------------------------------------------- main
 
 
+def _plot_target(out: Path, csv_name: str) -> Path:
+    return out.with_name(f"{out.stem}-{Path(csv_name).stem}.png")
+
+
+def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
+    """The PNGs `build_report` may write beside `out_path`: one per scan or cache-growth raw CSV in
+    `results_dir` (told by its header). Lets a caller check them before anything is written.
+
+    Raises ValueError when `results_dir` is not a folder.
+    """
+    folder, out = Path(results_dir), Path(out_path)
+    if not folder.is_dir():
+        raise ValueError(f"--results {str(results_dir)!r} is not a folder")
+    return [
+        _plot_target(out, path.name)
+        for path in sorted(folder.iterdir())
+        if path.suffix == ".csv"
+        and path.is_file()
+        and classify_header(_read_header(path)) in ("scan", "cache")
+    ]
+
+
 def build_report(
     results_dir: str | Path,
     out_path: str | Path,
@@ -273,16 +353,18 @@ def build_report(
     metas: dict[str, dict[str, Any]] = {}
     buckets: dict[str, list[str]] = {"scan": [], "cache": [], "views": [], "serving": []}
     skipped: list[str] = []
+    no_meta: list[str] = []  # raw files used without metadata
     cache_runs: list[tuple[str, list[CacheStepSample]]] = []
     memory_rows: list[CacheMemoryRow] = []
 
     for path in sorted(folder.iterdir()):
         if path.suffix == ".csv" and path.is_file():
             try:
-                header, rows = _read_csv(path)
+                file = _read_csv(path)
             except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
                 problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
                 continue
+            header, rows = file.header, file.rows
             kind = classify_header(header)
             if kind is None:
                 problems.append(
@@ -298,9 +380,11 @@ def build_report(
             meta = _read_meta(path, problems) if kind != "cache-memory" else None
             if meta is not None:
                 metas[path.name] = meta
+            elif kind != "cache-memory":
+                no_meta.append(path.name)
             try:
                 if kind == "scan":
-                    scan_samples = parse_rows(Sample, rows)
+                    scan_samples = _parse_file_rows(Sample, file, path, problems)
                     meta_name = meta_path(path.name).name
                     probe = _int_keyed(meta, "probe_samples_ms", meta_name, problems)
                     kv = _int_keyed(meta, "kv_bytes_per_step", meta_name, problems)
@@ -308,17 +392,19 @@ def build_report(
                     if plot:
                         from attention_kv_caceh.plots import plot_scan
 
-                        target = out.with_name(f"{out.stem}-{path.stem}.png")
+                        target = _plot_target(out, path.name)
                         result.plots.append(plot_scan(table, target, title=f"Batch-size scan: {path.name}"))
                         text += f"\n![{path.name}]({target.name})\n"
                     buckets["scan"].append(text)
                 elif kind == "cache":
-                    cache_runs.append((path.name, parse_rows(CacheStepSample, rows)))
+                    cache_runs.append((path.name, _parse_file_rows(CacheStepSample, file, path, problems)))
                 elif kind == "cache-memory":
-                    memory_rows += parse_rows(CacheMemoryRow, rows)
+                    memory_rows += _parse_file_rows(CacheMemoryRow, file, path, problems)
                     result.sources.append(path.name)
                 else:
-                    buckets["views"].append(views_section(path.name, parse_rows(ViewRow, rows)))
+                    buckets["views"].append(
+                        views_section(path.name, _parse_file_rows(ViewRow, file, path, problems))
+                    )
             except ValueError as exc:
                 problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
                 continue
@@ -335,6 +421,12 @@ def build_report(
                 continue
             buckets["serving"].append(text)
             result.sources.append(path.name)
+            # The harness may write `<jsonl>.meta.json`; older runs have none (noted in the card).
+            meta = _read_meta(path, problems, required=False)
+            if meta is not None:
+                metas[path.name] = meta
+            else:
+                no_meta.append(path.name)
 
     for name, samples in cache_runs:
         key = _run_key(samples[0])
@@ -347,7 +439,7 @@ def build_report(
         if plot:
             from attention_kv_caceh.plots import plot_cache_growth
 
-            target = out.with_name(f"{out.stem}-{Path(name).stem}.png")
+            target = _plot_target(out, name)
             result.plots.append(plot_cache_growth(samples, memory, target, title=f"KV-cache growth: {name}"))
             text += f"\n![{name}]({target.name})\n"
         buckets["cache"].append(text)
@@ -356,7 +448,7 @@ def build_report(
         "# Results report\n",
         f"Recomputed from the raw files in `{folder}`: {', '.join(f'`{s}`' for s in result.sources) or 'none'}.\n",
         "## Environment\n",
-        environment_card(metas),
+        environment_card(metas, no_meta),
         "## Results\n",
         *([t for bucket in buckets.values() for t in bucket] or ["No raw results were found.\n"]),
     ]

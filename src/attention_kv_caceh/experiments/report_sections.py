@@ -80,11 +80,19 @@ def _bytes(n: float) -> str:
 # ------------------------------------------------------------------------------------ environment
 
 
-def environment_card(metas: Mapping[str, Mapping[str, Any]]) -> str:
+def environment_card(metas: Mapping[str, Mapping[str, Any]], missing: Sequence[str] = ()) -> str:
     """A table of each metadata file's environment (file name -> its parsed `.meta.json`), one
-    column per file; a line saying the environment is unknown when there are none."""
+    column per file, then a line naming the raw files used without metadata (`missing`); a line
+    saying the environment is unknown when there are none."""
+    note = (
+        "No metadata for " + ", ".join(f"`{name}`" for name in missing) + ": their environment is unknown.\n"
+        if missing
+        else ""
+    )
     if not metas:
-        return "No metadata found: the environment of these results is unknown.\n"
+        return "No metadata found: the environment of these results is unknown.\n" + (
+            "\n" + note if note else ""
+        )
     keys = [
         ("start_time_utc", "start (UTC)"),
         ("cpu_model", "CPU"),
@@ -117,7 +125,10 @@ def environment_card(metas: Mapping[str, Mapping[str, Any]]) -> str:
                 value = value[:12]
             cells.append(str(value).replace("|", "/"))
         rows.append(cells)
-    return _table(["", *names], rows)
+    status = [str(metas[name].get("status", "?")).replace("|", "/") for name in names]
+    if any(v != "?" for v in status):
+        rows.insert(0, ["run status", *status])
+    return _table(["", *names], rows) + ("\n" + note if note else "")
 
 
 # ------------------------------------------------------------------------------------------- scan
