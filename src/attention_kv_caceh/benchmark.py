@@ -437,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:  # a file could not be written: say which, without a traceback
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # commands that keep samples handle Ctrl-C themselves; the rest stop here
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
