@@ -8,12 +8,15 @@ line at a time instead. Parent folders are created as needed.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
 import os
+import signal
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -23,6 +26,7 @@ __all__ = [
     "atomic_write_bytes",
     "atomic_write_text",
     "check_output_path",
+    "ignoring_sigint",
     "meta_path",
     "write_csv_atomic",
     "write_json_atomic",
@@ -85,6 +89,21 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
                 raise ValueError(f"{flag} {str(p)!r}: cannot write in {parent} ({exc.strerror})") from None
             break
     return p
+
+
+@contextlib.contextmanager
+def ignoring_sigint() -> Iterator[None]:
+    """Ignore SIGINT (Ctrl-C) inside the block, e.g. while the final files of an interrupted run are
+    written: a second Ctrl-C (a terminal sends one to `uv` too, which forwards it) must not cut the save
+    short. Outside the main thread, where signal handlers cannot be set, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _umask() -> int:
