@@ -16,7 +16,7 @@ import os
 import signal
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -92,7 +92,7 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
 
 
 @contextlib.contextmanager
-def ignoring_sigint() -> Iterator[None]:
+def ignoring_sigint() -> Generator[None]:
     """Ignore SIGINT (Ctrl-C) inside the block, e.g. while the final files of an interrupted run are
     written: a second Ctrl-C (a terminal sends one to `uv` too, which forwards it) must not cut the save
     short. Outside the main thread, where signal handlers cannot be set, it does nothing."""
