@@ -6,6 +6,7 @@ import contextlib
 import csv
 import io
 import json
+import signal
 import subprocess
 import sys
 import tempfile
@@ -116,15 +117,20 @@ class ScanCliTest(unittest.TestCase):
         self.csv.write_text("keep me\n")
         (self.dir / "file.txt").write_text("a file, not a folder\n")
         cases = [
-            (["--batch-sizes", "0,2"], "batch sizes must be positive"),
+            (["--batch-sizes", "0,2"], "--batch-sizes must be positive"),
             (["--batch-sizes", "a,b"], "comma-separated integers"),
             (["--batch-sizes", "1,,2"], "comma-separated integers"),
-            (["--seed", "-1"], "seed must be >= 0"),
+            (["--seed", "-1"], "--seed must be >= 0"),
+            (["--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+            (["--repeats", "1000000000000"], "GiB"),
             (["--csv", str(self.dir / "file.txt" / "x.csv")], "file.txt is not a folder"),
-            (["--seq-len", "-1"], "seq_len must be >= 1, got -1"),
-            (["--num-heads", "3", "--num-kv-heads", "2"], "num_heads=3 must be a multiple of num_kv_heads=2"),
+            (["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),
+            (
+                ["--num-heads", "3", "--num-kv-heads", "2"],
+                "--num-heads=3 must be a multiple of --num-kv-heads=2",
+            ),
             (["--dtype", "float16"], "invalid choice"),
-            (["--repeats", "0"], "repeats must be >= 1"),
+            (["--repeats", "0"], "--repeats must be >= 1"),
             (["--model", "gpt-5"], "invalid choice"),
             (["--no-such-flag"], "unrecognized arguments"),
             (["--blas-threads", "0"], "--blas-threads must be >= 1"),
@@ -139,7 +145,11 @@ class ScanCliTest(unittest.TestCase):
                 self.assertIn(message, err)
                 self.assertEqual(out, "")
                 self.assertEqual(self.csv.read_text(), "keep me\n")
-        code, _, err = run_cli("--csv", str(self.dir))
+        code, _, err = run_cli("--csv", str(self.dir / "b.csv.meta.json"))
+        self.assertEqual((code, err.count("\n")), (2, 1))
+        self.assertIn("must end in .csv", err)
+        (self.dir / "folder.csv").mkdir()
+        code, _, err = run_cli("--csv", str(self.dir / "folder.csv"))
         self.assertEqual(code, 2)
         self.assertIn("is a folder", err)
 
@@ -186,6 +196,33 @@ class ScanCliTest(unittest.TestCase):
         self.assertEqual(len(read_csv(self.csv)), 6)
         meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
         self.assertEqual(meta["status"], "interrupted")
+
+
+class SecondInterruptTest(unittest.TestCase):
+    def test_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
+        real_run, real_write = scan.run_batch, benchmark.write_json_atomic
+
+        def interrupted(config, inputs, b):  # type: ignore[no-untyped-def]
+            if b == 2:
+                raise KeyboardInterrupt
+            return real_run(config, inputs, b)
+
+        def write_with_second_sigint(path, obj):  # type: ignore[no-untyped-def]
+            if obj.get("status") == "interrupted":
+                signal.raise_signal(signal.SIGINT)  # as when uv forwards the terminal's Ctrl-C
+            return real_write(path, obj)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            csv_path = Path(tmp) / "b.csv"
+            with (
+                mock.patch.object(benchmark, "run_batch", interrupted),
+                mock.patch.object(benchmark, "write_json_atomic", write_with_second_sigint),
+            ):
+                code, _, _ = run_cli("--csv", str(csv_path), "--repeats", "2")
+            self.assertEqual(code, 130)
+            meta = json.loads((Path(tmp) / "b.csv.meta.json").read_text())
+            self.assertEqual(meta["status"], "interrupted")
+            self.assertEqual(len(read_csv(csv_path)), 2)
 
 
 def samples_for(b: int, values: list[float]) -> list[Sample]:

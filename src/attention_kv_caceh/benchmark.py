@@ -34,7 +34,13 @@ from attention_kv_caceh.experiments.scan import (
     saturation_verdict,
     scan_table,
 )
-from attention_kv_caceh.files import check_output_path, meta_path, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    check_output_path,
+    ignoring_sigint,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
 from attention_kv_caceh.timing import Sample, blas_threads_pinned, capture_environment
@@ -164,19 +170,43 @@ def _scan_config(args: argparse.Namespace) -> ScanConfig:
     )
 
 
+# ScanConfig speaks of its fields; the CLI names the flag that set them.
+_FIELD_FLAGS = {
+    "batch_sizes": "--batch-sizes",
+    "batch sizes": "--batch-sizes",
+    "seq_len": "--seq-len",
+    "head_dim": "--head-dim",
+    "num_heads": "--num-heads",
+    "num_kv_heads": "--num-kv-heads",
+    "dtype": "--dtype",
+    "cache": "--cache",
+    "warmup": "--warmup",
+    "repeats": "--repeats",
+    "seed": "--seed",
+}
+
+
+def _flag_message(message: str) -> str:
+    for field, flag in sorted(_FIELD_FLAGS.items(), key=lambda kv: -len(kv[0])):
+        message = message.replace(f"{field}=", f"{flag}=").replace(f"{field} must", f"{flag} must")
+    return message
+
+
 def _check_memory(config: ScanConfig) -> None:
     """Refuse a scan whose arrays alone would not fit in this machine's memory."""
     b = max(config.batch_sizes)
     itemsize = np.dtype(config.dtype).itemsize
     kv = kv_bytes_per_step(config, b)
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
-    needed = inputs + 3 * kv  # the cache, a concatenation's new arrays, the probe buffer
+    rows = config.repeats * len(config.batch_sizes) * 2  # raw samples and probe samples
+    needed = inputs + 3 * kv + rows * 400  # cache, a concatenation's new arrays, probe; ~400 B per row
     total = _memory_limit()
     if total is not None and needed > 0.8 * total:
         raise UsageError(
             f"this scan needs about {needed / 2**30:.1f} GiB for B={b}, T={config.seq_len}, "
+            f"{config.repeats} repeats, "
             f"H_kv={config.num_kv_heads}, D={config.head_dim}, more than 80 % of the "
-            f"{total / 2**30:.1f} GiB this process may use; lower --batch-sizes or --seq-len"
+            f"{total / 2**30:.1f} GiB this process may use; lower --batch-sizes, --seq-len or --repeats"
         )
 
 
@@ -256,13 +286,13 @@ def run_scan(args: argparse.Namespace) -> int:
     try:
         config = _scan_config(args)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_flag_message(str(exc))) from None
     if args.blas_threads is not None and args.blas_threads < 1:
         raise UsageError(f"--blas-threads must be >= 1, got {args.blas_threads}")
     _check_memory(config)
     csv_path: Path = args.csv
     try:
-        check_output_path(csv_path, "--csv")
+        check_output_path(csv_path, "--csv", (".csv",))
         if args.plot is not None:
             check_output_path(args.plot, "--plot", (".png",))
     except ValueError as exc:
@@ -277,6 +307,13 @@ def run_scan(args: argparse.Namespace) -> int:
 
 def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
     env = capture_environment()
+    cpus = os.cpu_count() or 1
+    if args.blas_threads is not None and args.blas_threads > cpus:
+        print(
+            f"warning: --blas-threads {args.blas_threads} is more than the {cpus} logical CPUs here; "
+            "the threads will compete for cores",
+            file=sys.stderr,
+        )
     if not blas_threads_pinned() and args.blas_threads is None:
         print(
             "warning: BLAS threads were not pinned before start (set OPENBLAS_NUM_THREADS=1 "
@@ -328,13 +365,15 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
             flush("running")
     except KeyboardInterrupt:
         progress.close()
-        flush("interrupted")
+        with ignoring_sigint():  # a second Ctrl-C must not cut the save short
+            flush("interrupted")
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: interrupted; {done} samples kept in {csv_path}", file=sys.stderr)
         return 130
     except MemoryError:
         progress.close()
-        flush("out-of-memory")
+        with ignoring_sigint():
+            flush("out-of-memory")
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
         return 1
