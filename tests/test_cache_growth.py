@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import dataclasses
 import io
 import json
+import resource
+import signal
 import tempfile
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
@@ -27,6 +30,7 @@ from attention_kv_caceh.experiments.cache_growth import (
 from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheStepSample,
     fit_line,
+    partial_passes,
     rolling_median,
     summarize_cache_growth,
 )
@@ -225,6 +229,19 @@ class StatisticsTest(unittest.TestCase):
         last = s.checkpoints[-1]
         self.assertAlmostEqual(last["dynamic_p50_ms"], 0.1 + 0.01 * 100)  # window (99, 100] at n/64 = 1
 
+    def test_a_pass_cut_part_way_is_left_out_of_the_totals(self) -> None:
+        dyn = synthetic("dynamic", 0.1, 0.01, 10, 2)
+        pre = synthetic("preallocated", 0.1, 0.005, 10, 2)
+        cut = [dataclasses.replace(x, repeat=2, elapsed_ms=100.0) for x in pre[:4]]
+        s = summarize_cache_growth(dyn + pre + cut)
+        self.assertEqual(s.totals["preallocated"]["count"], 2)
+        self.assertAlmostEqual(s.totals["preallocated"]["p50_ms"], sum(x.elapsed_ms for x in pre[:10]))
+        self.assertEqual(partial_passes(dyn + pre + cut), ["preallocated repeat 2"])
+        self.assertEqual(partial_passes(dyn + pre), [])
+        only_cut = summarize_cache_growth(dyn + cut)  # no complete preallocated pass: no total
+        self.assertTrue(np.isnan(only_cut.totals["preallocated"]["p50_ms"]))
+        self.assertTrue(np.isnan(only_cut.total_ratio))
+
     def test_summary_needs_both_caches(self) -> None:
         with self.assertRaisesRegex(ValueError, "preallocated"):
             summarize_cache_growth(synthetic("dynamic", 0.1, 0.01, 10, 1))
@@ -301,7 +318,7 @@ class CacheCommandTest(unittest.TestCase):
                 code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
             self.assertEqual(code, 130)
             self.assertEqual(len(err.strip().splitlines()), 1, err)
-            self.assertIn("kept 5 timed samples", err)
+            self.assertTrue(err.startswith("attention-kv-caceh: interrupted: kept 5 timed samples"), err)
             self.assertEqual(len(self.csv_rows(path)), 5)
             meta = self.meta(path)
             self.assertEqual((meta["status"], meta["timed_samples"]), ("interrupted", 5))
@@ -329,7 +346,9 @@ class CacheCommandTest(unittest.TestCase):
             self.assertEqual(code, 0)
             self.assertEqual(self.meta(path)["status"], "complete")
             self.assertEqual(self.meta(Path(tmp, "cache-memory.csv"))["status"], "complete")
+            self.assertFalse(self.meta(path)["partial_pass"])
             self.assertIn(f"wrote {path}", out)
+            self.assertIn(f"{path}.meta.json, {tmp}/cache-memory.csv.meta.json", out)
 
     def test_oracle_failure_and_runtime_errors_exit_1_in_one_line(self) -> None:
         def failing(exc: BaseException) -> Any:
@@ -351,9 +370,80 @@ class CacheCommandTest(unittest.TestCase):
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
                 self.assertEqual(code, 1)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertTrue(err.startswith("attention-kv-caceh: error: "), err)
                 self.assertIn(needle, err)
                 self.assertEqual(len(self.csv_rows(path)), 3)
                 self.assertEqual(self.meta(path)["status"], status)
+
+    def test_a_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
+        # Under `uv run` one Ctrl-C reaches python twice; the second lands while the files are saved.
+        def interrupted(config: CacheGrowthConfig, *, samples: list[CacheStepSample], **_: Any) -> None:
+            samples.extend(synthetic("dynamic", 0.1, 0.01, 5, 1))
+            raise KeyboardInterrupt
+
+        real_write = cli.write_csv_atomic
+
+        def write_interrupted(*args: Any, **kwargs: Any) -> Path:
+            signal.raise_signal(signal.SIGINT)
+            return real_write(*args, **kwargs)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            with (
+                mock.patch.object(cli, "run_cache_growth", interrupted),
+                mock.patch.object(cli, "write_csv_atomic", write_interrupted),
+            ):
+                try:
+                    code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+                except KeyboardInterrupt:
+                    self.fail("the second Ctrl-C cut the final save short")
+            self.assertEqual(code, 130)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            self.assertEqual(len(self.csv_rows(path)), 5)
+            self.assertEqual(self.meta(path)["status"], "interrupted")
+            self.assertEqual(self.meta(Path(tmp, "cache-memory.csv"))["status"], "interrupted")
+        self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)
+
+    def test_a_pass_cut_part_way_keeps_its_rows(self) -> None:
+        def interrupt_on_call(n: int, real: Any) -> Any:
+            calls = [0]
+
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                calls[0] += 1
+                if calls[0] == n:
+                    raise KeyboardInterrupt
+                return real(*args, **kwargs)
+
+            return wrapped
+
+        # 16 steps, no warm-up: Ctrl-C at the 20th timed step keeps the first pass (16 rows) and 3
+        # steps of the second; Ctrl-C at the 5th memory step keeps 4 memory rows.
+        cases = [
+            ("measure", 20, 19, 32, "preallocated repeat 0"),
+            ("scaled_dot_product_attention", 5, 0, 4, "dynamic memory pass"),
+        ]
+        for name, n, timed, memory, cut in cases:
+            with self.subTest(name=name), tempfile.TemporaryDirectory() as tmp:
+                path = Path(tmp, "cache.csv")
+                patched = interrupt_on_call(n, getattr(cache_growth, name))
+                with mock.patch.object(cache_growth, name, patched):
+                    code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
+                self.assertEqual(code, 130)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertIn(f"kept {timed} timed samples", err)
+                self.assertIn(f"cut part-way: {cut}", err)
+                rows = self.csv_rows(path)
+                self.assertEqual(len(rows), timed)
+                self.assertEqual(len(self.csv_rows(Path(tmp, "cache-memory.csv"))), memory)
+                meta = self.meta(path)
+                self.assertEqual((meta["status"], meta["timed_samples"]), ("interrupted", timed))
+                self.assertEqual((meta["memory_rows"], meta["partial_pass"]), (memory, True))
+                self.assertEqual(meta["partial_passes"], [cut])
+                if timed:
+                    self.assertEqual(
+                        [r["step"] for r in rows if r["repeat"] == "0" and r["cache"] == "preallocated"],
+                        ["0", "1", "2"],
+                    )
 
     def test_usage_errors_leave_an_earlier_run_alone(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -395,6 +485,12 @@ class CacheCommandTest(unittest.TestCase):
             self.assertRaisesRegex(ValueError, r"GiB.*lower --steps, --batch-size"),
         ):
             cli.check_cache_memory(config)  # 1 MiB of memory
+        # `ulimit -v` (RLIMIT_AS) lower than the physical memory counts
+        with (
+            mock.patch.object(resource, "getrlimit", lambda _: (2**20, resource.RLIM_INFINITY)),
+            self.assertRaisesRegex(ValueError, r"of the 0\.0 GiB this process may use"),
+        ):
+            cli.check_cache_memory(config)
 
     def test_every_output_path_is_checked_first(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:

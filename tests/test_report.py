@@ -11,8 +11,9 @@ import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
-from attention_kv_caceh.experiments import cli
+from attention_kv_caceh.experiments import cli, report
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.report import (
@@ -21,6 +22,7 @@ from attention_kv_caceh.experiments.report import (
     classify_header,
     flag_outliers,
     parse_rows,
+    planned_plots,
 )
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
@@ -187,6 +189,15 @@ class ReportTest(unittest.TestCase):
         self.assertIn("| dynamic | 16 B | 1.00 KiB | 16 |", text)
         self.assertIn("Outliers (> 2 x the P95 of its cache in windows of 1 positions): none.", text)
 
+    def test_a_cache_pass_cut_part_way_is_named(self) -> None:
+        write_cache(self.folder)
+        growth = self.folder / "growth.csv"
+        lines = growth.read_text(encoding="utf-8").splitlines(keepends=True)
+        growth.write_text("".join(lines[:-10]), encoding="utf-8")  # the last pass lost 10 steps
+        text, problems = self.report()
+        self.assertEqual(problems, [])
+        self.assertIn("cut part-way (rows kept, left out of the N-step totals): preallocated repeat 1.", text)
+
     def test_views_round_trip(self) -> None:
         rows = run_views()
         path = write_csv_atomic(
@@ -281,6 +292,108 @@ class ReportTest(unittest.TestCase):
         self.assertEqual(len(problems), 1)
         self.assertIn("row 5: column", problems[0].problem)
         self.assertNotIn("### Batch-size scan", report)
+
+    def test_a_last_row_without_its_line_break_is_cut_even_when_it_parses(self) -> None:
+        path = write_scan(self.folder, "cut.csv")
+        lines = path.read_text(encoding="utf-8").splitlines()
+        lines[-1] = lines[-1].rsplit(",", 1)[0] + ",12"
+        path.write_text("\n".join(lines)[:-1], encoding="utf-8")  # `...,12` cut to `...,1`
+        report, problems = self.report()
+        rows = 3 * 20
+        self.assertEqual(
+            [p.problem for p in problems],
+            [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
+        )
+        self.assertIn(f"{rows - 1} raw samples", report)
+        self.assertIn("| 4 | 19 |", report)
+
+    def test_out_of_range_values_reject_the_file_and_the_rest_is_reported(self) -> None:
+        write_scan(self.folder, "good.csv")
+        for name, old, new in (
+            ("zero-batch.csv", "4,128,", "0,128,"),  # B = 0 divided the per-sequence cost by zero
+            ("negative-time.csv", ",1.0,", ",-2.475,"),
+            ("zero-length.csv", "1,128,", "1,0,"),
+        ):
+            path = write_scan(self.folder, name)
+            text = path.read_text(encoding="utf-8")
+            path.write_text(text.replace(old, new, 1), encoding="utf-8")
+        write_cache(self.folder)
+        growth = self.folder / "growth.csv"
+        lines = growth.read_text(encoding="utf-8").splitlines()
+        header = lines[0].split(",")
+        cells = lines[2].split(",")
+        cells[header.index("repeat")] = "-1"
+        lines[2] = ",".join(cells)
+        growth.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        text, problems = self.report()
+        by_file = {Path(p.path).name: p.problem for p in problems}
+        self.assertEqual(
+            by_file,
+            {
+                "zero-batch.csv": "malformed scan CSV: row 41: column 'batch_size': '0' must be >= 1",
+                "negative-time.csv": "malformed scan CSV: row 1: column 'elapsed_ms': '-2.475' must be >= 0",
+                "zero-length.csv": "malformed scan CSV: row 1: column 'sequence_length': '0' must be >= 1",
+                "growth.csv": "malformed cache CSV: row 2: column 'repeat': '-1' must be >= 0",
+            },
+        )
+        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertEqual(text.count("### Batch-size scan"), 1)
+        with self.assertRaisesRegex(ValueError, "row 1: column 'head_dim': '0' must be >= 1"):
+            parse_rows(Sample, [{**dataclasses.asdict(Sample(1, 1, 1.0, 0)), "head_dim": "0"}])
+
+    def test_an_unexpected_error_in_one_file_is_listed_and_the_rest_reported(self) -> None:
+        write_scan(self.folder, "a.csv")
+        write_scan(self.folder, "b.csv")
+        write_cache(self.folder)
+        real = report.scan_section
+
+        def scan_section(name: str, *args: Any) -> Any:
+            if name == "a.csv":
+                raise ZeroDivisionError("float division by zero")
+            return real(name, *args)
+
+        def cache_section(*_: Any) -> Any:
+            raise KeyError("dynamic")
+
+        with (
+            mock.patch.object(report, "scan_section", scan_section),
+            mock.patch.object(report, "cache_section", cache_section),
+        ):
+            text, problems = self.report()
+        self.assertEqual(
+            [(Path(p.path).name, p.problem) for p in problems],
+            [
+                ("a.csv", "cannot report this scan CSV: ZeroDivisionError: float division by zero"),
+                ("growth.csv", "cannot summarize the cache run: KeyError: 'dynamic'"),
+            ],
+        )
+        self.assertIn("### Batch-size scan: `b.csv`", text)
+
+    def test_a_byte_order_mark_before_the_header_is_ignored(self) -> None:
+        path = write_scan(self.folder, "excel.csv")
+        path.write_text(path.read_text(encoding="utf-8"), encoding="utf-8-sig")
+        self.assertTrue(path.read_bytes().startswith(b"\xef\xbb\xbf"))
+        text, problems = self.report()
+        self.assertEqual(problems, [])
+        self.assertIn("### Batch-size scan: `excel.csv`", text)
+        self.assertEqual([p.name for p in planned_plots(self.folder, self.out)], ["REPORT-excel.png"])
+
+    def test_broken_links_and_folders_named_like_raw_files_are_listed(self) -> None:
+        write_scan(self.folder, "good.csv")
+        (self.folder / "broken.csv").symlink_to(self.folder / "nowhere.csv")
+        (self.folder / "sub.csv").mkdir()
+        (self.folder / "runs.jsonl").mkdir()
+        text, problems = self.report()
+        self.assertEqual(
+            [(Path(p.path).name, p.problem) for p in problems],
+            [
+                ("broken.csv", "skipped: a broken symbolic link"),
+                ("runs.jsonl", "skipped: a folder"),
+                ("sub.csv", "skipped: a folder"),
+            ],
+        )
+        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("sub.csv`: skipped: a folder", text)
 
     def test_serving_metadata_in_the_card(self) -> None:
         ms = 1_000_000

@@ -282,19 +282,25 @@ def check_cache_oracle(
 
 
 def measure_cache_memory(
-    kind: str, config: CacheGrowthConfig, q: FloatArray, k: FloatArray, v: FloatArray
+    kind: str,
+    config: CacheGrowthConfig,
+    q: FloatArray,
+    k: FloatArray,
+    v: FloatArray,
+    rows: list[CacheMemoryRow] | None = None,
 ) -> list[CacheMemoryRow]:
     """Decode N steps on a fresh `kind` cache under tracemalloc; one CacheMemoryRow per step.
 
-    Not timed (tracemalloc slows allocation). Raises ValueError if tracemalloc is already tracing
-    (its numbers would mix with the caller's).
+    Each row is appended to `rows` (a new list when None) as soon as it is measured, so a caller
+    keeps the rows of a pass cut short; returns that list. Not timed (tracemalloc slows allocation).
+    Raises ValueError if tracemalloc is already tracing (its numbers would mix with the caller's).
     """
     if tracemalloc.is_tracing():
         raise ValueError("tracemalloc is already tracing; stop it before measuring cache memory")
     cache = _new_cache(kind, config)
     params = config.params()
     del params["warmup"]
-    rows: list[CacheMemoryRow] = []
+    rows = [] if rows is None else rows
     tracemalloc.start()
     try:
         base = tracemalloc.get_traced_memory()[0]
@@ -339,16 +345,16 @@ def _timed_pass(
     q: FloatArray,
     k: FloatArray,
     v: FloatArray,
-    record: bool,
-) -> list[CacheStepSample]:
-    """One pass of N decode steps on a fresh cache, each step timed alone; rows only if `record`."""
+    rows: list[CacheStepSample] | None,
+) -> None:
+    """One pass of N decode steps on a fresh cache, each step timed alone; each step's row is appended
+    to `rows` as soon as it is timed (so a pass cut short keeps its steps), none when `rows` is None."""
     cache = _new_cache(kind, config)
     params = config.params()
-    rows: list[CacheStepSample] = []
     for i in range(config.steps):
         q_t, k_t, v_t = q[i], k[i], v[i]  # views, made outside the timed region
         elapsed = measure(multihead_decode_step, q_t, k_t, v_t, cache, warmup=0, repeats=1)[0]
-        if record:
+        if rows is not None:
             rows.append(
                 CacheStepSample(
                     cache=kind,
@@ -359,7 +365,6 @@ def _timed_pass(
                     **params,
                 )
             )
-    return rows
 
 
 def run_cache_growth(
@@ -372,8 +377,9 @@ def run_cache_growth(
 ) -> CacheGrowthResult:
     """Oracle, memory pass, warm-up passes, then `config.repeats` timed passes per cache.
 
-    Rows are appended to `samples` / `memory` when given (so a caller still holds every sample taken
-    when this raises or is interrupted), and `on_pass()` runs after each recorded pass and after the
+    Rows are appended to `samples` / `memory` (when given) as each step is measured, so a caller
+    still holds every sample taken when this raises or is interrupted, those of a pass cut part-way
+    included (fewer than N rows for that cache and repeat); and `on_pass()` runs after each recorded pass and after the
     memory pass (a caller saves the raw files there). `progress(n)` reports n more steps done; the run
     makes `total_steps(config)` steps in all.
 
@@ -389,7 +395,7 @@ def run_cache_growth(
 
     checked = check_cache_oracle(config, q, k, v, progress=advance)
     for kind in CACHE_KINDS:
-        memory.extend(measure_cache_memory(kind, config, q, k, v))
+        measure_cache_memory(kind, config, q, k, v, memory)
         advance(config.steps)
     if on_pass is not None:
         on_pass()
@@ -397,7 +403,7 @@ def run_cache_growth(
         order = CACHE_KINDS if r % 2 == 0 else CACHE_KINDS[::-1]
         for kind in order:
             record = r >= config.warmup
-            samples.extend(_timed_pass(kind, r - config.warmup, config, q, k, v, record))
+            _timed_pass(kind, r - config.warmup, config, q, k, v, samples if record else None)
             advance(config.steps)
             if record and on_pass is not None:
                 on_pass()

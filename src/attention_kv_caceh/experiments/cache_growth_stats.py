@@ -28,6 +28,7 @@ __all__ = [
     "CacheMemoryRow",
     "CacheStepSample",
     "fit_line",
+    "partial_passes",
     "per_position_median",
     "rolling_median",
     "summarize_cache_growth",
@@ -167,6 +168,22 @@ def rolling_median(values: Sequence[float] | FloatArray, window: int) -> npt.NDA
     )
 
 
+def partial_passes(samples: Iterable[CacheStepSample], memory: Iterable[CacheMemoryRow] = ()) -> list[str]:
+    """The passes cut part-way (a run stopped mid-pass keeps their rows): each cache and repeat whose
+    timed rows, and each cache whose memory rows, are fewer than the run's `steps`, as "dynamic
+    repeat 2" / "dynamic memory pass". Empty when every pass is complete."""
+    counts: dict[tuple[str, int], tuple[int, int]] = {}
+    for s in samples:
+        n, _ = counts.get((s.cache, s.repeat), (0, s.steps))
+        counts[(s.cache, s.repeat)] = (n + 1, s.steps)
+    out = [f"{cache} repeat {r}" for (cache, r), (n, steps) in sorted(counts.items()) if n < steps]
+    mem: dict[str, tuple[int, int]] = {}
+    for m in memory:
+        n, _ = mem.get(m.cache, (0, m.steps))
+        mem[m.cache] = (n + 1, m.steps)
+    return out + [f"{cache} memory pass" for cache, (n, steps) in sorted(mem.items()) if n < steps]
+
+
 def _window(steps: int) -> int:
     return max(1, steps // 64)
 
@@ -186,8 +203,9 @@ def summarize_cache_growth(
     """Fits, totals, checkpoints, copy dominance and memory figures from raw rows.
 
     - fits: `CacheFit` per cache (per-position median over repeats, np.polyfit degree 1).
-    - totals: `summarize_samples` of each repeat's N-step total (ms); total_ratio = dynamic P50 total /
-      preallocated P50 total.
+    - totals: `summarize_samples` of each complete repeat's N-step total (ms); a pass cut part-way (fewer
+      rows than its `steps`) is left out of the totals only, and a cache without a complete pass has
+      nan totals; total_ratio = dynamic P50 total / preallocated P50 total.
     - checkpoints: at T = N/16, N/8, N/4, N/2, N: P50 of the samples whose T lies in the window
       (T - N/64, T], all repeats, per cache, and their ratio.
     - copy_visible_from / copy_dominates_from: the first T from which the rolling median (window N/64)
@@ -213,10 +231,15 @@ def summarize_cache_growth(
         raw_t = np.array([s.sequence_length for s in rows], dtype=np.float64)
         raw_y = np.array([s.elapsed_ms for s in rows], dtype=np.float64)
         fits[kind] = CacheFit(kind, slope, intercept, r2, _r2(raw_t, raw_y, slope, intercept), int(ts.size))
-        per_repeat: dict[int, float] = {}
+        per_repeat: dict[int, list[float]] = {}
         for s in rows:
-            per_repeat[s.repeat] = per_repeat.get(s.repeat, 0.0) + s.elapsed_ms
-        totals[kind] = summarize_samples(list(per_repeat.values()))
+            per_repeat.setdefault(s.repeat, []).append(s.elapsed_ms)
+        complete = [sum(v) for v in per_repeat.values() if len(v) >= rows[0].steps]
+        totals[kind] = (
+            summarize_samples(complete)
+            if complete
+            else dict.fromkeys(summarize_samples([0.0]), float("nan")) | {"count": 0.0}
+        )
         medians[kind] = (ts, med)
 
     total_ratio = totals["dynamic"]["p50_ms"] / totals["preallocated"]["p50_ms"]

@@ -11,6 +11,7 @@ created or truncated; `main` (for running this module on its own) turns it into 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import re
@@ -33,12 +34,14 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheGrowthSummary,
     CacheMemoryRow,
     CacheStepSample,
+    partial_passes,
     summarize_cache_growth,
 )
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import (
     atomic_write_text,
     check_output_path,
+    ignoring_sigint,
     meta_path,
     write_csv_atomic,
     write_json_atomic,
@@ -62,6 +65,10 @@ __all__ = [
     "run_report",
     "run_views_command",
 ]
+
+
+# The main command's name: runtime messages start with it, as the main command's own do.
+PROG = "attention-kv-caceh"
 
 
 def _check_output_path(flag: str, path: str | None, suffixes: tuple[str, ...]) -> None:
@@ -235,23 +242,37 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
     return config
 
 
-def check_cache_memory(config: CacheGrowthConfig) -> None:
-    """Refuse a run whose arrays and rows would not fit in this machine's memory.
+def _memory_limit() -> int | None:
+    """Bytes this process may use: the physical memory, or a lower address-space limit (`ulimit -v`,
+    RLIMIT_AS); None when neither is known."""
+    limits: list[int] = []
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        import resource
 
-    Compares `cache_growth.estimate_run_bytes` with MEMORY_SHARE of the physical memory; raises
-    ValueError with both sizes in GiB and the flags to lower. Does nothing where the size is unknown.
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    limits = [n for n in limits if n > 0]
+    return min(limits) if limits else None
+
+
+def check_cache_memory(config: CacheGrowthConfig) -> None:
+    """Refuse a run whose arrays and rows would not fit in the memory this process may use.
+
+    Compares `cache_growth.estimate_run_bytes` with MEMORY_SHARE of the smaller of the physical memory
+    and the address-space limit (`ulimit -v`); raises ValueError with both sizes in GiB and the flags
+    to lower. Does nothing where neither is known.
     """
     needed = estimate_run_bytes(config)
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return
-    if total > 0 and needed > MEMORY_SHARE * total:
+    total = _memory_limit()
+    if total is not None and needed > MEMORY_SHARE * total:
         raise ValueError(
             f"this run needs about {needed / 2**30:.1f} GiB for N={config.steps}, B={config.batch_size}, "
             f"H={config.num_heads}, H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}, "
-            f"{config.repeats} repeats: more than {MEMORY_SHARE:.0%} of the {total / 2**30:.1f} GiB of "
-            "memory; lower --steps, --batch-size, --num-heads, --num-kv-heads, --head-dim or --repeats"
+            f"{config.repeats} repeats: more than {MEMORY_SHARE:.0%} of the {total / 2**30:.1f} GiB "
+            "this process may use; lower --steps, --batch-size, --num-heads, --num-kv-heads, --head-dim or --repeats"
         )
 
 
@@ -344,8 +365,11 @@ def run_cache(args: argparse.Namespace) -> int:
     Writes the raw CSV and `<stem>-memory.csv` (rewritten atomically after the memory pass and every
     timed pass, and on Ctrl-C, an oracle failure or an error), each with a `.meta.json` whose `status`
     says how far the run got (`running`, `complete`, `interrupted`, `oracle-failed`, `failed`), then
-    `<stem>-summary.csv` and the `--plot` PNG. Exit codes: 0 done, 1 oracle failure or runtime error
-    (out of memory, a file that cannot be written), 130 Ctrl-C; each prints one line on stderr.
+    `<stem>-summary.csv` and the `--plot` PNG. Every step measured is kept, those of a pass cut
+    part-way included (`partial_pass` in the metadata; its cache and repeat have fewer than N rows).
+    The final save ignores Ctrl-C (a second one, as `uv run` forwards, must not cut it short). Exit
+    codes: 0 done, 1 oracle failure or runtime error (out of memory, a file that cannot be written),
+    130 Ctrl-C; each prints one line on stderr, starting with `attention-kv-caceh:`.
     Raises ValueError for invalid flags, or a run too large for this machine's memory, before any
     file is touched.
     """
@@ -382,7 +406,7 @@ def run_cache(args: argparse.Namespace) -> int:
     try:
         environment = capture_environment()
     except KeyboardInterrupt:
-        print("interrupted before the run started: nothing written", file=sys.stderr)
+        print(f"{PROG}: interrupted before the run started: nothing written", file=sys.stderr)
         return 130
     meta: dict[str, Any] = {
         "status": "running",
@@ -401,6 +425,10 @@ def run_cache(args: argparse.Namespace) -> int:
         meta["status"] = status
         meta["timed_samples"] = len(samples)
         meta["memory_rows"] = len(memory)
+        cut = partial_passes(samples, memory)
+        meta["partial_pass"] = bool(cut)
+        if cut:
+            meta["partial_passes"] = cut
         if error is not None:
             meta["error"] = error
         write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
@@ -409,7 +437,11 @@ def run_cache(args: argparse.Namespace) -> int:
         write_json_atomic(side["memory_meta"], {**meta, "files": {"timed": csv_path}})
 
     def kept() -> str:
-        return f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in {side['memory']}"
+        cut = partial_passes(samples, memory)
+        return (
+            f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in "
+            f"{side['memory']}" + (f" (cut part-way: {', '.join(cut)})" if cut else "")
+        )
 
     bar = tqdm(
         total=total_steps(config),
@@ -419,7 +451,9 @@ def run_cache(args: argparse.Namespace) -> int:
         desc="cache growth",
     )
     # The handlers only note what happened: the files are written after the except clause has let go
-    # of the traceback, and with it of the run's arrays (a MemoryError would otherwise strike again).
+    # of the traceback, and with it of the run's arrays (a MemoryError would otherwise strike again),
+    # with Ctrl-C ignored (under `uv run` a Ctrl-C reaches python twice: the second must not cut the
+    # final save short and leave the metadata at "running").
     failure: tuple[str, str | None] | None = None
     try:
         run_cache_growth(
@@ -437,37 +471,43 @@ def run_cache(args: argparse.Namespace) -> int:
         failure = ("failed", "out of memory")
     except Exception as exc:
         failure = ("failed", f"{type(exc).__name__}: {exc}")
-    finally:
+    with ignoring_sigint():
         bar.close()
-    if failure is not None:
-        status, error = failure
-        save(status, error)
-        if status == "oracle-failed":
-            print(f"oracle check failed, nothing timed ({kept()}): {error}", file=sys.stderr)
+        if failure is None:
+            save("complete")
+        else:
+            status, error = failure
+            save(status, error)
+            if status == "oracle-failed":
+                print(
+                    f"{PROG}: error: oracle check failed, nothing timed ({kept()}): {error}", file=sys.stderr
+                )
+                return 1
+            if status == "interrupted":
+                print(f"{PROG}: interrupted: {kept()}", file=sys.stderr)
+                return 130
+            hint = (
+                "; lower --steps, --batch-size, --num-heads, --head-dim or --repeats"
+                if error == "out of memory"
+                else ""
+            )
+            print(f"{PROG}: error: the run failed ({kept()}): {error}{hint}", file=sys.stderr)
             return 1
-        if status == "interrupted":
-            print(f"interrupted: {kept()}", file=sys.stderr)
-            return 130
-        hint = (
-            "; lower --steps, --batch-size, --num-heads, --head-dim or --repeats"
-            if error == "out of memory"
-            else ""
-        )
-        print(f"error: the run failed ({kept()}): {error}{hint}", file=sys.stderr)
-        return 1
-    save("complete")
     try:
         summary = summarize_cache_growth(samples, memory)
         write_csv_atomic(side["summary"], _summary_rows(summary), tuple(_summary_rows(summary)[0]))
         print(format_cache_summary(summary, config.steps))
-        print(f"wrote {csv_path} ({len(samples)} rows), {side['memory']}, {side['summary']}, {side['meta']}")
+        print(
+            f"wrote {csv_path} ({len(samples)} rows), {side['memory']} ({len(memory)} rows), "
+            f"{side['summary']}, {side['meta']}, {side['memory_meta']}"
+        )
         if plot_path is not None:
             from attention_kv_caceh.plots import plot_cache_growth
 
             plot_cache_growth(samples, memory, plot_path)
             print(f"wrote {plot_path}")
     except KeyboardInterrupt:
-        print(f"interrupted after the run: {kept()}; the summary or plot is missing", file=sys.stderr)
+        print(f"{PROG}: interrupted after the run: {kept()}; the summary or plot is missing", file=sys.stderr)
         return 130
     return 0
 

@@ -132,10 +132,27 @@ def _convert(value: str, kind: Any, column: str) -> Any:
     return value
 
 
+# Smallest valid value of the raw columns that have one (in any file kind that has the column): sizes
+# are counts, times and repeat indices cannot be negative.
+MINIMUM: dict[str, int] = {
+    "batch_size": 1,
+    "sequence_length": 1,
+    "num_heads": 1,
+    "num_kv_heads": 1,
+    "head_dim": 1,
+    "steps": 1,
+    "elapsed_ms": 0,
+    "repeat": 0,
+    "step": 0,
+    "warmup": 0,
+}
+
+
 def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T]:
     """Build dataclass instances from CSV rows (strings), converting each field to its annotated type.
 
-    Raises ValueError naming the data row (1-based, after the header) and column of the first bad value.
+    Numbers must be finite, and the columns of MINIMUM at least that value. Raises ValueError naming
+    the data row (1-based, after the header) and column of the first bad value.
     """
     spec: Any = cls
     if not is_dataclass(spec):
@@ -153,6 +170,8 @@ def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T
                 values[name] = _convert(raw, hints[name], name)
             except ValueError as exc:
                 raise ValueError(f"row {i}: {exc}") from None
+            if name in MINIMUM and values[name] < MINIMUM[name]:
+                raise ValueError(f"row {i}: column {name!r}: {raw!r} must be >= {MINIMUM[name]}")
         out.append(cls(**values))
     return out
 
@@ -162,16 +181,23 @@ def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T
 
 @dataclass
 class _CsvFile:
-    """A CSV's header and data rows (a short row has None for its missing cells), and whether its
-    last row may have been cut off: short, or not ended by a line break."""
+    """A CSV's header and data rows (a short row has None for its missing cells), whether its last
+    row may have been cut off (short), and whether it was (not ended by a line break, while the lines
+    before it are: a writer ends every row, so a file cut in its last row, even between the digits of
+    its last cell, lacks the final one)."""
 
     header: list[str]
     rows: list[dict[str, str | None]]
     tail_suspect: bool
+    tail_cut: bool = False
+
+
+# A UTF-8 byte-order mark before the header (Excel writes one) is dropped, not read as a column name.
+ENCODING = "utf-8-sig"
 
 
 def _read_csv(path: Path) -> _CsvFile:
-    with path.open(newline="", encoding="utf-8") as f:
+    with path.open(newline="", encoding=ENCODING) as f:
         text = f.read()
     reader = csv.DictReader(io.StringIO(text, newline=""))
     header = list(reader.fieldnames or [])
@@ -181,13 +207,14 @@ def _read_csv(path: Path) -> _CsvFile:
             raise ValueError(f"row {len(rows) + 1} has more cells than the header")
         rows.append(dict(row))
     short = bool(rows) and any(v is None for v in rows[-1].values())
-    return _CsvFile(header, rows, short or not text.endswith(("\n", "\r")))
+    cut = bool(rows) and not text.endswith(("\n", "\r"))
+    return _CsvFile(header, rows, short or cut, cut)
 
 
 def _read_header(path: Path) -> list[str]:
     """The header of a CSV ([] when empty or unreadable)."""
     try:
-        with path.open(newline="", encoding="utf-8") as f:
+        with path.open(newline="", encoding=ENCODING) as f:
             empty: list[str] = []
             return next(csv.reader(f), empty)
     except (OSError, UnicodeDecodeError, csv.Error):
@@ -205,17 +232,22 @@ def _parses(cls: type[Any], rows: Sequence[Mapping[str, str | None]]) -> bool:
 def _parse_file_rows(cls: type[T], file: _CsvFile, path: Path, problems: list[FileProblem]) -> list[T]:
     """parse_rows over a file's rows; a last row cut off (truncated file) is left out and noted.
 
-    Only the last row gets that treatment, and only when it is short or lacks its line break: any other
-    bad row raises ValueError as parse_rows does, and so does a file whose only row is cut off.
+    Only the last row gets that treatment: always when it lacks its line break (its last cell may be
+    cut yet valid, `42,1` of `42,12`), and when it is short and does not parse. Any other bad row raises
+    ValueError as parse_rows does, and so does a file whose only row is cut off.
     """
-    try:
-        return parse_rows(cls, file.rows)
-    except ValueError as exc:
-        if not file.tail_suspect or _parses(cls, file.rows[-1:]):
-            raise  # the bad row is not a cut-off last one
-        if len(file.rows) == 1:
-            raise ValueError(f"{exc} (truncated file?); no complete rows") from None
     last = len(file.rows)
+    if file.tail_cut:
+        if last == 1:
+            raise ValueError("row 1 is incomplete (truncated file?); no complete rows")
+    else:
+        try:
+            return parse_rows(cls, file.rows)
+        except ValueError as exc:
+            if not file.tail_suspect or _parses(cls, file.rows[-1:]):
+                raise  # the bad row is not a cut-off last one
+            if last == 1:
+                raise ValueError(f"{exc} (truncated file?); no complete rows") from None
     parsed = parse_rows(cls, file.rows[:-1])  # a bad row before the last rejects the file
     problems.append(
         FileProblem(str(path), f"row {last} is incomplete (truncated file?); {last - 1} complete rows used")
@@ -309,6 +341,11 @@ def _read_jsonl(path: Path, problems: list[FileProblem]) -> list[RequestRecord] 
 # ------------------------------------------------------------------------------------------- main
 
 
+def _describe(exc: BaseException) -> str:
+    """An unexpected error in one line: its type, and its message when it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
 def _plot_target(out: Path, csv_name: str) -> Path:
     return out.with_name(f"{out.stem}-{Path(csv_name).stem}.png")
 
@@ -341,7 +378,10 @@ def build_report(
     (named `<report stem>-<csv stem>.png`), and return the Markdown (the caller writes it).
 
     Raises ValueError when `results_dir` is not a folder or `out_path` does not end in .md. Problems
-    with individual files never raise: they are returned in `problems` and listed in the report.
+    with individual files never raise: they are returned in `problems` and listed in the report, and
+    so is an unexpected error in one file's section (the others are still reported), a `.csv` or
+    `.jsonl` name that is not a regular file (a folder, a broken link) and a row with a value out of
+    range (see `parse_rows`).
     """
     folder, out = Path(results_dir), Path(out_path)
     if not folder.is_dir():
@@ -358,7 +398,16 @@ def build_report(
     memory_rows: list[CacheMemoryRow] = []
 
     for path in sorted(folder.iterdir()):
-        if path.suffix == ".csv" and path.is_file():
+        if path.suffix in (".csv", ".jsonl") and not path.is_file():
+            what = (
+                "a broken symbolic link"
+                if path.is_symlink() and not path.exists()
+                else "a folder"
+                if path.is_dir()
+                else "not a regular file"
+            )
+            problems.append(FileProblem(str(path), f"skipped: {what}"))
+        elif path.suffix == ".csv":
             try:
                 file = _read_csv(path)
             except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
@@ -408,9 +457,12 @@ def build_report(
             except ValueError as exc:
                 problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
                 continue
+            except Exception as exc:  # one file's failure must not cost the whole report
+                problems.append(FileProblem(str(path), f"cannot report this {kind} CSV: {_describe(exc)}"))
+                continue
             if kind != "cache-memory":
                 result.sources.append(path.name)
-        elif path.suffix == ".jsonl" and path.is_file():
+        elif path.suffix == ".jsonl":
             records = _read_jsonl(path, problems)
             if records is None:
                 continue
@@ -418,6 +470,9 @@ def build_report(
                 text = serving_section(path.name, records)
             except ValueError as exc:
                 problems.append(FileProblem(str(path), f"cannot summarize: {exc}"))
+                continue
+            except Exception as exc:
+                problems.append(FileProblem(str(path), f"cannot summarize: {_describe(exc)}"))
                 continue
             buckets["serving"].append(text)
             result.sources.append(path.name)
@@ -433,15 +488,19 @@ def build_report(
         memory = [m for m in memory_rows if _run_key(m) == key]
         try:
             text, _ = cache_section(name, samples, memory)
+            if plot:
+                from attention_kv_caceh.plots import plot_cache_growth
+
+                target = _plot_target(out, name)
+                title = f"KV-cache growth: {name}"
+                result.plots.append(plot_cache_growth(samples, memory, target, title=title))
+                text += f"\n![{name}]({target.name})\n"
         except ValueError as exc:
             problems.append(FileProblem(name, f"cannot summarize the cache run: {exc}"))
             continue
-        if plot:
-            from attention_kv_caceh.plots import plot_cache_growth
-
-            target = _plot_target(out, name)
-            result.plots.append(plot_cache_growth(samples, memory, target, title=f"KV-cache growth: {name}"))
-            text += f"\n![{name}]({target.name})\n"
+        except Exception as exc:
+            problems.append(FileProblem(name, f"cannot summarize the cache run: {_describe(exc)}"))
+            continue
         buckets["cache"].append(text)
 
     parts = [

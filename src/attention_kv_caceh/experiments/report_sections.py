@@ -19,6 +19,7 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheGrowthSummary,
     CacheMemoryRow,
     CacheStepSample,
+    partial_passes,
     summarize_cache_growth,
 )
 from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
@@ -248,7 +249,12 @@ def cache_section(
         f"{len(samples)} raw step samples: N = {n} steps, B = {first.batch_size}, H = {first.num_heads}, "
         f"H_kv = {first.num_kv_heads}, D = {first.head_dim}, {first.dtype}"
         + (f", model {first.model}" if first.model else "")
-        + f", {repeats} timed passes per cache after {first.warmup} warm-up pass(es).\n",
+        + f", {repeats} timed passes per cache after {first.warmup} warm-up pass(es)"
+        + (
+            f"; cut part-way (rows kept, left out of the N-step totals): {', '.join(cut)}.\n"
+            if (cut := partial_passes(samples, memory))
+            else ".\n"
+        ),
         "Per-step P50 (all repeats, positions in a window of N/64 ending at T):\n",
         _table(
             ["T", "dynamic P50 ms", "preallocated P50 ms", "dynamic / preallocated"],
