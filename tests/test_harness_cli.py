@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.server
 import io
 import json
 import os
@@ -13,14 +14,19 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
+from attention_kv_caceh.benchmark import build_parser
+from attention_kv_caceh.files import write_json_atomic
 from attention_kv_caceh.harness import overhead
 from attention_kv_caceh.harness.cli import add_arguments, main, run
 from attention_kv_caceh.harness.records import JSONL_KEYS
+from attention_kv_caceh.harness.run import HarnessConfig, memory_limit_bytes, run_harness
 from attention_kv_caceh.harness.scripted_server import scripted_server_process
 
 FAST = ["--prefill-ms", "5", "--per-token-ms", "2", "--output-len", "4"]
@@ -123,6 +129,10 @@ class CliTest(unittest.TestCase):
             "--server-metrics-interval=-1": "-1",
             f"--plot={self.tmp / 'x.jpg'}": "x.jpg",
             f"--summary-json={self.tmp / 'file.txt' / 's.json'}": "file.txt",
+            "--num-requests=1000000000": "1000000000",
+            "--warmup-requests=1000000000": "1000000000",
+            "--prompt-len=1000000000": "1000000000",
+            "--output-len=1:1000000000": "1:1000000000",
         }
         (self.tmp / "file.txt").write_text("a file, not a folder\n")
         for arg, value in cases.items():
@@ -144,6 +154,43 @@ class CliTest(unittest.TestCase):
         code, out, err = quietly(["--seed", "-1"])
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(err, "attention-kv-caceh: error: --seed must be >= 0, got -1\n")
+
+    def test_runs_needing_more_memory_than_allowed_are_refused_with_one_line(self) -> None:
+        jsonl = self.tmp / "r.jsonl"
+        cases = {
+            ("--num-requests", "1000"): "--num-requests 1000:",
+            ("--num-requests", "1", "--prompt-len", "100000"): "--prompt-len 100000:",
+            ("--num-requests", "2", "--output-len", "10:20000"): "--output-len 10:20000:",
+        }
+        for argv, start in cases.items():
+            with (
+                self.subTest(argv=argv),
+                mock.patch("attention_kv_caceh.harness.run.memory_limit_bytes", return_value=2**20),
+            ):
+                code, out, err = quietly([*argv, "--jsonl", str(jsonl)])
+                self.assertEqual((code, out), (2, ""))
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertTrue(err.startswith(f"attention-kv-caceh: error: {start}"), err)
+                self.assertIn("of memory", err)
+                self.assertFalse(jsonl.exists())
+        limit = memory_limit_bytes()  # this machine's: positive, at most half its memory
+        self.assertGreater(limit, 0)
+        self.assertLessEqual(limit, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2)
+
+    def test_help_shows_a_meaningful_default_or_none(self) -> None:
+        _, parsers = build_parser()  # the main CLI's, with ArgumentDefaultsHelpFormatter
+        standalone = argparse.ArgumentParser()
+        add_arguments(standalone)
+        for text in (parsers["harness"].format_help(), standalone.format_help()):
+            flat = " ".join(text.split())
+            for bad in ("None", "", "[]", "False"):
+                self.assertNotIn(f"(default: {bad})", flat)
+            self.assertIn("(default: the first model listed by GET /v1/models)", flat)
+            self.assertIn("--plot PLOT timeline PNG (default: not drawn)", flat)
+            self.assertIn("(default: off)", flat)
+            self.assertIn("(default: none, no goodput)", flat)
+            self.assertEqual(flat.count("(default: not written)"), 2)
+            self.assertEqual(flat.count("(default:"), 23, flat)  # one per flag but --help
 
     def test_outputs_must_differ_including_the_jsonl_metadata(self) -> None:
         jsonl = self.tmp / "r.jsonl"
@@ -218,6 +265,65 @@ class CliTest(unittest.TestCase):
                 self.assertNotIn("pass --model", err)
                 self.assertEqual(jsonl.read_text(), "earlier\n")
                 self.assertEqual(Path(f"{jsonl}.meta.json").read_text(), "{}\n")
+
+    def test_model_list_answering_404_is_reported_with_its_status_and_body(self) -> None:
+        class NotFound(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                body = b"no such route: /v1/models\n"
+                self.send_response(404)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            url = f"http://127.0.0.1:{server.server_address[1]}"
+            code, _, err = quietly(["--backend", "openai-chat", "--base-url", url])
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join()
+        self.assertEqual(code, 1)
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn(f"GET {url}/v1/models answered HTTP 404: no such route: /v1/models; pass --model", err)
+        self.assertNotIn("JSONDecodeError", err)
+
+    def test_second_ctrl_c_during_the_final_writes_does_not_cut_the_save_short(self) -> None:
+        jsonl, summary = self.tmp / "h.jsonl", self.tmp / "s.json"
+        written: list[str] = []
+
+        async def interrupted_run(config: HarnessConfig, sink: Any, on_record: Any) -> None:
+            for record in (await run_harness(config)).records:  # these finish, then Ctrl-C
+                on_record(record)
+                sink.write(record)
+            raise KeyboardInterrupt
+
+        def write_with_ctrl_c(path: Path, obj: Any) -> Path:
+            signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, forwarded by uv
+            written.append(path.name)
+            return write_json_atomic(path, obj)
+
+        with (
+            mock.patch("attention_kv_caceh.harness.cli._run_until_write_fails", interrupted_run),
+            mock.patch("attention_kv_caceh.harness.cli.write_json_atomic", write_with_ctrl_c),
+        ):
+            code, out, err = quietly(
+                [*FAST, "--num-requests", "3", "--jsonl", str(jsonl), "--summary-json", str(summary)]
+            )
+        self.assertEqual(code, 130, err)
+        self.assertEqual(written, ["h.jsonl.meta.json", "s.json"])
+        self.assertEqual(err, f"attention-kv-caceh: interrupted; 3 finished requests kept in {jsonl}\n")
+        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json, {summary}\n", out)
+        self.assertEqual(len(jsonl.read_text().splitlines()), 3)
+        self.assertEqual(json.loads(Path(f"{jsonl}.meta.json").read_text())["status"], "interrupted")
+        self.assertTrue(json.loads(summary.read_text())["interrupted"])
+        self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)  # restored
 
     def test_ctrl_c_keeps_records_and_lists_only_written_files(self) -> None:
         jsonl, summary, plot = self.tmp / "h.jsonl", self.tmp / "s.json", self.tmp / "h.png"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import math
 import os
 import sys
@@ -22,12 +23,20 @@ from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.files import JsonlWriter, check_output_path, meta_path, write_json_atomic
+from attention_kv_caceh.files import (
+    JsonlWriter,
+    check_output_path,
+    ignoring_sigint,
+    meta_path,
+    write_json_atomic,
+)
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import (
     BACKENDS,
+    MAX_REQUESTS,
+    MAX_TOKENS,
     HarnessConfig,
     ModelDiscoveryError,
     RunResult,
@@ -40,6 +49,11 @@ __all__ = ["add_arguments", "config_from_args", "format_summary", "main", "run"]
 
 PROG = "attention-kv-caceh"
 ERROR_PREFIX = f"{PROG}: error:"  # the main CLI's prefix, for usage and runtime errors alike
+
+
+# Ends a help text whose default is spelled out by hand: "%(default)" in it keeps ArgumentDefaultsHelpFormatter
+# from appending "(default: None)", and ".0s" prints nothing.
+_SHOWN = "%(default).0s"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OpenAI-compatible server root (default: %(default)s)",
     )
     g.add_argument(
-        "--model", default="", help="model name; empty: the first of GET /v1/models (default: %(default)s)"
+        "--model", default="", help="model name (default: the first model listed by GET /v1/models)" + _SHOWN
     )
     g.add_argument(
         "--api-key-env",
@@ -68,7 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: %(default)s)",
+        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: off)"
+        + _SHOWN,
     )
     g.add_argument(
         "--smoke-test",
@@ -77,7 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="send one request first and stop with a clear message if it fails (default: %(default)s)",
     )
     g = parser.add_argument_group("load")
-    g.add_argument("--num-requests", type=int, default=16, help="measured requests (default: %(default)s)")
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=16,
+        help=f"measured requests, at most {MAX_REQUESTS}; a run whose requests would need more than half "
+        "of the memory is refused (default: %(default)s)",
+    )
     g.add_argument(
         "--concurrency",
         type=int,
@@ -102,18 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--prompt-len",
         default="32",
-        help="prompt tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+        help=f"prompt tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
         "--output-len",
         default="16",
-        help="output tokens: N, or LOW:HIGH drawn uniformly (default: %(default)s)",
+        help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
-        help="unrecorded requests before the run (same concurrency limit) (default: %(default)s)",
+        help=f"unrecorded requests before the run (same concurrency limit), at most {MAX_REQUESTS} "
+        "(default: %(default)s)",
     )
     g = parser.add_argument_group("simulated backend")
     g.add_argument(
@@ -127,18 +149,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     g = parser.add_argument_group("outputs")
     g.add_argument(
-        "--jsonl", type=Path, default=None, help="per-request records, one JSON a line (default: %(default)s)"
+        "--jsonl",
+        type=Path,
+        default=None,
+        help="per-request records, one JSON a line (default: not written)" + _SHOWN,
     )
     g.add_argument(
-        "--summary-json", type=Path, default=None, help="summary (vLLM key names) (default: %(default)s)"
+        "--summary-json",
+        type=Path,
+        default=None,
+        help="summary (vLLM key names) (default: not written)" + _SHOWN,
     )
-    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: %(default)s)")
+    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: not drawn)" + _SHOWN)
     g.add_argument(
         "--goodput",
         nargs="+",
         default=[],
         metavar="METRIC:MS",
-        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: %(default)s)",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: none, no goodput)" + _SHOWN,
     )
     g.add_argument(
         "--server-metrics-interval",
@@ -363,18 +391,34 @@ def run(args: argparse.Namespace) -> int:
 
     result: RunResult | None = None
     interrupted = False
-    try:
-        result = asyncio.run(_run_until_write_fails(config, sink, on_record))
-    except (SmokeTestError, ModelDiscoveryError) as exc:
-        progress.close()
-        _error(exc)
-        return 1
-    except KeyboardInterrupt:
-        interrupted = True
-    finally:
-        progress.close()
-        sink.close()
+    with contextlib.ExitStack() as after_interrupt:
+        try:
+            result = asyncio.run(_run_until_write_fails(config, sink, on_record))
+        except (SmokeTestError, ModelDiscoveryError) as exc:
+            progress.close()
+            _error(exc)
+            return 1
+        except KeyboardInterrupt:
+            # A second Ctrl-C (a terminal sends one to `uv` too, which forwards it) must not cut short
+            # the save of what the run finished: SIGINT is ignored from here to the end.
+            after_interrupt.enter_context(ignoring_sigint())
+            interrupted = True
+        finally:
+            progress.close()
+            sink.close()
+        return _report_and_save(args, config, sink, finished, result, interrupted=interrupted)
 
+
+def _report_and_save(
+    args: argparse.Namespace,
+    config: HarnessConfig,
+    sink: _JsonlSink,
+    finished: list[RequestRecord],
+    result: RunResult | None,
+    *,
+    interrupted: bool,
+) -> int:
+    """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
     if sink.error is not None:
         _error(
             f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "

@@ -7,7 +7,10 @@ once and keep it if the run is interrupted.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
+import resource
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
@@ -39,10 +42,47 @@ from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
 
-__all__ = ["BACKENDS", "HarnessConfig", "ModelDiscoveryError", "RunResult", "run_harness"]
+__all__ = [
+    "BACKENDS",
+    "MAX_REQUESTS",
+    "MAX_TOKENS",
+    "HarnessConfig",
+    "ModelDiscoveryError",
+    "RunResult",
+    "memory_limit_bytes",
+    "run_harness",
+]
 
 BackendName = Literal["simulated", "openai-completions", "openai-chat"]
 BACKENDS: tuple[BackendName, ...] = ("simulated", "openai-completions", "openai-chat")
+
+# What one load test of this tool can sensibly do: every request is a task, a spec with its prompt and a
+# record holding all its token times, all in this process's memory.
+MAX_REQUESTS = 10_000_000  # --num-requests, and --warmup-requests
+MAX_TOKENS = 10_000_000  # --prompt-len and --output-len (more than any model's context)
+# Measured upper bounds (bytes) of what a run holds: per request (task, spec, record), per prompt token
+# (the prompt text and, while it is drawn, its word indices), per output token (its timestamps).
+_BYTES_PER_REQUEST = 4096
+_BYTES_PER_PROMPT_TOKEN = 16
+_BYTES_PER_OUTPUT_TOKEN = 128
+
+
+def memory_limit_bytes() -> int:
+    """The memory a run may plan to use: half of the smaller of physical memory and the address-space
+    limit (RLIMIT_AS), if one is set; the other half is left to Python, numpy and the machine."""
+    limits: list[int] = []
+    with contextlib.suppress(ValueError, OSError):  # not known on this system
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if physical > 0:
+            limits.append(physical)
+    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY and soft > 0:
+        limits.append(soft)
+    return min(limits) // 2 if limits else 1 << 62
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -114,6 +154,38 @@ class HarnessConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Raise ValueError naming the flag when the run is beyond MAX_REQUESTS or MAX_TOKENS, or its
+        requests would need more memory than `memory_limit_bytes` allows."""
+        for flag, value in (
+            ("--num-requests", self.num_requests),
+            ("--warmup-requests", self.warmup_requests),
+        ):
+            if value > MAX_REQUESTS:
+                raise ValueError(f"{flag} must be <= {MAX_REQUESTS}, got {value}")
+        for flag, length in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len)):
+            if length.high > MAX_TOKENS:
+                raise ValueError(f"{flag} must be <= {MAX_TOKENS} tokens, got {length}")
+        requests = self.num_requests + self.warmup_requests
+        parts = {
+            "--num-requests": requests * _BYTES_PER_REQUEST,
+            "--prompt-len": requests * self.prompt_len.high * _BYTES_PER_PROMPT_TOKEN,
+            "--output-len": requests * self.output_len.high * _BYTES_PER_OUTPUT_TOKEN,
+        }
+        need, limit = sum(parts.values()), memory_limit_bytes()
+        if need > limit:
+            flag = max(parts, key=lambda k: parts[k])
+            value = {"--num-requests": self.num_requests, "--prompt-len": self.prompt_len}.get(
+                flag, self.output_len
+            )
+            raise ValueError(
+                f"{flag} {value}: {requests} requests of up to {self.prompt_len.high} prompt and "
+                f"{self.output_len.high} output tokens need about {_gib(need)} of memory, more than "
+                f"the {_gib(limit)} a run may use (half of physical memory or of the address-space "
+                "limit); use fewer or shorter requests"
+            )
 
     def describe(self) -> dict[str, Any]:
         """The config as JSON-ready values (the API key left out)."""
@@ -167,6 +239,13 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
     limit_s = min(timeout_s, 30.0)
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as response:
+            if response.status != 200:
+                text = (await response.content.read(200)).decode("utf-8", errors="replace")
+                raise ModelDiscoveryError(
+                    f"no --model given and GET {url} answered HTTP {response.status}"
+                    + (f": {' '.join(text.split())[:200]}" if text.strip() else "")
+                    + "; pass --model"
+                )
             body: Any = await response.json(content_type=None)
     except aiohttp.ClientConnectionError as exc:
         detail = f"GET {url}: {type(exc).__name__}: {exc}"
