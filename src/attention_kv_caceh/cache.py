@@ -78,6 +78,7 @@ class _CacheBase:
 
     @property
     def length(self) -> int:
+        """Positions currently cached (T): an explicit counter, never read from the data."""
         return self._length
 
     def _check_new(self, k_t: FloatArray, v_t: FloatArray) -> int:
@@ -117,18 +118,22 @@ class DynamicKVCache(_CacheBase):
 
     @property
     def capacity(self) -> int | None:
+        """None: a Dynamic cache grows without bound (until memory runs out)."""
         return None
 
     @property
     def nbytes(self) -> int:
+        """Bytes of K and V held now: 2 * B * H_kv * T * D * itemsize (grows every step)."""
         return int(self._k.nbytes + self._v.nbytes)
 
     @property
     def keys(self) -> FloatArray:
+        """Cached keys `[B, H_kv, T, D]` (the array the last append returned)."""
         return self._k
 
     @property
     def values(self) -> FloatArray:
+        """Cached values `[B, H_kv, T, D]`."""
         return self._v
 
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -181,18 +186,22 @@ class PreallocatedKVCache(_CacheBase):
 
     @property
     def capacity(self) -> int | None:
+        """T_max, the positions allocated up front."""
         return self.max_seq_len
 
     @property
     def nbytes(self) -> int:
+        """Bytes allocated for K and V: 2 * B * H_kv * T_max * D * itemsize, whatever T is."""
         return int(self.k_buffer.nbytes + self.v_buffer.nbytes)
 
     @property
     def keys(self) -> FloatArray:
+        """A view `[B, H_kv, T, D]` of the valid prefix of the key buffer."""
         return self.k_buffer[:, :, : self._length]  # [B, H_kv, T, D], a view
 
     @property
     def values(self) -> FloatArray:
+        """A view `[B, H_kv, T, D]` of the valid prefix of the value buffer."""
         return self.v_buffer[:, :, : self._length]
 
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
