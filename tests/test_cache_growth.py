@@ -20,7 +20,7 @@ import numpy as np
 
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import PreallocatedKVCache
-from attention_kv_caceh.experiments import cache_growth, cli
+from attention_kv_caceh.experiments import cache_cli, cache_growth, cli
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
     measure_cache_memory,
@@ -314,7 +314,7 @@ class CacheCommandTest(unittest.TestCase):
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
-            with mock.patch.object(cli, "run_cache_growth", interrupted):
+            with mock.patch.object(cache_cli, "run_cache_growth", interrupted):
                 code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
             self.assertEqual(code, 130)
             self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -366,7 +366,7 @@ class CacheCommandTest(unittest.TestCase):
         for exc, status, needle in cases:
             with self.subTest(exc=exc), tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp, "cache.csv")
-                with mock.patch.object(cli, "run_cache_growth", failing(exc)):
+                with mock.patch.object(cache_cli, "run_cache_growth", failing(exc)):
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
                 self.assertEqual(code, 1)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -381,7 +381,7 @@ class CacheCommandTest(unittest.TestCase):
             samples.extend(synthetic("dynamic", 0.1, 0.01, 5, 1))
             raise KeyboardInterrupt
 
-        real_write = cli.write_csv_atomic
+        real_write = cache_cli.write_csv_atomic
 
         def write_interrupted(*args: Any, **kwargs: Any) -> Path:
             signal.raise_signal(signal.SIGINT)
@@ -390,8 +390,8 @@ class CacheCommandTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
             with (
-                mock.patch.object(cli, "run_cache_growth", interrupted),
-                mock.patch.object(cli, "write_csv_atomic", write_interrupted),
+                mock.patch.object(cache_cli, "run_cache_growth", interrupted),
+                mock.patch.object(cache_cli, "write_csv_atomic", write_interrupted),
             ):
                 try:
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
@@ -481,7 +481,7 @@ class CacheCommandTest(unittest.TestCase):
         self.assertGreater(needed, 1024 * 4 * 24 * 64 * 4 + 2 * 4 * 8 * 1024 * 64 * 4 * 2)
         cli.check_cache_memory(config)  # a few MiB: fits
         with (
-            mock.patch.object(cli.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
+            mock.patch.object(cache_cli.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
             self.assertRaisesRegex(ValueError, r"GiB.*lower --steps, --batch-size"),
         ):
             cli.check_cache_memory(config)  # 1 MiB of memory
