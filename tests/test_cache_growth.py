@@ -7,6 +7,7 @@ import csv
 import dataclasses
 import io
 import json
+import os
 import resource
 import signal
 import tempfile
@@ -481,7 +482,7 @@ class CacheCommandTest(unittest.TestCase):
         self.assertGreater(needed, 1024 * 4 * 24 * 64 * 4 + 2 * 4 * 8 * 1024 * 64 * 4 * 2)
         cli.check_cache_memory(config)  # a few MiB: fits
         with (
-            mock.patch.object(cache_cli.os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
+            mock.patch.object(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
             self.assertRaisesRegex(ValueError, r"GiB.*lower --steps, --batch-size"),
         ):
             cli.check_cache_memory(config)  # 1 MiB of memory

@@ -16,7 +16,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -43,7 +43,12 @@ from attention_kv_caceh.files import (
 )
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
-from attention_kv_caceh.timing import Sample, blas_threads_pinned, capture_environment
+from attention_kv_caceh.timing import (
+    Sample,
+    blas_threads_pinned,
+    capture_environment,
+    memory_limit_bytes,
+)
 
 __all__ = ["Sample", "main", "measure", "summarize_samples"]
 
@@ -200,7 +205,7 @@ def _check_memory(config: ScanConfig) -> None:
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
     rows = config.repeats * len(config.batch_sizes) * 2  # raw samples and probe samples
     needed = inputs + 3 * kv + rows * 400  # cache, a concatenation's new arrays, probe; ~400 B per row
-    total = _memory_limit()
+    total = memory_limit_bytes()
     if total is not None and needed > 0.8 * total:
         raise UsageError(
             f"this scan needs about {needed / 2**30:.1f} GiB for B={b}, T={config.seq_len}, "
@@ -208,19 +213,6 @@ def _check_memory(config: ScanConfig) -> None:
             f"H_kv={config.num_kv_heads}, D={config.head_dim}, more than 80 % of the "
             f"{total / 2**30:.1f} GiB this process may use; lower --batch-sizes, --seq-len or --repeats"
         )
-
-
-def _memory_limit() -> int | None:
-    """Bytes this process may allocate: physical memory, or a lower address-space limit (ulimit -v)."""
-    import resource
-
-    limits: list[int] = []
-    with suppress(ValueError, OSError, AttributeError):
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY:
-        limits.append(soft)
-    return min(limits) if limits else None
 
 
 def summary_path(csv_path: Path) -> Path:

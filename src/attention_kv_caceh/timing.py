@@ -8,6 +8,7 @@ the call itself between the two `perf_counter_ns` reads.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
 import os
@@ -29,6 +30,7 @@ __all__ = [
     "blas_threads_pinned",
     "capture_environment",
     "measure",
+    "memory_limit_bytes",
     "summarize_samples",
 ]
 
@@ -125,6 +127,23 @@ def summarize_samples(samples_ms: Sequence[float]) -> dict[str, float]:
 def blas_threads_pinned() -> bool:
     """True when a BLAS/OpenMP thread count was fixed in the environment before this process began."""
     return any(os.environ.get(name) for name in THREAD_ENV_VARS)
+
+
+def memory_limit_bytes() -> int | None:
+    """Bytes this process may use: physical memory, or a lower address-space limit (`ulimit -v`,
+    RLIMIT_AS) when one is set; None when neither is known. Every command's up-front memory check
+    compares its estimate with this."""
+    import resource
+
+    limits: list[int] = []
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    with contextlib.suppress(ValueError, OSError):
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft != resource.RLIM_INFINITY:
+            limits.append(soft)
+    limits = [n for n in limits if n > 0]
+    return min(limits) if limits else None
 
 
 def _cpu_model() -> str:

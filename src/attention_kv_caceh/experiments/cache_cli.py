@@ -10,9 +10,7 @@ the flag, before any file is created or truncated.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
-import os
 import re
 import sys
 from pathlib import Path
@@ -44,7 +42,7 @@ from attention_kv_caceh.files import (
 )
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
-from attention_kv_caceh.timing import blas_threads_pinned, capture_environment
+from attention_kv_caceh.timing import blas_threads_pinned, capture_environment, memory_limit_bytes
 
 __all__ = [
     "CACHE_DEFAULTS",
@@ -235,22 +233,6 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
     return config
 
 
-def _memory_limit() -> int | None:
-    """Bytes this process may use: the physical memory, or a lower address-space limit (`ulimit -v`,
-    RLIMIT_AS); None when neither is known."""
-    limits: list[int] = []
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        limits.append(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    with contextlib.suppress(ValueError, OSError, AttributeError):
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft != resource.RLIM_INFINITY:
-            limits.append(soft)
-    limits = [n for n in limits if n > 0]
-    return min(limits) if limits else None
-
-
 def check_cache_memory(config: CacheGrowthConfig) -> None:
     """Refuse a run whose arrays and rows would not fit in the memory this process may use.
 
@@ -259,7 +241,7 @@ def check_cache_memory(config: CacheGrowthConfig) -> None:
     to lower. Does nothing where neither is known.
     """
     needed = estimate_run_bytes(config)
-    total = _memory_limit()
+    total = memory_limit_bytes()
     if total is not None and needed > MEMORY_SHARE * total:
         raise ValueError(
             f"this run needs about {needed / 2**30:.1f} GiB for N={config.steps}, B={config.batch_size}, "

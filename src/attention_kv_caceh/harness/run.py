@@ -7,10 +7,7 @@ once and keep it if the run is interrupted.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import resource
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from time import perf_counter_ns
@@ -20,6 +17,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
+from attention_kv_caceh import timing
 from attention_kv_caceh.harness.backends import (
     Backend,
     OpenAIBackend,
@@ -68,17 +66,11 @@ _BYTES_PER_OUTPUT_TOKEN = 128
 
 
 def memory_limit_bytes() -> int:
-    """The memory a run may plan to use: half of the smaller of physical memory and the address-space
-    limit (RLIMIT_AS), if one is set; the other half is left to Python, numpy and the machine."""
-    limits: list[int] = []
-    with contextlib.suppress(ValueError, OSError):  # not known on this system
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if physical > 0:
-            limits.append(physical)
-    soft, _hard = resource.getrlimit(resource.RLIMIT_AS)
-    if soft != resource.RLIM_INFINITY and soft > 0:
-        limits.append(soft)
-    return min(limits) // 2 if limits else 1 << 62
+    """The memory a run may plan to use: half of what this process may use
+    (`timing.memory_limit_bytes`: physical memory or a lower RLIMIT_AS); the other half is left to
+    Python, numpy and the machine."""
+    limit = timing.memory_limit_bytes()
+    return limit // 2 if limit else 1 << 62
 
 
 def _gib(n: float) -> str:
