@@ -14,10 +14,11 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -175,26 +176,22 @@ def _scan_config(args: argparse.Namespace) -> ScanConfig:
     )
 
 
-# ScanConfig speaks of its fields; the CLI names the flag that set them.
-_FIELD_FLAGS = {
-    "batch_sizes": "--batch-sizes",
-    "batch sizes": "--batch-sizes",
-    "seq_len": "--seq-len",
-    "head_dim": "--head-dim",
-    "num_heads": "--num-heads",
-    "num_kv_heads": "--num-kv-heads",
-    "dtype": "--dtype",
-    "cache": "--cache",
-    "warmup": "--warmup",
-    "repeats": "--repeats",
-    "seed": "--seed",
-}
+def name_flags(message: str, fields: Iterable[str]) -> str:
+    """A config's error message with each of its field names (`seq_len`) replaced by the kebab-case flag
+    that sets it (`--seq-len`), so a CLI user reads the name they typed."""
+    names = sorted(fields, key=len, reverse=True)
+    pattern = r"\b(" + "|".join(re.escape(n) for n in names) + r")\b"
+    return re.sub(pattern, lambda m: "--" + m.group(1).replace("_", "-"), message)
 
 
-def _flag_message(message: str) -> str:
-    for field, flag in sorted(_FIELD_FLAGS.items(), key=lambda kv: -len(kv[0])):
-        message = message.replace(f"{field}=", f"{flag}=").replace(f"{field} must", f"{flag} must")
-    return message
+def warn_if_blas_unpinned(hint: str = "") -> None:
+    """Print a warning on stderr when no BLAS/OpenMP thread count was fixed before the process began."""
+    if not blas_threads_pinned():
+        print(
+            "warning: BLAS threads were not pinned before start (set OPENBLAS_NUM_THREADS=1 "
+            f"OMP_NUM_THREADS=1{hint}); timings may vary with thread count",
+            file=sys.stderr,
+        )
 
 
 def _check_memory(config: ScanConfig) -> None:
@@ -278,7 +275,7 @@ def run_scan(args: argparse.Namespace) -> int:
     try:
         config = _scan_config(args)
     except ValueError as exc:
-        raise UsageError(_flag_message(str(exc))) from None
+        raise UsageError(name_flags(str(exc), (f.name for f in fields(ScanConfig)))) from None
     if args.blas_threads is not None and args.blas_threads < 1:
         raise UsageError(f"--blas-threads must be >= 1, got {args.blas_threads}")
     _check_memory(config)
@@ -306,12 +303,8 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
             "the threads will compete for cores",
             file=sys.stderr,
         )
-    if not blas_threads_pinned() and args.blas_threads is None:
-        print(
-            "warning: BLAS threads were not pinned before start (set OPENBLAS_NUM_THREADS=1 "
-            "OMP_NUM_THREADS=1, or pass --blas-threads N); timings may vary with thread count",
-            file=sys.stderr,
-        )
+    if args.blas_threads is None:
+        warn_if_blas_unpinned(", or pass --blas-threads N")
     print(_setup_card(config, env))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",

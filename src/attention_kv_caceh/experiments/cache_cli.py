@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from attention_kv_caceh.benchmark import name_flags, warn_if_blas_unpinned
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
     estimate_run_bytes,
@@ -42,7 +42,7 @@ from attention_kv_caceh.files import (
 )
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, get_preset
-from attention_kv_caceh.timing import blas_threads_pinned, capture_environment, memory_limit_bytes
+from attention_kv_caceh.timing import capture_environment, memory_limit_bytes
 
 __all__ = [
     "CACHE_DEFAULTS",
@@ -82,18 +82,6 @@ def _fmt_bytes(n: float) -> str:
 
 
 CACHE_DEFAULTS = CacheGrowthConfig()
-# Config field -> flag, to name the flag in a config's error message.
-_CACHE_FLAGS = {
-    "batch_size": "--batch-size",
-    "num_kv_heads": "--num-kv-heads",
-    "num_heads": "--num-heads",
-    "head_dim": "--head-dim",
-    "steps": "--steps",
-    "repeats": "--repeats",
-    "warmup": "--warmup",
-    "dtype": "--dtype",
-    "seed": "--seed",
-}
 # Share of this machine's memory a run may plan to use (as the batch-size scan's check).
 MEMORY_SHARE = 0.8
 
@@ -186,12 +174,6 @@ def add_cache_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _name_flags(message: str) -> str:
-    """A config error message with its field names replaced by the flags that set them."""
-    pattern = r"\b(" + "|".join(_CACHE_FLAGS) + r")\b"
-    return re.sub(pattern, lambda m: _CACHE_FLAGS[m.group(1)], message)
-
-
 def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
     """Build the validated config; a `--model` preset fills H, H_kv and D unless given explicitly.
 
@@ -227,7 +209,9 @@ def cache_config_from_args(args: argparse.Namespace) -> CacheGrowthConfig:
             model=model,
         )
     except ValueError as exc:
-        raise ValueError(_name_flags(str(exc))) from None
+        raise ValueError(
+            name_flags(str(exc), (f.name for f in dataclasses.fields(CacheGrowthConfig)))
+        ) from None
     if config.steps < 2:
         raise ValueError(f"--steps must be at least 2 (the summary fits a line over T), got {config.steps}")
     return config
@@ -372,11 +356,7 @@ def run_cache(args: argparse.Namespace) -> int:
             f" per token at {config.dtype} ({_fmt_bytes(card['kv_bytes_per_token_all_layers_float16'])} at "
             f"float16), {_fmt_bytes(card['kv_bytes_per_sequence_all_layers'])} per sequence at T={config.steps}"
         )
-    if not blas_threads_pinned():
-        print(
-            "warning: BLAS threads were not pinned before start (set OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1)",
-            file=sys.stderr,
-        )
+    warn_if_blas_unpinned()
 
     try:
         environment = capture_environment()

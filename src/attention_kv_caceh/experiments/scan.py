@@ -93,9 +93,9 @@ class ScanConfig:
             raise ValueError("batch_sizes must not be empty")
         bad = [b for b in self.batch_sizes if b < 1]
         if bad:
-            raise ValueError(f"batch sizes must be positive, got {list(self.batch_sizes)}")
+            raise ValueError(f"batch_sizes must be positive, got {list(self.batch_sizes)}")
         if len(set(self.batch_sizes)) != len(self.batch_sizes):
-            raise ValueError(f"batch sizes must be distinct, got {list(self.batch_sizes)}")
+            raise ValueError(f"batch_sizes must be distinct, got {list(self.batch_sizes)}")
         for name in ("seq_len", "head_dim", "num_heads", "num_kv_heads", "repeats"):
             value = getattr(self, name)
             if value < 1:
