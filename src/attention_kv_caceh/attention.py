@@ -73,7 +73,8 @@ def softmax(x: FloatArray, axis: int = -1) -> FloatArray:
     - a slice that is entirely `-inf` (a fully masked query row): zeros, with no NaN and no
       RuntimeWarning;
     - an empty slice (size 0 along `axis`, e.g. no keys at all): an empty result, no error;
-    - a slice holding `+inf` or NaN: NaN in that slice (such logits have no softmax).
+    - a slice holding `+inf` or NaN: NaN throughout that slice (such logits have no softmax), with no
+      RuntimeWarning; the other slices are unaffected.
 
     Raises ValueError for a non-floating dtype or an axis out of range.
     """
@@ -86,11 +87,15 @@ def softmax(x: FloatArray, axis: int = -1) -> FloatArray:
     work = x.astype(_compute_dtype(x.dtype), copy=False)  # float16 -> float32; no copy otherwise
     m = np.max(work, axis=axis, keepdims=True)  # same shape as x, size 1 along axis (a new array)
     m[np.isneginf(m)] = 0  # a fully masked row: shift by 0, so exp(-inf) = 0 without inf - inf
-    e = np.subtract(work, m)  # <= 0 everywhere, so exp cannot overflow
+    with np.errstate(invalid="ignore"):  # +inf - +inf in a slice holding +inf: NaN, handled below
+        e = np.subtract(work, m)  # <= 0 everywhere, so exp cannot overflow
     np.exp(e, out=e)
     denom = np.sum(e, axis=axis, keepdims=True)
     # Fully masked rows have e == 0 and denom == 0: skip them instead of computing 0/0.
     np.divide(e, denom, out=e, where=denom > 0)
+    undefined = np.isnan(denom)  # the slice held NaN or +inf
+    if undefined.any():
+        e[np.broadcast_to(undefined, e.shape)] = np.nan  # the whole slice, not a partly divided one
     return e.astype(x.dtype, copy=False)
 
 
