@@ -53,11 +53,15 @@ class KVCache(Protocol):
         ...
 
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """Append `[B, H_kv, S, D]` keys and values; return all keys and values `[B, H_kv, T, D]`."""
+        """Append `[B, H_kv, S, D]` keys and values; return all keys and values `[B, H_kv, T, D]`.
+
+        Must check everything (dtype, shape, capacity) before it writes: a call that raises ValueError
+        leaves the cache unchanged (`multihead_decode_step` relies on it).
+        """
         ...
 
     def truncate(self, length: int) -> None:
-        """Forget every position at and after `length` (0 <= length <= T)."""
+        """Forget every position at and after `length` (an integer, 0 <= length <= T)."""
         ...
 
 

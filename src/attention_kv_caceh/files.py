@@ -82,7 +82,10 @@ def _resolve(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
         mode = os.stat(target).st_mode
     except (FileNotFoundError, NotADirectoryError):  # absent (a file as a parent: reported by the caller)
         return target, None
-    return target, None if stat.S_ISREG(mode) else _file_kind(mode)
+    if stat.S_ISREG(mode):
+        return target, None
+    kind = _file_kind(mode)
+    return target, f"a symlink to {kind} ({target})" if os.path.islink(path) else kind
 
 
 def _write_target(path: str | os.PathLike[str]) -> Path:
