@@ -58,8 +58,7 @@ CACHE_ERRORS = {
 
 def corrupt(error: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[object, object, object]:
     """q [B, H, 1, D], k/v [B, H_kv, 1, D] made wrong in the way `error` names."""
-    b, h, _, d = q.shape
-    h_kv = k.shape[1]
+    h, h_kv = q.shape[1], k.shape[1]
     match error:
         case "query float64, cache float32":
             return q.astype(np.float64), k, v
@@ -80,11 +79,9 @@ def corrupt(error: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[ob
         case "query head dim differs":
             return np.concatenate([q, q], axis=3), k, v
         case "heads not a multiple of KV heads":
-            extra = np.zeros((b, 1, 1, d), q.dtype) if h_kv > 1 else q[:, :0]
-            bad_q = np.concatenate([q, extra], axis=1) if h_kv > 1 else q
-            if h_kv == 1:  # H_kv = 1 divides everything: add a KV head the cache lacks instead
-                return q, np.concatenate([k, k], axis=1), np.concatenate([v, v], axis=1)
-            return bad_q, k, v
+            if h_kv == 1:  # H_kv = 1 divides every H: one query head over two KV heads instead
+                return q[:, :1], np.concatenate([k, k], axis=1), np.concatenate([v, v], axis=1)
+            return np.concatenate([q, q[:, :1]], axis=1), k, v  # H + 1 heads over H_kv >= 2
         case "values shape differs":
             return q, k, np.concatenate([v, v], axis=3)
         case "cache KV heads differ":  # H = 2 * H_kv query heads over 2 * H_kv KV heads: valid alone

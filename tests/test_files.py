@@ -175,7 +175,7 @@ class NonRegularTargetTest(unittest.TestCase):
         link = self.dir / "link.json"
         link.symlink_to(real)
         self.assertEqual(check_output_path(link, "--summary-json", (".json",)), link)
-        write_json_atomic(link, {"a": 1})
+        self.assertEqual(write_json_atomic(link, {"a": 1}), link)  # the path as given
         self.assertTrue(link.is_symlink())
         self.assertEqual(json.loads(real.read_text()), {"a": 1})
         with JsonlWriter(link) as out:

@@ -102,7 +102,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` atomically: a temporary file in the same folder, fsynced, then renamed.
 
     A symlink at `path` is followed: its target is replaced and the link kept. Parent folders are
-    created. Returns the path written (the symlink's target where `path` is one). Raises
+    created. Returns `path` as a Path, as given (not resolved). Raises
     NotARegularFileError (an OSError) when `path` names an existing device, FIFO, socket or folder,
     which is left untouched, and OSError when the folder cannot be created or written; the previous
     file, if any, is then left as it was.
@@ -121,7 +121,7 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    return target
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
