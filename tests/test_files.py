@@ -184,6 +184,19 @@ class NonRegularTargetTest(unittest.TestCase):
         self.assertEqual(real.read_text(), '{"b":2}\n')
         self.assertEqual(sorted(p.name for p in self.dir.iterdir()), ["link.json", "real.json"])
 
+    def test_symlink_loop_is_refused_by_the_check_and_the_writers(self) -> None:
+        a, b = self.dir / "a.json", self.dir / "b.json"
+        a.symlink_to(b)
+        b.symlink_to(a)
+        with self.assertRaisesRegex(ValueError, "--summary-json .*a.json.*cannot use this path"):
+            check_output_path(a, "--summary-json")
+        with self.assertRaises(OSError):
+            write_json_atomic(a, {})
+        with self.assertRaises(OSError):
+            JsonlWriter(a)
+        self.assertEqual(sorted(p.name for p in self.dir.iterdir()), ["a.json", "b.json"])
+        self.assertTrue(a.is_symlink() and b.is_symlink())
+
     def test_dangling_symlink_creates_its_target(self) -> None:
         link = self.dir / "link.csv"
         link.symlink_to(self.dir / "sub" / "target.csv")
