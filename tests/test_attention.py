@@ -64,6 +64,51 @@ class SoftmaxTest(unittest.TestCase):
             softmax(np.zeros((2, 2)), axis=2)
 
 
+class SoftmaxEdgeCaseTest(unittest.TestCase):
+    """What softmax returns for float16, empty slices and slices without a defined softmax."""
+
+    def test_float16_is_computed_in_float32_and_correctly_rounded(self) -> None:
+        # Within one float16 eps of the float64 softmax of the same (float16) logits; computing in
+        # float16 itself is off by about 4 eps on these rows.
+        eps = float(np.finfo(np.float16).eps)
+        tiny = float(np.finfo(np.float16).smallest_normal)
+        rng = np.random.default_rng(RNG_SEED)
+        x = (rng.standard_normal((32, 2000)) * 3).astype(np.float16)
+        x64 = x.astype(np.float64)
+        ref = np.exp(x64 - x64.max(axis=-1, keepdims=True))
+        ref /= ref.sum(axis=-1, keepdims=True)
+        y = softmax(x)
+        self.assertEqual(y.dtype, np.float16)
+        err = np.abs(y.astype(np.float64) - ref) / (ref + tiny)
+        self.assertLessEqual(float(err.max()), eps)
+
+    def test_float16_masked_rows_are_zero_and_large_logits_finite(self) -> None:
+        x = np.array([[-np.inf, -np.inf, -np.inf], [6e4, 6e4, -6e4]], dtype=np.float16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = softmax(x)
+        self.assertEqual(y.dtype, np.float16)
+        np.testing.assert_array_equal(y, [[0.0, 0.0, 0.0], [0.5, 0.5, 0.0]])
+
+    def test_empty_slice_gives_empty_result(self) -> None:
+        for dtype in (np.float16, np.float32, np.float64):
+            y = softmax(np.zeros((3, 0), dtype=dtype))
+            self.assertEqual((y.shape, y.dtype), ((3, 0), dtype))
+        self.assertEqual(softmax(np.zeros((0, 4), np.float32)).shape, (0, 4))
+
+    def test_slice_with_nan_or_pos_inf_is_all_nan_and_others_unaffected(self) -> None:
+        x = np.array([[np.inf, 0.0, 1.0], [np.nan, 0.0, 1.0], [0.0, 0.0, -np.inf]], dtype=np.float32)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            y = softmax(x)
+        self.assertTrue(np.isnan(y[:2]).all())
+        np.testing.assert_array_equal(y[2], [0.5, 0.5, 0.0])
+
+    def test_zero_dim_input_is_refused(self) -> None:
+        with self.assertRaisesRegex(ValueError, "axis"):
+            softmax(np.float32(1.0), axis=0)  # type: ignore[arg-type]
+
+
 class CausalMaskTest(unittest.TestCase):
     def test_bottom_right_alignment(self) -> None:
         # Two queries at the end of four keys: query 0 sees keys 0..2, query 1 sees all four.
@@ -194,6 +239,67 @@ class ScaledDotProductAttentionTest(unittest.TestCase):
         k = normal(rng, b, h_kv, tk, d)
         v = normal(rng, b, h_kv, tk, d)
         self.assert_matches_reference(q, k, v, is_causal=causal)
+
+
+class AttentionEdgeCaseTest(unittest.TestCase):
+    """No keys, a zero head dim, float16 logits past float16's range, array-like inputs."""
+
+    def setUp(self) -> None:
+        self.rng = np.random.default_rng(RNG_SEED)
+
+    def test_no_keys_gives_zero_output_and_empty_weights(self) -> None:
+        for h_kv, causal in ((3, False), (1, False), (3, True)):
+            q = normal(self.rng, 2, 3, 4, 8)
+            k = np.zeros((2, h_kv, 0, 8), np.float32)
+            v = np.zeros((2, h_kv, 0, 5), np.float32)
+            with self.subTest(h_kv=h_kv, causal=causal), warnings.catch_warnings():
+                warnings.simplefilter("error")
+                out, w = scaled_dot_product_attention(q, k, v, is_causal=causal)
+                self.assertEqual((out.shape, w.shape), ((2, 3, 4, 5), (2, 3, 4, 0)))
+                np.testing.assert_array_equal(out, 0.0)
+                self.assertEqual((out.dtype, w.dtype), (np.float32, np.float32))
+
+    def test_zero_head_dim_is_refused(self) -> None:
+        q = np.zeros((1, 2, 3, 0), np.float32)
+        k = np.zeros((1, 2, 4, 0), np.float32)
+        v = normal(self.rng, 1, 2, 4, 5)
+        with self.assertRaisesRegex(ValueError, r"D_k >= 1.*\(1, 2, 3, 0\)"):
+            scaled_dot_product_attention(q, k, v)
+
+    def test_float16_logits_beyond_float16_range_match_reference(self) -> None:
+        # |q . k| / sqrt(D) reaches about 1.6e5 here, past float16's largest finite value (65504):
+        # computed in float16 the scores overflow to inf and the softmax gives NaN.
+        d = 16
+        q = (normal(self.rng, 2, 2, 3, d) * 200).astype(np.float16)
+        k = (normal(self.rng, 2, 2, 6, d) * 200).astype(np.float16)
+        v = normal(self.rng, 2, 2, 6, d, dtype=np.float16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, w = scaled_dot_product_attention(q, k, v)
+        self.assertEqual((out.dtype, w.dtype), (np.float16, np.float16))
+        self.assertTrue(np.isfinite(out).all() and np.isfinite(w).all())
+        ref_out, ref_w = reference_attention(q, k, v)
+        rtol, atol = tolerance_for(np.float16, d + 6)
+        np.testing.assert_allclose(out, ref_out, rtol=rtol, atol=atol)
+        np.testing.assert_allclose(w, ref_w, rtol=rtol, atol=atol)
+
+    def test_float16_matches_float32_computation_cast_to_float16(self) -> None:
+        q, k, v = (normal(self.rng, 1, 4, 3, 8, dtype=np.float16) for _ in range(3))
+        out16, w16 = scaled_dot_product_attention(q, k, v, is_causal=True)
+        out32, w32 = scaled_dot_product_attention(
+            q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), is_causal=True
+        )
+        np.testing.assert_array_equal(out16, out32.astype(np.float16))
+        np.testing.assert_array_equal(w16, w32.astype(np.float16))
+
+    def test_lists_are_converted(self) -> None:
+        q, k, v = (normal(self.rng, 2, 3, 4, dtype=np.float64) for _ in range(3))
+        want = scaled_dot_product_attention(q, k, v)
+        got = scaled_dot_product_attention(q.tolist(), k.tolist(), v.tolist())  # type: ignore[arg-type]
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        with self.assertRaisesRegex(ValueError, "q cannot be converted"):
+            scaled_dot_product_attention([[1.0], [1.0, 2.0]], k, v)  # type: ignore[arg-type]
 
 
 class DecodeStepTest(unittest.TestCase):

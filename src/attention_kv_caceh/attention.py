@@ -49,26 +49,54 @@ def _require_float(name: str, x: npt.NDArray[Any]) -> None:
         raise ValueError(f"{name} must be a floating array, got dtype {x.dtype} with shape {x.shape}")
 
 
+def _as_array(name: str, x: object) -> npt.NDArray[Any]:
+    """`np.asarray(x)` (lists and other array-likes are converted; a list of Python floats becomes
+    float64), raising ValueError naming `name` for what NumPy cannot turn into one array (ragged lists)."""
+    try:
+        return np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} cannot be converted to an array: {exc}") from None
+
+
+def _compute_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype arithmetic runs in: float16 (and any float narrower than 32 bits) is widened to
+    float32, whose range holds logits float16 would overflow to inf; wider floats are kept."""
+    return np.promote_types(dtype, np.float32)
+
+
 def softmax(x: FloatArray, axis: int = -1) -> FloatArray:
     """Numerically stable softmax along `axis`; output has the input's shape and floating dtype.
 
-    Subtracts the slice maximum before `exp`, so logits of 1e4 do not overflow. A slice that is
-    entirely `-inf` (a fully masked query row) gives zeros, with no NaN and no RuntimeWarning.
+    Subtracts the slice maximum before `exp`, so logits of 1e4 do not overflow. float16 input is
+    computed in float32 and the result cast back to float16 (the sum of many float16 terms would lose
+    precision). What special slices give:
+    - a slice that is entirely `-inf` (a fully masked query row): zeros, with no NaN and no
+      RuntimeWarning;
+    - an empty slice (size 0 along `axis`, e.g. no keys at all): an empty result, no error;
+    - a slice holding `+inf` or NaN: NaN throughout that slice (such logits have no softmax), with no
+      RuntimeWarning; the other slices are unaffected.
 
     Raises ValueError for a non-floating dtype or an axis out of range.
     """
     x = np.asarray(x)
     _require_float("x", x)
-    if not -x.ndim <= axis < max(x.ndim, 1):
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis {axis} is out of range for x of shape {x.shape}")
-    m = np.max(x, axis=axis, keepdims=True)  # same shape as x, size 1 along axis (a new array)
+    if x.shape[axis] == 0:
+        return np.zeros(x.shape, dtype=x.dtype)  # nothing to normalise; np.max would refuse it
+    work = x.astype(_compute_dtype(x.dtype), copy=False)  # float16 -> float32; no copy otherwise
+    m = np.max(work, axis=axis, keepdims=True)  # same shape as x, size 1 along axis (a new array)
     m[np.isneginf(m)] = 0  # a fully masked row: shift by 0, so exp(-inf) = 0 without inf - inf
-    e = np.subtract(x, m)  # <= 0 everywhere, so exp cannot overflow
+    with np.errstate(invalid="ignore"):  # +inf - +inf in a slice holding +inf: NaN, handled below
+        e = np.subtract(work, m)  # <= 0 everywhere, so exp cannot overflow
     np.exp(e, out=e)
     denom = np.sum(e, axis=axis, keepdims=True)
     # Fully masked rows have e == 0 and denom == 0: skip them instead of computing 0/0.
     np.divide(e, denom, out=e, where=denom > 0)
-    return e
+    undefined = np.isnan(denom)  # the slice held NaN or +inf
+    if undefined.any():
+        e[np.broadcast_to(undefined, e.shape)] = np.nan  # the whole slice, not a partly divided one
+    return e.astype(x.dtype, copy=False)
 
 
 def causal_mask(tq: int, tk: int) -> BoolArray:
@@ -108,15 +136,21 @@ def scaled_dot_product_attention(
 
     mask: boolean, True = attend, broadcastable to the weights `[..., H, Tq, Tk]`.
     is_causal: bottom-right aligned causal mask (see `causal_mask`); combined with `mask` by AND.
-    scale: defaults to 1 / sqrt(D_k). A query row that may attend nothing gets zero weights and output.
+    scale: defaults to 1 / sqrt(D_k). A query row that may attend nothing (every key masked, or no keys
+    at all, Tk = 0) gets zero weights and a zero output.
 
     dtype: all of q, k, v must share one floating dtype, which the results keep (float32 stays float32:
-    the scale is cast to the input dtype, so NumPy 2's promotion by a float64 scalar cannot widen it).
+    the scale is cast to the compute dtype, so NumPy 2's promotion by a float64 scalar cannot widen it).
+    float16 inputs are computed in float32 and the results cast back to float16: float16 scores
+    overflow to inf from about 6.5e4, and inf - inf in the softmax would give NaN. This reads K and V
+    as float32 copies, twice their float16 bytes.
 
     Raises ValueError for non-floating or mismatched dtypes, wrong ranks, mismatched batch dims, head
-    dims, key lengths, heads not divisible, or a mask that does not broadcast.
+    dims, key lengths, heads not divisible, a mask that does not broadcast, or D_k = 0 (a dot product of
+    length zero carries no information and 1 / sqrt(D_k) is undefined). Array-likes (lists) are
+    converted with `np.asarray`.
     """
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
     for name, x in (("q", q), ("k", k), ("v", v)):
         _require_float(name, x)
         if x.ndim < 2:
@@ -130,6 +164,8 @@ def scaled_dot_product_attention(
     *lead_v, tk_v, dv = v.shape
     if dk != dk_k:
         raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+    if dk == 0:
+        raise ValueError(f"q and k need a head dim D_k >= 1, got q {q.shape}, k {k.shape}")
     if lead_k != lead_v or tk != tk_v:
         raise ValueError(f"k and v must agree on batch dims and Tk: k {k.shape}, v {v.shape}")
     if q.ndim >= 4:
@@ -146,23 +182,7 @@ def scaled_dot_product_attention(
             raise ValueError(f"q and k batch dims differ: q {q.shape}, k {k.shape}")
         h = h_kv = g = 1
 
-    dtype = q.dtype.type
-    s = dtype(1.0 / np.sqrt(dk)) if scale is None else dtype(scale)
-
-    # GQA: the G query heads of each KV head become rows of one matrix, [..., H_kv, G*Tq, D_k].
-    q_rows = q.reshape(*lead_q[:-1], h_kv, g * tq, dk) if q.ndim >= 4 else q
-    # scores = (q * s) K^T: [..., H_kv, G*Tq, D_k] x [..., H_kv, Tk, D_k] -> [..., H_kv, G*Tq, Tk]
-    stream = tk * max(dk, dv) >= _STREAM_MIN_ELEMENTS
-    rows = q_rows.shape[-2]  # G*Tq query rows per KV head
-    if stream and rows == 1:
-        scores = np.vecdot(k, q_rows * s)[..., None, :]  # one dot of length D_k per key -> [..., 1, Tk]
-    elif stream:
-        scores = np.einsum("...qd,...td->...qt", q_rows * s, k)
-    else:
-        scores = (q_rows * s) @ np.swapaxes(k, -1, -2)
     weights_shape = (*lead_q, tq, tk)
-    scores = scores.reshape(weights_shape)  # [..., H, Tq, Tk]
-
     keep: BoolArray | None = None
     if is_causal:
         keep = causal_mask(tq, tk)  # [Tq, Tk], broadcasts over batch and heads
@@ -177,6 +197,26 @@ def scaled_dot_product_attention(
         if not fits:
             raise ValueError(f"mask of shape {mask.shape} does not broadcast to weights {weights_shape}")
         keep = mask if keep is None else (keep & mask)
+
+    out_dtype = q.dtype
+    work = _compute_dtype(out_dtype)
+    q, k, v = q.astype(work, copy=False), k.astype(work, copy=False), v.astype(work, copy=False)
+    dtype: type[np.floating[Any]] = work.type
+    s = dtype(1.0 / np.sqrt(dk)) if scale is None else dtype(scale)
+
+    # GQA: the G query heads of each KV head become rows of one matrix, [..., H_kv, G*Tq, D_k].
+    q_rows = q.reshape(*lead_q[:-1], h_kv, g * tq, dk) if q.ndim >= 4 else q
+    # scores = (q * s) K^T: [..., H_kv, G*Tq, D_k] x [..., H_kv, Tk, D_k] -> [..., H_kv, G*Tq, Tk]
+    stream = tk * max(dk, dv) >= _STREAM_MIN_ELEMENTS
+    rows = q_rows.shape[-2]  # G*Tq query rows per KV head
+    if stream and rows == 1:
+        scores = np.vecdot(k, q_rows * s)[..., None, :]  # one dot of length D_k per key -> [..., 1, Tk]
+    elif stream:
+        scores = np.einsum("...qd,...td->...qt", q_rows * s, k)
+    else:
+        scores = (q_rows * s) @ np.swapaxes(k, -1, -2)
+    scores = scores.reshape(weights_shape)  # [..., H, Tq, Tk]
+
     if keep is not None:
         scores = np.where(keep, scores, dtype(-np.inf))  # [..., H, Tq, Tk]
 
@@ -184,7 +224,8 @@ def scaled_dot_product_attention(
     w_rows = weights.reshape(*lead_q[:-1], h_kv, g * tq, tk) if q.ndim >= 4 else weights
     # output = weights V: [..., H_kv, G*Tq, Tk] x [..., H_kv, Tk, D_v] -> [..., H_kv, G*Tq, D_v]
     out = np.einsum("...qt,...td->...qd", w_rows, v) if stream else w_rows @ v
-    return out.reshape(*lead_q, tq, dv), weights  # [..., H, Tq, D_v], [..., H, Tq, Tk]
+    out = out.reshape(*lead_q, tq, dv)  # [..., H, Tq, D_v]
+    return out.astype(out_dtype, copy=False), weights.astype(out_dtype, copy=False)
 
 
 def decode_step(
@@ -203,8 +244,17 @@ def decode_step(
     positions and returns `(output [B, 1, D_v], weights [B, 1, T+1], k_cache [B, T+1, D_k],
     v_cache [B, T+1, D_v])`. The input caches are not modified.
 
-    Raises ValueError for non-floating or mixed dtypes and any mismatched shape (named in the message).
+    Array-likes (lists) are converted with `np.asarray` (a list of Python floats becomes float64) and
+    must then share the other inputs' dtype. Raises ValueError for non-floating or mixed dtypes, input
+    that is not one array, and any mismatched shape (named in the message).
     """
+    x_t, w_q, w_k, w_v = (
+        _as_array("x_t", x_t),
+        _as_array("w_q", w_q),
+        _as_array("w_k", w_k),
+        _as_array("w_v", w_v),
+    )
+    k_cache, v_cache = _as_array("k_cache", k_cache), _as_array("v_cache", v_cache)
     arrays = {
         "x_t": x_t,
         "w_q": w_q,
@@ -214,8 +264,8 @@ def decode_step(
         "v_cache": v_cache,
     }
     for name, arr in arrays.items():
-        _require_float(name, np.asarray(arr))
-    dtypes = {str(np.asarray(a).dtype) for a in arrays.values()}
+        _require_float(name, arr)
+    dtypes = {str(a.dtype) for a in arrays.values()}
     if len(dtypes) != 1:
         raise ValueError(f"all inputs must share one dtype, got {sorted(dtypes)}")
     if x_t.ndim != 3 or x_t.shape[1] != 1:
@@ -228,6 +278,8 @@ def decode_step(
             raise ValueError(f"{name} must be [D_model={d_model}, D], got shape {w.shape}")
     if w_q.shape[1] != w_k.shape[1]:
         raise ValueError(f"w_q and w_k must give the same D_k, got {w_q.shape} and {w_k.shape}")
+    if w_k.shape[1] == 0:
+        raise ValueError(f"w_q and w_k must give D_k >= 1, got {w_q.shape} and {w_k.shape}")
     d_k, d_v = w_k.shape[1], w_v.shape[1]
     if k_cache.ndim != 3 or k_cache.shape[0] != b or k_cache.shape[2] != d_k:
         raise ValueError(f"k_cache must be [B={b}, T, D_k={d_k}], got shape {k_cache.shape}")
@@ -258,13 +310,36 @@ def multihead_decode_step(
     `(output [B, H, 1, D], weights [B, H, 1, T+1])`; the cache then holds T+1 positions. H % H_kv == 0
     (grouped-query attention is handled without repeating K/V).
 
-    Raises ValueError (from the cache or the attention) for mismatched shapes or dtypes, and
+    Everything is validated before the cache is touched: a call that raises leaves the cache exactly as
+    it was (length and contents). Array-likes (lists) are converted with `np.asarray` (a list of Python
+    floats becomes float64, which must then match the cache dtype).
+
+    Raises ValueError for input that is not one floating array, q_t/k_t/v_t of different dtypes, any
+    mismatched shape (B, D, one position, H % H_kv), a shape or dtype that does not match the cache, and
     CacheCapacityError (a ValueError) when a Preallocated cache is full.
     """
-    q_t = np.asarray(q_t)
+    q_t, k_t, v_t = _as_array("q_t", q_t), _as_array("k_t", k_t), _as_array("v_t", v_t)
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("v_t", v_t)):
+        _require_float(name, x)
+    if not q_t.dtype == k_t.dtype == v_t.dtype:
+        raise ValueError(f"q_t, k_t, v_t must share a dtype, got {q_t.dtype}, {k_t.dtype}, {v_t.dtype}")
     if q_t.ndim != 4 or q_t.shape[2] != 1:
         raise ValueError(f"q_t must be [B, H, 1, D], got shape {q_t.shape}")
-    if q_t.shape[0] != k_t.shape[0] or q_t.shape[3] != k_t.shape[-1]:
-        raise ValueError(f"q_t {q_t.shape} and k_t {k_t.shape} disagree on B or D")
+    b, h, _, d = q_t.shape
+    if k_t.ndim != 4 or k_t.shape[2] != 1 or k_t.shape[0] != b or k_t.shape[3] != d:
+        raise ValueError(
+            f"k_t must be [B={b}, H_kv, 1, D={d}] to match q_t {q_t.shape}, got shape {k_t.shape}"
+        )
+    if v_t.shape != k_t.shape:
+        raise ValueError(f"v_t must have k_t's shape {k_t.shape}, got shape {v_t.shape}")
+    h_kv = k_t.shape[1]
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(
+            f"query heads H={h} must be a multiple of KV heads H_kv={h_kv} (q_t {q_t.shape}, k_t {k_t.shape})"
+        )
+    if d == 0:
+        raise ValueError(f"q_t needs a head dim D >= 1, got shape {q_t.shape}")
+    # The cache checks k_t/v_t against its own B, H_kv, D, dtype and capacity before writing anything;
+    # with the checks above the attention below cannot fail.
     keys, values = cache.append(k_t, v_t)  # [B, H_kv, T+1, D] each
     return scaled_dot_product_attention(q_t, keys, values)  # [B, H, 1, D], [B, H, 1, T+1]

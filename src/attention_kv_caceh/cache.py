@@ -10,11 +10,17 @@ gpt-fast's `KVCache` and of Hugging Face's cache classes.
   length and returns *views* of the valid prefix `[:, :, :T]`. No allocation grows with T.
 
 The length is an explicit counter, never inferred from the contents: an all-zero key is a valid key.
+
+Sizes (batch_size, num_kv_heads, head_dim, max_seq_len, a truncate length) must be integers: Python or
+NumPy ints, anything `operator.index` accepts, but not bool; 1.5, inf or None raise ValueError. Every
+method validates all of its input before it changes anything, so a call that raises leaves the cache
+as it was.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, cast
+import operator
+from typing import Any, Protocol, SupportsIndex, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -47,33 +53,45 @@ class KVCache(Protocol):
         ...
 
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """Append `[B, H_kv, S, D]` keys and values; return all keys and values `[B, H_kv, T, D]`."""
+        """Append `[B, H_kv, S, D]` keys and values; return all keys and values `[B, H_kv, T, D]`.
+
+        Must check everything (dtype, shape, capacity) before it writes: a call that raises ValueError
+        leaves the cache unchanged (`multihead_decode_step` relies on it).
+        """
         ...
 
     def truncate(self, length: int) -> None:
-        """Forget every position at and after `length` (0 <= length <= T)."""
+        """Forget every position at and after `length` (an integer, 0 <= length <= T)."""
         ...
+
+
+def _as_size(name: str, value: object, minimum: int) -> int:
+    """`value` as an int >= `minimum`; ValueError naming `name` for a non-integer (1.5, inf, None, True)."""
+    what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if isinstance(value, bool | np.bool_):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    try:
+        size = operator.index(cast("SupportsIndex", value))  # TypeError when it has no __index__
+    except TypeError:
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if size < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return size
 
 
 class _CacheBase:
     """Shape checks shared by both caches."""
 
     def __init__(self, batch_size: int, num_kv_heads: int, head_dim: int, dtype: npt.DTypeLike) -> None:
-        for name, value in (
-            ("batch_size", batch_size),
-            ("num_kv_heads", num_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if int(value) != value or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        self.dtype: np.dtype[np.floating[Any]] = cast("np.dtype[np.floating[Any]]", np.dtype(dtype))
+        self.batch_size = _as_size("batch_size", batch_size, 1)
+        self.num_kv_heads = _as_size("num_kv_heads", num_kv_heads, 1)
+        self.head_dim = _as_size("head_dim", head_dim, 1)
+        try:
+            self.dtype: np.dtype[np.floating[Any]] = cast("np.dtype[np.floating[Any]]", np.dtype(dtype))
+        except TypeError:
+            raise ValueError(f"cache dtype must be a floating dtype, got {dtype!r}") from None
         if not np.issubdtype(self.dtype, np.floating):
             raise ValueError(f"cache dtype must be floating, got {self.dtype}")
-        self.batch_size, self.num_kv_heads, self.head_dim = (
-            int(batch_size),
-            int(num_kv_heads),
-            int(head_dim),
-        )
         self._length = 0
 
     @property
@@ -81,10 +99,17 @@ class _CacheBase:
         """Positions currently cached (T): an explicit counter, never read from the data."""
         return self._length
 
-    def _check_new(self, k_t: FloatArray, v_t: FloatArray) -> int:
-        """Validate `[B, H_kv, S, D]` new keys/values; return S."""
+    def _check_new(self, k_t: object, v_t: object) -> tuple[FloatArray, FloatArray]:
+        """Validate `[B, H_kv, S, D]` new keys/values (array-likes converted by `np.asarray`); return
+        them as arrays."""
         want = (self.batch_size, self.num_kv_heads)
-        for name, x in (("k_t", k_t), ("v_t", v_t)):
+        arrays: list[FloatArray] = []
+        for name, value in (("k_t", k_t), ("v_t", v_t)):
+            try:
+                x = np.asarray(value)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{name} cannot be converted to an array: {exc}") from None
+            arrays.append(x)
             if x.dtype != self.dtype:
                 raise ValueError(f"{name} dtype {x.dtype} does not match the cache dtype {self.dtype}")
             if x.ndim != 4 or x.shape[:2] != want or x.shape[3] != self.head_dim:
@@ -92,13 +117,16 @@ class _CacheBase:
                     f"{name} must be [B={self.batch_size}, H_kv={self.num_kv_heads}, S, "
                     f"D={self.head_dim}], got shape {x.shape}"
                 )
-        if k_t.shape != v_t.shape:
-            raise ValueError(f"k_t {k_t.shape} and v_t {v_t.shape} must have the same shape")
-        return int(k_t.shape[2])
+        k, v = arrays
+        if k.shape != v.shape:
+            raise ValueError(f"k_t {k.shape} and v_t {v.shape} must have the same shape")
+        return k, v
 
-    def _check_truncate(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"truncate length must be in [0, {self._length}], got {length}")
+    def _check_truncate(self, length: object) -> int:
+        size = _as_size("truncate length", length, 0)
+        if size > self._length:
+            raise ValueError(f"truncate length must be in [0, {self._length}], got {length!r}")
+        return size
 
 
 class DynamicKVCache(_CacheBase):
@@ -139,20 +167,25 @@ class DynamicKVCache(_CacheBase):
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Concatenate `[B, H_kv, S, D]` onto the cache; returns new `[B, H_kv, T+S, D]` arrays.
 
-        Raises ValueError for a shape or dtype that does not match the cache (the cache is unchanged).
+        Array-likes are converted with `np.asarray` and must then match the cache dtype. Raises
+        ValueError for a shape or dtype that does not match the cache (the cache is unchanged).
         """
-        s = self._check_new(k_t, v_t)
-        self._k = np.concatenate([self._k, k_t], axis=2)  # [B, H_kv, T+S, D], new memory
-        self._v = np.concatenate([self._v, v_t], axis=2)  # [B, H_kv, T+S, D]
-        self._length += s
+        k, v = self._check_new(k_t, v_t)
+        new_k = np.concatenate([self._k, k], axis=2)  # [B, H_kv, T+S, D], new memory
+        new_v = np.concatenate([self._v, v], axis=2)  # [B, H_kv, T+S, D]
+        self._k, self._v = new_k, new_v  # both or neither (a MemoryError above changes nothing)
+        self._length += int(k.shape[2])
         return self._k, self._v
 
     def truncate(self, length: int) -> None:
-        """Keep positions [0, length): a view of the current arrays, the next append copies it."""
-        self._check_truncate(length)
-        self._k = self._k[:, :, :length]  # [B, H_kv, length, D]
-        self._v = self._v[:, :, :length]
-        self._length = length
+        """Keep positions [0, length): a view of the current arrays, the next append copies it.
+
+        Raises ValueError unless `length` is an integer in [0, T] (the cache is then unchanged).
+        """
+        size = self._check_truncate(length)
+        self._k = self._k[:, :, :size]  # [B, H_kv, length, D]
+        self._v = self._v[:, :, :size]
+        self._length = size
 
 
 class PreallocatedKVCache(_CacheBase):
@@ -172,9 +205,7 @@ class PreallocatedKVCache(_CacheBase):
         dtype: npt.DTypeLike = np.float32,
     ) -> None:
         super().__init__(batch_size, num_kv_heads, head_dim, dtype)
-        if int(max_seq_len) != max_seq_len or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        self.max_seq_len = int(max_seq_len)
+        self.max_seq_len = _as_size("max_seq_len", max_seq_len, 1)
         shape = (
             self.batch_size,
             self.num_kv_heads,
@@ -207,25 +238,29 @@ class PreallocatedKVCache(_CacheBase):
     def append(self, k_t: FloatArray, v_t: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Write `[B, H_kv, S, D]` at positions [T, T+S); return views `[B, H_kv, T+S, D]`.
 
-        Raises CacheCapacityError (a ValueError) when T + S > max_seq_len, and ValueError for a shape or
-        dtype mismatch; in both cases the cache is unchanged.
+        Array-likes are converted with `np.asarray` and must then match the cache dtype. Raises
+        CacheCapacityError (a ValueError) when T + S > max_seq_len, and ValueError for a shape or dtype
+        mismatch; in both cases the cache is unchanged.
         """
-        s = self._check_new(k_t, v_t)
+        k, v = self._check_new(k_t, v_t)
+        s = int(k.shape[2])
         start, end = self._length, self._length + s
         if end > self.max_seq_len:
             raise CacheCapacityError(
                 f"cannot append {s} position(s) to a cache holding {start} of capacity "
                 f"max_seq_len={self.max_seq_len}"
             )
-        self.k_buffer[:, :, start:end] = k_t  # in place, no allocation
-        self.v_buffer[:, :, start:end] = v_t
+        self.k_buffer[:, :, start:end] = k  # in place, no allocation
+        self.v_buffer[:, :, start:end] = v
         self._length = end
         return self.k_buffer[:, :, :end], self.v_buffer[:, :, :end]  # views [B, H_kv, T+S, D]
 
     def truncate(self, length: int) -> None:
-        """Keep positions [0, length): only the counter moves, no data is touched."""
-        self._check_truncate(length)
-        self._length = length
+        """Keep positions [0, length): only the counter moves, no data is touched.
+
+        Raises ValueError unless `length` is an integer in [0, T] (the cache is then unchanged).
+        """
+        self._length = self._check_truncate(length)
 
 
 def make_cache(

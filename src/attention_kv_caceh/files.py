@@ -4,6 +4,16 @@ A reader (or a crash, or Ctrl-C) must never see a truncated CSV. Whole files are
 file in the same folder, flushed, fsynced and renamed over the target (`os.replace` is atomic on POSIX).
 Streams of records that must survive a crash line by line (per-request JSONL) are appended and flushed one
 line at a time instead. Parent folders are created as needed.
+
+Only regular files are ever replaced or written. An output path that names a device, FIFO, socket or
+folder is refused by `check_output_path` (before a run starts) and again by every writer (defence in
+depth), and the thing there is left untouched: renaming a temporary file over `/dev/null` would turn
+the device into a regular file. A symlink is followed: its target must be a regular file or absent, and
+the writers write the target, leaving the link in place.
+
+Every JSON written here is strict JSON (RFC 8259 has no NaN or Infinity): `strict_json_value` turns a
+non-finite float into `null`, which in our files means "undefined" (a rate over zero time, a mean of no
+samples), and `json.dumps(..., allow_nan=False)` guarantees that no `NaN` token is ever written.
 """
 
 from __future__ import annotations
@@ -12,34 +22,92 @@ import contextlib
 import csv
 import io
 import json
+import math
 import os
 import signal
+import stat
 import tempfile
 import threading
 from collections.abc import Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, cast
+
+import numpy as np
 
 __all__ = [
     "JsonlWriter",
+    "NotARegularFileError",
     "atomic_write_bytes",
     "atomic_write_text",
     "check_output_path",
     "ignoring_sigint",
     "meta_path",
+    "strict_json_value",
     "write_csv_atomic",
     "write_json_atomic",
 ]
 
 
+class NotARegularFileError(OSError):
+    """An output path names something other than a regular file (a device, FIFO, socket or folder).
+
+    An OSError, like every other failure to write a file, so callers that handle write errors handle
+    this one too.
+    """
+
+
+def _file_kind(mode: int) -> str:
+    """A word for what a `st_mode` names, for error messages."""
+    for test, word in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def _resolve(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
+    """Where a write to `path` lands, symlinks resolved (a dangling one gives its target's path), and
+    what exists there: None for nothing or a regular file, else a word for it ("a FIFO").
+
+    Raises OSError when the path cannot be examined (a symlink loop, a permission error).
+    """
+    target = Path(os.path.realpath(path))
+    try:
+        mode = os.stat(target).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # absent (a file as a parent: reported by the caller)
+        return target, None
+    if stat.S_ISREG(mode):
+        return target, None
+    kind = _file_kind(mode)
+    return target, f"a symlink to {kind} ({target})" if os.path.islink(path) else kind
+
+
+def _write_target(path: str | os.PathLike[str]) -> Path:
+    """`_resolve`, raising NotARegularFileError when something other than a regular file is there."""
+    target, kind = _resolve(path)
+    if kind is not None:
+        raise NotARegularFileError(
+            f"{os.fspath(path)!r} is {kind}, not a regular file; refusing to replace it"
+        )
+    return target
+
+
 def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
     """Write `data` to `path` atomically: a temporary file in the same folder, fsynced, then renamed.
 
-    Parent folders are created. Returns the path written. Raises OSError when the folder cannot be
-    created or written; the previous file, if any, is then left as it was.
+    A symlink at `path` is followed: its target is replaced and the link kept. Parent folders are
+    created. Returns `path` as a Path, as given (not resolved). Raises
+    NotARegularFileError (an OSError) when `path` names an existing device, FIFO, socket or folder,
+    which is left untouched, and OSError when the folder cannot be created or written; the previous
+    file, if any, is then left as it was.
     """
-    target = Path(path)
+    target = _write_target(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
@@ -48,11 +116,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
             tmp.flush()
             os.fsync(tmp.fileno())
         os.chmod(tmp_name, 0o666 & ~_umask())  # mkstemp makes 0600; give what open() would give
+        _write_target(target)  # again just before the rename: the narrowest window we can give
         os.replace(tmp_name, target)
     except BaseException:
         Path(tmp_name).unlink(missing_ok=True)
         raise
-    return target
+    return Path(path)
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
@@ -66,18 +135,30 @@ def meta_path(path: str | os.PathLike[str]) -> Path:
 
 
 def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[str, ...] = ()) -> Path:
-    """Validate an output path before anything is written; returns it as a Path.
+    """Validate an output path before anything is written; returns it as a Path (as given).
 
-    Raises ValueError naming `flag` and the path when it is a folder, does not end in one of `suffixes`
-    (if given), or its nearest existing parent is a file or not writable (tested by creating and
-    removing a temporary file there; no folder is created).
+    Raises ValueError (which the CLI reports as a usage error, exit status 2) naming `flag` and the
+    path when:
+    - it does not end in one of `suffixes` (if given). Suffixes are exact and lower-case: `B.CSV` is
+      refused with "use .csv", because every reader of our files looks for the lower-case suffix;
+    - something other than a regular file exists there (a folder, device, FIFO or socket), which is
+      left untouched. A symlink is followed: its target must be a regular file or absent;
+    - its nearest existing parent (of the symlink's target, for a symlink) is a file or not writable
+      (tested by creating and removing a temporary file there; no folder is created).
     """
     p = Path(path)
-    if suffixes and p.suffix.lower() not in suffixes:
-        raise ValueError(f"{flag} {str(p)!r} must end in {' or '.join(suffixes)}")
-    if p.is_dir():
+    if suffixes and p.suffix not in suffixes:
+        hint = f"; suffixes are lower-case: use {p.suffix.lower()}" if p.suffix.lower() in suffixes else ""
+        raise ValueError(f"{flag} {str(p)!r} must end in {' or '.join(suffixes)}{hint}")
+    try:
+        target, kind = _resolve(p)
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(p)!r}: cannot use this path ({exc.strerror or exc})") from None
+    if kind == "a folder":
         raise ValueError(f"{flag} {str(p)!r} is a folder, expected a file path")
-    for parent in p.absolute().parents:
+    if kind is not None:
+        raise ValueError(f"{flag} {str(p)!r} is {kind}, expected a regular file (or a new path)")
+    for parent in target.parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ValueError(f"{flag} {str(p)!r}: {parent} is not a folder")
@@ -130,28 +211,78 @@ def write_csv_atomic(
     return atomic_write_text(path, buffer.getvalue())
 
 
+def strict_json_value(obj: Any) -> Any:
+    """`obj` with every non-finite float (NaN, +inf, -inf) replaced by None, ready for strict JSON.
+
+    JSON has no NaN or Infinity (RFC 8259, section 6); Python's `json` writes them as bare `NaN` and
+    `Infinity` tokens that strict parsers (JavaScript's `JSON.parse`, `jq`) reject. In the files of this
+    project `null` means "undefined": a statistic with no samples, a rate over zero time. Floats include
+    NumPy floating scalars. Mappings become dicts and lists/tuples become lists, recursively; anything
+    else is returned as it is (so `json.dumps` still raises TypeError for what it cannot encode). The
+    input is not modified.
+    """
+    if isinstance(obj, float | np.floating):
+        value = float(cast("float", obj))
+        return value if math.isfinite(value) else None
+    if isinstance(obj, Mapping):
+        mapping = cast("Mapping[Any, Any]", obj)
+        return {key: strict_json_value(value) for key, value in mapping.items()}
+    if isinstance(obj, list | tuple):
+        items = cast("Sequence[Any]", obj)
+        return [strict_json_value(item) for item in items]
+    return obj
+
+
+def _dumps_strict(obj: Any, **kwargs: Any) -> str:
+    """`json.dumps` of `strict_json_value(obj)` with `allow_nan=False`: never writes NaN or Infinity."""
+    return json.dumps(strict_json_value(obj), allow_nan=False, **kwargs)
+
+
 def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
-    """Write `obj` as indented JSON, atomically. Raises TypeError for objects JSON cannot encode."""
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Write `obj` as indented strict JSON, atomically (see `atomic_write_bytes` for symlinks and the
+    errors raised). Non-finite floats are written as `null` (`strict_json_value`). Raises TypeError for
+    objects JSON cannot encode."""
+    return atomic_write_text(path, _dumps_strict(obj, indent=2, sort_keys=False) + "\n")
 
 
 class JsonlWriter:
-    """Append one JSON object per line, flushed (and fsynced) as each record is written.
+    """Append one strict-JSON object per line, flushed (and fsynced) as each record is written.
 
     Used for per-request records: a crash or Ctrl-C after a record is written keeps it. The file is
-    truncated when opened, so one run's file holds one run's records.
+    truncated when opened, so one run's file holds one run's records. Non-finite floats are written as
+    `null` (`strict_json_value`). A symlink at `path` is followed and its target written.
+
+    Raises NotARegularFileError (an OSError) when `path` names an existing device, FIFO, socket or
+    folder, which is left untouched (a FIFO is not opened, so the call does not block), and OSError when
+    the file cannot be created.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, fsync: bool = True) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        target = _write_target(self.path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # O_NONBLOCK: should a FIFO appear at the path after the check, opening it fails (ENXIO) or
+        # returns at once instead of waiting for a reader; fstat then refuses it. No O_TRUNC until the
+        # open file is known to be a regular one.
+        fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0), 0o666)
+        try:
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                raise NotARegularFileError(
+                    f"{os.fspath(path)!r} is {_file_kind(mode)}, not a regular file; refusing to write it"
+                )
+            os.set_blocking(fd, True)
+            os.ftruncate(fd, 0)
+            self._file = os.fdopen(fd, "w", encoding="utf-8")
+        except BaseException:
+            os.close(fd)
+            raise
         self._fsync = fsync
-        self._file = self.path.open("w", encoding="utf-8")
         self.count = 0
 
     def write(self, record: Mapping[str, Any]) -> None:
-        """Write one record as a line of JSON and flush it to disk."""
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        """Write one record as a line of strict JSON and flush it to disk."""
+        self._file.write(_dumps_strict(record, separators=(",", ":")) + "\n")
         self._file.flush()
         if self._fsync:
             os.fsync(self._file.fileno())
