@@ -10,9 +10,9 @@ The batch-size scan records two predictions before its first timed sample:
 
   where overhead_ms is the fixed per-call cost measured at the smallest shape (B = 1, T = 1) minus that
   shape's own bytes term, bandwidth is the read probe's (`np.dot(buf, buf)`) P50 bandwidth over the
-  K/V bytes of the largest B, and bytes_moved(B) is `scan.bytes_moved_per_step` (K/V read by attention
+  K/V bytes of the largest B, and bytes_moved(B) is `calibration.bytes_moved_per_step` (K/V read by attention
   plus the Dynamic cache's copy; a caller such as an engine benchmark may pass its own bytes per step,
-  weights included). Both terms are measured first and recorded (`scan.calibrate`).
+  weights included). Both terms are measured first and recorded (`calibration.calibrate`).
 
 Decisions (each applied in one place below):
 
@@ -46,13 +46,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attention_kv_caceh.experiments.scan import (
-    SATURATION_GAIN,
-    Calibration,
-    ScanConfig,
-    bytes_moved_per_step,
-    saturation_point,
-)
+from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step
+from attention_kv_caceh.experiments.scan import SATURATION_GAIN, ScanConfig, saturation_point
 
 __all__ = [
     "BANDWIDTH",
