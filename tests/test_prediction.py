@@ -34,6 +34,7 @@ from attention_kv_caceh.experiments.prediction_check import (
     find_anomalies,
     fmt_ms,
     fmt_rate,
+    outcome_json,
 )
 from attention_kv_caceh.experiments.prediction_text import (
     prediction_card,
@@ -159,6 +160,8 @@ class VerdictTest(unittest.TestCase):
         self.assertIn("failed: measured B = 8, predicted B = 4", text)
         self.assertIn("failed: measured B = 8, predicted B = 4", scan_outcome_text(outcome))
         self.assertIn("FAILED", scan_outcome_markdown(outcome))
+        verdicts = json.loads(json.dumps(outcome_json(outcome.verdicts, outcome.anomalies)))["verdicts"]
+        self.assertIn({"name": "user saturation", "held": False, "text": text}, verdicts)
         # The free text is recorded and shown, never judged.
         held, text = self.verdict(outcome.verdicts, "user (text)")
         self.assertIsNone(held)

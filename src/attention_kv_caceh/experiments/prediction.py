@@ -227,6 +227,7 @@ class ScanPrediction:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict; the model's rows and saturation are included for readers of the file."""
         return {
+            "kind": "scan-roofline",
             "written_at_utc": self.written_at_utc,
             "user": {
                 "text": self.user.text,

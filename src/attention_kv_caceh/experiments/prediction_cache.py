@@ -95,6 +95,7 @@ class CachePrediction:
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (predicted slopes included for readers; recomputed by from_json)."""
         return {
+            "kind": "cache-slopes",
             "written_at_utc": self.written_at_utc,
             "probe_bytes": self.probe_bytes,
             "probe_samples_ms": list(self.probe_samples_ms),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from attention_kv_caceh.experiments.prediction import BANDWIDTH, ScanPrediction
 from attention_kv_caceh.experiments.scan import doubling_gains, saturation_point, scan_table
@@ -28,6 +29,7 @@ __all__ = [
     "find_anomalies",
     "fmt_ms",
     "fmt_rate",
+    "outcome_json",
     "sat_text",
 ]
 
@@ -274,3 +276,22 @@ def explain_scan(prediction: ScanPrediction, rows: Sequence[PredictionRow], meas
         )
     )
     return " ".join(parts)
+
+
+def outcome_json(verdicts: Sequence[Verdict], anomalies: Sequence[Anomaly] = ()) -> dict[str, Any]:
+    """The verdicts (and anomalies) as JSON for the metadata and the CLI's last summary line.
+
+    Derived data, written for readers of the file; the report recomputes it from the raw samples.
+    """
+    return {
+        "verdicts": [{"name": v.name, "held": v.held, "text": v.text} for v in verdicts],
+        "anomalies": [
+            {
+                "batch_size": a.batch_size,
+                "repeat": a.repeat,
+                "elapsed_ms": a.elapsed_ms,
+                "group_p95_ms": a.group_p95_ms,
+            }
+            for a in anomalies
+        ],
+    }
