@@ -243,6 +243,8 @@ class ExplanationTest(unittest.TestCase):
         self.assertIn("stops falling at B = 4", text)
         model = {v.name: v for v in outcome.verdicts}["model saturation"]
         self.assertEqual((model.held, model.text), (False, "failed: measured B = 4, predicted B = 8"))
+        # Where they part: the model's gain from B = 4 to 8 is 0.0109 / 0.0909 = 12.0 % (hand, above).
+        self.assertIn("the model expected positions/s to rise 12.0 % per doubling and they rose 5.3 %", text)
         self.assertIn(
             f"from {fmt_ms(table[4]['per_sequence_ms'])} to {fmt_ms(table[8]['per_sequence_ms'])} ms", text
         )

@@ -29,6 +29,7 @@ __all__ = [
     "find_anomalies",
     "fmt_ms",
     "fmt_rate",
+    "model_saturation",
     "outcome_json",
     "sat_text",
 ]
@@ -115,11 +116,23 @@ def sat_text(b: int | None) -> str:
     return "not reached" if b is None else f"B = {b}"
 
 
+def _at(b: int | None) -> str:
+    return "as not reached" if b is None else f"at B = {b}"
+
+
 def _saturation_verdict(name: str, predicted: int | None, measured: int | None) -> Verdict:
     """Held on an exact match (None = not reached on both sides)."""
     if predicted == measured:
         return Verdict(name, True, f"held: predicted {sat_text(predicted)}, measured {sat_text(measured)}")
     return Verdict(name, False, f"failed: measured {sat_text(measured)}, predicted {sat_text(predicted)}")
+
+
+def model_saturation(prediction: ScanPrediction, rows: Sequence[PredictionRow]) -> int | None:
+    """The model's saturation point over the batch sizes in `rows` (all, unless the scan was cut short),
+    so that it is compared like with like with the measured one."""
+    measured_sizes = {r.batch_size for r in rows}
+    predicted = [r for r in prediction.predicted_table() if r["batch_size"] in measured_sizes]
+    return saturation_point(predicted, prediction.gain)
 
 
 def _verdicts(
@@ -131,11 +144,7 @@ def _verdicts(
         out.append(Verdict("user (text)", None, f"recorded, not checked: {user.text!r}"))
     if user.saturation_given:
         out.append(_saturation_verdict("user saturation", user.saturation, measured))
-    # Like with like: the model's point over the batch sizes that were measured (all, unless cut short).
-    measured_sizes = {r.batch_size for r in rows}
-    predicted = [r for r in prediction.predicted_table() if r["batch_size"] in measured_sizes]
-    model_sat = saturation_point(predicted, prediction.gain)
-    out.append(_saturation_verdict("model saturation", model_sat, measured))
+    out.append(_saturation_verdict("model saturation", model_saturation(prediction, rows), measured))
     missed = [r for r in rows if not r.held]
     tol = prediction.tolerance
     if not missed:
@@ -263,6 +272,24 @@ def explain_scan(prediction: ScanPrediction, rows: Sequence[PredictionRow], meas
             else "; the bandwidth term stays below the overhead at every scanned B."
         )
     )
+    model = model_saturation(prediction, rows)
+    if model != measured:
+        # The doubling at the earlier of the two points is where model and measurement part.
+        b = min(x for x in (model, measured) if x is not None)
+        _, b2, measured_gain = next(x for x in gains if x[0] == b)
+        predicted = [r for r in prediction.predicted_table() if r["batch_size"] in by_b]
+        predicted_gain = next(g for b1, _, g in doubling_gains(predicted) if b1 == b)
+        parts.append(
+            f"The two-term model predicted saturation {_at(model)}, it was measured {_at(measured)}: from "
+            f"B = {b} to B = {b2} the model expected positions/s to rise {100 * predicted_gain:.1f} % per "
+            f"doubling and they rose {100 * measured_gain:.1f} %, "
+            + (
+                "so a cost outside call overhead and bytes / probe bandwidth grows with B there."
+                if measured_gain < predicted_gain
+                else "so the step's bytes moved faster than the probe read its buffer (a cache level the "
+                "probe's larger buffer does not fit in, for one)."
+            )
+        )
     speedup = last.positions_per_s / first.positions_per_s
     slower = last.measured_p50_ms / first.measured_p50_ms
     parts.append(
