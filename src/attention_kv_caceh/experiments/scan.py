@@ -38,9 +38,11 @@ __all__ = [
     "ScanConfig",
     "ScanInputs",
     "build_inputs",
+    "doubling_gains",
     "iter_scan",
     "kv_bytes_per_step",
     "run_batch",
+    "saturation_point",
     "saturation_verdict",
     "scan_table",
 ]
@@ -315,11 +317,8 @@ def saturation_verdict(table: Sequence[Mapping[str, float]], gain: float = SATUR
     Consecutive rows of the table (sorted by B) are compared; when B does not exactly double between
     them, the gain is normalised per doubling: (ratio of positions/s) ** (1 / log2(B2 / B1)) - 1.
     """
-    rows = sorted(table, key=lambda r: r["batch_size"])
     gains: list[tuple[int, int, float]] = []
-    for lo, hi in itertools.pairwise(rows):
-        b1, b2 = int(lo["batch_size"]), int(hi["batch_size"])
-        per_doubling = (hi["positions_per_s"] / lo["positions_per_s"]) ** (1 / math.log2(b2 / b1)) - 1
+    for b1, b2, per_doubling in doubling_gains(table):
         gains.append((b1, b2, per_doubling))
         if per_doubling < gain:
             return (
@@ -333,3 +332,25 @@ def saturation_verdict(table: Sequence[Mapping[str, float]], gain: float = SATUR
         f"Not reached: every doubling raised positions/s by >= {100 * gain:.0f} % "
         f"(smallest: {100 * g:.1f} % from B = {b1} to B = {b2})"
     )
+
+
+def doubling_gains(table: Sequence[Mapping[str, float]]) -> list[tuple[int, int, float]]:
+    """(B1, B2, gain per doubling) for consecutive rows sorted by B: the rule of `saturation_verdict`.
+
+    gain = (positions/s at B2 / positions/s at B1) ** (1 / log2(B2 / B1)) - 1, so a step of exactly one
+    doubling gives the plain relative gain. Rows need `batch_size` and `positions_per_s`.
+    """
+    rows = sorted(table, key=lambda r: r["batch_size"])
+    out: list[tuple[int, int, float]] = []
+    for lo, hi in itertools.pairwise(rows):
+        b1, b2 = int(lo["batch_size"]), int(hi["batch_size"])
+        out.append((b1, b2, (hi["positions_per_s"] / lo["positions_per_s"]) ** (1 / math.log2(b2 / b1)) - 1))
+    return out
+
+
+def saturation_point(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> int | None:
+    """The B that `saturation_verdict` names ("Saturated at B = ..."), or None when not reached."""
+    for b1, _, per_doubling in doubling_gains(table):
+        if per_doubling < gain:
+            return b1
+    return None

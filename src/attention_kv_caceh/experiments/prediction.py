@@ -1,0 +1,304 @@
+"""Predict before measuring, then say which prediction held (the notes, 6.4: the first and last steps).
+
+The batch-size scan records two predictions before its first timed sample:
+
+- the user's: free text (`--predict`, recorded and shown, not checked: it is prose) and optionally a
+  saturation point (`--predict-saturation B`, or `none` for "not reached within the scan");
+- the model's: a two-term roofline per batch size B,
+
+      predicted P50(B) = overhead_ms + bytes_moved(B) / bandwidth,
+
+  where overhead_ms is the fixed per-call cost measured at the smallest shape (B = 1, T = 1) minus that
+  shape's own bytes term, bandwidth is the read probe's (`np.dot(buf, buf)`) P50 bandwidth over the
+  K/V bytes of the largest B, and bytes_moved(B) is `calibration.bytes_moved_per_step` (K/V read by attention
+  plus the Dynamic cache's copy; a caller such as an engine benchmark may pass its own bytes per step,
+  weights included). Both terms are measured first and recorded (`calibration.calibrate`).
+
+Decisions (each applied in one place below):
+
+- Saturation uses one definition for prediction and measurement: `scan.saturation_point`, the rule of
+  `scan.saturation_verdict` (the first B whose doubling raises positions/s = B * T / P50 by less than
+  SATURATION_GAIN = 10 %), applied to the predicted P50s and to the measured P50s alike. For the
+  roofline with o = overhead and s = bandwidth term per sequence, one doubling gains o / (o + 2Bs), so
+  the model saturates once B * s > 4.5 * o; the "knee" where the bandwidth term first exceeds the
+  overhead term (the dominant-term column changes) comes earlier and is reported beside it.
+- The user's saturation prediction holds on an exact match of B with the measured point; `none` holds
+  when saturation is not reached. A B that is not scanned, or the largest B (it has no doubling after
+  it), could never hold and is refused up front (`check_user_prediction`).
+- The model's P50 holds at a batch size when measured / predicted lies within [1/2, 2]
+  (MODEL_TOLERANCE = 2); its saturation point holds on an exact match like the user's.
+- Anomalies: samples above ANOMALY_FACTOR = 2 x their group's P95 are listed with their repeat index.
+  They stay in every statistic; the verdicts are recomputed without them only to say whether they
+  change any verdict.
+
+Records are JSON-serialisable (`to_json` / `from_json`) so the report can rebuild every table from the
+metadata and the raw CSV. This module holds the "before" half (the records and the roofline);
+`prediction_check` compares them with raw samples and writes the explanation, `prediction_text`
+renders what the CLI prints and the report shows, `prediction_cache` does the same for the `cache`
+experiment's slopes. Nothing here prints or touches files. Shape letters as in attention.py: B batch,
+T cached positions.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step
+from attention_kv_caceh.experiments.scan import SATURATION_GAIN, ScanConfig, saturation_point
+
+__all__ = [
+    "BANDWIDTH",
+    "MODEL_TOLERANCE",
+    "OVERHEAD",
+    "RooflineRow",
+    "ScanPrediction",
+    "UserPrediction",
+    "calibration_from_json",
+    "calibration_to_json",
+    "check_user_prediction",
+    "make_scan_prediction",
+    "parse_saturation",
+    "utc_now",
+]
+
+MODEL_TOLERANCE = 2.0
+OVERHEAD, BANDWIDTH = "call overhead", "bandwidth"
+
+
+def utc_now() -> str:
+    """The current UTC time, ISO 8601 with microseconds (so it orders against the first sample)."""
+    return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds")
+
+
+def parse_saturation(text: str) -> int | None:
+    """`--predict-saturation` text -> a batch size, or None for "none". Raises ValueError otherwise."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        b = int(text)
+    except ValueError:
+        raise ValueError(f"a predicted saturation is a batch size or 'none', got {text!r}") from None
+    if b < 1:
+        raise ValueError(f"a predicted saturation must be a batch size >= 1, got {b}")
+    return b
+
+
+@dataclass(frozen=True)
+class UserPrediction:
+    """The user's own prediction: free text and, when `saturation_given`, a B (None = "none")."""
+
+    text: str = ""
+    saturation_given: bool = False
+    saturation: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.saturation is not None and not self.saturation_given:
+            raise ValueError(f"saturation={self.saturation} needs saturation_given=True")
+        if self.saturation is not None and self.saturation < 1:
+            raise ValueError(f"a predicted saturation must be >= 1, got {self.saturation}")
+
+    def saturation_text(self) -> str:
+        if not self.saturation_given:
+            return "not given"
+        return "not reached" if self.saturation is None else f"B = {self.saturation}"
+
+
+def check_user_prediction(user: UserPrediction, batch_sizes: Sequence[int]) -> None:
+    """Refuse a saturation prediction that no scan over `batch_sizes` could confirm (ValueError).
+
+    `saturation_point` only ever names a B that has a larger B after it, so the prediction must be one
+    of the scanned sizes other than the largest.
+    """
+    if not user.saturation_given or user.saturation is None:
+        return
+    possible = sorted(batch_sizes)[:-1]
+    if user.saturation not in possible:
+        raise ValueError(
+            f"predicted saturation B = {user.saturation} can never be measured: saturation is named at "
+            f"a scanned B that has a larger one after it, one of {possible} (or 'none')"
+        )
+
+
+def calibration_to_json(c: Calibration) -> dict[str, Any]:
+    """The calibration's raw samples and bytes, plus the derived figures (for readers of the file)."""
+    return {
+        "overhead_shape": c.overhead_shape,
+        "overhead_bytes": c.overhead_bytes,
+        "overhead_samples_ms": list(c.overhead_samples_ms),
+        "probe_bytes": c.probe_bytes,
+        "probe_samples_ms": list(c.probe_samples_ms),
+        "overhead_ms": c.overhead_ms,
+        "bandwidth_gb_s": c.bandwidth_gb_s,
+    }
+
+
+def calibration_from_json(data: Mapping[str, Any]) -> Calibration:
+    """Rebuild a Calibration from `calibration_to_json` output (derived figures are recomputed)."""
+    return Calibration(
+        overhead_shape=str(data["overhead_shape"]),
+        overhead_bytes=int(data["overhead_bytes"]),
+        overhead_samples_ms=tuple(float(x) for x in data["overhead_samples_ms"]),
+        probe_bytes=int(data["probe_bytes"]),
+        probe_samples_ms=tuple(float(x) for x in data["probe_samples_ms"]),
+    )
+
+
+@dataclass(frozen=True)
+class RooflineRow:
+    """The model at one B: overhead_ms + bandwidth_ms = predicted_p50_ms (milliseconds)."""
+
+    batch_size: int
+    bytes_per_step: int
+    overhead_ms: float
+    bandwidth_ms: float
+
+    @property
+    def predicted_p50_ms(self) -> float:
+        return self.overhead_ms + self.bandwidth_ms
+
+    @property
+    def dominant(self) -> str:
+        """The larger term: "call overhead" or "bandwidth" (overhead on a tie)."""
+        return BANDWIDTH if self.bandwidth_ms > self.overhead_ms else OVERHEAD
+
+
+@dataclass(frozen=True)
+class ScanPrediction:
+    """Everything predicted before the first timed sample; `written_at_utc` says when.
+
+    bytes_per_step: (B, bytes moved by one step) for every scanned B, ascending; sequence_length: T.
+    """
+
+    written_at_utc: str
+    user: UserPrediction
+    calibration: Calibration
+    sequence_length: int
+    bytes_per_step: tuple[tuple[int, int], ...]
+    gain: float = SATURATION_GAIN
+    tolerance: float = MODEL_TOLERANCE
+
+    def __post_init__(self) -> None:
+        sizes = [b for b, _ in self.bytes_per_step]
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"bytes_per_step needs distinct ascending batch sizes >= 1, got {sizes}")
+        if any(n < 0 for _, n in self.bytes_per_step):
+            raise ValueError(f"bytes per step must be >= 0, got {list(self.bytes_per_step)}")
+        if self.sequence_length < 1 or self.gain <= 0 or self.tolerance < 1:
+            raise ValueError(
+                f"need sequence_length >= 1, gain > 0, tolerance >= 1; got {self.sequence_length}, "
+                f"{self.gain}, {self.tolerance}"
+            )
+        check_user_prediction(self.user, sizes)
+        zero = [r.batch_size for r in self.rows if r.predicted_p50_ms <= 0]
+        if zero:
+            raise ValueError(f"the model predicts 0 ms at B = {zero}: no overhead and no bytes moved")
+
+    @property
+    def rows(self) -> list[RooflineRow]:
+        """One RooflineRow per B: bandwidth_ms = bytes / (probe bytes / probe P50 ms)."""
+        o, bw = self.calibration.overhead_ms, self.calibration.bandwidth_bytes_per_ms
+        return [RooflineRow(b, n, o, n / bw) for b, n in self.bytes_per_step]
+
+    def predicted_table(self) -> list[dict[str, float]]:
+        """`batch_size`, `p50_ms`, `positions_per_s` = B * T / P50 per B, as `scan_table` names them."""
+        t = self.sequence_length
+        return [
+            {
+                "batch_size": r.batch_size,
+                "p50_ms": r.predicted_p50_ms,
+                "positions_per_s": r.batch_size * t / (r.predicted_p50_ms / 1000),
+            }
+            for r in self.rows
+        ]
+
+    @property
+    def saturation(self) -> int | None:
+        """The model's saturation point by `scan.saturation_point` (None: not reached)."""
+        return saturation_point(self.predicted_table(), self.gain)
+
+    @property
+    def knee(self) -> int | None:
+        """The first B whose bandwidth term exceeds its overhead term (None: none does)."""
+        return next((r.batch_size for r in self.rows if r.dominant == BANDWIDTH), None)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict; the model's rows and saturation are included for readers of the file."""
+        return {
+            "kind": "scan-roofline",
+            "written_at_utc": self.written_at_utc,
+            "user": {
+                "text": self.user.text,
+                "saturation_given": self.user.saturation_given,
+                "saturation": self.user.saturation,
+            },
+            "calibration": calibration_to_json(self.calibration),
+            "sequence_length": self.sequence_length,
+            "bytes_per_step": {str(b): n for b, n in self.bytes_per_step},
+            "gain": self.gain,
+            "tolerance": self.tolerance,
+            "model": {
+                "formula": "P50(B) = overhead_ms + bytes_per_step(B) / probe bandwidth",
+                "rows": [
+                    {
+                        "batch_size": r.batch_size,
+                        "overhead_ms": r.overhead_ms,
+                        "bandwidth_ms": r.bandwidth_ms,
+                        "predicted_p50_ms": r.predicted_p50_ms,
+                        "dominant": r.dominant,
+                    }
+                    for r in self.rows
+                ],
+                "saturation": self.saturation,
+                "knee": self.knee,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ScanPrediction:
+        """Rebuild from `to_json` output; derived parts ("model") are recomputed, not read.
+
+        Raises KeyError / ValueError / TypeError on a malformed record.
+        """
+        user = data["user"]
+        sat = user["saturation"]
+        return cls(
+            written_at_utc=str(data["written_at_utc"]),
+            user=UserPrediction(
+                str(user["text"]), bool(user["saturation_given"]), None if sat is None else int(sat)
+            ),
+            calibration=calibration_from_json(data["calibration"]),
+            sequence_length=int(data["sequence_length"]),
+            bytes_per_step=tuple(sorted((int(b), int(n)) for b, n in data["bytes_per_step"].items())),
+            gain=float(data["gain"]),
+            tolerance=float(data["tolerance"]),
+        )
+
+
+def make_scan_prediction(
+    config: ScanConfig,
+    calibration: Calibration,
+    user: UserPrediction | None = None,
+    bytes_per_step: Mapping[int, int] | None = None,
+    written_at_utc: str | None = None,
+) -> ScanPrediction:
+    """The scan's prediction: bytes per B from `bytes_moved_per_step` unless given (e.g. with weights).
+
+    Raises ValueError for a user saturation no scan of config.batch_sizes could confirm, or for
+    bytes_per_step missing one of the scanned batch sizes.
+    """
+    sizes = sorted(config.batch_sizes)
+    if bytes_per_step is None:
+        bytes_per_step = {b: bytes_moved_per_step(config, b) for b in sizes}
+    missing = [b for b in sizes if b not in bytes_per_step]
+    if missing:
+        raise ValueError(f"bytes_per_step lacks batch sizes {missing}")
+    return ScanPrediction(
+        written_at_utc=utc_now() if written_at_utc is None else written_at_utc,
+        user=user or UserPrediction(),
+        calibration=calibration,
+        sequence_length=config.seq_len,
+        bytes_per_step=tuple((b, int(bytes_per_step[b])) for b in sizes),
+    )
