@@ -119,6 +119,8 @@ def check_pool_consistent(engine: LLMEngine) -> None:
     pool = sched.kv_cache_manager.block_pool
     expected = [0] * pool.num_blocks
     for r in sched.running:
+        if len(set(r.block_ids)) != len(r.block_ids):
+            raise AssertionError(f"{r.request_id} holds a block twice: {r.block_ids}")
         for b in r.block_ids:
             expected[b] += 1
     for r in sched.waiting:

@@ -90,7 +90,39 @@ class EngineEqualsReferenceTest(unittest.TestCase):
         # a longer prompt whose first 12 tokens are cached hits all three blocks
         engine2, runner2 = make_engine(num_blocks=20)
         self.check((engine2, runner2), {0: [("a", prompt, params)], 10: [("c", [*prompt, 17, 18], params)]})
-        self.assertEqual([s["c"] for s in runner2.snapshots if "c" in s][0], (12, 2))
+        self.assertEqual(next(s["c"] for s in runner2.snapshots if "c" in s), (12, 2))
+
+    def test_block_holding_the_uncomputed_last_token_is_not_cached(self) -> None:
+        # A: 6-token prompt, 2 outputs. Its second block (positions 4..7) becomes full when the 2nd output
+        # is sampled, but position 7 (that output) is never computed, so the block must not be cached.
+        engine, runner = make_engine(num_blocks=20)
+        params = SamplingParams(max_tokens=2, ignore_eos=True)
+        prompt = [3, 1, 4, 1, 5, 9]
+        tokens, _ = run_workload(engine, {0: [("a", prompt, params)]})
+        b_prompt = [*prompt, *tokens["a"], 2]  # 9 tokens: blocks 0 and 1 could hit
+        self.check((engine, runner), {0: [("b", b_prompt, params)]})
+        self.assertEqual(runner.snapshots[-2]["b"], (4, 5))  # only block 0 hit
+
+    def test_request_aborted_mid_prefill_leaves_only_computed_blocks_cached(self) -> None:
+        engine, runner = make_engine(num_blocks=20, max_num_batched_tokens=6)
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+        engine.add_request("a", prompt, params)
+        engine.step()  # positions 0..5: block 0 full and computed, block 1 half computed
+        engine.abort_request("a")
+        self.check((engine, runner), {0: [("b", prompt, params)]})
+        self.assertEqual(runner.snapshots[1]["b"], (4, 5))
+
+    def test_repeated_blocks_in_one_prompt_get_distinct_blocks(self) -> None:
+        block = [7, 8, 9, 10]
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        engine, runner = make_engine(num_blocks=20)
+        self.check(
+            (engine, runner),
+            {0: [("a", [*block, 1, 2, 3, 4, 5], params)], 5: [("b", [*block, *block, 6], params)]},
+        )
+        # b hits a's first block only: its second block has equal tokens after a different prefix
+        self.assertEqual(next(s["b"] for s in runner.snapshots if "b" in s), (4, 5))
 
     def test_identical_prompts_admitted_together_match_reference(self) -> None:
         prompt = list(range(1, 19))
