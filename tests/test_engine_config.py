@@ -146,6 +146,21 @@ class TextDeltaTest(unittest.TestCase):
         self.assertEqual(deltas[:3], ["h", "", "é"])
         self.assertEqual(finish[-1], "length")
 
+    def test_extra_eos_ids_stop_requests_unless_ignore_eos(self) -> None:
+        def run(params: SamplingParams) -> tuple[list[int], str | None]:
+            engine = LLMEngine(
+                EngineConfig(num_kv_blocks=10, max_model_len=64),
+                _ScriptedRunner([3, 5, 7, 8]),
+                eos_token_id=2,
+                extra_eos_token_ids=(2, 5),
+            )
+            engine.add_request("a", [1], params)
+            outs = [o for _ in range(10) for o in engine.step()]
+            return [t for o in outs for t in o.new_token_ids], outs[-1].finish_reason
+
+        self.assertEqual(run(SamplingParams(max_tokens=4)), ([3, 5], "stop"))
+        self.assertEqual(run(SamplingParams(max_tokens=4, ignore_eos=True)), ([3, 5, 7, 8], "length"))
+
     def test_engine_without_block_count_or_model_len_is_refused(self) -> None:
         with self.assertRaisesRegex(ValueError, "num_blocks"):
             LLMEngine(EngineConfig(max_model_len=8), _ScriptedRunner([1]))

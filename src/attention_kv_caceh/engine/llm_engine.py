@@ -13,6 +13,7 @@ scheduled_requests[i]) and, optionally, a `TokenizerLike` with `decode(ids) -> s
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import time
 from dataclasses import dataclass
@@ -111,6 +112,8 @@ class LLMEngine:
         num_blocks: KV blocks the runner allocated; None takes config.num_kv_blocks.
         max_model_len: most tokens per request; None takes config.max_model_len.
         eos_token_id: overrides the tokenizer's eos id.
+        extra_eos_token_ids: more end-of-sequence ids (a checkpoint may list several); like vLLM, they are
+            added to a request's stop_token_ids unless it sets ignore_eos.
 
     Raises:
         ValueError: num_blocks or max_model_len is neither given nor in the config.
@@ -128,6 +131,7 @@ class LLMEngine:
         num_blocks: int | None = None,
         max_model_len: int | None = None,
         eos_token_id: int | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
         if blocks is None:
@@ -143,6 +147,7 @@ class LLMEngine:
             if eos_token_id is not None
             else (tokenizer.eos_token_id if tokenizer is not None else None)
         )
+        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != self.eos_token_id)
         self.scheduler = Scheduler(config, blocks, model_len)
         self.step_stats: list[StepStats] = []
         self._texts: dict[str, str] = {}  # request_id -> text emitted so far
@@ -167,7 +172,18 @@ class LLMEngine:
         bytes_per_block = int(runner_mod.ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype))
         num_blocks = cfg.num_blocks_for(bytes_per_block)
         runner: Any = runner_mod.ModelRunner(model, cfg, num_blocks)
-        return cls(cfg, runner, tokenizer, num_blocks=num_blocks, max_model_len=max_model_len)
+        eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
+        return cls(
+            cfg,
+            runner,
+            tokenizer,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            eos_token_id=tokenizer.eos_token_id
+            if tokenizer.eos_token_id is not None
+            else (eos_ids or (None,))[0],
+            extra_eos_token_ids=eos_ids,
+        )
 
     def add_request(
         self,
@@ -182,9 +198,11 @@ class LLMEngine:
             ValueError: empty prompt, negative ids, an id in use, a prompt over max_model_len, or a request
                 that cannot fit in the whole KV pool (see Scheduler.add_request).
         """
-        request = Request(
-            request_id, prompt_token_ids, sampling_params or SamplingParams(), self.eos_token_id, arrival_time
-        )
+        params = sampling_params or SamplingParams()
+        extra = tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
+        if extra and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival_time)
         self.scheduler.add_request(request)
         self._texts[request_id] = ""
         return request
@@ -267,7 +285,7 @@ class LLMEngine:
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | None = None
     ) -> list[list[int]]:
-        """Run prompts to completion (ids "0", "1", ...); return each prompt's output token ids in order.
+        """Run prompts to completion; return each prompt's output token ids, in the prompts' order.
 
         Raises:
             ValueError: as add_request.
