@@ -241,6 +241,23 @@ class KnownScheduleTest(unittest.TestCase):
         assert_all_blocks_free(engine)
 
 
+class PreemptionTest(unittest.TestCase):
+    def test_preempted_request_goes_to_the_front_keeping_its_output_tokens(self) -> None:
+        engine, _ = make_engine(num_blocks=4, block_size=2, max_num_seqs=2, max_num_batched_tokens=16)
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        engine.add_request("A", [1, 2, 3], params)
+        b = engine.add_request("B", [4, 5, 6], params)
+        engine.add_request("C", [7], params)  # waits: max_num_seqs is 2
+        engine.step()
+        engine.step()
+        self.assertEqual(b.output_token_ids and len(b.output_token_ids), 2)
+        engine.step()  # A needs a third block: B, admitted last, is preempted
+        self.assertEqual([r.request_id for r in engine.scheduler.waiting], ["B", "C"])
+        self.assertEqual((b.status, b.num_computed_tokens, b.block_ids), (RequestStatus.PREEMPTED, 0, []))
+        self.assertEqual(len(b.output_token_ids), 2)
+        self.assertEqual(b.num_tokens, 5)  # its outputs are recomputed as part of its "prompt"
+
+
 class AdmissionAndAbortTest(unittest.TestCase):
     def test_prompt_longer_than_max_model_len_is_refused(self) -> None:
         engine, _ = make_engine(num_blocks=100, max_model_len=8)
@@ -305,6 +322,11 @@ class AdmissionAndAbortTest(unittest.TestCase):
         engine.step()
         engine.step()
         self.assertEqual([so.finished_request_ids for so in runner.outputs], [[], ["a"], []])
+        engine.abort_request("b")
+        self.assertEqual(engine.step(), [])  # nothing to compute: the runner is not called
+        engine.add_request("c", [1], SamplingParams(max_tokens=1))
+        engine.step()
+        self.assertEqual(runner.outputs[-1].finished_request_ids, ["b"])
 
 
 class StepStatsTest(unittest.TestCase):

@@ -238,7 +238,9 @@ class Scheduler:
             and computed[r.request_id] >= r.num_prompt_tokens
         )
         total = sum(num_tokens.values())
-        finished_ids, self._finished_ids = self._finished_ids, []
+        finished_ids = self._finished_ids
+        if total:  # an empty step is not executed: report the finished ids with the next real one
+            self._finished_ids = []
         return SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_tokens,
@@ -248,7 +250,7 @@ class Scheduler:
             scheduled_new_request_ids=new_ids,
             num_computed_tokens=computed,
             preempted_request_ids=preempted,
-            finished_request_ids=finished_ids,
+            finished_request_ids=list(finished_ids),
         )
 
     def update_from_output(
