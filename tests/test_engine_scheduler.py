@@ -156,7 +156,7 @@ class EngineEqualsReferenceTest(unittest.TestCase):
         # prefill (samples token 11) + 2 decodes (tokens 12, 13): 13 tokens in all
         self.assertEqual([so.num_scheduled_tokens for so in runner.outputs], [{"a": 10}, {"a": 1}, {"a": 1}])
 
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(
         data=st.data(),
         block_size=st.integers(1, 6),
@@ -250,7 +250,7 @@ class PreemptionTest(unittest.TestCase):
         engine.add_request("C", [7], params)  # waits: max_num_seqs is 2
         engine.step()
         engine.step()
-        self.assertEqual(b.output_token_ids and len(b.output_token_ids), 2)
+        self.assertEqual(len(b.output_token_ids), 2)
         engine.step()  # A needs a third block: B, admitted last, is preempted
         self.assertEqual([r.request_id for r in engine.scheduler.waiting], ["B", "C"])
         self.assertEqual((b.status, b.num_computed_tokens, b.block_ids), (RequestStatus.PREEMPTED, 0, []))
