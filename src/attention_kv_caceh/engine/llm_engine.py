@@ -173,15 +173,16 @@ class LLMEngine:
         num_blocks = cfg.num_blocks_for(bytes_per_block)
         runner: Any = runner_mod.ModelRunner(model, cfg, num_blocks)
         eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
+        eos: int | None = tokenizer.eos_token_id
+        if eos is None and eos_ids:
+            eos = eos_ids[0]
         return cls(
             cfg,
             runner,
             tokenizer,
             num_blocks=num_blocks,
             max_model_len=max_model_len,
-            eos_token_id=tokenizer.eos_token_id
-            if tokenizer.eos_token_id is not None
-            else (eos_ids or (None,))[0],
+            eos_token_id=eos,
             extra_eos_token_ids=eos_ids,
         )
 
