@@ -1,0 +1,158 @@
+"""EngineConfig: the engine's limits and the size of its KV cache, validated once.
+
+Corresponds to the parts of vLLM's `SchedulerConfig` (max_num_seqs, max_num_batched_tokens), `CacheConfig`
+(block_size, num_gpu_blocks, enable_prefix_caching) and `ModelConfig` (max_model_len, dtype) the engine
+uses. Left out: everything about devices, parallelism, quantization and speculative decoding.
+
+KV cache size. vLLM profiles a forward pass and gives the KV cache `gpu_memory_utilization` (0.9) of the
+GPU's memory minus what the weights and activations took. On a CPU shared with other processes there is
+nothing to profile against, so by default the cache gets `DEFAULT_KV_CACHE_FRACTION` of the memory the
+kernel reports as available (`MemAvailable` in /proc/meminfo), capped at `DEFAULT_KV_CACHE_MAX_BYTES`;
+either `num_kv_blocks` or `kv_cache_memory` (bytes) overrides that.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_KV_CACHE_FRACTION",
+    "DEFAULT_KV_CACHE_MAX_BYTES",
+    "SUPPORTED_DTYPES",
+    "EngineConfig",
+    "available_memory_bytes",
+]
+
+DEFAULT_KV_CACHE_FRACTION = 0.25
+"""Share of the available memory the KV cache takes when no size is given (vLLM's analogue: 0.9 of the GPU)."""
+DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
+"""Upper bound of the default KV cache size: 4 GiB, so a large machine is not claimed by a toy model."""
+SUPPORTED_DTYPES = ("float32", "float64")
+
+
+def available_memory_bytes() -> int:
+    """Memory the kernel can give new allocations without swapping, in bytes.
+
+    Reads `MemAvailable` from /proc/meminfo (Linux); elsewhere falls back to
+    `os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")` (free pages, an underestimate).
+
+    Raises:
+        OSError: neither source is available on this system.
+    """
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError) as exc:
+        raise OSError("cannot read the available memory (no /proc/meminfo, no sysconf)") from exc
+
+
+def _check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits of the scheduler and size of the paged KV cache.
+
+    Attributes:
+        max_num_seqs: most requests running at once (vLLM's `max_num_seqs`, the batch's request count).
+        max_num_batched_tokens: most tokens computed in one step, prefill and decode together (the
+            token budget of vLLM v1's scheduler). Must be >= max_num_seqs so every running request can
+            decode in the same step.
+        block_size: tokens per KV block.
+        num_kv_blocks: explicit number of KV blocks; excludes `kv_cache_memory`.
+        kv_cache_memory: bytes for K and V of all layers; the block count is this divided by the bytes of
+            one block. Excludes `num_kv_blocks`. Both None: see `num_blocks_for`.
+        max_model_len: most tokens (prompt + output) of one request; None takes the checkpoint's
+            `max_position_embeddings`, a value may only lower it (`resolve_max_model_len`).
+        enable_prefix_caching: share KV blocks between requests with equal prefixes.
+        dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests).
+
+    Raises:
+        ValueError: a count is not a positive int, both cache sizes are given, or the dtype is unknown.
+    """
+
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_positive_int("max_num_seqs", self.max_num_seqs)
+        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive_int("block_size", self.block_size)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running request can decode in one step"
+            )
+        if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
+            raise ValueError(
+                f"give num_kv_blocks ({self.num_kv_blocks}) or kv_cache_memory ({self.kv_cache_memory}), "
+                "not both"
+            )
+        if self.num_kv_blocks is not None:
+            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory is not None:
+            _check_positive_int("kv_cache_memory", self.kv_cache_memory)
+        if self.max_model_len is not None:
+            _check_positive_int("max_model_len", self.max_model_len)
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+
+    def num_blocks_for(self, bytes_per_block: int, free_memory: int | None = None) -> int:
+        """Number of KV blocks the cache gets.
+
+        `num_kv_blocks` if given; else `kv_cache_memory // bytes_per_block`; else
+        `min(DEFAULT_KV_CACHE_FRACTION * free_memory, DEFAULT_KV_CACHE_MAX_BYTES) // bytes_per_block`.
+
+        Args:
+            bytes_per_block: bytes of K and V of one block over all layers
+                (2 * layers * block_size * H_kv * D * itemsize; the model runner computes it).
+            free_memory: available memory in bytes; None reads it with `available_memory_bytes()`.
+
+        Raises:
+            ValueError: bytes_per_block or free_memory is not positive, or the memory holds no block.
+        """
+        _check_positive_int("bytes_per_block", bytes_per_block)
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        if self.kv_cache_memory is not None:
+            budget = self.kv_cache_memory
+            source = f"kv_cache_memory={self.kv_cache_memory}"
+        else:
+            free = available_memory_bytes() if free_memory is None else free_memory
+            _check_positive_int("free_memory", free)
+            budget = min(int(DEFAULT_KV_CACHE_FRACTION * free), DEFAULT_KV_CACHE_MAX_BYTES)
+            source = f"{DEFAULT_KV_CACHE_FRACTION} of {free} available bytes, capped at {DEFAULT_KV_CACHE_MAX_BYTES}"
+        num_blocks = budget // bytes_per_block
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache budget ({source}) holds no block of {bytes_per_block} bytes")
+        return num_blocks
+
+    def resolve_max_model_len(self, checkpoint_max_len: int) -> int:
+        """The effective max_model_len: the checkpoint's, or this config's when it is lower.
+
+        Raises:
+            ValueError: checkpoint_max_len is not positive, or max_model_len exceeds it.
+        """
+        _check_positive_int("checkpoint_max_len", checkpoint_max_len)
+        if self.max_model_len is None:
+            return checkpoint_max_len
+        if self.max_model_len > checkpoint_max_len:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds the checkpoint's max_position_embeddings "
+                f"({checkpoint_max_len}); it may only lower it"
+            )
+        return self.max_model_len

@@ -1,0 +1,168 @@
+"""KVCacheManager: block tables of requests, prefix-cache lookups and slot allocation.
+
+Corresponds to vLLM v1's `vllm/v1/core/kv_cache_manager.py` (get_computed_blocks, allocate_slots, free,
+usage, prefix-cache stats) with the single full-attention group of `single_type_kv_cache_manager.py`. Left
+out: sliding window / hybrid groups, lookahead (speculative) slots, encoder caches, KV connectors.
+
+A request's block table is `request.block_ids`: block_ids[i] holds positions [i*block_size, (i+1)*block_size)
+(the slot of position p is block_ids[p // block_size] * block_size + p % block_size). Block ids only; the
+model runner owns the K/V buffers.
+
+Prefix caching. A full block is registered under its chained hash (see block_pool) once its K/V have been
+computed (`cache_full_blocks`, called after each step). At admission, `get_computed_blocks` walks the
+request's full-block hashes and returns the longest run found in the pool. The hit never covers the last
+token of the request: that token must still be computed to produce the logits of the next one, so at most
+(num_tokens - 1) // block_size blocks can hit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from .request import Request
+
+__all__ = ["KVCacheManager", "cdiv"]
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division for non-negative ints."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates and frees the blocks of requests; keeps the prefix-cache counters.
+
+    Attributes:
+        block_size: tokens per block.
+        block_pool: the BlockPool.
+        prefix_cache_queries: prompt tokens looked up at admissions (vLLM's prefix_cache_queries).
+        prefix_cache_hits: of those, tokens found in the cache.
+
+    Raises:
+        ValueError: num_blocks or block_size < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already hashed
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
+        return self.block_pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with no user."""
+        return self.block_pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Used blocks / total blocks, in [0, 1]."""
+        return self.block_pool.usage
+
+    def num_blocks_needed(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens positions."""
+        return cdiv(num_tokens, self.block_size)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        """Extend request.block_hashes to cover every full block of its current tokens."""
+        bs = self.block_size
+        num_full = request.num_tokens // bs
+        if len(request.block_hashes) >= num_full:
+            return
+        tokens = request.all_token_ids
+        for i in range(len(request.block_hashes), num_full):
+            parent = request.block_hashes[i - 1] if i > 0 else None
+            request.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest cached prefix of the request in full blocks, and its length in tokens.
+
+        Returns ([], 0) with prefix caching off. Never covers the request's last token. Does not take the
+        blocks (allocate_slots does) and does not count queries (record_prefix_cache_lookup does, at
+        admission, so a request that waits several steps is counted once).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admission's lookup (tokens queried, tokens hit)."""
+        self.prefix_cache_queries += num_queried_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+    ) -> list[int] | None:
+        """Give the request the blocks for its next num_new_tokens positions; return the new block ids.
+
+        The request will hold positions 0 .. num_computed_tokens + len(new_computed_blocks) * block_size
+        + num_new_tokens - 1. `new_computed_blocks` (a prefix hit from get_computed_blocks, only when the
+        request has no blocks yet) are taken first and appended to its block table, then fresh blocks.
+
+        Returns:
+            ids of the freshly allocated blocks (possibly []), or None when the free blocks do not
+            suffice; nothing changes then.
+
+        Raises:
+            ValueError: num_new_tokens < 0, or computed blocks given to a request that has blocks.
+        """
+        if num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        if new_computed_blocks and request.block_ids:
+            raise ValueError(f"request {request.request_id!r} already has blocks; no prefix hit can be added")
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_required = self.num_blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(request.block_ids) - len(new_computed_blocks)
+        # Computed blocks that are free leave the free queue when taken, so they count against it too.
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_new_blocks, 0) + num_evictable > self.block_pool.num_free_blocks:
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            request.block_ids.extend(b.block_id for b in new_computed_blocks)
+            self._num_cached_blocks[request.request_id] = len(new_computed_blocks)
+        if num_new_blocks <= 0:
+            return []
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        request.block_ids.extend(b.block_id for b in new_blocks)
+        return [b.block_id for b in new_blocks]
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that became full and computed (call after num_computed_tokens advanced)."""
+        if not self.enable_prefix_caching:
+            return
+        self._update_block_hashes(request)
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for i in range(start, end):
+            block = self.block_pool.blocks[request.block_ids[i]]
+            self.block_pool.cache_block(block, request.block_hashes[i])
+        if end > start:
+            self._num_cached_blocks[request.request_id] = end
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks, tail first, and empty its block table."""
+        blocks = [self.block_pool.blocks[i] for i in reversed(request.block_ids)]
+        self.block_pool.free_blocks(blocks)
+        request.block_ids = []
+        self._num_cached_blocks.pop(request.request_id, None)

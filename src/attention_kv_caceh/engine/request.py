@@ -1,0 +1,225 @@
+"""Request, SamplingParams, RequestStatus: one generation request and its life cycle.
+
+Corresponds to vLLM v1's `vllm/v1/request.py` (Request, RequestStatus), `vllm/sampling_params.py` (the
+fields used here) and `check_stop` in `vllm/v1/core/sched/utils.py`. Left out: multimodal inputs, LoRA,
+logprobs, stop strings, min_tokens, penalties, structured output.
+
+Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting queue -> RUNNING)* ->
+FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
+they are recomputed with the prompt when it runs again (preemption by recompute).
+
+Timestamps are `time.monotonic()` seconds, the clock vLLM's request-level metrics use (TTFT = first_token_time
+- arrival_time, E2EL = finished_time - arrival_time, ITL = differences of token_times).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["Request", "RequestStatus", "SamplingParams", "check_stop"]
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life cycle (vLLM v1's RequestStatus, without the structured-output states)."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* states."""
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop" (eos or a stop token), "length" (max_tokens or max_model_len),
+        "abort"; None while the request is not finished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+def _is_int(value: object) -> bool:
+    """An int that is not a bool (the fields are typed int, but callers may pass anything)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick the next token and when to stop (a subset of vLLM's SamplingParams).
+
+    Attributes:
+        max_tokens: most output tokens (>= 1).
+        temperature: 0 is greedy (argmax); > 0 divides the logits before the softmax.
+        top_p: keep the smallest set of most probable tokens whose probability sums to >= top_p (0 < top_p <= 1).
+        top_k: keep the k most probable tokens; 0 disables.
+        seed: seed of the request's own np.random.Generator; None draws fresh entropy.
+        ignore_eos: keep generating after the eos token.
+        stop_token_ids: more token ids that end the request (always honored, unlike eos).
+
+    Raises:
+        ValueError: a field is out of its range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0: argmax, no random draw."""
+        return self.temperature == 0.0
+
+
+class Request:
+    """One request: its tokens, its place in the KV cache and its timestamps.
+
+    Attributes:
+        request_id: unique id.
+        prompt_token_ids: the prompt's token ids.
+        sampling_params: SamplingParams.
+        eos_token_id: the tokenizer's end-of-sequence id, or None.
+        status: RequestStatus.
+        num_computed_tokens: tokens of `all_token_ids` whose K/V are in the cache.
+        output_token_ids: sampled tokens so far.
+        block_ids: the block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size).
+        block_hashes: prefix-cache hashes of the full blocks of all_token_ids, extended as tokens come.
+        num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission.
+        num_preemptions: times this request was preempted.
+        generator: the request's own random generator (sampling with temperature > 0), seeded from
+            sampling_params.seed, so its draws do not depend on the other requests in the batch.
+        arrival_time, first_scheduled_time, first_token_time, finished_time: time.monotonic() seconds
+            (None until it happens); token_times: one entry per output token.
+
+    Raises:
+        ValueError: an empty prompt or a negative token id.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if any(t < 0 for t in prompt_token_ids):
+            raise ValueError(f"request {request_id!r}: negative token id in the prompt")
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.output_token_ids: list[int] = []
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = 0
+        self.num_preemptions = 0
+        self.generator = np.random.default_rng(sampling_params.seed)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the output tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """len(all_token_ids)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """len(prompt_token_ids)."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids)."""
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """The status is one of the FINISHED_* states."""
+        return self.status.is_finished
+
+    def max_final_num_tokens(self, max_model_len: int) -> int:
+        """The most tokens (prompt + output) this request can reach before `check_stop` ends it."""
+        return min(
+            self.num_prompt_tokens + self.sampling_params.max_tokens,
+            max(max_model_len, self.num_prompt_tokens + 1),
+        )
+
+    def append_output_token(self, token_id: int, now: float | None = None) -> None:
+        """Record a sampled token and its time."""
+        t = time.monotonic() if now is None else now
+        self.output_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = t
+        self.token_times.append(t)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
+            f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Set a FINISHED_* status if the request must stop after its latest token; return whether it did.
+
+    Order (vLLM v1's `check_stop` checks length first; here a natural stop wins over a simultaneous length
+    cap so an eos on the last allowed token reports "stop", as OpenAI's API does):
+    1. the last token is eos (unless ignore_eos) or in stop_token_ids -> FINISHED_STOPPED;
+    2. num_output_tokens >= max_tokens or num_tokens >= max_model_len -> FINISHED_LENGTH_CAPPED.
+    """
+    if not request.output_token_ids:
+        return False
+    params = request.sampling_params
+    last = request.output_token_ids[-1]
+    if (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    return False

@@ -1,0 +1,298 @@
+"""Scheduler: vLLM v1's token-budget loop with chunked prefill, prefix caching and preemption by recompute.
+
+Corresponds to vLLM v1's `vllm/v1/core/sched/scheduler.py` (schedule, update_from_output, finish_requests)
+and `output.py` (SchedulerOutput). Left out: priorities, speculative decoding, structured output,
+encoder inputs, KV transfer, async scheduling, the partial-prefill limits (long_prefill_token_threshold).
+
+There are no separate prefill and decode phases. Every request has `num_tokens` tokens (prompt + output) of
+which `num_computed_tokens` are in the KV cache; a step gives each scheduled request n tokens to compute,
+from one token budget (`max_num_batched_tokens`):
+
+1. Running requests first, in admission order: each gets min(num_tokens - num_computed_tokens, budget)
+   tokens: 1 for a decode, the next chunk for an unfinished prefill. If its blocks cannot be allocated, the
+   most recently admitted running request is preempted (blocks freed, num_computed_tokens = 0, back at the
+   FRONT of the waiting queue) until they can, or until the request itself is the one preempted.
+2. Then, if nothing was preempted this step, waiting requests in order while fewer than max_num_seqs run
+   and budget remains: a prefix-cache hit sets their starting num_computed_tokens, and the rest of the
+   prompt (or its first chunk) is scheduled. A request that does not fit stops admission (first come,
+   first served: no later request overtakes it).
+
+A token is sampled for a request only when the step computes its last token (c + n == num_tokens);
+a partial prefill chunk samples nothing. update_from_output advances num_computed_tokens, appends the sampled
+tokens, checks stop conditions, frees finished requests, and registers newly full blocks for prefix caching.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from .config import EngineConfig
+from .kv_cache_manager import KVCacheManager
+from .request import Request, RequestStatus, check_stop
+
+__all__ = ["Scheduler", "SchedulerOutput"]
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step computes.
+
+    For request r with n = num_scheduled_tokens[r.request_id] and c = r.num_computed_tokens (before the
+    step), the step computes r.all_token_ids[c : c + n] at positions c .. c+n-1; r.block_ids already covers
+    positions 0 .. c+n-1 and the K/V of positions < c are in the cache.
+
+    Attributes:
+        scheduled_requests: requests in the order the runner lays them out (running first, then new).
+        num_scheduled_tokens: request_id -> tokens computed this step (>= 1).
+        total_num_scheduled_tokens: sum of num_scheduled_tokens (N of the flattened batch).
+        num_prefill_tokens: tokens of prompt chunks and of recomputation after preemption.
+        num_decode_tokens: tokens of requests computing their newest sampled token (n == 1,
+            c == num_tokens - 1, c >= num_prompt_tokens).
+        scheduled_new_request_ids: requests admitted from the waiting queue this step.
+        num_computed_tokens: request_id -> c, a snapshot taken when scheduling.
+        preempted_request_ids: requests preempted while scheduling this step.
+        finished_request_ids: requests that finished or were aborted since the previous step (the
+            runner may drop any state it keeps for them).
+    """
+
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    scheduled_new_request_ids: list[str] = field(default_factory=list[str])
+    num_computed_tokens: dict[str, int] = field(default_factory=dict[str, int])
+    preempted_request_ids: list[str] = field(default_factory=list[str])
+    finished_request_ids: list[str] = field(default_factory=list[str])
+
+    def samples_token(self, request: Request) -> bool:
+        """Whether this step computes the request's last token, so a token is sampled from its logits."""
+        rid = request.request_id
+        return self.num_computed_tokens[rid] + self.num_scheduled_tokens[rid] == request.num_tokens
+
+
+class Scheduler:
+    """Chooses each step's tokens within max_num_seqs and max_num_batched_tokens.
+
+    Args:
+        config: EngineConfig (max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching).
+        num_blocks: KV blocks in the pool (the model runner allocated as many).
+        max_model_len: most tokens of a request (resolved from the checkpoint and the config).
+
+    Attributes:
+        waiting: deque of requests not running (WAITING, or PREEMPTED at the front).
+        running: requests holding blocks, in admission order.
+        kv_cache_manager: KVCacheManager.
+        num_preemptions: preemptions so far.
+    """
+
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+
+    # ---- admission ------------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request, refusing it up front if it could never run.
+
+        Raises:
+            ValueError: the id is in use, the prompt is longer than max_model_len, or the request's
+                largest context (prompt + max_tokens - 1 positions, capped by max_model_len) needs more
+                blocks than the whole pool has.
+        """
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.num_prompt_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
+        # The last sampled token is never computed, so the cache holds at most final_num_tokens - 1 positions.
+        max_positions = request.max_final_num_tokens(self.max_model_len) - 1
+        need = self.kv_cache_manager.num_blocks_needed(max_positions)
+        if need > self.kv_cache_manager.num_blocks:
+            raise ValueError(
+                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
+                f"({request.sampling_params.max_tokens}) needs {need} KV blocks of {self.config.block_size} "
+                f"tokens, the pool has {self.kv_cache_manager.num_blocks}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (abort): free their blocks; unknown or finished ids are ignored.
+
+        Raises:
+            ValueError: status is not a FINISHED_* state.
+        """
+        if not status.is_finished:
+            raise ValueError(f"status must be a FINISHED_* state, got {status.name}")
+        for rid in request_ids:
+            request = self.requests.get(rid)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.finished_time = time.monotonic()
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests in the waiting queue (including preempted ones)."""
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding blocks (vLLM's num_requests_running)."""
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request waiting or running."""
+        return bool(self.waiting or self.running)
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_cached_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Choose this step's requests and token counts, allocating their blocks (see the module docstring)."""
+        cfg = self.config
+        kv = self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[Request] = []
+        num_tokens: dict[str, int] = {}
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while kv.allocate_slots(request, n) is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled.append(request)
+                num_tokens[request.request_id] = n
+                budget -= n
+                i += 1
+                continue
+            break  # the request itself was preempted: nothing after it is running any more
+
+        new_ids: list[str] = []
+        while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit = kv.get_computed_blocks(request)
+            n = min(request.num_tokens - num_hit, budget)
+            if kv.allocate_slots(request, n, hit_blocks) is None:
+                break
+            self.waiting.popleft()
+            kv.record_prefix_cache_lookup(request.num_tokens, num_hit)
+            request.num_computed_tokens = num_hit
+            request.num_cached_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            scheduled.append(request)
+            num_tokens[request.request_id] = n
+            new_ids.append(request.request_id)
+            budget -= n
+
+        computed = {r.request_id: r.num_computed_tokens for r in scheduled}
+        num_decode = sum(
+            1
+            for r in scheduled
+            if num_tokens[r.request_id] == 1
+            and computed[r.request_id] == r.num_tokens - 1
+            and computed[r.request_id] >= r.num_prompt_tokens
+        )
+        total = sum(num_tokens.values())
+        finished_ids = self._finished_ids
+        if total:  # an empty step is not executed: report the finished ids with the next real one
+            self._finished_ids = []
+        return SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_tokens,
+            total_num_scheduled_tokens=total,
+            num_prefill_tokens=total - num_decode,
+            num_decode_tokens=num_decode,
+            scheduled_new_request_ids=new_ids,
+            num_computed_tokens=computed,
+            preempted_request_ids=preempted,
+            finished_request_ids=list(finished_ids),
+        )
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
+    ) -> list[tuple[Request, int]]:
+        """Apply a computed step: advance, append samples, stop, free, cache full blocks.
+
+        Args:
+            scheduler_output: the output of the latest schedule().
+            sampled_token_ids: request_id -> sampled token, for exactly the requests whose last token the
+                step computed (`scheduler_output.samples_token(r)`).
+
+        Returns:
+            (request, new token id) for every request that got a token, in scheduled order; a finished
+            request has a FINISHED_* status and no blocks.
+
+        Raises:
+            ValueError: sampled_token_ids misses a sampling request or has one that did not sample
+                (checked before anything changes).
+        """
+        expected = {
+            r.request_id for r in scheduler_output.scheduled_requests if scheduler_output.samples_token(r)
+        }
+        if set(sampled_token_ids) != expected:
+            raise ValueError(
+                f"sampled_token_ids has ids {sorted(sampled_token_ids)}, expected exactly {sorted(expected)}"
+            )
+        kv = self.kv_cache_manager
+        now = time.monotonic()
+        out: list[tuple[Request, int]] = []
+        for request in scheduler_output.scheduled_requests:
+            rid = request.request_id
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
+            kv.cache_full_blocks(request)
+            if rid not in sampled_token_ids:
+                continue
+            token = sampled_token_ids[rid]
+            request.append_output_token(token, now)
+            out.append((request, token))
+            if check_stop(request, self.max_model_len):
+                self.running.remove(request)
+                self._finish(request)
+        return out

@@ -1,0 +1,209 @@
+"""A fake model runner that reads each request's context back through the paged cache, and its oracle.
+
+FakeModelRunner keeps a token-id "KV cache" `[num_blocks, block_size]`. Each step it first writes every
+scheduled token id to its slot (slot = block_ids[p // block_size] * block_size + p % block_size, the
+contract's slot mapping), then, for each request, reads positions 0 .. c+n-1 back THROUGH THE REQUEST'S
+BLOCK TABLE and returns logits whose argmax is `next_token(context)`, a hash of the context read. A bug in
+block allocation, prefix caching, slot mapping, chunking or preemption changes what is read, hence the
+tokens; `reference_generate` applies the same hash to each growing sequence directly (full recompute,
+one prompt at a time), so engine tokens == reference tokens is the end-to-end oracle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from attention_kv_caceh.engine.kv_cache_manager import cdiv
+from attention_kv_caceh.engine.llm_engine import LLMEngine
+from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.scheduler import SchedulerOutput
+
+VOCAB = 40
+EOS = 0
+
+
+def context_seed(context: Sequence[int]) -> int:
+    """A deterministic 64-bit hash of a token sequence."""
+    digest = hashlib.blake2b(np.asarray(context, dtype=np.int64).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def next_token(context: Sequence[int], vocab: int = VOCAB) -> int:
+    """The fake model's greedy next token after `context`."""
+    return context_seed(context) % vocab
+
+
+def one_hot_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    logits = np.zeros(vocab)
+    logits[next_token(context, vocab)] = 1.0
+    return logits
+
+
+def random_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    """Dense logits seeded by the context: for sampling tests."""
+    return np.random.default_rng(context_seed(context)).normal(scale=2.0, size=vocab)
+
+
+class FakeModelRunner:
+    """execute_model(SchedulerOutput) -> logits [R, V] computed from the context read through the paged cache."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        vocab: int = VOCAB,
+        logits_fn: Callable[[Sequence[int], int], np.ndarray] = one_hot_logits,
+    ) -> None:
+        self.block_size = block_size
+        self.vocab = vocab
+        self.logits_fn = logits_fn
+        self.cache = np.full((num_blocks, block_size), -1, dtype=np.int64)  # [num_blocks, block_size]
+        self.outputs: list[SchedulerOutput] = []
+        self.snapshots: list[dict[str, tuple[int, int]]] = []  # per step: request_id -> (c, n)
+
+    def _slot(self, block_ids: list[int], p: int) -> int:
+        return block_ids[p // self.block_size] * self.block_size + p % self.block_size
+
+    def execute_model(self, so: SchedulerOutput) -> np.ndarray:
+        self.outputs.append(so)
+        flat = self.cache.reshape(-1)  # [num_blocks * block_size], a view
+        snap: dict[str, tuple[int, int]] = {}
+        for r in so.scheduled_requests:  # write every new token first, as the attention layers do
+            c, n = r.num_computed_tokens, so.num_scheduled_tokens[r.request_id]
+            snap[r.request_id] = (c, n)
+            if c != so.num_computed_tokens[r.request_id]:
+                raise AssertionError(f"{r.request_id}: num_computed_tokens changed after schedule()")
+            if len(r.block_ids) < cdiv(c + n, self.block_size):
+                raise AssertionError(f"{r.request_id}: {len(r.block_ids)} blocks for {c + n} positions")
+            tokens = r.all_token_ids
+            for p in range(c, c + n):
+                flat[self._slot(r.block_ids, p)] = tokens[p]
+        self.snapshots.append(snap)
+        logits = np.zeros((len(so.scheduled_requests), self.vocab))  # [R, V]
+        for i, r in enumerate(so.scheduled_requests):
+            c, n = snap[r.request_id]
+            context = [int(flat[self._slot(r.block_ids, p)]) for p in range(c + n)]
+            if -1 in context:
+                raise AssertionError(f"{r.request_id}: read a slot never written")
+            logits[i] = self.logits_fn(context, self.vocab)
+        return logits
+
+
+def reference_generate(
+    prompt: Sequence[int],
+    params: SamplingParams,
+    max_model_len: int,
+    eos: int | None = EOS,
+    vocab: int = VOCAB,
+) -> tuple[list[int], str]:
+    """Greedy tokens and finish reason by full recompute of one prompt (the oracle)."""
+    seq = list(prompt)
+    out: list[int] = []
+    while True:
+        t = next_token(seq, vocab)
+        out.append(t)
+        seq.append(t)
+        if (not params.ignore_eos and t == eos) or t in params.stop_token_ids:
+            return out, "stop"
+        if len(out) >= params.max_tokens or len(seq) >= max_model_len:
+            return out, "length"
+
+
+def check_pool_consistent(engine: LLMEngine) -> None:
+    """Ref counts equal the running requests' block-table entries; free queue == blocks with ref 0;
+    every hash-map entry points to a block carrying that hash. Raises AssertionError otherwise."""
+    sched = engine.scheduler
+    pool = sched.kv_cache_manager.block_pool
+    expected = [0] * pool.num_blocks
+    for r in sched.running:
+        if len(set(r.block_ids)) != len(r.block_ids):
+            raise AssertionError(f"{r.request_id} holds a block twice: {r.block_ids}")
+        for b in r.block_ids:
+            expected[b] += 1
+    for r in sched.waiting:
+        if r.block_ids:
+            raise AssertionError(f"waiting request {r.request_id} holds blocks {r.block_ids}")
+    actual = [b.ref_cnt for b in pool.blocks]
+    if actual != expected:
+        raise AssertionError(f"ref counts {actual} != block-table counts {expected}")
+    if sorted(pool.free_block_ids()) != [i for i, c in enumerate(expected) if c == 0]:
+        raise AssertionError("free queue != blocks with ref_cnt 0")
+    for h, block in pool.cached_block_hash_to_block.items():
+        if block.block_hash != h:
+            raise AssertionError(f"hash map entry points to block {block.block_id} with another hash")
+
+
+Arrival = tuple[str, list[int], SamplingParams]
+
+
+def run_workload(
+    engine: LLMEngine, arrivals: dict[int, list[Arrival]], max_steps: int = 100_000
+) -> tuple[dict[str, list[int]], dict[str, str]]:
+    """Add arrivals[k] before step k, step until done, checking the budgets and the pool after every step.
+
+    Returns the output tokens and finish reason of every finished request.
+    """
+    cfg = engine.config
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    step = 0
+    last = max(arrivals, default=-1)
+    while step <= last or engine.has_unfinished_requests():
+        if step > max_steps:
+            raise AssertionError("the engine made no progress")
+        for rid, prompt, params in arrivals.get(step, []):
+            engine.add_request(rid, prompt, params)
+            tokens[rid] = []
+        n_stats = len(engine.step_stats)
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason is not None
+                reasons[out.request_id] = out.finish_reason
+        if len(engine.step_stats) > n_stats:
+            stats = engine.step_stats[-1]
+            if sum(stats.num_scheduled_tokens.values()) > cfg.max_num_batched_tokens:
+                raise AssertionError(f"step {step}: {stats.num_scheduled_tokens} over the token budget")
+            if len(stats.num_scheduled_tokens) > cfg.max_num_seqs:
+                raise AssertionError(f"step {step}: more than max_num_seqs requests scheduled")
+            if min(stats.num_scheduled_tokens.values()) < 1:
+                raise AssertionError(f"step {step}: a request scheduled with 0 tokens")
+        if engine.scheduler.num_running > cfg.max_num_seqs:
+            raise AssertionError(f"step {step}: {engine.scheduler.num_running} running > max_num_seqs")
+        check_pool_consistent(engine)
+        step += 1
+    return tokens, reasons
+
+
+def assert_all_blocks_free(engine: LLMEngine) -> None:
+    pool = engine.scheduler.kv_cache_manager.block_pool
+    if pool.num_free_blocks != pool.num_blocks or any(b.ref_cnt for b in pool.blocks):
+        raise AssertionError(f"{pool.num_blocks - pool.num_free_blocks} blocks still held")
+
+
+def make_engine(
+    *,
+    num_blocks: int,
+    block_size: int = 4,
+    max_num_seqs: int = 4,
+    max_num_batched_tokens: int = 16,
+    max_model_len: int = 256,
+    enable_prefix_caching: bool = True,
+    vocab: int = VOCAB,
+    logits_fn: Callable[[Sequence[int], int], np.ndarray] = one_hot_logits,
+) -> tuple[LLMEngine, FakeModelRunner]:
+    from attention_kv_caceh.engine.config import EngineConfig
+
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    runner = FakeModelRunner(num_blocks, block_size, vocab, logits_fn)
+    return LLMEngine(config, runner, None, eos_token_id=EOS), runner
