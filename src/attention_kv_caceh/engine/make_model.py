@@ -33,6 +33,10 @@ from attention_kv_caceh.engine.training_text import TRAINING_TEXT
 __all__ = ["ARCHITECTURES", "PRESETS", "Preset", "bfloat16_bits", "write_random_checkpoint"]
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+# Residual-branch gain of o_proj and down_proj: layer outputs outweigh the token's own embedding in the
+# residual stream, so tied-embedding models do not simply repeat their input token under greedy decoding.
+OUT_GAIN = 3
 _SAVE_DTYPES = ("float32", "float16", "bfloat16")  # safetensors TensorSpec dtype names
 
 
@@ -105,8 +109,9 @@ def _random_tensors(
 ) -> dict[str, npt.NDArray[np.float32]]:
     """Hugging Face tensor names -> float32 weights, drawn in a fixed order from `rng`.
 
-    Projections ~ N(0, 1/in) keep activations O(1); embeddings and LM head ~ N(0, 16/hidden) give
-    logits of standard deviation about 4; norm weights 1 + N(0, 0.01); biases N(0, 0.01).
+    Projections ~ N(0, 1/in) keep activations O(1) (o_proj and down_proj times OUT_GAIN); embeddings
+    and LM head ~ N(0, 16/hidden) give logits of standard deviation about 4; norm weights
+    1 + N(0, 0.01); biases N(0, 0.01).
     """
 
     def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
@@ -131,11 +136,11 @@ def _random_tensors(
         if arch == "qwen3":
             t[f"{a}q_norm.weight"] = norm_weight(p.head_dim)
             t[f"{a}k_norm.weight"] = norm_weight(p.head_dim)
-        t[f"{a}o_proj.weight"] = normal((hidden, q_dim), 1 / np.sqrt(q_dim))
+        t[f"{a}o_proj.weight"] = normal((hidden, q_dim), OUT_GAIN / np.sqrt(q_dim))
         t[f"model.layers.{i}.post_attention_layernorm.weight"] = norm_weight(hidden)
         t[f"{m}gate_proj.weight"] = normal((inter, hidden), 1 / np.sqrt(hidden))
         t[f"{m}up_proj.weight"] = normal((inter, hidden), 1 / np.sqrt(hidden))
-        t[f"{m}down_proj.weight"] = normal((hidden, inter), 1 / np.sqrt(inter))
+        t[f"{m}down_proj.weight"] = normal((hidden, inter), OUT_GAIN / np.sqrt(inter))
     t["model.norm.weight"] = norm_weight(hidden)
     head = "model.embed_tokens.weight" if tie else "lm_head.weight"
     if not tie:

@@ -101,7 +101,7 @@ class ModelConfig:
             return hf[key]
 
         archs: Any = need("architectures")
-        arch: Any = cast("list[Any]", archs)[0] if isinstance(archs, list) and archs else archs
+        arch = _first_architecture(archs)
         if arch not in SUPPORTED_ARCHITECTURES:
             raise fail(
                 "architectures", f"unsupported {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -128,7 +128,7 @@ class ModelConfig:
         bos = hf.get("bos_token_id")
         try:
             return cls(
-                architecture=str(arch),
+                architecture=arch,
                 vocab_size=int(need("vocab_size")),
                 hidden_size=hidden,
                 num_hidden_layers=int(need("num_hidden_layers")),
@@ -149,6 +149,15 @@ class ModelConfig:
             )
         except ValueError as err:  # __post_init__ or int() of a malformed value
             raise CheckpointError(f"{source}: {err}") from err
+
+
+def _first_architecture(archs: object) -> str:
+    """config.json lists `architectures`; the first names the model class."""
+    text = repr(archs)
+    if isinstance(archs, list):
+        items = cast("list[object]", archs)
+        text = str(items[0]) if items else text
+    return text
 
 
 def _rope_scaling(value: Any, fail: Any) -> dict[str, float] | None:
