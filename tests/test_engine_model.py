@@ -199,7 +199,10 @@ class TestPagedAttention(unittest.TestCase):
         got = paged_attention(np.concatenate(qs), k_cache, v_cache, meta)  # [N, H, D]
         for i, (q, k, v) in enumerate(zip(qs, full_k, full_v, strict=True)):
             want, _ = scaled_dot_product_attention(
-                q.transpose(1, 0, 2)[None], k.transpose(1, 0, 2)[None], v.transpose(1, 0, 2)[None], is_causal=True
+                q.transpose(1, 0, 2)[None],
+                k.transpose(1, 0, 2)[None],
+                v.transpose(1, 0, 2)[None],
+                is_causal=True,
             )  # [1, H, n, D]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             np.testing.assert_allclose(got[start:end], want[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-12)
@@ -213,6 +216,67 @@ class TestPagedAttention(unittest.TestCase):
                 context_lens=np.array([5]),
                 block_size=4,
             )
+
+
+class TestModelRunner(EngineModelTestBase):
+    def run_alone(self, model: Model, tokens: list[int]) -> np.ndarray:
+        """Last-token logits of `tokens` computed in one step on a fresh runner."""
+        runner = ModelRunner(model, EngineConfig(block_size=4, dtype="float64"), num_blocks=16)
+        req = FakeRequest("x", list(tokens), 0, list(range(-(-len(tokens) // 4))))
+        return runner.execute_model(FakeSchedulerOutput([req], {"x": len(tokens)}))[0]  # type: ignore[arg-type]
+
+    def test_chunked_prefill_and_decode_in_flattened_batches_equal_the_full_prompt(self) -> None:
+        # Three requests over shuffled blocks of 4; chunks end mid-block and exactly on block boundaries
+        # (4, 12, 16), requests join and finish in different steps, then all three decode one token.
+        lengths = {"a": 23, "b": 9, "c": 16}
+        steps = [{"a": 4, "b": 3}, {"a": 8, "b": 6, "c": 5}, {"a": 11, "c": 11}]
+        for arch in ARCHS:
+            with self.subTest(arch=arch):
+                model = Model.load(self.folders[arch], "float64")
+                runner = ModelRunner(model, EngineConfig(block_size=4, dtype="float64"), num_blocks=20)
+                free = [int(b) for b in np.random.default_rng(5).permutation(20)]
+                reqs = {
+                    rid: FakeRequest(
+                        rid, self.prompt(n, seed=i + 10), 0, [free.pop() for _ in range(-(-n // 4))]
+                    )
+                    for i, (rid, n) in enumerate(lengths.items())
+                }
+                for step in steps:
+                    out = FakeSchedulerOutput([reqs[r] for r in step], dict(step))
+                    logits = runner.execute_model(out)  # type: ignore[arg-type]
+                    for row, rid in enumerate(step):
+                        reqs[rid].num_computed_tokens += step[rid]
+                        if reqs[rid].num_computed_tokens == lengths[rid]:
+                            want = self.run_alone(model, reqs[rid].all_token_ids)
+                            np.testing.assert_allclose(logits[row], want, rtol=1e-9, atol=1e-9)
+                for rid, req in reqs.items():  # one decode token each; "c" needs a fifth block
+                    req.all_token_ids.append(int(np.argmax(self.run_alone(model, req.all_token_ids))))
+                    if len(req.all_token_ids) > 4 * len(req.block_ids):
+                        req.block_ids.append(free.pop())
+                    self.assertEqual(req.num_computed_tokens, lengths[rid])
+                out = FakeSchedulerOutput(list(reqs.values()), dict.fromkeys(reqs, 1))
+                logits = runner.execute_model(out)  # type: ignore[arg-type]
+                for row, req in enumerate(reqs.values()):
+                    np.testing.assert_allclose(
+                        logits[row], self.run_alone(model, req.all_token_ids), rtol=1e-9, atol=1e-9
+                    )
+
+    def test_execute_model_rejects_missing_blocks_before_touching_the_cache(self) -> None:
+        model = Model.load(self.folders["llama"], "float64")
+        runner = ModelRunner(model, EngineConfig(block_size=4, dtype="float64"), num_blocks=4)
+        req = FakeRequest("a", self.prompt(9), 0, [0, 1])  # 9 positions need 3 blocks
+        with self.assertRaisesRegex(ValueError, "must cover 9 positions"):
+            runner.execute_model(FakeSchedulerOutput([req], {"a": 9}))  # type: ignore[arg-type]
+        self.assertTrue(all(not k.any() and not v.any() for k, v in runner.kv_caches))
+        with self.assertRaisesRegex(ValueError, "0 scheduled tokens"):
+            runner.execute_model(FakeSchedulerOutput([req], {"a": 0}))  # type: ignore[arg-type]
+
+    def test_bytes_per_block_equals_the_allocated_buffers_per_block(self) -> None:
+        model = Model.load(self.folders["qwen3"], "float32")
+        runner = ModelRunner(model, EngineConfig(block_size=8, dtype="float32"), num_blocks=5)
+        allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
+        self.assertEqual(ModelRunner.bytes_per_block(model.config, 8, "float32") * 5, allocated)
+        self.assertEqual(runner.kv_caches[0][0].shape, (5, 8, 2, 32))
 
 
 if __name__ == "__main__":
