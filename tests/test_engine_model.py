@@ -13,7 +13,6 @@ import tempfile
 import unittest
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 from safetensors.numpy import load_file
