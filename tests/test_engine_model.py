@@ -149,6 +149,7 @@ class TestModelForward(EngineModelTestBase):
                     n = 5
                     for _ in range(24):
                         logits = runner.execute_model(FakeSchedulerOutput([req], {"r": n}))[0]  # type: ignore[arg-type]
+                        self.assertEqual(logits.dtype, np.dtype(dtype))
                         req.num_computed_tokens += n
                         top2 = np.sort(logits)[-2:]
                         if dtype == "float64":
@@ -269,6 +270,11 @@ class TestModelRunner(EngineModelTestBase):
         self.assertTrue(all(not k.any() and not v.any() for k, v in runner.kv_caches))
         with self.assertRaisesRegex(ValueError, "0 scheduled tokens"):
             runner.execute_model(FakeSchedulerOutput([req], {"a": 0}))  # type: ignore[arg-type]
+
+    def test_runner_refuses_a_dtype_other_than_the_models(self) -> None:
+        model = Model.load(self.folders["qwen2"], "float32")
+        with self.assertRaisesRegex(ValueError, "must be the model's dtype 'float32'"):
+            ModelRunner(model, EngineConfig(dtype="float64"), num_blocks=4)
 
     def test_bytes_per_block_equals_the_allocated_buffers_per_block(self) -> None:
         model = Model.load(self.folders["qwen3"], "float32")

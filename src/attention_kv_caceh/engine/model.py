@@ -114,11 +114,12 @@ class Model:
                 )
             )
         self.norm = get("model.norm.weight", (hidden,))  # [D_model]
-        # Tied embeddings: the LM head is the embedding matrix itself (Hugging Face omits lm_head.weight).
-        tied = c.tie_word_embeddings and "lm_head.weight" not in checkpoint
-        self.lm_head = (
-            self.embed_tokens if tied else get("lm_head.weight", (c.vocab_size, hidden))
-        )  # [V, D_model]
+        # Tied embeddings: the LM head is the embedding matrix itself, as in transformers, which ties
+        # them even when a file also stores lm_head.weight (usually it is omitted).
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed_tokens  # [V, D_model]
+        else:
+            self.lm_head = get("lm_head.weight", (c.vocab_size, hidden))  # [V, D_model]
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
 
     @classmethod
