@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.numpy import load_file
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
@@ -163,14 +165,15 @@ class TestModelForward(EngineModelTestBase):
 
 
 class TestPagedAttention(unittest.TestCase):
-    def test_paged_attention_equals_contiguous_attention_for_shuffled_block_tables(self) -> None:
-        rng = np.random.default_rng(0)
-        h, h_kv, d, bs, num_blocks = 6, 2, 8, 4, 16
-        # (cached c, scheduled n) per request: a decode, a chunk ending on a block boundary, a prefill.
-        plan = [(9, 1), (5, 3), (0, 7)]
+    def check_plan(self, plan: list[tuple[int, int]], bs: int, seed: int) -> None:
+        """Paged attention of requests with (cached c, scheduled n) over shuffled blocks equals the
+        lab's contiguous attention of each request alone."""
+        rng = np.random.default_rng(seed)
+        h, h_kv, d = 6, 2, 8
+        num_blocks = sum(-(-(c + n) // bs) for c, n in plan) + 3  # a few blocks stay unused
         perm = [int(b) for b in rng.permutation(num_blocks)]
-        k_cache = np.zeros((num_blocks, bs, h_kv, d))
-        v_cache = np.zeros_like(k_cache)
+        k_cache = rng.standard_normal((num_blocks, bs, h_kv, d))  # garbage where nothing is written
+        v_cache = rng.standard_normal((num_blocks, bs, h_kv, d))
         tables, full_k, full_v, qs, slots = [], [], [], [], []
         for c, n in plan:
             t = c + n
@@ -183,12 +186,12 @@ class TestPagedAttention(unittest.TestCase):
                 k_cache[blocks[p // bs], p % bs], v_cache[blocks[p // bs], p % bs] = k[p], v[p]
             slots += [blocks[p // bs] * bs + p % bs for p in range(c, t)]
             qs.append(rng.standard_normal((n, h, d)))
-        block_tables = np.full((3, max(map(len, tables))), -1, dtype=np.int32)
+        block_tables = np.full((len(plan), max(map(len, tables))), -1, dtype=np.int32)
         for i, b in enumerate(tables):
             block_tables[i, : len(b)] = b
         meta = AttentionMetadata(
             slot_mapping=np.array(slots),
-            query_start_loc=np.array([0, 1, 4, 11]),
+            query_start_loc=np.cumsum([0] + [n for _, n in plan]),
             block_tables=block_tables,
             context_lens=np.array([c + n for c, n in plan]),
             block_size=bs,
@@ -206,6 +209,21 @@ class TestPagedAttention(unittest.TestCase):
             )  # [1, H, n, D]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             np.testing.assert_allclose(got[start:end], want[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-12)
+
+    def test_paged_attention_equals_contiguous_attention_for_shuffled_block_tables(self) -> None:
+        # A decode, a chunk ending on a block boundary, a whole prefill.
+        self.check_plan([(9, 1), (5, 3), (0, 7)], bs=4, seed=0)
+
+    @settings(max_examples=40, deadline=None)
+    @given(
+        plan=st.lists(st.tuples(st.integers(0, 20), st.integers(1, 9)), min_size=1, max_size=4),
+        bs=st.sampled_from([1, 2, 4, 5, 16]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_paged_attention_equals_contiguous_attention_for_any_plan(
+        self, plan: list[tuple[int, int]], bs: int, seed: int
+    ) -> None:
+        self.check_plan(plan, bs, seed)
 
     def test_attention_metadata_rejects_a_block_table_too_short_for_the_context(self) -> None:
         with self.assertRaisesRegex(ValueError, "block tables hold"):
