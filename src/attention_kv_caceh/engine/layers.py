@@ -1,0 +1,89 @@
+"""The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU.
+
+What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py), without
+fused kernels: each function is the formula, written on one or two array expressions.
+
+Shape legend (as in `attention_kv_caceh.attention`): N tokens of a flattened batch, H query heads,
+H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["apply_rotary", "rms_norm", "rope_cos_sin", "rope_inv_freq", "silu_and_mul"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+
+
+def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
+    """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019).
+
+    x `[..., C]`, weight `[C]`; the result has x's shape and dtype. Computed in x's dtype, as
+    Hugging Face's LlamaRMSNorm does for float32 inputs.
+    """
+    variance = np.mean(x * x, axis=-1, keepdims=True)  # [..., 1]
+    return x / np.sqrt(variance + x.dtype.type(eps)) * weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> FloatArray:
+    """Inverse frequencies of rotary embedding, float64 `[D/2]`: theta^(-2i/D) for i in 0 .. D/2-1.
+
+    Su et al. (2021), RoFormer, eq. 15. `scaling` is None, or the "llama3" parameters (`factor`,
+    `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`) of Hugging Face's
+    `_compute_llama3_parameters`: wavelengths longer than original/low_freq_factor are divided by
+    `factor`, those shorter than original/high_freq_factor are kept, and the band between is blended
+    linearly in original/wavelength.
+    """
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+    if scaling is None:
+        return inv_freq
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq  # [D/2]
+    scaled = np.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low) / (high - low)  # 0 at the low-frequency edge, 1 at the high one
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= original / high) & (wavelen <= original / low)
+    return np.where(medium, blended, scaled)  # [D/2]
+
+
+def rope_cos_sin(
+    positions: npt.NDArray[np.integer[Any]], inv_freq: FloatArray, dtype: Any
+) -> tuple[FloatArray, FloatArray]:
+    """cos and sin tables `[N, D]` for token positions `[N]`, in `dtype`.
+
+    Angles are position * inv_freq, computed in float64 and then cast; the D/2 frequencies are repeated
+    twice along the last axis (Hugging Face's `cat((freqs, freqs))` layout that `rotate_half` expects).
+    """
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]  # [N, D/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [N, D]
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def apply_rotary(x: FloatArray, cos: FloatArray, sin: FloatArray) -> FloatArray:
+    """Rotate query or key heads by their token's position: x * cos + rotate_half(x) * sin.
+
+    x `[N, heads, D]`, cos and sin `[N, D]` -> `[N, heads, D]`. rotate_half(x) = cat(-x2, x1) for the
+    halves x1 = x[..., :D/2], x2 = x[..., D/2:] (Hugging Face's convention: dimension i pairs with
+    i + D/2, not with its neighbour as in the RoFormer paper; both are the same rotation up to a
+    permutation of the projection's output rows).
+    """
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # [N, heads, D]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]  # [N, heads, D]
+
+
+def silu_and_mul(gate_up: FloatArray) -> FloatArray:
+    """SwiGLU's gating (Shazeer, 2020): silu(gate) * up, with gate_up = [gate | up] `[N, 2I]` -> `[N, I]`.
+
+    silu(g) = g * sigmoid(g), with sigmoid(g) = (1 + tanh(g / 2)) / 2, which cannot overflow.
+    """
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]  # [N, I] each
+    half = gate.dtype.type(0.5)
+    return gate * (half + half * np.tanh(half * gate)) * up  # [N, I]

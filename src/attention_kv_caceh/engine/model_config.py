@@ -1,0 +1,180 @@
+"""ModelConfig: the architecture settings of a Hugging Face `config.json` that the NumPy model implements.
+
+What vLLM's `transformers_utils/config.py` + `config/model.py` do for one folder: read the keys the
+Llama / Mistral / Qwen2 / Qwen3 classes of Hugging Face transformers define (`LlamaConfig` etc.), fill
+their documented defaults, and refuse, with one CheckpointError naming the file and key, a setting the
+NumPy model would silently get wrong (another architecture, activation, RoPE scaling, sliding window).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from attention_kv_caceh.engine.checkpoint import CheckpointError
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Decoder shapes and settings (Hugging Face config.json names).
+
+    qkv_bias / o_proj_bias: biases on the q/k/v and o projections (Qwen2: q/k/v only; Llama, Mistral
+    and Qwen3: both or neither, `attention_bias`). qk_norm: Qwen3's per-head RMSNorm of q and k.
+    rope_scaling: None or the "llama3" parameters. eos_token_ids: every end-of-sequence id listed.
+
+    Raises ValueError for non-positive sizes or heads that do not divide.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    qkv_bias: bool = False
+    o_proj_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: dict[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
+            raise ValueError(
+                f"rope_theta and rms_norm_eps must be > 0, got {self.rope_theta}, {self.rms_norm_eps}"
+            )
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id, or None."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @classmethod
+    def from_hf_config(cls, hf: dict[str, Any], source: str | Path = "config.json") -> ModelConfig:
+        """Build from a parsed config.json; `source` names the file in error messages.
+
+        Defaults follow transformers' config classes: num_key_value_heads = num_attention_heads,
+        head_dim = hidden_size // num_attention_heads, tie_word_embeddings False, attention_bias False.
+        Raises CheckpointError (naming `source` and the key) for a missing required key, an unsupported
+        architecture, hidden_act other than "silu", mlp_bias, an active sliding window, or a
+        rope_scaling type other than none/"default"/"llama3".
+        """
+
+        def fail(key: str, why: str) -> CheckpointError:
+            return CheckpointError(f"{source}: key {key!r}: {why}")
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise fail(key, "missing")
+            return hf[key]
+
+        archs: Any = need("architectures")
+        arch = _first_architecture(archs)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise fail(
+                "architectures", f"unsupported {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if hf.get("hidden_act", "silu") != "silu":
+            raise fail("hidden_act", f"only 'silu' (SwiGLU) is implemented, got {hf['hidden_act']!r}")
+        if hf.get("mlp_bias", False):
+            raise fail("mlp_bias", "MLP biases are not implemented")
+        window_on = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+        if window_on and hf.get("sliding_window") is not None:
+            raise fail(
+                "sliding_window", f"sliding-window attention is not implemented ({hf['sliding_window']})"
+            )
+        rope_scaling = _rope_scaling(hf.get("rope_scaling"), fail)
+        heads = int(need("num_attention_heads"))
+        hidden = int(need("hidden_size"))
+        eos: Any = hf.get("eos_token_id")
+        eos_ids = (
+            tuple(int(e) for e in cast("list[Any]", eos))
+            if isinstance(eos, list)
+            else (() if eos is None else (int(eos),))
+        )
+        bias = bool(hf.get("attention_bias", False))
+        bos = hf.get("bos_token_id")
+        try:
+            return cls(
+                architecture=arch,
+                vocab_size=int(need("vocab_size")),
+                hidden_size=hidden,
+                num_hidden_layers=int(need("num_hidden_layers")),
+                num_attention_heads=heads,
+                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+                head_dim=int(hf.get("head_dim") or hidden // heads),
+                intermediate_size=int(need("intermediate_size")),
+                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                eos_token_ids=eos_ids,
+                bos_token_id=None if bos is None else int(bos),
+                qkv_bias=True if arch == "Qwen2ForCausalLM" else bias,
+                o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
+                qk_norm=arch == "Qwen3ForCausalLM",
+                rope_scaling=rope_scaling,
+            )
+        except ValueError as err:  # __post_init__ or int() of a malformed value
+            raise CheckpointError(f"{source}: {err}") from err
+
+
+def _first_architecture(archs: object) -> str:
+    """config.json lists `architectures`; the first names the model class."""
+    text = repr(archs)
+    if isinstance(archs, list):
+        items = cast("list[object]", archs)
+        text = str(items[0]) if items else text
+    return text
+
+
+def _rope_scaling(value: Any, fail: Any) -> dict[str, float] | None:
+    """None for no scaling ("default" too), the llama3 parameters, or CheckpointError via `fail`."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fail("rope_scaling", f"expected an object or null, got {value!r}")
+    params: dict[str, Any] = dict(value)  # pyright: ignore[reportUnknownArgumentType]
+    kind = params.get("rope_type", params.get("type"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise fail(
+            "rope_scaling", f"rope type {kind!r} is not implemented (supported: none, 'default', 'llama3')"
+        )
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise fail("rope_scaling", f"llama3 scaling lacks {missing}")
+    return {k: float(params[k]) for k in _LLAMA3_ROPE_KEYS}

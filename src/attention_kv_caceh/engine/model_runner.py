@@ -1,0 +1,129 @@
+"""ModelRunner: owns the paged KV buffers and turns a SchedulerOutput into one model forward.
+
+What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`) at nano-vllm's
+size: lay the scheduled requests' new tokens out as one flattened batch, compute each token's position
+and KV slot from its request's block table, run the model once, and return the logits of each request's
+last scheduled token. Left out: persistent input buffers, CUDA graphs, speculative decoding, sampling
+(the engine's sampler does that), pipeline/tensor parallelism.
+
+Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig
+from attention_kv_caceh.engine.paged_attention import AttentionMetadata
+from attention_kv_caceh.engine.scheduler import SchedulerOutput
+
+__all__ = ["ModelInputs", "ModelRunner"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """The flattened batch of one step: input_ids and positions `[N]` plus the attention metadata."""
+
+    input_ids: npt.NDArray[np.int64]
+    positions: npt.NDArray[np.int64]
+    metadata: AttentionMetadata
+
+
+class ModelRunner:
+    """Runs `model` on scheduler outputs against per-layer paged K/V buffers.
+
+    kv_caches: one (K, V) pair per layer, each `[num_blocks, block_size, H_kv, D]` in config.dtype,
+    zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
+    lists b as its i-th block.
+    """
+
+    def __init__(self, model: Model, config: EngineConfig, num_blocks: int) -> None:
+        """Allocate the KV buffers. Raises ValueError for num_blocks < 1, block_size < 1, or a
+        config.dtype that is not the model's dtype."""
+        if num_blocks < 1 or config.block_size < 1:
+            raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {config.block_size}")
+        if config.dtype not in ENGINE_DTYPES or np.dtype(config.dtype) != model.dtype:
+            raise ValueError(f"config.dtype {config.dtype!r} must be the model's dtype {model.dtype.name!r}")
+        self.model = model
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = config.block_size
+        c = model.config
+        shape = (num_blocks, config.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_caches: list[tuple[FloatArray, FloatArray]] = [
+            (np.zeros(shape, dtype=model.dtype), np.zeros(shape, dtype=model.dtype))
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    @staticmethod
+    def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
+        """Bytes of one KV block over all layers, K and V: 2 * L * block_size * H_kv * D * itemsize."""
+        c = model_config
+        itemsize = np.dtype(dtype).itemsize
+        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
+
+    def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
+        """Flatten the step: request r's tokens all_token_ids[c : c + n] at positions c .. c + n - 1.
+
+        c = num_computed_tokens, n = num_scheduled_tokens[request_id]; position p goes to slot
+        block_ids[p // block_size] * block_size + p % block_size. Raises ValueError for an empty step,
+        n < 1, c + n beyond the request's tokens, too few blocks, or a block id outside the pool.
+        """
+        requests = scheduler_output.scheduled_requests
+        if not requests:
+            raise ValueError("the scheduler output schedules no request")
+        bs = self.block_size
+        ids: list[npt.NDArray[np.int64]] = []
+        positions: list[npt.NDArray[np.int64]] = []
+        context_lens = np.empty(len(requests), dtype=np.int64)  # [R]
+        max_blocks = max(len(r.block_ids) for r in requests)
+        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)  # [R, max_blocks]
+        for i, r in enumerate(requests):
+            n = scheduler_output.num_scheduled_tokens.get(r.request_id, 0)
+            c = r.num_computed_tokens
+            tokens = r.all_token_ids
+            if n < 1 or c < 0 or c + n > len(tokens):
+                raise ValueError(
+                    f"request {r.request_id!r}: {n} scheduled tokens after {c} computed, of {len(tokens)} tokens"
+                )
+            if len(r.block_ids) * bs < c + n or any(not 0 <= b < self.num_blocks for b in r.block_ids):
+                raise ValueError(
+                    f"request {r.request_id!r}: block_ids {r.block_ids} must cover {c + n} positions "
+                    f"with blocks in 0 .. {self.num_blocks - 1} (block_size {bs})"
+                )
+            ids.append(np.asarray(tokens[c : c + n], dtype=np.int64))
+            positions.append(np.arange(c, c + n, dtype=np.int64))
+            context_lens[i] = c + n
+            block_tables[i, : len(r.block_ids)] = r.block_ids
+        pos = np.concatenate(positions)  # [N]
+        counts = np.array([p.shape[0] for p in positions], dtype=np.int64)  # [R]
+        query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [R+1]
+        request_of_token = np.repeat(np.arange(len(requests)), counts)  # [N]
+        slot_mapping = block_tables[request_of_token, pos // bs].astype(np.int64) * bs + pos % bs  # [N]
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            block_tables=block_tables,
+            context_lens=context_lens,
+            block_size=bs,
+        )
+        return ModelInputs(np.concatenate(ids), pos, metadata)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
+        """Run one step; logits `[R, V]` in the engine dtype, row i for the last scheduled token of
+        scheduled_requests[i] (whether or not the scheduler samples from it). Writes the step's K/V
+        into `kv_caches`. Raises ValueError as `prepare_inputs` does, before touching the caches.
+        """
+        inputs = self.prepare_inputs(scheduler_output)
+        hidden = self.model.forward(
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+        )  # [N, D_model]
+        last = inputs.metadata.query_start_loc[1:] - 1  # [R], row of each request's last token
+        return self.model.compute_logits(hidden[last])  # [R, V]

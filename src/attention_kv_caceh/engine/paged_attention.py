@@ -1,0 +1,125 @@
+"""Paged attention over a flattened batch: write new K/V through the slot mapping, read through block tables.
+
+What vLLM v1 does in `v1/attention/backends/` (the FlashAttention backend's metadata and its
+`reshape_and_cache_flash` + `flash_attn_varlen_func` pair) in NumPy: the KV cache of one layer is a
+pool of fixed-size blocks `[num_blocks, block_size, H_kv, D]`; a request's positions live in the blocks
+its block table lists, position p at row p % block_size of block block_table[p // block_size]. Each
+request's attention gathers its blocks into a contiguous `[H_kv, T, D]` copy and calls the lab's
+`scaled_dot_product_attention` (GQA without repeating K/V, bottom-right causal mask), so the paged
+layout changes only where K/V are stored, never the arithmetic. Left out: a fused kernel that reads
+blocks in place (the gather copies T x H_kv x D per request per layer).
+
+Shape legend: N scheduled tokens (all requests, flattened), R scheduled requests, H query heads, H_kv
+KV heads, D head dim, T a request's context length, max_blocks the longest block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from attention_kv_caceh.attention import scaled_dot_product_attention
+
+__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Where a step's tokens sit in the paged KV cache (vLLM v1's attention metadata, same names).
+
+    slot_mapping `[N]` int64: flat cache slot of each scheduled token,
+        block_id * block_size + position % block_size.
+    query_start_loc `[R+1]` int64: request r's tokens are rows query_start_loc[r] : query_start_loc[r+1].
+    block_tables `[R, max_blocks]` int32, padded with -1: request r's block ids in position order.
+    context_lens `[R]` int64: positions request r attends to after this step (cached + scheduled).
+
+    Raises ValueError when the arrays disagree on R or N, or a request has no scheduled token, more
+    scheduled tokens than its context, or too few blocks for its context.
+    """
+
+    slot_mapping: IntArray
+    query_start_loc: IntArray
+    block_tables: npt.NDArray[np.int32]
+    context_lens: IntArray
+    block_size: int
+
+    def __post_init__(self) -> None:
+        r = self.context_lens.shape[0]
+        if (
+            self.query_start_loc.shape != (r + 1,)
+            or self.block_tables.ndim != 2
+            or self.block_tables.shape[0] != r
+        ):
+            raise ValueError(
+                f"query_start_loc {self.query_start_loc.shape}, block_tables {self.block_tables.shape} and "
+                f"context_lens {self.context_lens.shape} disagree on R={r}"
+            )
+        if self.slot_mapping.shape != (int(self.query_start_loc[-1]),) or self.query_start_loc[0] != 0:
+            raise ValueError(
+                f"slot_mapping {self.slot_mapping.shape} does not match query_start_loc {self.query_start_loc}"
+            )
+        num_query = np.diff(self.query_start_loc)  # [R]
+        if np.any(num_query < 1) or np.any(num_query > self.context_lens):
+            raise ValueError(
+                f"each request needs 1 <= scheduled tokens <= context_len, got {num_query} and {self.context_lens}"
+            )
+        blocks_needed = -(-self.context_lens // self.block_size)  # [R], ceil division
+        blocks_held = np.sum(self.block_tables >= 0, axis=1)  # [R]
+        if np.any(blocks_held < blocks_needed):
+            raise ValueError(
+                f"block tables hold {blocks_held} blocks, context lens {self.context_lens} need {blocks_needed} "
+                f"(block_size {self.block_size})"
+            )
+
+
+def write_kv(
+    k_cache: FloatArray, v_cache: FloatArray, k: FloatArray, v: FloatArray, slot_mapping: IntArray
+) -> None:
+    """Store the new keys and values `[N, H_kv, D]` at their slots of `[num_blocks, block_size, H_kv, D]`.
+
+    In place (vLLM's `reshape_and_cache`): the caches are viewed as `[num_blocks * block_size, H_kv, D]`
+    and row slot_mapping[i] receives token i. Raises ValueError for mismatched shapes or a slot
+    outside the pool.
+    """
+    num_blocks, block_size, h_kv, d = k_cache.shape
+    if v_cache.shape != k_cache.shape or k.shape != v.shape or k.shape[1:] != (h_kv, d):
+        raise ValueError(f"caches {k_cache.shape}/{v_cache.shape} and new K/V {k.shape}/{v.shape} disagree")
+    if slot_mapping.shape != (k.shape[0],):
+        raise ValueError(f"slot_mapping {slot_mapping.shape} does not match {k.shape[0]} tokens")
+    if slot_mapping.size and (slot_mapping.min() < 0 or slot_mapping.max() >= num_blocks * block_size):
+        raise ValueError(f"slot_mapping has slots outside 0 .. {num_blocks * block_size - 1}: {slot_mapping}")
+    k_cache.reshape(num_blocks * block_size, h_kv, d)[slot_mapping] = k  # a view: writes the pool
+    v_cache.reshape(num_blocks * block_size, h_kv, d)[slot_mapping] = v
+
+
+def paged_attention(
+    q: FloatArray, k_cache: FloatArray, v_cache: FloatArray, metadata: AttentionMetadata
+) -> FloatArray:
+    """Causal attention of each request's queries over its context, read through its block table.
+
+    q `[N, H, D]` (already rotated), caches `[num_blocks, block_size, H_kv, D]` already holding this
+    step's K/V (see `write_kv`) -> output `[N, H, D]`. Request r's n queries are its last n positions of
+    context_lens[r]: query i sees positions 0 .. context_len - n + i, the bottom-right causal mask of
+    `attention_kv_caceh.attention.causal_mask`. Scale 1/sqrt(D). Raises ValueError (from the
+    attention) for mismatched dtypes or heads not divisible by H_kv.
+    """
+    _, block_size, h_kv, d = k_cache.shape
+    out = np.empty_like(q)  # [N, H, D]
+    for r in range(metadata.context_lens.shape[0]):
+        start, end = int(metadata.query_start_loc[r]), int(metadata.query_start_loc[r + 1])
+        t = int(metadata.context_lens[r])
+        blocks = metadata.block_tables[r, : -(-t // block_size)]  # [ceil(T / block_size)]
+        keys = k_cache[blocks].reshape(-1, h_kv, d)[:t]  # [T, H_kv, D], a gathered copy
+        values = v_cache[blocks].reshape(-1, h_kv, d)[:t]  # [T, H_kv, D]
+        q_r = q[start:end].transpose(1, 0, 2)[None]  # [1, H, n, D]
+        k_r = keys.transpose(1, 0, 2)[None]  # [1, H_kv, T, D]
+        v_r = values.transpose(1, 0, 2)[None]  # [1, H_kv, T, D]
+        o_r, _ = scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)  # [1, H, n, D]
+        out[start:end] = o_r[0].transpose(1, 0, 2)  # [n, H, D]
+    return out

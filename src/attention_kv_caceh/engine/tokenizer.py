@@ -1,0 +1,118 @@
+"""Tokenizer: a Hugging Face `tokenizer.json` (through the `tokenizers` library) plus `tokenizer_config.json`.
+
+What vLLM's `transformers_utils/tokenizer.py` and `v1/engine/detokenizer.py` do, for one local folder:
+encode/decode with the fast tokenizer, read the eos/bos tokens and the chat template string from
+tokenizer_config.json, and turn a growing list of output ids into text deltas for streaming. Left out:
+rendering the chat template (it is Jinja; the string is kept for a caller that has a renderer), slow
+tokenizers, and vLLM's prefix/read offsets (the incremental detokenizer decodes the whole output each
+step, O(n) per token, plenty at this engine's sizes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as HFTokenizer
+
+from attention_kv_caceh.engine.checkpoint import CheckpointError
+
+__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+
+_REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as a string or as {"content": ...} (AddedToken)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):  # pyright: ignore[reportUnknownMemberType]
+        return str(value["content"])  # pyright: ignore[reportUnknownArgumentType]
+    return None
+
+
+class Tokenizer:
+    """Encode and decode text with a model folder's fast tokenizer.
+
+    Attributes: eos_token_id / bos_token_id (None when the folder names no such token),
+    chat_template (the Jinja string, or None), vocab_size (ids the tokenizer knows, special ones
+    included; a model's vocab_size may be larger).
+    """
+
+    def __init__(self, tokenizer: HFTokenizer, config: dict[str, Any]) -> None:
+        self._tok = tokenizer
+        self.eos_token = _token_content(config.get("eos_token"))
+        self.bos_token = _token_content(config.get("bos_token"))
+        self.eos_token_id = None if self.eos_token is None else tokenizer.token_to_id(self.eos_token)
+        self.bos_token_id = None if self.bos_token is None else tokenizer.token_to_id(self.bos_token)
+        template = config.get("chat_template")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Tokenizer:
+        """Read `path/tokenizer.json` and, when present, `path/tokenizer_config.json`.
+
+        Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
+        file cannot be parsed.
+        """
+        folder = Path(path)
+        file = folder / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(f"{file}: file not found")
+        try:
+            tok = HFTokenizer.from_file(str(file))
+        except Exception as err:  # the Rust library raises a bare Exception for malformed files
+            raise CheckpointError(f"{file}: cannot be loaded ({err})") from err
+        config: dict[str, Any] = {}
+        config_file = folder / "tokenizer_config.json"
+        if config_file.is_file():
+            try:
+                parsed: object = json.loads(config_file.read_text(encoding="utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise CheckpointError(f"{config_file}: not valid JSON ({err})") from err
+            if isinstance(parsed, dict):
+                config = dict(parsed)  # pyright: ignore[reportUnknownArgumentType]
+        return cls(tok, config)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS)."""
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list, for streaming (vLLM's detokenizer, simplified).
+
+    Each `add(ids)` decodes all ids so far and returns the text beyond what earlier calls returned.
+    A decode that ends in U+FFFD (an incomplete UTF-8 sequence of byte-level tokens) is held back until
+    a later token completes it, so no replacement character is streamed mid-character; `flush()`
+    returns whatever is still held back at the end.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.text = ""  # everything returned so far
+
+    def add(self, new_token_ids: list[int]) -> str:
+        """Append `new_token_ids`; return the new text (possibly empty)."""
+        self.token_ids.extend(new_token_ids)
+        full = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+        if full.endswith(_REPLACEMENT) or not full.startswith(self.text):
+            return ""
+        delta = full[len(self.text) :]
+        self.text = full
+        return delta
+
+    def flush(self) -> str:
+        """The text still held back (the final decode minus what was returned), and mark it returned."""
+        full = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
+        delta = full[len(self.text) :] if full.startswith(self.text) else ""
+        self.text = full
+        return delta
