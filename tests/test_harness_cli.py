@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from attention_kv_caceh.harness.cli import add_arguments, main, run
+
 from attention_kv_caceh.benchmark import build_parser
 from attention_kv_caceh.files import write_json_atomic
 from attention_kv_caceh.harness import overhead
-from attention_kv_caceh.harness.cli import add_arguments, main, run
 from attention_kv_caceh.harness.records import JSONL_KEYS
 from attention_kv_caceh.harness.run import HarnessConfig, memory_limit_bytes, run_harness
 from attention_kv_caceh.harness.scripted_server import scripted_server_process

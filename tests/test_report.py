@@ -13,9 +13,6 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from attention_kv_caceh.experiments import cli, report
-from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
-from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.report import (
     FileProblem,
     build_report,
@@ -24,6 +21,10 @@ from attention_kv_caceh.experiments.report import (
     parse_rows,
     planned_plots,
 )
+
+from attention_kv_caceh.experiments import cli, report
+from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
+from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
