@@ -122,9 +122,7 @@ class RunTest(unittest.TestCase):
             for m in rows:
                 expected = 2 * 2 * m.sequence_length * 8 * itemsize * 2  # B * H_kv * T * D * 4 B * (K, V)
                 self.assertEqual(m.theoretical_bytes, expected)
-                self.assertEqual(
-                    m.theoretical_bytes, kv_cache_bytes(2, 2, m.sequence_length, 8, itemsize)
-                )
+                self.assertEqual(m.theoretical_bytes, kv_cache_bytes(2, 2, m.sequence_length, 8, itemsize))
                 if kind == "dynamic":
                     self.assertEqual(m.cache_nbytes, m.theoretical_bytes)
                     self.assertEqual(m.new_buffer_bytes, m.theoretical_bytes)
