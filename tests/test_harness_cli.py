@@ -363,6 +363,37 @@ class CliTest(unittest.TestCase):
         self.assertEqual(json.loads(Path(f"{jsonl}.meta.json").read_text())["status"], "interrupted")
         self.assertTrue(json.loads(summary.read_text())["interrupted"])
 
+    def test_sigterm_is_treated_like_ctrl_c_and_exits_143(self) -> None:
+        # Whether or not SIGINT was ignored at start (a background job), SIGTERM saves like a Ctrl-C.
+        for sigint in (signal.SIG_DFL, signal.SIG_IGN):
+            with self.subTest(sigint=sigint):
+                jsonl, summary = self.tmp / f"t{int(sigint)}.jsonl", self.tmp / f"t{int(sigint)}.json"
+                argv = [
+                    *("--num-requests", "500", "--concurrency", "1", "--per-token-ms", "20"),
+                    *("--output-len", "4", "--jsonl", str(jsonl), "--summary-json", str(summary)),
+                ]
+                env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "attention_kv_caceh.benchmark", "harness", *argv],
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                    preexec_fn=lambda sigint=sigint: signal.signal(signal.SIGINT, sigint),
+                )
+                try:
+                    deadline = time.monotonic() + 30
+                    while not (jsonl.exists() and jsonl.stat().st_size > 0) and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    proc.send_signal(signal.SIGTERM)
+                    _, err = proc.communicate(timeout=30)
+                finally:
+                    proc.kill()
+                self.assertEqual(proc.returncode, 143, err)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertEqual(json.loads(Path(f"{jsonl}.meta.json").read_text())["status"], "interrupted")
+                self.assertTrue(json.loads(summary.read_text())["interrupted"])
+
     def test_openai_chat_and_completions_end_to_end(self) -> None:
         with scripted_server_process(20, 5) as url:
             for backend in ("openai-chat", "openai-completions"):

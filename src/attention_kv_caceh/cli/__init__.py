@@ -86,15 +86,25 @@ def build_parser(name: str = "") -> argparse.ArgumentParser:
     return parser
 
 
+def _sigint_ignored_at_start(signum: int, frame: FrameType | None) -> None:
+    """Stands for a SIGINT ignored when the process started (a background job, `nohup`): still ignored,
+    but told apart from the SIG_IGN of a final save (`files.ignoring_sigint`)."""
+
+
 class _Terminated:
-    """SIGTERM handling: note it and raise SIGINT, so every Ctrl-C path (save, status, one line) runs."""
+    """SIGTERM handling: note it, then stop the command the way a Ctrl-C does (its save, `status:
+    interrupted`, one line). During a final save (SIGINT ignored) it waits for the save to finish."""
 
     def __init__(self) -> None:
         self.seen = False
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         self.seen = True
-        signal.raise_signal(signal.SIGINT)
+        current = signal.getsignal(signal.SIGINT)
+        if current is _sigint_ignored_at_start:
+            raise KeyboardInterrupt
+        if current is not signal.SIG_IGN:
+            signal.raise_signal(signal.SIGINT)
 
 
 def _run(argv: list[str]) -> int:
@@ -111,9 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     terminated = _Terminated()
     previous: Any = None
+    previous_sigint: Any = None
     in_main_thread = threading.current_thread() is threading.main_thread()
     if in_main_thread:
         previous = signal.signal(signal.SIGTERM, terminated)
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            previous_sigint = signal.signal(signal.SIGINT, _sigint_ignored_at_start)
     try:
         code = _run(args)
         return _EXIT_SIGTERM if terminated.seen and code == 130 else code
@@ -136,3 +149,5 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if in_main_thread:
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+            if previous_sigint is not None:
+                signal.signal(signal.SIGINT, previous_sigint)
