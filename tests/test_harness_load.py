@@ -7,9 +7,12 @@
    times. No assertion is a wall-clock bound that a loaded machine can break:
    - physics: no token is seen before the server wrote it, nor before its scripted deadline
      (arrival + TTFT + k x ITL); no request reaches the server before the client sent it;
-   - attribution: the median gap between a write and the client's timestamp of that token is under
-     half an ITL, i.e. each token is timed at its own write, not at a neighbour's (load delays the
-     server's write and the client's read alike; the gap measures only the path between them);
+   - attribution (concurrency 1 and 16): the median gap between a write and the client's timestamp of
+     that token is under half an ITL, i.e. each token is timed at its own write, not at a neighbour's
+     (load delays the server's write and the client's read alike; the gap measures only the path
+     between them). At 128 the server writes 128 tokens in one burst in the same event loop and the
+     client reads them one after another, so the gap measures the burst's backlog, not attribution;
+     only the bounds above are checked there;
    - the semaphore: the k-th request sent (k >= concurrency) left only after k - concurrency + 1
      requests had finished, and the second wave's queue time is at least one scripted E2EL.
 2. The user's notes' acceptance, on the simulated backend: concurrency 4 with 8 server slots never has
@@ -101,7 +104,8 @@ class KnownDelaysTest(unittest.TestCase):
                         gaps_ms.append((seen - writes[k]) / 1e6)
                     ttft = r.metrics().ttft_ms or 0.0
                     self.assertGreaterEqual(ttft, TTFT_MS - 1.0)
-                self.assertLess(median(gaps_ms), ITL_MS / 2)
+                if concurrency <= 16:
+                    self.assertLess(median(gaps_ms), ITL_MS / 2)
                 sent = sorted(r.sent_ns or 0 for r in result.records)
                 ended = sorted(r.stream_end_ns or 0 for r in result.records)
                 for k in range(concurrency, len(sent)):  # a slot frees only when a request ends
