@@ -3,7 +3,7 @@
 - `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
 - `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
   not be written); `main` prints one line and exits 1. Files already written stay complete.
-- flag types (`positive_int`, `nonnegative_int`, `finite_float`, `int_list`, `preset_name`, ...) for
+- flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
   argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
-from attention_kv_caceh.files import check_output_path, meta_path
+from attention_kv_caceh.files import check_output_path
 
 __all__ = [
     "PROG",
@@ -33,15 +33,11 @@ __all__ = [
     "OneLineParser",
     "UsageError",
     "check_outputs",
-    "finite_float",
     "int_list",
     "nonnegative_float",
     "nonnegative_int",
-    "optional_arg",
     "positive_int",
     "preset_name",
-    "sidecar_meta",
-    "warn",
     "warn_if_blas_unpinned",
 ]
 
@@ -76,11 +72,6 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         ):
             text += " (default: %(default)s)"
         return text
-
-
-def warn(message: str) -> None:
-    """One warning line on stderr, prefixed with the command's name."""
-    print(f"{PROG}: warning: {message}", file=sys.stderr)
 
 
 def warn_if_blas_unpinned(hint: str = "") -> None:
@@ -121,8 +112,7 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
-def finite_float(text: str) -> float:
-    """argparse type: a finite number."""
+def _finite_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
@@ -134,7 +124,7 @@ def finite_float(text: str) -> float:
 
 def nonnegative_float(text: str) -> float:
     """argparse type: a finite number >= 0."""
-    value = finite_float(text)
+    value = _finite_float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return value
@@ -164,17 +154,7 @@ def preset_name(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def optional_arg(args: argparse.Namespace, name: str) -> object:
-    """An optional flag's value, None when absent (flags defaulting to SUPPRESS are then missing)."""
-    return getattr(args, name, None)
-
-
 # ------------------------------------------------------------------------------------ output paths
-
-
-def sidecar_meta(path: str | os.PathLike[str]) -> Path:
-    """The `.meta.json` written beside a raw file (`files.meta_path`)."""
-    return meta_path(path)
 
 
 def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:
