@@ -11,10 +11,11 @@ import sys
 import unittest
 import unittest.mock
 
-from attention_kv_caceh import cli
+from attention_kv_caceh import cli, memory
 from attention_kv_caceh.cli import cache as cache_cli
 from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.cli.common import CommandFailed, UsageError
+from attention_kv_caceh.memory import format_bytes
 from attention_kv_caceh.presets import MODEL_PRESETS, kv_cache_bytes, resolve_shape
 
 
@@ -65,6 +66,22 @@ class ShapeResolverTest(unittest.TestCase):
             self.assertEqual(kv_cache_bytes(b, h_kv, t, d, k.itemsize), 2 * k.nbytes)  # K and V
         llama = MODEL_PRESETS["llama-3-8b"]
         self.assertEqual(llama.kv_bytes_per_token(np.float16), 32 * kv_cache_bytes(1, 8, 1, 128, 2))
+
+
+class MemoryCheckTest(unittest.TestCase):
+    def test_format_bytes_units(self) -> None:
+        cases = {0: "0 B", 1023: "1023 B", 1024: "1.00 KiB", 3 * 2**19: "1.50 MiB", 2**31: "2.00 GiB"}
+        for n, text in cases.items():
+            self.assertEqual(format_bytes(n), text)
+
+    def test_one_fraction_of_the_process_limit(self) -> None:
+        with unittest.mock.patch.object(memory, "memory_limit_bytes", return_value=2**30):
+            self.assertEqual(memory.memory_budget_bytes(), int(2**30 * memory.MEMORY_FRACTION))
+            memory.check_memory(int(2**30 * memory.MEMORY_FRACTION), "a run", "--x")  # at the budget: fits
+            with self.assertRaisesRegex(memory.MemoryBudgetError, "a run needs about .* lower --x"):
+                memory.check_memory(int(2**30 * memory.MEMORY_FRACTION) + 1, "a run", "--x")
+        with unittest.mock.patch.object(memory, "memory_limit_bytes", return_value=None):
+            memory.check_memory(2**62, "a run", "--x")  # unknown machine: no check
 
 
 class HelpTest(unittest.TestCase):
