@@ -7,30 +7,22 @@ every `--itl-ms` (10 ms) on absolute deadlines, and runs the real HTTP path of t
 of measured ITL - scripted ITL and of measured TTFT - scripted TTFT, in ms, via `summarize_samples`.
 Client and server share this machine's cores, so the error includes the server's own lateness.
 
-    uv run python -m attention_kv_caceh.harness.overhead [--concurrency 1 64 256] [--json out.json]
+    uv run attention-kv-caceh overhead [--concurrency 1 64 256] [--json out.json]
 
-Bad flags exit 2 with one line on stderr before the server starts; a failed request exits 1.
-
-A benchmark, not a test: it asserts nothing and prints a table.
+(`python -m attention_kv_caceh.harness.overhead` still runs it.) The command line is `cli/overhead.py`;
+this module measures and returns rows. A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import math
-import sys
 from typing import Any
 
-from attention_kv_caceh.files import check_output_path, write_json_atomic
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
-from attention_kv_caceh.harness.scripted_server import scripted_server_process
-from attention_kv_caceh.timing import capture_environment, summarize_samples
+from attention_kv_caceh.timing import summarize_samples
 
-__all__ = ["main", "measure_overhead"]
-
-PROG = "python -m attention_kv_caceh.harness.overhead"
+__all__ = ["measure_overhead"]
 
 
 def measure_overhead(
@@ -62,103 +54,9 @@ def measure_overhead(
     }
 
 
-def _check_args(args: argparse.Namespace) -> None:
-    """Raise ValueError naming the flag of the first bad value."""
-    concurrency: list[int] = args.concurrency
-    for value in concurrency:
-        if value < 1:
-            raise ValueError(f"--concurrency must be >= 1, got {value}")
-    checks = [
-        ("--itl-ms", args.itl_ms, args.itl_ms >= 0 and math.isfinite(args.itl_ms), "a finite number >= 0"),
-        (
-            "--ttft-ms",
-            args.ttft_ms,
-            args.ttft_ms >= 0 and math.isfinite(args.ttft_ms),
-            "a finite number >= 0",
-        ),
-        ("--tokens", args.tokens, args.tokens >= 1, ">= 1"),
-        ("--waves", args.waves, args.waves >= 1, ">= 1"),
-    ]
-    for flag, value, ok, expected in checks:
-        if not ok:
-            raise ValueError(f"{flag} must be {expected}, got {value}")
-    if args.json is not None:
-        check_output_path(args.json, "--json")
+if __name__ == "__main__":  # the old spelling of `attention-kv-caceh overhead`
+    from sys import argv
 
+    from attention_kv_caceh.cli import main
 
-def main(argv: list[str] | None = None) -> int:
-    """Measure and print the overhead table; returns 0 (1 if a run had failures, 2 for bad flags)."""
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="ITL error of the harness against a scripted local server.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument(
-        "--concurrency",
-        type=int,
-        nargs="+",
-        default=[1, 64, 256],
-        metavar="N",
-        help="client in-flight limits to measure, one run each",
-    )
-    parser.add_argument("--itl-ms", type=float, default=10.0, help="scripted inter-token delay (ms)")
-    parser.add_argument("--ttft-ms", type=float, default=20.0, help="scripted time to first token (ms)")
-    parser.add_argument("--tokens", type=int, default=50, help="tokens per request")
-    parser.add_argument(
-        "--waves",
-        type=int,
-        default=2,
-        help="requests per concurrency slot: each run sends max(16, waves x concurrency) requests",
-    )
-    parser.add_argument("--json", default=None, help="also save the results as JSON here")
-    args = parser.parse_args(argv)
-    try:
-        _check_args(args)
-    except ValueError as exc:
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 2
-    rows: list[dict[str, Any]] = []
-    with scripted_server_process(args.ttft_ms, args.itl_ms) as url:
-        for concurrency in args.concurrency:
-            try:
-                rows.append(
-                    measure_overhead(
-                        url,
-                        concurrency,
-                        itl_ms=args.itl_ms,
-                        ttft_ms=args.ttft_ms,
-                        tokens=args.tokens,
-                        waves=args.waves,
-                    )
-                )
-            except RuntimeError as exc:
-                print(f"{PROG}: error: {exc}", file=sys.stderr)
-                return 1
-    print(
-        f"scripted ITL {args.itl_ms} ms, TTFT {args.ttft_ms} ms, {args.tokens} tokens/request; "
-        "error = measured - scripted (ms)"
-    )
-    header = (
-        f"{'concurrency':>11}{'requests':>9}{'ITL n':>8}{'ITL p50':>9}{'ITL p99':>9}"
-        f"{'ITL mean':>9}{'ITL max':>9}{'TTFT p50':>9}{'TTFT p99':>9}{'tok/s':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for row in rows:
-        itl, ttft = row["itl_error"], row["ttft_error"]
-        print(
-            f"{row['concurrency']:>11}{row['requests']:>9}{int(itl['count']):>8}"
-            f"{itl['p50_ms']:>9.3f}{itl['p99_ms']:>9.3f}{itl['mean_ms']:>9.3f}{itl['max_ms']:>9.3f}"
-            f"{ttft['p50_ms']:>9.3f}{ttft['p99_ms']:>9.3f}{row['output_throughput']:>9.0f}"
-        )
-    if args.json:
-        try:
-            write_json_atomic(args.json, {"environment": capture_environment(), "rows": rows})
-        except OSError as exc:
-            print(f"{PROG}: error: could not write --json {args.json}: {exc}", file=sys.stderr)
-            return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main(["overhead", *argv[1:]]))

@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import aiohttp
 import numpy as np
 
-from attention_kv_caceh import timing
 from attention_kv_caceh.harness.backends import (
     Backend,
     OpenAIBackend,
@@ -39,6 +38,7 @@ from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
+from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
 
 __all__ = [
     "BACKENDS",
@@ -47,7 +47,6 @@ __all__ = [
     "HarnessConfig",
     "ModelDiscoveryError",
     "RunResult",
-    "memory_limit_bytes",
     "run_harness",
 ]
 
@@ -63,18 +62,6 @@ MAX_TOKENS = 10_000_000  # --prompt-len and --output-len (more than any model's 
 _BYTES_PER_REQUEST = 4096
 _BYTES_PER_PROMPT_TOKEN = 16
 _BYTES_PER_OUTPUT_TOKEN = 128
-
-
-def memory_limit_bytes() -> int:
-    """The memory a run may plan to use: half of what this process may use
-    (`timing.memory_limit_bytes`: physical memory or a lower RLIMIT_AS); the other half is left to
-    Python, numpy and the machine."""
-    limit = timing.memory_limit_bytes()
-    return limit // 2 if limit else 1 << 62
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 @dataclass(frozen=True)
@@ -150,7 +137,7 @@ class HarnessConfig:
 
     def _check_size(self) -> None:
         """Raise ValueError naming the flag when the run is beyond MAX_REQUESTS or MAX_TOKENS, or its
-        requests would need more memory than `memory_limit_bytes` allows."""
+        requests would need more memory than `memory.memory_budget_bytes()` allows."""
         for flag, value in (
             ("--num-requests", self.num_requests),
             ("--warmup-requests", self.warmup_requests),
@@ -166,17 +153,17 @@ class HarnessConfig:
             "--prompt-len": requests * self.prompt_len.high * _BYTES_PER_PROMPT_TOKEN,
             "--output-len": requests * self.output_len.high * _BYTES_PER_OUTPUT_TOKEN,
         }
-        need, limit = sum(parts.values()), memory_limit_bytes()
-        if need > limit:
+        need, limit = sum(parts.values()), memory_budget_bytes()
+        if limit is not None and need > limit:
             flag = max(parts, key=lambda k: parts[k])
             value = {"--num-requests": self.num_requests, "--prompt-len": self.prompt_len}.get(
                 flag, self.output_len
             )
             raise ValueError(
                 f"{flag} {value}: {requests} requests of up to {self.prompt_len.high} prompt and "
-                f"{self.output_len.high} output tokens need about {_gib(need)} of memory, more than "
-                f"the {_gib(limit)} a run may use (half of physical memory or of the address-space "
-                "limit); use fewer or shorter requests"
+                f"{self.output_len.high} output tokens need about {format_bytes(need)} of memory, more than "
+                f"the {format_bytes(limit)} a run may plan to use ({MEMORY_FRACTION:.0%} of physical memory "
+                "or of the address-space limit); use fewer or shorter requests"
             )
 
     def describe(self) -> dict[str, Any]:

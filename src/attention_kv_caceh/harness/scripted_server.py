@@ -22,6 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from time import perf_counter_ns
 from typing import Any
 
 from aiohttp import web
@@ -124,10 +125,16 @@ ScriptFor = Callable[[dict[str, Any], str], Script]
 
 @dataclass
 class _Counters:
+    """What the server saw, per request in arrival order: its payload, when it arrived and when each
+    step's bytes were handed to the transport (`time.perf_counter_ns`, the clock of the harness's
+    records, so an in-process test can compare the two)."""
+
     in_flight: int = 0
     peak_in_flight: int = 0
     requests: int = 0
     payloads: list[dict[str, Any]] = field(default_factory=lambda: [])
+    arrival_ns: list[int] = field(default_factory=lambda: list[int]())
+    write_ns: list[list[int]] = field(default_factory=lambda: list[list[int]]())
 
 
 class ScriptedServer:
@@ -148,9 +155,13 @@ class ScriptedServer:
     async def _stream(self, request: web.Request) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         arrival = loop.time()
+        arrival_ns = perf_counter_ns()
         payload: dict[str, Any] = await request.json()
         self.counters.requests += 1
         self.counters.payloads.append(payload)
+        self.counters.arrival_ns.append(arrival_ns)
+        writes: list[int] = []
+        self.counters.write_ns.append(writes)
         script = self.script_for(payload, request.path)
         if script.status != 200:
             return web.Response(status=script.status, body=script.body)
@@ -165,6 +176,7 @@ class ScriptedServer:
                 wait = step.delay_s - (loop.time() - arrival) if step.absolute else step.delay_s
                 if wait > 0:
                     await asyncio.sleep(wait)
+                writes.append(perf_counter_ns())
                 await response.write(step.data)
             if script.abort:
                 if request.transport is not None:
