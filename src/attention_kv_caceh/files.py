@@ -223,7 +223,8 @@ def strict_json_value(obj: Any) -> Any:
     # command's entry point before `main` can catch a Ctrl-C): np.float64 subclasses float, and every
     # np.floating scalar is a "numpy" object whose dtype kind is "f".
     dtype_kind = getattr(getattr(obj, "dtype", None), "kind", None)
-    if isinstance(obj, float) or (type(obj).__module__ == "numpy" and dtype_kind == "f"):
+    is_numpy_scalar = type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0
+    if isinstance(obj, float) or (is_numpy_scalar and dtype_kind == "f"):
         value = float(cast("float", obj))
         return value if math.isfinite(value) else None
     if isinstance(obj, Mapping):
