@@ -20,7 +20,13 @@ from typing import Any, Literal, Protocol
 import aiohttp
 
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
-from attention_kv_caceh.harness.sse import MalformedSSEError, OpenAIStreamDecoder, StreamErrorEvent
+from attention_kv_caceh.harness.sse import (
+    EventTooLargeError,
+    InvalidUsageError,
+    MalformedSSEError,
+    OpenAIStreamDecoder,
+    StreamErrorEvent,
+)
 
 __all__ = [
     "Backend",
@@ -141,6 +147,7 @@ class SimulatedBackend:
         record.stream_end_ns = perf_counter_ns()
         record.output_tokens = sum(record.tokens_per_event)
         record.output_tokens_source = "simulated"
+        record.tokens_per_event_source = "simulated"
         record.status = STATUS_OK
 
 
@@ -212,7 +219,7 @@ class OpenAIBackend:
                     body = await response.text(errors="replace")
                     record.fail(
                         "http_error",
-                        f"HTTP {response.status}: {body.strip()[:500]}",
+                        body.strip()[:500] or "(empty body)",
                         perf_counter_ns(),
                     )
                     return
@@ -226,6 +233,10 @@ class OpenAIBackend:
                         break
         except StreamErrorEvent as exc:
             record.fail("stream_error", str(exc), perf_counter_ns())
+        except EventTooLargeError as exc:
+            record.fail("event_too_large", str(exc), perf_counter_ns())
+        except InvalidUsageError as exc:
+            record.fail("invalid_usage", str(exc), perf_counter_ns())
         except MalformedSSEError as exc:
             record.fail("malformed_sse", str(exc), perf_counter_ns())
         except aiohttp.ClientConnectorError as exc:
@@ -243,15 +254,25 @@ class OpenAIBackend:
                 record.prompt_tokens = decoder.prompt_tokens
             record.output_tokens = decoder.output_tokens
             record.output_tokens_source = decoder.output_tokens_source
+            record.tokens_per_event_source = decoder.tokens_per_event_source
 
     @staticmethod
     def _finish(decoder: OpenAIStreamDecoder, record: RequestRecord) -> None:
+        """Judge a stream that closed cleanly: ok with `[DONE]`, or without it after a finish_reason
+        (`done_marker` False); else incomplete_stream, or no_tokens when no event came."""
         end_ns = perf_counter_ns()
-        if not decoder.done:
+        finished = decoder.done or (decoder.finish_reason is not None and not decoder.truncated)
+        if not finished:
             what = "mid-event" if decoder.truncated else "after the last event"
-            record.fail("incomplete_stream", f"stream ended {what} without data: [DONE]", end_ns)
+            record.fail(
+                "incomplete_stream", f"stream ended {what} without a finish_reason or data: [DONE]", end_ns
+            )
         elif not record.token_times_ns:
             record.fail("no_tokens", "stream finished without a token", end_ns)
         else:
+            counts, note = decoder.reconciled_counts()
+            record.tokens_per_event = counts
+            record.token_reconciliation = note
+            record.done_marker = decoder.done
             record.stream_end_ns = end_ns
             record.status = STATUS_OK

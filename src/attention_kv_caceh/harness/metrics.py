@@ -7,7 +7,8 @@ Definitions (times in nanoseconds in, milliseconds out):
   token - arrival (queue included);
 - ITL = gaps between consecutive token-bearing events (vLLM's `itl` list);
 - TPOT = (finish - first token) / (output tokens - tokens in the first event), vLLM's `tpot` generalised
-  to a first event carrying several tokens; undefined (None, not 0) when the denominator is 0;
+  to a first event carrying several tokens; undefined (None, never 0) when the denominator is 0 or
+  every event arrived in the same read (finish = first token);
 - E2EL = finish - sent, vLLM's `e2el` (its `latency`); E2E = finish - arrival, the user's notes' figure.
 
 `finish` is the last token-bearing event, so a trailing usage-only chunk or `[DONE]` never moves it, and
@@ -81,7 +82,9 @@ def compute_request_metrics(
     tpot: float | None = None
     if first_token_ns is not None and finish_ns is not None and tokens_per_event:
         decode_tokens = output_tokens - tokens_per_event[0]
-        if decode_tokens > 0:
+        # finish == first token: every event came in one read, so no decode time was observed; a
+        # TPOT of exactly 0 for a multi-token response would be a measurement artefact, not a speed.
+        if decode_tokens > 0 and finish_ns > first_token_ns:
             tpot = _ms(finish_ns - first_token_ns) / decode_tokens
     e2el = _ms(finish_ns - sent_ns) if finish_ns is not None and sent_ns is not None else None
     e2e = _ms(finish_ns - arrival_ns) if finish_ns is not None else None

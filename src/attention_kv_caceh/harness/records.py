@@ -21,9 +21,11 @@ STATUS_OK = "ok"
 FAILURE_KINDS = (
     "http_error",  # HTTP 4xx/5xx; `http_status` and the body's start in `error`
     "stream_error",  # an error event inside a 200 stream
-    "incomplete_stream",  # the stream ended (cleanly) without `data: [DONE]`
+    "incomplete_stream",  # the stream ended (cleanly) without `data: [DONE]` and without a finish_reason
     "stream_cut",  # the connection broke mid-stream
     "malformed_sse",  # a `data:` line that is not JSON (or not an object)
+    "event_too_large",  # one SSE event grew past sse.MAX_EVENT_BYTES
+    "invalid_usage",  # a usage count that is negative, not an integer, or decreasing
     "no_tokens",  # the stream finished without a single token
     "connection_error",  # refused, DNS failure, unreachable
     "timeout",  # the request exceeded `--timeout`
@@ -42,6 +44,9 @@ JSONL_KEYS = (
     "prompt_tokens",
     "output_tokens",
     "output_tokens_source",
+    "tokens_per_event_source",
+    "token_reconciliation",
+    "done_marker",
     "status",
     "http_status",
     "error",
@@ -64,7 +69,11 @@ class RequestRecord:
     `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
     `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
     statistics), "logprobs" (tokens listed per chunk), "chunks" (one per content-bearing chunk) or
-    "simulated".
+    "simulated". `tokens_per_event_source` says how each event's tokens were derived ("usage",
+    "logprobs", "chunks", "simulated"); `token_reconciliation` how they were made to sum to the final
+    usage (None: no change needed). `done_marker` is False for a stream that ended with a
+    `finish_reason` and a clean close but no `data: [DONE]` (accepted as ok, as vLLM's and SGLang's
+    clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
     """
 
     request_id: int
@@ -78,6 +87,9 @@ class RequestRecord:
     stream_end_ns: int | None = None
     output_tokens: int = 0
     output_tokens_source: str = "chunks"
+    tokens_per_event_source: str = "chunks"
+    token_reconciliation: str | None = None
+    done_marker: bool | None = None
     status: str = "pending"
     http_status: int | None = None
     error: str | None = None
@@ -131,6 +143,9 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
+            "tokens_per_event_source": self.tokens_per_event_source,
+            "token_reconciliation": self.token_reconciliation,
+            "done_marker": self.done_marker,
             "status": self.status,
             "http_status": self.http_status,
             "error": self.error,

@@ -46,10 +46,12 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def completion_chunk(text: str | None, usage: dict[str, int] | None = None) -> bytes:
+def completion_chunk(
+    text: str | None, usage: dict[str, int] | None = None, *, finish_reason: str | None = None
+) -> bytes:
     """A `/v1/completions` stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
     choices: list[dict[str, Any]] = (
-        [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
+        [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason}]
     )
     obj: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": choices}
     if usage is not None:
@@ -63,15 +65,20 @@ def chat_chunk(
     role: str | None = None,
     usage: dict[str, int] | None = None,
     no_choices: bool = False,
+    tool_arguments: str | None = None,
+    finish_reason: str | None = None,
 ) -> bytes:
-    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given)."""
+    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given);
+    `tool_arguments` puts a fragment of a tool call's arguments in `delta.tool_calls`."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_arguments is not None:
+        delta["tool_calls"] = [{"index": 0, "function": {"arguments": tool_arguments}}]
     choices: list[dict[str, Any]] = (
-        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": None}]
+        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
     )
     obj: dict[str, Any] = {"id": "chat-1", "object": "chat.completion.chunk", "choices": choices}
     if usage is not None:

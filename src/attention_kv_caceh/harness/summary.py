@@ -101,6 +101,8 @@ def summarize_run(
         "completed": len(ok),
         "failed": sum(failures.values()),
         "failures": dict(sorted(failures.items())),
+        # ok streams that ended with a finish_reason and a clean close but no `data: [DONE]`
+        "num_without_done_marker": sum(1 for r in ok if r.done_marker is False),
         "total_input_tokens": input_tokens,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s,
