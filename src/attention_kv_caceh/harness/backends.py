@@ -19,8 +19,10 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
+from attention_kv_caceh.harness.client_errors import classify_client_error
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.harness.sse import (
+    MAX_EVENT_BYTES,
     EventTooLargeError,
     InvalidUsageError,
     MalformedSSEError,
@@ -163,7 +165,8 @@ class OpenAIBackend:
     """Streams from an OpenAI-compatible `/v1/completions` or `/v1/chat/completions` endpoint.
 
     Asks for `stream_options: {"include_usage": true, "continuous_usage_stats": true}` so that vLLM
-    reports the tokens of every chunk. `timeout_s` bounds each whole request. The aiohttp session is
+    reports the tokens of every chunk. `timeout_s` bounds each whole request; `max_event_bytes` one SSE
+    event (beyond it the request fails as `event_too_large`). The aiohttp session is
     shared by all requests and owned by the caller.
     """
 
@@ -177,6 +180,7 @@ class OpenAIBackend:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         ignore_eos: bool = False,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
@@ -189,6 +193,7 @@ class OpenAIBackend:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.ignore_eos = ignore_eos
+        self.max_event_bytes = max_event_bytes
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body of one streamed request."""
@@ -209,7 +214,7 @@ class OpenAIBackend:
 
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
-        decoder = OpenAIStreamDecoder()
+        decoder = OpenAIStreamDecoder(self.max_event_bytes)
         try:
             async with self.session.post(
                 self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
@@ -239,14 +244,11 @@ class OpenAIBackend:
             record.fail("invalid_usage", str(exc), perf_counter_ns())
         except MalformedSSEError as exc:
             record.fail("malformed_sse", str(exc), perf_counter_ns())
-        except aiohttp.ClientConnectorError as exc:
-            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            record.fail("stream_cut", f"{type(exc).__name__}: {exc}", perf_counter_ns())
         except TimeoutError:
             record.fail("timeout", "request exceeded the timeout", perf_counter_ns())
         except aiohttp.ClientError as exc:
-            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
+            kind, message = classify_client_error(exc, after_headers=record.http_status is not None)
+            record.fail(kind, message, perf_counter_ns())
         else:
             self._finish(decoder, record)
         finally:

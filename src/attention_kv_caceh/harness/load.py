@@ -19,6 +19,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from attention_kv_caceh.harness.backends import Backend, RequestSpec
+from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS
 from attention_kv_caceh.harness.records import RequestRecord
 
 __all__ = [
@@ -215,9 +216,9 @@ async def smoke_test(backend: Backend, spec: RequestSpec, target: str) -> Reques
     record.sent_ns = record.arrival_ns
     await backend.generate(spec, record)
     if not record.ok:
-        if record.status == "connection_error":
+        if record.status in UNREACHABLE_KINDS:
             raise SmokeTestError(
-                f"smoke test failed: connection_error: {unreachable_message(target, record.error or '')}"
+                f"smoke test failed: {record.status}: {unreachable_message(target, record.error or '')}"
             )
         status = f" (HTTP {record.http_status})" if record.http_status is not None else ""
         raise SmokeTestError(f"smoke test against {target} failed: {record.status}{status}: {record.error}")

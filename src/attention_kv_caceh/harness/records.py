@@ -27,7 +27,11 @@ FAILURE_KINDS = (
     "event_too_large",  # one SSE event grew past sse.MAX_EVENT_BYTES
     "invalid_usage",  # a usage count that is negative, not an integer, or decreasing
     "no_tokens",  # the stream finished without a single token
-    "connection_error",  # refused, DNS failure, unreachable
+    "connection_error",  # refused or unreachable
+    "dns_error",  # the host name could not be resolved
+    "tls_error",  # TLS handshake or certificate failure
+    "too_many_redirects",  # a redirect loop
+    "connection_closed",  # the server accepted the connection and closed it before answering
     "timeout",  # the request exceeded `--timeout`
 )
 

@@ -26,6 +26,7 @@ from attention_kv_caceh.harness.backends import (
     SimulatedBackend,
     SimulatedServer,
 )
+from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS, classify_client_error
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
     LengthRange,
@@ -220,6 +221,11 @@ def _check_base_url(base_url: str) -> None:
         raise ValueError(f"--base-url {base_url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
 
 
+def _as_count(value: float | None) -> int | float | None:
+    """A request count read as a float (Prometheus) as an int when it is whole (printed as `5`)."""
+    return int(value) if value is not None and float(value).is_integer() else value
+
+
 class ModelDiscoveryError(RuntimeError):
     """No --model was given and none could be read from the server's GET /v1/models."""
 
@@ -239,14 +245,18 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
                     + "; pass --model"
                 )
             body: Any = await response.json(content_type=None)
-    except aiohttp.ClientConnectionError as exc:
-        detail = f"GET {url}: {type(exc).__name__}: {exc}"
-        raise ModelDiscoveryError(unreachable_message(base_url, detail)) from None
+    except aiohttp.ClientError as exc:
+        kind, detail = classify_client_error(exc, after_headers=False)
+        if kind in UNREACHABLE_KINDS and isinstance(exc, aiohttp.ClientConnectionError):
+            raise ModelDiscoveryError(unreachable_message(base_url, f"GET {url}: {detail}")) from None
+        raise ModelDiscoveryError(
+            f"no --model given and GET {url} failed: {kind}: {detail}; pass --model"
+        ) from None
     except TimeoutError:
         raise ModelDiscoveryError(
             f"the server at {base_url} did not answer GET {url} within {limit_s:g} s"
         ) from None
-    except (aiohttp.ClientError, ValueError) as exc:
+    except ValueError as exc:
         raise ModelDiscoveryError(
             f"no --model given and GET {url} failed ({type(exc).__name__}: {exc}); pass --model"
         ) from None
@@ -350,8 +360,8 @@ async def run_harness(
     summary["server_metrics_source"] = (
         "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
     )
-    summary["peak_server_running"] = max((s.running for s in peaks_from), default=None)
-    summary["peak_server_waiting"] = max((s.waiting for s in peaks_from), default=None)
+    summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
+    summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
     return RunResult(
         config=config,
         records=records,

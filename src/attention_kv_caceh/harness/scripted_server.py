@@ -99,12 +99,14 @@ class Step:
 @dataclass(frozen=True)
 class Script:
     """How to answer one request: a non-200 `status` answers `body` at once; a 200 streams `steps`;
-    `abort` then drops the connection without ending the chunked body (a stream cut mid-way)."""
+    `abort` then drops the connection without ending the chunked body (a stream cut mid-way);
+    `headers` are added to a non-200 answer (e.g. a `Location` for a redirect)."""
 
     steps: tuple[Step, ...] = ()
     status: int = 200
     body: bytes = b""
     abort: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def timed_token_script(
@@ -160,7 +162,7 @@ class ScriptedServer:
         self.counters.payloads.append(payload)
         script = self.script_for(payload, request.path)
         if script.status != 200:
-            return web.Response(status=script.status, body=script.body)
+            return web.Response(status=script.status, body=script.body, headers=dict(script.headers))
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )

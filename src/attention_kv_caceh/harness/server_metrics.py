@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Callable
 from time import perf_counter_ns
 
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attention_kv_caceh.harness.backends import ServerSample
 
-__all__ = ["ServerMetricsPoller", "metrics_url", "parse_vllm_metrics"]
+__all__ = ["BadServerValueError", "ServerMetricsPoller", "metrics_url", "parse_vllm_metrics"]
 
 _RUNNING = ("vllm:num_requests_running",)
 _WAITING = ("vllm:num_requests_waiting",)
@@ -44,14 +45,34 @@ def _first(totals: dict[str, float], names: tuple[str, ...]) -> float | None:
     return None
 
 
+class BadServerValueError(ValueError):
+    """A gauge that is not a finite number in its range (NaN, +-Inf, negative, KV usage > 1)."""
+
+
+def _checked(name: str, value: float, upper: float = math.inf) -> float:
+    if not (math.isfinite(value) and 0 <= value <= upper):
+        raise BadServerValueError(f"{name} = {value!r}: not a finite number in [0, {upper:g}]")
+    return value
+
+
 def sample_from_metrics(text: str, time_ns: int) -> ServerSample | None:
-    """A ServerSample from a `/metrics` text, or None when it lacks vLLM's request gauges."""
+    """A ServerSample from a `/metrics` text, or None when it lacks vLLM's request gauges.
+
+    Raises BadServerValueError (a ValueError) for a gauge that is NaN, infinite, negative, or a KV-cache
+    usage above 1: such a sample is recorded as a polling problem, never as a statistic.
+    """
     totals = parse_vllm_metrics(text)
     running = _first(totals, _RUNNING)
     waiting = _first(totals, _WAITING)
     if running is None or waiting is None:
         return None
-    return ServerSample(time_ns, running, waiting, _first(totals, _KV_USAGE))
+    kv = _first(totals, _KV_USAGE)
+    return ServerSample(
+        time_ns,
+        _checked(_RUNNING[0], running),
+        _checked(_WAITING[0], waiting),
+        None if kv is None else _checked("kv_cache_usage_perc", kv, 1.0),
+    )
 
 
 def metrics_url(base_url: str) -> str:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -81,7 +82,11 @@ class SSEParser:
         Raises UnicodeDecodeError for a line that is not UTF-8, EventTooLargeError when one event
         exceeds `max_event_bytes`.
         """
-        events: list[SSEEvent] = []
+        return list(self.iter_feed(chunk))
+
+    def iter_feed(self, chunk: bytes) -> Iterator[SSEEvent]:
+        """As `feed`, yielding each event as soon as it is complete (the events before an error in
+        the same chunk are still delivered)."""
         n = len(chunk)
         pos = 1 if self._after_cr and n and chunk[0] == _LF else 0
         if n:
@@ -111,8 +116,7 @@ class SSEParser:
             self._line.clear()
             event = self._handle_line(line)
             if event is not None:
-                events.append(event)
-        return events
+                yield event
 
     def _handle_line(self, line: str) -> SSEEvent | None:
         if line == "":
@@ -247,7 +251,7 @@ class OpenAIStreamDecoder:
             return []
         counts: list[int] = []
         try:
-            for event in self._parser.feed(chunk):
+            for event in self._parser.iter_feed(chunk):
                 count = self._event(event)
                 if count is not None:
                     counts.append(count)
