@@ -97,7 +97,7 @@ class CliTest(unittest.TestCase):
         for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_itl_ms", "mean_e2el_ms"):
             self.assertIsInstance(doc[key], float, key)
         self.assertEqual(doc["completed"], 6)
-        self.assertEqual(doc["max_concurrent_requests"], 2)
+        self.assertEqual(doc["max_client_in_flight"], 2)
         self.assertEqual(doc["good_requests"], 6)
         self.assertIn("environment", doc)
         self.assertEqual(plot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
@@ -190,7 +190,7 @@ class CliTest(unittest.TestCase):
             self.assertIn("(default: off)", flat)
             self.assertIn("(default: none, no goodput)", flat)
             self.assertEqual(flat.count("(default: not written)"), 2)
-            self.assertEqual(flat.count("(default:"), 23, flat)  # one per flag but --help
+            self.assertEqual(flat.count("(default:"), 24, flat)  # one per flag but --help
 
     def test_outputs_must_differ_including_the_jsonl_metadata(self) -> None:
         jsonl = self.tmp / "r.jsonl"

@@ -73,7 +73,7 @@ class KnownDelaysTest(unittest.TestCase):
                 result = self.measure(concurrency)
                 s = result.summary
                 self.assertEqual(s["failed"], 0, s["failures"])
-                self.assertEqual(s["max_concurrent_requests"], concurrency)
+                self.assertEqual(s["max_client_in_flight"], concurrency)
                 self.assertEqual(s["total_output_tokens"], 2 * concurrency * TOKENS)
                 for r in result.records:
                     self.assertEqual(r.tokens_per_event, [1] * TOKENS)
@@ -113,7 +113,7 @@ class SemaphoreIsNotTheBatchTest(unittest.TestCase):
         s = result.summary
         self.assertEqual(s["completed"], 16)
         self.assertEqual(max(c for _, c in result.in_flight), 4)  # reached, never exceeded
-        self.assertEqual(s["max_concurrent_requests"], 4)
+        self.assertEqual(s["max_client_in_flight"], 4)
         self.assertLessEqual(max(x.running for x in result.server_exact), 4)  # 8 were free
         self.assertEqual(s["peak_server_waiting"], 0)
         # the other 12 requests waited in the client's queue, three waves of about 55 ms
@@ -126,7 +126,7 @@ class SemaphoreIsNotTheBatchTest(unittest.TestCase):
         result = asyncio.run(run_harness(simulated(16, 16, 4)))
         s = result.summary
         self.assertEqual(s["completed"], 16)
-        self.assertEqual(s["max_concurrent_requests"], 16)
+        self.assertEqual(s["max_client_in_flight"], 16)
         self.assertEqual(max(x.running for x in result.server_exact), 4)
         self.assertEqual(s["peak_server_running"], 4)
         self.assertEqual(s["peak_server_waiting"], 12)

@@ -169,6 +169,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: none, no goodput)" + _SHOWN,
     )
     g.add_argument(
+        "--label",
+        default=None,
+        help="a name for this run, written into the summary (vLLM's --label) (default: none)" + _SHOWN,
+    )
+    g.add_argument(
         "--server-metrics-interval",
         type=float,
         default=0.1,
@@ -200,6 +205,7 @@ def config_from_args(args: argparse.Namespace) -> HarnessConfig:
         timeout_s=args.timeout,
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
+        label=args.label,
     )
 
 
@@ -235,7 +241,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {_fmt(summary['max_concurrent_requests'], 0)}   "
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   "
         f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
         f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
         f"(server: {summary.get('server_metrics_source') or 'not polled'})",
@@ -245,6 +251,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"goodput: {summary['request_goodput']:.2f} req/s "
             f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
         )
+    lines += [f"warning: {w}" for w in summary.get("warnings", [])]
     header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
         f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
     )
@@ -431,6 +438,7 @@ def _report_and_save(
 
     if result is not None:
         summary = result.summary
+        config = result.config  # as actually run (the model read from the server)
     elif finished:
         start = min(r.arrival_ns for r in finished)
         end = max(r.stream_end_ns or r.arrival_ns for r in finished)

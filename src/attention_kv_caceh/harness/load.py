@@ -141,6 +141,7 @@ async def _one_request(
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     record = RequestRecord(spec.request_id, arrival_ns, spec.prompt_tokens)
+    record.dispatch_ns = perf_counter_ns()
     async with gate:
         record.sent_ns = perf_counter_ns()
         tracker.enter()

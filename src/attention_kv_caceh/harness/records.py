@@ -39,6 +39,7 @@ FAILURE_KINDS = (
 JSONL_KEYS = (
     "request_id",
     "arrival_ns",
+    "dispatch_ns",
     "sent_ns",
     "first_token_ns",
     "token_times_ns",
@@ -54,6 +55,7 @@ JSONL_KEYS = (
     "status",
     "http_status",
     "error",
+    "lateness_ms",
     "queue_ms",
     "ttft_ms",
     "itl_ms",
@@ -67,7 +69,8 @@ JSONL_KEYS = (
 class RequestRecord:
     """Timestamps (ns, `perf_counter_ns`) and outcome of one request.
 
-    `arrival_ns`: created, or scheduled arrival for a rate-driven load; `sent_ns`: a concurrency slot was
+    `arrival_ns`: created, or scheduled arrival for a rate-driven load; `dispatch_ns`: the client's loop
+    started the request (after its arrival; the gap is client lateness); `sent_ns`: a concurrency slot was
     acquired and the request is about to go out; `token_times_ns[i]`: arrival of the i-th token-bearing
     event carrying `tokens_per_event[i]` tokens; `finish_ns`: the last token-bearing event;
     `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
@@ -83,6 +86,7 @@ class RequestRecord:
     request_id: int
     arrival_ns: int
     prompt_tokens: int
+    dispatch_ns: int | None = None
     sent_ns: int | None = None
     first_token_ns: int | None = None
     token_times_ns: list[int] = field(default_factory=lambda: [])
@@ -124,6 +128,7 @@ class RequestRecord:
         """Derived latencies (ms); see `metrics.compute_request_metrics`."""
         return compute_request_metrics(
             arrival_ns=self.arrival_ns,
+            dispatch_ns=self.dispatch_ns,
             sent_ns=self.sent_ns,
             first_token_ns=self.first_token_ns,
             token_times_ns=self.token_times_ns,
@@ -138,6 +143,7 @@ class RequestRecord:
         return {
             "request_id": self.request_id,
             "arrival_ns": self.arrival_ns,
+            "dispatch_ns": self.dispatch_ns,
             "sent_ns": self.sent_ns,
             "first_token_ns": self.first_token_ns,
             "token_times_ns": list(self.token_times_ns),
@@ -153,6 +159,7 @@ class RequestRecord:
             "status": self.status,
             "http_status": self.http_status,
             "error": self.error,
+            "lateness_ms": m.lateness_ms,
             "queue_ms": m.queue_ms,
             "ttft_ms": m.ttft_ms,
             "itl_ms": list(m.itl_ms),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from time import perf_counter_ns
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -49,6 +49,7 @@ __all__ = [
     "ModelDiscoveryError",
     "RunResult",
     "memory_limit_bytes",
+    "plan_requests",
     "run_harness",
 ]
 
@@ -107,6 +108,7 @@ class HarnessConfig:
     timeout_s: float = 600.0
     smoke_test: bool = True
     ignore_eos: bool = False
+    label: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -181,9 +183,13 @@ class HarnessConfig:
             )
 
     def describe(self) -> dict[str, Any]:
-        """The config as JSON-ready values (the API key left out)."""
+        """The config as JSON-ready values: the API key left out, and the simulated server's
+        `server_slots`, `prefill_ms`, `per_token_ms` only when the simulated backend is used."""
         out = asdict(self)
         out.pop("api_key")
+        if self.backend != "simulated":
+            for key in ("server_slots", "prefill_ms", "per_token_ms"):
+                out.pop(key)
         out["prompt_len"] = str(self.prompt_len)
         out["output_len"] = str(self.output_len)
         out["goodput"] = self.goodput.as_dict()
@@ -191,9 +197,26 @@ class HarnessConfig:
         return out
 
 
+def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[RequestSpec], list[float]]:
+    """(warm-up specs, measured specs, arrival offsets in s) of `config`.
+
+    The measured specs and arrivals come from `seed` alone; warm-ups draw from their own stream
+    (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts.
+    """
+    rng = np.random.default_rng(config.seed)
+    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
+    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
+    warm_rng = np.random.default_rng([config.seed, 1])
+    warm_specs = make_request_specs(
+        config.warmup_requests, config.prompt_len, config.output_len, warm_rng, first_id=-1 - 10**6
+    )
+    return warm_specs, specs, offsets
+
+
 @dataclass
 class RunResult:
-    """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end."""
+    """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end.
+    `config` is the config as actually run (its `model` the one used, e.g. read from /v1/models)."""
 
     config: HarnessConfig
     records: list[RequestRecord]
@@ -281,13 +304,9 @@ async def run_harness(
     found.
     Each measured record is passed to `on_record` as its request finishes.
     """
-    rng = np.random.default_rng(config.seed)
     smoke_spec = RequestSpec(-1, config.prompt_len.low, min(4, config.output_len.low), "hello")
-    warm_specs = make_request_specs(
-        config.warmup_requests, config.prompt_len, config.output_len, rng, first_id=-1 - 10**6
-    )
-    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
-    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
+    warm_specs, specs, offsets = plan_requests(config)
+    model_used: str | None = None
 
     session: aiohttp.ClientSession | None = None
     simulated: SimulatedServer | None = None
@@ -300,11 +319,11 @@ async def run_harness(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:
         if session is not None:
-            model = config.model or await _discover_model(session, config.base_url, config.timeout_s)
+            model_used = config.model or await _discover_model(session, config.base_url, config.timeout_s)
             backend = OpenAIBackend(
                 session,
                 base_url=config.base_url,
-                model=model,
+                model=model_used,
                 endpoint="chat" if config.backend == "openai-chat" else "completions",
                 api_key=config.api_key,
                 timeout_s=config.timeout_s,
@@ -351,7 +370,9 @@ async def run_harness(
         if session is not None:
             await session.close()
 
-    summary = summarize_run(
+    used = replace(config, model=model_used) if model_used is not None else config
+    summary: dict[str, Any] = {"label": config.label, "model_id": model_used, "tokenizer_id": None}
+    summary |= summarize_run(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
     server_samples = poller.samples if poller is not None else []
@@ -363,7 +384,7 @@ async def run_harness(
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
     return RunResult(
-        config=config,
+        config=used,
         records=records,
         summary=summary,
         start_ns=start_ns,
