@@ -79,6 +79,25 @@ class HostileServerTest(unittest.IsolatedAsyncioTestCase):
         json.dumps(result.summary, allow_nan=False)  # raises ValueError on NaN/Infinity
         self.assertTrue(any("not a finite number" in e for e in result.server_metrics_errors))
 
+    async def test_sample_count_and_interval_are_recorded_and_few_samples_warn(self) -> None:
+        script = Script(
+            (Step(0.0, completion_chunk("a", {"prompt_tokens": 1, "completion_tokens": 1})), Step(0, DONE))
+        )
+        async with ScriptedServer(lambda p, path: script, live_metrics=True) as server:
+            config = HarnessConfig(
+                backend="openai-completions",
+                base_url=server.base_url,
+                model="m",
+                num_requests=2,
+                output_len=LengthRange(1, 1),
+                server_metrics_interval_s=60.0,  # only the first and the last sample in a run this short
+            )
+            result = await run_harness(config)
+        self.assertEqual(result.summary["server_metrics_samples"], 2)
+        self.assertGreater(result.summary["server_metrics_interval_achieved_s"], 0.0)
+        self.assertTrue(any("only 2 server metrics samples" in w for w in result.summary["warnings"]))
+        json.dumps(result.summary, allow_nan=False)
+
     async def test_decreasing_usage_is_a_failed_request_not_a_negative_throughput(self) -> None:
         script = Script(
             (

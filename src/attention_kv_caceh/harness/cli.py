@@ -42,6 +42,7 @@ from attention_kv_caceh.harness.run import (
     RunResult,
     run_harness,
 )
+from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.timing import capture_environment
 
@@ -176,8 +177,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--server-metrics-interval",
         type=float,
-        default=0.1,
-        help="seconds between polls of the server's /metrics (0: off) (default: %(default)s)",
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between polls of the server's /metrics (0: off), from a thread of its own, "
+        "stretched so that polls cost the server < 1%% of its time (default: %(default)s)",
     )
 
 

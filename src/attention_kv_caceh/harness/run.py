@@ -38,13 +38,14 @@ from attention_kv_caceh.harness.load import (
 )
 from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
+from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S, ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
 
 __all__ = [
     "BACKENDS",
     "MAX_REQUESTS",
     "MAX_TOKENS",
+    "MIN_SERVER_SAMPLES",
     "HarnessConfig",
     "ModelDiscoveryError",
     "RunResult",
@@ -65,6 +66,9 @@ MAX_TOKENS = 10_000_000  # --prompt-len and --output-len (more than any model's 
 _BYTES_PER_REQUEST = 4096
 _BYTES_PER_PROMPT_TOKEN = 16
 _BYTES_PER_OUTPUT_TOKEN = 128
+
+
+MIN_SERVER_SAMPLES = 10  # fewer samples than this get a warning: peaks from them are guesses
 
 
 def memory_limit_bytes() -> int:
@@ -104,7 +108,7 @@ class HarnessConfig:
     prefill_ms: float = 50.0
     per_token_ms: float = 10.0
     goodput: GoodputSLO = field(default_factory=GoodputSLO)
-    server_metrics_interval_s: float = 0.1
+    server_metrics_interval_s: float = DEFAULT_INTERVAL_S
     timeout_s: float = 600.0
     smoke_test: bool = True
     ignore_eos: bool = False
@@ -342,11 +346,10 @@ async def run_harness(
         if config.server_metrics_interval_s > 0:
             if simulated is not None:
                 poller = ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
-            elif session is not None:
+            else:
+                headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
                 poller = ServerMetricsPoller(
-                    config.server_metrics_interval_s,
-                    session=session,
-                    url=metrics_url(config.base_url),
+                    config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
         tracker = InFlightTracker()
         start_ns = perf_counter_ns()
@@ -383,6 +386,13 @@ async def run_harness(
     )
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
+    summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
+    summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
+    if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:
+        summary["warnings"].append(
+            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): the server "
+            "peaks may miss what happened; use a longer run or a shorter --server-metrics-interval"
+        )
     return RunResult(
         config=used,
         records=records,

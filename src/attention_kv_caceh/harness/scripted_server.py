@@ -137,17 +137,30 @@ class _Counters:
     peak_in_flight: int = 0
     requests: int = 0
     payloads: list[dict[str, Any]] = field(default_factory=lambda: [])
+    metrics_queries: list[str] = field(default_factory=lambda: [])
 
 
 class ScriptedServer:
     """aiohttp server on 127.0.0.1 answering POST /v1/completions and /v1/chat/completions with
-    `script_for(payload, path)`, GET /metrics with `metrics_text`, GET /v1/models with one model.
+    `script_for(payload, path)`, GET /metrics with `metrics_text` (or, with `live_metrics`, vLLM's
+    running/waiting gauges from the streams in flight, padded with `metrics_padding` bytes of comment
+    lines to the size of a real exposition), GET /v1/models with one model.
 
     `async with ScriptedServer(...) as server:` starts it on a free port (`server.base_url`) and stops it.
     """
 
-    def __init__(self, script_for: ScriptFor, *, port: int = 0, metrics_text: str | None = None):
+    def __init__(
+        self,
+        script_for: ScriptFor,
+        *,
+        port: int = 0,
+        metrics_text: str | None = None,
+        live_metrics: bool = False,
+        metrics_padding: int = 0,
+    ):
         self.script_for = script_for
+        self.live_metrics = live_metrics
+        self.metrics_padding = metrics_padding
         self.port = port
         self.metrics_text = metrics_text
         self.counters = _Counters()
@@ -187,6 +200,16 @@ class ScriptedServer:
         return response
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.counters.metrics_queries.append(request.query_string)
+        if self.live_metrics:
+            pad = "".join(f"# pad {'x' * 90}\n" for _ in range(self.metrics_padding // 97))
+            text = (
+                f"{pad}# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="scripted"}} {self.counters.in_flight}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                'vllm:num_requests_waiting{model_name="scripted"} 0\n'
+            )
+            return web.Response(text=text, content_type="text/plain")
         if self.metrics_text is None:
             return web.Response(status=404, text="no metrics")
         return web.Response(text=self.metrics_text, content_type="text/plain")
@@ -231,11 +254,11 @@ def _max_tokens(payload: dict[str, Any]) -> int:
     return int(value) if isinstance(value, int) and value > 0 else 16
 
 
-async def _serve(ttft_ms: float, itl_ms: float, port: int) -> None:
+async def _serve(ttft_ms: float, itl_ms: float, port: int, metrics_padding: int = 0) -> None:
     def script_for(payload: dict[str, Any], path: str) -> Script:
         return timed_token_script(ttft_ms / 1000, itl_ms / 1000, _max_tokens(payload), chat="chat" in path)
 
-    server = ScriptedServer(script_for, port=port)
+    server = ScriptedServer(script_for, port=port, live_metrics=True, metrics_padding=metrics_padding)
     await server.start()
     print(f"PORT {server.port}", flush=True)
     stop = asyncio.Event()
@@ -247,8 +270,9 @@ async def _serve(ttft_ms: float, itl_ms: float, port: int) -> None:
 
 
 @contextlib.contextmanager
-def scripted_server_process(ttft_ms: float, itl_ms: float) -> Generator[str]:
+def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int = 0) -> Generator[str]:
     """Run the timed scripted server in a child process (its own core and GIL); yields its base URL.
+    Its /metrics serves live gauges padded to `metrics_padding` bytes.
 
     The child is terminated on exit. Raises RuntimeError if it does not report its port in 30 s.
     """
@@ -259,6 +283,7 @@ def scripted_server_process(ttft_ms: float, itl_ms: float) -> Generator[str]:
             "attention_kv_caceh.harness.scripted_server",
             f"--ttft-ms={ttft_ms}",
             f"--itl-ms={itl_ms}",
+            f"--metrics-padding={metrics_padding}",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -286,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token (ms)")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="inter-token delay (ms)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free)")
+    parser.add_argument(
+        "--metrics-padding", type=int, default=0, help="bytes of padding in the /metrics answer"
+    )
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port))
+    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port, args.metrics_padding))
     return 0
 
 
