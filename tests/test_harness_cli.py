@@ -190,7 +190,7 @@ class CliTest(unittest.TestCase):
             self.assertIn("(default: off)", flat)
             self.assertIn("(default: none, no goodput)", flat)
             self.assertEqual(flat.count("(default: not written)"), 2)
-            self.assertEqual(flat.count("(default:"), 24, flat)  # one per flag but --help
+            self.assertEqual(flat.count("(default:"), 26, flat)  # one per flag but --help
 
     def test_outputs_must_differ_including_the_jsonl_metadata(self) -> None:
         jsonl = self.tmp / "r.jsonl"

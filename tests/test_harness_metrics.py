@@ -20,7 +20,7 @@ MS = 1_000_000
 def ok_record(
     request_id: int, arrival: int, sent: int, times: list[int], per_event: list[int] | None = None
 ) -> RequestRecord:
-    record = RequestRecord(request_id, arrival, prompt_tokens=10, sent_ns=sent)
+    record = RequestRecord(request_id, arrival, requested_prompt_tokens=10, prompt_tokens=10, sent_ns=sent)
     for t, n in zip(times, per_event or [1] * len(times), strict=True):
         record.add_token_event(t, n)
     record.output_tokens = sum(record.tokens_per_event)

@@ -43,12 +43,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """What to ask for: a prompt of about `prompt_tokens` tokens and `output_tokens` tokens out."""
+    """What to ask for: a prompt of `prompt_tokens` tokens (requested) and `output_tokens` tokens out.
+
+    `prompt_token_ids`: the prompt as token ids (sent as such to `/v1/completions`);
+    `prompt_tokens_checked`: the prompt's length as a tokenizer counted it (None: not checked, the
+    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one.
+    """
 
     request_id: int
     prompt_tokens: int
     output_tokens: int
     prompt: str = ""
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_tokens_checked: int | None = None
+    from_dataset: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -149,6 +157,7 @@ class SimulatedBackend:
         record.stream_end_ns = perf_counter_ns()
         record.output_tokens = sum(record.tokens_per_event)
         record.output_tokens_source = "simulated"
+        record.prompt_tokens = spec.prompt_tokens
         record.tokens_per_event_source = "simulated"
         record.status = STATUS_OK
 
@@ -203,7 +212,7 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if self.endpoint == "completions":
-            body["prompt"] = spec.prompt
+            body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt
             body["max_tokens"] = spec.output_tokens
         else:
             body["messages"] = [{"role": "user", "content": spec.prompt}]
@@ -254,6 +263,8 @@ class OpenAIBackend:
         finally:
             if decoder.prompt_tokens is not None:
                 record.prompt_tokens = decoder.prompt_tokens
+            elif spec.prompt_tokens_checked is not None:
+                record.prompt_tokens = spec.prompt_tokens_checked
             record.output_tokens = decoder.output_tokens
             record.output_tokens_source = decoder.output_tokens_source
             record.tokens_per_event_source = decoder.tokens_per_event_source

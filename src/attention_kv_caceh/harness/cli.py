@@ -132,6 +132,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="folder with the target's tokenizer.json, to build prompts of exactly --prompt-len tokens "
+        "(default: the server's POST /tokenize if it has one, else approximate lengths)" + _SHOWN,
+    )
+    g.add_argument(
+        "--dataset",
+        default=None,
+        metavar="PATH.jsonl",
+        help='real prompts, one {"prompt": ..., "output_len": ...} a line; the first --num-requests '
+        "are sent (default: synthetic prompts)" + _SHOWN,
+    )
+    g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
@@ -208,6 +222,8 @@ def config_from_args(args: argparse.Namespace) -> HarnessConfig:
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
         label=args.label,
+        tokenizer=args.tokenizer,
+        dataset=args.dataset,
     )
 
 

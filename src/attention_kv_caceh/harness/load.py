@@ -33,7 +33,8 @@ __all__ = [
     "unreachable_message",
 ]
 
-_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "so far")
+# Single words (each one word to a word-counting server); a tokenizer turns them into exact prompts.
+_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ JSONL_KEYS = (
     "tokens_per_event",
     "finish_ns",
     "stream_end_ns",
+    "requested_prompt_tokens",
     "prompt_tokens",
     "output_tokens",
     "output_tokens_source",
@@ -74,6 +75,9 @@ class RequestRecord:
     acquired and the request is about to go out; `token_times_ns[i]`: arrival of the i-th token-bearing
     event carrying `tokens_per_event[i]` tokens; `finish_ns`: the last token-bearing event;
     `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
+    `requested_prompt_tokens`: the length asked for; `prompt_tokens`: the length actually sent, as the
+    server's usage reported it, else as a tokenizer checked it, else None (unknown, e.g. a failed
+    request with an approximate prompt).
     `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
     statistics), "logprobs" (tokens listed per chunk), "chunks" (one per content-bearing chunk) or
     "simulated". `tokens_per_event_source` says how each event's tokens were derived ("usage",
@@ -85,7 +89,8 @@ class RequestRecord:
 
     request_id: int
     arrival_ns: int
-    prompt_tokens: int
+    requested_prompt_tokens: int
+    prompt_tokens: int | None = None
     dispatch_ns: int | None = None
     sent_ns: int | None = None
     first_token_ns: int | None = None
@@ -150,6 +155,7 @@ class RequestRecord:
             "tokens_per_event": list(self.tokens_per_event),
             "finish_ns": self.finish_ns,
             "stream_end_ns": self.stream_end_ns,
+            "requested_prompt_tokens": self.requested_prompt_tokens,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 from time import perf_counter_ns
 from typing import Any, Literal, cast
 from urllib.parse import urlsplit
@@ -37,6 +38,14 @@ from attention_kv_caceh.harness.load import (
     unreachable_message,
 )
 from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.prompts import (
+    LocalTokenizer,
+    PromptTokenizer,
+    ServerTokenizer,
+    exact_prompts,
+    probe_server_tokenizer,
+    read_dataset,
+)
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S, ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
@@ -113,6 +122,8 @@ class HarnessConfig:
     smoke_test: bool = True
     ignore_eos: bool = False
     label: str | None = None
+    tokenizer: str | None = None
+    dataset: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -153,6 +164,12 @@ class HarnessConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.tokenizer is not None:
+            path = Path(self.tokenizer)
+            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
+                raise ValueError(f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json")
+        if self.dataset is not None and not Path(self.dataset).is_file():
+            raise ValueError(f"--dataset {self.dataset!r}: no such file")
         self._check_size()
 
     def _check_size(self) -> None:
@@ -205,16 +222,60 @@ def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[Reques
     """(warm-up specs, measured specs, arrival offsets in s) of `config`.
 
     The measured specs and arrivals come from `seed` alone; warm-ups draw from their own stream
-    (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts.
+    (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts. With a
+    `dataset`, the measured prompts are its first `num_requests` entries (their `output_len`, else the
+    drawn one; the requested prompt length is the word count until a tokenizer counts it). Raises
+    ValueError for a dataset that cannot be read or has fewer entries than `num_requests`.
     """
     rng = np.random.default_rng(config.seed)
     specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
+    if config.dataset is not None:
+        specs = _dataset_specs(config, specs)
     offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
     warm_rng = np.random.default_rng([config.seed, 1])
     warm_specs = make_request_specs(
         config.warmup_requests, config.prompt_len, config.output_len, warm_rng, first_id=-1 - 10**6
     )
     return warm_specs, specs, offsets
+
+
+def _dataset_specs(config: HarnessConfig, drawn: list[RequestSpec]) -> list[RequestSpec]:
+    assert config.dataset is not None
+    entries = read_dataset(config.dataset)
+    if len(entries) < config.num_requests:
+        raise ValueError(
+            f"--dataset {config.dataset!r} has {len(entries)} entries, fewer than --num-requests "
+            f"{config.num_requests}"
+        )
+    return [
+        RequestSpec(
+            spec.request_id,
+            max(1, len(prompt.split())),
+            output_len if output_len is not None else spec.output_tokens,
+            prompt,
+            from_dataset=True,
+        )
+        for spec, (prompt, output_len) in zip(drawn, entries, strict=False)
+    ]
+
+
+async def _exact(
+    config: HarnessConfig, session: aiohttp.ClientSession | None, model: str | None, *specs: list[RequestSpec]
+) -> tuple[PromptTokenizer | None, list[list[RequestSpec]]]:
+    """The tokenizer used (local --tokenizer, else the server's /tokenize, else None) and `specs`
+    with exact prompts (unchanged without a tokenizer or with the simulated backend)."""
+    tokenizer: PromptTokenizer | None = None
+    if config.backend == "simulated":
+        return None, list(specs)
+    if config.tokenizer is not None:
+        tokenizer = LocalTokenizer(config.tokenizer)
+    elif session is not None and model is not None:
+        server = ServerTokenizer(session, config.base_url, model, config.timeout_s)
+        tokenizer = server if await probe_server_tokenizer(server) else None
+    if tokenizer is None:
+        return None, list(specs)
+    ids = config.backend == "openai-completions"
+    return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
 
 
 @dataclass
@@ -308,7 +369,7 @@ async def run_harness(
     found.
     Each measured record is passed to `on_record` as its request finishes.
     """
-    smoke_spec = RequestSpec(-1, config.prompt_len.low, min(4, config.output_len.low), "hello")
+    smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
     warm_specs, specs, offsets = plan_requests(config)
     model_used: str | None = None
 
@@ -334,6 +395,7 @@ async def run_harness(
                 ignore_eos=config.ignore_eos,
             )
         assert backend is not None
+        tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
@@ -374,7 +436,12 @@ async def run_harness(
             await session.close()
 
     used = replace(config, model=model_used) if model_used is not None else config
-    summary: dict[str, Any] = {"label": config.label, "model_id": model_used, "tokenizer_id": None}
+    summary: dict[str, Any] = {
+        "label": config.label,
+        "model_id": model_used,
+        "tokenizer_id": tokenizer.name if tokenizer is not None else None,
+        "prompt_lengths": "exact" if tokenizer is not None or simulated is not None else "approximate",
+    }
     summary |= summarize_run(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
@@ -386,6 +453,17 @@ async def run_harness(
     )
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
+    if summary["prompt_lengths"] == "approximate":
+        off = summary["prompt_tokens_off_pct"]
+        summary["warnings"].insert(
+            0,
+            "prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): "
+            + (
+                f"the server counted {off:+.1f} % against the requested tokens"
+                if off is not None
+                else "the server reported no prompt token counts"
+            ),
+        )
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
     if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -31,6 +31,7 @@ __all__ = [
     "Script",
     "ScriptedServer",
     "Step",
+    "WordTokenizer",
     "chat_chunk",
     "completion_chunk",
     "scripted_server_process",
@@ -128,6 +129,40 @@ def timed_token_script(
     return Script(tuple(steps))
 
 
+class WordTokenizer:
+    """A deterministic test tokenizer: one token per whitespace-separated word (ids assigned in order
+    of first sight, from 1), and a BOS token (id 0) when special tokens are added."""
+
+    BOS = 0
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._words: list[str] = ["<s>"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.BOS] if add_special_tokens else []
+        for word in text.split():
+            if word not in self._ids:
+                self._ids[word] = len(self._words)
+                self._words.append(word)
+            ids.append(self._ids[word])
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self._words[i] for i in ids if 0 < i < len(self._words))
+
+    def prompt_tokens(self, payload: dict[str, Any]) -> int:
+        """The prompt tokens of a request as a server with this tokenizer counts them: an id list as
+        its length, a text (or chat message) with its BOS."""
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list):
+            return len(cast("list[Any]", prompt))
+        if prompt is None:
+            messages = cast("list[dict[str, Any]]", payload.get("messages") or [])
+            prompt = " ".join(str(m.get("content", "")) for m in messages)
+        return len(self.encode(str(prompt)))
+
+
 ScriptFor = Callable[[dict[str, Any], str], Script]
 
 
@@ -144,7 +179,9 @@ class ScriptedServer:
     """aiohttp server on 127.0.0.1 answering POST /v1/completions and /v1/chat/completions with
     `script_for(payload, path)`, GET /metrics with `metrics_text` (or, with `live_metrics`, vLLM's
     running/waiting gauges from the streams in flight, padded with `metrics_padding` bytes of comment
-    lines to the size of a real exposition), GET /v1/models with one model.
+    lines to the size of a real exposition), GET /v1/models with one model, and, with `tokenizer`,
+    POST /tokenize and /detokenize with a WordTokenizer (as vLLM's API: `{"prompt", "add_special_tokens"}`
+    in, `{"tokens", "count"}` out; `{"tokens"}` in, `{"prompt"}` out).
 
     `async with ScriptedServer(...) as server:` starts it on a free port (`server.base_url`) and stops it.
     """
@@ -157,8 +194,10 @@ class ScriptedServer:
         metrics_text: str | None = None,
         live_metrics: bool = False,
         metrics_padding: int = 0,
+        tokenizer: bool = False,
     ):
         self.script_for = script_for
+        self.tokenizer = WordTokenizer() if tokenizer else None
         self.live_metrics = live_metrics
         self.metrics_padding = metrics_padding
         self.port = port
@@ -214,6 +253,19 @@ class ScriptedServer:
             return web.Response(status=404, text="no metrics")
         return web.Response(text=self.metrics_text, content_type="text/plain")
 
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return web.Response(status=404, text="no tokenizer")
+        body: dict[str, Any] = await request.json()
+        ids = self.tokenizer.encode(str(body.get("prompt", "")), bool(body.get("add_special_tokens", True)))
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return web.Response(status=404, text="no tokenizer")
+        body: dict[str, Any] = await request.json()
+        return web.json_response({"prompt": self.tokenizer.decode(list(body.get("tokens", [])))})
+
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
 
@@ -224,6 +276,8 @@ class ScriptedServer:
         app.router.add_post("/v1/chat/completions", self._stream)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

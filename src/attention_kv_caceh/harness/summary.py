@@ -26,12 +26,14 @@ from attention_kv_caceh.timing import summarize_samples
 __all__ = [
     "LATENESS_WARN_MS",
     "METRIC_NAMES",
+    "PROMPT_OFF_WARN_PCT",
     "STAT_KEYS",
     "second_bucket_peaks",
     "stats_with_vllm_names",
     "summarize_run",
 ]
 
+PROMPT_OFF_WARN_PCT = 2.0  # actual prompt tokens this far from the requested ones get a warning
 LATENESS_WARN_MS = 1.0  # a client loop this late (P99) is no longer measuring the server alone
 
 # metric name in keys -> what it is (for the table)
@@ -130,7 +132,12 @@ def summarize_run(
     ok = [r for r in records if r.ok]
     failures = Counter(r.status for r in records if not r.ok)
     metrics = [r.metrics() for r in ok]
-    input_tokens = sum(r.prompt_tokens for r in ok)
+    input_tokens = sum(
+        r.prompt_tokens if r.prompt_tokens is not None else r.requested_prompt_tokens for r in ok
+    )
+    known = [r for r in ok if r.prompt_tokens is not None]
+    requested = sum(r.requested_prompt_tokens for r in known)
+    actual = sum(r.prompt_tokens or 0 for r in known)
     output_tokens = sum(r.output_tokens for r in ok)
     summary: dict[str, Any] = {
         "duration": duration_s,
@@ -141,6 +148,10 @@ def summarize_run(
         # ok streams that ended with a finish_reason and a clean close but no `data: [DONE]`
         "num_without_done_marker": sum(1 for r in ok if r.done_marker is False),
         "total_input_tokens": input_tokens,
+        # over successful requests whose actual prompt length is known
+        "total_requested_prompt_tokens": requested if known else None,
+        "total_actual_prompt_tokens": actual if known else None,
+        "prompt_tokens_off_pct": (actual - requested) / requested * 100 if known and requested else None,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": output_tokens / duration_s,
@@ -164,6 +175,12 @@ def summarize_run(
             f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms): the client "
             "started requests late, so the load was lighter than asked; use fewer requests per second "
             "or a faster client machine"
+        )
+    off = summary["prompt_tokens_off_pct"]
+    if off is not None and abs(off) > PROMPT_OFF_WARN_PCT:
+        warnings.append(
+            f"prompts had {actual} tokens where {requested} were requested ({off:+.1f} %, more than "
+            f"{PROMPT_OFF_WARN_PCT:g} % off)"
         )
     summary["warnings"] = warnings
     return summary
