@@ -404,7 +404,14 @@ class OverheadCommandTest(unittest.TestCase):
         self.assertIn("max(16, waves * concurrency)", overhead.__doc__ or "")
 
     def test_bad_flags_exit_2_with_one_line_before_the_server_starts(self) -> None:
-        for argv in (["--concurrency", "0"], ["--waves", "0"], ["--tokens", "0"], ["--itl-ms", "nan"]):
+        for argv in (
+            ["--concurrency", "0"],
+            ["--waves", "0"],
+            ["--tokens", "0"],
+            ["--tokens", "1"],  # no ITL: used to fail on an empty list after the whole run
+            ["--waves", "100000000"],  # beyond MAX_REQUESTS: used to escape as a traceback
+            ["--itl-ms", "nan"],
+        ):
             with self.subTest(argv=argv):
                 err = io.StringIO()
                 with (

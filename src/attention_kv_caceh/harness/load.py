@@ -98,7 +98,7 @@ def arrival_offsets_s(
 
     Infinite `request_rate`: all 0. Otherwise cumulative gamma gaps with shape `burstiness` and scale
     `1 / (request_rate * burstiness)` (mean gap `1 / request_rate`), as vLLM's `get_request`.
-    Raises ValueError for a non-positive rate or burstiness.
+    Raises ValueError for a non-positive rate or burstiness, or a schedule too long to express in ns.
     """
     if not request_rate > 0:
         raise ValueError(f"request rate must be > 0 (or inf), got {request_rate}")
@@ -107,8 +107,15 @@ def arrival_offsets_s(
     if math.isinf(request_rate) or num_requests == 0:
         return [0.0] * num_requests
     theta = 1.0 / (request_rate * burstiness)
+    if not math.isfinite(theta):
+        raise ValueError(f"request rate {request_rate} x burstiness {burstiness} is too small for a schedule")
     gaps = rng.gamma(shape=burstiness, scale=theta, size=num_requests - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+    offsets: list[float] = [0.0, *np.cumsum(gaps).tolist()]
+    if not math.isfinite(offsets[-1]) or offsets[-1] * 1e9 > 2**62:
+        raise ValueError(
+            f"request rate {request_rate}: the arrivals would span {offsets[-1]:.3g} s, too long"
+        )
+    return offsets
 
 
 class InFlightTracker:

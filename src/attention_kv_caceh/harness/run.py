@@ -53,6 +53,7 @@ from attention_kv_caceh.harness.summary import summarize_run
 __all__ = [
     "BACKENDS",
     "MAX_REQUESTS",
+    "MAX_SCHEDULE_S",
     "MAX_TOKENS",
     "MIN_SERVER_SAMPLES",
     "HarnessConfig",
@@ -77,6 +78,7 @@ _BYTES_PER_PROMPT_TOKEN = 16
 _BYTES_PER_OUTPUT_TOKEN = 128
 
 
+MAX_SCHEDULE_S = 1e7  # about 116 days: the longest arrival schedule a run accepts (ns stay exact ints)
 MIN_SERVER_SAMPLES = 10  # fewer samples than this get a warning: peaks from them are guesses
 
 
@@ -164,6 +166,12 @@ class HarnessConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if math.isfinite(self.request_rate) and self.num_requests / self.request_rate > MAX_SCHEDULE_S:
+            raise ValueError(
+                f"--request-rate {self.request_rate}: {self.num_requests} requests would arrive over about "
+                f"{self.num_requests / self.request_rate:.3g} s, more than {MAX_SCHEDULE_S:g} s (the most "
+                "a run can schedule); use a higher rate"
+            )
         if self.tokenizer is not None:
             path = Path(self.tokenizer)
             if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
