@@ -165,7 +165,7 @@ class CliTest(unittest.TestCase):
         for argv, start in cases.items():
             with (
                 self.subTest(argv=argv),
-                mock.patch("attention_kv_caceh.harness.run.memory_limit_bytes", return_value=2**20),
+                mock.patch("attention_kv_caceh.harness.config.memory_limit_bytes", return_value=2**20),
             ):
                 code, out, err = quietly([*argv, "--jsonl", str(jsonl)])
                 self.assertEqual((code, out), (2, ""))
