@@ -96,6 +96,7 @@ class HostileServerTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(result.summary["server_metrics_samples"], 2)
         self.assertGreater(result.summary["server_metrics_interval_achieved_s"], 0.0)
         self.assertTrue(any("only 2 server metrics samples" in w for w in result.summary["warnings"]))
+        self.assertIsInstance(result.summary["peak_server_running"], int)  # printed as 1, not 1.00
         json.dumps(result.summary, allow_nan=False)
 
     async def test_decreasing_usage_is_a_failed_request_not_a_negative_throughput(self) -> None:

@@ -75,7 +75,8 @@ class RequestRecord:
     acquired and the request is about to go out; `token_times_ns[i]`: arrival of the i-th token-bearing
     event carrying `tokens_per_event[i]` tokens; `finish_ns`: the last token-bearing event;
     `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
-    `requested_prompt_tokens`: the length asked for; `prompt_tokens`: the length actually sent, as the
+    `requested_prompt_tokens`: the length asked for (None in JSONL files from before it was recorded);
+    `prompt_tokens`: the length actually sent, as the
     server's usage reported it, else as a tokenizer checked it, else None (unknown, e.g. a failed
     request with an approximate prompt).
     `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
@@ -89,7 +90,7 @@ class RequestRecord:
 
     request_id: int
     arrival_ns: int
-    requested_prompt_tokens: int
+    requested_prompt_tokens: int | None = None
     prompt_tokens: int | None = None
     dispatch_ns: int | None = None
     sent_ns: int | None = None

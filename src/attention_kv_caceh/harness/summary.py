@@ -133,10 +133,10 @@ def summarize_run(
     failures = Counter(r.status for r in records if not r.ok)
     metrics = [r.metrics() for r in ok]
     input_tokens = sum(
-        r.prompt_tokens if r.prompt_tokens is not None else r.requested_prompt_tokens for r in ok
+        r.prompt_tokens if r.prompt_tokens is not None else (r.requested_prompt_tokens or 0) for r in ok
     )
-    known = [r for r in ok if r.prompt_tokens is not None]
-    requested = sum(r.requested_prompt_tokens for r in known)
+    known = [r for r in ok if r.prompt_tokens is not None and r.requested_prompt_tokens is not None]
+    requested = sum(r.requested_prompt_tokens or 0 for r in known)
     actual = sum(r.prompt_tokens or 0 for r in known)
     output_tokens = sum(r.output_tokens for r in ok)
     summary: dict[str, Any] = {
