@@ -139,6 +139,12 @@ class HostileServerTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(record.status, "connection_closed")
         self.assertIn("closed the connection", record.error or "")
 
+    async def test_tls_to_a_plain_http_server_is_named(self) -> None:
+        async with ScriptedServer(lambda p, path: Script()) as server:
+            record = await send(server.base_url.replace("http://", "https://"))
+        self.assertEqual(record.status, "tls_error")
+        self.assertIn("TLS", record.error or "")
+
     async def test_an_event_over_the_cap_fails_that_request_clearly(self) -> None:
         big = b"data: " + b"x" * 5000  # no line end: one event growing past the 4 KiB cap
         script = Script((Step(0, completion_chunk("a")), Step(0, big), Step(0, b"\n\n"), Step(0, DONE)))
