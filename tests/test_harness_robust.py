@@ -93,9 +93,12 @@ class HostileServerTest(unittest.IsolatedAsyncioTestCase):
                 server_metrics_interval_s=60.0,  # only the first and the last sample in a run this short
             )
             result = await run_harness(config)
-        self.assertEqual(result.summary["server_metrics_samples"], 2)
-        self.assertGreater(result.summary["server_metrics_interval_achieved_s"], 0.0)
-        self.assertTrue(any("only 2 server metrics samples" in w for w in result.summary["warnings"]))
+        n = result.summary["server_metrics_samples"]
+        self.assertIn(n, (1, 2))  # the first, and a last one begun after the run (unless both are one)
+        self.assertEqual(len(result.server_samples), n)
+        if n == 2:
+            self.assertGreater(result.summary["server_metrics_interval_achieved_s"], 0.0)
+        self.assertTrue(any(f"only {n} server metrics samples" in w for w in result.summary["warnings"]))
         self.assertIsInstance(result.summary["peak_server_running"], int)  # printed as 1, not 1.00
         json.dumps(result.summary, allow_nan=False)
 

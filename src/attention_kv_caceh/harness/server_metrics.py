@@ -183,8 +183,11 @@ class ServerMetricsPoller:
 
     def _thread_main(self) -> None:
         next_time = time.monotonic()
-        # a sample at the start, one per interval, and a last one when stopped
-        while self.poll_once() and not self._stop.is_set():
+        # a sample at the start, one per interval, and a last one begun after stop() was called
+        while True:
+            stopping = self._stop.is_set()  # read before the poll: a poll begun earlier is not the last
+            if not self.poll_once() or stopping:
+                return
             next_time += self._interval_now()
             delay = next_time - time.monotonic()
             if delay < 0:  # a slow scrape: start again from now, never a burst of catch-up scrapes
