@@ -57,6 +57,11 @@ class RequestMetricsTest(unittest.TestCase):
         self.assertIsNone(m.e2el_ms)
         self.assertIsNone(r.to_json()["tpot_ms"])
 
+    def test_tpot_is_undefined_not_zero_when_every_event_came_in_one_read(self) -> None:
+        r = ok_record(0, 0, 0, [5 * MS, 5 * MS, 5 * MS])  # three events, one timestamp
+        self.assertEqual(r.output_tokens, 3)
+        self.assertIsNone(r.metrics().tpot_ms)
+
     def test_bad_timestamps_raise(self) -> None:
         with self.assertRaisesRegex(ValueError, "non-decreasing"):
             compute_request_metrics(

@@ -36,6 +36,7 @@ from attention_kv_caceh.harness.config import (
 )
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
+    SmokeTestError,
     arrival_offsets_s,
     make_request_specs,
     run_requests,
@@ -115,7 +116,8 @@ async def _exact(
     config: HarnessConfig, session: aiohttp.ClientSession | None, model: str | None, *specs: list[RequestSpec]
 ) -> tuple[PromptTokenizer | None, list[list[RequestSpec]]]:
     """The tokenizer used (local --tokenizer, else the server's /tokenize, else None) and `specs`
-    with exact prompts (unchanged without a tokenizer or with the simulated backend)."""
+    with exact prompts (unchanged without a tokenizer or with the simulated backend). Raises
+    ValueError for an unreadable --tokenizer, SmokeTestError when tokenizing fails mid-way."""
     tokenizer: PromptTokenizer | None = None
     if config.backend == "simulated":
         return None, list(specs)
@@ -127,7 +129,12 @@ async def _exact(
     if tokenizer is None:
         return None, list(specs)
     ids = config.backend == "openai-completions"
-    return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
+    try:
+        return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise SmokeTestError(
+            f"building prompts of exact length with {tokenizer.name} failed: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 @dataclass
@@ -206,8 +213,9 @@ async def run_harness(
 ) -> RunResult:
     """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
 
-    Raises load.SmokeTestError when the smoke test fails, ModelDiscoveryError when no model can be
-    found.
+    Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
+    ModelDiscoveryError when no model can be found, ValueError for an unreadable --tokenizer or
+    --dataset.
     Each measured record is passed to `on_record` as its request finishes.
     """
     smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
