@@ -69,7 +69,9 @@ class RecordWhatWasUsedTest(unittest.IsolatedAsyncioTestCase):
             self.assertNotIn(key, described)
         self.assertEqual(result.summary["model_id"], "scripted")
         self.assertEqual(result.summary["label"], "nightly")
-        self.assertIn("server_slots", HarnessConfig().describe())
+        simulated = HarnessConfig().describe()
+        self.assertIn("server_slots", simulated)
+        self.assertNotIn("base_url", simulated)
 
 
 class LatenessTest(unittest.IsolatedAsyncioTestCase):

@@ -176,13 +176,19 @@ class HarnessConfig:
             )
 
     def describe(self) -> dict[str, Any]:
-        """The config as JSON-ready values: the API key left out, and the simulated server's
-        `server_slots`, `prefill_ms`, `per_token_ms` only when the simulated backend is used."""
+        """The config as JSON-ready values, only what the backend uses: the API key left out; the
+        simulated server's `server_slots`, `prefill_ms`, `per_token_ms` only for the simulated backend,
+        and the HTTP settings (`base_url`, `model`, `timeout_s`, `ignore_eos`, `tokenizer`) only for
+        the others."""
         out = asdict(self)
         out.pop("api_key")
-        if self.backend != "simulated":
-            for key in ("server_slots", "prefill_ms", "per_token_ms"):
-                out.pop(key)
+        unused = (
+            ("server_slots", "prefill_ms", "per_token_ms")
+            if self.backend != "simulated"
+            else ("base_url", "model", "timeout_s", "ignore_eos", "tokenizer")
+        )
+        for key in unused:
+            out.pop(key)
         out["prompt_len"] = str(self.prompt_len)
         out["output_len"] = str(self.output_len)
         out["goodput"] = self.goodput.as_dict()
