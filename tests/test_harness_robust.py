@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import unittest
+from types import SimpleNamespace
+from typing import Any
 from time import perf_counter_ns
 
 import aiohttp
 
 from attention_kv_caceh.harness.backends import OpenAIBackend, RequestSpec
+from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS, classify_client_error
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError, smoke_test
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
@@ -58,6 +62,20 @@ class ServerNumbersTest(unittest.TestCase):
         sample = sample_from_metrics(gauges("3", "1"), 5)
         assert sample is not None
         self.assertEqual((sample.running, sample.waiting, sample.kv_cache_usage), (3.0, 1.0, 0.5))
+
+
+class ErrorNamingTest(unittest.TestCase):
+    def test_dns_failure_and_refusal_are_told_apart(self) -> None:
+        key: Any = SimpleNamespace(host="no.such.host", port=80, ssl=True, is_ssl=False)
+        dns = aiohttp.ClientConnectorDNSError(key, socket.gaierror(-2, "Name or service not known"))
+        refused = aiohttp.ClientConnectorError(key, ConnectionRefusedError(111, "Connection refused"))
+        kind, message = classify_client_error(dns, after_headers=False)
+        self.assertEqual(kind, "dns_error")
+        self.assertIn("DNS lookup", message)
+        kind, message = classify_client_error(refused, after_headers=False)
+        self.assertEqual(kind, "connection_error")
+        self.assertIn("connection refused", message)
+        self.assertIn("dns_error", UNREACHABLE_KINDS)
 
 
 class HostileServerTest(unittest.IsolatedAsyncioTestCase):
