@@ -7,9 +7,9 @@ import asyncio
 import json
 import socket
 import unittest
+from time import perf_counter_ns
 from types import SimpleNamespace
 from typing import Any
-from time import perf_counter_ns
 
 import aiohttp
 
