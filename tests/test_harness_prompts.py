@@ -77,6 +77,8 @@ class ExactPromptTest(unittest.IsolatedAsyncioTestCase):
                 self.assertTrue(str(result.summary["tokenizer_id"]).endswith("/tokenize"))
                 if backend == "openai-completions":  # sent as token ids
                     self.assertEqual(len(payloads[-1]["prompt"]), 32)
+                else:  # text whose 28 words and the 4 tokens of the chat template make 32
+                    self.assertEqual(len(payloads[-1]["messages"][0]["content"].split()), 28)
 
     async def test_local_tokenizer_gives_exactly_n_prompt_tokens_on_both_backends(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -7,7 +7,8 @@ by tokenizing it again (adjusted by a token at a time if the round trip drifts).
 order of preference: a local `--tokenizer DIR` (its `tokenizer.json`, read with the `tokenizers`
 library), else the server's `POST /tokenize` and `POST /detokenize` (vLLM, SGLang). Without either,
 the prompt is N words, an approximation; the summary then says once how far the server's count was
-from it.
+from it. For chat, the server's /tokenize counts the chat template too; a local tokenizer.json cannot
+(it has no template), so the server's count is recorded and a difference beyond 2 % is warned about.
 """
 
 from __future__ import annotations
@@ -77,10 +78,23 @@ class LocalTokenizer:
 class ServerTokenizer:
     """The server's `POST /tokenize` and `POST /detokenize` (vLLM's and SGLang's API), over `session`.
 
+    With `chat`, `count` tokenizes the text as one user message in the model's chat template
+    (`messages`, `add_generation_prompt`), so a chat prompt's length includes the template's tokens,
+    as the server's usage counts them.
+
     Raises aiohttp.ClientError, TimeoutError or ValueError (an answer without `tokens`/`prompt`).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float) -> None:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        model: str,
+        timeout_s: float,
+        *,
+        chat: bool = False,
+    ) -> None:
+        self.chat = chat
         self.session = session
         self.root = base_url.rstrip("/").removesuffix("/v1")
         self.model = model
@@ -113,7 +127,18 @@ class ServerTokenizer:
         return prompt
 
     async def count(self, text: str) -> int:
-        return len(await self._tokens(text, special=True))
+        if not self.chat:
+            return len(await self._tokens(text, special=True))
+        # a chat prompt as the server counts it: one user message in the model's chat template
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "add_generation_prompt": True,
+        }
+        tokens: object = (await self._post("/tokenize", body)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError("POST /tokenize (messages) answered without a list of token ids")
+        return len(cast("list[Any]", tokens))
 
 
 async def probe_server_tokenizer(tokenizer: ServerTokenizer) -> bool:

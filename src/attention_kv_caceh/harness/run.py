@@ -124,7 +124,8 @@ async def _exact(
     if config.tokenizer is not None:
         tokenizer = LocalTokenizer(config.tokenizer)
     elif session is not None and model is not None:
-        server = ServerTokenizer(session, config.base_url, model, config.timeout_s)
+        chat = config.backend == "openai-chat"
+        server = ServerTokenizer(session, config.base_url, model, config.timeout_s, chat=chat)
         tokenizer = server if await probe_server_tokenizer(server) else None
     if tokenizer is None:
         return None, list(specs)

@@ -131,13 +131,14 @@ def timed_token_script(
 
 class WordTokenizer:
     """A deterministic test tokenizer: one token per whitespace-separated word (ids assigned in order
-    of first sight, from 1), and a BOS token (id 0) when special tokens are added."""
+    of first sight, from 4), a BOS token (id 0) when special tokens are added, and a toy chat template
+    (`encode_chat`)."""
 
-    BOS = 0
+    BOS, USER, END, ASSISTANT = 0, 1, 2, 3
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
-        self._words: list[str] = ["<s>"]
+        self._words: list[str] = ["<s>", "<user>", "</user>", "<assistant>"]
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = [self.BOS] if add_special_tokens else []
@@ -148,18 +149,23 @@ class WordTokenizer:
             ids.append(self._ids[word])
         return ids
 
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A toy chat template: BOS, a user marker, the words of every message, an end marker and an
+        assistant marker (4 tokens besides the words)."""
+        text = " ".join(str(m.get("content", "")) for m in messages)
+        return [self.BOS, self.USER, *self.encode(text, False), self.END, self.ASSISTANT]
+
     def decode(self, ids: list[int]) -> str:
-        return " ".join(self._words[i] for i in ids if 0 < i < len(self._words))
+        return " ".join(self._words[i] for i in ids if self.ASSISTANT < i < len(self._words))
 
     def prompt_tokens(self, payload: dict[str, Any]) -> int:
         """The prompt tokens of a request as a server with this tokenizer counts them: an id list as
-        its length, a text (or chat message) with its BOS."""
+        its length, a text with its BOS, chat messages in the toy chat template."""
         prompt = payload.get("prompt")
         if isinstance(prompt, list):
             return len(cast("list[Any]", prompt))
         if prompt is None:
-            messages = cast("list[dict[str, Any]]", payload.get("messages") or [])
-            prompt = " ".join(str(m.get("content", "")) for m in messages)
+            return len(self.encode_chat(cast("list[dict[str, Any]]", payload.get("messages") or [])))
         return len(self.encode(str(prompt)))
 
 
@@ -257,7 +263,12 @@ class ScriptedServer:
         if self.tokenizer is None:
             return web.Response(status=404, text="no tokenizer")
         body: dict[str, Any] = await request.json()
-        ids = self.tokenizer.encode(str(body.get("prompt", "")), bool(body.get("add_special_tokens", True)))
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            ids = self.tokenizer.encode_chat(cast("list[dict[str, Any]]", messages))
+        else:
+            special = bool(body.get("add_special_tokens", True))
+            ids = self.tokenizer.encode(str(body.get("prompt", "")), special)
         return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
 
     async def _detokenize(self, request: web.Request) -> web.Response:
