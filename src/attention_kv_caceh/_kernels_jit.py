@@ -1,0 +1,173 @@
+"""The Numba-compiled loops behind `kernels.py`; import `kernels`, not this module.
+
+Everything here is `@njit` code with no Python objects in the loops and no argument checks: the
+callers in `kernels.py` validate shapes, dtypes and block tables first. Shape legend as in attention.py;
+G = H // H_kv query heads share one KV head, NB physical KV blocks of BS positions each.
+
+One KV head at a time (`_attend_head`): its G query rows are scaled once, then its positions are read in
+chunks of at most `chunk` rows (a KV block for the paged layout). Per chunk:
+  1. scores s[g, t] = q_g . k_t for all G heads, with k_t read once for the whole group;
+  2. online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; as in
+     FlashAttention / Flash-Decoding): m' = max(m, max_t s), acc *= exp(m - m'), z *= exp(m - m'),
+     p = exp(s - m'), z += sum_t p;
+  3. acc[g] += sum_t p[g, t] v_t, with v_t read once for the whole group.
+At the end out[g] = acc[g] / z[g]. K and V are each read once; the chunk's scores live in a [G, chunk]
+scratch that stays in L1.
+"""
+
+# pyright: basic
+# (Numba compiles these from their argument types at the first call; they carry no annotations.)
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+__all__: list[str] = []
+
+# Reassociation lets LLVM vectorise the dot-product reduction over D; no nnan/ninf, because the
+# running max starts at -inf and exp(-inf) = 0 must stay exact.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "numpy", "boundscheck": False}
+
+
+@numba.njit(**_JIT)
+def _chunk(qs, kc, vc, n, m, z, acc, s):
+    """Fold the n rows of one chunk, kc/vc [n, D], into the running (m [G], z [G], acc [G, D])."""
+    g_count, d_count = qs.shape
+    for t in range(n):  # scores: one K row, G dot products
+        for g in range(g_count):
+            dot = qs[g, 0] * kc[t, 0]
+            for d in range(1, d_count):
+                dot += qs[g, d] * kc[t, d]
+            s[g, t] = dot
+    for g in range(g_count):  # online softmax: rescale once per chunk
+        m_new = m[g]
+        for t in range(n):
+            m_new = max(m_new, s[g, t])
+        alpha = math.exp(m[g] - m_new)
+        m[g] = m_new
+        total = z[g] * alpha
+        for t in range(n):
+            p = math.exp(s[g, t] - m_new)
+            s[g, t] = p
+            total += p
+        z[g] = total
+        for d in range(d_count):
+            acc[g, d] *= alpha
+    for t in range(n):  # acc += p V: one V row, G axpys
+        for g in range(g_count):
+            p = s[g, t]
+            for d in range(d_count):
+                acc[g, d] += p * vc[t, d]
+
+
+@numba.njit(**_JIT)
+def _start(q_rows, scale, qs, m, z, acc):
+    """Scale the group's query rows [G, D] into qs and reset the running state."""
+    g_count, d_count = qs.shape
+    for g in range(g_count):
+        for d in range(d_count):
+            qs[g, d] = q_rows[g, d] * scale
+            acc[g, d] = 0.0
+        m[g] = -np.inf
+        z[g] = 0.0
+
+
+@numba.njit(**_JIT)
+def _finish(out_rows, z, acc):
+    """out[g] = acc[g] / z[g]; zeros for an empty context (z = 0)."""
+    g_count, d_count = acc.shape
+    for g in range(g_count):
+        inv = 1.0 / z[g] if z[g] > 0 else 0.0
+        for d in range(d_count):
+            out_rows[g, d] = acc[g, d] * inv
+
+
+@numba.njit(**_JIT)
+def _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s):
+    """One (sequence b, KV head j) work item of the contiguous kernel."""
+    h_kv, t_count = k.shape[1], k.shape[2]
+    g_count = q.shape[1] // h_kv
+    b, j = item // h_kv, item % h_kv
+    h0, h1 = j * g_count, (j + 1) * g_count
+    _start(q[b, h0:h1], scale, qs, m, z, acc)
+    for t0 in range(0, t_count, chunk):
+        n = min(chunk, t_count - t0)
+        _chunk(qs, k[b, j, t0 : t0 + n], v[b, j, t0 : t0 + n], n, m, z, acc, s)
+    _finish(out[b, h0:h1], z, acc)
+
+
+@numba.njit(**_JIT)
+def contiguous_serial(q, k, v, out, scale, chunk):
+    """q [B, H, D], k/v [B, H_kv, T, D] -> out [B, H, D] (written in place), one thread."""
+    d_count = q.shape[2]
+    g_count = q.shape[1] // k.shape[1]
+    qs = np.empty((g_count, d_count), q.dtype)
+    acc = np.empty((g_count, d_count), q.dtype)
+    m = np.empty(g_count, q.dtype)
+    z = np.empty(g_count, q.dtype)
+    s = np.empty((g_count, chunk), q.dtype)
+    for item in range(q.shape[0] * k.shape[1]):
+        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s)
+
+
+@numba.njit(parallel=True, **_JIT)
+def contiguous_parallel(q, k, v, out, scale, chunk):
+    """As `contiguous_serial`, the B * H_kv work items spread over Numba's threads."""
+    d_count = q.shape[2]
+    g_count = q.shape[1] // k.shape[1]
+    for item in prange(q.shape[0] * k.shape[1]):
+        qs = np.empty((g_count, d_count), q.dtype)
+        acc = np.empty((g_count, d_count), q.dtype)
+        m = np.empty(g_count, q.dtype)
+        z = np.empty(g_count, q.dtype)
+        s = np.empty((g_count, chunk), q.dtype)
+        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s)
+
+
+@numba.njit(**_JIT)
+def _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s):
+    """One (sequence b, KV head j) work item of the paged kernel: chunks are the sequence's KV blocks."""
+    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    g_count = q.shape[1] // h_kv
+    b, j = item // h_kv, item % h_kv
+    h0, h1 = j * g_count, (j + 1) * g_count
+    n_ctx = context_lens[b]
+    _start(q[b, h0:h1], scale, qs, m, z, acc)
+    for i in range((n_ctx + block_size - 1) // block_size):
+        block = block_tables[b, i]
+        n = min(block_size, n_ctx - i * block_size)
+        _chunk(qs, k_cache[block, :n, j], v_cache[block, :n, j], n, m, z, acc, s)
+    _finish(out[b, h0:h1], z, acc)
+
+
+@numba.njit(**_JIT)
+def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+    """q [B, H, D], k/v_cache [NB, BS, H_kv, D], block_tables [B, max_blocks], context_lens [B] -> out."""
+    d_count = q.shape[2]
+    g_count = q.shape[1] // k_cache.shape[2]
+    qs = np.empty((g_count, d_count), q.dtype)
+    acc = np.empty((g_count, d_count), q.dtype)
+    m = np.empty(g_count, q.dtype)
+    z = np.empty(g_count, q.dtype)
+    s = np.empty((g_count, k_cache.shape[1]), q.dtype)
+    for item in range(q.shape[0] * k_cache.shape[2]):
+        _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s)
+
+
+@numba.njit(parallel=True, **_JIT)
+def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+    """As `paged_serial`, the B * H_kv work items spread over Numba's threads."""
+    d_count = q.shape[2]
+    g_count = q.shape[1] // k_cache.shape[2]
+    for item in prange(q.shape[0] * k_cache.shape[2]):
+        qs = np.empty((g_count, d_count), q.dtype)
+        acc = np.empty((g_count, d_count), q.dtype)
+        m = np.empty(g_count, q.dtype)
+        z = np.empty(g_count, q.dtype)
+        s = np.empty((g_count, k_cache.shape[1]), q.dtype)
+        _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s)
