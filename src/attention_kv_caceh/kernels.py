@@ -235,8 +235,9 @@ def paged_decode_attention(
     capacity = block_tables.shape[1] * block_size
     if np.any(context_lens < 0) or np.any(context_lens > capacity):
         raise ValueError(f"context_lens {context_lens.tolist()} must be in [0, max_blocks * BS = {capacity}]")
-    blocks_used = (context_lens.astype(np.int64) + block_size - 1) // block_size  # [B]
-    used = np.less(np.arange(block_tables.shape[1])[None, :], blocks_used[:, None])  # [B, max_blocks]
+    blocks_used: npt.NDArray[np.int64] = (context_lens.astype(np.int64) + block_size - 1) // block_size  # [B]
+    slots: npt.NDArray[np.int64] = np.arange(block_tables.shape[1], dtype=np.int64)  # [max_blocks]
+    used = slots[None, :] < blocks_used[:, None]  # [B, max_blocks]
     ids = block_tables[used]
     if np.any(ids < 0) or np.any(ids >= num_blocks):
         bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
