@@ -35,14 +35,14 @@ _JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "num
 
 
 @numba.njit(**_JIT)
-def _chunk(qs, kc, vc, n, m, z, acc, s):
-    """Fold the n rows of one chunk, kc/vc [n, D], into the running (m [G], z [G], acc [G, D])."""
+def _chunk(qs, kc, vc, j, n, m, z, acc, s):
+    """Fold rows kc/vc[:n, j] of one chunk [n, X, D] into the running (m [G], z [G], acc [G, D])."""
     g_count, d_count = qs.shape
     for t in range(n):  # scores: one K row, G dot products
         for g in range(g_count):
-            dot = qs[g, 0] * kc[t, 0]
+            dot = qs[g, 0] * kc[t, j, 0]
             for d in range(1, d_count):
-                dot += qs[g, d] * kc[t, d]
+                dot += qs[g, d] * kc[t, j, d]
             s[g, t] = dot
     for g in range(g_count):  # online softmax: rescale once per chunk
         m_new = m[g]
@@ -58,11 +58,22 @@ def _chunk(qs, kc, vc, n, m, z, acc, s):
         z[g] = total
         for d in range(d_count):
             acc[g, d] *= alpha
-    for t in range(n):  # acc += p V: one V row, G axpys
+    n4 = n - n % 4
+    for t in range(0, n4, 4):
+        for g in range(g_count):
+            p0 = s[g, t]
+            p1 = s[g, t + 1]
+            p2 = s[g, t + 2]
+            p3 = s[g, t + 3]
+            for d in range(d_count):
+                acc[g, d] += (
+                    p0 * vc[t, j, d] + p1 * vc[t + 1, j, d] + p2 * vc[t + 2, j, d] + p3 * vc[t + 3, j, d]
+                )
+    for t in range(n4, n):
         for g in range(g_count):
             p = s[g, t]
             for d in range(d_count):
-                acc[g, d] += p * vc[t, d]
+                acc[g, d] += p * vc[t, j, d]
 
 
 @numba.njit(**_JIT)
@@ -94,10 +105,14 @@ def _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s):
     g_count = q.shape[1] // h_kv
     b, j = item // h_kv, item % h_kv
     h0, h1 = j * g_count, (j + 1) * g_count
+    # A no-op view when the head's [T, D] rows are contiguous (also in a strided cache view), a copy
+    # otherwise: C-typed arrays are what LLVM vectorises (strided typing ran 3x slower).
+    kh = np.ascontiguousarray(k[b, j]).reshape(t_count, 1, k.shape[3])  # [T, 1, D]
+    vh = np.ascontiguousarray(v[b, j]).reshape(t_count, 1, v.shape[3])
     _start(q[b, h0:h1], scale, qs, m, z, acc)
     for t0 in range(0, t_count, chunk):
         n = min(chunk, t_count - t0)
-        _chunk(qs, k[b, j, t0 : t0 + n], v[b, j, t0 : t0 + n], n, m, z, acc, s)
+        _chunk(qs, kh[t0 : t0 + n], vh[t0 : t0 + n], 0, n, m, z, acc, s)
     _finish(out[b, h0:h1], z, acc)
 
 
@@ -130,44 +145,44 @@ def contiguous_parallel(q, k, v, out, scale, chunk):
 
 
 @numba.njit(**_JIT)
-def _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s):
-    """One (sequence b, KV head j) work item of the paged kernel: chunks are the sequence's KV blocks."""
+def _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s):
+    """Sequence b of the paged kernel: each of its KV blocks is read once, for all H_kv heads."""
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     g_count = q.shape[1] // h_kv
-    b, j = item // h_kv, item % h_kv
-    h0, h1 = j * g_count, (j + 1) * g_count
     n_ctx = context_lens[b]
-    _start(q[b, h0:h1], scale, qs, m, z, acc)
+    _start(q[b], scale, qs, m, z, acc)
     for i in range((n_ctx + block_size - 1) // block_size):
         block = block_tables[b, i]
         n = min(block_size, n_ctx - i * block_size)
-        _chunk(qs, k_cache[block, :n, j], v_cache[block, :n, j], n, m, z, acc, s)
-    _finish(out[b, h0:h1], z, acc)
+        kb = np.ascontiguousarray(k_cache[block])  # [BS, H_kv, D], a view of a C-contiguous cache
+        vb = np.ascontiguousarray(v_cache[block])
+        for j in range(h_kv):
+            h0, h1 = j * g_count, (j + 1) * g_count
+            _chunk(qs[h0:h1], kb, vb, j, n, m[h0:h1], z[h0:h1], acc[h0:h1], s[h0:h1])
+    _finish(out[b], z, acc)
 
 
 @numba.njit(**_JIT)
 def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale):
     """q [B, H, D], k/v_cache [NB, BS, H_kv, D], block_tables [B, max_blocks], context_lens [B] -> out."""
-    d_count = q.shape[2]
-    g_count = q.shape[1] // k_cache.shape[2]
-    qs = np.empty((g_count, d_count), q.dtype)
-    acc = np.empty((g_count, d_count), q.dtype)
-    m = np.empty(g_count, q.dtype)
-    z = np.empty(g_count, q.dtype)
-    s = np.empty((g_count, k_cache.shape[1]), q.dtype)
-    for item in range(q.shape[0] * k_cache.shape[2]):
-        _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s)
+    h_count, d_count = q.shape[1], q.shape[2]
+    qs = np.empty((h_count, d_count), q.dtype)
+    acc = np.empty((h_count, d_count), q.dtype)
+    m = np.empty(h_count, q.dtype)
+    z = np.empty(h_count, q.dtype)
+    s = np.empty((h_count, k_cache.shape[1]), q.dtype)
+    for b in range(q.shape[0]):
+        _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s)
 
 
 @numba.njit(parallel=True, **_JIT)
 def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale):
-    """As `paged_serial`, the B * H_kv work items spread over Numba's threads."""
-    d_count = q.shape[2]
-    g_count = q.shape[1] // k_cache.shape[2]
-    for item in prange(q.shape[0] * k_cache.shape[2]):
-        qs = np.empty((g_count, d_count), q.dtype)
-        acc = np.empty((g_count, d_count), q.dtype)
-        m = np.empty(g_count, q.dtype)
-        z = np.empty(g_count, q.dtype)
-        s = np.empty((g_count, k_cache.shape[1]), q.dtype)
-        _paged_item(q, k_cache, v_cache, block_tables, context_lens, out, scale, item, qs, m, z, acc, s)
+    """As `paged_serial`, the B sequences spread over Numba's threads."""
+    h_count, d_count = q.shape[1], q.shape[2]
+    for b in prange(q.shape[0]):
+        qs = np.empty((h_count, d_count), q.dtype)
+        acc = np.empty((h_count, d_count), q.dtype)
+        m = np.empty(h_count, q.dtype)
+        z = np.empty(h_count, q.dtype)
+        s = np.empty((h_count, k_cache.shape[1]), q.dtype)
+        _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s)

@@ -64,7 +64,7 @@ __all__ = [
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.integer[Any]]
 
-CONTIGUOUS_CHUNK = 64  # positions per online-softmax rescale (module docstring)
+CONTIGUOUS_CHUNK = 1024  # positions per online-softmax rescale (module docstring)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _COMPILE_SECONDS: dict[str, float] = {}
 
