@@ -40,8 +40,8 @@ class FusedDecodeStep:
     `FusedDecodeStep(q_t, threads=1)` checks q_t `[B, H, 1, D]` (float32 or float64) and allocates
     `out [B, H, 1, D]`; `step(q_t, k_t, v_t, cache)` appends k_t, v_t `[B, H_kv, 1, D]` to `cache` and
     writes softmax(q K^T / sqrt(D)) V into `out`, which it returns (the same array every call). The
-    hot path does no argument checks beyond the cache's own append; `prepare(cache)` compiles the
-    kernel for the cache's array types first (it appends nothing) and returns the compile seconds.
+    hot path does no argument checks beyond the cache's own append; `prepare(q_t, k_t, v_t, cache)`
+    compiles the kernel for the step's array types first and returns the compile seconds.
 
     Raises ValueError from the constructor for a q_t of the wrong rank or dtype.
     """
@@ -50,28 +50,30 @@ class FusedDecodeStep:
         q_t = np.asarray(q_t)
         if q_t.ndim != 4 or q_t.shape[2] != 1:
             raise ValueError(f"q_t must be [B, H, 1, D], got shape {q_t.shape}")
-        if q_t.dtype not in (np.float32, np.float64):
+        if q_t.dtype.name not in ("float32", "float64"):
             raise ValueError(f"q_t must be float32 or float64, got {q_t.dtype}")
         self.threads = threads
         self.scale = 1.0 / math.sqrt(q_t.shape[3])
         self.out: FloatArray = np.zeros_like(q_t)  # [B, H, 1, D]
         self._out_rows = self.out[:, :, 0]  # [B, H, D], a view
 
-    def prepare(self, q_t: FloatArray, cache: KVCache) -> float:
-        """Compile (or load) the kernel for q_t and the cache's current keys/values; seconds taken."""
-        keys, values = _keys_values(cache)
-        return prepare_decode_attention(q_t[:, :, 0], keys, values, self._out_rows, self.threads)
+    def prepare(self, q_t: FloatArray, k_t: FloatArray, v_t: FloatArray, cache: KVCache) -> float:
+        """Compile (or load) the kernel for the arrays a step will see; returns the seconds it took.
+
+        Appends k_t, v_t as a step does (so the cache's arrays have the step's layout), runs the kernel
+        once, then truncates the cache back to its length before the call.
+        """
+        length = cache.length
+        keys, values = cache.append(k_t, v_t)  # [B, H_kv, T+1, D] each
+        try:
+            return prepare_decode_attention(q_t[:, :, 0], keys, values, self._out_rows, self.threads)
+        finally:
+            cache.truncate(length)
 
     def __call__(self, q_t: FloatArray, k_t: FloatArray, v_t: FloatArray, cache: KVCache) -> FloatArray:
         keys, values = cache.append(k_t, v_t)  # [B, H_kv, T+1, D] each
         decode_attention_into(q_t[:, :, 0], keys, values, self._out_rows, self.scale, self.threads)
         return self.out
-
-
-def _keys_values(cache: KVCache) -> tuple[FloatArray, FloatArray]:
-    keys: FloatArray = getattr(cache, "keys")  # noqa: B009  (both cache kinds have it; the Protocol does not)
-    values: FloatArray = getattr(cache, "values")  # noqa: B009
-    return keys, values
 
 
 def torch_sdpa_available() -> bool:
