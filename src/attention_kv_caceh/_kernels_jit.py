@@ -77,6 +77,58 @@ def _chunk(qs, kc, vc, j, n, m, z, acc, s):
 
 
 @numba.njit(**_JIT)
+def _rescale(n, m, z, acc, s):
+    """Online softmax over scores s[:, :n]: new max, rescale z and acc once, s <- exp(s - max)."""
+    h_count, d_count = acc.shape
+    for g in range(h_count):
+        m_new = m[g]
+        for t in range(n):
+            m_new = max(m_new, s[g, t])
+        alpha = math.exp(m[g] - m_new)
+        m[g] = m_new
+        total = z[g] * alpha
+        for t in range(n):
+            p = math.exp(s[g, t] - m_new)
+            s[g, t] = p
+            total += p
+        z[g] = total
+        for d in range(d_count):
+            acc[g, d] *= alpha
+
+
+@numba.njit(**_JIT)
+def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_ctx, m, z, acc, s):
+    """Fold the sequence's blocks table_row[i0:i1] into the running state of all H query heads.
+
+    Per block [BS, H_kv, D], rows are read in memory order (row t's H_kv heads, then row t + 1's); the
+    scores of all blocks of the span go to s [H, (i1 - i0) * BS] before one rescale, then V is read.
+    """
+    h_count, d_count = qs.shape
+    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    g_count = h_count // h_kv
+    for i in range(i0, i1):  # scores
+        kb = np.ascontiguousarray(k_cache[table_row[i]])  # [BS, H_kv, D], a view of a C-contiguous cache
+        base = (i - i0) * block_size
+        for t in range(min(block_size, n_ctx - i * block_size)):
+            for j in range(h_kv):
+                for g in range(j * g_count, (j + 1) * g_count):
+                    dot = qs[g, 0] * kb[t, j, 0]
+                    for d in range(1, d_count):
+                        dot += qs[g, d] * kb[t, j, d]
+                    s[g, base + t] = dot
+    _rescale(min(n_ctx - i0 * block_size, (i1 - i0) * block_size), m, z, acc, s)
+    for i in range(i0, i1):  # acc += p V
+        vb = np.ascontiguousarray(v_cache[table_row[i]])
+        base = (i - i0) * block_size
+        for t in range(min(block_size, n_ctx - i * block_size)):
+            for j in range(h_kv):
+                for g in range(j * g_count, (j + 1) * g_count):
+                    p = s[g, base + t]
+                    for d in range(d_count):
+                        acc[g, d] += p * vb[t, j, d]
+
+
+@numba.njit(**_JIT)
 def _start(q_rows, scale, qs, m, z, acc):
     """Scale the group's query rows [G, D] into qs and reset the running state."""
     g_count, d_count = qs.shape
@@ -145,38 +197,37 @@ def contiguous_parallel(q, k, v, out, scale, chunk):
 
 
 @numba.njit(**_JIT)
-def _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s):
+def _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s):
     """Sequence b of the paged kernel: each of its KV blocks is read once, for all H_kv heads."""
-    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
-    g_count = q.shape[1] // h_kv
+    block_size = k_cache.shape[1]
     n_ctx = context_lens[b]
     _start(q[b], scale, qs, m, z, acc)
-    for i in range((n_ctx + block_size - 1) // block_size):
-        block = block_tables[b, i]
-        n = min(block_size, n_ctx - i * block_size)
-        kb = np.ascontiguousarray(k_cache[block])  # [BS, H_kv, D], a view of a C-contiguous cache
-        vb = np.ascontiguousarray(v_cache[block])
-        for j in range(h_kv):
-            h0, h1 = j * g_count, (j + 1) * g_count
-            _chunk(qs[h0:h1], kb, vb, j, n, m[h0:h1], z[h0:h1], acc[h0:h1], s[h0:h1])
+    n_blocks = (n_ctx + block_size - 1) // block_size
+    for i0 in range(0, n_blocks, span):
+        _paged_span(qs, k_cache, v_cache, block_tables[b], i0, min(i0 + span, n_blocks), n_ctx, m, z, acc, s)
     _finish(out[b], z, acc)
 
 
 @numba.njit(**_JIT)
-def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale):
-    """q [B, H, D], k/v_cache [NB, BS, H_kv, D], block_tables [B, max_blocks], context_lens [B] -> out."""
+def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
+    """q [B, H, D], k/v_cache [NB, BS, H_kv, D], block_tables [B, max_blocks], context_lens [B] -> out.
+
+    span: KV blocks whose scores are gathered before each online-softmax rescale.
+    """
     h_count, d_count = q.shape[1], q.shape[2]
     qs = np.empty((h_count, d_count), q.dtype)
     acc = np.empty((h_count, d_count), q.dtype)
     m = np.empty(h_count, q.dtype)
     z = np.empty(h_count, q.dtype)
-    s = np.empty((h_count, k_cache.shape[1]), q.dtype)
+    s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
     for b in range(q.shape[0]):
-        _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s)
+        _paged_sequence(
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s
+        )
 
 
 @numba.njit(parallel=True, **_JIT)
-def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale):
+def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
     """As `paged_serial`, the B sequences spread over Numba's threads."""
     h_count, d_count = q.shape[1], q.shape[2]
     for b in prange(q.shape[0]):
@@ -184,5 +235,7 @@ def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale):
         acc = np.empty((h_count, d_count), q.dtype)
         m = np.empty(h_count, q.dtype)
         z = np.empty(h_count, q.dtype)
-        s = np.empty((h_count, k_cache.shape[1]), q.dtype)
-        _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, b, qs, m, z, acc, s)
+        s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
+        _paged_sequence(
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s
+        )

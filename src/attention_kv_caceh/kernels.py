@@ -182,11 +182,12 @@ def paged_decode_attention_into(
 
     Only for arguments `paged_decode_attention` accepts: a block id out of range reads out of bounds.
     """
+    span = max(1, CONTIGUOUS_CHUNK // k_cache.shape[1])  # blocks per rescale: about CONTIGUOUS_CHUNK rows
     if threads == 1:
-        _jit.paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale)
+        _jit.paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, span)
     else:
         _set_threads(threads)
-        _jit.paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale)
+        _jit.paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, span)
 
 
 def paged_decode_attention(
