@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 from attention_kv_caceh.kernels import (
+    CONTIGUOUS_CHUNK,
     compile_seconds,
     decode_attention,
     paged_decode_attention,
@@ -87,6 +88,17 @@ class ContiguousKernelTest(unittest.TestCase):
             expected, _ = scaled_dot_product_attention(q, k, v)
             rtol, atol = tolerance_for(dtype, 17 + 130)
             np.testing.assert_allclose(decode_attention(q, k, v), expected, rtol=rtol, atol=atol)
+
+    def test_long_cache_across_several_chunks(self) -> None:
+        rng = np.random.default_rng(8)
+        t = 2 * CONTIGUOUS_CHUNK + 37  # two full online-softmax chunks and a partial one
+        for dtype in DTYPES:
+            q = normal(rng, 1, 4, 3, dtype=dtype) * 3  # larger scores: the running max moves between chunks
+            k, v = normal(rng, 1, 2, t, 3, dtype=dtype), normal(rng, 1, 2, t, 3, dtype=dtype)
+            rtol, atol = tolerance_for(dtype, 3 + t)
+            np.testing.assert_allclose(
+                decode_attention(q, k, v), reference_rows(q, k, v), rtol=rtol, atol=atol
+            )
 
     def test_strided_cache_view_gives_the_contiguous_result(self) -> None:
         rng = np.random.default_rng(2)
@@ -195,6 +207,20 @@ class PagedKernelTest(unittest.TestCase):
                 rtol=rtol,
                 atol=atol,
             )
+
+    def test_long_sequences_across_several_spans(self) -> None:
+        rng = np.random.default_rng(9)
+        lens = [2 * CONTIGUOUS_CHUNK + 37, 5, CONTIGUOUS_CHUNK]
+        k, v = normal(rng, 3, 2, max(lens), 4), normal(rng, 3, 2, max(lens), 4)
+        q = normal(rng, 3, 2, 4) * 3
+        for block_size in (16, 2 * CONTIGUOUS_CHUNK - 1):  # many blocks per span; one block per span
+            with self.subTest(block_size=block_size):
+                k_cache, v_cache, tables, context_lens = to_paged(k, v, lens, block_size, rng)
+                out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens)
+                for i, n in enumerate(lens):
+                    expected = reference_rows(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n])
+                    rtol, atol = tolerance_for(np.float32, 4 + n)
+                    np.testing.assert_allclose(out[i], expected[0], rtol=rtol, atol=atol)
 
     def test_shared_prefix_blocks_and_empty_sequence(self) -> None:
         rng = np.random.default_rng(6)
