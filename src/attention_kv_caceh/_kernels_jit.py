@@ -58,18 +58,18 @@ def _chunk(qs, kc, vc, j, n, m, z, acc, s):
         z[g] = total
         for d in range(d_count):
             acc[g, d] *= alpha
-    n4 = n - n % 4
-    for t in range(0, n4, 4):
+    n8 = n - n % 8  # acc += p V, eight V rows per pass over acc
+    for t in range(0, n8, 8):
         for g in range(g_count):
-            p0 = s[g, t]
-            p1 = s[g, t + 1]
-            p2 = s[g, t + 2]
-            p3 = s[g, t + 3]
+            p0, p1, p2, p3 = s[g, t], s[g, t + 1], s[g, t + 2], s[g, t + 3]
+            p4, p5, p6, p7 = s[g, t + 4], s[g, t + 5], s[g, t + 6], s[g, t + 7]
             for d in range(d_count):
                 acc[g, d] += (
                     p0 * vc[t, j, d] + p1 * vc[t + 1, j, d] + p2 * vc[t + 2, j, d] + p3 * vc[t + 3, j, d]
+                ) + (
+                    p4 * vc[t + 4, j, d] + p5 * vc[t + 5, j, d] + p6 * vc[t + 6, j, d] + p7 * vc[t + 7, j, d]
                 )
-    for t in range(n4, n):
+    for t in range(n8, n):
         for g in range(g_count):
             p = s[g, t]
             for d in range(d_count):
