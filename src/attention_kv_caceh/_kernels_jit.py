@@ -4,15 +4,18 @@ Everything here is `@njit` code with no Python objects in the loops and no argum
 callers in `kernels.py` validate shapes, dtypes and block tables first. Shape legend as in attention.py;
 G = H // H_kv query heads share one KV head, NB physical KV blocks of BS positions each.
 
-One KV head at a time (`_attend_head`): its G query rows are scaled once, then its positions are read in
-chunks of at most `chunk` rows (a KV block for the paged layout). Per chunk:
+Contiguous layout, one (sequence, KV head) work item at a time (`_contiguous_item`): the G query rows
+of the group are scaled once, then the head's positions are read in chunks of at most `chunk` rows
+(`_chunk`). Per chunk:
   1. scores s[g, t] = q_g . k_t for all G heads, with k_t read once for the whole group;
   2. online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; as in
      FlashAttention / Flash-Decoding): m' = max(m, max_t s), acc *= exp(m - m'), z *= exp(m - m'),
-     p = exp(s - m'), z += sum_t p;
+     p = exp(s - m'), z += sum_t p  (`_rescale`);
   3. acc[g] += sum_t p[g, t] v_t, with v_t read once for the whole group.
-At the end out[g] = acc[g] / z[g]. K and V are each read once; the chunk's scores live in a [G, chunk]
-scratch that stays in L1.
+At the end out[g] = acc[g] / z[g] (`_finish`). K and V are each read once; the chunk's scores live in
+a [G, chunk] scratch. Paged layout, one sequence at a time (`_paged_sequence`): the same three steps
+over spans of `span` KV blocks (`_paged_span`), every block read once for all H query heads.
+Why this order, chunk size, unrolling and prefetching: the module docstring of kernels.py.
 """
 
 # pyright: basic
@@ -21,6 +24,7 @@ scratch that stays in L1.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numba
 import numpy as np
@@ -40,9 +44,9 @@ PREFETCH_ROWS = 32
 _LINE_BYTES = 64
 
 
-@intrinsic
-def _prefetch(typingctx, arr, offset):
-    """Hint the CPU to load the cache line of arr's flat element `offset` (from its data pointer).
+def _prefetch_typer(typingctx, arr, offset):
+    """Typing of `_prefetch(arr, offset)`: hint the CPU to load the cache line holding arr's flat
+    element `offset` (counted from arr's data pointer).
 
     `llvm.prefetch` (read, high locality, data). A prefetch never faults, so an offset past the end of
     the array is harmless; it only costs an instruction.
@@ -62,6 +66,9 @@ def _prefetch(typingctx, arr, offset):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_typer)  # called as _prefetch(arr, offset) in jitted code
 
 
 @numba.njit(**_JIT)

@@ -16,19 +16,31 @@ Two layouts (shape legend as in attention.py; NB physical KV blocks, BS position
   block block_tables[b, t // BS] at offset t % BS.
 float32 and float64; the accumulators have the input's dtype.
 
-Choices, by measurement (`scripts/bench_kernels.py`; a shared 2-core AMD EPYC VM with AVX-512, so
-the numbers were noisy and were compared as minima of alternating runs):
+Choices, by measurement (`scripts/bench_kernels.py` and single-pass variants; a shared, heavily loaded
+2-core AMD EPYC VM with AVX-512, so variants were compared by the minimum of this thread's CPU time over
+alternating runs; every figure below is a ratio to the `np.dot` read probe over the same bytes):
 - Loop order: per (sequence, KV head) work item, positions in chunks; per chunk all scores first (one
-  K row, G dot products over D, which LLVM vectorises once reassociation is allowed), then one rescale
-  of acc per chunk, then acc += p V (one V row, G axpys over D). Doing the rescale per chunk instead of
-  per position takes the exp and the branch out of the inner loops.
-- Chunk = 64 positions for the contiguous layout (16 to 256 were within noise of each other; 64 keeps
-  the `[G, chunk]` scores in L1); the paged kernel's chunk is its KV block.
-- Passing each chunk as a sliced 2-D view was faster than indexing the 4-D array with an offset
-  (about 5.3 vs 7.9 ms at the large shape below): LLVM vectorises the sliced loops.
-- Unrolling the V update over 4 positions and 4-row dot products did not help and were dropped.
-At B=4, H=H_kv=8, T=4096, D=128, float32, one thread, the kernel read at about 0.6-0.7 of the
-`np.dot` read probe there (NumPy path 0.7); see the report for the run-to-run spread.
+  K row, G dot products over D, vectorised by LLVM once reassociation is allowed), then one rescale of
+  acc per chunk, then acc += p V. Rescaling per chunk instead of per position keeps exp and the
+  branch out of the inner loops. Alone, the scores pass read K at 0.91 and the V pass read V at 0.92.
+- acc += p V takes eight V rows per pass over acc (0.92; four rows 0.85, one row 0.67): acc is
+  loaded and stored once per eight rows instead of once per row.
+- Chunk = 1024 positions (256 or 64 were 0.05-0.15 slower: more switches between the K and V
+  streams); the `[G, chunk]` scores stay in L1/L2.
+- K rows are prefetched 32 rows ahead (`llvm.prefetch` through a Numba intrinsic): the scores pass
+  alone went from 0.84 to 1.19 of the probe (OpenBLAS's dot prefetches too); the whole kernel gained
+  about 0.03. Prefetching V the same way made the V pass slower (0.67 against 0.81) and was dropped.
+- Each head's `[T, D]` rows go to the loops as a C-contiguous view (`np.ascontiguousarray` inside
+  the kernel is a no-op view when the rows are contiguous, which they are in a PreallocatedKVCache's
+  strided view): Numba compiled the strided ("A") layout without vectorising, 3.4x slower.
+- Paged: per sequence, each KV block `[BS, H_kv, D]` is read once in memory order for all H_kv heads
+  (head-major order, one KV head at a time, read every block H_kv times with 4 KiB strides and ran at
+  0.32); the scores of about 1024 positions of blocks are gathered before each rescale (0.48 -> 0.52);
+  the same row of the next block is prefetched (0.51 -> 0.56); V eight rows at a time (-> 0.58).
+Measured at B=4, H=H_kv=8, T=4097, D=128, float32, one thread (CPU-time medians, `scripts/
+bench_kernels.py`, load average about 10): probe 39 GB/s; fused contiguous 0.76, NumPy path 0.72, paged
+(BS=16) 0.59, torch 2.13 SDPA 0.32. The issue's targets (fused >= 0.9, paged >= 0.85) were not reached
+on this machine; a quiet machine should re-run the script.
 
 Compile time: each kernel is compiled at its first call for the argument types it gets (dtype, and
 C-contiguous or strided layout) and cached on disk (`cache=True`). Numba writes the cache to
