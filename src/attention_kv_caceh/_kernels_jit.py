@@ -15,7 +15,7 @@ of the group are scaled once, then the head's positions are read in chunks of at
 At the end out[g] = acc[g] / z[g] (`_finish`). K and V are each read once; the chunk's scores live in
 a [G, chunk] scratch. Paged layout, one sequence at a time (`_paged_sequence`): the same three steps
 over spans of `span` KV blocks (`_paged_span`), every block read once for all H query heads.
-Why this order, chunk size, unrolling and prefetching: the module docstring of kernels.py.
+Why this order, chunk size and unrolling: the module docstring of kernels.py.
 """
 
 # pyright: basic
@@ -24,14 +24,10 @@ Why this order, chunk size, unrolling and prefetching: the module docstring of k
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import prange
 
 __all__: list[str] = []
 
@@ -39,47 +35,13 @@ __all__: list[str] = []
 # running max starts at -inf and exp(-inf) = 0 must stay exact.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "numpy", "boundscheck": False}
-# Rows of the contiguous layout requested ahead of the row being read (module docstring of kernels.py).
-PREFETCH_ROWS = 32
-_LINE_BYTES = 64
-
-
-def _prefetch_typer(typingctx, arr, offset):
-    """Typing of `_prefetch(arr, offset)`: hint the CPU to load the cache line holding arr's flat
-    element `offset` (counted from arr's data pointer).
-
-    `llvm.prefetch` (read, high locality, data). A prefetch never faults, so an offset past the end of
-    the array is harmless; it only costs an instruction.
-    """
-    sig = types.void(arr, offset)
-
-    def codegen(context, builder, signature, args):
-        ary = context.make_array(signature.args[0])(context, builder, args[0])
-        byte_ptr = ir.IntType(8).as_pointer()
-        itemsize = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
-        offset_bytes = builder.mul(args[1], context.get_constant(types.intp, itemsize))
-        address = builder.gep(builder.bitcast(ary.data, byte_ptr), [offset_bytes])
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [byte_ptr, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [address, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_typer)  # called as _prefetch(arr, offset) in jitted code
 
 
 @numba.njit(**_JIT)
 def _chunk(qs, kc, vc, j, n, m, z, acc, s):
     """Fold rows kc/vc[:n, j] of one chunk [n, X, D] into the running (m [G], z [G], acc [G, D])."""
     g_count, d_count = qs.shape
-    row = kc.shape[1] * kc.shape[2]
-    line = _LINE_BYTES // kc.itemsize
     for t in range(n):  # scores: one K row, G dot products
-        for e in range(0, row, line):
-            _prefetch(kc, (t + PREFETCH_ROWS) * row + e)
         for g in range(g_count):
             dot = qs[g, 0] * kc[t, j, 0]
             for d in range(1, d_count):
@@ -147,16 +109,10 @@ def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_ctx, m, z, acc, s):
     h_count, d_count = qs.shape
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
     g_count = h_count // h_kv
-    row = h_kv * d_count
-    line = _LINE_BYTES // k_cache.itemsize
-    n_blocks = (n_ctx + block_size - 1) // block_size
     for i in range(i0, i1):  # scores
         kb = np.ascontiguousarray(k_cache[table_row[i]])  # [BS, H_kv, D], a view of a C-contiguous cache
         base = (i - i0) * block_size
-        ahead = table_row[i + 1] if i + 1 < n_blocks else table_row[i]
         for t in range(min(block_size, n_ctx - i * block_size)):
-            for e in range(0, row, line):  # the same row of the next block
-                _prefetch(k_cache, (ahead * block_size + t) * row + e)
             for j in range(h_kv):
                 for g in range(j * g_count, (j + 1) * g_count):
                     dot = qs[g, 0] * kb[t, j, 0]
@@ -167,7 +123,6 @@ def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_ctx, m, z, acc, s):
     for i in range(i0, i1):  # acc += p V
         vb = np.ascontiguousarray(v_cache[table_row[i]])
         base = (i - i0) * block_size
-        ahead = table_row[i + 1] if i + 1 < n_blocks else table_row[i]
         n = min(block_size, n_ctx - i * block_size)
         n8 = n - n % 8
         for t in range(0, n8, 8):

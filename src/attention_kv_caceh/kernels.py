@@ -27,16 +27,17 @@ alternating runs; every figure below is a ratio to the `np.dot` read probe over 
   loaded and stored once per eight rows instead of once per row.
 - Chunk = 1024 positions (256 or 64 were 0.05-0.15 slower: more switches between the K and V
   streams); the `[G, chunk]` scores stay in L1/L2.
-- K rows are prefetched 32 rows ahead (`llvm.prefetch` through a Numba intrinsic): the scores pass
-  alone went from 0.84 to 1.19 of the probe (OpenBLAS's dot prefetches too); the whole kernel gained
-  about 0.03. Prefetching V the same way made the V pass slower (0.67 against 0.81) and was dropped.
+- No software prefetch. Prefetching K rows 32 ahead (`llvm.prefetch` through a Numba intrinsic) took
+  the scores pass alone from 0.84 to 1.19 of the probe and a freshly compiled kernel from 0.79 to 0.85,
+  but the same code loaded from Numba's disk cache ran at 0.65 (without the prefetch, cached and fresh
+  code ran alike), and prefetching V slowed the V pass; so none is issued.
 - Each head's `[T, D]` rows go to the loops as a C-contiguous view (`np.ascontiguousarray` inside
   the kernel is a no-op view when the rows are contiguous, which they are in a PreallocatedKVCache's
   strided view): Numba compiled the strided ("A") layout without vectorising, 3.4x slower.
 - Paged: per sequence, each KV block `[BS, H_kv, D]` is read once in memory order for all H_kv heads
   (head-major order, one KV head at a time, read every block H_kv times with 4 KiB strides and ran at
   0.32); the scores of about 1024 positions of blocks are gathered before each rescale (0.48 -> 0.52);
-  the same row of the next block is prefetched (0.51 -> 0.56); V eight rows at a time (-> 0.58).
+  V eight rows at a time (about +0.03).
 Measured at B=4, H=H_kv=8, T=4097, D=128, float32, one thread (CPU-time medians, `scripts/
 bench_kernels.py`, load average about 10): probe 39 GB/s; fused contiguous 0.76, NumPy path 0.72, paged
 (BS=16) 0.59, torch 2.13 SDPA 0.32. The issue's targets (fused >= 0.9, paged >= 0.85) were not reached
