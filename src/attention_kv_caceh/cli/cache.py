@@ -320,7 +320,8 @@ def run(args: argparse.Namespace) -> int:
         meta["prediction"] = prediction.to_json()
         save("running")  # on disk before the first timed step
         bar.clear()
-        print(cache_prediction_card(prediction), flush=True)  # flushed: a pipe must show it before the timing
+        # flushed: a pipe must show the card before the timing starts
+        print(cache_prediction_card(prediction) + "\n", flush=True)
         run_cache_growth(
             config,
             samples=samples,
