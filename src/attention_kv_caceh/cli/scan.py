@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -36,13 +36,13 @@ from attention_kv_caceh.cli.common import (
     preset_name,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title, setup_card
+from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title, setup_card, summary_rows
 from attention_kv_caceh.cli.scan_prediction import (
     add_prediction_arguments,
     predict_before_timing,
     user_prediction,
 )
-from attention_kv_caceh.experiments.prediction import UserPrediction, utc_now
+from attention_kv_caceh.experiments.prediction import ScanPrediction, UserPrediction, utc_now
 from attention_kv_caceh.experiments.prediction_check import evaluate_scan, outcome_json
 from attention_kv_caceh.experiments.prediction_text import scan_outcome_text
 from attention_kv_caceh.experiments.scan import (
@@ -54,8 +54,9 @@ from attention_kv_caceh.experiments.scan import (
     kv_bytes_per_step,
     run_batch,
     saturation_verdict,
-    scan_table,
+    scan_tables,
 )
+from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch
@@ -146,6 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH.png",
         help="PNG: P50 with P95 bars, positions/s vs B (default: no plot)",
     )
+    parser.add_argument(
+        "--impl",
+        choices=IMPL_CHOICES,
+        default="numpy",
+        help="decode step to time: numpy (attention.multihead_decode_step), fused (the Numba kernel, one "
+        "thread), or all: both, plus torch-sdpa (one thread) where torch can be imported, each checked "
+        "and timed at every B in turn, side by side against the same probe",
+    )
     add_prediction_arguments(parser)
 
 
@@ -183,7 +192,7 @@ def scan_config(args: argparse.Namespace) -> ScanConfig:
         raise UsageError(str(exc)) from None
 
 
-def _check_memory(config: ScanConfig) -> None:
+def _check_memory(config: ScanConfig, num_impls: int) -> None:
     """Refuse a scan whose arrays alone would not fit (`memory.check_memory`)."""
     b = max(config.batch_sizes)
     itemsize = 4 if config.dtype == "float32" else 8
@@ -191,8 +200,10 @@ def _check_memory(config: ScanConfig) -> None:
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
     # raw samples and probe samples per B, and the calibration's overhead and probe samples
     rows = config.repeats * (len(config.batch_sizes) + 1) * 2
-    # cache, a concatenation's new arrays, probe (the calibration's probe is as large, not at once)
-    needed = inputs + 3 * kv + rows * 400  # ~400 B per row
+    rows *= num_impls
+    # cache, the oracle's second cache, a concatenation's new arrays, probe (the calibration's probe
+    # is as large, not at once)
+    needed = inputs + 4 * kv + rows * 400  # ~400 B per row
     try:
         check_memory(
             needed,
@@ -216,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     an output file (the CSV, the summary and metadata beside it, the plot) that cannot be written.
     """
     config = scan_config(args)
-    _check_memory(config)
+    _check_memory(config, len(IMPLS) if args.impl == "all" else 1)
     user = user_prediction(args, config.batch_sizes)
     csv_path: Path = args.csv
     beside = f"--csv {str(csv_path)!r}: the file beside it"
@@ -238,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: UserPrediction) -> int:
     env = capture_environment()
+    impls = resolve_impls(args.impl)
     cpus = os.cpu_count() or 1
     if args.blas_threads is not None and args.blas_threads > cpus:
         print(
@@ -247,41 +259,51 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         )
     if args.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
-    print(setup_card(config, env))
+    print(setup_card(config, env, impls))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",
         "status": "running",
         "config": asdict(config),
+        "impls": list(impls),
         "environment": env,
         "blas_threads_flag": args.blas_threads,
         "probe": "np.dot(buf, buf) over a buffer of kv_bytes_per_step bytes (BLAS dot: one read stream)",
         "probe_samples_ms": {},
         "kv_bytes_per_step": {},
         "oracle_max_abs_error": {},
+        "oracle_max_abs_error_by_impl": {},
         "files": {"raw_csv": str(csv_path), "summary_csv": str(summary_path(csv_path))},
     }
     results: list[BatchResult] = []
+    alive = list(impls)  # an implementation whose oracle fails is not timed again
 
     def flush(status: str) -> None:
         samples = [s for r in results for s in r.samples]
         write_csv_atomic(csv_path, (asdict(s) for s in samples), SAMPLE_FIELDS)
+        if "fused" in impls:
+            from attention_kv_caceh.kernels import compile_seconds
+
+            # First-call compile (or disk-cache load) of each kernel variant, kept out of every sample.
+            meta["kernel_compile_seconds"] = compile_seconds()
         meta["status"] = status
         write_json_atomic(meta_path(csv_path), meta)
         if results:
-            write_csv_atomic(summary_path(csv_path), _table(results), SUMMARY_FIELDS)
+            write_csv_atomic(summary_path(csv_path), summary_rows(_tables(results)), SUMMARY_FIELDS)
 
     from tqdm import tqdm
 
     inputs = build_inputs(config)
 
     def time_batch(b: int) -> BatchResult:
-        """Check, then time, the step at batch size b (the only line that knows what is timed)."""
-        return run_batch(config, inputs, b)
+        """Check, then time, every live implementation at batch size b (the only line that knows what
+        is timed)."""
+        return run_batch(config, inputs, b, tuple(alive))
 
     try:
-        prediction = predict_before_timing(config, inputs, user, meta, flush)
-        if prediction is None:
+        predictions = predict_before_timing(config, inputs, user, impls, meta, flush)
+        if predictions is None:
             return 1
+        alive[:] = [i for i in alive if i in predictions]
         meta["timing_started_utc"] = utc_now()
         bar = tqdm(
             config.batch_sizes, desc="batch sizes", unit="B", delay=2.0, disable=not sys.stderr.isatty()
@@ -297,10 +319,20 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
                         f"{PROG}: oracle check failed at B={b}, nothing timed for it: {exc}", file=sys.stderr
                     )
                     return 1
+                for impl, message in result.oracle_failures:
+                    alive.remove(impl)
+                    meta.setdefault("oracle_failures", {})[impl] = f"B={b}: {message}"
+                    print(
+                        f"{PROG}: oracle check failed for {impl} at B={b}, nothing timed for it from here "
+                        f"on: {message}",
+                        file=sys.stderr,
+                    )
                 results.append(result)
                 meta["probe_samples_ms"][str(b)] = list(result.probe_samples_ms)
                 meta["kv_bytes_per_step"][str(b)] = result.kv_bytes_per_step
                 meta["oracle_max_abs_error"][str(b)] = result.oracle_max_abs_error
+                for impl, err in result.oracle_errors:
+                    meta["oracle_max_abs_error_by_impl"].setdefault(impl, {})[str(b)] = err
                 flush("running")
     except KeyboardInterrupt:
         with ignoring_sigint():  # a second Ctrl-C must not cut the save short
@@ -314,45 +346,85 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
         return 1
+    return _finish(config, args, csv_path, results, predictions, meta, flush)
 
-    table = _table(results)
-    verdict = saturation_verdict(table)
-    meta["saturation"] = verdict
-    outcome = evaluate_scan(prediction, [s for r in results for s in r.samples])
-    meta["prediction_outcome"] = outcome_json(outcome.verdicts, outcome.anomalies) | {
-        "measured_saturation": outcome.measured_saturation
+
+def _finish(
+    config: ScanConfig,
+    args: argparse.Namespace,
+    csv_path: Path,
+    results: Sequence[BatchResult],
+    predictions: dict[str, ScanPrediction],
+    meta: dict[str, Any],
+    flush: Callable[[str], None],
+) -> int:
+    """Verdicts, the prediction check per implementation, the files' last state and the printout."""
+    tables = _tables(results)
+    several = len(tables) > 1
+    verdicts = {impl: saturation_verdict(t) for impl, t in tables.items()}
+    samples = [s for r in results for s in r.samples]
+    outcomes = {
+        impl: evaluate_scan(predictions[impl], [s for s in samples if s.impl == impl])
+        for impl in tables
+        if impl in predictions
     }
-    flush("complete")
+    first = next(iter(tables))
+    meta["saturation"] = verdicts[first]
+    meta["saturation_by_impl"] = verdicts
+    outcome_records = {
+        impl: outcome_json(o.verdicts, o.anomalies) | {"measured_saturation": o.measured_saturation}
+        for impl, o in outcomes.items()
+    }
+    meta["prediction_outcome"] = outcome_records[first]
+    meta["prediction_outcomes"] = outcome_records
+    failed = meta.get("oracle_failures", {})
+    flush("oracle-failed" if failed else "complete")
     print()
-    print(format_scan_table(table))
-    print(f"\nSaturation: {verdict}")
+    print(format_scan_table(tables))
     print()
-    print(scan_outcome_text(outcome))
+    for impl, verdict in verdicts.items():
+        print(f"Saturation{f' ({impl})' if several else ''}: {verdict}")
+    for impl, outcome in outcomes.items():
+        print()
+        if several:
+            print(f"[{impl}]")
+        print(scan_outcome_text(outcome))
     print()
     print(
-        "Oracle: every B matched the float64 per-sequence reference "
+        f"Oracle: every B of {', '.join(tables)} matched the float64 per-sequence reference "
         f"(max |error| {max(r.oracle_max_abs_error for r in results):.2e})"
     )
+    for impl in failed:
+        print(f"Oracle FAILED for {impl}: {failed[impl]}")
     written = [str(csv_path), str(summary_path(csv_path)), str(meta_path(csv_path))]
     if args.plot is not None:
         from attention_kv_caceh.report.plots import plot_scan
 
-        plot_scan(table, args.plot, title=plot_title(config))
+        plot_scan(tables[first], args.plot, title=plot_title(config) + ("" if not several else f", {first}"))
         written.append(str(args.plot))
     print(f"Wrote {', '.join(written)}")
     summary = {
         "raw_csv": str(csv_path),
-        "rows": sum(len(r.samples) for r in results),
-        "saturation": verdict,
-        "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in table},
-        "predictions": {v.name: v.held for v in outcome.verdicts},
+        "rows": len(samples),
+        "saturation": verdicts[first],
+        "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in tables[first]},
+        "predictions": {v.name: v.held for v in outcomes[first].verdicts} if first in outcomes else {},
+        "impls": {
+            impl: {
+                "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in t},
+                "bandwidth_ratio": {int(r["batch_size"]): round(r["bandwidth_ratio"], 4) for r in t},
+                "saturation": verdicts[impl],
+            }
+            for impl, t in tables.items()
+        },
+        "oracle_failures": sorted(failed),
     }
     print(json.dumps(summary))
-    return 0
+    return 1 if failed else 0
 
 
-def _table(results: Sequence[BatchResult]) -> list[dict[str, float]]:
-    return scan_table(
+def _tables(results: Sequence[BatchResult]) -> dict[str, list[dict[str, float]]]:
+    return scan_tables(
         [s for r in results for s in r.samples],
         {r.batch_size: r.probe_samples_ms for r in results},
         {r.batch_size: r.kv_bytes_per_step for r in results},
