@@ -26,6 +26,7 @@ from attention_kv_caceh.timing import Sample
 __all__ = [
     "DERIVED",
     "KINDS",
+    "OPTIONAL_COLUMNS",
     "CsvFile",
     "FileProblem",
     "ReportResult",
@@ -72,6 +73,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "cache-memory": _field_names(CacheMemoryRow),
     "views": _field_names(ViewRow),
 }
+# Columns a raw file may lack because it was written before they existed, and the value they then
+# have: a scan CSV without `impl` timed NumPy's step (the only one before `--impl`).
+OPTIONAL_COLUMNS: dict[str, str] = {"impl": "numpy"}
 # Summaries written by the commands: recognised so they can be named, never read for statistics.
 DERIVED = {
     "scan summary": {"batch_size", "per_sequence_ms", "positions_per_s"},
@@ -82,11 +86,12 @@ DERIVED = {
 def classify_header(header: Sequence[str]) -> str | None:
     """The kind of a CSV from its header: a key of KINDS, "derived:<name>", or None when unknown.
 
-    A raw kind matches when the header holds exactly its columns (in any order).
+    A raw kind matches when the header holds exactly its columns (in any order), or all of them but
+    some of OPTIONAL_COLUMNS (an older file).
     """
     columns = set(header)
     for kind, names in KINDS.items():
-        if columns == set(names):
+        if columns <= set(names) and set(names) - columns <= OPTIONAL_COLUMNS.keys():
             return kind
     for name, needed in DERIVED.items():
         if needed <= columns:
@@ -134,8 +139,9 @@ MINIMUM: dict[str, int] = {
 def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T]:
     """Build dataclass instances from CSV rows (strings), converting each field to its annotated type.
 
-    Numbers must be finite, and the columns of MINIMUM at least that value. Raises ValueError naming
-    the data row (1-based, after the header) and column of the first bad value.
+    Numbers must be finite, and the columns of MINIMUM at least that value; a column of OPTIONAL_COLUMNS
+    absent from a row (not merely empty) takes its value there. Raises ValueError naming the data row
+    (1-based, after the header) and column of the first bad value.
     """
     spec: Any = cls
     if not is_dataclass(spec):
@@ -146,7 +152,7 @@ def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T
     for i, row in enumerate(rows, start=1):
         values: dict[str, Any] = {}
         for name in names:
-            raw = row.get(name)
+            raw = OPTIONAL_COLUMNS[name] if name not in row and name in OPTIONAL_COLUMNS else row.get(name)
             if raw is None:
                 raise ValueError(f"row {i}: column {name!r} is missing")
             try:
