@@ -4,23 +4,25 @@
 
     attention-kv-caceh --predict "saturates at B = 4" --predict-saturation 4
 
-Prints a setup card; measures the call overhead and the read bandwidth (`experiments.calibration`),
-writes the prediction (the user's and the two-term roofline's, `experiments.prediction`) to the
+    attention-kv-caceh --impl all      # NumPy and the fused kernel (and torch SDPA) side by side
+
+Prints a setup card; measures each implementation's call overhead and the read bandwidth
+(`experiments.calibration`), writes one prediction per implementation (the user's and the two-term roofline's, `experiments.prediction`) to the
 `.meta.json` and prints it, all before the first timed sample; then runs `experiments.scan` one batch
-size at a time (oracle first, then timing), rewriting the raw CSV, the summary CSV and the metadata
-after every B; then prints the table, the saturation verdict, the prediction against the measurement
-(`experiments.prediction_check`: verdicts, anomalies, the boundary paragraph) and one JSON line.
-Exit codes: 0 done, 1 an oracle check failed (nothing was timed for that B) or out of memory, 2 bad
-usage (nothing touched), 130 interrupted (every sample taken, and the prediction, is on disk).
+size at a time (at each B every implementation of --impl, `experiments.scan_impls`: oracle first, then
+timing; then the probe), rewriting the raw CSV, the summary CSV and the metadata
+after every B; then (`cli/scan_finish.py`) prints the table, the saturation verdicts, the predictions
+against the measurement (`experiments.prediction_check`: verdicts, anomalies, the boundary paragraph)
+and one JSON line. Exit codes: 0 done, 1 an oracle check failed (that implementation was not timed at
+that B nor after it; the others were, and every file is complete) or out of memory, 2 bad usage
+(nothing touched), 130 interrupted (every sample taken, and the predictions, are on disk).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -36,15 +38,14 @@ from attention_kv_caceh.cli.common import (
     preset_name,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title, setup_card, summary_rows
+from attention_kv_caceh.cli.scan_finish import finish_scan, scan_result_tables, summary_path
+from attention_kv_caceh.cli.scan_output import format_scan_table, setup_card, summary_rows
 from attention_kv_caceh.cli.scan_prediction import (
     add_prediction_arguments,
     predict_before_timing,
     user_prediction,
 )
-from attention_kv_caceh.experiments.prediction import ScanPrediction, UserPrediction, utc_now
-from attention_kv_caceh.experiments.prediction_check import evaluate_scan, outcome_json
-from attention_kv_caceh.experiments.prediction_text import scan_outcome_text
+from attention_kv_caceh.experiments.prediction import UserPrediction, utc_now
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
     SUMMARY_FIELDS,
@@ -53,8 +54,6 @@ from attention_kv_caceh.experiments.scan import (
     build_inputs,
     kv_bytes_per_step,
     run_batch,
-    saturation_verdict,
-    scan_tables,
 )
 from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
@@ -215,11 +214,6 @@ def _check_memory(config: ScanConfig, num_impls: int) -> None:
         raise UsageError(str(exc)) from None
 
 
-def summary_path(csv_path: Path) -> Path:
-    """`results/benchmark.csv` -> `results/benchmark-summary.csv`."""
-    return csv_path.with_name(f"{csv_path.stem}-summary.csv")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the batch-size scan from parsed flags; writes raw CSV, summary CSV, metadata (and the plot).
 
@@ -288,7 +282,9 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         meta["status"] = status
         write_json_atomic(meta_path(csv_path), meta)
         if results:
-            write_csv_atomic(summary_path(csv_path), summary_rows(_tables(results)), SUMMARY_FIELDS)
+            write_csv_atomic(
+                summary_path(csv_path), summary_rows(scan_result_tables(results)), SUMMARY_FIELDS
+            )
 
     from tqdm import tqdm
 
@@ -346,86 +342,4 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
         return 1
-    return _finish(config, args, csv_path, results, predictions, meta, flush)
-
-
-def _finish(
-    config: ScanConfig,
-    args: argparse.Namespace,
-    csv_path: Path,
-    results: Sequence[BatchResult],
-    predictions: dict[str, ScanPrediction],
-    meta: dict[str, Any],
-    flush: Callable[[str], None],
-) -> int:
-    """Verdicts, the prediction check per implementation, the files' last state and the printout."""
-    tables = _tables(results)
-    several = len(tables) > 1
-    verdicts = {impl: saturation_verdict(t) for impl, t in tables.items()}
-    samples = [s for r in results for s in r.samples]
-    outcomes = {
-        impl: evaluate_scan(predictions[impl], [s for s in samples if s.impl == impl])
-        for impl in tables
-        if impl in predictions
-    }
-    first = next(iter(tables))
-    meta["saturation"] = verdicts[first]
-    meta["saturation_by_impl"] = verdicts
-    outcome_records = {
-        impl: outcome_json(o.verdicts, o.anomalies) | {"measured_saturation": o.measured_saturation}
-        for impl, o in outcomes.items()
-    }
-    meta["prediction_outcome"] = outcome_records[first]
-    meta["prediction_outcomes"] = outcome_records
-    failed = meta.get("oracle_failures", {})
-    flush("oracle-failed" if failed else "complete")
-    print()
-    print(format_scan_table(tables))
-    print()
-    for impl, verdict in verdicts.items():
-        print(f"Saturation{f' ({impl})' if several else ''}: {verdict}")
-    for impl, outcome in outcomes.items():
-        print()
-        if several:
-            print(f"[{impl}]")
-        print(scan_outcome_text(outcome))
-    print()
-    print(
-        f"Oracle: every B of {', '.join(tables)} matched the float64 per-sequence reference "
-        f"(max |error| {max(r.oracle_max_abs_error for r in results):.2e})"
-    )
-    for impl in failed:
-        print(f"Oracle FAILED for {impl}: {failed[impl]}")
-    written = [str(csv_path), str(summary_path(csv_path)), str(meta_path(csv_path))]
-    if args.plot is not None:
-        from attention_kv_caceh.report.plots import plot_scan
-
-        plot_scan(tables[first], args.plot, title=plot_title(config) + ("" if not several else f", {first}"))
-        written.append(str(args.plot))
-    print(f"Wrote {', '.join(written)}")
-    summary = {
-        "raw_csv": str(csv_path),
-        "rows": len(samples),
-        "saturation": verdicts[first],
-        "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in tables[first]},
-        "predictions": {v.name: v.held for v in outcomes[first].verdicts} if first in outcomes else {},
-        "impls": {
-            impl: {
-                "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in t},
-                "bandwidth_ratio": {int(r["batch_size"]): round(r["bandwidth_ratio"], 4) for r in t},
-                "saturation": verdicts[impl],
-            }
-            for impl, t in tables.items()
-        },
-        "oracle_failures": sorted(failed),
-    }
-    print(json.dumps(summary))
-    return 1 if failed else 0
-
-
-def _tables(results: Sequence[BatchResult]) -> dict[str, list[dict[str, float]]]:
-    return scan_tables(
-        [s for r in results for s in r.samples],
-        {r.batch_size: r.probe_samples_ms for r in results},
-        {r.batch_size: r.kv_bytes_per_step for r in results},
-    )
+    return finish_scan(config, args.plot, csv_path, results, predictions, meta, flush)

@@ -7,9 +7,11 @@ attention over the cache and the cache's own append cost (the copy of a Dynamic 
 of a Preallocated one).
 
 Order (notes, 6.4): inputs built once from the seed and shared by every B (the first B sequences of one
-`[B_max, ...]` set) -> the step's output checked against a float64 per-sequence reference -> warm-up ->
-timed raw samples (the cache is rewound to T outside the timed region before every call) -> a read-
-bandwidth probe over as many bytes as the step reads from the cache, in the same run.
+`[B_max, ...]` set) -> per implementation (`scan_impls`: numpy, fused, torch-sdpa, in that order)
+the step's output checked against a float64 per-sequence reference -> warm-up -> timed raw samples
+(the cache is rewound to T outside the timed region before every call) -> after the last
+implementation, a read-bandwidth probe over as many bytes as the step reads from the cache, in the
+same run.
 
 Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached positions, D head dim.
 """
