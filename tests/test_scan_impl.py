@@ -149,13 +149,15 @@ class ScanImplCliTest(unittest.TestCase):
 
     def test_only_fused_failing_mid_scan_keeps_timing_numpy(self) -> None:
         with mock.patch.object(fused, "decode_attention_into", wrong_kernel(1e-2, from_batch=2)):
-            code, _, err = run_cli("--csv", str(self.csv), *TINY, "--impl", "all")
+            code, out, err = run_cli("--csv", str(self.csv), *TINY, "--impl", "all")
         self.assertEqual(code, 1)
         self.assertIn("oracle check failed for fused at B=2", err)
         rows = read_rows(self.csv)
         self.assertEqual({r["batch_size"] for r in rows if r["impl"] == "fused"}, {"1"})
         self.assertEqual({r["batch_size"] for r in rows if r["impl"] == "numpy"}, {"1", "2", "4"})
         self.assertTrue(self.meta()["oracle_failures"]["fused"].startswith("B=2: fused: "))
+        self.assertIn("Oracle: every B of numpy matched", out)
+        self.assertIn("Oracle FAILED for fused: B=2", out)
 
     def test_an_unknown_impl_is_a_usage_error_and_touches_nothing(self) -> None:
         code, out, err = run_cli("--csv", str(self.csv), *TINY, "--impl", "bogus")
