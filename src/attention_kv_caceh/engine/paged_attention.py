@@ -6,8 +6,11 @@ pool of fixed-size blocks `[num_blocks, block_size, H_kv, D]`; a request's posit
 its block table lists, position p at row p % block_size of block block_table[p // block_size]. Each
 request's attention gathers its blocks into a contiguous `[H_kv, T, D]` copy and calls the lab's
 `scaled_dot_product_attention` (GQA without repeating K/V, bottom-right causal mask), so the paged
-layout changes only where K/V are stored, never the arithmetic. Left out: a fused kernel that reads
-blocks in place (the gather copies T x H_kv x D per request per layer).
+layout changes only where K/V are stored, never the arithmetic. A step whose requests are all decoding
+(one query each) takes `paged_decode_attention` instead: vLLM's `paged_attention_v1` signature, done as
+one gather of every request's blocks and one batched attention call with a length mask, so a decode step
+costs one NumPy call per layer rather than one per request. Left out: a fused kernel that reads blocks
+in place (the gathers copy T x H_kv x D per request per layer).
 
 Shape legend: N scheduled tokens (all requests, flattened), R scheduled requests, H query heads, H_kv
 KV heads, D head dim, T a request's context length, max_blocks the longest block table.
@@ -23,7 +26,7 @@ import numpy.typing as npt
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "paged_attention", "paged_decode_attention", "write_kv"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.int64]
@@ -77,6 +80,11 @@ class AttentionMetadata:
                 f"(block_size {self.block_size})"
             )
 
+    @property
+    def is_pure_decode(self) -> bool:
+        """Every request schedules exactly one token (vLLM's max_query_len == 1)."""
+        return int(self.query_start_loc[-1]) == self.context_lens.shape[0]
+
 
 def write_kv(
     k_cache: FloatArray, v_cache: FloatArray, k: FloatArray, v: FloatArray, slot_mapping: IntArray
@@ -123,3 +131,54 @@ def paged_attention(
         o_r, _ = scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)  # [1, H, n, D]
         out[start:end] = o_r[0].transpose(1, 0, 2)  # [n, H, D]
     return out
+
+
+def paged_decode_attention(
+    q: FloatArray,
+    k_cache: FloatArray,
+    v_cache: FloatArray,
+    block_tables: npt.NDArray[np.integer[Any]],
+    context_lens: npt.NDArray[np.integer[Any]],
+) -> FloatArray:
+    """Decode attention: request b's one query attends to its positions 0 .. context_lens[b] - 1.
+
+    q `[B, H, D]` (rotated), caches `[num_blocks, block_size, H_kv, D]` already holding this step's K/V,
+    block_tables `[B, max_blocks]` (padded with -1), context_lens `[B]` -> output `[B, H, D]` in q's
+    dtype; the same values as `paged_attention` for a step of one token per request (the query is the
+    last position, so the causal mask keeps the whole context). Scale 1/sqrt(D). The blocks of all B
+    requests are gathered into one `[B, T_max, H_kv, D]` copy and positions >= context_lens[b] are
+    masked out. Raises ValueError for mismatched shapes, a context length < 1, or a block table with too
+    few blocks (or a block id outside the pool) for its context.
+    """
+    if q.ndim != 3 or k_cache.ndim != 4:
+        raise ValueError(
+            f"q must be [B, H, D] and caches [num_blocks, block_size, H_kv, D], got {q.shape}, {k_cache.shape}"
+        )
+    b, _, d = q.shape
+    num_blocks, block_size, h_kv, d_kv = k_cache.shape
+    if v_cache.shape != k_cache.shape or d_kv != d:
+        raise ValueError(f"q {q.shape} and caches {k_cache.shape}/{v_cache.shape} disagree")
+    if block_tables.ndim != 2 or block_tables.shape[0] != b or context_lens.shape != (b,):
+        raise ValueError(
+            f"block_tables {block_tables.shape} and context_lens {context_lens.shape} must be [{b}, *] and [{b}]"
+        )
+    if b == 0:
+        return np.empty_like(q)
+    if np.any(context_lens < 1):
+        raise ValueError(f"context_lens must be >= 1, got {context_lens}")
+    max_blocks = -(-int(context_lens.max()) // block_size)
+    if block_tables.shape[1] < max_blocks:
+        raise ValueError(f"block_tables {block_tables.shape} has fewer than {max_blocks} columns")
+    tables = block_tables[:, :max_blocks]  # [B, max_blocks]
+    needed = np.arange(max_blocks)[None, :] * block_size < context_lens[:, None]  # [B, max_blocks]
+    if np.any(needed & ((tables < 0) | (tables >= num_blocks))):
+        raise ValueError(f"block_tables {block_tables} lack valid blocks for context_lens {context_lens}")
+    safe = np.where(needed, tables, 0)  # padding reads block 0, masked out below
+    t_max = max_blocks * block_size
+    keys = k_cache[safe].reshape(b, t_max, h_kv, d).transpose(0, 2, 1, 3)  # [B, H_kv, T_max, D]
+    values = v_cache[safe].reshape(b, t_max, h_kv, d).transpose(0, 2, 1, 3)  # [B, H_kv, T_max, D]
+    keep = np.arange(t_max)[None, :] < context_lens[:, None]  # [B, T_max]
+    out, _ = scaled_dot_product_attention(
+        q[:, :, None, :], keys, values, mask=keep[:, None, None, :]
+    )  # [B, H, 1, D]
+    return out[:, :, 0, :]  # [B, H, D]
