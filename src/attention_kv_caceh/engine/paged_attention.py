@@ -171,16 +171,15 @@ def paged_decode_attention(
         raise ValueError(f"block_tables {block_tables.shape} has fewer than {max_blocks} columns")
     tables = block_tables[:, :max_blocks]  # [B, max_blocks]
     lens = context_lens.astype(np.int64)  # [B]
-    needed: npt.NDArray[np.bool_] = (
-        np.arange(max_blocks)[None, :] * block_size < lens[:, None]
-    )  # [B, max_blocks]
+    block_starts = np.arange(max_blocks, dtype=np.int64) * block_size  # [max_blocks]
+    needed = lens[:, None] > block_starts[None, :]  # [B, max_blocks]
     if np.any(needed & ((tables < 0) | (tables >= num_blocks))):
         raise ValueError(f"block_tables {block_tables} lack valid blocks for context_lens {context_lens}")
     safe = np.where(needed, tables, 0)  # padding reads block 0, masked out below
     t_max = max_blocks * block_size
     keys = k_cache[safe].reshape(b, t_max, h_kv, d).transpose(0, 2, 1, 3)  # [B, H_kv, T_max, D]
     values = v_cache[safe].reshape(b, t_max, h_kv, d).transpose(0, 2, 1, 3)  # [B, H_kv, T_max, D]
-    keep: npt.NDArray[np.bool_] = np.arange(t_max)[None, :] < lens[:, None]  # [B, T_max]
+    keep = lens[:, None] > np.arange(t_max, dtype=np.int64)[None, :]  # [B, T_max]
     out, _ = scaled_dot_product_attention(
         q[:, :, None, :], keys, values, mask=keep[:, None, None, :]
     )  # [B, H, 1, D]
