@@ -147,8 +147,8 @@ def paged_decode_attention(
     block_tables `[B, max_blocks]` (padded with -1), context_lens `[B]` -> output `[B, H, D]` in q's
     dtype; the same values as `paged_attention` for a step of one token per request (the query is the
     last position, so the causal mask keeps the whole context). Scale 1/sqrt(D). The blocks of all B
-    requests are gathered into one `[B, T_max, H_kv, D]` copy and positions >= context_lens[b] are
-    masked out; the softmax is written out here (the lab's `scaled_dot_product_attention` validates
+    requests are gathered into one `[B, T, H_kv, D]` copy (T = the longest context) and positions
+    >= context_lens[b] are masked out; the softmax is written out here (the lab's `scaled_dot_product_attention` validates
     its inputs per call, which cost more than the arithmetic at decode sizes) and the tests hold it to
     that function. Raises ValueError for mismatched shapes or dtypes, H not a multiple of H_kv, a
     context length < 1, or a block table with too few blocks (or a block id outside the pool) for its
@@ -179,17 +179,18 @@ def paged_decode_attention(
     needed = lens[:, None] > block_starts[None, :]  # [B, max_blocks]
     if np.any(needed & ((tables < 0) | (tables >= num_blocks))):
         raise ValueError(f"block_tables {block_tables} lack valid blocks for context_lens {context_lens}")
-    safe = np.where(needed, tables, 0)  # padding reads block 0, masked out below
-    t_max = max_blocks * block_size
+    safe = np.where(needed, tables, 0)  # padding reads block 0, never attended below
+    t = int(lens.max())
     g = h // h_kv
-    keys = k_cache[safe].reshape(b, t_max, h_kv, d)  # [B, T_max, H_kv, D], a gathered copy
-    values = v_cache[safe].reshape(b, t_max, h_kv, d)  # [B, T_max, H_kv, D]
+    keys = k_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D], a gathered copy
+    values = v_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D]
     q_g = q.reshape(b, h_kv, g, d) * q.dtype.type(1 / math.sqrt(d))  # [B, H_kv, G, D], scaled
-    scores = q_g @ keys.transpose(0, 2, 3, 1)  # [B, H_kv, G, T_max]
-    keep = lens[:, None] > np.arange(t_max, dtype=np.int64)[None, :]  # [B, T_max]
-    scores = np.where(keep[:, None, None, :], scores, -np.inf)  # position 0 is always kept
+    scores = q_g @ keys.transpose(0, 2, 3, 1)  # [B, H_kv, G, T]
+    if int(lens.min()) < t:  # requests of different lengths: hide each one's positions >= its length
+        keep = lens[:, None] > np.arange(t, dtype=np.int64)[None, :]  # [B, T]
+        scores = np.where(keep[:, None, None, :], scores, -np.inf)  # position 0 is always kept
     scores -= scores.max(axis=-1, keepdims=True)
-    weights = np.exp(scores)  # [B, H_kv, G, T_max]
-    weights /= weights.sum(axis=-1, keepdims=True)
-    out = weights @ values.transpose(0, 2, 1, 3)  # [B, H_kv, G, D]
+    np.exp(scores, out=scores)  # [B, H_kv, G, T], unnormalised weights
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ values.transpose(0, 2, 1, 3)  # [B, H_kv, G, D]
     return out.reshape(b, h, d)  # [B, H, D]
