@@ -29,11 +29,14 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 # Up to this many rows, `linear` computes dot products row by row of W instead of calling GEMM.
 # Measured on the `small` preset's weights (all 12 layers' qkv/o/gate_up/down plus the LM head, 400 MB
-# float32, OpenBLAS 0.3.31 one thread, 2 shared cores): N=1 vecdot 22.5 ms vs x @ W.T 27.1 ms vs a
-# np.dot read probe over the same bytes 22.1 ms; N=2 34 ms vs 82 ms; N=4 68 ms vs 78 ms; N=8 130 ms vs
-# 109 ms; N=16 266 ms vs 156 ms. GEMM with a few rows packs (copies) W before computing, so it reads the
-# weights about three times; the row-wise dot products read W once but cost N dot calls per row.
-MATVEC_MAX_ROWS = 3
+# float32; OpenBLAS 0.3.31, one thread, 2 cores shared with other jobs, so each pair below was timed
+# alternately in one process, median of 3-9): row-wise vs x @ W.T vs a np.dot read probe over the
+# same bytes, in ms: N=1 22.5 / 27.1 / 22.1; N=2 34 / 82; N=3 27 / 89; N=4 29-32 / 39-47;
+# N=5 30 / 48-53; N=6 45-69 / 51-129; N=8 96-100 / 99-121; N=10 143-177 / 119-140; N=16 169-266 /
+# 81-156. GEMM with a few rows packs (copies) W before computing, so it reads the weights several
+# times; the row-wise products read each weight row once but cost one short dot call per row and
+# input row, which dominates past N of about 8.
+MATVEC_MAX_ROWS = 6
 
 
 def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:

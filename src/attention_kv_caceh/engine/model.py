@@ -9,11 +9,11 @@ Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and 
 parallelism, quantisation, sliding-window attention, and RoPE scalings other than "llama3".
 
 Weights keep the Hugging Face layout `[out, in]` and a linear layer is `layers.linear(x, W)` = x W^T:
-row-wise dot products for a few rows (decode of up to MATVEC_MAX_ROWS sequences, one pass over W), GEMM
-above; tied embeddings stay one array, and a pre-transposed `[in, out]` copy measured no faster
-(OpenBLAS, one thread, the `small` preset: 25.4 ms vs 27.1 ms for x @ W.T vs 22.5 ms row-wise at N=1,
-81 ms vs 103 ms at N=4 — within the noise of a shared machine at N=1, and not worth a second weight
-layout at N=4). A step whose requests all decode uses `paged_decode_attention` (one call per layer).
+row-wise dot products for a few rows (a decode step of up to MATVEC_MAX_ROWS sequences, one pass over
+W), GEMM above. Tied embeddings stay one array. A pre-transposed `[in, out]` copy measured no faster
+(OpenBLAS, one thread, the `small` preset's 400 MB of matmul weights: 25.4 vs 27.1 ms for x @ W.T at
+N=1, where row-wise took 22.5 ms; 184 vs 193 ms at N=32), so there is one weight layout. A step whose
+requests all decode uses `paged_decode_attention` (one call per layer, the kernel's signature).
 
 Shape legend: N scheduled tokens, R scheduled requests, D_model hidden size, H query heads, H_kv KV
 heads, D head dim, I MLP width, V vocabulary, L layers.
