@@ -272,9 +272,10 @@ class TestLinear(unittest.TestCase):
         rng = np.random.default_rng(0)
         w = rng.standard_normal((37, 19)).astype(np.float32)
         for n in range(1, MATVEC_MAX_ROWS + 3):
-            x = rng.standard_normal((n, 19)).astype(np.float32)
+            x = rng.standard_normal((19, n)).astype(np.float32).T  # a strided view, as layers pass on
             got = linear(x, w)
             self.assertEqual((got.shape, got.dtype), ((n, 37), np.dtype(np.float32)))
+            self.assertTrue(got.flags.c_contiguous)
             want = x.astype(np.float64) @ w.astype(np.float64).T
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
