@@ -3,9 +3,10 @@
 What vLLM's `benchmarks/benchmark_throughput.py` measures (random prompts, a fixed output length,
 ignore_eos, every request submitted at once) for this engine, plus the lab's roofline question: a
 decode step reads every weight once and each request's KV cache, so its time is bounded below by
-reading those bytes; the ratio to `np.dot` over a buffer of the same size (the read probe of
-`experiments.calibration.read_probe`, taken in the same run) says how close the step comes to that
-bound. Nothing here prints; a CLI formats the rows.
+reading those bytes; the ratio to `np.dot` over a buffer of the same size (the lab's read probe, as
+`experiments.calibration.read_probe` times it) says how close the step comes to that bound. The probe
+is timed between decode steps of the same run, so on a shared machine both see the same load. Nothing
+here prints; a CLI formats the rows.
 
 Before anything is timed, an oracle: the first request run alone (greedy) must produce the same first
 tokens as in the batched run; otherwise `OracleMismatch` is raised and nothing is reported.
@@ -30,7 +31,6 @@ from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.tokenizer import Tokenizer
-from attention_kv_caceh.experiments.calibration import read_probe
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment, summarize_samples
 
@@ -65,8 +65,9 @@ class EngineBenchRow:
         kv_bytes_per_decode_step: `decode_kv_bytes` at mean_num_seqs * mean_context_len positions.
         bytes_per_decode_step: the sum of the two, rounded to whole bytes.
         decode_gb_per_s: bytes_per_decode_step / decode_step_ms_p50, in 1e9 bytes per second.
-        probe_gb_per_s: bytes_per_decode_step / the median of `read_probe` over that many bytes, taken
-            right after this row's run.
+        probe_gb_per_s: read rate of np.dot(buf, buf) over a float buffer of about
+            bytes_per_decode_step (the lockstep estimate, within a few KV positions), median of about
+            probe_repeats samples timed between this run's decode steps; 1e9 bytes per second.
         probe_ratio: decode_gb_per_s / probe_gb_per_s (1.0 = the step reads its bytes as fast as np.dot).
         oracle_tokens: first tokens of request 0 checked against its solo run.
     """
@@ -143,18 +144,36 @@ def _engine(model: Model, tokenizer: Tokenizer | None, config: EngineConfig) -> 
 
 
 def _run(
-    engine: LLMEngine, prompts: list[list[int]], params: SamplingParams
-) -> tuple[list[list[int]], float]:
-    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps)."""
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    probe: npt.NDArray[np.floating[Any]] | None = None,
+    probe_every: int = 1,
+) -> tuple[list[list[int]], float, list[float]]:
+    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps, probe ms).
+
+    With `probe`, np.dot(probe, probe) is timed after every probe_every-th pure-decode step (outside
+    the wall time returned), so probe and decode steps share the machine's load of the moment.
+    """
     ids = [f"bench-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    t0 = time.perf_counter()
+    probe_ms: list[float] = []
+    num_decode_steps = 0
+    wall = 0.0
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
-    return [outputs[rid] for rid in ids], time.perf_counter() - t0
+        wall += time.perf_counter() - t0
+        if probe is not None and engine.step_stats and engine.step_stats[-1].num_prefill_tokens == 0:
+            num_decode_steps += 1
+            if num_decode_steps % probe_every == 0:
+                t0 = time.perf_counter()
+                np.dot(probe, probe)
+                probe_ms.append((time.perf_counter() - t0) * 1e3)
+    return [outputs[rid] for rid in ids], wall, probe_ms
 
 
 def run_engine_benchmark(
@@ -177,8 +196,9 @@ def run_engine_benchmark(
     (random prompts share nothing, and the oracle's solo run must not leave request 0 cached); the
     solo run of request 0 (oracle_tokens greedy tokens, which also warms the engine up); then all
     requests (random token ids of prompt_len drawn from `seed`, greedy, ignore_eos,
-    max_tokens=output_len) stepped to completion; then the read probe. With detokenize, requests
-    stream text through the tokenizer as a server's would.
+    max_tokens=output_len) stepped to completion, with the read probe timed after every few decode
+    steps (about probe_repeats samples; not counted in the step times or the wall time). With
+    detokenize, requests stream text through the tokenizer as a server's would.
 
     Raises:
         ValueError: an empty or non-positive max_num_seqs_list, prompt_len < 1, output_len < 2 (no
@@ -219,12 +239,32 @@ def run_engine_benchmark(
         )
         prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, prompt_len)).tolist()
         engine = _engine(model, tokenizer, config)
-        solo, _ = _run(engine, prompts[:1], SamplingParams(max_tokens=oracle_tokens, ignore_eos=True))
+        solo, _, _ = _run(engine, prompts[:1], SamplingParams(max_tokens=oracle_tokens, ignore_eos=True))
         stats_start = engine.num_steps
         runner = engine.model_runner
         assert isinstance(runner, _RecordingRunner)
         runner.decode_steps.clear()
-        outputs, total_s = _run(engine, prompts, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        # The probe buffer holds the bytes of a decode step of requests in lockstep (mean context
+        # prompt_len + output_len / 2); the run's actual mean differs by a few KV positions at most,
+        # and a read rate does not depend on so small a size difference.
+        expected = decode_weight_bytes(model, num_seqs) + decode_kv_bytes(
+            model, num_seqs * (prompt_len + output_len / 2)
+        )
+        probe = np.ones(int(expected) // model.dtype.itemsize, dtype=model.dtype)
+        np.dot(probe, probe)  # touch the pages once, outside any timing
+        outputs, total_s, probe_ms = _run(
+            engine,
+            prompts,
+            SamplingParams(max_tokens=output_len, ignore_eos=True),
+            probe,
+            probe_every=max(1, (output_len - 1) // probe_repeats),
+        )
+        while len(probe_ms) < 1:  # fewer pure-decode steps than expected: probe after the run
+            t0 = time.perf_counter()
+            np.dot(probe, probe)
+            probe_ms.append((time.perf_counter() - t0) * 1e3)
+        probe_bytes = probe.nbytes
+        del probe
         if outputs[0][:oracle_tokens] != solo[0]:
             raise OracleMismatch(
                 f"max_num_seqs={num_seqs}: request 0's first tokens {outputs[0][:oracle_tokens]} differ "
@@ -239,9 +279,8 @@ def run_engine_benchmark(
         weight_bytes = decode_weight_bytes(model, mean_seqs)
         kv_bytes = decode_kv_bytes(model, mean_positions)
         nbytes = round(weight_bytes + kv_bytes)
-        probe_ms = float(np.median(read_probe(nbytes, dtype, warmup=2, repeats=probe_repeats)))
         decode_gbps = nbytes / (summary["p50_ms"] * 1e6)
-        probe_gbps = nbytes / (probe_ms * 1e6)
+        probe_gbps = probe_bytes / (float(np.median(probe_ms)) * 1e6)
         num_output = sum(len(o) for o in outputs)
         decode_s = sum(step_ms) / 1e3
         rows.append(
