@@ -65,7 +65,7 @@ class TestEngineBenchmark(unittest.TestCase):
     def test_rows_count_tokens_steps_and_bytes_read_as_the_config_implies(self) -> None:
         for folder in (self.llama, self.qwen):
             config = json.loads((folder / "config.json").read_text())
-            result = run_engine_benchmark(folder, (1, 3), prompt_len=PROMPT, output_len=OUT, probe_repeats=2)
+            result = run_engine_benchmark(folder, (1, 3), prompt_len=PROMPT, output_len=OUT, probe_every=2)
             self.assertEqual([r.max_num_seqs for r in result.rows], [1, 3])
             self.assertEqual(result.environment["dtype"], "float32")
             for row in result.rows:
@@ -97,7 +97,7 @@ class TestEngineBenchmark(unittest.TestCase):
                     self.assertLess(row.decode_time_s, row.total_time_s)
 
     def test_tied_lm_head_is_counted_once(self) -> None:
-        result = run_engine_benchmark(self.qwen, (2,), prompt_len=PROMPT, output_len=OUT, probe_repeats=1)
+        result = run_engine_benchmark(self.qwen, (2,), prompt_len=PROMPT, output_len=OUT, probe_every=3)
         hidden = json.loads((self.qwen / "config.json").read_text())["hidden_size"]
         params = result.environment["num_parameters"]
         self.assertEqual(result.rows[0].weight_bytes_per_decode_step, 4 * (params + 2 * hidden))
@@ -107,7 +107,7 @@ class TestEngineBenchmark(unittest.TestCase):
             mock.patch.object(benchmark, "ModelRunner", CorruptBatchRunner),
             self.assertRaisesRegex(OracleMismatch, "max_num_seqs=2: request 0's first tokens"),
         ):
-            run_engine_benchmark(self.llama, (1, 2), prompt_len=PROMPT, output_len=OUT, probe_repeats=1)
+            run_engine_benchmark(self.llama, (1, 2), prompt_len=PROMPT, output_len=OUT, probe_every=3)
 
     def test_invalid_arguments_are_refused_before_loading(self) -> None:
         for kwargs, pattern in (

@@ -66,8 +66,8 @@ class EngineBenchRow:
         bytes_per_decode_step: the sum of the two, rounded to whole bytes.
         decode_gb_per_s: bytes_per_decode_step / decode_step_ms_p50, in 1e9 bytes per second.
         probe_gb_per_s: read rate of np.dot(buf, buf) over a float buffer of about
-            bytes_per_decode_step (the lockstep estimate, within a few KV positions), median of about
-            probe_repeats samples timed between this run's decode steps; 1e9 bytes per second.
+            bytes_per_decode_step (the lockstep estimate, within a few KV positions), median of the
+            samples timed between this run's decode steps; 1e9 bytes per second.
         probe_ratio: decode_gb_per_s / probe_gb_per_s (1.0 = the step reads its bytes as fast as np.dot).
         oracle_tokens: first tokens of request 0 checked against its solo run.
     """
@@ -187,7 +187,7 @@ def run_engine_benchmark(
     block_size: int = 16,
     max_num_batched_tokens: int = 2048,
     oracle_tokens: int = 4,
-    probe_repeats: int = 10,
+    probe_every: int = 1,
     detokenize: bool = True,
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
@@ -196,13 +196,14 @@ def run_engine_benchmark(
     (random prompts share nothing, and the oracle's solo run must not leave request 0 cached); the
     solo run of request 0 (oracle_tokens greedy tokens, which also warms the engine up); then all
     requests (random token ids of prompt_len drawn from `seed`, greedy, ignore_eos,
-    max_tokens=output_len) stepped to completion, with the read probe timed after every few decode
-    steps (about probe_repeats samples; not counted in the step times or the wall time). With
+    max_tokens=output_len) stepped to completion, with the read probe timed after every
+    probe_every-th pure-decode step (not counted in the step times or the wall time; every step by
+    default, so probe and steps sample the same moments of a shared machine's load). With
     detokenize, requests stream text through the tokenizer as a server's would.
 
     Raises:
         ValueError: an empty or non-positive max_num_seqs_list, prompt_len < 1, output_len < 2 (no
-            decode step), oracle_tokens outside 1 .. output_len, probe_repeats < 1, or
+            decode step), oracle_tokens outside 1 .. output_len, probe_every < 1, or
             prompt_len + output_len beyond the model's max_position_embeddings; CheckpointError
             from loading.
         OracleMismatch: request 0's first tokens in a batched run differ from its solo run.
@@ -212,9 +213,9 @@ def run_engine_benchmark(
         raise ValueError(f"max_num_seqs_list must hold positive counts, got {seqs}")
     if prompt_len < 1 or output_len < 2:
         raise ValueError(f"need prompt_len >= 1 and output_len >= 2, got {prompt_len}, {output_len}")
-    if not 1 <= oracle_tokens <= output_len or probe_repeats < 1:
+    if not 1 <= oracle_tokens <= output_len or probe_every < 1:
         raise ValueError(
-            f"oracle_tokens must be in 1 .. {output_len} and probe_repeats >= 1, got {oracle_tokens}, {probe_repeats}"
+            f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
     model = Model.load(model_dir, dtype)
     max_model_len = prompt_len + output_len
@@ -257,7 +258,7 @@ def run_engine_benchmark(
             prompts,
             SamplingParams(max_tokens=output_len, ignore_eos=True),
             probe,
-            probe_every=max(1, (output_len - 1) // probe_repeats),
+            probe_every=probe_every,
         )
         while len(probe_ms) < 1:  # fewer pure-decode steps than expected: probe after the run
             t0 = time.perf_counter()
