@@ -33,6 +33,7 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
+from attention_kv_caceh.cli import generate_table
 from attention_kv_caceh.cli.generate_table import StepTable
 
 __all__ = ["HELP", "add_arguments", "read_prompts", "run"]
@@ -50,33 +51,48 @@ def _top_p(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `generate`: model, prompts, sampling, engine limits, KV cache size, outputs."""
+    parser.epilog = generate_table.__doc__
     parser.add_argument(
         "--model",
         required=True,
         metavar="DIR",
-        help="Hugging Face model folder (make-model writes one) (required)",
+        help="Hugging Face model folder (make-model writes one) (default: none, required)",
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--prompt", nargs="+", action="extend", metavar="TEXT", help="prompt texts (one or more)"
+        "--prompt",
+        nargs="+",
+        action="extend",
+        metavar="TEXT",
+        help="prompt texts, one or more (default: none; this or --prompts-file)",
     )
     source.add_argument(
-        "--prompts-file", metavar="FILE", help="UTF-8 text file, one prompt per line (blank lines skipped)"
+        "--prompts-file",
+        metavar="FILE",
+        help="UTF-8 text file, one prompt per line, blank lines skipped (default: none; this or --prompt)",
     )
     s = parser.add_argument_group("sampling (vLLM's SamplingParams)")
     s.add_argument(
-        "--max-tokens", type=positive_int, required=True, help="most output tokens per prompt (required)"
+        "--max-tokens",
+        metavar="N",
+        type=positive_int,
+        required=True,
+        help="most output tokens per prompt (default: none, required)",
     )
-    s.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 is greedy (default: 0)")
-    s.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1]")
+    s.add_argument(
+        "--temperature", metavar="T", type=nonnegative_float, default=0.0, help="0 is greedy (default: 0)"
+    )
+    s.add_argument("--top-p", metavar="P", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1]")
     s.add_argument(
         "--top-k",
+        metavar="N",
         type=nonnegative_int,
         default=0,
         help="keep the k most probable tokens; 0 disables (default: 0)",
     )
     s.add_argument(
         "--seed",
+        metavar="N",
         type=nonnegative_int,
         default=None,
         help="seed of every request's own generator, so equal prompts sample equally (default: fresh entropy)",
@@ -88,14 +104,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--dtype", choices=("float32", "float64"), default="float32", help="model and KV cache dtype"
     )
-    e.add_argument("--max-num-seqs", type=positive_int, default=8, help="most requests running at once")
+    e.add_argument(
+        "--max-num-seqs", metavar="N", type=positive_int, default=8, help="most requests running at once"
+    )
     e.add_argument(
         "--max-num-batched-tokens",
+        metavar="N",
         type=positive_int,
         default=512,
         help="token budget of one step, prefill and decode together (>= --max-num-seqs)",
     )
-    e.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    e.add_argument("--block-size", metavar="N", type=positive_int, default=16, help="tokens per KV block")
     size = e.add_mutually_exclusive_group()
     size.add_argument(
         "--num-kv-blocks",
@@ -113,6 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     e.add_argument(
         "--max-model-len",
+        metavar="N",
         type=positive_int,
         default=None,
         help="most tokens (prompt + output) per request; may only lower the checkpoint's "

@@ -36,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         required=True,
         metavar="DIR",
-        help="folder to write; must be new or empty unless --force (required)",
+        help="folder to write; must be new or empty unless --force (default: none, required)",
     )
     parser.add_argument("--arch", choices=_ARCHS, default="llama", help="model family")
     parser.add_argument(
@@ -46,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="shapes: tiny (~0.5 M parameters, for tests) or small (~100-125 M, for benchmarks)",
     )
     parser.add_argument(
-        "--seed", type=nonnegative_int, default=0, help="weights seed; the same flags write the same bytes"
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="weights seed; the same flags write the same bytes (default: 0)",
     )
     parser.add_argument("--dtype", choices=_DTYPES, default="float32", help="dtype of the tensors on disk")
     parser.add_argument(
