@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from attention_kv_caceh.cli import generate_table
 from attention_kv_caceh.cli.common import (
     PROG,
     CommandFailed,
@@ -33,7 +34,6 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
-from attention_kv_caceh.cli import generate_table
 from attention_kv_caceh.cli.generate_table import StepTable
 
 __all__ = ["HELP", "add_arguments", "read_prompts", "run"]

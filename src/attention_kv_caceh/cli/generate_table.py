@@ -14,9 +14,9 @@ Columns (the numbers of `engine.llm_engine.StepStats`):
     batch     request:tokens of every scheduled request, in batch order; `*` marks a request that
               finished in the step
 
-Rows: every step up to `ALWAYS_ROWS`; after that, only the steps where something changes (a prefill
+Rows: each of the first 50 steps (ALWAYS_ROWS); after that, only the steps where something changes (a prefill
 chunk or admission, a preemption, a finished request, a prefix-cache lookup, a different running or
-waiting count), every `EVERY`-th step, and the last step. A line says how many unchanged decode steps
+waiting count), every 25th step (EVERY), and the last step. A line says how many unchanged decode steps
 were left out between two rows; --trace of `generate` keeps every step.
 """
 
