@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh import cli
+from attention_kv_caceh.cli.generate_table import ALWAYS_ROWS, StepTable
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.llm_engine import LLMEngine
+from attention_kv_caceh.engine.llm_engine import LLMEngine, StepStats
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 
@@ -245,6 +246,40 @@ class CheckpointAndPoolErrorTest(EngineCommandCase):
         self.assertEqual(code, 1)
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertIn("the pool has 2", err)
+
+
+def decode_stats(index: int, running: int = 2, preemptions: int = 0) -> StepStats:
+    return StepStats(
+        step_index=index,
+        num_scheduled_tokens={"0": 1, "1": 1},
+        num_prefill_tokens=0,
+        num_decode_tokens=2,
+        num_running=running,
+        num_waiting=0,
+        num_free_blocks=3,
+        kv_cache_usage=0.5,
+        num_preemptions=preemptions,
+        prefix_cache_queries=0,
+        prefix_cache_hits=0,
+        step_time_ms=1.0,
+    )
+
+
+class StepTableRowsTest(unittest.TestCase):
+    def test_all_early_steps_then_changes_every_25th_and_the_last(self) -> None:
+        stream = io.StringIO()
+        table = StepTable(stream)
+        printed = [
+            i
+            for i in range(130)
+            if table.row(decode_stats(i, preemptions=int(i == 61)), ["1"] if i == 90 else [], last=i == 129)
+        ]
+        table.footer()
+        self.assertEqual(printed, [*range(ALWAYS_ROWS), 50, 61, 75, 90, 100, 125, 129])
+        text = stream.getvalue()
+        self.assertIn("... 10 decode steps without change not shown", text)  # 51 .. 60
+        self.assertIn("... 3 decode steps without change not shown", text)  # 126 .. 128
+        self.assertIn("0:1 1:1*", text)  # request 1 finished at step 90
 
 
 class MakeModelTest(EngineCommandCase):
