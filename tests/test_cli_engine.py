@@ -191,7 +191,7 @@ class UsageErrorTest(EngineCommandCase):
             ([*gen, "--model", m, "--prompt", "a", "--prompts-file", str(self.prompts_file)], "not allowed"),
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),
             ([*gen, "--model", m, "--prompts-file", f"{o}/none.txt"], "cannot read it"),
-            ([*gen, "--model", m, "--prompt", ""], "--prompt number 1 is empty"),
+            ([*gen, "--model", m, "--prompt", ""], "prompt 0 (--prompt, counted from 0) is empty"),
             ([*gen, "--model", m, "--prompt", "a", "--max-tokens", "0"], "--max-tokens"),
             ([*gen, "--model", m, "--prompt", "a", "--top-p", "1.5"], "--top-p"),
             ([*gen, "--model", m, "--prompt", "a", "--temperature", "nan"], "--temperature"),

@@ -22,7 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attention_kv_caceh.cli import generate_table
 from attention_kv_caceh.cli.common import (
@@ -35,6 +35,12 @@ from attention_kv_caceh.cli.common import (
     positive_int,
 )
 from attention_kv_caceh.cli.generate_table import StepTable
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.config import EngineConfig
+    from attention_kv_caceh.engine.llm_engine import LLMEngine
+    from attention_kv_caceh.engine.request import SamplingParams
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = ["HELP", "add_arguments", "read_prompts", "run"]
 
@@ -168,11 +174,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     prompts = list(args.prompt)
     for i, p in enumerate(prompts):
         if not p:
-            raise UsageError(f"--prompt number {i + 1} is empty")
+            raise UsageError(f"prompt {i} (--prompt, counted from 0) is empty")
     return prompts
 
 
-def _configs(args: argparse.Namespace) -> tuple[Any, Any]:
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
     """EngineConfig and SamplingParams from the flags; UsageError for a combination they refuse."""
     from attention_kv_caceh.engine.config import EngineConfig
     from attention_kv_caceh.engine.request import SamplingParams
@@ -257,7 +263,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_steps(
-    args: argparse.Namespace, engine: Any, tokenizer: Any, prompts: list[str], prompt_ids: list[list[int]]
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    prompt_ids: list[list[int]],
 ) -> int:
     """step() until done, printing the table and writing the trace; then the continuations and --output."""
     from attention_kv_caceh.files import JsonlWriter, ignoring_sigint
