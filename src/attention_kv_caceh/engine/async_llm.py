@@ -25,6 +25,7 @@ arrival to the start of the first step that scheduled it, E2E latency from arriv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -344,10 +345,8 @@ class AsyncLLM:
         if self.num_unfinished > 0:
             self._idle.clear()
             if self.num_unfinished > 0:
-                try:
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._idle.wait(), timeout_s)
-                except TimeoutError:
-                    pass
         with self._cond:
             for request_id in list(self._tracked):
                 self._commands.append(("abort", request_id, [], None, "abort"))
@@ -491,10 +490,8 @@ class AsyncLLM:
                 with self._cond:
                     failed = list(self._tracked)
             for request_id in failed:
-                try:
+                with contextlib.suppress(Exception):  # the step's exception above is the one logged
                     self.engine.abort_request(request_id)
-                except Exception:
-                    pass  # the step's exception above is the one logged
             self._fail(failed, exc)
             return
         end = time.monotonic()
@@ -581,10 +578,8 @@ class AsyncLLM:
         loop = self._loop
         if loop is None:
             return
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is reading
             loop.call_soon_threadsafe(tracked.queue.put_nowait, item)
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is reading
 
     def _record(self, stats: IterationStats) -> None:
         for record in self._stat_loggers:
@@ -597,10 +592,8 @@ class AsyncLLM:
         loop, idle = self._loop, self._idle
         if loop is None or idle is None or self.num_unfinished > 0:
             return
-        try:
+        with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(idle.set)
-        except RuntimeError:
-            pass
 
 
 def _finished_stats(tracked: _Tracked, reason: str, now: float) -> FinishedRequestStats:

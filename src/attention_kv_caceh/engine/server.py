@@ -113,7 +113,7 @@ def build_app(
         message = str(first.get("msg", "invalid request"))
         if loc:
             message = f"{'.'.join(loc)}: {message}"
-        return error_response(400, message, loc[-1] if loc else None)
+        return error_response(400, message, loc[0] if loc else None)  # the top-level field
 
     @app.exception_handler(HTTPError)
     async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
