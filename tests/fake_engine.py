@@ -99,7 +99,7 @@ class FakeEngine:
     def __init__(
         self,
         max_num_seqs: int = 4,
-        num_blocks: int = 4096,
+        num_blocks: int = 1 << 20,
         block_size: int = 4,
         eos_at: int | None = None,
     ) -> None:

@@ -249,5 +249,90 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(samples["vllm:num_requests_waiting{}"], 2)
 
 
+
+class FaultTest(unittest.TestCase):
+    def test_clients_that_disconnect_after_the_first_token_leave_nothing_running_or_allocated(self) -> None:
+        # max_tokens far beyond what the test's lifetime allows: every request can only end by the abort
+        thread, engine, llm = fake_server(max_num_seqs=16, max_model_len=10**9)
+        total_blocks = engine.num_free_blocks
+
+        async def one(session: aiohttp.ClientSession, url: str, i: int) -> str:
+            body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 10**8, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        return json.loads(line[6:])["choices"][0]["text"]
+            return ""
+
+        async def go(url: str) -> list[str]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                return await asyncio.gather(*(one(session, url, i) for i in range(100)))
+
+        with thread:
+            firsts = asyncio.run(go(thread.base_url))
+            drained = engine.wait_for(lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests())
+            samples = scrape(thread.base_url)
+        self.assertTrue(drained)
+        self.assertEqual(firsts, [expected_text(TOK.encode(f"p{i}"), 1) for i in range(100)])
+        self.assertEqual(engine.num_free_blocks, total_blocks)
+        self.assertEqual(samples["vllm:num_requests_running{}"], 0)
+        self.assertEqual(samples["vllm:num_requests_waiting{}"], 0)
+        self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 100)
+        self.assertLessEqual(max(s.num_running for s in engine.history), 16)
+
+    def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
+        thread, _engine, _llm = fake_server(api_key="sesame")
+        with thread:
+            with client(thread.base_url, api_key="wrong") as bad, self.assertRaises(openai.AuthenticationError):
+                bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
+            status, body = request("GET", thread.base_url + "/v1/models")
+            self.assertEqual((status, body["error"]["code"]), (401, 401))
+            self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
+            with client(thread.base_url, api_key="sesame") as good:
+                ok = good.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        self.assertEqual(ok.choices[0].text, expected_text([97], 1))
+
+    def test_requests_beyond_max_queue_waiting_get_503(self) -> None:
+        thread, engine, _llm = fake_server(max_num_seqs=1, max_queue=1)
+        engine.gate.clear()
+
+        async def go(url: str) -> tuple[int, Any, list[int]]:
+            body = {"model": MODEL, "prompt": "m", "max_tokens": 2, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                admitted = [await session.post(url + "/v1/completions", json=body) for _ in range(2)]
+                status, rejected = await fetch("POST", url + "/v1/completions", json=body)
+                engine.gate.set()
+                for resp in admitted:
+                    await resp.read()
+                    resp.release()
+                return status, rejected, [r.status for r in admitted]
+
+        with thread:
+            status, rejected, admitted = asyncio.run(go(thread.base_url))
+            after = request("POST", thread.base_url + "/v1/completions", json={"prompt": "m", "max_tokens": 2})
+        self.assertEqual(admitted, [200, 200])
+        self.assertEqual(status, 503)
+        self.assertEqual(rejected["error"]["type"], "ServiceUnavailableError")
+        self.assertEqual(after[0], 200)
+
+    def test_a_failing_step_fails_its_requests_with_an_error_event_and_the_server_keeps_serving(self) -> None:
+        thread, engine, llm = fake_server()
+        engine.fail_steps = 1
+        with thread, client(thread.base_url) as oai:
+            with self.assertLogs("attention_kv_caceh.engine.async_llm", "ERROR") as logs:
+                stream = oai.completions.create(model=MODEL, prompt="f", max_tokens=4, stream=True)
+                with self.assertRaises(openai.APIError):
+                    list(stream)
+            engine.fail_steps = 1
+            with self.assertRaises(openai.InternalServerError), self.assertLogs("attention_kv_caceh", "ERROR"):
+                oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
+            self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
+            ok = oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
+        self.assertEqual(len(logs.records), 1)
+        self.assertEqual(ok.choices[0].text, expected_text([102], 4))
+        self.assertEqual(llm.num_failed_steps, 2)
+        self.assertFalse(engine.has_unfinished_requests())
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -465,17 +465,16 @@ class AsyncLLM:
             tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
-        try:
-            self.engine.abort_request(request_id)
-        except Exception:
-            logger.exception("abort of request %s failed", request_id)
-        now = time.monotonic()
+        finished = _finished_stats(tracked, reason, time.monotonic())
+        self._record(IterationStats(0, 0, 0, 0, 0, 0, finished_requests=[finished]))
         delta = RequestDelta(
             request_id, (), True, reason, tracked.num_prompt_tokens, tracked.num_output_tokens
         )
         self._deliver(tracked, delta)
-        finished = _finished_stats(tracked, reason, now)
-        self._record(IterationStats(0, 0, 0, 0, 0, 0, finished_requests=[finished]))
+        try:
+            self.engine.abort_request(request_id)  # frees its KV blocks before the next step
+        except Exception:
+            logger.exception("abort of request %s failed", request_id)
         self._signal_if_idle()
 
     def _step(self) -> None:
