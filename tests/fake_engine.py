@@ -26,7 +26,7 @@ class FakeTokenizer:
 
     eos_token_id: int | None = EOS
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
     def decode(self, ids: Sequence[int]) -> str:
@@ -89,10 +89,19 @@ class FakeKVCacheManager:
 
 
 class FakeScheduler:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, max_model_len: int) -> None:
         self.running: list[FakeRequest] = []
         self.waiting: deque[FakeRequest] = deque()
         self.kv_cache_manager = FakeKVCacheManager(num_blocks)
+        self.max_model_len = max_model_len
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
 
 
 class FakeEngine:
@@ -104,7 +113,7 @@ class FakeEngine:
         eos_at: int | None = None,
     ) -> None:
         self.config = FakeConfig(max_num_seqs)
-        self.scheduler = FakeScheduler(num_blocks)
+        self.scheduler = FakeScheduler(num_blocks, max_model_len=1 << 30)
         self.block_size = block_size
         self.eos_at = eos_at
         self.gate = threading.Event()
@@ -112,8 +121,7 @@ class FakeEngine:
         self.blocked = False
         self.fail_steps = 0
         self.changed = threading.Condition()
-        self.last_step_stats: FakeStepStats | None = None
-        self.history: list[FakeStepStats] = []
+        self.step_stats: list[FakeStepStats] = []
 
     # -- the contract's surface --------------------------------------------------------------------------
 
@@ -175,8 +183,7 @@ class FakeEngine:
                 s.running.remove(r)
             outputs.append(FakeOutput(r.request_id, [token], reason is not None, reason))
         stats = FakeStepStats(scheduled, prefill, decode, len(s.running), len(s.waiting))
-        self.last_step_stats = stats
-        self.history.append(stats)
+        self.step_stats.append(stats)
         self._notify()
         return outputs
 

@@ -18,8 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import METRIC_NAMES
-from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
-from tests.serve_helpers import MODEL, ServerThread, fake_server
+from tests.fake_engine import FakeTokenizer, expected_text
+from tests.serve_helpers import MODEL, fake_server
 
 TOK = FakeTokenizer()
 
@@ -90,7 +90,9 @@ class StreamingTest(unittest.TestCase):
         assert whole.usage is not None and chunks[-1].usage is not None
         self.assertEqual((whole.usage.prompt_tokens, whole.usage.completion_tokens), (len(prompt), 20))
         self.assertEqual(chunks[-1].choices, [])
-        self.assertEqual((chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens), (len(prompt), 20))
+        self.assertEqual(
+            (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens), (len(prompt), 20)
+        )
 
     def test_prompt_as_token_ids_equals_prompt_as_text(self) -> None:
         ids = TOK.encode("abc")
@@ -142,7 +144,9 @@ class StreamingTest(unittest.TestCase):
         stop = full[10:13]
         cut = full.index(stop)
         whole = self.oai.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[stop, "@@"])
-        streamed = self.oai.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=stop, stream=True)
+        streamed = self.oai.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, stop=stop, stream=True
+        )
         chunks = list(streamed)
         self.assertEqual(whole.choices[0].text, full[:cut])
         self.assertEqual(whole.choices[0].finish_reason, "stop")
@@ -152,9 +156,13 @@ class StreamingTest(unittest.TestCase):
     def test_models_tokenize_and_detokenize_have_vllm_shapes(self) -> None:
         models = self.oai.models.list()
         self.assertEqual([m.id for m in models.data], [MODEL])
-        status, body = request("POST", self.url + "/tokenize", json={"prompt": "abc", "return_token_strs": True})
+        status, body = request(
+            "POST", self.url + "/tokenize", json={"prompt": "abc", "return_token_strs": True}
+        )
         self.assertEqual(status, 200)
-        self.assertEqual(body, {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99], "token_strs": ["a", "b", "c"]})
+        self.assertEqual(
+            body, {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99], "token_strs": ["a", "b", "c"]}
+        )
         messages = [{"role": "user", "content": "hi"}]
         status, body = request("POST", self.url + "/tokenize", json={"messages": messages})
         self.assertEqual(body["tokens"], chat_prompt_ids(messages))
@@ -164,12 +172,32 @@ class StreamingTest(unittest.TestCase):
     def test_bad_requests_get_their_status_and_error_body_and_the_server_keeps_serving(self) -> None:
         cases: list[tuple[str, dict[str, Any], int, str | None]] = [
             ("/v1/completions", {"data": "{not json"}, 400, None),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "max_tokens": 0}}, 400, "max_tokens"),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "max_tokens": -3}}, 400, "max_tokens"),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": 0}},
+                400,
+                "max_tokens",
+            ),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": -3}},
+                400,
+                "max_tokens",
+            ),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a" * 256}}, 400, "prompt"),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 10}}, 400, "max_tokens"),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 10}},
+                400,
+                "max_tokens",
+            ),
             ("/v1/completions", {"json": {"model": "other", "prompt": "a"}}, 404, "model"),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "max_tokens": "many"}}, 400, "max_tokens"),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": "many"}},
+                400,
+                "max_tokens",
+            ),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": 5}}, 400, "prompt"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "n": 2}}, 400, "n"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "top_p": 0}}, 400, "top_p"),
@@ -195,7 +223,9 @@ class EosTest(unittest.TestCase):
         thread, _engine, _llm = fake_server(eos_at=4)
         with thread, client(thread.base_url) as oai:
             stopped = oai.completions.create(model=MODEL, prompt="e", max_tokens=10)
-            ignored = oai.completions.create(model=MODEL, prompt="e", max_tokens=10, extra_body={"ignore_eos": True})
+            ignored = oai.completions.create(
+                model=MODEL, prompt="e", max_tokens=10, extra_body={"ignore_eos": True}
+            )
         self.assertEqual(stopped.choices[0].text, expected_text([101], 4))
         self.assertEqual(stopped.choices[0].finish_reason, "stop")
         assert stopped.usage is not None
@@ -249,7 +279,6 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(samples["vllm:num_requests_waiting{}"], 2)
 
 
-
 class FaultTest(unittest.TestCase):
     def test_clients_that_disconnect_after_the_first_token_leave_nothing_running_or_allocated(self) -> None:
         # max_tokens far beyond what the test's lifetime allows: every request can only end by the abort
@@ -270,7 +299,9 @@ class FaultTest(unittest.TestCase):
 
         with thread:
             firsts = asyncio.run(go(thread.base_url))
-            drained = engine.wait_for(lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests())
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
             samples = scrape(thread.base_url)
         self.assertTrue(drained)
         self.assertEqual(firsts, [expected_text(TOK.encode(f"p{i}"), 1) for i in range(100)])
@@ -278,12 +309,15 @@ class FaultTest(unittest.TestCase):
         self.assertEqual(samples["vllm:num_requests_running{}"], 0)
         self.assertEqual(samples["vllm:num_requests_waiting{}"], 0)
         self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 100)
-        self.assertLessEqual(max(s.num_running for s in engine.history), 16)
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 16)
 
     def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
         thread, _engine, _llm = fake_server(api_key="sesame")
         with thread:
-            with client(thread.base_url, api_key="wrong") as bad, self.assertRaises(openai.AuthenticationError):
+            with (
+                client(thread.base_url, api_key="wrong") as bad,
+                self.assertRaises(openai.AuthenticationError),
+            ):
                 bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
             status, body = request("GET", thread.base_url + "/v1/models")
             self.assertEqual((status, body["error"]["code"]), (401, 401))
@@ -309,7 +343,9 @@ class FaultTest(unittest.TestCase):
 
         with thread:
             status, rejected, admitted = asyncio.run(go(thread.base_url))
-            after = request("POST", thread.base_url + "/v1/completions", json={"prompt": "m", "max_tokens": 2})
+            after = request(
+                "POST", thread.base_url + "/v1/completions", json={"prompt": "m", "max_tokens": 2}
+            )
         self.assertEqual(admitted, [200, 200])
         self.assertEqual(status, 503)
         self.assertEqual(rejected["error"]["type"], "ServiceUnavailableError")
@@ -324,7 +360,10 @@ class FaultTest(unittest.TestCase):
                 with self.assertRaises(openai.APIError):
                     list(stream)
             engine.fail_steps = 1
-            with self.assertRaises(openai.InternalServerError), self.assertLogs("attention_kv_caceh", "ERROR"):
+            with (
+                self.assertRaises(openai.InternalServerError),
+                self.assertLogs("attention_kv_caceh", "ERROR"),
+            ):
                 oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
             self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
             ok = oai.completions.create(model=MODEL, prompt="f", max_tokens=4)

@@ -13,8 +13,8 @@ KV blocks at the next step).
 
 Every use of the engine's API lives in this module: `EngineLike` (add_request, abort_request, step,
 has_unfinished_requests, the scheduler's running/waiting lists, the KV usage, the last StepStats),
-`EngineRequestOutput` / `EngineStepStats` (the fields read), and `TokenizerLike`. Adapting to a renamed
-engine API is a change here only.
+`EngineRequestOutput` / `EngineStepStats` (the fields read), `TokenizerLike`, and `load_engine` (building
+the engine from a checkpoint). Adapting to a renamed engine API is a change here only.
 
 Times are `time.monotonic()` seconds. The statistics handed to stat loggers (`IterationStats`) follow vLLM
 v1's `vllm/v1/metrics/stats.py`: TTFT from the request's arrival here to the end of the step that produced
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence, Sized
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from attention_kv_caceh.engine.request import SamplingParams
 
@@ -39,6 +40,7 @@ __all__ = [
     "AsyncLLM",
     "EngineDrainingError",
     "EngineLike",
+    "EngineRequestError",
     "EngineStepError",
     "FinishedRequestStats",
     "IncrementalDetokenizer",
@@ -46,6 +48,7 @@ __all__ = [
     "RequestDelta",
     "RequestStream",
     "TokenizerLike",
+    "load_engine",
 ]
 
 logger = logging.getLogger(__name__)
@@ -100,9 +103,13 @@ class _SchedulerLike(Protocol):
     @property
     def running(self) -> Sequence[_HasRequestId]: ...
     @property
-    def waiting(self) -> Sized: ...
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
     @property
     def kv_cache_manager(self) -> _KVCacheManagerLike: ...
+    @property
+    def max_model_len(self) -> int: ...
 
 
 class _ConfigLike(Protocol):
@@ -111,29 +118,41 @@ class _ConfigLike(Protocol):
 
 
 class EngineLike(Protocol):
-    """The LLMEngine surface the server drives (engine contract: llm_engine.py)."""
+    """The LLMEngine surface the server drives (llm_engine.py: LLMEngine)."""
 
     @property
     def config(self) -> _ConfigLike: ...
     @property
     def scheduler(self) -> _SchedulerLike: ...
     @property
-    def last_step_stats(self) -> EngineStepStats | None: ...
+    def step_stats(self) -> Sequence[EngineStepStats]: ...
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
-    ) -> None: ...
-    def abort_request(self, request_id: str) -> None: ...
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, /
+    ) -> object: ...
+    def abort_request(self, request_ids: str, /) -> None: ...
     def step(self) -> Sequence[EngineRequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
 
 
 class TokenizerLike(Protocol):
-    """The tokenizer surface the server uses (engine contract: tokenizer.py)."""
+    """The tokenizer surface the server uses (tokenizer.py: Tokenizer)."""
 
     @property
     def eos_token_id(self) -> int | None: ...
-    def encode(self, text: str) -> list[int]: ...
-    def decode(self, ids: Sequence[int]) -> str: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, ids: list[int], /) -> str: ...
+
+
+def load_engine(model_dir: str, config_kwargs: dict[str, Any]) -> tuple[EngineLike, TokenizerLike, int]:
+    """Build the real engine from a checkpoint folder: (engine, tokenizer, max_model_len).
+
+    `config_kwargs` are EngineConfig fields. Raises ValueError / OSError from the config or the loading.
+    """
+    config_module: Any = importlib.import_module("attention_kv_caceh.engine.config")
+    engine_module: Any = importlib.import_module("attention_kv_caceh.engine.llm_engine")
+    config = config_module.EngineConfig(**config_kwargs)
+    engine: Any = engine_module.LLMEngine.from_pretrained(model_dir, config)
+    return engine, engine.tokenizer, int(engine.scheduler.max_model_len)
 
 
 class IncrementalDetokenizer:
@@ -157,12 +176,12 @@ class IncrementalDetokenizer:
     def add(self, new_ids: Sequence[int]) -> str:
         """Append `new_ids`; return the new stable text."""
         self._ids.extend(new_ids)
-        stable = self._tokenizer.decode(self._ids).rstrip("\ufffd")
+        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
         return self._advance(stable)
 
     def flush(self) -> str:
         """The text held back (at the end of the request)."""
-        return self._advance(self._tokenizer.decode(self._ids))
+        return self._advance(self._tokenizer.decode(list(self._ids)))
 
     def _advance(self, full: str) -> str:
         if len(full) <= len(self._text) or not full.startswith(self._text):
@@ -177,7 +196,7 @@ def _admission_limit(engine: EngineLike) -> int:
 
 
 def _num_running(engine: EngineLike) -> int:
-    return len(engine.scheduler.running)
+    return engine.scheduler.num_running
 
 
 def _running_ids(engine: EngineLike) -> list[str]:
@@ -185,7 +204,7 @@ def _running_ids(engine: EngineLike) -> list[str]:
 
 
 def _num_waiting(engine: EngineLike) -> int:
-    return len(engine.scheduler.waiting)
+    return engine.scheduler.num_waiting
 
 
 def _kv_cache_usage(engine: EngineLike) -> float:
@@ -211,6 +230,10 @@ class RequestDelta:
 
 class EngineStepError(RuntimeError):
     """The engine step that served this request raised; the request was aborted."""
+
+
+class EngineRequestError(ValueError):
+    """The engine refused the request when it was added (a client error: HTTP 400)."""
 
 
 class EngineDrainingError(RuntimeError):
@@ -262,7 +285,8 @@ class _Tracked:
 class RequestStream:
     """The async iterator of one request's RequestDeltas; `close()` aborts it if it has not finished.
 
-    Iteration raises EngineStepError when the step serving the request failed.
+    Iteration raises EngineStepError when the step serving the request failed, EngineRequestError when
+    the engine refused the request.
     """
 
     def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue[_Item]) -> None:
@@ -454,7 +478,14 @@ class AsyncLLM:
     def _apply_add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt, params)
+        except ValueError as exc:  # the engine refused the request (e.g. larger than the whole KV pool)
+            with self._cond:
+                tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
+                self._deliver(tracked, EngineRequestError(str(exc)))
+            self._signal_if_idle()
         except Exception as exc:
+            logger.exception("adding request %s failed", request_id)
             self._fail([request_id], exc)
         finally:
             with self._cond:
@@ -479,6 +510,7 @@ class AsyncLLM:
 
     def _step(self) -> None:
         start = time.monotonic()
+        num_stats = len(self.engine.step_stats)
         try:
             outputs = list(self.engine.step())
         except Exception as exc:
@@ -495,7 +527,8 @@ class AsyncLLM:
             return
         end = time.monotonic()
         self.num_steps += 1
-        self._process(outputs, self.engine.last_step_stats, start, end)
+        all_stats = self.engine.step_stats
+        self._process(outputs, all_stats[-1] if len(all_stats) > num_stats else None, start, end)
 
     def _process(
         self,

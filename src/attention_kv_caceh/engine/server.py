@@ -32,6 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from attention_kv_caceh.engine.async_llm import (
     AsyncLLM,
     EngineDrainingError,
+    EngineRequestError,
     EngineStepError,
     RequestStream,
     TokenizerLike,
@@ -148,7 +149,10 @@ def build_app(
     def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            return tokenizer.encode(template.render(rendered, add_generation_prompt))
+            # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
+            return tokenizer.encode(
+                template.render(rendered, add_generation_prompt), add_special_tokens=False
+            )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
 
@@ -249,6 +253,8 @@ async def _completion_events(
                 yield sse(completion_chunk(rid, model, created, "", delta.finish_reason, per_chunk))
         if include_usage:
             yield sse(completion_chunk(rid, model, created, None, usage_obj=usage(*counts)))
+    except EngineRequestError as exc:
+        yield sse(error_body(400, str(exc)))
     except EngineStepError as exc:
         yield sse(error_body(500, str(exc)))
     finally:
@@ -274,6 +280,8 @@ async def _chat_events(
                 yield sse(chat_chunk(rid, model, created, {}, delta.finish_reason, per_chunk))
         if include_usage:
             yield sse(chat_chunk(rid, model, created, None, usage_obj=usage(*counts)))
+    except EngineRequestError as exc:
+        yield sse(error_body(400, str(exc)))
     except EngineStepError as exc:
         yield sse(error_body(500, str(exc)))
     finally:
@@ -293,6 +301,8 @@ async def _whole(
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             if delta.finish_reason is not None:
                 finish_reason = delta.finish_reason
+    except EngineRequestError as exc:
+        return error_response(400, str(exc))
     except EngineStepError as exc:
         return error_response(500, str(exc))
     finally:
