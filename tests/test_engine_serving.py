@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import tempfile
 import unittest
@@ -11,10 +12,16 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.engine.async_llm import IncrementalDetokenizer, RequestDelta, RequestStream
+from attention_kv_caceh.engine.async_llm import RequestDelta, RequestStream
 from attention_kv_caceh.engine.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
 from attention_kv_caceh.engine.protocol import CompletionRequest
-from attention_kv_caceh.engine.serving import HTTPError, TextDelta, sampling_params_for, text_deltas
+from attention_kv_caceh.engine.serving import (
+    HTTPError,
+    IncrementalDetokenizer,
+    TextDelta,
+    sampling_params_for,
+    text_deltas,
+)
 from tests.fake_engine import FakeTokenizer
 
 
@@ -88,7 +95,7 @@ class TextDeltaTest(unittest.TestCase):
         tok = ByteTokenizer()
         ids = tok.encode(text)
         bounds = sorted({c for c in cuts if c < len(ids)} | {0, len(ids)})
-        steps = [ids[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        steps = [ids[a:b] for a, b in itertools.pairwise(bounds)]
         deltas, _ = run_deltas(steps, [stop], tok)
         streamed = "".join(d.text for d in deltas)
         index = text.find(stop)

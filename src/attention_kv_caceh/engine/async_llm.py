@@ -16,10 +16,8 @@ has_unfinished_requests, the scheduler's running/waiting lists, the KV usage, th
 `EngineRequestOutput` / `EngineStepStats` (the fields read), `TokenizerLike`, and `load_engine` (building
 the engine from a checkpoint). Adapting to a renamed engine API is a change here only.
 
-Times are `time.monotonic()` seconds. The statistics handed to stat loggers (`IterationStats`) follow vLLM
-v1's `vllm/v1/metrics/stats.py`: TTFT from the request's arrival here to the end of the step that produced
-its first token, inter-token latency between consecutive token-producing steps of a request, queue time from
-arrival to the start of the first step that scheduled it, E2E latency from arrival to the finishing step.
+After every step AsyncLLM hands an `IterationStats` (stats.py, which defines how each time is measured) to
+its stat loggers (the Prometheus metrics).
 """
 
 from __future__ import annotations
@@ -31,10 +29,11 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
 
 __all__ = [
     "AsyncLLM",
@@ -42,9 +41,6 @@ __all__ = [
     "EngineLike",
     "EngineRequestError",
     "EngineStepError",
-    "FinishedRequestStats",
-    "IncrementalDetokenizer",
-    "IterationStats",
     "RequestDelta",
     "RequestStream",
     "TokenizerLike",
@@ -155,42 +151,6 @@ def load_engine(model_dir: str, config_kwargs: dict[str, Any]) -> tuple[EngineLi
     return engine, engine.tokenizer, int(engine.scheduler.max_model_len)
 
 
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list: decode(all ids) minus the text already returned.
-
-    A trailing U+FFFD (an incomplete UTF-8 sequence of a byte-level tokenizer) is held back until the next
-    token completes it; `flush()` returns whatever is left. Decodes the whole list each time (O(n^2) in the
-    output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
-    """
-
-    def __init__(self, tokenizer: TokenizerLike) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """The text returned so far."""
-        return self._text
-
-    def add(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids`; return the new stable text."""
-        self._ids.extend(new_ids)
-        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
-        return self._advance(stable)
-
-    def flush(self) -> str:
-        """The text held back (at the end of the request)."""
-        return self._advance(self._tokenizer.decode(list(self._ids)))
-
-    def _advance(self, full: str) -> str:
-        if len(full) <= len(self._text) or not full.startswith(self._text):
-            return ""
-        delta = full[len(self._text) :]
-        self._text = full
-        return delta
-
-
 def _admission_limit(engine: EngineLike) -> int:
     return engine.config.max_num_seqs
 
@@ -238,32 +198,6 @@ class EngineRequestError(ValueError):
 
 class EngineDrainingError(RuntimeError):
     """The engine is shutting down and admits no new request."""
-
-
-@dataclass(frozen=True)
-class FinishedRequestStats:
-    """One finished request (vLLM v1's FinishedRequestStats); times in seconds."""
-
-    finish_reason: str
-    e2e_latency: float
-    queued_time: float
-    num_prompt_tokens: int
-    num_generation_tokens: int
-
-
-@dataclass(frozen=True)
-class IterationStats:
-    """What one engine step did, for stat loggers (vLLM v1's IterationStats); times in seconds."""
-
-    num_prompt_tokens: int  # prompt tokens of requests whose prefill finished this step
-    num_generation_tokens: int
-    num_scheduled_tokens: int  # prefill + decode tokens computed this step
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    time_to_first_tokens: list[float] = field(default_factory=list[float])
-    inter_token_latencies: list[float] = field(default_factory=list[float])
-    finished_requests: list[FinishedRequestStats] = field(default_factory=list[FinishedRequestStats])
 
 
 _Item = RequestDelta | BaseException

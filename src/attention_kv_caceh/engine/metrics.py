@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from attention_kv_caceh.engine.async_llm import IterationStats
+from attention_kv_caceh.engine.stats import IterationStats
 
 __all__ = [
     "E2E_BUCKETS",

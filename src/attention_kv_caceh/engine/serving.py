@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attention_kv_caceh.engine.async_llm import IncrementalDetokenizer, RequestStream, TokenizerLike
+from attention_kv_caceh.engine.async_llm import RequestStream, TokenizerLike
 from attention_kv_caceh.engine.protocol import GenerationRequest
 from attention_kv_caceh.engine.request import SamplingParams
 
 __all__ = [
     "DONE",
     "HTTPError",
+    "IncrementalDetokenizer",
     "TextDelta",
     "chat_chunk",
     "completion_chunk",
@@ -114,6 +115,42 @@ def sampling_params_for(
         seed=body.seed,
         ignore_eos=body.ignore_eos,
     )
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list: decode(all ids) minus the text already returned.
+
+    A trailing U+FFFD (an incomplete UTF-8 sequence of a byte-level tokenizer) is held back until the next
+    token completes it; `flush()` returns whatever is left. Decodes the whole list each time (O(n^2) in the
+    output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """The text returned so far."""
+        return self._text
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append `new_ids`; return the new stable text."""
+        self._ids.extend(new_ids)
+        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
+        return self._advance(stable)
+
+    def flush(self) -> str:
+        """The text held back (at the end of the request)."""
+        return self._advance(self._tokenizer.decode(list(self._ids)))
+
+    def _advance(self, full: str) -> str:
+        if len(full) <= len(self._text) or not full.startswith(self._text):
+            return ""
+        delta = full[len(self._text) :]
+        self._text = full
+        return delta
 
 
 @dataclass(frozen=True)
