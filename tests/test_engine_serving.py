@@ -12,8 +12,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.engine.async_llm import RequestDelta, RequestStream
 from attention_kv_caceh.engine.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
+from attention_kv_caceh.engine.output_processor import RequestDelta, RequestStream
 from attention_kv_caceh.engine.protocol import CompletionRequest
 from attention_kv_caceh.engine.serving import (
     HTTPError,
@@ -60,7 +60,7 @@ def run_deltas(
             last = i == len(tokens) - 1
             queue.put_nowait(RequestDelta("r", tuple(ids), last, "length" if last else None, 2, count))
         llm = _Aborts()
-        stream = RequestStream(llm, "r", queue)  # type: ignore[arg-type]
+        stream = RequestStream("r", queue, llm.abort)
         return [d async for d in text_deltas(stream, tokenizer, stops)], llm  # type: ignore[arg-type]
 
     return asyncio.run(go())

@@ -29,23 +29,21 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from attention_kv_caceh.engine.output_processor import (
+    EngineDrainingError,
+    EngineRequestError,
+    EngineStepError,
+    RequestDelta,
+    RequestState,
+    RequestStream,
+    StreamItem,
+)
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
 
-__all__ = [
-    "AsyncLLM",
-    "EngineDrainingError",
-    "EngineLike",
-    "EngineRequestError",
-    "EngineStepError",
-    "RequestDelta",
-    "RequestStream",
-    "TokenizerLike",
-    "load_engine",
-]
+__all__ = ["AsyncLLM", "EngineLike", "TokenizerLike", "load_engine"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,86 +170,8 @@ def _kv_cache_usage(engine: EngineLike) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# What the server sees.
+# The engine loop.
 # ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RequestDelta:
-    """New tokens of one request after one step. `finish_reason`: "stop" | "length" | "abort" | None."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int  # cumulative, including new_token_ids
-
-
-class EngineStepError(RuntimeError):
-    """The engine step that served this request raised; the request was aborted."""
-
-
-class EngineRequestError(ValueError):
-    """The engine refused the request when it was added (a client error: HTTP 400)."""
-
-
-class EngineDrainingError(RuntimeError):
-    """The engine is shutting down and admits no new request."""
-
-
-_Item = RequestDelta | BaseException
-
-
-@dataclass
-class _Tracked:
-    """Per-request bookkeeping; fields other than `queue` are touched by the engine thread only."""
-
-    queue: asyncio.Queue[_Item]
-    arrival_time: float
-    num_prompt_tokens: int
-    scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-    num_output_tokens: int = 0
-
-
-class RequestStream:
-    """The async iterator of one request's RequestDeltas; `close()` aborts it if it has not finished.
-
-    Iteration raises EngineStepError when the step serving the request failed, EngineRequestError when
-    the engine refused the request.
-    """
-
-    def __init__(self, llm: AsyncLLM, request_id: str, queue: asyncio.Queue[_Item]) -> None:
-        self.request_id = request_id
-        self._llm = llm
-        self._queue = queue
-        self._done = False
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestDelta:
-        if self._done:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
-
-    def close(self, finish_reason: str = "abort") -> None:
-        """Abort the request unless it finished (idempotent); applied before the engine's next step.
-
-        `finish_reason` is what the metrics record: "abort" for a client that left, "stop" for a stop
-        string the server found in the text.
-        """
-        if not self._done:
-            self._done = True
-            self._llm.abort(self.request_id, finish_reason)
 
 
 class AsyncLLM:
@@ -269,7 +189,7 @@ class AsyncLLM:
         # (kind, request_id, prompt_token_ids, sampling_params, finish_reason of an abort)
         self._commands: list[tuple[str, str, list[int], SamplingParams | None, str]] = []
         self._num_pending_adds = 0
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, RequestState] = {}
         self._stop = False
         self._draining = False
         self._thread: threading.Thread | None = None
@@ -330,15 +250,15 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM.start() was not called")
         if self._draining or self._stop:
             raise EngineDrainingError("the server is shutting down")
-        queue: asyncio.Queue[_Item] = asyncio.Queue()
+        queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         with self._cond:
             if request_id in self._tracked:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            self._tracked[request_id] = _Tracked(queue, time.monotonic(), len(prompt_token_ids))
+            self._tracked[request_id] = RequestState(queue, time.monotonic(), len(prompt_token_ids))
             self._commands.append(("add", request_id, list(prompt_token_ids), sampling_params, ""))
             self._num_pending_adds += 1
             self._cond.notify()
-        return RequestStream(self, request_id, queue)
+        return RequestStream(request_id, queue, self.abort)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -430,7 +350,7 @@ class AsyncLLM:
             tracked = self._tracked.pop(request_id, None)
         if tracked is None:
             return
-        finished = _finished_stats(tracked, reason, time.monotonic())
+        finished = tracked.finished_stats(reason, time.monotonic())
         self._record(IterationStats(0, 0, 0, 0, 0, 0, finished_requests=[finished]))
         delta = RequestDelta(
             request_id, (), True, reason, tracked.num_prompt_tokens, tracked.num_output_tokens
@@ -491,16 +411,12 @@ class AsyncLLM:
                 continue  # aborted before this step's output arrived
             new_ids = tuple(int(t) for t in output.new_token_ids)
             if new_ids:
-                if tracked.scheduled_time is None:
-                    tracked.scheduled_time = start
-                if tracked.first_token_time is None:
-                    tracked.first_token_time = end
-                    ttfts.append(end - tracked.arrival_time)
+                ttft, itl = tracked.record_tokens(len(new_ids), start, end)
+                if ttft is not None:
+                    ttfts.append(ttft)
                     prompt_tokens += tracked.num_prompt_tokens
-                elif tracked.last_token_time is not None:
-                    itls.append(end - tracked.last_token_time)
-                tracked.last_token_time = end
-                tracked.num_output_tokens += len(new_ids)
+                if itl is not None:
+                    itls.append(itl)
                 generation_tokens += len(new_ids)
             reason = output.finish_reason if output.finished else None
             delta = RequestDelta(
@@ -513,7 +429,7 @@ class AsyncLLM:
             )
             self._deliver(tracked, delta)
             if output.finished:
-                finished.append(_finished_stats(tracked, reason or "stop", end))
+                finished.append(tracked.finished_stats(reason or "stop", end))
         stats = IterationStats(
             num_prompt_tokens=prompt_tokens,
             num_generation_tokens=generation_tokens,
@@ -540,7 +456,7 @@ class AsyncLLM:
                 self._deliver(tracked, error)
         self._signal_if_idle()
 
-    def _deliver(self, tracked: _Tracked, item: _Item) -> None:
+    def _deliver(self, tracked: RequestState, item: StreamItem) -> None:
         loop = self._loop
         if loop is None:
             return
@@ -560,14 +476,3 @@ class AsyncLLM:
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(idle.set)
-
-
-def _finished_stats(tracked: _Tracked, reason: str, now: float) -> FinishedRequestStats:
-    scheduled = tracked.scheduled_time if tracked.scheduled_time is not None else now
-    return FinishedRequestStats(
-        finish_reason=reason,
-        e2e_latency=now - tracked.arrival_time,
-        queued_time=scheduled - tracked.arrival_time,
-        num_prompt_tokens=tracked.num_prompt_tokens,
-        num_generation_tokens=tracked.num_output_tokens,
-    )

@@ -29,16 +29,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from attention_kv_caceh.engine.async_llm import (
-    AsyncLLM,
+from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.chat_utils import ChatTemplate
+from attention_kv_caceh.engine.metrics import ServerMetrics
+from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
     EngineRequestError,
     EngineStepError,
     RequestStream,
-    TokenizerLike,
 )
-from attention_kv_caceh.engine.chat_utils import ChatTemplate
-from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.protocol import (
     ChatCompletionRequest,
     ChatMessage,

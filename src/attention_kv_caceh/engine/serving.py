@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attention_kv_caceh.engine.async_llm import RequestStream, TokenizerLike
+from attention_kv_caceh.engine.async_llm import TokenizerLike
+from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.protocol import GenerationRequest
 from attention_kv_caceh.engine.request import SamplingParams
 
