@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
 import tempfile
 import unittest
 import urllib.request
@@ -28,7 +29,7 @@ class ServeProcessTest(unittest.TestCase):
         with (
             tempfile.TemporaryDirectory() as empty,
             self.assertRaisesRegex(ServerStartError, "code 2"),
-            serve_process(empty, startup_timeout_s=60),
+            serve_process(empty, startup_timeout_s=60, stderr=subprocess.DEVNULL),
         ):
             self.fail("the server cannot have started")
 

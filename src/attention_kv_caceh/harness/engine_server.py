@@ -5,7 +5,8 @@
 share an interpreter with the load generator), reads the `serving NAME at URL` line it prints once the
 checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields the base URL
 (`http://127.0.0.1:PORT`, no `/v1`). On exit it sends SIGTERM (the server drains and exits 0), then
-SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's.
+SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's unless
+redirected.
 """
 
 from __future__ import annotations
@@ -90,14 +91,16 @@ def serve_process(
     *,
     startup_timeout_s: float = 300.0,
     stop_timeout_s: float = 30.0,
+    stderr: int | IO[str] | None = None,
 ) -> Generator[str]:
     """Run `serve` for `model_dir` in a child process; yields its base URL once /health answers 200.
 
     Raises ServerStartError when the child exits before serving or is not healthy within
     `startup_timeout_s` (loading a checkpoint can take a while). The child gets SIGTERM on exit, then
-    SIGKILL after `stop_timeout_s`.
+    SIGKILL after `stop_timeout_s`. `stderr`: where the child's stderr goes (None: the parent's).
     """
-    proc = subprocess.Popen(serve_command(model_dir, engine_flags), stdout=subprocess.PIPE, text=True)
+    command = serve_command(model_dir, engine_flags)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
     assert proc.stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
