@@ -118,10 +118,8 @@ class ChatCompletionRequest(GenerationRequest):
 
 
 class TokenizeRequest(_Base):
-    """POST /tokenize: vLLM's completion form (`prompt`) or chat form (`messages`).
-
-    `add_special_tokens` is accepted; the tokenizer's `encode` decides what it adds.
-    """
+    """POST /tokenize: vLLM's completion form (`prompt`, with `add_special_tokens`) or chat form
+    (`messages`: the chat template writes the special tokens itself)."""
 
     model: str | None = None
     prompt: str | None = None

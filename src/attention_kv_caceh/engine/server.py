@@ -189,7 +189,7 @@ def build_app(
         if body.messages is not None:
             tokens = chat_prompt(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt)
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
         strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
