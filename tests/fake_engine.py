@@ -25,6 +25,7 @@ class FakeTokenizer:
     """One token per character (its code point); EOS decodes to nothing."""
 
     eos_token_id: int | None = EOS
+    vocab_size: int = 0x110000  # every code point
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]

@@ -199,6 +199,8 @@ class StreamingTest(unittest.TestCase):
                 "max_tokens",
             ),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": 5}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, 0x110000]}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, -1]}}, 400, "prompt"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "n": 2}}, 400, "n"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "top_p": 0}}, 400, "top_p"),
             ("/v1/chat/completions", {"json": {"model": MODEL, "messages": "hi"}}, 400, "messages"),

@@ -31,6 +31,7 @@ class CharTokenizer:
     """Token id i is the character chr(65 + i) (ids < VOCAB)."""
 
     eos_token_id: int | None = 0
+    vocab_size: int = VOCAB
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [(ord(c) - 65) % VOCAB for c in text]

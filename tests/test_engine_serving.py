@@ -29,6 +29,7 @@ class ByteTokenizer:
     """One token per UTF-8 byte: a multi-byte character is incomplete until its last byte arrives."""
 
     eos_token_id: int | None = None
+    vocab_size: int = 256
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode())

@@ -158,8 +158,12 @@ def build_app(
     def completion_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             return tokenizer.encode(prompt)
-        if any(t < 0 for t in prompt):
-            raise HTTPError(400, "prompt token ids must be >= 0", "prompt")
+        # an id the model has no embedding row for would fail the whole engine step, not just this request
+        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise HTTPError(
+                400, f"prompt token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "prompt"
+            )
         return list(prompt)
 
     @app.get("/health")
@@ -198,8 +202,8 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        if any(t < 0 for t in body.tokens):
-            raise HTTPError(400, "token ids must be >= 0", "tokens")
+        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
+            raise HTTPError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
