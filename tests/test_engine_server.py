@@ -8,6 +8,8 @@ headers), never by sleeping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import json
 import unittest
 from typing import Any
@@ -135,8 +137,12 @@ class StreamingTest(unittest.TestCase):
                 stream_options={"include_usage": False, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
             )
         )
-        counts = [c.usage.completion_tokens for c in chunks if c.usage is not None and c.choices[0].text]
-        self.assertEqual(counts, [1, 2, 3, 4, 5])
+        text_chunks = [c for c in chunks if c.usage is not None and c.choices[0].text]
+        counts = [c.usage.completion_tokens for c in text_chunks if c.usage is not None]
+        lengths = [len(c.choices[0].text) for c in text_chunks]
+        # one character per token: each chunk's count is the characters streamed so far
+        self.assertEqual(counts, list(itertools.accumulate(lengths)))
+        self.assertEqual(counts[-1], 5)
 
     def test_stop_string_trims_the_text_in_stream_and_whole(self) -> None:
         prompt = "q"
@@ -306,12 +312,37 @@ class FaultTest(unittest.TestCase):
             )
             samples = scrape(thread.base_url)
         self.assertTrue(drained)
-        self.assertEqual(firsts, [expected_text(TOK.encode(f"p{i}"), 1) for i in range(100)])
+        # a first chunk carries every token produced before it was written (at least one)
+        self.assertTrue(all(firsts))
+        self.assertEqual(firsts, [expected_text(TOK.encode(f"p{i}"), len(f)) for i, f in enumerate(firsts)])
         self.assertEqual(engine.num_free_blocks, total_blocks)
         self.assertEqual(samples["vllm:num_requests_running{}"], 0)
         self.assertEqual(samples["vllm:num_requests_waiting{}"], 0)
         self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 100)
         self.assertLessEqual(max(s.num_running for s in engine.step_stats), 16)
+
+    def test_a_client_that_leaves_a_whole_response_aborts_its_request(self) -> None:
+        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=10**9)
+        engine.gate.clear()  # the request's first step waits: the client leaves meanwhile
+
+        async def go(url: str) -> None:
+            body = {"model": MODEL, "prompt": "w", "max_tokens": 10**8}
+            async with aiohttp.ClientSession() as session:
+                task = asyncio.ensure_future(session.post(url + "/v1/completions", json=body))
+                self.assertTrue(await asyncio.to_thread(engine.wait_for, lambda: engine.blocked))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            engine.gate.set()
+
+        with thread:
+            asyncio.run(go(thread.base_url))
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
+            samples = scrape(thread.base_url)
+        self.assertTrue(drained)
+        self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 1)
 
     def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
         thread, _engine, _llm = fake_server(api_key="sesame")

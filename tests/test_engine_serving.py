@@ -48,23 +48,62 @@ class _Aborts:
         self.aborted.append((request_id, finish_reason))
 
 
+def deltas_of(tokens: list[list[int]]) -> list[RequestDelta]:
+    """One RequestDelta per step; the last one finishes with "length"."""
+    out: list[RequestDelta] = []
+    count = 0
+    for i, ids in enumerate(tokens):
+        count += len(ids)
+        last = i == len(tokens) - 1
+        out.append(RequestDelta("r", tuple(ids), last, "length" if last else None, 2, count))
+    return out
+
+
 def run_deltas(
     tokens: list[list[int]], stops: list[str], tokenizer: object
 ) -> tuple[list[TextDelta], _Aborts]:
-    """Feed one delta per step through a RequestStream; the last one finishes with "length"."""
+    """Feed one delta per step through a RequestStream, each once the reader took the previous one."""
 
     async def go() -> tuple[list[TextDelta], _Aborts]:
         queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        count = 0
-        for i, ids in enumerate(tokens):
-            count += len(ids)
-            last = i == len(tokens) - 1
-            queue.put_nowait(RequestDelta("r", tuple(ids), last, "length" if last else None, 2, count))
         llm = _Aborts()
         stream = RequestStream("r", queue, llm.abort)
-        return [d async for d in text_deltas(stream, tokenizer, stops)], llm  # type: ignore[arg-type]
+
+        async def feed() -> None:
+            for delta in deltas_of(tokens):
+                queue.put_nowait(delta)
+                while not queue.empty():
+                    await asyncio.sleep(0)  # yield to the reader until it took the delta
+
+        feeder = asyncio.ensure_future(feed())
+        result = [d async for d in text_deltas(stream, tokenizer, stops)]  # type: ignore[arg-type]
+        feeder.cancel()
+        return result, llm
 
     return asyncio.run(go())
+
+
+class RequestStreamTest(unittest.TestCase):
+    def test_deltas_waiting_in_the_queue_come_out_merged_and_an_error_after_them(self) -> None:
+        async def go() -> tuple[list[RequestDelta], BaseException | None]:
+            queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+            for delta in deltas_of([[1], [2, 3], [4]])[:2]:
+                queue.put_nowait(delta)
+            queue.put_nowait(RuntimeError("step failed"))
+            stream = RequestStream("r", queue, _Aborts().abort)
+            got: list[RequestDelta] = []
+            try:
+                async for delta in stream:
+                    got.append(delta)
+            except RuntimeError as exc:
+                return got, exc
+            return got, None
+
+        got, error = asyncio.run(go())
+        self.assertEqual(
+            [(d.new_token_ids, d.num_output_tokens, d.finished) for d in got], [((1, 2, 3), 3, False)]
+        )
+        self.assertIsInstance(error, RuntimeError)
 
 
 class TextDeltaTest(unittest.TestCase):

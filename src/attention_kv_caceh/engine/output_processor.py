@@ -96,8 +96,11 @@ class RequestState:
 class RequestStream:
     """The async iterator of one request's RequestDeltas; `close()` aborts it if it has not finished.
 
-    Iteration raises EngineStepError when the step serving the request failed, EngineRequestError when
-    the engine refused the request.
+    When the reader falls behind the engine, the deltas waiting in the queue come out merged into one (as
+    vLLM's RequestOutputCollector merges them): a reader then waits on an empty queue after every delta,
+    so a fast engine can never keep the event loop from serving other connections. Iteration raises
+    EngineStepError when the step serving the request failed, EngineRequestError when the engine refused
+    the request.
     """
 
     def __init__(
@@ -107,6 +110,7 @@ class RequestStream:
         self._queue = queue
         self._abort = abort
         self._done = False
+        self._error: BaseException | None = None
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -114,13 +118,25 @@ class RequestStream:
     async def __anext__(self) -> RequestDelta:
         if self._done:
             raise StopAsyncIteration
+        if self._error is not None:
+            self._done = True
+            raise self._error
         item = await self._queue.get()
-        if isinstance(item, BaseException):
+        merged: RequestDelta | None = None
+        while True:
+            if isinstance(item, BaseException):
+                if merged is None:
+                    self._done = True
+                    raise item
+                self._error = item  # the tokens before it first
+                break
+            merged = item if merged is None else _merge(merged, item)
+            if merged.finished or self._queue.empty():
+                break
+            item = self._queue.get_nowait()
+        if merged.finished:
             self._done = True
-            raise item
-        if item.finished:
-            self._done = True
-        return item
+        return merged
 
     def close(self, finish_reason: str = "abort") -> None:
         """Abort the request unless it finished (idempotent); applied before the engine's next step.
@@ -131,3 +147,15 @@ class RequestStream:
         if not self._done:
             self._done = True
             self._abort(self.request_id, finish_reason)
+
+
+def _merge(first: RequestDelta, then: RequestDelta) -> RequestDelta:
+    """`first` followed by `then` as one delta."""
+    return RequestDelta(
+        first.request_id,
+        first.new_token_ids + then.new_token_ids,
+        then.finished,
+        then.finish_reason,
+        then.num_prompt_tokens,
+        then.num_output_tokens,
+    )

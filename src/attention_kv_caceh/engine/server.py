@@ -17,17 +17,20 @@ the requests it was running: a stream gets an error event then `[DONE]`, a whole
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
@@ -119,16 +122,8 @@ def build_app(
     async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
         return error_response(exc.status, exc.message, exc.param)
 
-    @app.middleware("http")
-    async def _authenticate(  # pyright: ignore[reportUnusedFunction]
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        path = request.url.path
-        if api_key is not None and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key (Authorization: Bearer <key>)")
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -207,25 +202,66 @@ def build_app(
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
+    async def completions(body: CompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = admit(request_id, completion_prompt(body.prompt), body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         if body.stream:
             return _sse_response(_completion_events(stream, body, tokenizer, served_model_name))
-        return await _whole(stream, body, tokenizer, served_model_name, chat=False)
+        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=False))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt_ids = chat_prompt(body.messages, body.add_generation_prompt)
         stream = admit(request_id, prompt_ids, body, None)
         if body.stream:
             return _sse_response(_chat_events(stream, body, tokenizer, served_model_name))
-        return await _whole(stream, body, tokenizer, served_model_name, chat=True)
+        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=True))
 
     return app
+
+
+class _ApiKeyMiddleware:
+    """401 for `/v1/*`, `/tokenize` and `/detokenize` without `Authorization: Bearer <api_key>` (a plain
+    ASGI middleware: it leaves streaming and disconnect detection untouched)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = str(scope.get("path", ""))
+        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not secrets.compare_digest(given, self.expected):
+                message = "missing or wrong API key (Authorization: Bearer <key>)"
+                await error_response(401, message)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:
+    """Await `work`, or cancel it when the client disconnects first (its `finally` aborts the request);
+    the answer to a client that left is never read."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    return Response(status_code=499)  # nginx's "client closed request"
 
 
 def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
