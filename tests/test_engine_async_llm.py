@@ -6,7 +6,7 @@ import asyncio
 import unittest
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
-from attention_kv_caceh.engine.output_processor import EngineDrainingError, RequestDelta
+from attention_kv_caceh.engine.output_processor import EngineDrainingError, EngineStepError, RequestDelta
 from attention_kv_caceh.engine.request import SamplingParams
 from tests.fake_engine import FakeEngine, FakeTokenizer, letter
 
@@ -65,6 +65,29 @@ class AsyncLLMTest(unittest.TestCase):
         self.assertTrue(stopped)
         self.assertFalse(engine.has_unfinished_requests())
         self.assertEqual(engine.num_free_blocks, engine.scheduler.kv_cache_manager.num_blocks)
+
+    def test_a_bug_outside_the_step_fails_the_requests_and_stops_the_loop(self) -> None:
+        engine = FakeEngine()
+
+        def broken() -> bool:
+            raise RuntimeError("bookkeeping bug")
+
+        engine.has_unfinished_requests = broken  # type: ignore[method-assign]
+
+        async def go() -> tuple[BaseException | None, bool]:
+            llm = AsyncLLM(engine, FakeTokenizer())
+            llm.start()
+            try:
+                await collect(llm, "r", [65], 3)
+            except EngineStepError as exc:
+                await asyncio.to_thread(llm._thread.join, 5)  # type: ignore[union-attr]
+                return exc, llm.is_running
+            return None, llm.is_running
+
+        with self.assertLogs("attention_kv_caceh.engine.async_llm", "ERROR"):
+            error, running = asyncio.run(go())
+        self.assertIsInstance(error, EngineStepError)
+        self.assertFalse(running)
 
 
 if __name__ == "__main__":

@@ -312,6 +312,16 @@ class AsyncLLM:
     # -- engine thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        try:
+            self._loop_forever()
+        except Exception as exc:  # a bug outside engine.step(): fail everyone, /health turns 503
+            logger.exception("the engine loop stopped")
+            with self._cond:
+                self._stop = True
+                failed = list(self._tracked)
+            self._fail(failed, exc)
+
+    def _loop_forever(self) -> None:
         busy = False
         while True:
             with self._cond:
