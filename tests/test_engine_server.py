@@ -18,10 +18,12 @@ import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import METRIC_NAMES
-from tests.fake_engine import FakeTokenizer, expected_text
-from tests.serve_helpers import MODEL, fake_server
+from attention_kv_caceh.engine.server import build_app
+from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
+from tests.serve_helpers import MODEL, ServerThread, fake_server
 
 TOK = FakeTokenizer()
 
@@ -343,6 +345,27 @@ class FaultTest(unittest.TestCase):
             samples = scrape(thread.base_url)
         self.assertTrue(drained)
         self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 1)
+
+    def test_an_unexpected_error_in_a_handler_is_a_500_with_an_error_body(self) -> None:
+        class Exploding(FakeTokenizer):
+            def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+                if text == "boom":
+                    raise RuntimeError("tokenizer bug")
+                return super().encode(text, add_special_tokens)
+
+        tokenizer = Exploding()
+        app = build_app(AsyncLLM(FakeEngine(), tokenizer), tokenizer, MODEL, 256)
+        with ServerThread(app) as thread:
+            with (
+                self.assertLogs("attention_kv_caceh.engine.server", "ERROR"),
+                self.assertLogs("uvicorn.error"),
+            ):
+                status, body = request("POST", thread.base_url + "/v1/completions", json={"prompt": "boom"})
+            health = request("GET", thread.base_url + "/health")[0]
+            ok = request("POST", thread.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        self.assertEqual((status, body["error"]["code"]), (500, 500))
+        self.assertIn("tokenizer bug", body["error"]["message"])
+        self.assertEqual((health, ok[0]), (200, 200))
 
     def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
         thread, _engine, _llm = fake_server(api_key="sesame")

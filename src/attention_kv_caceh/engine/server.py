@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import time
 import uuid
@@ -63,6 +64,8 @@ from attention_kv_caceh.engine.serving import (
 )
 
 __all__ = ["build_app"]
+
+logger = logging.getLogger(__name__)
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 
@@ -121,6 +124,11 @@ def build_app(
     @app.exception_handler(HTTPError)
     async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
         return error_response(exc.status, exc.message, exc.param)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(_request: Request, exc: Exception) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
+        logger.exception("request failed", exc_info=exc)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
