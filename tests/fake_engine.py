@@ -5,7 +5,7 @@ character id of the character-level FakeTokenizer), so every expected text has a
 The scheduler behaves like the real one where the server can see it: at most `max_num_seqs` requests run,
 the rest wait in FIFO order; each running request holds ceil(num_tokens / block_size) blocks of a fixed
 pool, freed when it finishes or is aborted. `gate` (a threading.Event, set by default) pauses every step
-after admission; `fail_steps` makes the next steps raise. `changed` is notified after every step and abort,
+after admission; `fail_steps` makes the next steps raise; `stalled` makes steps schedule nothing. `changed` is notified after every step and abort,
 so tests wait on conditions instead of sleeping.
 """
 
@@ -121,6 +121,8 @@ class FakeEngine:
         self.gate.set()
         self.blocked = False
         self.fail_steps = 0
+        self.stalled = False
+        self.step_calls = 0
         self.changed = threading.Condition()
         self.step_stats: list[FakeStepStats] = []
 
@@ -146,6 +148,10 @@ class FakeEngine:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     def step(self) -> list[FakeOutput]:
+        self.step_calls += 1
+        if self.stalled:  # nothing can be scheduled (as when the KV pool is full): no output, no stats
+            self._notify()
+            return []
         s = self.scheduler
         while s.waiting and len(s.running) < self.config.max_num_seqs:
             s.running.append(s.waiting.popleft())

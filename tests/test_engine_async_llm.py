@@ -66,6 +66,22 @@ class AsyncLLMTest(unittest.TestCase):
         self.assertFalse(engine.has_unfinished_requests())
         self.assertEqual(engine.num_free_blocks, engine.scheduler.kv_cache_manager.num_blocks)
 
+    def test_a_step_that_schedules_nothing_waits_for_the_next_command_instead_of_spinning(self) -> None:
+        engine = FakeEngine()
+        engine.stalled = True
+
+        async def go() -> None:
+            llm = AsyncLLM(engine, FakeTokenizer())
+            llm.start()
+            stream = llm.add_request("r", [65], SamplingParams(max_tokens=3))
+            await asyncio.to_thread(engine.wait_for, lambda: engine.step_calls > 0)
+            stream.close()
+            await asyncio.to_thread(engine.wait_for, lambda: not engine.has_unfinished_requests())
+            await llm.shutdown(1)
+
+        asyncio.run(go())
+        self.assertEqual(engine.step_calls, 1)
+
     def test_a_bug_outside_the_step_fails_the_requests_and_stops_the_loop(self) -> None:
         engine = FakeEngine()
 

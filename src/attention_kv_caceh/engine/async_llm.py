@@ -337,9 +337,9 @@ class AsyncLLM:
                     self._apply_add(request_id, prompt, params)
                 else:
                     self._apply_abort(request_id, reason)
-            busy = self.engine.has_unfinished_requests()
-            if busy:
-                self._step()
+            # a step that scheduled nothing cannot be followed by one that does until an add or an abort
+            # changes the engine's state: wait for a command instead of spinning
+            busy = self.engine.has_unfinished_requests() and self._step()
 
     def _apply_add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         try:
@@ -374,7 +374,8 @@ class AsyncLLM:
             logger.exception("abort of request %s failed", request_id)
         self._signal_if_idle()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        """One engine step and its outputs; False when the step scheduled nothing."""
         start = time.monotonic()
         num_stats = len(self.engine.step_stats)
         try:
@@ -390,11 +391,13 @@ class AsyncLLM:
                 with contextlib.suppress(Exception):  # the step's exception above is the one logged
                     self.engine.abort_request(request_id)
             self._fail(failed, exc)
-            return
+            return True
         end = time.monotonic()
         self.num_steps += 1
         all_stats = self.engine.step_stats
-        self._process(outputs, all_stats[-1] if len(all_stats) > num_stats else None, start, end)
+        step_stats = all_stats[-1] if len(all_stats) > num_stats else None
+        self._process(outputs, step_stats, start, end)
+        return bool(outputs) or step_stats is not None
 
     def _process(
         self,
