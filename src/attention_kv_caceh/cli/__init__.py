@@ -57,6 +57,7 @@ SUBCOMMANDS: dict[str, str] = {
     "overhead": "overhead",
     "make-model": "make_model",
     "generate": "generate",
+    "serve": "serve",
 }
 
 _EXIT_SIGTERM = 143  # 128 + SIGTERM, as shells report it
