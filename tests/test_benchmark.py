@@ -1,4 +1,5 @@
-"""The batch-size scan and its CLI: files, table, verdict, oracle gate, usage errors, interrupts."""
+"""The batch-size scan and its command (`cli/scan.py`, the default of `attention-kv-caceh`): files,
+table, verdict, oracle gate, usage errors, interrupts (Ctrl-C and SIGTERM)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from unittest import mock
 import numpy as np
 
 from attention_kv_caceh import benchmark
+from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments import scan
 from attention_kv_caceh.experiments.scan import ScanConfig, saturation_verdict, scan_table
 from attention_kv_caceh.timing import Sample
@@ -116,25 +118,23 @@ class ScanCliTest(unittest.TestCase):
         self.csv.parent.mkdir(parents=True)
         self.csv.write_text("keep me\n")
         (self.dir / "file.txt").write_text("a file, not a folder\n")
+        # Each case names the flag (or the size that does not fit); the wording is argparse's or ours.
         cases = [
-            (["--batch-sizes", "0,2"], "--batch-sizes must be positive"),
-            (["--batch-sizes", "a,b"], "comma-separated integers"),
-            (["--batch-sizes", "1,,2"], "comma-separated integers"),
-            (["--seed", "-1"], "--seed must be >= 0"),
-            (["--head-dim", "0"], "--head-dim must be >= 1, got 0"),
+            (["--batch-sizes", "0,2"], "--batch-sizes"),
+            (["--batch-sizes", "a,b"], "--batch-sizes"),
+            (["--batch-sizes", "1,,2"], "--batch-sizes"),
+            (["--seed", "-1"], "--seed"),
+            (["--head-dim", "0"], "--head-dim"),
             (["--repeats", "1000000000000"], "GiB"),
             (["--csv", str(self.dir / "file.txt" / "x.csv")], "file.txt is not a folder"),
-            (["--seq-len", "-1"], "--seq-len must be >= 1, got -1"),
-            (
-                ["--num-heads", "3", "--num-kv-heads", "2"],
-                "--num-heads=3 must be a multiple of --num-kv-heads=2",
-            ),
-            (["--dtype", "float16"], "invalid choice"),
-            (["--repeats", "0"], "--repeats must be >= 1"),
-            (["--model", "gpt-5"], "invalid choice"),
-            (["--no-such-flag"], "unrecognized arguments"),
-            (["--blas-threads", "0"], "--blas-threads must be >= 1"),
-            (["--plot", str(self.dir / "x.jpg")], "must end in .png"),
+            (["--seq-len", "-1"], "--seq-len"),
+            (["--num-heads", "3", "--num-kv-heads", "2"], "--num-kv-heads"),
+            (["--dtype", "float16"], "--dtype"),
+            (["--repeats", "0"], "--repeats"),
+            (["--model", "gpt-5"], "--model"),
+            (["--no-such-flag"], "--no-such-flag"),
+            (["--blas-threads", "0"], "--blas-threads"),
+            (["--plot", str(self.dir / "x.jpg")], "--plot"),
             (["--batch-sizes", "4096", "--seq-len", "1000000"], "GiB"),
         ]
         for extra, message in cases:
@@ -152,6 +152,17 @@ class ScanCliTest(unittest.TestCase):
         code, _, err = run_cli("--csv", str(self.dir / "folder.csv"))
         self.assertEqual(code, 2)
         self.assertIn("is a folder", err)
+
+    def test_every_output_is_checked_before_the_first_sample(self) -> None:
+        # The summary and metadata files beside the CSV are outputs too: a folder in their place is a
+        # usage error up front, not a failure after the scan.
+        for beside in ("x-summary.csv", "x.csv.meta.json"):
+            with self.subTest(beside=beside), tempfile.TemporaryDirectory() as tmp:
+                (Path(tmp) / beside).mkdir()
+                code, out, err = run_cli("--csv", str(Path(tmp) / "x.csv"), "--repeats", "1")
+                self.assertEqual((code, out), (2, ""), err)
+                self.assertIn(beside, err)
+                self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), [beside])
 
     def test_console_usage_error_has_no_traceback(self) -> None:
         proc = subprocess.run(
@@ -189,7 +200,7 @@ class ScanCliTest(unittest.TestCase):
                 raise KeyboardInterrupt
             return real(config, inputs, b)
 
-        with mock.patch.object(benchmark, "run_batch", interrupted):
+        with mock.patch.object(scan_cli, "run_batch", interrupted):
             code, _, err = run_cli("--csv", str(self.csv), "--repeats", "3")
         self.assertEqual(code, 130)
         self.assertIn("6 samples kept", err)
@@ -198,9 +209,30 @@ class ScanCliTest(unittest.TestCase):
         self.assertEqual(meta["status"], "interrupted")
 
 
+class SigtermTest(unittest.TestCase):
+    def test_sigterm_saves_like_ctrl_c_and_exits_143(self) -> None:
+        real = scan.run_batch
+
+        def terminated(config, inputs, b):  # type: ignore[no-untyped-def]
+            if b == 2:
+                signal.raise_signal(signal.SIGTERM)  # as `kill PID` or a job scheduler sends it
+            return real(config, inputs, b)
+
+        with tempfile.TemporaryDirectory() as tmp:
+            csv_path = Path(tmp) / "b.csv"
+            with mock.patch.object(scan_cli, "run_batch", terminated):
+                code, _, err = run_cli("--csv", str(csv_path), "--repeats", "2")
+            self.assertEqual(code, 143)
+            self.assertEqual(len(err.strip().splitlines()), 1, err)
+            meta = json.loads((Path(tmp) / "b.csv.meta.json").read_text())
+            self.assertEqual(meta["status"], "interrupted")
+            self.assertEqual(len(read_csv(csv_path)), 2)  # B=1's two samples, complete
+        self.assertIs(signal.getsignal(signal.SIGTERM), signal.SIG_DFL)  # main restores the handler
+
+
 class SecondInterruptTest(unittest.TestCase):
     def test_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
-        real_run, real_write = scan.run_batch, benchmark.write_json_atomic
+        real_run, real_write = scan.run_batch, scan_cli.write_json_atomic
 
         def interrupted(config, inputs, b):  # type: ignore[no-untyped-def]
             if b == 2:
@@ -215,8 +247,8 @@ class SecondInterruptTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             csv_path = Path(tmp) / "b.csv"
             with (
-                mock.patch.object(benchmark, "run_batch", interrupted),
-                mock.patch.object(benchmark, "write_json_atomic", write_with_second_sigint),
+                mock.patch.object(scan_cli, "run_batch", interrupted),
+                mock.patch.object(scan_cli, "write_json_atomic", write_with_second_sigint),
             ):
                 code, _, _ = run_cli("--csv", str(csv_path), "--repeats", "2")
             self.assertEqual(code, 130)

@@ -19,14 +19,15 @@ from unittest import mock
 
 import numpy as np
 
+from attention_kv_caceh import cli
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import PreallocatedKVCache
-from attention_kv_caceh.experiments import cache_cli, cache_growth, cli
+from attention_kv_caceh.cli import cache as cache_cli
+from attention_kv_caceh.experiments import cache_growth, cache_memory
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
     measure_cache_memory,
     run_cache_growth,
-    theoretical_kv_bytes,
 )
 from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheStepSample,
@@ -36,6 +37,7 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     summarize_cache_growth,
 )
 from attention_kv_caceh.oracle import OracleMismatch
+from attention_kv_caceh.presets import kv_cache_bytes
 
 TINY = CacheGrowthConfig(
     steps=24, batch_size=2, num_heads=4, num_kv_heads=2, head_dim=8, repeats=2, warmup=1, seed=7
@@ -120,14 +122,12 @@ class RunTest(unittest.TestCase):
             for m in rows:
                 expected = 2 * 2 * m.sequence_length * 8 * itemsize * 2  # B * H_kv * T * D * 4 B * (K, V)
                 self.assertEqual(m.theoretical_bytes, expected)
-                self.assertEqual(
-                    m.theoretical_bytes, theoretical_kv_bytes(2, 2, m.sequence_length, 8, itemsize)
-                )
+                self.assertEqual(m.theoretical_bytes, kv_cache_bytes(2, 2, m.sequence_length, 8, itemsize))
                 if kind == "dynamic":
                     self.assertEqual(m.cache_nbytes, m.theoretical_bytes)
                     self.assertEqual(m.new_buffer_bytes, m.theoretical_bytes)
                 else:
-                    self.assertEqual(m.cache_nbytes, theoretical_kv_bytes(2, 2, TINY.steps, 8, itemsize))
+                    self.assertEqual(m.cache_nbytes, kv_cache_bytes(2, 2, TINY.steps, 8, itemsize))
                     self.assertEqual(m.new_buffer_bytes, 0)
 
     def test_summary_is_computed(self) -> None:
@@ -161,7 +161,7 @@ class MemoryAccountingTest(unittest.TestCase):
         for m in dyn:
             self.assertGreaterEqual(m.append_peak_bytes, m.theoretical_bytes // 2)
         dyn_slope = fit_line([m.sequence_length for m in dyn], [m.append_peak_bytes for m in dyn])[0]
-        per_position = theoretical_kv_bytes(2, 2, 1, 32, 4)
+        per_position = kv_cache_bytes(2, 2, 1, 32, 4)
         self.assertGreater(dyn_slope, 0.4 * per_position)
         self.assertGreater(dyn[-1].append_peak_bytes, 20 * dyn[0].append_peak_bytes)
         # Each step keeps exactly one more position in the Dynamic cache.
@@ -279,8 +279,8 @@ class CacheCommandTest(unittest.TestCase):
             self.assertIn("N-step total time ratio", out)
 
     def test_model_preset_sets_shape_and_prints_sizes(self) -> None:
-        args = cli.build_parser().parse_args(["cache", "--model", "llama-3-8b", "--steps", "4"])
-        config = cli.cache_config_from_args(args)
+        args = cli.build_parser("cache").parse_args(["--model", "llama-3-8b", "--steps", "4"])
+        config = cache_cli.cache_config(args)
         self.assertEqual((config.num_heads, config.num_kv_heads, config.head_dim), (32, 8, 128))
         card = cache_growth.kv_size_card(config)
         self.assertEqual(card["kv_bytes_per_token_all_layers_float16"], 2 * 8 * 128 * 2 * 32)
@@ -378,14 +378,18 @@ class CacheCommandTest(unittest.TestCase):
 
     def test_a_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
         # Under `uv run` one Ctrl-C reaches python twice; the second lands while the files are saved.
+        first_ctrl_c = [False]
+
         def interrupted(config: CacheGrowthConfig, *, samples: list[CacheStepSample], **_: Any) -> None:
             samples.extend(synthetic("dynamic", 0.1, 0.01, 5, 1))
+            first_ctrl_c[0] = True
             raise KeyboardInterrupt
 
         real_write = cache_cli.write_csv_atomic
 
         def write_interrupted(*args: Any, **kwargs: Any) -> Path:
-            signal.raise_signal(signal.SIGINT)
+            if first_ctrl_c[0]:  # the saves before the run (the prediction's) are not the final one
+                signal.raise_signal(signal.SIGINT)
             return real_write(*args, **kwargs)
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -420,14 +424,14 @@ class CacheCommandTest(unittest.TestCase):
         # 16 steps, no warm-up: Ctrl-C at the 20th timed step keeps the first pass (16 rows) and 3
         # steps of the second; Ctrl-C at the 5th memory step keeps 4 memory rows.
         cases = [
-            ("measure", 20, 19, 32, "preallocated repeat 0"),
-            ("scaled_dot_product_attention", 5, 0, 4, "dynamic memory pass"),
+            (cache_growth, "measure", 20, 19, 32, "preallocated repeat 0"),
+            (cache_memory, "scaled_dot_product_attention", 5, 0, 4, "dynamic memory pass"),
         ]
-        for name, n, timed, memory, cut in cases:
+        for module, name, n, timed, memory, cut in cases:
             with self.subTest(name=name), tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp, "cache.csv")
-                patched = interrupt_on_call(n, getattr(cache_growth, name))
-                with mock.patch.object(cache_growth, name, patched):
+                patched = interrupt_on_call(n, getattr(module, name))
+                with mock.patch.object(module, name, patched):
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
                 self.assertEqual(code, 130)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -468,7 +472,7 @@ class CacheCommandTest(unittest.TestCase):
     def test_flags_are_named_in_errors(self) -> None:
         for bad, needle in (
             (["--seed", "-1"], "--seed"),
-            (["--num-heads", "3", "--num-kv-heads", "2"], "--num-heads=3"),
+            (["--num-heads", "3", "--num-kv-heads", "2"], "--num-kv-heads"),
             (["--model", "nope"], "--model"),
         ):
             with self.subTest(bad=bad):
@@ -480,18 +484,19 @@ class CacheCommandTest(unittest.TestCase):
         needed = cache_growth.estimate_run_bytes(config)
         # inputs (q, k, v for N steps) and both caches at T = N at least
         self.assertGreater(needed, 1024 * 4 * 24 * 64 * 4 + 2 * 4 * 8 * 1024 * 64 * 4 * 2)
-        cli.check_cache_memory(config)  # a few MiB: fits
-        with (
-            mock.patch.object(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
-            self.assertRaisesRegex(ValueError, r"GiB.*lower --steps, --batch-size"),
-        ):
-            cli.check_cache_memory(config)  # 1 MiB of memory
-        # `ulimit -v` (RLIMIT_AS) lower than the physical memory counts
-        with (
-            mock.patch.object(resource, "getrlimit", lambda _: (2**20, resource.RLIM_INFINITY)),
-            self.assertRaisesRegex(ValueError, r"of the 0\.0 GiB this process may use"),
-        ):
-            cli.check_cache_memory(config)
+        flags = ["--steps", "1024", "--batch-size", "4", "--num-heads", "8", "--head-dim", "64"]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp, "cache.csv")
+            # 1 MiB of physical memory, then a `ulimit -v` (RLIMIT_AS) lower than physical memory
+            for patch in (
+                mock.patch.object(os, "sysconf", lambda name: 4096 if name == "SC_PAGE_SIZE" else 256),
+                mock.patch.object(resource, "getrlimit", lambda _: (2**20, resource.RLIM_INFINITY)),
+            ):
+                with self.subTest(patch=patch), patch:
+                    code, _, err = self.run_cli(["cache", "--csv", str(path), *flags])
+                self.assertEqual(code, 2)
+                self.assertRegex(err, r"MiB.*lower --steps, --batch-size")
+            self.assertEqual(list(Path(tmp).iterdir()), [])
 
     def test_every_output_path_is_checked_first(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
@@ -509,13 +514,6 @@ class CacheCommandTest(unittest.TestCase):
                     self.assertEqual(len(err.strip().splitlines()), 1, err)
                     self.assertEqual(out, "")
             self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), ["cache-memory.csv", "file.txt"])
-
-    def test_help_shows_each_default_once(self) -> None:
-        text = help_text("cache")
-        self.assertNotIn("(default: None)", text)
-        self.assertNotIn(") (default:", text)
-        self.assertIn("--batch-size B sequences decoded together (default: 2)", text)
-        self.assertIn("--num-heads H query heads (default: 8, or the model's) --num-kv-heads", text)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,26 @@ class TestConfigAndRope(unittest.TestCase):
         )
         self.assertEqual((config.num_key_value_heads, config.head_dim, config.eos_token_id), (4, 16, 2))
 
+    def test_transformers_5_rope_parameters_give_rope_theta_and_the_scaling_type(self) -> None:
+        # transformers >= 5 writes rope_theta inside `rope_parameters` instead of at the top level; a
+        # checkpoint saved by transformers 5.24 gave other greedy tokens until this key was read.
+        base: dict[str, object] = {
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 10,
+            "hidden_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "intermediate_size": 8,
+        }
+        plain = ModelConfig.from_hf_config(
+            {**base, "rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+        )
+        self.assertEqual((plain.rope_theta, plain.rope_scaling), (5e5, None))
+        self.assertEqual(ModelConfig.from_hf_config({**base, "rope_theta": 123.0}).rope_theta, 123.0)
+        self.assertEqual(ModelConfig.from_hf_config(base).rope_theta, 10000.0)
+        with self.assertRaisesRegex(CheckpointError, r"key 'rope_parameters': rope type 'yarn'"):
+            ModelConfig.from_hf_config({**base, "rope_parameters": {"rope_theta": 1e4, "rope_type": "yarn"}})
+
 
 class TestMakeModel(CheckpointTestBase):
     def test_same_arguments_write_identical_files_and_another_seed_other_weights(self) -> None:

@@ -1,15 +1,20 @@
 """The harness measures known delays, and the client's semaphore is not the server's batch.
 
-1. Against the scripted server in a child process (127.0.0.1, TTFT 60 ms, one token every 15 ms, 6 tokens,
-   so E2EL 135 ms), 2 x concurrency requests at concurrency 1, 16 and 128. Stated tolerances (upper
-   bounds grow with concurrency because client and server share this 2-core machine; lower bounds are
-   physics: nothing arrives before its scripted time):
-   - median TTFT in [60, 60 + 20 / 40 / 200] ms;
-   - median ITL in 15 +- 5 / 5 / 10 ms;
-   - the first wave's client queue time < 10 / 150 / 400 ms; the second wave's in
-     [135, 135 + 40 / 150 / 500] ms (each waits for a first-wave request to finish).
-   The upper bounds were set by running with two CPU hogs beside the test: idle, the medians are within
-   about 1 / 5 / 16 ms of the script (TTFT) and 0.3 ms (ITL).
+1. Against the scripted server (127.0.0.1, in this process's event loop, TTFT 60 ms, one token every
+   40 ms on absolute deadlines, 6 tokens), 2 x concurrency requests at concurrency 1, 16 and 128. The
+   server stamps each request's arrival and each write (`perf_counter_ns`, the records' clock) and tags
+   each stream with its own `usage.prompt_tokens`, so every record is paired with the server's own
+   times. No assertion is a wall-clock bound that a loaded machine can break:
+   - physics: no token is seen before the server wrote it, nor before its scripted deadline
+     (arrival + TTFT + k x ITL); no request reaches the server before the client sent it;
+   - attribution (concurrency 1 and 16): the median gap between a write and the client's timestamp of
+     that token is under half an ITL, i.e. each token is timed at its own write, not at a neighbour's
+     (load delays the server's write and the client's read alike; the gap measures only the path
+     between them). At 128 the server writes 128 tokens in one burst in the same event loop and the
+     client reads them one after another, so the gap measures the burst's backlog, not attribution;
+     only the bounds above are checked there;
+   - the semaphore: the k-th request sent (k >= concurrency) left only after k - concurrency + 1
+     requests had finished, and the second wave's queue time is at least one scripted E2EL.
 2. The user's notes' acceptance, on the simulated backend: concurrency 4 with 8 server slots never has
    more than 4 requests in flight at either end; concurrency 16 with 4 slots has 16 in flight at the
    client but never more than 4 running at the server, and the wait shows up as TTFT, not queue time.
@@ -24,17 +29,17 @@ import json
 import tempfile
 import unittest
 from pathlib import Path
+from typing import Any
 
 from attention_kv_caceh.files import JsonlWriter
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult, run_harness
-from attention_kv_caceh.harness.scripted_server import scripted_server_process
+from attention_kv_caceh.harness.scripted_server import Script, ScriptedServer, timed_token_script
 
-TTFT_MS, ITL_MS, TOKENS = 60.0, 15.0, 6
+TTFT_MS, ITL_MS, TOKENS = 60.0, 40.0, 6
 E2EL_MS = TTFT_MS + (TOKENS - 1) * ITL_MS
-# concurrency: (TTFT slack, ITL tolerance, first-wave queue bound, second-wave queue slack), ms
-TOLERANCES = {1: (20.0, 5.0, 10.0, 40.0), 16: (40.0, 5.0, 150.0, 150.0), 128: (200.0, 10.0, 400.0, 500.0)}
+TAG = 1000  # usage.prompt_tokens of the i-th request to reach the server is TAG + i
 
 
 def median(values: list[float]) -> float:
@@ -44,54 +49,69 @@ def median(values: list[float]) -> float:
 
 
 class KnownDelaysTest(unittest.TestCase):
-    url = ""
+    def measure(self, concurrency: int) -> tuple[RunResult, ScriptedServer]:
+        server: ScriptedServer | None = None
 
-    @classmethod
-    def setUpClass(cls) -> None:
-        cls._server = scripted_server_process(TTFT_MS, ITL_MS)
-        cls.url = cls._server.__enter__()
+        def script_for(payload: dict[str, Any], path: str) -> Script:
+            assert server is not None
+            index = len(server.counters.payloads) - 1  # this request's, in arrival order
+            return timed_token_script(TTFT_MS / 1000, ITL_MS / 1000, TOKENS, prompt_tokens=TAG + index)
 
-    @classmethod
-    def tearDownClass(cls) -> None:
-        cls._server.__exit__(None, None, None)
+        async def run() -> RunResult:
+            nonlocal server
+            async with ScriptedServer(script_for) as server:
+                config = HarnessConfig(
+                    backend="openai-completions",
+                    base_url=server.base_url,
+                    model="scripted",
+                    num_requests=2 * concurrency,
+                    concurrency=concurrency,
+                    output_len=LengthRange(TOKENS, TOKENS),
+                    server_metrics_interval_s=0,
+                    timeout_s=60,
+                    smoke_test=False,
+                )
+                return await run_harness(config)
 
-    def measure(self, concurrency: int) -> RunResult:
-        config = HarnessConfig(
-            backend="openai-completions",
-            base_url=self.url,
-            num_requests=2 * concurrency,
-            concurrency=concurrency,
-            output_len=LengthRange(TOKENS, TOKENS),
-            server_metrics_interval_s=0,
-            timeout_s=30,
-        )
-        return asyncio.run(run_harness(config))
+        result = asyncio.run(run())
+        assert server is not None
+        return result, server
 
     def test_known_ttft_itl_and_queue_at_concurrency_1_16_128(self) -> None:
-        for concurrency, (ttft_slack, itl_tol, first_wave, second_slack) in TOLERANCES.items():
+        for concurrency in (1, 16, 128):
             with self.subTest(concurrency=concurrency):
-                result = self.measure(concurrency)
+                result, server = self.measure(concurrency)
                 s = result.summary
                 self.assertEqual(s["failed"], 0, s["failures"])
-                self.assertEqual(s["max_concurrent_requests"], concurrency)
+                self.assertEqual(s["max_client_in_flight"], concurrency)
                 self.assertEqual(s["total_output_tokens"], 2 * concurrency * TOKENS)
+                self.assertEqual(
+                    sorted(r.prompt_tokens for r in result.records),
+                    [TAG + i for i in range(2 * concurrency)],
+                )  # one record per server request
+                gaps_ms: list[float] = []
                 for r in result.records:
+                    i = r.prompt_tokens - TAG
+                    arrival, writes = server.counters.arrival_ns[i], server.counters.write_ns[i]
                     self.assertEqual(r.tokens_per_event, [1] * TOKENS)
                     self.assertEqual(r.output_tokens_source, "usage")
-                ttfts = [r.metrics().ttft_ms or 0.0 for r in result.records]
-                self.assertGreaterEqual(min(ttfts), TTFT_MS - 0.5)
-                self.assertLessEqual(median(ttfts), TTFT_MS + ttft_slack)
-                itls = [x for r in result.records for x in r.metrics().itl_ms]
-                self.assertAlmostEqual(median(itls), ITL_MS, delta=itl_tol)
+                    self.assertLessEqual(r.sent_ns or 0, arrival)
+                    for k, seen in enumerate(r.token_times_ns):
+                        self.assertGreaterEqual(seen, writes[k])  # never before it was written
+                        # 1 ms for the two clocks the server reads (loop.time, perf_counter_ns)
+                        deadline = arrival + int((TTFT_MS + k * ITL_MS - 1.0) * 1e6)
+                        self.assertGreaterEqual(seen, deadline)  # nor before its scripted time
+                        gaps_ms.append((seen - writes[k]) / 1e6)
+                    ttft = r.metrics().ttft_ms or 0.0
+                    self.assertGreaterEqual(ttft, TTFT_MS - 1.0)
+                if concurrency <= 16:
+                    self.assertLess(median(gaps_ms), ITL_MS / 2)
+                sent = sorted(r.sent_ns or 0 for r in result.records)
+                ended = sorted(r.stream_end_ns or 0 for r in result.records)
+                for k in range(concurrency, len(sent)):  # a slot frees only when a request ends
+                    self.assertGreaterEqual(sent[k], ended[k - concurrency])
                 queues = sorted(r.metrics().queue_ms or 0.0 for r in result.records)
-                if concurrency == 1:  # strictly one after another: request k waits k E2ELs
-                    for k, q in enumerate(queues):
-                        self.assertGreaterEqual(q, k * (E2EL_MS - 0.5))
-                        self.assertLessEqual(q, k * (E2EL_MS + second_slack) + first_wave)
-                else:
-                    self.assertLess(queues[concurrency - 1], first_wave)
-                    self.assertGreaterEqual(queues[concurrency], E2EL_MS - 0.5)
-                    self.assertLess(queues[-1], E2EL_MS + second_slack)
+                self.assertGreaterEqual(queues[concurrency], E2EL_MS)
 
 
 def simulated(num_requests: int, concurrency: int, slots: int) -> HarnessConfig:
@@ -113,7 +133,7 @@ class SemaphoreIsNotTheBatchTest(unittest.TestCase):
         s = result.summary
         self.assertEqual(s["completed"], 16)
         self.assertEqual(max(c for _, c in result.in_flight), 4)  # reached, never exceeded
-        self.assertEqual(s["max_concurrent_requests"], 4)
+        self.assertEqual(s["max_client_in_flight"], 4)
         self.assertLessEqual(max(x.running for x in result.server_exact), 4)  # 8 were free
         self.assertEqual(s["peak_server_waiting"], 0)
         # the other 12 requests waited in the client's queue, three waves of about 55 ms
@@ -126,16 +146,17 @@ class SemaphoreIsNotTheBatchTest(unittest.TestCase):
         result = asyncio.run(run_harness(simulated(16, 16, 4)))
         s = result.summary
         self.assertEqual(s["completed"], 16)
-        self.assertEqual(s["max_concurrent_requests"], 16)
+        self.assertEqual(s["max_client_in_flight"], 16)
         self.assertEqual(max(x.running for x in result.server_exact), 4)
         self.assertEqual(s["peak_server_running"], 4)
         self.assertEqual(s["peak_server_waiting"], 12)
         # the wait is server waiting time, so it shows in TTFT, not in the client's queue time
+        # (lower bounds are the simulated server's sleeps; the comparison is between two measured times)
         queues = [r.metrics().queue_ms or 0.0 for r in result.records]
         ttfts = sorted(r.metrics().ttft_ms or 0.0 for r in result.records)
-        self.assertLess(max(queues), 20.0)
-        self.assertLess(ttfts[3], 45.0)  # first wave: prefill only
-        self.assertGreater(ttfts[-1], 3 * 55.0 + 20.0 - 5.0)  # fourth wave waited three E2ELs
+        self.assertGreaterEqual(ttfts[4], 55.0 + 20.0 - 1.0)  # second wave waited one E2EL
+        self.assertGreaterEqual(ttfts[-1], 3 * 55.0 + 20.0 - 1.0)  # fourth wave waited three E2ELs
+        self.assertLess(max(queues), ttfts[4] - 20.0)  # no client queue as long as the server's wait
 
 
 class WarmupAndRateTest(unittest.TestCase):
@@ -152,8 +173,9 @@ class WarmupAndRateTest(unittest.TestCase):
         self.assertEqual(arrivals[0], result.start_ns)
         self.assertGreater(arrivals[-1] - arrivals[0], 50_000_000)  # 5 gaps of mean 50 ms
         for r in result.records:  # each request is sent at (or just after) its arrival
-            self.assertLess(r.metrics().queue_ms or 0.0, 20.0)
             self.assertGreaterEqual(r.sent_ns or 0, r.arrival_ns)
+        # no slot is ever waited for: the median queue is well under the mean gap between arrivals
+        self.assertLess(median([r.metrics().queue_ms or 0.0 for r in result.records]), 50.0 / 2)
 
 
 class InterruptTest(unittest.TestCase):

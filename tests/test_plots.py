@@ -7,7 +7,7 @@ import unittest
 from pathlib import Path
 
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig, run_cache_growth
-from attention_kv_caceh.plots import plot_cache_growth
+from attention_kv_caceh.report.plots import plot_cache_growth
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import json
@@ -13,10 +12,13 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from attention_kv_caceh.experiments import cli, report
+from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
-from attention_kv_caceh.experiments.report import (
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
+from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
+from attention_kv_caceh.report import (
     FileProblem,
     build_report,
     classify_header,
@@ -24,9 +26,7 @@ from attention_kv_caceh.experiments.report import (
     parse_rows,
     planned_plots,
 )
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
-from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
-from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
+from attention_kv_caceh.report import build as report
 from attention_kv_caceh.timing import Sample
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -477,16 +477,6 @@ class ReportCommandTest(unittest.TestCase):
                     self.assertEqual(cli.main(["report", "--results", str(folder), "--out", out_path]), 2)
                 self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
             self.assertEqual(sorted(p.name for p in Path(tmp).iterdir()), before)
-
-    def test_help_has_no_none_defaults(self) -> None:
-        from attention_kv_caceh import benchmark
-
-        out = io.StringIO()
-        with redirect_stdout(out), contextlib.suppress(SystemExit):
-            benchmark.main(["report", "--help"])
-        text = " ".join(out.getvalue().split())
-        self.assertIn("(default: results/REPORT.md)", text)
-        self.assertNotIn("(default: None)", text)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
 
-import numpy as np
-
 __all__ = [
     "JsonlWriter",
     "NotARegularFileError",
@@ -221,7 +219,12 @@ def strict_json_value(obj: Any) -> Any:
     else is returned as it is (so `json.dumps` still raises TypeError for what it cannot encode). The
     input is not modified.
     """
-    if isinstance(obj, float | np.floating):
+    # NumPy floating scalars are recognised without importing NumPy here (this module is imported by the
+    # command's entry point before `main` can catch a Ctrl-C): np.float64 subclasses float, and every
+    # np.floating scalar is a "numpy" object whose dtype kind is "f".
+    dtype_kind = getattr(getattr(obj, "dtype", None), "kind", None)
+    is_numpy_scalar = type(obj).__module__ == "numpy" and getattr(obj, "ndim", None) == 0
+    if isinstance(obj, float) or (is_numpy_scalar and dtype_kind == "f"):
         value = float(cast("float", obj))
         return value if math.isfinite(value) else None
     if isinstance(obj, Mapping):

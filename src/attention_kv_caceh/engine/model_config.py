@@ -115,7 +115,14 @@ class ModelConfig:
             raise fail(
                 "sliding_window", f"sliding-window attention is not implemented ({hf['sliding_window']})"
             )
-        rope_scaling = _rope_scaling(hf.get("rope_scaling"), fail)
+        # transformers >= 5 writes `rope_parameters` (rope_theta and the scaling type inside one
+        # object); older configs have a top-level `rope_theta` and an optional `rope_scaling`.
+        rope_key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+        rope_params: Any = hf.get(rope_key)
+        rope_scaling = _rope_scaling(rope_params, fail, rope_key)
+        rope_theta: Any = hf.get("rope_theta", 10000.0)
+        if rope_key == "rope_parameters" and isinstance(rope_params, dict):
+            rope_theta = cast("dict[str, Any]", rope_params).get("rope_theta", rope_theta)
         heads = int(need("num_attention_heads"))
         hidden = int(need("hidden_size"))
         eos: Any = hf.get("eos_token_id")
@@ -136,7 +143,7 @@ class ModelConfig:
                 num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
                 head_dim=int(hf.get("head_dim") or hidden // heads),
                 intermediate_size=int(need("intermediate_size")),
-                rope_theta=float(hf.get("rope_theta", 10000.0)),
+                rope_theta=float(rope_theta),
                 rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -160,21 +167,23 @@ def _first_architecture(archs: object) -> str:
     return text
 
 
-def _rope_scaling(value: Any, fail: Any) -> dict[str, float] | None:
-    """None for no scaling ("default" too), the llama3 parameters, or CheckpointError via `fail`."""
+def _rope_scaling(value: Any, fail: Any, key: str = "rope_scaling") -> dict[str, float] | None:
+    """None for no scaling ("default" or no type too), the llama3 parameters, or CheckpointError via `fail`.
+
+    `key` is the config key the object came from: `rope_scaling` (transformers < 5) or
+    `rope_parameters` (transformers >= 5, which also holds `rope_theta`).
+    """
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise fail("rope_scaling", f"expected an object or null, got {value!r}")
+        raise fail(key, f"expected an object or null, got {value!r}")
     params: dict[str, Any] = dict(value)  # pyright: ignore[reportUnknownArgumentType]
     kind = params.get("rope_type", params.get("type"))
-    if kind == "default":
+    if kind in ("default", None):
         return None
     if kind != "llama3":
-        raise fail(
-            "rope_scaling", f"rope type {kind!r} is not implemented (supported: none, 'default', 'llama3')"
-        )
+        raise fail(key, f"rope type {kind!r} is not implemented (supported: none, 'default', 'llama3')")
     missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
     if missing:
-        raise fail("rope_scaling", f"llama3 scaling lacks {missing}")
+        raise fail(key, f"llama3 scaling lacks {missing}")
     return {k: float(params[k]) for k in _LLAMA3_ROPE_KEYS}

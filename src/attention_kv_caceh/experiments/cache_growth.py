@@ -26,14 +26,13 @@ dim, and N steps (T = step + 1 after each append).
 
 from __future__ import annotations
 
-import tracemalloc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from attention_kv_caceh.attention import multihead_decode_step, scaled_dot_product_attention
+from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import make_cache
 from attention_kv_caceh.experiments.cache_growth_stats import (
     CACHE_KINDS,
@@ -47,8 +46,9 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     rolling_median,
     summarize_cache_growth,
 )
+from attention_kv_caceh.experiments.cache_memory import trace_decode_memory
 from attention_kv_caceh.oracle import OracleMismatch, check_close, check_decode_batch, tolerance_for
-from attention_kv_caceh.presets import get_preset
+from attention_kv_caceh.presets import get_preset, kv_cache_bytes
 from attention_kv_caceh.timing import measure
 
 __all__ = [
@@ -68,7 +68,6 @@ __all__ = [
     "rolling_median",
     "run_cache_growth",
     "summarize_cache_growth",
-    "theoretical_kv_bytes",
 ]
 
 DTYPES = ("float32", "float64")
@@ -158,20 +157,13 @@ class CacheGrowthResult:
     summary: CacheGrowthSummary | None = field(default=None)
 
 
-def theoretical_kv_bytes(
-    batch_size: int, num_kv_heads: int, positions: int, head_dim: int, itemsize: int
-) -> int:
-    """Bytes of K and V for `positions` cached positions: B x H_kv x T x D x itemsize x 2."""
-    return batch_size * num_kv_heads * positions * head_dim * itemsize * 2
-
-
 def kv_size_card(config: CacheGrowthConfig) -> dict[str, Any]:
     """KV-cache sizes that relate this run to a real model (bytes).
 
     Per token for one layer (2 x H_kv x D x itemsize), per token for every layer of `config.model`
     (and at float16, what a served model usually keeps), and per sequence / batch at N tokens.
     """
-    per_token_layer = theoretical_kv_bytes(1, config.num_kv_heads, 1, config.head_dim, config.itemsize)
+    per_token_layer = kv_cache_bytes(1, config.num_kv_heads, 1, config.head_dim, config.itemsize)
     card: dict[str, Any] = {
         "kv_bytes_per_token_one_layer": per_token_layer,
         "kv_bytes_per_sequence_one_layer": per_token_layer * config.steps,
@@ -209,8 +201,8 @@ def estimate_run_bytes(config: CacheGrowthConfig) -> int:
         config.head_dim,
     )
     inputs = n * b * (h + 2 * h_kv) * d * config.itemsize
-    kv = theoretical_kv_bytes(b, h_kv, n, d, config.itemsize)  # one cache's K and V at T = N
-    reference = theoretical_kv_bytes(b, h_kv, n, d, 8)  # float64 K and V of the oracle's reference
+    kv = kv_cache_bytes(b, h_kv, n, d, config.itemsize)  # one cache's K and V at T = N
+    reference = kv_cache_bytes(b, h_kv, n, d, 8)  # float64 K and V of the oracle's reference
     rows = 2 * n * (1 + config.repeats) * ROW_BYTES
     return inputs + 3 * kv + reference + rows
 
@@ -289,53 +281,16 @@ def measure_cache_memory(
     v: FloatArray,
     rows: list[CacheMemoryRow] | None = None,
 ) -> list[CacheMemoryRow]:
-    """Decode N steps on a fresh `kind` cache under tracemalloc; one CacheMemoryRow per step.
+    """Decode N steps on a fresh `kind` cache under tracemalloc; one CacheMemoryRow per step
+    (`cache_memory.trace_decode_memory`).
 
     Each row is appended to `rows` (a new list when None) as soon as it is measured, so a caller
     keeps the rows of a pass cut short; returns that list. Not timed (tracemalloc slows allocation).
     Raises ValueError if tracemalloc is already tracing (its numbers would mix with the caller's).
     """
-    if tracemalloc.is_tracing():
-        raise ValueError("tracemalloc is already tracing; stop it before measuring cache memory")
-    cache = _new_cache(kind, config)
     params = config.params()
     del params["warmup"]
-    rows = [] if rows is None else rows
-    tracemalloc.start()
-    try:
-        base = tracemalloc.get_traced_memory()[0]
-        for i in range(config.steps):
-            t = i + 1
-            tracemalloc.reset_peak()
-            before = tracemalloc.get_traced_memory()[0]
-            keys, values = cache.append(k[i], v[i])  # [B, H_kv, T, D] each
-            mid, append_peak = tracemalloc.get_traced_memory()
-            tracemalloc.reset_peak()
-            out, weights = scaled_dot_product_attention(q[i], keys, values)  # [B,H,1,D], [B,H,1,T]
-            attention_peak = tracemalloc.get_traced_memory()[1]
-            fresh = sum(int(a.nbytes) for a in (keys, values) if a.flags.owndata)
-            del keys, values, out, weights
-            after = tracemalloc.get_traced_memory()[0]
-            rows.append(
-                CacheMemoryRow(
-                    cache=kind,
-                    step=i,
-                    sequence_length=t,
-                    new_buffer_bytes=fresh,
-                    append_peak_bytes=append_peak - before,
-                    step_peak_bytes=max(append_peak, attention_peak, mid) - before,
-                    retained_bytes=after - before,
-                    traced_bytes=after - base,
-                    cache_nbytes=int(cache.nbytes),
-                    theoretical_bytes=theoretical_kv_bytes(
-                        config.batch_size, config.num_kv_heads, t, config.head_dim, config.itemsize
-                    ),
-                    **params,
-                )
-            )
-    finally:
-        tracemalloc.stop()
-    return rows
+    return trace_decode_memory(kind, _new_cache(kind, config), q, k, v, params, [] if rows is None else rows)
 
 
 def _timed_pass(

@@ -4,7 +4,8 @@
 `CacheMemoryRow` per untimed step under tracemalloc); the functions here turn them into per-position
 medians, fitted slopes with R^2, N-step totals, checkpoints and the T from which the Dynamic cache's
 copy dominates. The run calls `summarize_cache_growth` on its rows, and the report calls it again on
-the rows read back from disk, so both show the same figures. Nothing here decodes or times anything.
+the rows read back from disk, so both show the same figures; `format_cache_summary` and `summary_rows`
+turn a summary into the fixed-width text and the summary CSV rows. Nothing here decodes, times or prints.
 
 Shape letters as in `attention.py`: B batch, H query heads, H_kv KV heads, T cached positions, D head
 dim, and N steps (T = step + 1 after each append); P is the number of distinct positions T.
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.memory import format_bytes
 from attention_kv_caceh.timing import summarize_samples
 
 __all__ = [
@@ -28,10 +30,12 @@ __all__ = [
     "CacheMemoryRow",
     "CacheStepSample",
     "fit_line",
+    "format_cache_summary",
     "partial_passes",
     "per_position_median",
     "rolling_median",
     "summarize_cache_growth",
+    "summary_rows",
 ]
 
 CACHE_KINDS: tuple[str, str] = ("dynamic", "preallocated")
@@ -299,3 +303,68 @@ def _memory_summary(memory: Sequence[CacheMemoryRow]) -> dict[str, dict[str, flo
             "final_theoretical_bytes": float(last.theoretical_bytes),
         }
     return out
+
+
+# ------------------------------------------------------------------------------------ formatting
+
+
+def format_cache_summary(summary: CacheGrowthSummary, steps: int) -> str:
+    """Fixed-width text of a cache-growth summary (what `cache` prints)."""
+    lines = [f"{'T':>6} {'dynamic P50 ms':>15} {'prealloc P50 ms':>16} {'ratio':>7}"]
+    for c in summary.checkpoints:
+        lines.append(
+            f"{int(c['sequence_length']):>6} {c['dynamic_p50_ms']:>15.4f} "
+            f"{c['preallocated_p50_ms']:>16.4f} {c['ratio']:>7.2f}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'cache':<13} {'slope us/pos':>12} {'intercept ms':>13} {'R^2':>6} {'R^2 raw':>8} {'N-step P50 ms':>14}"
+    )
+    for kind in CACHE_KINDS:
+        f = summary.fits[kind]
+        lines.append(
+            f"{kind:<13} {f.slope_ms_per_position * 1000:>12.4f} {f.intercept_ms:>13.4f} {f.r2:>6.3f} "
+            f"{f.r2_raw:>8.3f} {summary.totals[kind]['p50_ms']:>14.1f}"
+        )
+    lines.append(f"N-step total time ratio (dynamic / preallocated, N={steps}): {summary.total_ratio:.2f}x")
+    visible, dominates = summary.copy_visible_from, summary.copy_dominates_from
+    lines.append(
+        "Dynamic slower by >= 10% from T = "
+        + (str(visible) if visible is not None else "not within N")
+        + "; copy dominates (>= 2x) from T = "
+        + (str(dominates) if dominates is not None else "not within N")
+        + (
+            f" (fitted lines cross 2x at T ~ {summary.copy_dominates_fitted:.0f})"
+            if summary.copy_dominates_fitted is not None
+            else ""
+        )
+    )
+    for kind, m in summary.memory.items():
+        lines.append(
+            f"{kind}: append allocates {format_bytes(m['append_bytes_first_step'])} at T=1, "
+            f"{format_bytes(m['append_bytes_last_step'])} at T={int(m['final_sequence_length'])} "
+            f"({m['append_bytes_per_position']:.1f} B/position traced peak; new buffers "
+            f"{m['new_buffer_bytes_per_position']:.1f} B/position); nbytes "
+            f"{format_bytes(m['final_cache_nbytes'])} vs theoretical {format_bytes(m['final_theoretical_bytes'])}"
+            f" for T={int(m['final_sequence_length'])}; largest step peak {format_bytes(m['max_step_peak_bytes'])}"
+        )
+    return "\n".join(lines)
+
+
+def summary_rows(summary: CacheGrowthSummary) -> list[dict[str, Any]]:
+    """One row per cache kind: fitted slope, intercept, R^2 and N-step total (the summary CSV)."""
+    rows: list[dict[str, Any]] = []
+    for kind in CACHE_KINDS:
+        f, t = summary.fits[kind], summary.totals[kind]
+        rows.append(
+            {
+                "cache": kind,
+                "slope_ms_per_position": f.slope_ms_per_position,
+                "intercept_ms": f.intercept_ms,
+                "r2": f.r2,
+                "r2_raw": f.r2_raw,
+                "total_p50_ms": t["p50_ms"],
+                "total_ratio_dynamic_over_preallocated": summary.total_ratio,
+            }
+        )
+    return rows

@@ -28,6 +28,7 @@ import numpy.typing as npt
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import make_cache
 from attention_kv_caceh.oracle import OracleMismatch, check_decode_batch
+from attention_kv_caceh.presets import kv_cache_bytes
 from attention_kv_caceh.timing import Sample, measure, summarize_samples
 
 __all__ = [
@@ -144,8 +145,8 @@ class BatchResult:
 
 def kv_bytes_per_step(config: ScanConfig, batch_size: int) -> int:
     """Bytes of K and V one decode step reads: 2 * B * H_kv * (T + 1) * D * itemsize."""
-    itemsize = np.dtype(config.dtype).itemsize
-    return 2 * batch_size * config.num_kv_heads * (config.seq_len + 1) * config.head_dim * itemsize
+    itemsize = int(np.dtype(config.dtype).itemsize)
+    return kv_cache_bytes(batch_size, config.num_kv_heads, config.seq_len + 1, config.head_dim, itemsize)
 
 
 def build_inputs(config: ScanConfig) -> ScanInputs:

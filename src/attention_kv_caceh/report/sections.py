@@ -3,7 +3,7 @@
 Each section recomputes its statistics from the raw rows it is given (`scan.scan_table`,
 `cache_growth_stats.summarize_cache_growth`, `harness.summary.summarize_run`, `views.views_markdown`)
 and returns Markdown; finding and reading the files, pairing them and listing what is wrong with them
-is `report.py`'s job. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under
+is the job of `readers.py` and `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under
 their section and kept in every statistic.
 """
 
@@ -26,6 +26,7 @@ from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
+from attention_kv_caceh.memory import format_bytes
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
@@ -69,13 +70,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
         cells = [_num(c) if isinstance(c, float) else str(c) for c in row]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 # ------------------------------------------------------------------------------------ environment
@@ -324,13 +318,13 @@ def cache_section(
                 [
                     [
                         k,
-                        _bytes(m["append_bytes_first_step"]),
-                        _bytes(m["append_bytes_last_step"]),
+                        format_bytes(m["append_bytes_first_step"]),
+                        format_bytes(m["append_bytes_last_step"]),
                         m["append_bytes_per_position"],
                         m["new_buffer_bytes_per_position"],
-                        _bytes(m["max_step_peak_bytes"]),
-                        _bytes(m["final_cache_nbytes"]),
-                        _bytes(m["final_theoretical_bytes"]),
+                        format_bytes(m["max_step_peak_bytes"]),
+                        format_bytes(m["final_cache_nbytes"]),
+                        format_bytes(m["final_theoretical_bytes"]),
                     ]
                     for k, m in s.memory.items()
                 ],

@@ -1,11 +1,11 @@
-"""Command line of the serving harness: `attention-kv-caceh harness ...` (or `python -m` this module).
+"""`attention-kv-caceh harness`: the streaming serving harness (TTFT, ITL, TPOT, E2EL per request).
 
-`add_arguments` declares the flags; `run` validates every argument (ValueError naming the bad value)
+`add_arguments` declares the flags; `run` validates every argument (UsageError naming the bad value)
 before any output file is created, runs the load, prints a setup line and a fixed-width summary table,
 and writes the per-request JSONL (line by line as requests finish) with its `<jsonl>.meta.json` (config
-and environment), the summary JSON and the timeline. Ctrl-C keeps every finished request in the JSONL
-and still prints and saves a summary of them (no timeline). Runtime failures (server unreachable, smoke
-test failed, failed requests, an output that cannot be written) print one line
+and environment), the summary JSON and the timeline. Ctrl-C (or SIGTERM) keeps every finished request in
+the JSONL and still prints and saves a summary of them (no timeline). Runtime failures (server
+unreachable, smoke test failed, failed requests, an output that cannot be written) print one line
 `attention-kv-caceh: error: ...` on stderr and return 1; only files actually written are listed.
 """
 
@@ -23,13 +23,15 @@ from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.files import (
-    JsonlWriter,
-    check_output_path,
-    ignoring_sigint,
-    meta_path,
-    write_json_atomic,
+from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs
+from attention_kv_caceh.cli.harness_output import (
+    JsonlSink,
+    error,
+    failure_line,
+    format_summary,
+    summary_document,
 )
+from attention_kv_caceh.files import ignoring_sigint, meta_path, write_json_atomic
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
@@ -42,18 +44,13 @@ from attention_kv_caceh.harness.run import (
     RunResult,
     run_harness,
 )
-from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
+from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
+from attention_kv_caceh.harness.summary import summarize_run
 from attention_kv_caceh.timing import capture_environment
 
-__all__ = ["add_arguments", "config_from_args", "format_summary", "main", "run"]
+__all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
 
-PROG = "attention-kv-caceh"
-ERROR_PREFIX = f"{PROG}: error:"  # the main CLI's prefix, for usage and runtime errors alike
-
-
-# Ends a help text whose default is spelled out by hand: "%(default)" in it keeps ArgumentDefaultsHelpFormatter
-# from appending "(default: None)", and ".0s" prints nothing.
-_SHOWN = "%(default).0s"
+HELP = "streaming serving harness: TTFT, ITL, TPOT, E2EL per request (simulated or OpenAI-compatible)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="OpenAI-compatible server root (default: %(default)s)",
     )
     g.add_argument(
-        "--model", default="", help="model name (default: the first model listed by GET /v1/models)" + _SHOWN
+        "--model", default="", help="model name (default: the first model listed by GET /v1/models)"
     )
     g.add_argument(
         "--api-key-env",
@@ -82,8 +79,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--ignore-eos",
         action="store_true",
-        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: off)"
-        + _SHOWN,
+        help="ask the server (vLLM) to ignore EOS so that every request yields its output length (default: off)",
     )
     g.add_argument(
         "--smoke-test",
@@ -131,6 +127,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="folder with the target's tokenizer.json, to build prompts of exactly --prompt-len tokens "
+        "(default: the server's POST /tokenize if it has one, else approximate lengths)",
+    )
+    g.add_argument(
+        "--dataset",
+        default=None,
+        metavar="PATH.jsonl",
+        help='real prompts, one {"prompt": ..., "output_len": ...} a line; the first --num-requests '
+        "are sent (default: synthetic prompts)",
+    )
+    g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
@@ -152,32 +162,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jsonl",
         type=Path,
         default=None,
-        help="per-request records, one JSON a line (default: not written)" + _SHOWN,
+        help="per-request records, one JSON a line (default: not written)",
     )
     g.add_argument(
         "--summary-json",
         type=Path,
         default=None,
-        help="summary (vLLM key names) (default: not written)" + _SHOWN,
+        help="summary (vLLM key names) (default: not written)",
     )
-    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: not drawn)" + _SHOWN)
+    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: not drawn)")
     g.add_argument(
         "--goodput",
         nargs="+",
         default=[],
         metavar="METRIC:MS",
-        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: none, no goodput)" + _SHOWN,
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: none, no goodput)",
+    )
+    g.add_argument(
+        "--label",
+        default=None,
+        help="a name for this run, written into the summary (vLLM's --label) (default: none)",
     )
     g.add_argument(
         "--server-metrics-interval",
         type=float,
-        default=0.1,
-        help="seconds between polls of the server's /metrics (0: off) (default: %(default)s)",
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between polls of the server's /metrics (0: off), from a thread of its own, "
+        "stretched so that polls cost the server < 1%% of its time (default: %(default)s)",
     )
 
 
 def config_from_args(args: argparse.Namespace) -> HarnessConfig:
-    """Build and validate the HarnessConfig. Raises ValueError naming the offending value."""
+    """Build and validate the HarnessConfig. Raises UsageError naming the offending value."""
+    try:
+        return _config(args)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _config(args: argparse.Namespace) -> HarnessConfig:
     key_env: str = args.api_key_env
     return HarnessConfig(
         backend=args.backend,
@@ -200,140 +223,27 @@ def config_from_args(args: argparse.Namespace) -> HarnessConfig:
         timeout_s=args.timeout,
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
+        label=args.label,
+        tokenizer=args.tokenizer,
+        dataset=args.dataset,
     )
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
-    paths: dict[str, Path | None] = {
-        "--jsonl": args.jsonl,
-        "--summary-json": args.summary_json,
-        "--plot": args.plot,
-    }
-    given = {flag: path for flag, path in paths.items() if path is not None}
-    for flag, path in given.items():
-        check_output_path(path, flag, (".png",) if flag == "--plot" else ())
-    if args.jsonl is not None:  # its metadata file is written beside it
-        given["--jsonl metadata"] = check_output_path(meta_path(args.jsonl), "--jsonl")
-    resolved = [path.resolve() for path in given.values()]
-    if len(set(resolved)) != len(resolved):
-        raise ValueError(f"output files must differ, got {sorted(str(p) for p in given.values())}")
-
-
-def _fmt(value: Any, width: int = 9) -> str:
-    if value is None:
-        return f"{'-':>{width}}"
-    if isinstance(value, int):
-        return f"{value:>{width}d}"
-    return f"{float(value):>{width}.2f}"
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    """The summary as a fixed-width text table (ms), with throughput and server lines above it."""
-    lines = [
-        f"requests: {summary['completed']} ok, {summary['failed']} failed "
-        f"{summary['failures'] or ''}".rstrip(),
-        f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
-        f"   output tokens/s: {summary['output_throughput']:.1f}"
-        f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {_fmt(summary['max_concurrent_requests'], 0)}   "
-        f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
-        f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
-        f"(server: {summary.get('server_metrics_source') or 'not polled'})",
-    ]
-    if summary.get("request_goodput") is not None:
-        lines.append(
-            f"goodput: {summary['request_goodput']:.2f} req/s "
-            f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
-        )
-    header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
-        f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
-    )
-    lines += [header, "-" * len(header)]
-    for metric, label in METRIC_NAMES.items():
-        cells = [
-            summary[f"{prefix}_{metric}_ms"]
-            for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
+    """Every file the run may write, checked up front; raises UsageError naming the flag."""
+    jsonl: Path | None = args.jsonl
+    check_outputs(
+        [
+            ("--jsonl", jsonl, ()),
+            ("--jsonl", None if jsonl is None else meta_path(jsonl), ()),  # its metadata beside it
+            ("--summary-json", args.summary_json, ()),
+            ("--plot", args.plot, (".png",)),
         ]
-        lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
-    return "\n".join(lines)
-
-
-def _summary_document(
-    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig, environment: dict[str, Any]
-) -> dict[str, Any]:
-    doc: dict[str, Any] = {"config": config.describe(), "environment": environment, **summary}
-    if result is not None:
-        doc["server_metrics_errors"] = result.server_metrics_errors[:5]
-    return doc
-
-
-def _one_line(text: object, limit: int = 300) -> str:
-    """`text` on one line (whitespace runs collapsed), cut to `limit` characters."""
-    flat = " ".join(str(text).split())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _error(message: object) -> None:
-    """Print a runtime error as the one line `attention-kv-caceh: error: ...` on stderr."""
-    print(f"{ERROR_PREFIX} {_one_line(message, 1000)}", file=sys.stderr)
-
-
-def _failure_line(records: list[RequestRecord]) -> str | None:
-    """One line on the failed requests (how many, and the first one's status and error); None if none."""
-    failed = sorted((r for r in records if not r.ok), key=lambda r: r.request_id)
-    if not failed:
-        return None
-    first = failed[0]
-    http = f" (HTTP {first.http_status})" if first.http_status is not None else ""
-    return (
-        f"{len(failed)} of {len(records)} requests failed; first: request {first.request_id}: "
-        f"{first.status}{http}: {_one_line(first.error)}"
     )
-
-
-class _JsonlSink:
-    """The per-request JSONL, opened at the first finished request (a failed smoke test leaves an
-    earlier file alone) and flushed per line (survives a crash or Ctrl-C of this process); no fsync,
-    which would stall the event loop for milliseconds and show up in other requests' timestamps.
-    The first OSError is kept in `error` and every later write is refused."""
-
-    def __init__(self, path: Path | None) -> None:
-        self.path = path
-        self.error: OSError | None = None
-        self.count = 0
-        self._writer: JsonlWriter | None = None
-
-    def write(self, record: RequestRecord) -> bool:
-        """Append `record`; False once writing has failed."""
-        if self.path is None:
-            return True
-        if self.error is not None:
-            return False
-        try:
-            if self._writer is None:
-                meta_path(self.path).unlink(missing_ok=True)  # an earlier run's must not describe this one
-                self._writer = JsonlWriter(self.path, fsync=False)
-            self._writer.write(record.to_json())
-        except OSError as exc:
-            self.error = exc
-            return False
-        self.count += 1
-        return True
-
-    @property
-    def opened(self) -> bool:
-        return self._writer is not None
-
-    def close(self) -> None:
-        if self._writer is not None:
-            try:
-                self._writer.close()
-            except OSError as exc:
-                self.error = self.error or exc
 
 
 async def _run_until_write_fails(
-    config: HarnessConfig, sink: _JsonlSink, on_record: Callable[[RequestRecord], None]
+    config: HarnessConfig, sink: JsonlSink, on_record: Callable[[RequestRecord], None]
 ) -> RunResult | None:
     """`run_harness`, with every finished record passed to `on_record` and to `sink`; the run is
     stopped (None returned) when the sink fails to write. Ctrl-C still raises KeyboardInterrupt."""
@@ -357,7 +267,7 @@ async def _run_until_write_fails(
 def run(args: argparse.Namespace) -> int:
     """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
     0 ok; 1 a runtime failure (server unreachable, smoke test failed, a request failed, an output
-    could not be written), reported as one line on stderr; 130 interrupted. Raises ValueError for bad
+    could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError for bad
     input (before any file is created)."""
     config = config_from_args(args)
     _check_outputs(args)
@@ -376,7 +286,7 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     finished: list[RequestRecord] = []
-    sink = _JsonlSink(args.jsonl)
+    sink = JsonlSink(args.jsonl)
     progress = tqdm(
         total=config.num_requests,
         unit="req",
@@ -396,7 +306,7 @@ def run(args: argparse.Namespace) -> int:
             result = asyncio.run(_run_until_write_fails(config, sink, on_record))
         except (SmokeTestError, ModelDiscoveryError) as exc:
             progress.close()
-            _error(exc)
+            error(exc)
             return 1
         except KeyboardInterrupt:
             # A second Ctrl-C (a terminal sends one to `uv` too, which forwards it) must not cut short
@@ -412,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
 def _report_and_save(
     args: argparse.Namespace,
     config: HarnessConfig,
-    sink: _JsonlSink,
+    sink: JsonlSink,
     finished: list[RequestRecord],
     result: RunResult | None,
     *,
@@ -420,7 +330,7 @@ def _report_and_save(
 ) -> int:
     """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
     if sink.error is not None:
-        _error(
+        error(
             f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "
             f"({sink.count} of {len(finished)} finished requests written)"
         )
@@ -431,6 +341,7 @@ def _report_and_save(
 
     if result is not None:
         summary = result.summary
+        config = result.config  # as actually run (the model read from the server)
     elif finished:
         start = min(r.arrival_ns for r in finished)
         end = max(r.stream_end_ns or r.arrival_ns for r in finished)
@@ -456,7 +367,7 @@ def _report_and_save(
             written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
         if args.summary_json is not None:
             environment = environment or capture_environment()
-            doc = _summary_document(result, summary, config, environment)
+            doc = summary_document(result, summary, config, environment)
             written.append(str(write_json_atomic(args.summary_json, doc)))
         if args.plot is not None and result is not None:  # no timeline of an interrupted run
             from attention_kv_caceh.harness.timeline import plot_timeline
@@ -465,33 +376,14 @@ def _report_and_save(
     except OSError as exc:
         if written:
             print("wrote: " + ", ".join(written))
-        _error(f"could not write an output file: {exc}")
+        error(f"could not write an output file: {exc}")
         return 1
     if written:
         print("wrote: " + ", ".join(written))
     if result is None:
         return 130
-    failures = _failure_line(result.records)
+    failures = failure_line(result.records)
     if failures is not None:
-        _error(failures)
+        error(failures)
         return 1
     return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: parse `argv`, run; bad input prints one line and returns 2."""
-    parser = argparse.ArgumentParser(
-        prog=f"{PROG} harness",
-        description="Streamed-request serving harness: TTFT, ITL, TPOT, E2EL per request.",
-    )
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as exc:
-        print(f"{ERROR_PREFIX} {exc}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,181 @@
+"""What every subcommand of `attention-kv-caceh` shares: errors, flag types, output checks, warnings.
+
+- `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
+- `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
+  not be written); `main` prints one line and exits 1. Files already written stay complete.
+- flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
+  argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
+- `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
+- `warn_if_blas_unpinned`: the one BLAS-pinning warning.
+- `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
+  whose help text does not already say its default; flags without a value of their own spell it out
+  ("(default: not written)").
+- A final save runs inside `files.ignoring_sigint()`: a second Ctrl-C (or a SIGTERM, which `main`
+  turns into a Ctrl-C) cannot cut it short.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Iterable
+from pathlib import Path
+from typing import NoReturn
+
+from attention_kv_caceh.files import check_output_path
+
+__all__ = [
+    "PROG",
+    "CommandFailed",
+    "HelpFormatter",
+    "OneLineParser",
+    "UsageError",
+    "check_outputs",
+    "int_list",
+    "nonnegative_float",
+    "nonnegative_int",
+    "positive_int",
+    "preset_name",
+    "warn_if_blas_unpinned",
+]
+
+PROG = "attention-kv-caceh"
+
+
+class UsageError(Exception):
+    """Bad command-line input, found before any file was touched: one line on stderr, exit code 2."""
+
+
+class CommandFailed(Exception):
+    """A failure after the command started working: one line on stderr, exit code 1."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of printing a usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(message)
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Shows "(default: X)" after each flag's help unless the help already names its default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (
+            text
+            and "(default" not in text
+            and action.default not in (None, False, argparse.SUPPRESS)
+            and action.option_strings
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def warn_if_blas_unpinned(hint: str = "") -> None:
+    """Warn on stderr when no BLAS/OpenMP thread count was fixed before the process began."""
+    from attention_kv_caceh.timing import blas_threads_pinned
+
+    if not blas_threads_pinned():
+        print(
+            "warning: BLAS threads were not pinned before start (set OPENBLAS_NUM_THREADS=1 "
+            f"OMP_NUM_THREADS=1{hint}); timings may vary with thread count",
+            file=sys.stderr,
+        )
+
+
+# ------------------------------------------------------------------------------------ flag types
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
+
+
+def nonnegative_float(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    value = _finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated integers >= 1, distinct ("1,2,4,8")."""
+    try:
+        values = tuple(int(part) for part in text.replace(" ", "").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    bad = [v for v in values if v < 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"must be positive, got {list(values)}")
+    if len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"must be distinct, got {list(values)}")
+    return values
+
+
+def preset_name(text: str) -> str:
+    """argparse type: a model preset name, any case; returns the canonical (lower-case) name."""
+    from attention_kv_caceh.presets import get_preset
+
+    try:
+        return get_preset(text).name
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ------------------------------------------------------------------------------------ output paths
+
+
+def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:
+    """Check every file a command will write before the first sample is taken.
+
+    `outputs` holds (what, path, suffixes): `what` names the flag ("--csv", or "--csv 'r/x.csv': the
+    file beside it"), a None path is skipped, `suffixes` may be empty. Raises UsageError naming the flag
+    and path for a wrong suffix, a folder, an unwritable parent (see `files.check_output_path`), or two
+    outputs that are the same file. Nothing is created.
+    """
+    seen: dict[Path, str] = {}
+    for what, path, suffixes in outputs:
+        if path is None:
+            continue
+        try:
+            checked = check_output_path(path, what, suffixes)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        resolved = checked.resolve()
+        if resolved in seen:
+            raise UsageError(
+                f"{what} {str(path)!r} is the same file as {seen[resolved]}; output files must differ"
+            )
+        seen[resolved] = what

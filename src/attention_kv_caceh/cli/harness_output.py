@@ -1,0 +1,131 @@
+"""What `attention-kv-caceh harness` prints and how it keeps records: the summary table, the failure
+line, and the per-request JSONL sink (opened at the first finished request, flushed per line).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.cli.common import PROG
+from attention_kv_caceh.files import JsonlWriter, meta_path
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.run import HarnessConfig, RunResult
+from attention_kv_caceh.harness.summary import METRIC_NAMES
+
+__all__ = ["JsonlSink", "error", "failure_line", "format_summary", "summary_document"]
+
+
+def _fmt(value: Any, width: int = 9) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width}d}"
+    return f"{float(value):>{width}.2f}"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a fixed-width text table (ms), with throughput and server lines above it."""
+    lines = [
+        f"requests: {summary['completed']} ok, {summary['failed']} failed "
+        f"{summary['failures'] or ''}".rstrip(),
+        f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
+        f"   output tokens/s: {summary['output_throughput']:.1f}"
+        f"   total tokens/s: {summary['total_token_throughput']:.1f}",
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   "
+        f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
+        f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
+        f"(server: {summary.get('server_metrics_source') or 'not polled'})",
+    ]
+    if summary.get("request_goodput") is not None:
+        lines.append(
+            f"goodput: {summary['request_goodput']:.2f} req/s "
+            f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
+        )
+    lines += [f"warning: {w}" for w in summary.get("warnings", [])]
+    header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
+        f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
+    )
+    lines += [header, "-" * len(header)]
+    for metric, label in METRIC_NAMES.items():
+        cells = [
+            summary[f"{prefix}_{metric}_ms"]
+            for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
+        ]
+        lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
+    return "\n".join(lines)
+
+
+def summary_document(
+    result: RunResult | None, summary: dict[str, Any], config: HarnessConfig, environment: dict[str, Any]
+) -> dict[str, Any]:
+    doc: dict[str, Any] = {"config": config.describe(), "environment": environment, **summary}
+    if result is not None:
+        doc["server_metrics_errors"] = result.server_metrics_errors[:5]
+    return doc
+
+
+def _one_line(text: object, limit: int = 300) -> str:
+    """`text` on one line (whitespace runs collapsed), cut to `limit` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def error(message: object) -> None:
+    """Print a runtime error as the one line `attention-kv-caceh: error: ...` on stderr."""
+    print(f"{PROG}: error: {_one_line(message, 1000)}", file=sys.stderr)
+
+
+def failure_line(records: list[RequestRecord]) -> str | None:
+    """One line on the failed requests (how many, and the first one's status and error); None if none."""
+    failed = sorted((r for r in records if not r.ok), key=lambda r: r.request_id)
+    if not failed:
+        return None
+    first = failed[0]
+    http = f" (HTTP {first.http_status})" if first.http_status is not None else ""
+    return (
+        f"{len(failed)} of {len(records)} requests failed; first: request {first.request_id}: "
+        f"{first.status}{http}: {_one_line(first.error)}"
+    )
+
+
+class JsonlSink:
+    """The per-request JSONL, opened at the first finished request (a failed smoke test leaves an
+    earlier file alone) and flushed per line (survives a crash or Ctrl-C of this process); no fsync,
+    which would stall the event loop for milliseconds and show up in other requests' timestamps.
+    The first OSError is kept in `error` and every later write is refused."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.error: OSError | None = None
+        self.count = 0
+        self._writer: JsonlWriter | None = None
+
+    def write(self, record: RequestRecord) -> bool:
+        """Append `record`; False once writing has failed."""
+        if self.path is None:
+            return True
+        if self.error is not None:
+            return False
+        try:
+            if self._writer is None:
+                meta_path(self.path).unlink(missing_ok=True)  # an earlier run's must not describe this one
+                self._writer = JsonlWriter(self.path, fsync=False)
+            self._writer.write(record.to_json())
+        except OSError as exc:
+            self.error = exc
+            return False
+        self.count += 1
+        return True
+
+    @property
+    def opened(self) -> bool:
+        return self._writer is not None
+
+    def close(self) -> None:
+        if self._writer is not None:
+            try:
+                self._writer.close()
+            except OSError as exc:
+                self.error = self.error or exc

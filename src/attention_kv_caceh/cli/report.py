@@ -1,0 +1,57 @@
+"""`attention-kv-caceh report`: recompute every statistic of a results folder into Markdown.
+
+`attention_kv_caceh.report` finds, reads and checks the raw files and returns the Markdown (imported
+only when the subcommand runs); this module checks the output paths first, writes the report and prints
+what it wrote and the problems it found.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from attention_kv_caceh.cli.common import UsageError, check_outputs
+from attention_kv_caceh.files import atomic_write_text
+
+__all__ = ["HELP", "add_arguments", "run"]
+
+HELP = "recompute every statistic from the raw files of a folder and write a Markdown report"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `report`: `--results FOLDER` (raw files to read), `--out PATH.md` (plots go beside it)."""
+    parser.add_argument(
+        "--results", default="results", metavar="FOLDER", help="raw CSV / JSONL files and their .meta.json"
+    )
+    parser.add_argument(
+        "--out",
+        default="results/REPORT.md",
+        metavar="PATH.md",
+        help="the Markdown report; PNG plots go beside it",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Write the report of a results folder; file problems are listed in it and on stderr (exit 0).
+
+    Raises UsageError when --results is not a folder, or --out or a plot beside it (`<out stem>-<csv
+    stem>.png`) cannot be written (nothing written then).
+    """
+    from attention_kv_caceh.report import build_report, planned_plots
+
+    out_path = str(args.out)
+    if not Path(args.results).is_dir():
+        raise UsageError(f"--results {str(args.results)!r} is not a folder")
+    beside = f"--out {out_path!r}: the plot beside it"
+    check_outputs(
+        [("--out", out_path, (".md",))] + [(beside, p, ()) for p in planned_plots(args.results, out_path)]
+    )
+    result = build_report(args.results, out_path)
+    atomic_write_text(out_path, result.markdown)
+    print(f"wrote {out_path} from {len(result.sources)} raw file(s): {', '.join(result.sources) or 'none'}")
+    for plot in result.plots:
+        print(f"wrote {plot}")
+    for problem in result.problems:
+        print(f"problem: {problem.path}: {problem.problem}", file=sys.stderr)
+    return 0

@@ -1,0 +1,40 @@
+"""The results report: read every raw file in a results folder and write the findings back as Markdown.
+
+It reads every kind of raw file, the lab's and the serving harness's, so it sits beside `experiments/`
+and `harness/` and imports from both; nothing there imports it. Statistics are recomputed from raw
+samples only (`timing.summarize_samples` through `scan.scan_table` and
+`cache_growth_stats.summarize_cache_growth`); summary files in the folder are listed and ignored. File
+kinds are told apart by their CSV header, never by their name:
+
+- batch-size scan raw CSV: the fields of `timing.Sample`; its `<csv>.meta.json` gives the environment,
+  the read-bandwidth probe samples and the KV bytes per step.
+- cache-growth raw CSV (`CacheStepSample` fields) and its memory CSV (`CacheMemoryRow` fields), paired
+  by their run parameters.
+- the view/copy table (`ViewRow` fields).
+- serving-harness per-request JSONL (`*.jsonl`): records rebuilt from their raw timestamps and summarized
+  by the harness's own `summarize_run` (completed requests only).
+
+Outliers are flagged (a sample above 2 x the P95 of its group) and kept. A missing or malformed file is
+named with what is wrong, and everything else is still reported. Plots go beside the report.
+
+Modules: `readers` (find, parse, check files), `sections` (the Markdown of each kind, with the
+statistics it formats), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
+`build` (`build_report`: one handler per file kind).
+"""
+
+from __future__ import annotations
+
+from attention_kv_caceh.report.build import build_report, planned_plots
+from attention_kv_caceh.report.readers import FileProblem, ReportResult, classify_header, parse_rows
+from attention_kv_caceh.report.sections import OUTLIER_FACTOR, flag_outliers
+
+__all__ = [
+    "OUTLIER_FACTOR",
+    "FileProblem",
+    "ReportResult",
+    "build_report",
+    "classify_header",
+    "flag_outliers",
+    "parse_rows",
+    "planned_plots",
+]

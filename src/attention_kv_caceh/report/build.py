@@ -1,0 +1,261 @@
+"""`build_report`: one pass over a results folder, one handler per kind of raw file, one Markdown text.
+
+Each raw kind (`readers.KINDS`, plus per-request JSONL) has a handler in `_CSV_HANDLERS` that parses the
+file and appends its section (from `sections.py`) and plot; cache-growth runs are paired with their
+memory rows once every file has been read. A handler's failure is a problem of that file only.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.views import ViewRow
+from attention_kv_caceh.files import meta_path
+from attention_kv_caceh.report.readers import (
+    CsvFile,
+    FileProblem,
+    ReportResult,
+    classify_header,
+    int_keyed,
+    parse_file_rows,
+    read_csv,
+    read_header,
+    read_jsonl,
+    read_meta,
+    run_key,
+)
+from attention_kv_caceh.report.sections import (
+    cache_section,
+    environment_card,
+    scan_section,
+    serving_section,
+    views_section,
+)
+from attention_kv_caceh.timing import Sample
+
+__all__ = ["build_report", "planned_plots"]
+
+
+def _describe(exc: BaseException) -> str:
+    """An unexpected error in one line: its type, and its message when it has one."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _plot_target(out: Path, csv_name: str) -> Path:
+    return out.with_name(f"{out.stem}-{Path(csv_name).stem}.png")
+
+
+def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
+    """The PNGs `build_report` may write beside `out_path`: one per scan or cache-growth raw CSV in
+    `results_dir` (told by its header). Lets a caller check them before anything is written.
+
+    Raises ValueError when `results_dir` is not a folder.
+    """
+    folder, out = Path(results_dir), Path(out_path)
+    if not folder.is_dir():
+        raise ValueError(f"--results {str(results_dir)!r} is not a folder")
+    return [
+        _plot_target(out, path.name)
+        for path in sorted(folder.iterdir())
+        if path.suffix == ".csv"
+        and path.is_file()
+        and classify_header(read_header(path)) in ("scan", "cache")
+    ]
+
+
+@dataclass
+class _Build:
+    """What the handlers fill while the folder is read."""
+
+    out: Path
+    plot: bool
+    result: ReportResult
+    metas: dict[str, dict[str, Any]] = field(default_factory=lambda: dict[str, dict[str, Any]]())
+    buckets: dict[str, list[str]] = field(
+        default_factory=lambda: {"scan": [], "cache": [], "views": [], "serving": []}
+    )
+    skipped: list[str] = field(default_factory=lambda: list[str]())
+    no_meta: list[str] = field(default_factory=lambda: list[str]())  # raw files used without metadata
+    cache_runs: list[tuple[str, list[CacheStepSample]]] = field(
+        default_factory=lambda: list[tuple[str, list[CacheStepSample]]]()
+    )
+    memory_rows: list[CacheMemoryRow] = field(default_factory=lambda: list[CacheMemoryRow]())
+
+
+def _scan(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
+    samples = parse_file_rows(Sample, file, path, b.result.problems)
+    meta_name = meta_path(path.name).name
+    probe = int_keyed(meta, "probe_samples_ms", meta_name, b.result.problems)
+    kv = int_keyed(meta, "kv_bytes_per_step", meta_name, b.result.problems)
+    text, table = scan_section(path.name, samples, probe, kv)
+    if b.plot:
+        from attention_kv_caceh.report.plots import plot_scan
+
+        target = _plot_target(b.out, path.name)
+        b.result.plots.append(plot_scan(table, target, title=f"Batch-size scan: {path.name}"))
+        text += f"\n![{path.name}]({target.name})\n"
+    b.buckets["scan"].append(text)
+
+
+def _cache(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
+    b.cache_runs.append((path.name, parse_file_rows(CacheStepSample, file, path, b.result.problems)))
+
+
+def _cache_memory(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
+    b.memory_rows += parse_file_rows(CacheMemoryRow, file, path, b.result.problems)
+
+
+def _views(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
+    b.buckets["views"].append(
+        views_section(path.name, parse_file_rows(ViewRow, file, path, b.result.problems))
+    )
+
+
+# Raw CSV kind -> handler. Every kind but the memory rows has its own `.meta.json`.
+_CSV_HANDLERS: dict[str, Callable[[_Build, Path, CsvFile, dict[str, Any] | None], None]] = {
+    "scan": _scan,
+    "cache": _cache,
+    "cache-memory": _cache_memory,
+    "views": _views,
+}
+
+
+def _not_regular(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return "a broken symbolic link"
+    return "a folder" if path.is_dir() else "not a regular file"
+
+
+def _read_csv_file(b: _Build, path: Path) -> None:
+    problems = b.result.problems
+    try:
+        file = read_csv(path)
+    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
+        problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
+        return
+    kind = classify_header(file.header)
+    if kind is None:
+        problems.append(FileProblem(str(path), f"unrecognised header: {', '.join(file.header) or '(empty)'}"))
+        return
+    if kind.startswith("derived:"):
+        b.skipped.append(f"`{path.name}` ({kind[8:]}: statistics are recomputed from the raw samples)")
+        return
+    if not file.rows:
+        problems.append(FileProblem(str(path), f"{kind} CSV with a header but no rows"))
+        return
+    meta = read_meta(path, problems) if kind != "cache-memory" else None
+    if meta is not None:
+        b.metas[path.name] = meta
+    elif kind != "cache-memory":
+        b.no_meta.append(path.name)
+    try:
+        _CSV_HANDLERS[kind](b, path, file, meta)
+    except ValueError as exc:
+        problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
+        return
+    except Exception as exc:  # one file's failure must not cost the whole report
+        problems.append(FileProblem(str(path), f"cannot report this {kind} CSV: {_describe(exc)}"))
+        return
+    b.result.sources.append(path.name)
+
+
+def _read_jsonl_file(b: _Build, path: Path) -> None:
+    problems = b.result.problems
+    records = read_jsonl(path, problems)
+    if records is None:
+        return
+    try:
+        text = serving_section(path.name, records)
+    except ValueError as exc:
+        problems.append(FileProblem(str(path), f"cannot summarize: {exc}"))
+        return
+    except Exception as exc:
+        problems.append(FileProblem(str(path), f"cannot summarize: {_describe(exc)}"))
+        return
+    b.buckets["serving"].append(text)
+    b.result.sources.append(path.name)
+    # The harness may write `<jsonl>.meta.json`; older runs have none (noted in the card).
+    meta = read_meta(path, problems, required=False)
+    if meta is not None:
+        b.metas[path.name] = meta
+    else:
+        b.no_meta.append(path.name)
+
+
+def _pair_cache_runs(b: _Build) -> None:
+    """Each cache-growth run with the memory rows of the same parameters: its section and plot."""
+    for name, samples in b.cache_runs:
+        key = run_key(samples[0])
+        memory = [m for m in b.memory_rows if run_key(m) == key]
+        try:
+            text, _ = cache_section(name, samples, memory)
+            if b.plot:
+                from attention_kv_caceh.report.plots import plot_cache_growth
+
+                target = _plot_target(b.out, name)
+                title = f"KV-cache growth: {name}"
+                b.result.plots.append(plot_cache_growth(samples, memory, target, title=title))
+                text += f"\n![{name}]({target.name})\n"
+        except ValueError as exc:
+            b.result.problems.append(FileProblem(name, f"cannot summarize the cache run: {exc}"))
+            continue
+        except Exception as exc:
+            b.result.problems.append(FileProblem(name, f"cannot summarize the cache run: {_describe(exc)}"))
+            continue
+        b.buckets["cache"].append(text)
+
+
+def build_report(
+    results_dir: str | Path,
+    out_path: str | Path,
+    *,
+    plot: bool = True,
+) -> ReportResult:
+    """Read every raw file in `results_dir`, recompute the statistics, draw the plots beside `out_path`
+    (named `<report stem>-<csv stem>.png`), and return the Markdown (the caller writes it).
+
+    Raises ValueError when `results_dir` is not a folder or `out_path` does not end in .md. Problems
+    with individual files never raise: they are returned in `problems` and listed in the report, and
+    so is an unexpected error in one file's section (the others are still reported), a `.csv` or
+    `.jsonl` name that is not a regular file (a folder, a broken link) and a row with a value out of
+    range (see `readers.parse_rows`).
+    """
+    folder, out = Path(results_dir), Path(out_path)
+    if not folder.is_dir():
+        raise ValueError(f"--results {str(results_dir)!r} is not a folder")
+    if out.suffix.lower() != ".md":
+        raise ValueError(f"--out {str(out_path)!r} must end in .md")
+    b = _Build(out=out, plot=plot, result=ReportResult(markdown=""))
+    for path in sorted(folder.iterdir()):
+        if path.suffix in (".csv", ".jsonl") and not path.is_file():
+            b.result.problems.append(FileProblem(str(path), f"skipped: {_not_regular(path)}"))
+        elif path.suffix == ".csv":
+            _read_csv_file(b, path)
+        elif path.suffix == ".jsonl":
+            _read_jsonl_file(b, path)
+    _pair_cache_runs(b)
+
+    result, problems = b.result, b.result.problems
+    parts = [
+        "# Results report\n",
+        f"Recomputed from the raw files in `{folder}`: {', '.join(f'`{s}`' for s in result.sources) or 'none'}.\n",
+        "## Environment\n",
+        environment_card(b.metas, b.no_meta),
+        "## Results\n",
+        *([t for bucket in b.buckets.values() for t in bucket] or ["No raw results were found.\n"]),
+    ]
+    if b.skipped:
+        parts += ["## Summary files not used\n", *(f"- {s}" for s in b.skipped), ""]
+    if problems:
+        parts += [
+            "## Problems with files\n",
+            *(f"- `{p.path}`: {p.problem}" for p in problems),
+            "",
+        ]
+    result.markdown = "\n".join(parts).rstrip("\n") + "\n"
+    return result

@@ -1,0 +1,132 @@
+"""The package's layout: every module imports on its own, no import circle, and only `cli/` prints or
+parses flags (the scripted server's child-process entry excepted: it reports its port on stdout)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import unittest
+from pathlib import Path
+
+import attention_kv_caceh
+
+PACKAGE = Path(attention_kv_caceh.__file__).parent
+ROOT = "attention_kv_caceh"
+# Modules allowed to print or import argparse outside cli/, and why.
+CHILD_PROCESS_ENTRIES = {f"{ROOT}.harness.scripted_server"}  # prints `PORT n` for its parent
+
+
+def module_names() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        names.append(".".join(parts))
+    return names
+
+
+def source_of(name: str) -> Path:
+    path = PACKAGE.parent.joinpath(*name.split("."))
+    return path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+
+
+def _is_guard(node: ast.If) -> bool:
+    """`if TYPE_CHECKING:` or `if __name__ == "__main__":`: imports there do not run on import."""
+    text = ast.unparse(node.test)
+    return "TYPE_CHECKING" in text or "__name__" in text
+
+
+def top_level_imports(name: str, known: set[str]) -> set[str]:
+    """Package modules `name` imports when it is imported (module level, outside the two guards)."""
+    tree = ast.parse(source_of(name).read_text(encoding="utf-8"))
+    found: set[str] = set()
+    body = list(tree.body)
+    while body:
+        node = body.pop(0)
+        if isinstance(node, ast.If) and not _is_guard(node):
+            body += node.body + node.orelse
+        elif isinstance(node, (ast.Try,)):
+            body += node.body + node.orelse + node.finalbody
+        elif isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {m for m in found if m in known and m != name}
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt) :], nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+class LayoutTest(unittest.TestCase):
+    def test_every_module_imports_alone(self) -> None:
+        script = (
+            "import importlib, sys, traceback\n"
+            f"failed = []\nfor name in {module_names()!r}:\n"
+            f"    for loaded in [m for m in sys.modules if m == {ROOT!r} or m.startswith({ROOT + '.'!r})]:\n"
+            "        del sys.modules[loaded]\n"
+            "    try:\n        importlib.import_module(name)\n"
+            "    except Exception:\n        failed.append(name + ': ' + traceback.format_exc(limit=1))\n"
+            "print('\\n'.join(failed))\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        self.assertEqual(proc.returncode, 0, proc.stderr)
+        self.assertEqual(proc.stdout.strip(), "")
+
+    def test_no_import_circle(self) -> None:
+        names = set(module_names())
+        graph = {name: top_level_imports(name, names) for name in names}
+        self.assertIsNone(find_cycle(graph))
+
+    def test_the_cycle_check_finds_a_circle(self) -> None:
+        graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set[str]()}
+        self.assertEqual(find_cycle(graph), ["a", "b", "c", "a"])
+        self.assertIsNone(find_cycle({"a": {"b"}, "b": set[str]()}))
+
+    def test_only_cli_prints_or_parses_flags(self) -> None:
+        for name in module_names():
+            if name.startswith(f"{ROOT}.cli") or name in CHILD_PROCESS_ENTRIES:
+                continue
+            tree = ast.parse(source_of(name).read_text(encoding="utf-8"))
+            with self.subTest(module=name):
+                for node in ast.walk(tree):
+                    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                        self.assertNotEqual(node.func.id, "print", f"line {node.lineno}")
+                    if isinstance(node, ast.Import):
+                        self.assertNotIn("argparse", [a.name for a in node.names], f"line {node.lineno}")
+
+    def test_nothing_imports_the_command_layer_or_the_report_upward(self) -> None:
+        names = set(module_names())
+        for name in names:
+            imports = top_level_imports(name, names)
+            with self.subTest(module=name):
+                if not name.startswith(f"{ROOT}.cli") and name != f"{ROOT}.benchmark":
+                    self.assertFalse([m for m in imports if m.startswith(f"{ROOT}.cli")])
+                if name.startswith((f"{ROOT}.experiments", f"{ROOT}.harness")):
+                    self.assertFalse([m for m in imports if m.startswith(f"{ROOT}.report")])
+
+
+if __name__ == "__main__":
+    unittest.main()
