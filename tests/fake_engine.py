@@ -125,6 +125,7 @@ class FakeEngine:
         self.step_calls = 0
         self.changed = threading.Condition()
         self.step_stats: list[FakeStepStats] = []
+        self.num_steps = 0
 
     # -- the contract's surface --------------------------------------------------------------------------
 
@@ -191,6 +192,7 @@ class FakeEngine:
             outputs.append(FakeOutput(r.request_id, [token], reason is not None, reason))
         stats = FakeStepStats(scheduled, prefill, decode, len(s.running), len(s.waiting))
         self.step_stats.append(stats)
+        self.num_steps += 1
         self._notify()
         return outputs
 

@@ -284,15 +284,17 @@ def _run_steps(
     table = StepTable(sys.stdout)
     trace = None
     interrupted = False
+    # Summed as the steps come: engine.step_stats keeps only the newest steps.
+    totals = {"num_prefill_tokens": 0, "num_decode_tokens": 0, "num_preemptions": 0, "prefix_cache_hits": 0}
     t0 = time.perf_counter()
     try:
         if args.trace is not None:
             trace = JsonlWriter(args.trace, fsync=False)  # flushed per step; fsync would slow the loop
         table.header()
         while engine.has_unfinished_requests():
-            before = len(engine.step_stats)
+            before = engine.num_steps  # step_stats is bounded: its length stops growing
             step_outputs = engine.step()
-            if len(engine.step_stats) == before:
+            if engine.num_steps == before:
                 raise CommandFailed("the engine scheduled nothing while requests were waiting (a bug)")
             done: list[str] = []
             for out in step_outputs:
@@ -301,6 +303,8 @@ def _run_steps(
                     finish[out.request_id] = out.finish_reason
                     done.append(out.request_id)
             stats = engine.step_stats[-1]
+            for key in totals:
+                totals[key] += getattr(stats, key)
             if trace is not None:
                 trace.write({**dataclasses.asdict(stats), "finished_request_ids": done})
             table.row(stats, done, last=not engine.has_unfinished_requests())
@@ -331,13 +335,12 @@ def _run_steps(
             print(
                 f"[{r['index']}] {r['prompt']!r} -> {r['text']!r} ({len(r['token_ids'])} tokens, {r['finish_reason']})"
             )
-        steps = engine.step_stats
         generated = sum(len(r["token_ids"]) for r in records)
         print(
-            f"{len(steps)} steps, {sum(s.num_prefill_tokens for s in steps)} prefill + "
-            f"{sum(s.num_decode_tokens for s in steps)} decode tokens computed, "
-            f"{sum(s.num_preemptions for s in steps)} preemptions, "
-            f"{sum(s.prefix_cache_hits for s in steps)} prefix-cache hit tokens; {generated} tokens "
+            f"{engine.num_steps} steps, {totals['num_prefill_tokens']} prefill + "
+            f"{totals['num_decode_tokens']} decode tokens computed, "
+            f"{totals['num_preemptions']} preemptions, "
+            f"{totals['prefix_cache_hits']} prefix-cache hit tokens; {generated} tokens "
             f"generated in {elapsed:.2f} s wall, printing and trace included "
             f"({generated / max(elapsed, 1e-9):.1f} tokens/s)"
         )

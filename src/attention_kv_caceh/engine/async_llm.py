@@ -120,6 +120,8 @@ class EngineLike(Protocol):
     def scheduler(self) -> _SchedulerLike: ...
     @property
     def step_stats(self) -> Sequence[EngineStepStats]: ...
+    @property
+    def num_steps(self) -> int: ...
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, /
     ) -> object: ...
@@ -377,7 +379,7 @@ class AsyncLLM:
     def _step(self) -> bool:
         """One engine step and its outputs; False when the step scheduled nothing."""
         start = time.monotonic()
-        num_stats = len(self.engine.step_stats)
+        num_stats = self.engine.num_steps  # step_stats is bounded: its length stops growing
         try:
             outputs = list(self.engine.step())
         except Exception as exc:
@@ -394,8 +396,7 @@ class AsyncLLM:
             return True
         end = time.monotonic()
         self.num_steps += 1
-        all_stats = self.engine.step_stats
-        step_stats = all_stats[-1] if len(all_stats) > num_stats else None
+        step_stats = self.engine.step_stats[-1] if self.engine.num_steps > num_stats else None
         self._process(outputs, step_stats, start, end)
         return bool(outputs) or step_stats is not None
 
