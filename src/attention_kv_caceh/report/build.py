@@ -166,7 +166,17 @@ def _not_regular(path: Path) -> str | None:
 
 def _read_csv_file(b: _Build, path: Path) -> None:
     problems = b.result.problems
-    header = read_header(path)
+    try:
+        header = read_header(path, quiet=False)
+    except ValueError as exc:  # not a regular file, above the size cap (UnicodeDecodeError: below)
+        if isinstance(exc, UnicodeDecodeError):
+            problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
+        else:
+            problems.append(FileProblem(str(path), str(exc)))
+        return
+    except (OSError, csv.Error) as exc:
+        problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
+        return
     kind = classify_header(header)
     if kind is None:
         problems.append(FileProblem(str(path), f"unrecognised header: {', '.join(header) or '(empty)'}"))
@@ -181,9 +191,6 @@ def _read_csv_file(b: _Build, path: Path) -> None:
         return
     except ValueError as exc:
         problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
-        return
-    except MemoryError:
-        problems.append(FileProblem(str(path), f"out of memory while reading this {kind} CSV: not reported"))
         return
     if not rows:
         problems.append(FileProblem(str(path), f"{kind} CSV with a header but no rows"))
@@ -206,11 +213,7 @@ def _read_csv_file(b: _Build, path: Path) -> None:
 
 def _read_jsonl_file(b: _Build, path: Path) -> None:
     problems = b.result.problems
-    try:
-        records = read_jsonl(path, problems)
-    except MemoryError:
-        problems.append(FileProblem(str(path), "out of memory while reading this JSONL: not reported"))
-        return
+    records = read_jsonl(path, problems)
     if records is None:
         return
     try:
@@ -313,10 +316,13 @@ def build_report(
             continue
         elif (why := _not_regular(path)) is not None:
             b.result.problems.append(FileProblem(str(path), f"skipped: {why}"))
-        elif path.suffix == ".csv":
-            _read_csv_file(b, path)
         else:
-            _read_jsonl_file(b, path)
+            try:
+                (_read_csv_file if path.suffix == ".csv" else _read_jsonl_file)(b, path)
+            except MemoryError:  # what is left of the file's rows is freed with this frame
+                b.result.problems.append(
+                    FileProblem(str(path), "out of memory while reading it: not reported")
+                )
     _pair_cache_runs(b)
 
     result, problems = b.result, b.result.problems

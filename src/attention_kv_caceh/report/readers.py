@@ -286,15 +286,18 @@ def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool
         raise
 
 
-def read_header(path: Path) -> list[str]:
-    """The header of a CSV ([] when empty, unreadable or not a regular file)."""
+def read_header(path: Path, *, quiet: bool = True) -> list[str]:
+    """The header of a CSV ([] when empty). When it cannot be read (not a regular file, above the cap,
+    not UTF-8): [] when `quiet`, else the OSError / ValueError / UnicodeDecodeError / csv.Error."""
     try:
         f, _ = open_regular(path)
         with f:
             empty: list[str] = []
             return next(csv.reader(f), empty)
     except (OSError, ValueError, UnicodeDecodeError, csv.Error):
-        return []
+        if quiet:
+            return []
+        raise
 
 
 # -------------------------------------------------------------------------------------------- CSV
