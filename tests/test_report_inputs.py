@@ -4,6 +4,7 @@ and the prediction a run's metadata records (rebuilt against the raw rows)."""
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import json
@@ -97,10 +98,8 @@ class SuffixAndFileKindTest(Folder):
         worker.join(60)  # a hang guard, not a time bound: a blocked open never returns at all
         if worker.is_alive():  # let a blocked reader go before failing, so no thread is left behind
             for fifo in fifos:
-                try:
+                with contextlib.suppress(OSError):
                     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
-                except OSError:
-                    pass
             self.fail("the report blocked on a FIFO")
         text, problems = result[0]
         self.assertEqual(problems["pipe.csv"], "skipped: a FIFO")
@@ -196,7 +195,7 @@ class OneRunPerFileTest(Folder):
 
     def test_a_duplicated_scan_sample_rejects_the_file(self) -> None:
         path = write_scan(self.folder, "dup.csv")
-        self.rewrite_rows(path, lambda rows: rows + [rows[5] | {"elapsed_ms": "3.5"}])
+        self.rewrite_rows(path, lambda rows: [*rows, rows[5] | {"elapsed_ms": "3.5"}])
         _, problems = self.report()
         self.assertIn(
             "row 61 repeats row 6 (same parameters and batch_size 1, repeat 5)", problems["dup.csv"]
