@@ -123,7 +123,7 @@ class SuffixAndFileKindTest(Folder):
         with mock.patch.object(report_readers, "MAX_INPUT_BYTES", cap):
             text, problems = self.report()
         self.assertRegex(
-            problems["big.csv"], r"MB, above the report's cap of 0 MB \(report\.readers\.MAX_INPUT"
+            problems["big.csv"], r"MiB, above the report's cap of 0 MiB \(report\.readers\.MAX_INPUT"
         )
         self.assertIn("above the report's cap", problems["big.jsonl"])
         self.assertIn("### Batch-size scan: `small.csv`", text)

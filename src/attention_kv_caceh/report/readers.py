@@ -263,7 +263,7 @@ def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool
 
     The kind is checked with os.stat before opening, and the file is opened with O_NONBLOCK and checked
     again with fstat, so a FIFO (or a device) put there never blocks the report. Raises ValueError
-    ("is a FIFO, not a regular file", "is 300 MB, above ...") and OSError when it cannot be opened.
+    ("a FIFO, not a regular file: not read", "300.0 MiB, above ...") and OSError when it cannot be opened.
     """
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
@@ -275,7 +275,7 @@ def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool
             raise ValueError(f"{_kind_word(info.st_mode)}, not a regular file: not read")
         if info.st_size > MAX_INPUT_BYTES:
             raise ValueError(
-                f"{info.st_size / 1e6:.1f} MB, above the report's cap of {MAX_INPUT_BYTES / 1e6:.0f} MB "
+                f"{info.st_size / 2**20:.1f} MiB, above the report's cap of {MAX_INPUT_BYTES / 2**20:.0f} MiB "
                 "(report.readers.MAX_INPUT_BYTES): not read"
             )
         ends = info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) in (b"\n", b"\r")
