@@ -24,7 +24,7 @@ from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.report import build_report, planned_plots
-from attention_kv_caceh.report import readers as report_readers
+from attention_kv_caceh.report import sources as report_sources
 from attention_kv_caceh.timing import Sample
 from tests.test_report import ENV, SAMPLE_FIELDS, write_cache, write_scan
 
@@ -112,7 +112,7 @@ class SuffixAndFileKindTest(Folder):
         fifo = self.folder / "x.csv"
         os.mkfifo(fifo)
         with self.assertRaisesRegex(ValueError, "a FIFO, not a regular file"):
-            report_readers.open_regular(fifo)
+            report_sources.open_regular(fifo)
 
     def test_a_file_above_the_size_cap_is_refused_with_the_cap_named(self) -> None:
         write_scan(self.folder, "big.csv")
@@ -120,10 +120,10 @@ class SuffixAndFileKindTest(Folder):
         write_scan(self.folder, "small.csv")
         cap = (self.folder / "small.csv").stat().st_size
         (self.folder / "big.csv").write_bytes((self.folder / "big.csv").read_bytes() + b"\n" * 10)
-        with mock.patch.object(report_readers, "MAX_INPUT_BYTES", cap):
+        with mock.patch.object(report_sources, "MAX_INPUT_BYTES", cap):
             text, problems = self.report()
         self.assertRegex(
-            problems["big.csv"], r"MiB, above the report's cap of 0 MiB \(report\.readers\.MAX_INPUT"
+            problems["big.csv"], r"MiB, above the report's cap of 0 MiB \(report\.sources\.MAX_INPUT"
         )
         self.assertIn("above the report's cap", problems["big.jsonl"])
         self.assertIn("### Batch-size scan: `small.csv`", text)

@@ -20,7 +20,8 @@ file (a FIFO is never opened for reading), a suffix in another case (`B.CSV`), a
 `MAX_INPUT_BYTES`, a file that mixes runs or repeats a row, a request whose timestamps run backwards.
 A run's recorded `prediction` is rebuilt and checked against its raw rows. Plots go beside the report.
 
-Modules: `readers` (open, parse, check CSVs and metadata), `jsonl` (per-request records), `sections`
+Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; parse and check
+CSVs), `jsonl` (per-request records), `sections`
 (the Markdown of each kind, with the statistics it formats), `predictions` (prediction tables), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
 `build` (`build_report`: one handler per file kind).
 """
@@ -28,14 +29,9 @@ Modules: `readers` (open, parse, check CSVs and metadata), `jsonl` (per-request 
 from __future__ import annotations
 
 from attention_kv_caceh.report.build import build_report, planned_plots
-from attention_kv_caceh.report.readers import (
-    MAX_INPUT_BYTES,
-    FileProblem,
-    ReportResult,
-    classify_header,
-    parse_rows,
-)
+from attention_kv_caceh.report.readers import classify_header, parse_rows
 from attention_kv_caceh.report.sections import OUTLIER_FACTOR, flag_outliers
+from attention_kv_caceh.report.sources import MAX_INPUT_BYTES, FileProblem, ReportResult
 
 __all__ = [
     "MAX_INPUT_BYTES",

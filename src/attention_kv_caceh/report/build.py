@@ -21,17 +21,7 @@ from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.report.jsonl import read_jsonl
 from attention_kv_caceh.report.predictions import cache_prediction_section, scan_prediction_section
-from attention_kv_caceh.report.readers import (
-    CLASSES,
-    FileProblem,
-    ReportResult,
-    classify_header,
-    int_keyed,
-    parse_csv,
-    read_header,
-    read_meta,
-    run_key,
-)
+from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
 from attention_kv_caceh.report.sections import (
     cache_section,
     environment_card,
@@ -39,6 +29,7 @@ from attention_kv_caceh.report.sections import (
     serving_section,
     views_section,
 )
+from attention_kv_caceh.report.sources import FileProblem, ReportResult, int_keyed, read_header, read_meta
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -299,7 +290,7 @@ def build_report(
     with individual files never raise: they are returned in `problems` and listed in the report, and
     so is an unexpected error in one file's section (the others are still reported). Listed and not
     read: a raw-file name that is not a regular file (a folder, a FIFO, a broken link), a suffix that
-    differs only in case (`B.CSV`), a file above `readers.MAX_INPUT_BYTES`; rejected with the reason:
+    differs only in case (`B.CSV`), a file above `sources.MAX_INPUT_BYTES`; rejected with the reason:
     a row with a value out of range (see `readers.parse_rows`), a file mixing runs or repeating a row
     (see `readers.parse_csv`). A metadata `prediction` that cannot be rebuilt is listed too.
     """

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.report.readers import FileProblem, open_regular
+from attention_kv_caceh.report.sources import FileProblem, open_regular
 
 __all__ = ["check_timestamps", "read_jsonl"]
 

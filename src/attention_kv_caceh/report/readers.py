@@ -1,75 +1,42 @@
-"""Reading a results folder's raw files: tell each CSV's kind by its header, parse rows into the
-dataclasses that wrote them, check that a file holds one run, read `.meta.json`, and note every problem.
+"""Reading a results folder's raw CSVs: tell each CSV's kind by its header, parse rows into the
+dataclasses that wrote them, check that a file holds one run and no row twice, and note every problem.
 
-A file kind is told by its CSV header, never by its name (see `classify_header`). Only regular files
-are opened (`open_regular`: a FIFO named `x.csv` would block a plain `open` forever), and none larger
-than MAX_INPUT_BYTES. Rows are streamed: the csv reader walks the open file and each row becomes one
+A file kind is told by its CSV header, never by its name (see `classify_header`). Files are opened
+through `sources.open_regular` (regular files up to `sources.MAX_INPUT_BYTES`). Rows are streamed: the csv reader walks the open file and each row becomes one
 slotted dataclass at once, so a file costs about 4x its size in memory, not its text plus a dict of
 strings per row. Nothing here computes statistics or writes Markdown: `sections.py` does, `build.py`
-puts it together; `jsonl.py` reads the serving harness's records.
+puts it together; `sources.py` opens files and reads metadata, `jsonl.py` the harness's records.
 """
 
 from __future__ import annotations
 
 import csv
-import json
 import math
-import os
-import stat
 import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import Any, TypeVar
 
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import ViewRow
-from attention_kv_caceh.files import meta_path
+from attention_kv_caceh.report.sources import FileProblem, open_regular
 from attention_kv_caceh.timing import Sample
 
 __all__ = [
+    "CLASSES",
     "DERIVED",
     "IDENTITY",
     "KINDS",
-    "MAX_INPUT_BYTES",
     "SLOT",
-    "FileProblem",
-    "ReportResult",
     "classify_header",
-    "int_keyed",
-    "open_regular",
     "parse_csv",
     "parse_rows",
-    "read_header",
-    "read_meta",
     "run_key",
 ]
 
 
 T = TypeVar("T")
-
-# The largest file the report reads (raw CSV, JSONL or metadata), in bytes. A default `cache` run writes
-# about 2 MB, a default scan far less; a file past the cap is listed, not read (the report would hold
-# roughly 4x it in memory).
-MAX_INPUT_BYTES = 128 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class FileProblem:
-    """A file the report could not use (fully or in part), and what is wrong with it."""
-
-    path: str
-    problem: str
-
-
-@dataclass
-class ReportResult:
-    """The Markdown text, the PNGs written beside it, and every file problem found."""
-
-    markdown: str
-    plots: list[Path] = field(default_factory=lambda: list[Path]())
-    problems: list[FileProblem] = field(default_factory=lambda: list[FileProblem]())
-    sources: list[str] = field(default_factory=lambda: list[str]())
 
 
 def _field_names(cls: type[Any]) -> tuple[str, ...]:
@@ -237,69 +204,6 @@ def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T
     return [parse(i, [row.get(name) for name in names]) for i, row in enumerate(rows, start=1)]
 
 
-# ------------------------------------------------------------------------------------ opening files
-
-
-def _kind_word(mode: int) -> str:
-    for test, word in (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return word
-    return "not a regular file"
-
-
-# A UTF-8 byte-order mark before the header (Excel writes one) is dropped, not read as a column name.
-ENCODING = "utf-8-sig"
-
-
-def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool]:
-    """Open a regular file of at most MAX_INPUT_BYTES as UTF-8 text (a byte-order mark dropped); also
-    return whether it ends in a line break (False for an empty file).
-
-    The kind is checked with os.stat before opening, and the file is opened with O_NONBLOCK and checked
-    again with fstat, so a FIFO (or a device) put there never blocks the report. Raises ValueError
-    ("a FIFO, not a regular file: not read", "300.0 MiB, above ...") and OSError when it cannot be opened.
-    """
-    mode = os.stat(path).st_mode
-    if not stat.S_ISREG(mode):
-        raise ValueError(f"{_kind_word(mode)}, not a regular file: not read")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{_kind_word(info.st_mode)}, not a regular file: not read")
-        if info.st_size > MAX_INPUT_BYTES:
-            raise ValueError(
-                f"{info.st_size / 2**20:.1f} MiB, above the report's cap of {MAX_INPUT_BYTES / 2**20:.0f} MiB "
-                "(report.readers.MAX_INPUT_BYTES): not read"
-            )
-        ends = info.st_size > 0 and os.pread(fd, 1, info.st_size - 1) in (b"\n", b"\r")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, encoding=ENCODING, newline=newline), ends
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_header(path: Path, *, quiet: bool = True) -> list[str]:
-    """The header of a CSV ([] when empty). When it cannot be read (not a regular file, above the cap,
-    not UTF-8): [] when `quiet`, else the OSError / ValueError / UnicodeDecodeError / csv.Error."""
-    try:
-        f, _ = open_regular(path)
-        with f:
-            empty: list[str] = []
-            return next(csv.reader(f), empty)
-    except (OSError, ValueError, UnicodeDecodeError, csv.Error):
-        if quiet:
-            return []
-        raise
-
-
 # -------------------------------------------------------------------------------------------- CSV
 
 
@@ -399,50 +303,6 @@ def _checked(
                 "counted twice in every statistic"
             )
     return parsed
-
-
-# ------------------------------------------------------------------------------------------ metadata
-
-
-def read_meta(csv_path: Path, problems: list[FileProblem], *, required: bool = True) -> dict[str, Any] | None:
-    """The parsed `<file>.meta.json` of a raw file; None (with a problem noted, when `required` or
-    malformed, not a regular file or too large) when it is missing or cannot be used."""
-    path = meta_path(csv_path)
-    if not path.exists() and not path.is_symlink():
-        if required:
-            problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
-        return None
-    try:
-        f, _ = open_regular(path, newline=None)
-        with f:
-            meta = json.load(f)
-    except (OSError, UnicodeDecodeError) as exc:
-        problems.append(FileProblem(str(path), f"unreadable: {exc}"))
-        return None
-    except json.JSONDecodeError as exc:
-        problems.append(FileProblem(str(path), f"malformed JSON: {exc}"))
-        return None
-    except ValueError as exc:  # from open_regular: not a regular file, too large
-        problems.append(FileProblem(str(path), str(exc)))
-        return None
-    if not isinstance(meta, dict):
-        problems.append(FileProblem(str(path), "malformed: the top level is not an object"))
-        return None
-    return typing.cast("dict[str, Any]", meta)
-
-
-def int_keyed(meta: Mapping[str, Any] | None, key: str, path: str, problems: list[FileProblem]) -> Any:
-    """meta[key] as {int B: value}; None (with a problem noted) when absent or malformed."""
-    if meta is None or key not in meta:
-        if meta is not None:
-            problems.append(FileProblem(path, f"no {key!r}: bandwidth columns are n/a"))
-        return None
-    raw = meta[key]
-    try:
-        return {int(b): v for b, v in typing.cast("dict[str, Any]", raw).items()}
-    except (AttributeError, TypeError, ValueError):
-        problems.append(FileProblem(path, f"{key!r} is not a mapping of batch size to values"))
-        return None
 
 
 def run_key(row: CacheStepSample | CacheMemoryRow) -> tuple[Any, ...]:
