@@ -205,6 +205,37 @@ class OneRunPerFileTest(Folder):
             "row 61 repeats row 6 (same parameters and batch_size 1, repeat 5)", problems["dup.csv"]
         )
 
+    def test_a_cache_row_whose_columns_disagree_rejects_the_file(self) -> None:
+        write_cache(self.folder)
+        cases = [
+            ("sequence_length", "9", "row 3: sequence_length 9 is not step + 1 = 3"),
+            ("step", "64", "row 3: sequence_length 3 is not step + 1 = 65"),
+            ("cache", "dynamc", "row 3: column 'cache': 'dynamc' is not one of dynamic, preallocated"),
+        ]
+        for column, value, why in cases:
+            with self.subTest(column=column):
+                write_cache(self.folder)
+
+                def change(
+                    rows: list[dict[str, str]], column: str = column, value: str = value
+                ) -> list[dict[str, str]]:
+                    rows[2] = rows[2] | {column: value}
+                    return rows
+
+                self.rewrite_rows(self.folder / "growth.csv", change)
+                _, problems = self.report()
+                self.assertEqual(problems["growth.csv"], f"malformed cache CSV: {why}")
+        write_cache(self.folder)
+        self.rewrite_rows(
+            self.folder / "growth-mem.csv",
+            lambda rows: [*rows[:-1], rows[-1] | {"step": "64", "sequence_length": "65"}],
+        )
+        _, problems = self.report()
+        self.assertEqual(
+            problems["growth-mem.csv"],
+            "malformed cache-memory CSV: row 128: step 64 lies outside the run's 64 steps",
+        )
+
     def test_a_zero_elapsed_time_is_an_invalid_row(self) -> None:
         path = write_scan(self.folder, "zero.csv")
         self.rewrite_rows(path, lambda rows: [r | {"elapsed_ms": "0"} for r in rows])

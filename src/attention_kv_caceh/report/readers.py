@@ -18,7 +18,7 @@ from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.cache_growth_stats import CACHE_KINDS, CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.report.sources import FileProblem, open_regular
 from attention_kv_caceh.timing import Sample
@@ -98,6 +98,22 @@ SLOT: dict[str, tuple[str, ...]] = {
     "cache": ("cache", "repeat", "step"),
     "cache-memory": ("cache", "step"),
 }
+
+
+def _cache_row(row: CacheStepSample | CacheMemoryRow) -> str | None:
+    """What is inconsistent in one cache-growth row (timed or memory), or None: the cache is one of
+    CACHE_KINDS, T = step + 1 (positions held after the step), and the step lies within the run."""
+    if row.cache not in CACHE_KINDS:
+        return f"column 'cache': {row.cache!r} is not one of {', '.join(CACHE_KINDS)}"
+    if row.sequence_length != row.step + 1:
+        return f"sequence_length {row.sequence_length} is not step + 1 = {row.step + 1}"
+    if row.step >= row.steps:
+        return f"step {row.step} lies outside the run's {row.steps} steps"
+    return None
+
+
+# Consistency between the columns of one row, per kind (beyond each value's own range).
+ROW_CHECKS: dict[str, Callable[[Any], str | None]] = {"cache": _cache_row, "cache-memory": _cache_row}
 # Summaries written by the commands: recognised so they can be named, never read for statistics.
 DERIVED = {
     "scan summary": {"batch_size", "per_sequence_ms", "positions_per_s"},
@@ -235,7 +251,7 @@ def parse_csv(cls: type[T], kind: str, path: Path, problems: list[FileProblem]) 
     """The rows of a raw CSV of `kind` (a key of KINDS) as `cls` instances, streamed from the file.
 
     Checks, each a ValueError naming the row (1-based, after the header): every value (`parse_rows`);
-    one run per file (rows that differ in an IDENTITY column); no duplicate rows (two rows with the same
+    the columns of a row against each other (ROW_CHECKS: a cache row's T is its step + 1); one run per file (rows that differ in an IDENTITY column); no duplicate rows (two rows with the same
     SLOT, e.g. a scan's batch size and repeat). The last row only, when it lacks its line break (its
     last cell may be cut yet valid, `42,1` of `42,12`) or is short and does not parse, is taken for a
     cut-off row of a truncated file: it is left out and noted in `problems`; a file whose only row is
@@ -247,14 +263,14 @@ def parse_csv(cls: type[T], kind: str, path: Path, problems: list[FileProblem]) 
         none: list[str] = []
         header = next(reader, none)
         parse = _row_parser(cls, header)
-        identity, slot = IDENTITY.get(kind, ()), SLOT.get(kind, ())
+        identity, slot, check = IDENTITY.get(kind, ()), SLOT.get(kind, ()), ROW_CHECKS.get(kind)
         runs: dict[tuple[Any, ...], int] = {}
         seen: dict[tuple[Any, ...], dict[tuple[Any, ...], int]] = {}  # run -> slot -> first row
         out: list[T] = []
         last: tuple[int, list[str | None]] | None = None
         for i, cells in _rows(reader, len(header)):
             if last is not None:
-                out.append(_checked(parse, last, identity, slot, runs, seen))
+                out.append(_checked(parse, last, identity, slot, runs, seen, check))
             last = (i, cells)
     if last is None:
         return out
@@ -262,7 +278,7 @@ def parse_csv(cls: type[T], kind: str, path: Path, problems: list[FileProblem]) 
     cut = not ends
     if not cut:
         try:
-            out.append(_checked(parse, last, identity, slot, runs, seen))
+            out.append(_checked(parse, last, identity, slot, runs, seen, check))
         except ValueError as exc:
             if None not in cells:
                 raise  # a complete last row that is wrong, not a cut-off one
@@ -287,9 +303,12 @@ def _checked(
     slot: Sequence[str],
     runs: dict[tuple[Any, ...], int],
     seen: dict[tuple[Any, ...], dict[tuple[Any, ...], int]],
+    check: Callable[[Any], str | None] | None,
 ) -> T:
     i, cells = row
     parsed = parse(i, cells)
+    if check is not None and (wrong := check(parsed)) is not None:
+        raise ValueError(f"row {i}: {wrong}")
     run = tuple(getattr(parsed, name) for name in identity)
     if identity:
         runs.setdefault(run, i)
