@@ -13,6 +13,7 @@ import tempfile
 import threading
 import tracemalloc
 import unittest
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -62,7 +63,9 @@ class Folder(unittest.TestCase):
         result = build_report(self.folder, self.out, plot=False)
         return result.markdown, {Path(p.path).name: p.problem for p in result.problems}
 
-    def rewrite_rows(self, path: Path, change: Any) -> None:
+    def rewrite_rows(
+        self, path: Path, change: Callable[[list[dict[str, str]]], list[dict[str, str]]]
+    ) -> None:
         """Apply `change(rows)` to a CSV's rows (dicts of strings) and write it back."""
         with path.open(newline="", encoding="utf-8") as f:
             reader = csv.DictReader(f)
