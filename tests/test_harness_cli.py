@@ -103,7 +103,7 @@ class CliTest(unittest.TestCase):
         for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_itl_ms", "mean_e2el_ms"):
             self.assertIsInstance(doc[key], float, key)
         self.assertEqual(doc["completed"], 6)
-        self.assertEqual(doc["max_concurrent_requests"], 2)
+        self.assertEqual(doc["max_client_in_flight"], 2)
         self.assertEqual(doc["good_requests"], 6)
         self.assertIn("environment", doc)
         self.assertEqual(plot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
@@ -172,7 +172,7 @@ class CliTest(unittest.TestCase):
         for argv, start in cases.items():
             with (
                 self.subTest(argv=argv),
-                mock.patch("attention_kv_caceh.harness.run.memory_budget_bytes", return_value=2**20),
+                mock.patch("attention_kv_caceh.harness.config.memory_budget_bytes", return_value=2**20),
             ):
                 code, out, err = quietly([*argv, "--jsonl", str(jsonl)])
                 self.assertEqual((code, out), (2, ""))
@@ -432,7 +432,14 @@ class OverheadCommandTest(unittest.TestCase):
         self.assertIn("max(16, waves * concurrency)", overhead.__doc__ or "")
 
     def test_bad_flags_exit_2_with_one_line_before_the_server_starts(self) -> None:
-        for argv in (["--concurrency", "0"], ["--waves", "0"], ["--tokens", "0"], ["--itl-ms", "nan"]):
+        for argv in (
+            ["--concurrency", "0"],
+            ["--waves", "0"],
+            ["--tokens", "0"],
+            ["--tokens", "1"],  # no ITL: used to fail on an empty list after the whole run
+            ["--waves", "100000000"],  # beyond MAX_REQUESTS: used to escape as a traceback
+            ["--itl-ms", "nan"],
+        ):
             with self.subTest(argv=argv):
                 err = io.StringIO()
                 with (

@@ -20,7 +20,7 @@ MS = 1_000_000
 def ok_record(
     request_id: int, arrival: int, sent: int, times: list[int], per_event: list[int] | None = None
 ) -> RequestRecord:
-    record = RequestRecord(request_id, arrival, prompt_tokens=10, sent_ns=sent)
+    record = RequestRecord(request_id, arrival, requested_prompt_tokens=10, prompt_tokens=10, sent_ns=sent)
     for t, n in zip(times, per_event or [1] * len(times), strict=True):
         record.add_token_event(t, n)
     record.output_tokens = sum(record.tokens_per_event)
@@ -56,6 +56,11 @@ class RequestMetricsTest(unittest.TestCase):
         self.assertIsNone(m.ttft_ms)
         self.assertIsNone(m.e2el_ms)
         self.assertIsNone(r.to_json()["tpot_ms"])
+
+    def test_tpot_is_undefined_not_zero_when_every_event_came_in_one_read(self) -> None:
+        r = ok_record(0, 0, 0, [5 * MS, 5 * MS, 5 * MS])  # three events, one timestamp
+        self.assertEqual(r.output_tokens, 3)
+        self.assertIsNone(r.metrics().tpot_ms)
 
     def test_bad_timestamps_raise(self) -> None:
         with self.assertRaisesRegex(ValueError, "non-decreasing"):

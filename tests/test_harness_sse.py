@@ -6,6 +6,7 @@ import unittest
 
 from attention_kv_caceh.harness.scripted_server import DONE, chat_chunk, completion_chunk, sse
 from attention_kv_caceh.harness.sse import (
+    InvalidUsageError,
     MalformedSSEError,
     OpenAIStreamDecoder,
     SSEEvent,
@@ -104,6 +105,34 @@ class DecoderTest(unittest.TestCase):
         decoder, counts = decode(completion_chunk("a") + DONE + completion_chunk("b"))
         self.assertEqual(counts, [1])
         self.assertTrue(decoder.done)
+
+
+class TokenRuleTest(unittest.TestCase):
+    def test_finish_chunk_usage_is_reconciled_not_a_new_event(self) -> None:
+        final = completion_chunk("", {"prompt_tokens": 2, "completion_tokens": 5})
+        decoder, counts = decode(completion_chunk("a"), completion_chunk("b"), final, DONE)
+        self.assertEqual(counts, [1, 1])
+        self.assertEqual(
+            decoder.reconciled_counts(), ([1, 4], "final usage 5 > 2 counted: +3 on the last event")
+        )
+
+    def test_final_usage_below_the_count_is_taken_from_the_last_events(self) -> None:
+        lp = sse({"choices": [{"index": 0, "text": "ab", "logprobs": {"tokens": ["a", "b", "c"]}}]})
+        final = completion_chunk(None, {"prompt_tokens": 2, "completion_tokens": 3})
+        decoder, counts = decode(completion_chunk("x"), lp, final, DONE)
+        self.assertEqual(counts, [1, 3])
+        self.assertEqual(decoder.reconciled_counts()[0], [1, 2])
+
+    def test_negative_or_decreasing_usage_is_invalid(self) -> None:
+        with self.assertRaisesRegex(InvalidUsageError, "decreased from 5 to 3"):
+            decode(
+                completion_chunk("a", {"prompt_tokens": 1, "completion_tokens": 5}),
+                completion_chunk("b", {"prompt_tokens": 1, "completion_tokens": 3}),
+            )
+        with self.assertRaisesRegex(InvalidUsageError, "-1"):
+            decode(completion_chunk("a", {"prompt_tokens": -1, "completion_tokens": 1}))
+        with self.assertRaisesRegex(InvalidUsageError, "1.5"):
+            decode(completion_chunk("a", {"prompt_tokens": 1, "completion_tokens": 1.5}))  # type: ignore[dict-item]
 
 
 if __name__ == "__main__":

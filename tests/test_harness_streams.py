@@ -7,9 +7,12 @@ use generous margins around scripted delays of 100+ ms and never assert absolute
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import threading
 import unittest
 from typing import Any
+from urllib.parse import unquote
 
 import aiohttp
 
@@ -208,34 +211,49 @@ class StreamCaseTest(unittest.IsolatedAsyncioTestCase):
             "# TYPE vllm:kv_cache_usage_perc gauge\n"
             'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
         )
-        import asyncio
-
-        async with (
-            ScriptedServer(lambda p, path: Script(), metrics_text=text) as server,
-            aiohttp.ClientSession() as session,
-        ):
-            poller = ServerMetricsPoller(0.01, session=session, url=metrics_url(server.base_url + "/v1"))
+        three = threading.Event()
+        async with ScriptedServer(lambda p, path: Script(), metrics_text=text) as server:
+            poller = ServerMetricsPoller(
+                0.01,
+                url=metrics_url(server.base_url + "/v1"),
+                on_sample=lambda s: three.set() if len(poller.samples) >= 3 else None,
+            )
             poller.start()
-            await asyncio.sleep(0.2)
+            await asyncio.to_thread(three.wait)
             await poller.stop()
-        self.assertGreaterEqual(len(poller.samples), 2)
+            queries = server.counters.metrics_queries
+        self.assertGreaterEqual(len(poller.samples), 3)
         sample = poller.samples[-1]
         self.assertEqual((sample.running, sample.waiting, sample.kv_cache_usage), (5.0, 7.0, 0.25))
         self.assertEqual(poller.errors, [])
+        self.assertIn("name[]=vllm:num_requests_running", unquote(queries[0]))  # only what is needed
+        times = [s.time_ns for s in poller.samples]
+        self.assertEqual(times, sorted(times))
+        assert poller.achieved_interval_s is not None
+        self.assertGreater(poller.achieved_interval_s, 0.0)
 
     async def test_missing_metrics_endpoint_stops_polling_quietly(self) -> None:
-        async with (
-            ScriptedServer(lambda p, path: Script()) as server,
-            aiohttp.ClientSession() as session,
-        ):
-            poller = ServerMetricsPoller(0.01, session=session, url=metrics_url(server.base_url))
+        async with ScriptedServer(lambda p, path: Script()) as server:
+            poller = ServerMetricsPoller(0.01, url=metrics_url(server.base_url))
             poller.start()
-            import asyncio
-
-            await asyncio.sleep(0.1)
-            await poller.stop()
+            await poller.stop()  # joins the thread, which ends by itself at the 404
+            self.assertFalse(await asyncio.to_thread(poller.poll_once))
         self.assertTrue(poller.unsupported)
         self.assertEqual(poller.samples, [])
+
+    async def test_polling_never_runs_in_the_event_loop_thread(self) -> None:
+        threads: list[int] = []
+        done = threading.Event()
+        async with ScriptedServer(lambda p, path: Script(), live_metrics=True) as server:
+            poller = ServerMetricsPoller(
+                0.01,
+                url=metrics_url(server.base_url),
+                on_sample=lambda s: (threads.append(threading.get_ident()), done.set()),
+            )
+            poller.start()
+            await asyncio.to_thread(done.wait)
+            await poller.stop()
+        self.assertNotIn(threading.get_ident(), threads)
 
 
 if __name__ == "__main__":

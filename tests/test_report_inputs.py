@@ -7,26 +7,31 @@ from __future__ import annotations
 import contextlib
 import csv
 import dataclasses
+import io
 import json
 import os
 import tempfile
 import threading
 import tracemalloc
 import unittest
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from attention_kv_caceh import cli
+from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments.calibration import Calibration
 from attention_kv_caceh.experiments.prediction import make_scan_prediction
 from attention_kv_caceh.experiments.prediction_cache import make_cache_prediction
+from attention_kv_caceh.experiments.prediction_text import VERDICT_MARK
 from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.report import build_report, planned_plots
 from attention_kv_caceh.report import sources as report_sources
 from attention_kv_caceh.timing import Sample
+from tests import test_cli_prediction as cli_prediction
 from tests.test_report import ENV, SAMPLE_FIELDS, write_cache, write_scan
 
 MS = 1_000_000
@@ -355,3 +360,41 @@ class PredictionTest(Folder):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PredictionFromTheCommandsTest(Folder):
+    """The report rebuilds, from the files the commands wrote, the verdicts the commands printed."""
+
+    def assert_same_verdicts(self, meta_file: Path) -> None:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        text, problems = self.report()
+        self.assertEqual(problems, {})
+        section = text.split("#### Prediction against measurement")[1]
+        for v in meta["prediction_outcome"]["verdicts"]:
+            mark = VERDICT_MARK[v["held"]]
+            self.assertIn(f"| {v['name']} | {mark} | {v['text'].replace('|', chr(92) + '|')} |", section)
+
+    def test_the_scan_commands_prediction(self) -> None:
+        csv_path = self.folder / "benchmark.csv"
+        with (
+            mock.patch.object(
+                scan_cli, "run_batch", cli_prediction.fake_batches(cli_prediction.SATURATES_AT_2)
+            ),
+            redirect_all(),
+        ):
+            code = cli.main(["--csv", str(csv_path), *cli_prediction.SMALL, "--predict-saturation", "2"])
+        self.assertEqual(code, 0)
+        self.assert_same_verdicts(Path(f"{csv_path}.meta.json"))
+
+    def test_the_cache_commands_prediction(self) -> None:
+        csv_path = self.folder / "cache.csv"
+        with redirect_all():
+            code = cli.main(["cache", "--csv", str(csv_path), *cli_prediction.CachePredictionCliTest.FLAGS])
+        self.assertEqual(code, 0)
+        self.assert_same_verdicts(Path(f"{csv_path}.meta.json"))
+
+
+@contextlib.contextmanager
+def redirect_all() -> Iterator[None]:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        yield

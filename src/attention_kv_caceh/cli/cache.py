@@ -1,7 +1,9 @@
 """`attention-kv-caceh cache`: N decode steps over a Dynamic and a Preallocated KV cache.
 
-Flags, the config, the up-front checks (shape, memory, every output path), the setup lines, the run with
-its saves, and the summary. `experiments/cache_growth.py` stays a library that returns rows; the summary
+Flags, the config, the up-front checks (shape, memory, every output path), the setup lines, the
+prediction (the notes, 6.4: predicted slopes from the bytes each step moves per cached position and the
+read probe, `experiments.prediction_cache`; written to the metadata and printed before anything is
+timed), the run with its saves, the summary, and the prediction against the fitted slopes. `experiments/cache_growth.py` stays a library that returns rows; the summary
 text and rows come from `experiments/cache_growth_stats.py`.
 """
 
@@ -39,6 +41,17 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     summarize_cache_growth,
     summary_rows,
 )
+from attention_kv_caceh.experiments.calibration import read_probe
+from attention_kv_caceh.experiments.prediction_cache import (
+    CachePrediction,
+    cache_bytes_per_position,
+    cache_outcome_text,
+    cache_prediction_card,
+    cache_probe_bytes,
+    evaluate_cache,
+    make_cache_prediction,
+)
+from attention_kv_caceh.experiments.prediction_check import outcome_json
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory, format_bytes
 from attention_kv_caceh.oracle import OracleMismatch
@@ -194,6 +207,18 @@ def _check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path
     return side
 
 
+def predict_slopes(config: CacheGrowthConfig) -> CachePrediction:
+    """The predicted slopes, measured and stamped before the run times anything.
+
+    Bytes per cached position per cache (`cache_bytes_per_position`) over the read probe's bandwidth
+    (`read_probe`: `np.dot` over the K/V bytes of a cache at T = N, 3 warm-up + 30 timed calls).
+    """
+    shape = (config.batch_size, config.num_kv_heads, config.head_dim, config.dtype)
+    per = cache_bytes_per_position(*shape)
+    nbytes = cache_probe_bytes(*shape, config.steps)
+    return make_cache_prediction(per, nbytes, read_probe(nbytes, config.dtype))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the cache-growth experiment and write its files; returns the exit code.
 
@@ -265,6 +290,9 @@ def run(args: argparse.Namespace) -> int:
             meta["error"] = error
         write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
         write_csv_atomic(csv_path, (dataclasses.asdict(s) for s in samples), step_fields)
+        write_meta()
+
+    def write_meta() -> None:
         write_json_atomic(side["meta"], meta)
         write_json_atomic(side["memory_meta"], {**meta, "files": {"timed": csv_path}})
 
@@ -287,7 +315,14 @@ def run(args: argparse.Namespace) -> int:
     # with Ctrl-C ignored (under `uv run` a Ctrl-C reaches python twice: the second must not cut the
     # final save short and leave the metadata at "running").
     failure: tuple[str, str | None] | None = None
+    prediction: CachePrediction | None = None
     try:
+        prediction = predict_slopes(config)
+        meta["prediction"] = prediction.to_json()
+        save("running")  # on disk before the first timed step
+        bar.clear()
+        # flushed: a pipe must show the card before the timing starts
+        print(cache_prediction_card(prediction) + "\n", flush=True)
         run_cache_growth(
             config,
             samples=samples,
@@ -329,6 +364,14 @@ def run(args: argparse.Namespace) -> int:
         summary = summarize_cache_growth(samples, memory)
         write_csv_atomic(side["summary"], summary_rows(summary), tuple(summary_rows(summary)[0]))
         print(format_cache_summary(summary, config.steps))
+        if prediction is not None:
+            outcome = evaluate_cache(prediction, summary)
+            meta["prediction_outcome"] = outcome_json(outcome.verdicts)
+            with ignoring_sigint():
+                write_meta()
+            print()
+            print(cache_outcome_text(outcome))
+            print()
         print(
             f"wrote {csv_path} ({len(samples)} rows), {side['memory']} ({len(memory)} rows), "
             f"{side['summary']}, {side['meta']}, {side['memory_meta']}"

@@ -44,6 +44,7 @@ from attention_kv_caceh.harness.run import (
     RunResult,
     run_harness,
 )
+from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
 from attention_kv_caceh.harness.summary import summarize_run
 from attention_kv_caceh.timing import capture_environment
 
@@ -126,6 +127,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
     )
     g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="DIR",
+        help="folder with the target's tokenizer.json, to build prompts of exactly --prompt-len tokens "
+        "(default: the server's POST /tokenize if it has one, else approximate lengths)",
+    )
+    g.add_argument(
+        "--dataset",
+        default=None,
+        metavar="PATH.jsonl",
+        help='real prompts, one {"prompt": ..., "output_len": ...} a line; the first --num-requests '
+        "are sent (default: synthetic prompts)",
+    )
+    g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
@@ -164,10 +179,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="SLOs for goodput, e.g. ttft:500 tpot:50 e2el:2000 (default: none, no goodput)",
     )
     g.add_argument(
+        "--label",
+        default=None,
+        help="a name for this run, written into the summary (vLLM's --label) (default: none)",
+    )
+    g.add_argument(
         "--server-metrics-interval",
         type=float,
-        default=0.1,
-        help="seconds between polls of the server's /metrics (0: off) (default: %(default)s)",
+        default=DEFAULT_INTERVAL_S,
+        help="seconds between polls of the server's /metrics (0: off), from a thread of its own, "
+        "stretched so that polls cost the server < 1%% of its time (default: %(default)s)",
     )
 
 
@@ -202,6 +223,9 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         timeout_s=args.timeout,
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
+        label=args.label,
+        tokenizer=args.tokenizer,
+        dataset=args.dataset,
     )
 
 
@@ -317,6 +341,7 @@ def _report_and_save(
 
     if result is not None:
         summary = result.summary
+        config = result.config  # as actually run (the model read from the server)
     elif finished:
         start = min(r.arrival_ns for r in finished)
         end = max(r.stream_end_ns or r.arrival_ns for r in finished)

@@ -33,7 +33,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {_fmt(summary['max_concurrent_requests'], 0)}   "
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   "
         f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
         f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
         f"(server: {summary.get('server_metrics_source') or 'not polled'})",
@@ -43,6 +43,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             f"goodput: {summary['request_goodput']:.2f} req/s "
             f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
         )
+    lines += [f"warning: {w}" for w in summary.get("warnings", [])]
     header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
         f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
     )

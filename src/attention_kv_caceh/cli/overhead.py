@@ -13,6 +13,7 @@ from typing import Any
 
 from attention_kv_caceh.cli.common import (
     CommandFailed,
+    UsageError,
     check_outputs,
     nonnegative_float,
     positive_int,
@@ -39,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ttft-ms", type=nonnegative_float, default=20.0, help="scripted time to first token (ms)"
     )
-    parser.add_argument("--tokens", type=positive_int, default=50, help="tokens per request")
+    parser.add_argument(
+        "--tokens", type=_at_least_two, default=50, help="tokens per request (>= 2: ITL needs two tokens)"
+    )
     parser.add_argument(
         "--waves",
         type=positive_int,
@@ -52,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="also save the results as JSON here (default: not written)",
     )
+
+
+def _at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (ITL needs two tokens per request), got {value}")
+    return value
 
 
 def format_overhead(rows: list[dict[str, Any]]) -> str:
@@ -68,6 +78,15 @@ def format_overhead(rows: list[dict[str, Any]]) -> str:
             f"{itl['p50_ms']:>9.3f}{itl['p99_ms']:>9.3f}{itl['mean_ms']:>9.3f}{itl['max_ms']:>9.3f}"
             f"{ttft['p50_ms']:>9.3f}{ttft['p99_ms']:>9.3f}{row['output_throughput']:>9.0f}"
         )
+    for row in rows:
+        polling = row.get("polling")
+        if polling is not None:
+            lines.append(
+                f"concurrency {row['concurrency']}: /metrics polling every {polling['interval_s']} s "
+                f"(55 KB answers): duration on/off {polling['duration_ratio_on_off_median']:.3f}, "
+                f"ITL p99 off {polling['itl_p99_off_ms']:.2f} ms, on {polling['itl_p99_on_ms']:.2f} ms, "
+                f"samples {polling['samples_per_run']}"
+            )
     return "\n".join(lines)
 
 
@@ -75,6 +94,12 @@ def run(args: argparse.Namespace) -> int:
     """Measure and print the overhead table; raises UsageError for an unwritable --json (before the
     server starts), CommandFailed when a request failed or --json could not be written."""
     check_outputs([("--json", args.json, ())])
+    from attention_kv_caceh.harness.config import MAX_REQUESTS
+
+    if args.waves * max(args.concurrency) > MAX_REQUESTS:
+        raise UsageError(
+            f"--waves {args.waves}: at most {MAX_REQUESTS} requests per run (waves x concurrency)"
+        )
 
     from attention_kv_caceh.files import write_json_atomic
     from attention_kv_caceh.harness.overhead import measure_overhead
@@ -82,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.timing import capture_environment
 
     rows: list[dict[str, Any]] = []
-    with scripted_server_process(args.ttft_ms, args.itl_ms) as url:
+    with scripted_server_process(args.ttft_ms, args.itl_ms, metrics_padding=55_000) as url:
         for concurrency in args.concurrency:
             try:
                 rows.append(

@@ -2,17 +2,22 @@
 
     attention-kv-caceh --csv results/benchmark.csv          # B = 1, 2, 4, 8 at T = 128
 
-Prints a setup card, runs `experiments.scan` one batch size at a time (oracle first, then timing),
-rewrites the raw CSV, the summary CSV and the `.meta.json` after every B, then prints the table, the
-saturation verdict and one JSON line. Exit codes: 0 done, 1 an oracle check failed (nothing was timed for
-that B) or out of memory, 2 bad usage (nothing touched), 130 interrupted (every sample taken is on disk).
+    attention-kv-caceh --predict "saturates at B = 4" --predict-saturation 4
+
+Prints a setup card; measures the call overhead and the read bandwidth (`experiments.calibration`),
+writes the prediction (the user's and the two-term roofline's, `experiments.prediction`) to the
+`.meta.json` and prints it, all before the first timed sample; then runs `experiments.scan` one batch
+size at a time (oracle first, then timing), rewriting the raw CSV, the summary CSV and the metadata
+after every B; then prints the table, the saturation verdict, the prediction against the measurement
+(`experiments.prediction_check`: verdicts, anomalies, the boundary paragraph) and one JSON line.
+Exit codes: 0 done, 1 an oracle check failed (nothing was timed for that B) or out of memory, 2 bad
+usage (nothing touched), 130 interrupted (every sample taken, and the prediction, is on disk).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from collections.abc import Sequence
@@ -31,6 +36,15 @@ from attention_kv_caceh.cli.common import (
     preset_name,
     warn_if_blas_unpinned,
 )
+from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title, setup_card
+from attention_kv_caceh.cli.scan_prediction import (
+    add_prediction_arguments,
+    predict_before_timing,
+    user_prediction,
+)
+from attention_kv_caceh.experiments.prediction import UserPrediction, utc_now
+from attention_kv_caceh.experiments.prediction_check import evaluate_scan, outcome_json
+from attention_kv_caceh.experiments.prediction_text import scan_outcome_text
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
     SUMMARY_FIELDS,
@@ -45,10 +59,17 @@ from attention_kv_caceh.experiments.scan import (
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch
-from attention_kv_caceh.presets import MODEL_PRESETS, get_preset, resolve_shape
+from attention_kv_caceh.presets import MODEL_PRESETS, resolve_shape
 from attention_kv_caceh.timing import capture_environment
 
-__all__ = ["HELP", "add_arguments", "format_scan_table", "run", "scan_config", "summary_path"]
+__all__ = [
+    "HELP",
+    "add_arguments",
+    "format_scan_table",
+    "run",
+    "scan_config",
+    "summary_path",
+]
 
 HELP = "batch-size scan of decode attention over a KV cache (the default command)"
 _DEFAULTS = ScanConfig()
@@ -125,6 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH.png",
         help="PNG: P50 with P95 bars, positions/s vs B (default: no plot)",
     )
+    add_prediction_arguments(parser)
 
 
 def scan_config(args: argparse.Namespace) -> ScanConfig:
@@ -167,8 +189,10 @@ def _check_memory(config: ScanConfig) -> None:
     itemsize = 4 if config.dtype == "float32" else 8
     kv = kv_bytes_per_step(config, b)
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
-    rows = config.repeats * len(config.batch_sizes) * 2  # raw samples and probe samples
-    needed = inputs + 3 * kv + rows * 400  # cache, a concatenation's new arrays, probe; ~400 B per row
+    # raw samples and probe samples per B, and the calibration's overhead and probe samples
+    rows = config.repeats * (len(config.batch_sizes) + 1) * 2
+    # cache, a concatenation's new arrays, probe (the calibration's probe is as large, not at once)
+    needed = inputs + 3 * kv + rows * 400  # ~400 B per row
     try:
         check_memory(
             needed,
@@ -185,59 +209,6 @@ def summary_path(csv_path: Path) -> Path:
     return csv_path.with_name(f"{csv_path.stem}-summary.csv")
 
 
-def _fmt(value: float, digits: int = 3) -> str:
-    if math.isnan(value):
-        return "-"
-    return f"{value:.{digits}f}"
-
-
-def format_scan_table(table: Sequence[dict[str, float]]) -> str:
-    """Fixed-width text table of `scan_table` rows."""
-    header = (
-        f"{'B':>4} {'P50 ms':>9} {'P95 ms':>9} {'min ms':>9} {'max ms':>9} {'ms/seq':>9} "
-        f"{'positions/s':>13} {'speedup':>8} {'KV GB/s':>8} {'probe GB/s':>10} {'ratio':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for r in table:
-        lines.append(
-            f"{int(r['batch_size']):>4} {r['p50_ms']:>9.4f} {r['p95_ms']:>9.4f} {r['min_ms']:>9.4f} "
-            f"{r['max_ms']:>9.4f} {r['per_sequence_ms']:>9.4f} {r['positions_per_s']:>13,.0f} "
-            f"{r['speedup']:>7.2f}x {_fmt(r['kv_read_gb_s'], 2):>8} {_fmt(r['probe_read_gb_s'], 2):>10} "
-            f"{_fmt(r['bandwidth_ratio'], 2):>6}"
-        )
-    return "\n".join(lines)
-
-
-def _blas_line(env: dict[str, Any]) -> str:
-    pools: list[dict[str, Any]] = env["blas"]
-    text = ", ".join(f"{p['internal_api']} {p['version']} ({p['num_threads']} threads)" for p in pools)
-    return text or "none found"
-
-
-def _setup_card(config: ScanConfig, env: dict[str, Any]) -> str:
-    itemsize = 4 if config.dtype == "float32" else 8
-    lines = [
-        "Batch-size scan: one decode step = append 1 position to the KV cache, attend over T+1",
-        f"  shape    B in {list(config.batch_sizes)}, H={config.num_heads}, H_kv={config.num_kv_heads}, "
-        f"T={config.seq_len}, D={config.head_dim}, {config.dtype}, {config.cache} cache"
-        + (f", model {config.model} (one layer)" if config.model else ""),
-        f"  timing   {config.warmup} warm-up + {config.repeats} timed calls per B, seed {config.seed}",
-        f"  BLAS     {_blas_line(env)}",
-        f"  CPU      {env['cpu_model']} ({env['cpu_count']} logical CPUs)",
-        f"  KV read  {kv_bytes_per_step(config, 1) / 1e6:.3f} MB per step per sequence "
-        f"(2 x H_kv x (T+1) x D x {itemsize} B)",
-    ]
-    if config.model:
-        preset = get_preset(config.model)
-        per_token = preset.kv_bytes_per_token(config.dtype)
-        lines.append(
-            f"  model    {config.model}: {preset.num_layers} layers, KV cache {per_token / 1024:.0f} KiB "
-            f"per token in {config.dtype}, {per_token * config.seq_len / 2**20:.1f} MiB per sequence at T="
-            f"{config.seq_len}"
-        )
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the batch-size scan from parsed flags; writes raw CSV, summary CSV, metadata (and the plot).
 
@@ -246,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
     """
     config = scan_config(args)
     _check_memory(config)
+    user = user_prediction(args, config.batch_sizes)
     csv_path: Path = args.csv
     beside = f"--csv {str(csv_path)!r}: the file beside it"
     check_outputs(
@@ -261,10 +233,10 @@ def run(args: argparse.Namespace) -> int:
 
     pin = threadpool_limits(limits=args.blas_threads) if args.blas_threads else nullcontext()
     with pin:
-        return _scan(config, args, csv_path)
+        return _scan(config, args, csv_path, user)
 
 
-def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
+def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: UserPrediction) -> int:
     env = capture_environment()
     cpus = os.cpu_count() or 1
     if args.blas_threads is not None and args.blas_threads > cpus:
@@ -275,7 +247,7 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
         )
     if args.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
-    print(_setup_card(config, env))
+    print(setup_card(config, env))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",
         "status": "running",
@@ -301,47 +273,62 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
     from tqdm import tqdm
 
     inputs = build_inputs(config)
-    progress = tqdm(
-        config.batch_sizes, desc="batch sizes", unit="B", delay=2.0, disable=not sys.stderr.isatty()
-    )
+
+    def time_batch(b: int) -> BatchResult:
+        """Check, then time, the step at batch size b (the only line that knows what is timed)."""
+        return run_batch(config, inputs, b)
+
     try:
-        for b in progress:
-            progress.set_postfix(B=b)
-            try:
-                result = run_batch(config, inputs, b)
-            except OracleMismatch as exc:
-                flush("oracle-failed")
-                print(f"{PROG}: oracle check failed at B={b}, nothing timed for it: {exc}", file=sys.stderr)
-                return 1
-            results.append(result)
-            meta["probe_samples_ms"][str(b)] = list(result.probe_samples_ms)
-            meta["kv_bytes_per_step"][str(b)] = result.kv_bytes_per_step
-            meta["oracle_max_abs_error"][str(b)] = result.oracle_max_abs_error
-            flush("running")
+        prediction = predict_before_timing(config, inputs, user, meta, flush)
+        if prediction is None:
+            return 1
+        meta["timing_started_utc"] = utc_now()
+        bar = tqdm(
+            config.batch_sizes, desc="batch sizes", unit="B", delay=2.0, disable=not sys.stderr.isatty()
+        )
+        with bar as progress:  # closed before any handler below prints
+            for b in progress:
+                progress.set_postfix(B=b)
+                try:
+                    result = time_batch(b)
+                except OracleMismatch as exc:
+                    flush("oracle-failed")
+                    print(
+                        f"{PROG}: oracle check failed at B={b}, nothing timed for it: {exc}", file=sys.stderr
+                    )
+                    return 1
+                results.append(result)
+                meta["probe_samples_ms"][str(b)] = list(result.probe_samples_ms)
+                meta["kv_bytes_per_step"][str(b)] = result.kv_bytes_per_step
+                meta["oracle_max_abs_error"][str(b)] = result.oracle_max_abs_error
+                flush("running")
     except KeyboardInterrupt:
-        progress.close()
         with ignoring_sigint():  # a second Ctrl-C must not cut the save short
             flush("interrupted")
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: interrupted; {done} samples kept in {csv_path}", file=sys.stderr)
         return 130
     except MemoryError:
-        progress.close()
         with ignoring_sigint():
             flush("out-of-memory")
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
         return 1
-    finally:
-        progress.close()
 
     table = _table(results)
     verdict = saturation_verdict(table)
     meta["saturation"] = verdict
+    outcome = evaluate_scan(prediction, [s for r in results for s in r.samples])
+    meta["prediction_outcome"] = outcome_json(outcome.verdicts, outcome.anomalies) | {
+        "measured_saturation": outcome.measured_saturation
+    }
     flush("complete")
     print()
     print(format_scan_table(table))
     print(f"\nSaturation: {verdict}")
+    print()
+    print(scan_outcome_text(outcome))
+    print()
     print(
         "Oracle: every B matched the float64 per-sequence reference "
         f"(max |error| {max(r.oracle_max_abs_error for r in results):.2e})"
@@ -350,7 +337,7 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
     if args.plot is not None:
         from attention_kv_caceh.report.plots import plot_scan
 
-        plot_scan(table, args.plot, title=_plot_title(config))
+        plot_scan(table, args.plot, title=plot_title(config))
         written.append(str(args.plot))
     print(f"Wrote {', '.join(written)}")
     summary = {
@@ -358,16 +345,10 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path) -> int:
         "rows": sum(len(r.samples) for r in results),
         "saturation": verdict,
         "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in table},
+        "predictions": {v.name: v.held for v in outcome.verdicts},
     }
     print(json.dumps(summary))
     return 0
-
-
-def _plot_title(config: ScanConfig) -> str:
-    return (
-        f"decode step, T={config.seq_len}, H={config.num_heads}, H_kv={config.num_kv_heads}, "
-        f"D={config.head_dim}, {config.dtype}, {config.cache} cache"
-    )
 
 
 def _table(results: Sequence[BatchResult]) -> list[dict[str, float]]:

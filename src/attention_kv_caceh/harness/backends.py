@@ -19,8 +19,16 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
+from attention_kv_caceh.harness.client_errors import classify_client_error
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
-from attention_kv_caceh.harness.sse import MalformedSSEError, OpenAIStreamDecoder, StreamErrorEvent
+from attention_kv_caceh.harness.sse import (
+    MAX_EVENT_BYTES,
+    EventTooLargeError,
+    InvalidUsageError,
+    MalformedSSEError,
+    OpenAIStreamDecoder,
+    StreamErrorEvent,
+)
 
 __all__ = [
     "Backend",
@@ -35,12 +43,20 @@ __all__ = [
 
 @dataclass(frozen=True)
 class RequestSpec:
-    """What to ask for: a prompt of about `prompt_tokens` tokens and `output_tokens` tokens out."""
+    """What to ask for: a prompt of `prompt_tokens` tokens (requested) and `output_tokens` tokens out.
+
+    `prompt_token_ids`: the prompt as token ids (sent as such to `/v1/completions`);
+    `prompt_tokens_checked`: the prompt's length as a tokenizer counted it (None: not checked, the
+    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one.
+    """
 
     request_id: int
     prompt_tokens: int
     output_tokens: int
     prompt: str = ""
+    prompt_token_ids: tuple[int, ...] | None = None
+    prompt_tokens_checked: int | None = None
+    from_dataset: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -141,6 +157,8 @@ class SimulatedBackend:
         record.stream_end_ns = perf_counter_ns()
         record.output_tokens = sum(record.tokens_per_event)
         record.output_tokens_source = "simulated"
+        record.prompt_tokens = spec.prompt_tokens
+        record.tokens_per_event_source = "simulated"
         record.status = STATUS_OK
 
 
@@ -156,7 +174,8 @@ class OpenAIBackend:
     """Streams from an OpenAI-compatible `/v1/completions` or `/v1/chat/completions` endpoint.
 
     Asks for `stream_options: {"include_usage": true, "continuous_usage_stats": true}` so that vLLM
-    reports the tokens of every chunk. `timeout_s` bounds each whole request. The aiohttp session is
+    reports the tokens of every chunk. `timeout_s` bounds each whole request; `max_event_bytes` one SSE
+    event (beyond it the request fails as `event_too_large`). The aiohttp session is
     shared by all requests and owned by the caller.
     """
 
@@ -170,6 +189,7 @@ class OpenAIBackend:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         ignore_eos: bool = False,
+        max_event_bytes: int = MAX_EVENT_BYTES,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
@@ -182,6 +202,7 @@ class OpenAIBackend:
             self.headers["Authorization"] = f"Bearer {api_key}"
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.ignore_eos = ignore_eos
+        self.max_event_bytes = max_event_bytes
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body of one streamed request."""
@@ -191,7 +212,7 @@ class OpenAIBackend:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         if self.endpoint == "completions":
-            body["prompt"] = spec.prompt
+            body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt
             body["max_tokens"] = spec.output_tokens
         else:
             body["messages"] = [{"role": "user", "content": spec.prompt}]
@@ -202,7 +223,7 @@ class OpenAIBackend:
 
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
-        decoder = OpenAIStreamDecoder()
+        decoder = OpenAIStreamDecoder(self.max_event_bytes)
         try:
             async with self.session.post(
                 self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
@@ -212,7 +233,7 @@ class OpenAIBackend:
                     body = await response.text(errors="replace")
                     record.fail(
                         "http_error",
-                        f"HTTP {response.status}: {body.strip()[:500]}",
+                        body.strip()[:500] or "(empty body)",
                         perf_counter_ns(),
                     )
                     return
@@ -226,32 +247,45 @@ class OpenAIBackend:
                         break
         except StreamErrorEvent as exc:
             record.fail("stream_error", str(exc), perf_counter_ns())
+        except EventTooLargeError as exc:
+            record.fail("event_too_large", str(exc), perf_counter_ns())
+        except InvalidUsageError as exc:
+            record.fail("invalid_usage", str(exc), perf_counter_ns())
         except MalformedSSEError as exc:
             record.fail("malformed_sse", str(exc), perf_counter_ns())
-        except aiohttp.ClientConnectorError as exc:
-            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
-        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
-            record.fail("stream_cut", f"{type(exc).__name__}: {exc}", perf_counter_ns())
         except TimeoutError:
             record.fail("timeout", "request exceeded the timeout", perf_counter_ns())
         except aiohttp.ClientError as exc:
-            record.fail("connection_error", f"{type(exc).__name__}: {exc}", perf_counter_ns())
+            kind, message = classify_client_error(exc, after_headers=record.http_status is not None)
+            record.fail(kind, message, perf_counter_ns())
         else:
             self._finish(decoder, record)
         finally:
             if decoder.prompt_tokens is not None:
                 record.prompt_tokens = decoder.prompt_tokens
+            elif spec.prompt_tokens_checked is not None:
+                record.prompt_tokens = spec.prompt_tokens_checked
             record.output_tokens = decoder.output_tokens
             record.output_tokens_source = decoder.output_tokens_source
+            record.tokens_per_event_source = decoder.tokens_per_event_source
 
     @staticmethod
     def _finish(decoder: OpenAIStreamDecoder, record: RequestRecord) -> None:
+        """Judge a stream that closed cleanly: ok with `[DONE]`, or without it after a finish_reason
+        (`done_marker` False); else incomplete_stream, or no_tokens when no event came."""
         end_ns = perf_counter_ns()
-        if not decoder.done:
+        finished = decoder.done or (decoder.finish_reason is not None and not decoder.truncated)
+        if not finished:
             what = "mid-event" if decoder.truncated else "after the last event"
-            record.fail("incomplete_stream", f"stream ended {what} without data: [DONE]", end_ns)
+            record.fail(
+                "incomplete_stream", f"stream ended {what} without a finish_reason or data: [DONE]", end_ns
+            )
         elif not record.token_times_ns:
             record.fail("no_tokens", "stream finished without a token", end_ns)
         else:
+            counts, note = decoder.reconciled_counts()
+            record.tokens_per_event = counts
+            record.token_reconciliation = note
+            record.done_marker = decoder.done
             record.stream_end_ns = end_ns
             record.status = STATUS_OK

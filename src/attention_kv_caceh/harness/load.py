@@ -19,6 +19,7 @@ from time import perf_counter_ns
 import numpy as np
 
 from attention_kv_caceh.harness.backends import Backend, RequestSpec
+from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS
 from attention_kv_caceh.harness.records import RequestRecord
 
 __all__ = [
@@ -32,7 +33,8 @@ __all__ = [
     "unreachable_message",
 ]
 
-_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "so far")
+# Single words (each one word to a word-counting server); a tokenizer turns them into exact prompts.
+_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ def arrival_offsets_s(
 
     Infinite `request_rate`: all 0. Otherwise cumulative gamma gaps with shape `burstiness` and scale
     `1 / (request_rate * burstiness)` (mean gap `1 / request_rate`), as vLLM's `get_request`.
-    Raises ValueError for a non-positive rate or burstiness.
+    Raises ValueError for a non-positive rate or burstiness, or a schedule too long to express in ns.
     """
     if not request_rate > 0:
         raise ValueError(f"request rate must be > 0 (or inf), got {request_rate}")
@@ -105,8 +107,15 @@ def arrival_offsets_s(
     if math.isinf(request_rate) or num_requests == 0:
         return [0.0] * num_requests
     theta = 1.0 / (request_rate * burstiness)
+    if not math.isfinite(theta):
+        raise ValueError(f"request rate {request_rate} x burstiness {burstiness} is too small for a schedule")
     gaps = rng.gamma(shape=burstiness, scale=theta, size=num_requests - 1)
-    return [0.0, *np.cumsum(gaps).tolist()]
+    offsets: list[float] = [0.0, *np.cumsum(gaps).tolist()]
+    if not math.isfinite(offsets[-1]) or offsets[-1] * 1e9 > 2**62:
+        raise ValueError(
+            f"request rate {request_rate}: the arrivals would span {offsets[-1]:.3g} s, too long"
+        )
+    return offsets
 
 
 class InFlightTracker:
@@ -140,6 +149,7 @@ async def _one_request(
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     record = RequestRecord(spec.request_id, arrival_ns, spec.prompt_tokens)
+    record.dispatch_ns = perf_counter_ns()
     async with gate:
         record.sent_ns = perf_counter_ns()
         tracker.enter()
@@ -215,9 +225,9 @@ async def smoke_test(backend: Backend, spec: RequestSpec, target: str) -> Reques
     record.sent_ns = record.arrival_ns
     await backend.generate(spec, record)
     if not record.ok:
-        if record.status == "connection_error":
+        if record.status in UNREACHABLE_KINDS:
             raise SmokeTestError(
-                f"smoke test failed: connection_error: {unreachable_message(target, record.error or '')}"
+                f"smoke test failed: {record.status}: {unreachable_message(target, record.error or '')}"
             )
         status = f" (HTTP {record.http_status})" if record.http_status is not None else ""
         raise SmokeTestError(f"smoke test against {target} failed: {record.status}{status}: {record.error}")

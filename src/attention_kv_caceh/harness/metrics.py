@@ -2,12 +2,15 @@
 
 Definitions (times in nanoseconds in, milliseconds out):
 
-- client queue time = sent - arrival (time spent waiting for the client's concurrency semaphore);
+- client lateness = dispatch - arrival: how late the client's loop started a request after its
+  scheduled arrival (0 for a punctual client; an overloaded client loop shows up here, not as queue);
+- client queue time = sent - dispatch (time spent waiting for the client's concurrency semaphore);
 - TTFT = first token - sent, as vLLM's `bench serve` defines it (`ttft`); TTFT from arrival = first
   token - arrival (queue included);
 - ITL = gaps between consecutive token-bearing events (vLLM's `itl` list);
 - TPOT = (finish - first token) / (output tokens - tokens in the first event), vLLM's `tpot` generalised
-  to a first event carrying several tokens; undefined (None, not 0) when the denominator is 0;
+  to a first event carrying several tokens; undefined (None, never 0) when the denominator is 0 or
+  every event arrived in the same read (finish = first token);
 - E2EL = finish - sent, vLLM's `e2el` (its `latency`); E2E = finish - arrival, the user's notes' figure.
 
 `finish` is the last token-bearing event, so a trailing usage-only chunk or `[DONE]` never moves it, and
@@ -41,6 +44,7 @@ def _ms(delta_ns: int) -> float:
 class RequestMetrics:
     """Derived latencies of one request in milliseconds; None where the metric is undefined."""
 
+    lateness_ms: float | None
     queue_ms: float | None
     ttft_ms: float | None
     ttft_from_arrival_ms: float | None
@@ -59,10 +63,12 @@ def compute_request_metrics(
     tokens_per_event: Sequence[int],
     finish_ns: int | None,
     output_tokens: int,
+    dispatch_ns: int | None = None,
 ) -> RequestMetrics:
     """Derive queue, TTFT, ITL, TPOT, E2EL and E2E (ms) from one request's timestamps (ns).
 
-    Definitions and sources are in the module docstring. A metric whose timestamps are missing (a request
+    Definitions and sources are in the module docstring. Without `dispatch_ns` (not recorded), lateness
+    is None and queue time is counted from the arrival. A metric whose timestamps are missing (a request
     that never got a slot, or never got a token) is None; a one-token (one-event) response has an empty
     ITL list and TPOT None. Raises ValueError when `token_times_ns` and `tokens_per_event` differ in
     length or token times go backwards.
@@ -74,18 +80,23 @@ def compute_request_metrics(
         )
     if any(b < a for a, b in itertools.pairwise(token_times_ns)):
         raise ValueError("token_times_ns must be non-decreasing")
-    queue = _ms(sent_ns - arrival_ns) if sent_ns is not None else None
+    lateness = _ms(dispatch_ns - arrival_ns) if dispatch_ns is not None else None
+    queue_from = dispatch_ns if dispatch_ns is not None else arrival_ns
+    queue = _ms(sent_ns - queue_from) if sent_ns is not None else None
     ttft = _ms(first_token_ns - sent_ns) if first_token_ns is not None and sent_ns is not None else None
     ttft_arrival = _ms(first_token_ns - arrival_ns) if first_token_ns is not None else None
     itl = tuple(_ms(b - a) for a, b in itertools.pairwise(token_times_ns))
     tpot: float | None = None
     if first_token_ns is not None and finish_ns is not None and tokens_per_event:
         decode_tokens = output_tokens - tokens_per_event[0]
-        if decode_tokens > 0:
+        # finish == first token: every event came in one read, so no decode time was observed; a
+        # TPOT of exactly 0 for a multi-token response would be a measurement artefact, not a speed.
+        if decode_tokens > 0 and finish_ns > first_token_ns:
             tpot = _ms(finish_ns - first_token_ns) / decode_tokens
     e2el = _ms(finish_ns - sent_ns) if finish_ns is not None and sent_ns is not None else None
     e2e = _ms(finish_ns - arrival_ns) if finish_ns is not None else None
     return RequestMetrics(
+        lateness_ms=lateness,
         queue_ms=queue,
         ttft_ms=ttft,
         ttft_from_arrival_ms=ttft_arrival,

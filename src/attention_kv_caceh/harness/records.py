@@ -21,11 +21,17 @@ STATUS_OK = "ok"
 FAILURE_KINDS = (
     "http_error",  # HTTP 4xx/5xx; `http_status` and the body's start in `error`
     "stream_error",  # an error event inside a 200 stream
-    "incomplete_stream",  # the stream ended (cleanly) without `data: [DONE]`
+    "incomplete_stream",  # the stream ended (cleanly) without `data: [DONE]` and without a finish_reason
     "stream_cut",  # the connection broke mid-stream
     "malformed_sse",  # a `data:` line that is not JSON (or not an object)
+    "event_too_large",  # one SSE event grew past sse.MAX_EVENT_BYTES
+    "invalid_usage",  # a usage count that is negative, not an integer, or decreasing
     "no_tokens",  # the stream finished without a single token
-    "connection_error",  # refused, DNS failure, unreachable
+    "connection_error",  # refused or unreachable
+    "dns_error",  # the host name could not be resolved
+    "tls_error",  # TLS handshake or certificate failure
+    "too_many_redirects",  # a redirect loop
+    "connection_closed",  # the server accepted the connection and closed it before answering
     "timeout",  # the request exceeded `--timeout`
 )
 
@@ -33,18 +39,24 @@ FAILURE_KINDS = (
 JSONL_KEYS = (
     "request_id",
     "arrival_ns",
+    "dispatch_ns",
     "sent_ns",
     "first_token_ns",
     "token_times_ns",
     "tokens_per_event",
     "finish_ns",
     "stream_end_ns",
+    "requested_prompt_tokens",
     "prompt_tokens",
     "output_tokens",
     "output_tokens_source",
+    "tokens_per_event_source",
+    "token_reconciliation",
+    "done_marker",
     "status",
     "http_status",
     "error",
+    "lateness_ms",
     "queue_ms",
     "ttft_ms",
     "itl_ms",
@@ -58,18 +70,29 @@ JSONL_KEYS = (
 class RequestRecord:
     """Timestamps (ns, `perf_counter_ns`) and outcome of one request.
 
-    `arrival_ns`: created, or scheduled arrival for a rate-driven load; `sent_ns`: a concurrency slot was
+    `arrival_ns`: created, or scheduled arrival for a rate-driven load; `dispatch_ns`: the client's loop
+    started the request (after its arrival; the gap is client lateness); `sent_ns`: a concurrency slot was
     acquired and the request is about to go out; `token_times_ns[i]`: arrival of the i-th token-bearing
     event carrying `tokens_per_event[i]` tokens; `finish_ns`: the last token-bearing event;
     `stream_end_ns`: the stream closed (after `[DONE]`, an error, or a cut).
+    `requested_prompt_tokens`: the length asked for (None in JSONL files from before it was recorded);
+    `prompt_tokens`: the length actually sent, as the
+    server's usage reported it, else as a tokenizer checked it, else None (unknown, e.g. a failed
+    request with an approximate prompt).
     `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
     statistics), "logprobs" (tokens listed per chunk), "chunks" (one per content-bearing chunk) or
-    "simulated".
+    "simulated". `tokens_per_event_source` says how each event's tokens were derived ("usage",
+    "logprobs", "chunks", "simulated"); `token_reconciliation` how they were made to sum to the final
+    usage (None: no change needed). `done_marker` is False for a stream that ended with a
+    `finish_reason` and a clean close but no `data: [DONE]` (accepted as ok, as vLLM's and SGLang's
+    clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
     """
 
     request_id: int
     arrival_ns: int
-    prompt_tokens: int
+    requested_prompt_tokens: int | None = None
+    prompt_tokens: int | None = None
+    dispatch_ns: int | None = None
     sent_ns: int | None = None
     first_token_ns: int | None = None
     token_times_ns: list[int] = field(default_factory=lambda: [])
@@ -78,6 +101,9 @@ class RequestRecord:
     stream_end_ns: int | None = None
     output_tokens: int = 0
     output_tokens_source: str = "chunks"
+    tokens_per_event_source: str = "chunks"
+    token_reconciliation: str | None = None
+    done_marker: bool | None = None
     status: str = "pending"
     http_status: int | None = None
     error: str | None = None
@@ -108,6 +134,7 @@ class RequestRecord:
         """Derived latencies (ms); see `metrics.compute_request_metrics`."""
         return compute_request_metrics(
             arrival_ns=self.arrival_ns,
+            dispatch_ns=self.dispatch_ns,
             sent_ns=self.sent_ns,
             first_token_ns=self.first_token_ns,
             token_times_ns=self.token_times_ns,
@@ -122,18 +149,24 @@ class RequestRecord:
         return {
             "request_id": self.request_id,
             "arrival_ns": self.arrival_ns,
+            "dispatch_ns": self.dispatch_ns,
             "sent_ns": self.sent_ns,
             "first_token_ns": self.first_token_ns,
             "token_times_ns": list(self.token_times_ns),
             "tokens_per_event": list(self.tokens_per_event),
             "finish_ns": self.finish_ns,
             "stream_end_ns": self.stream_end_ns,
+            "requested_prompt_tokens": self.requested_prompt_tokens,
             "prompt_tokens": self.prompt_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
+            "tokens_per_event_source": self.tokens_per_event_source,
+            "token_reconciliation": self.token_reconciliation,
+            "done_marker": self.done_marker,
             "status": self.status,
             "http_status": self.http_status,
             "error": self.error,
+            "lateness_ms": m.lateness_ms,
             "queue_ms": m.queue_ms,
             "ttft_ms": m.ttft_ms,
             "itl_ms": list(m.itl_ms),

@@ -7,12 +7,10 @@ once and keep it if the run is interrupted.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, replace
 from time import perf_counter_ns
-from typing import Any, Literal, cast
-from urllib.parse import urlsplit
+from typing import Any, cast
 
 import aiohttp
 import numpy as np
@@ -25,161 +23,123 @@ from attention_kv_caceh.harness.backends import (
     SimulatedBackend,
     SimulatedServer,
 )
+from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS, classify_client_error
+from attention_kv_caceh.harness.config import (
+    BACKENDS,
+    MAX_REQUESTS,
+    MAX_SCHEDULE_S,
+    MAX_TOKENS,
+    MIN_SERVER_SAMPLES,
+    BackendName,
+    HarnessConfig,
+)
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
-    LengthRange,
+    SmokeTestError,
     arrival_offsets_s,
     make_request_specs,
     run_requests,
     smoke_test,
     unreachable_message,
 )
-from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.prompts import (
+    LocalTokenizer,
+    PromptTokenizer,
+    ServerTokenizer,
+    exact_prompts,
+    probe_server_tokenizer,
+    read_dataset,
+)
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
-from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
 
 __all__ = [
     "BACKENDS",
     "MAX_REQUESTS",
+    "MAX_SCHEDULE_S",
     "MAX_TOKENS",
+    "MIN_SERVER_SAMPLES",
+    "BackendName",
     "HarnessConfig",
     "ModelDiscoveryError",
     "RunResult",
+    "plan_requests",
     "run_harness",
 ]
 
-BackendName = Literal["simulated", "openai-completions", "openai-chat"]
-BACKENDS: tuple[BackendName, ...] = ("simulated", "openai-completions", "openai-chat")
 
-# What one load test of this tool can sensibly do: every request is a task, a spec with its prompt and a
-# record holding all its token times, all in this process's memory.
-MAX_REQUESTS = 10_000_000  # --num-requests, and --warmup-requests
-MAX_TOKENS = 10_000_000  # --prompt-len and --output-len (more than any model's context)
-# Measured upper bounds (bytes) of what a run holds: per request (task, spec, record), per prompt token
-# (the prompt text and, while it is drawn, its word indices), per output token (its timestamps).
-_BYTES_PER_REQUEST = 4096
-_BYTES_PER_PROMPT_TOKEN = 16
-_BYTES_PER_OUTPUT_TOKEN = 128
+def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[RequestSpec], list[float]]:
+    """(warm-up specs, measured specs, arrival offsets in s) of `config`.
 
-
-@dataclass(frozen=True)
-class HarnessConfig:
-    """Everything a run needs; validated on construction (ValueError names the bad value).
-
-    Times: `prefill_ms`, `per_token_ms` in ms (simulated backend); `server_metrics_interval_s` and
-    `timeout_s` in seconds (interval 0 disables polling); `request_rate` in requests/s (inf = all at
-    once).
+    The measured specs and arrivals come from `seed` alone; warm-ups draw from their own stream
+    (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts. With a
+    `dataset`, the measured prompts are its first `num_requests` entries (their `output_len`, else the
+    drawn one; the requested prompt length is the word count until a tokenizer counts it). Raises
+    ValueError for a dataset that cannot be read or has fewer entries than `num_requests`.
     """
+    rng = np.random.default_rng(config.seed)
+    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
+    if config.dataset is not None:
+        specs = _dataset_specs(config, specs)
+    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
+    warm_rng = np.random.default_rng([config.seed, 1])
+    warm_specs = make_request_specs(
+        config.warmup_requests, config.prompt_len, config.output_len, warm_rng, first_id=-1 - 10**6
+    )
+    return warm_specs, specs, offsets
 
-    backend: BackendName = "simulated"
-    base_url: str = "http://127.0.0.1:8000"
-    model: str = ""
-    api_key: str | None = field(default=None, repr=False)
-    num_requests: int = 16
-    concurrency: int = 4
-    request_rate: float = math.inf
-    burstiness: float = 1.0
-    seed: int = 0
-    prompt_len: LengthRange = field(default_factory=lambda: LengthRange(32, 32))
-    output_len: LengthRange = field(default_factory=lambda: LengthRange(16, 16))
-    warmup_requests: int = 0
-    server_slots: int = 8
-    prefill_ms: float = 50.0
-    per_token_ms: float = 10.0
-    goodput: GoodputSLO = field(default_factory=GoodputSLO)
-    server_metrics_interval_s: float = 0.1
-    timeout_s: float = 600.0
-    smoke_test: bool = True
-    ignore_eos: bool = False
 
-    def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
-        if self.backend != "simulated":
-            _check_base_url(self.base_url)
-        checks: list[tuple[bool, str]] = [
-            (self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
-            (self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}"),
-            (
-                self.request_rate > 0 and not math.isnan(self.request_rate),
-                f"--request-rate must be > 0 or inf, got {self.request_rate}",
-            ),
-            (
-                self.burstiness > 0 and math.isfinite(self.burstiness),
-                f"--burstiness must be a positive finite number, got {self.burstiness}",
-            ),
-            (self.seed >= 0, f"--seed must be >= 0, got {self.seed}"),
-            (self.warmup_requests >= 0, f"--warmup-requests must be >= 0, got {self.warmup_requests}"),
-            (self.server_slots >= 1, f"--server-slots must be >= 1, got {self.server_slots}"),
-            (
-                self.prefill_ms >= 0 and math.isfinite(self.prefill_ms),
-                f"--prefill-ms must be a finite number >= 0, got {self.prefill_ms}",
-            ),
-            (
-                self.per_token_ms >= 0 and math.isfinite(self.per_token_ms),
-                f"--per-token-ms must be a finite number >= 0, got {self.per_token_ms}",
-            ),
-            (
-                self.server_metrics_interval_s >= 0 and math.isfinite(self.server_metrics_interval_s),
-                f"--server-metrics-interval must be >= 0 s, got {self.server_metrics_interval_s}",
-            ),
-            (
-                self.timeout_s > 0 and math.isfinite(self.timeout_s),
-                f"--timeout must be > 0 s, got {self.timeout_s}",
-            ),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        self._check_size()
+def _dataset_specs(config: HarnessConfig, drawn: list[RequestSpec]) -> list[RequestSpec]:
+    assert config.dataset is not None
+    entries = read_dataset(config.dataset)
+    if len(entries) < config.num_requests:
+        raise ValueError(
+            f"--dataset {config.dataset!r} has {len(entries)} entries, fewer than --num-requests "
+            f"{config.num_requests}"
+        )
+    return [
+        RequestSpec(
+            spec.request_id,
+            max(1, len(prompt.split())),
+            output_len if output_len is not None else spec.output_tokens,
+            prompt,
+            from_dataset=True,
+        )
+        for spec, (prompt, output_len) in zip(drawn, entries, strict=False)
+    ]
 
-    def _check_size(self) -> None:
-        """Raise ValueError naming the flag when the run is beyond MAX_REQUESTS or MAX_TOKENS, or its
-        requests would need more memory than `memory.memory_budget_bytes()` allows."""
-        for flag, value in (
-            ("--num-requests", self.num_requests),
-            ("--warmup-requests", self.warmup_requests),
-        ):
-            if value > MAX_REQUESTS:
-                raise ValueError(f"{flag} must be <= {MAX_REQUESTS}, got {value}")
-        for flag, length in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len)):
-            if length.high > MAX_TOKENS:
-                raise ValueError(f"{flag} must be <= {MAX_TOKENS} tokens, got {length}")
-        requests = self.num_requests + self.warmup_requests
-        parts = {
-            "--num-requests": requests * _BYTES_PER_REQUEST,
-            "--prompt-len": requests * self.prompt_len.high * _BYTES_PER_PROMPT_TOKEN,
-            "--output-len": requests * self.output_len.high * _BYTES_PER_OUTPUT_TOKEN,
-        }
-        need, limit = sum(parts.values()), memory_budget_bytes()
-        if limit is not None and need > limit:
-            flag = max(parts, key=lambda k: parts[k])
-            value = {"--num-requests": self.num_requests, "--prompt-len": self.prompt_len}.get(
-                flag, self.output_len
-            )
-            raise ValueError(
-                f"{flag} {value}: {requests} requests of up to {self.prompt_len.high} prompt and "
-                f"{self.output_len.high} output tokens need about {format_bytes(need)} of memory, more than "
-                f"the {format_bytes(limit)} a run may plan to use ({MEMORY_FRACTION:.0%} of physical memory "
-                "or of the address-space limit); use fewer or shorter requests"
-            )
 
-    def describe(self) -> dict[str, Any]:
-        """The config as JSON-ready values (the API key left out)."""
-        out = asdict(self)
-        out.pop("api_key")
-        out["prompt_len"] = str(self.prompt_len)
-        out["output_len"] = str(self.output_len)
-        out["goodput"] = self.goodput.as_dict()
-        out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
-        return out
+async def _exact(
+    config: HarnessConfig, session: aiohttp.ClientSession | None, model: str | None, *specs: list[RequestSpec]
+) -> tuple[PromptTokenizer | None, list[list[RequestSpec]]]:
+    """The tokenizer used (local --tokenizer, else the server's /tokenize, else None) and `specs`
+    with exact prompts (unchanged without a tokenizer or with the simulated backend). Raises
+    ValueError for an unreadable --tokenizer, SmokeTestError when tokenizing fails mid-way."""
+    tokenizer: PromptTokenizer | None = None
+    if config.backend == "simulated":
+        return None, list(specs)
+    if config.tokenizer is not None:
+        tokenizer = LocalTokenizer(config.tokenizer)
+    elif session is not None and model is not None:
+        chat = config.backend == "openai-chat"
+        server = ServerTokenizer(session, config.base_url, model, config.timeout_s, chat=chat)
+        tokenizer = server if await probe_server_tokenizer(server) else None
+    if tokenizer is None:
+        return None, list(specs)
+    ids = config.backend == "openai-completions"
+    try:
+        return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        raise SmokeTestError(
+            f"building prompts of exact length with {tokenizer.name} failed: {type(exc).__name__}: {exc}"
+        ) from None
 
 
 @dataclass
 class RunResult:
-    """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end."""
+    """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end.
+    `config` is the config as actually run (its `model` the one used, e.g. read from /v1/models)."""
 
     config: HarnessConfig
     records: list[RequestRecord]
@@ -196,15 +156,9 @@ class RunResult:
         return (self.end_ns - self.start_ns) / 1e9
 
 
-def _check_base_url(base_url: str) -> None:
-    """Raise ValueError naming --base-url unless it is an http(s) URL with a host."""
-    try:
-        parts = urlsplit(base_url)
-        host = parts.hostname if parts.port is None or parts.port > 0 else None
-    except ValueError:  # a bad port or bracketed host
-        host = None
-    if not base_url.startswith(("http://", "https://")) or not host:
-        raise ValueError(f"--base-url {base_url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")
+def _as_count(value: float | None) -> int | float | None:
+    """A request count read as a float (Prometheus) as an int when it is whole (printed as `5`)."""
+    return int(value) if value is not None and float(value).is_integer() else value
 
 
 class ModelDiscoveryError(RuntimeError):
@@ -226,14 +180,18 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
                     + "; pass --model"
                 )
             body: Any = await response.json(content_type=None)
-    except aiohttp.ClientConnectionError as exc:
-        detail = f"GET {url}: {type(exc).__name__}: {exc}"
-        raise ModelDiscoveryError(unreachable_message(base_url, detail)) from None
+    except aiohttp.ClientError as exc:
+        kind, detail = classify_client_error(exc, after_headers=False)
+        if kind in UNREACHABLE_KINDS and isinstance(exc, aiohttp.ClientConnectionError):
+            raise ModelDiscoveryError(unreachable_message(base_url, f"GET {url}: {detail}")) from None
+        raise ModelDiscoveryError(
+            f"no --model given and GET {url} failed: {kind}: {detail}; pass --model"
+        ) from None
     except TimeoutError:
         raise ModelDiscoveryError(
             f"the server at {base_url} did not answer GET {url} within {limit_s:g} s"
         ) from None
-    except (aiohttp.ClientError, ValueError) as exc:
+    except ValueError as exc:
         raise ModelDiscoveryError(
             f"no --model given and GET {url} failed ({type(exc).__name__}: {exc}); pass --model"
         ) from None
@@ -254,17 +212,14 @@ async def run_harness(
 ) -> RunResult:
     """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
 
-    Raises load.SmokeTestError when the smoke test fails, ModelDiscoveryError when no model can be
-    found.
+    Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
+    ModelDiscoveryError when no model can be found, ValueError for an unreadable --tokenizer or
+    --dataset.
     Each measured record is passed to `on_record` as its request finishes.
     """
-    rng = np.random.default_rng(config.seed)
-    smoke_spec = RequestSpec(-1, config.prompt_len.low, min(4, config.output_len.low), "hello")
-    warm_specs = make_request_specs(
-        config.warmup_requests, config.prompt_len, config.output_len, rng, first_id=-1 - 10**6
-    )
-    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
-    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
+    smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
+    warm_specs, specs, offsets = plan_requests(config)
+    model_used: str | None = None
 
     session: aiohttp.ClientSession | None = None
     simulated: SimulatedServer | None = None
@@ -277,17 +232,18 @@ async def run_harness(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:
         if session is not None:
-            model = config.model or await _discover_model(session, config.base_url, config.timeout_s)
+            model_used = config.model or await _discover_model(session, config.base_url, config.timeout_s)
             backend = OpenAIBackend(
                 session,
                 base_url=config.base_url,
-                model=model,
+                model=model_used,
                 endpoint="chat" if config.backend == "openai-chat" else "completions",
                 api_key=config.api_key,
                 timeout_s=config.timeout_s,
                 ignore_eos=config.ignore_eos,
             )
         assert backend is not None
+        tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
@@ -300,11 +256,10 @@ async def run_harness(
         if config.server_metrics_interval_s > 0:
             if simulated is not None:
                 poller = ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
-            elif session is not None:
+            else:
+                headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
                 poller = ServerMetricsPoller(
-                    config.server_metrics_interval_s,
-                    session=session,
-                    url=metrics_url(config.base_url),
+                    config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
         tracker = InFlightTracker()
         start_ns = perf_counter_ns()
@@ -328,7 +283,14 @@ async def run_harness(
         if session is not None:
             await session.close()
 
-    summary = summarize_run(
+    used = replace(config, model=model_used) if model_used is not None else config
+    summary: dict[str, Any] = {
+        "label": config.label,
+        "model_id": model_used,
+        "tokenizer_id": tokenizer.name if tokenizer is not None else None,
+        "prompt_lengths": "exact" if tokenizer is not None or simulated is not None else "approximate",
+    }
+    summary |= summarize_run(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
     server_samples = poller.samples if poller is not None else []
@@ -337,10 +299,28 @@ async def run_harness(
     summary["server_metrics_source"] = (
         "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
     )
-    summary["peak_server_running"] = max((s.running for s in peaks_from), default=None)
-    summary["peak_server_waiting"] = max((s.waiting for s in peaks_from), default=None)
+    summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
+    summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
+    if summary["prompt_lengths"] == "approximate":
+        off = summary["prompt_tokens_off_pct"]
+        summary["warnings"].insert(
+            0,
+            "prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): "
+            + (
+                f"the server counted {off:+.1f} % against the requested tokens"
+                if off is not None
+                else "the server reported no prompt token counts"
+            ),
+        )
+    summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
+    summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
+    if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:
+        summary["warnings"].append(
+            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): the server "
+            "peaks may miss what happened; use a longer run or a shorter --server-metrics-interval"
+        )
     return RunResult(
-        config=config,
+        config=used,
         records=records,
         summary=summary,
         start_ns=start_ns,

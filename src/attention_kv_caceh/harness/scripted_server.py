@@ -23,7 +23,7 @@ import sys
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -32,6 +32,7 @@ __all__ = [
     "Script",
     "ScriptedServer",
     "Step",
+    "WordTokenizer",
     "chat_chunk",
     "completion_chunk",
     "scripted_server_process",
@@ -47,10 +48,12 @@ def sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def completion_chunk(text: str | None, usage: dict[str, int] | None = None) -> bytes:
+def completion_chunk(
+    text: str | None, usage: dict[str, int] | None = None, *, finish_reason: str | None = None
+) -> bytes:
     """A `/v1/completions` stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
     choices: list[dict[str, Any]] = (
-        [] if text is None else [{"index": 0, "text": text, "finish_reason": None}]
+        [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason}]
     )
     obj: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": choices}
     if usage is not None:
@@ -64,15 +67,20 @@ def chat_chunk(
     role: str | None = None,
     usage: dict[str, int] | None = None,
     no_choices: bool = False,
+    tool_arguments: str | None = None,
+    finish_reason: str | None = None,
 ) -> bytes:
-    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given)."""
+    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given);
+    `tool_arguments` puts a fragment of a tool call's arguments in `delta.tool_calls`."""
     delta: dict[str, Any] = {}
     if role is not None:
         delta["role"] = role
     if content is not None:
         delta["content"] = content
+    if tool_arguments is not None:
+        delta["tool_calls"] = [{"index": 0, "function": {"arguments": tool_arguments}}]
     choices: list[dict[str, Any]] = (
-        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": None}]
+        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
     )
     obj: dict[str, Any] = {"id": "chat-1", "object": "chat.completion.chunk", "choices": choices}
     if usage is not None:
@@ -93,12 +101,14 @@ class Step:
 @dataclass(frozen=True)
 class Script:
     """How to answer one request: a non-200 `status` answers `body` at once; a 200 streams `steps`;
-    `abort` then drops the connection without ending the chunked body (a stream cut mid-way)."""
+    `abort` then drops the connection without ending the chunked body (a stream cut mid-way);
+    `headers` are added to a non-200 answer (e.g. a `Location` for a redirect)."""
 
     steps: tuple[Step, ...] = ()
     status: int = 200
     body: bytes = b""
     abort: bool = False
+    headers: tuple[tuple[str, str], ...] = ()
 
 
 def timed_token_script(
@@ -120,6 +130,46 @@ def timed_token_script(
     return Script(tuple(steps))
 
 
+class WordTokenizer:
+    """A deterministic test tokenizer: one token per whitespace-separated word (ids assigned in order
+    of first sight, from 4), a BOS token (id 0) when special tokens are added, and a toy chat template
+    (`encode_chat`)."""
+
+    BOS, USER, END, ASSISTANT = 0, 1, 2, 3
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self._words: list[str] = ["<s>", "<user>", "</user>", "<assistant>"]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = [self.BOS] if add_special_tokens else []
+        for word in text.split():
+            if word not in self._ids:
+                self._ids[word] = len(self._words)
+                self._words.append(word)
+            ids.append(self._ids[word])
+        return ids
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """A toy chat template: BOS, a user marker, the words of every message, an end marker and an
+        assistant marker (4 tokens besides the words)."""
+        text = " ".join(str(m.get("content", "")) for m in messages)
+        return [self.BOS, self.USER, *self.encode(text, False), self.END, self.ASSISTANT]
+
+    def decode(self, ids: list[int]) -> str:
+        return " ".join(self._words[i] for i in ids if self.ASSISTANT < i < len(self._words))
+
+    def prompt_tokens(self, payload: dict[str, Any]) -> int:
+        """The prompt tokens of a request as a server with this tokenizer counts them: an id list as
+        its length, a text with its BOS, chat messages in the toy chat template."""
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list):
+            return len(cast("list[Any]", prompt))
+        if prompt is None:
+            return len(self.encode_chat(cast("list[dict[str, Any]]", payload.get("messages") or [])))
+        return len(self.encode(str(prompt)))
+
+
 ScriptFor = Callable[[dict[str, Any], str], Script]
 
 
@@ -135,17 +185,34 @@ class _Counters:
     payloads: list[dict[str, Any]] = field(default_factory=lambda: [])
     arrival_ns: list[int] = field(default_factory=lambda: list[int]())
     write_ns: list[list[int]] = field(default_factory=lambda: list[list[int]]())
+    metrics_queries: list[str] = field(default_factory=lambda: [])
 
 
 class ScriptedServer:
     """aiohttp server on 127.0.0.1 answering POST /v1/completions and /v1/chat/completions with
-    `script_for(payload, path)`, GET /metrics with `metrics_text`, GET /v1/models with one model.
+    `script_for(payload, path)`, GET /metrics with `metrics_text` (or, with `live_metrics`, vLLM's
+    running/waiting gauges from the streams in flight, padded with `metrics_padding` bytes of comment
+    lines to the size of a real exposition), GET /v1/models with one model, and, with `tokenizer`,
+    POST /tokenize and /detokenize with a WordTokenizer (as vLLM's API: `{"prompt", "add_special_tokens"}`
+    in, `{"tokens", "count"}` out; `{"tokens"}` in, `{"prompt"}` out).
 
     `async with ScriptedServer(...) as server:` starts it on a free port (`server.base_url`) and stops it.
     """
 
-    def __init__(self, script_for: ScriptFor, *, port: int = 0, metrics_text: str | None = None):
+    def __init__(
+        self,
+        script_for: ScriptFor,
+        *,
+        port: int = 0,
+        metrics_text: str | None = None,
+        live_metrics: bool = False,
+        metrics_padding: int = 0,
+        tokenizer: bool = False,
+    ):
         self.script_for = script_for
+        self.tokenizer = WordTokenizer() if tokenizer else None
+        self.live_metrics = live_metrics
+        self.metrics_padding = metrics_padding
         self.port = port
         self.metrics_text = metrics_text
         self.counters = _Counters()
@@ -164,7 +231,7 @@ class ScriptedServer:
         self.counters.write_ns.append(writes)
         script = self.script_for(payload, request.path)
         if script.status != 200:
-            return web.Response(status=script.status, body=script.body)
+            return web.Response(status=script.status, body=script.body, headers=dict(script.headers))
         response = web.StreamResponse(
             status=200, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
@@ -190,9 +257,37 @@ class ScriptedServer:
         return response
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.counters.metrics_queries.append(request.query_string)
+        if self.live_metrics:
+            pad = "".join(f"# pad {'x' * 90}\n" for _ in range(self.metrics_padding // 97))
+            text = (
+                f"{pad}# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{model_name="scripted"}} {self.counters.in_flight}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                'vllm:num_requests_waiting{model_name="scripted"} 0\n'
+            )
+            return web.Response(text=text, content_type="text/plain")
         if self.metrics_text is None:
             return web.Response(status=404, text="no metrics")
         return web.Response(text=self.metrics_text, content_type="text/plain")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return web.Response(status=404, text="no tokenizer")
+        body: dict[str, Any] = await request.json()
+        messages = body.get("messages")
+        if isinstance(messages, list):
+            ids = self.tokenizer.encode_chat(cast("list[dict[str, Any]]", messages))
+        else:
+            special = bool(body.get("add_special_tokens", True))
+            ids = self.tokenizer.encode(str(body.get("prompt", "")), special)
+        return web.json_response({"tokens": ids, "count": len(ids), "max_model_len": 1 << 20})
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        if self.tokenizer is None:
+            return web.Response(status=404, text="no tokenizer")
+        body: dict[str, Any] = await request.json()
+        return web.json_response({"prompt": self.tokenizer.decode(list(body.get("tokens", [])))})
 
     async def _models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
@@ -204,6 +299,8 @@ class ScriptedServer:
         app.router.add_post("/v1/chat/completions", self._stream)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/detokenize", self._detokenize)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -234,11 +331,11 @@ def _max_tokens(payload: dict[str, Any]) -> int:
     return int(value) if isinstance(value, int) and value > 0 else 16
 
 
-async def _serve(ttft_ms: float, itl_ms: float, port: int) -> None:
+async def _serve(ttft_ms: float, itl_ms: float, port: int, metrics_padding: int = 0) -> None:
     def script_for(payload: dict[str, Any], path: str) -> Script:
         return timed_token_script(ttft_ms / 1000, itl_ms / 1000, _max_tokens(payload), chat="chat" in path)
 
-    server = ScriptedServer(script_for, port=port)
+    server = ScriptedServer(script_for, port=port, live_metrics=True, metrics_padding=metrics_padding)
     await server.start()
     print(f"PORT {server.port}", flush=True)
     stop = asyncio.Event()
@@ -250,8 +347,9 @@ async def _serve(ttft_ms: float, itl_ms: float, port: int) -> None:
 
 
 @contextlib.contextmanager
-def scripted_server_process(ttft_ms: float, itl_ms: float) -> Generator[str]:
+def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int = 0) -> Generator[str]:
     """Run the timed scripted server in a child process (its own core and GIL); yields its base URL.
+    Its /metrics serves live gauges padded to `metrics_padding` bytes.
 
     The child is terminated on exit. Raises RuntimeError if it does not report its port in 30 s.
     """
@@ -262,6 +360,7 @@ def scripted_server_process(ttft_ms: float, itl_ms: float) -> Generator[str]:
             "attention_kv_caceh.harness.scripted_server",
             f"--ttft-ms={ttft_ms}",
             f"--itl-ms={itl_ms}",
+            f"--metrics-padding={metrics_padding}",
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -289,8 +388,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token (ms)")
     parser.add_argument("--itl-ms", type=float, default=10.0, help="inter-token delay (ms)")
     parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free)")
+    parser.add_argument(
+        "--metrics-padding", type=int, default=0, help="bytes of padding in the /metrics answer"
+    )
     args = parser.parse_args(argv)
-    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port))
+    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port, args.metrics_padding))
     return 0
 
 

@@ -6,22 +6,32 @@ by `data: [DONE]`; they differ only in where the text sits (`choices[0].text` or
 CR; `:` starts a comment; several `data:` lines join with LF; a blank line dispatches). The decoder
 decides what is a token-bearing event, the point common tools get wrong:
 
-- a chat stream's opening chunk that carries only the role is not a token;
-- a trailing usage-only chunk (`choices: []`) is not a token (and so never moves the finish time);
-- a chunk carrying several tokens counts as that many: by the change in `usage.completion_tokens` where
-  the server sends continuous usage (vLLM's `stream_options.continuous_usage_stats`), else by the
-  chunk's `logprobs` token list, else one per content-bearing chunk; `output_tokens_source` records
-  which.
+- a chunk is token-bearing when its choice carries generated tokens: text, content, reasoning, refusal,
+  tool-call name/arguments, or a logprobs list; a chat stream's role-only opening chunk, an empty
+  finish chunk and a usage-only chunk (`choices: []`) are not, and never move the finish time;
+- the tokens of a token-bearing event: the change in `usage.completion_tokens` from the tokens already
+  counted, where the server reports usage per chunk (vLLM's `continuous_usage_stats`); a chunk whose
+  per-chunk usage adds 0 carries no token and is not an event. Without per-chunk usage: the chunk's
+  `logprobs` token list, else 1. `tokens_per_event_source` records which;
+- the events always sum to the final usage count when the server gives one: a final usage above (or
+  below) what was counted is reconciled onto the last event(s), never as an invented event, and the
+  record says so (`reconciled_counts`);
+- every usage count is checked (a non-negative integer; `completion_tokens` never decreases), else the
+  request fails as `invalid_usage`; one event may hold at most MAX_EVENT_BYTES, else `event_too_large`.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
 __all__ = [
+    "MAX_EVENT_BYTES",
+    "EventTooLargeError",
+    "InvalidUsageError",
     "MalformedSSEError",
     "OpenAIStreamDecoder",
     "SSEEvent",
@@ -29,7 +39,13 @@ __all__ = [
     "StreamErrorEvent",
 ]
 
-_LINE_END = re.compile(rb"\r\n|\r|\n")
+# The one cap on a single event (its data lines plus the line being read): a stream that sends more
+# without a blank line is refused as `event_too_large` instead of growing the client's memory without
+# bound. 8 MiB is far above any token chunk (a few hundred bytes; a logprobs chunk a few KiB).
+MAX_EVENT_BYTES = 8 * 2**20
+
+_LINE_BREAK = re.compile(rb"[\r\n]")
+_CR, _LF = 0x0D, 0x0A
 
 
 @dataclass(frozen=True)
@@ -41,40 +57,75 @@ class SSEEvent:
 
 
 class SSEParser:
-    """Incremental event-stream parser: feed bytes as they arrive, get the completed events."""
+    """Incremental event-stream parser: feed bytes as they arrive, get the completed events.
 
-    def __init__(self) -> None:
-        self._buffer = b""
+    Linear time: each byte is searched for a line break once, when it arrives, and copied once into
+    the line being built (`bytes_scanned` counts this work, so tests can check it without a clock).
+    `max_event_bytes` caps one event (default MAX_EVENT_BYTES); beyond it `feed` raises
+    EventTooLargeError.
+    """
+
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        if max_event_bytes < 1:
+            raise ValueError(f"max_event_bytes must be >= 1, got {max_event_bytes}")
+        self.max_event_bytes = max_event_bytes
+        self.bytes_scanned = 0
+        self._line = bytearray()
+        self._after_cr = False  # the last byte seen was a CR: an LF right after it is the same break
         self._data_lines: list[str] = []
+        self._data_bytes = 0
         self._event_type = ""
 
     def feed(self, chunk: bytes) -> list[SSEEvent]:
         """Parse `chunk` (any split of the byte stream); return the events it completed, in order.
 
-        Raises UnicodeDecodeError for a line that is not UTF-8.
+        Raises UnicodeDecodeError for a line that is not UTF-8, EventTooLargeError when one event
+        exceeds `max_event_bytes`.
         """
-        self._buffer += chunk
-        events: list[SSEEvent] = []
-        start = 0
-        for match in _LINE_END.finditer(self._buffer):
-            # A CR at the very end may be the first half of a CRLF split across reads: wait for more.
-            if match.group() == b"\r" and match.end() == len(self._buffer):
-                break
-            line = self._buffer[start : match.start()].decode("utf-8")
-            start = match.end()
-            event = self._line(line)
-            if event is not None:
-                events.append(event)
-        self._buffer = self._buffer[start:]
-        return events
+        return list(self.iter_feed(chunk))
 
-    def _line(self, line: str) -> SSEEvent | None:
+    def iter_feed(self, chunk: bytes) -> Iterator[SSEEvent]:
+        """As `feed`, yielding each event as soon as it is complete (the events before an error in
+        the same chunk are still delivered)."""
+        n = len(chunk)
+        pos = 1 if self._after_cr and n and chunk[0] == _LF else 0
+        if n:
+            self._after_cr = False
+        while pos < n:
+            match = _LINE_BREAK.search(chunk, pos)
+            end = n if match is None else match.start()
+            self.bytes_scanned += end - pos + (match is not None)
+            self._line += chunk[pos:end]
+            if len(self._line) + self._data_bytes > self.max_event_bytes:
+                raise EventTooLargeError(
+                    f"one SSE event exceeded {self.max_event_bytes} bytes without ending "
+                    f"(the cap on an event's size, MAX_EVENT_BYTES)"
+                )
+            if match is None:
+                break
+            if chunk[end] == _CR:
+                if end + 1 == n:
+                    self._after_cr = True
+                    pos = n
+                else:
+                    pos = end + 2 if chunk[end + 1] == _LF else end + 1
+            else:
+                pos = end + 1
+            line = self._line.decode("utf-8")
+            self.bytes_scanned += len(self._line)
+            self._line.clear()
+            event = self._handle_line(line)
+            if event is not None:
+                yield event
+
+    def _handle_line(self, line: str) -> SSEEvent | None:
         if line == "":
             if not self._data_lines:
                 self._event_type = ""
                 return None
             event = SSEEvent(data="\n".join(self._data_lines), event=self._event_type or "message")
             self._data_lines = []
+            self._data_bytes = 0
             self._event_type = ""
             return event
         if line.startswith(":"):
@@ -83,6 +134,7 @@ class SSEParser:
         value = value.removeprefix(" ")
         if name == "data":
             self._data_lines.append(value)
+            self._data_bytes += len(value) + 1
         elif name == "event":
             self._event_type = value
         # `id`, `retry` and unknown fields are ignored, as the standard says.
@@ -91,7 +143,7 @@ class SSEParser:
     @property
     def pending(self) -> bool:
         """True when bytes or data lines of an undispatched event are buffered (a cut stream)."""
-        return bool(self._buffer.strip()) or bool(self._data_lines)
+        return bool(self._line.strip()) or bool(self._data_lines)
 
 
 class StreamErrorEvent(Exception):
@@ -102,6 +154,15 @@ class MalformedSSEError(Exception):
     """A `data:` payload that is neither `[DONE]` nor a JSON object."""
 
 
+class EventTooLargeError(MalformedSSEError):
+    """One event grew past the parser's `max_event_bytes` (recorded as `event_too_large`)."""
+
+
+class InvalidUsageError(MalformedSSEError):
+    """A `usage` count that is not a non-negative integer, or a `completion_tokens` that decreased
+    (recorded as `invalid_usage`, never used as a statistic)."""
+
+
 def _as_dict(value: object) -> dict[str, Any] | None:
     return cast("dict[str, Any]", value) if isinstance(value, dict) else None
 
@@ -110,16 +171,20 @@ def _as_list(value: object) -> list[Any] | None:
     return cast("list[Any]", value) if isinstance(value, list) else None
 
 
-def _choice_text(choice: dict[str, Any]) -> str:
-    text = choice.get("text")
-    if isinstance(text, str) and text:
-        return text
-    delta = _as_dict(choice.get("delta")) or {}
-    for key in ("content", "reasoning_content", "reasoning"):
-        value = delta.get(key)
-        if isinstance(value, str) and value:
-            return value
-    return ""
+def _nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and value != ""
+
+
+def _tool_call_args(delta: dict[str, Any]) -> bool:
+    """True when a chat delta carries generated tool-call text (a name or argument fragment)."""
+    calls = [_as_dict(c) for c in _as_list(delta.get("tool_calls")) or []]
+    legacy = _as_dict(delta.get("function_call"))
+    functions = [_as_dict(c.get("function")) for c in calls if c is not None]
+    functions.append(legacy)
+    return any(
+        f is not None and (_nonempty_str(f.get("arguments")) or _nonempty_str(f.get("name")))
+        for f in functions
+    )
 
 
 def _logprob_tokens(choice: dict[str, Any]) -> int | None:
@@ -132,38 +197,66 @@ def _logprob_tokens(choice: dict[str, Any]) -> int | None:
     return len(tokens) if tokens else None
 
 
+def _carries_tokens(choice: dict[str, Any]) -> bool:
+    """True when a choice carries generated tokens: text, content, reasoning, refusal, tool-call
+    name/arguments, or a non-empty logprobs list."""
+    if _nonempty_str(choice.get("text")) or _logprob_tokens(choice):
+        return True
+    delta = _as_dict(choice.get("delta")) or {}
+    keys = ("content", "reasoning_content", "reasoning", "refusal")
+    return any(_nonempty_str(delta.get(key)) for key in keys) or _tool_call_args(delta)
+
+
+def _usage_count(usage: dict[str, Any], key: str) -> int | None:
+    """`usage[key]` checked: None when absent or null; raises InvalidUsageError unless an int >= 0."""
+    value = usage.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidUsageError(f"usage.{key} is {value!r}, not a non-negative integer")
+    return value
+
+
 class OpenAIStreamDecoder:
     """Turn the bytes of one OpenAI-style stream into token counts per token-bearing event.
 
-    `feed` returns, for each token-bearing event completed by the bytes, its number of tokens. After the
-    stream: `done` (saw `[DONE]`), `failure` (the error that stopped decoding), `output_tokens` and `output_tokens_source`, `prompt_tokens` (from
-    usage, else None).
+    `feed` returns, for each token-bearing event completed by the bytes, its number of tokens (how it
+    is derived: the module docstring). After the stream: `done` (saw `[DONE]`), `finish_reason` (the
+    last one a choice carried), `failure` (the error that stopped decoding), `prompt_tokens` and
+    `usage_completion_tokens` (from usage, else None), and `reconciled_counts()` (the counts made to
+    sum to the final usage), `output_tokens`, `output_tokens_source`, `tokens_per_event_source`.
     """
 
-    def __init__(self) -> None:
-        self._parser = SSEParser()
+    def __init__(self, max_event_bytes: int = MAX_EVENT_BYTES) -> None:
+        self._parser = SSEParser(max_event_bytes)
         self.done = False
+        self.finish_reason: str | None = None
         self.failure: StreamErrorEvent | MalformedSSEError | None = None
         self.prompt_tokens: int | None = None
-        self._usage_completion: int | None = None
+        self.usage_completion_tokens: int | None = None
+        self.counts: list[int] = []
         self._counted = 0
+        self._usage_on_tokens = False  # usage arrived on a token-bearing chunk (per-chunk usage)
         self._count_source = "chunks"
 
     def feed(self, chunk: bytes) -> list[int]:
         """Parse `chunk`; return the token count of each token-bearing event it completed.
 
-        An error event (StreamErrorEvent) or a `data:` payload that is not a JSON object or not UTF-8
-        (MalformedSSEError) stops decoding: the counts of the events before it are still returned, and
+        An error event (StreamErrorEvent), a `data:` payload that is not a JSON object or not UTF-8
+        (MalformedSSEError), an event over the size cap (EventTooLargeError) or a bad usage count
+        (InvalidUsageError) stops decoding: the counts of the events before it are still returned, and
         the exception is left in `failure` for the caller to raise. Data after `[DONE]` is ignored.
         """
         if self.failure is not None or self.done:
             return []
         counts: list[int] = []
         try:
-            for event in self._parser.feed(chunk):
+            for event in self._parser.iter_feed(chunk):
                 count = self._event(event)
                 if count is not None:
                     counts.append(count)
+                    self.counts.append(count)
+                    self._counted += count
                 if self.done:
                     break
         except UnicodeDecodeError as exc:
@@ -190,49 +283,88 @@ class OpenAIStreamDecoder:
             detail = _as_dict(error)
             message = detail.get("message") if detail is not None else error
             raise StreamErrorEvent(str(message or obj.get("message") or data[:500]))
-        usage_delta = self._usage(obj)
+        completion = self._usage(obj)
         choices = _as_list(obj.get("choices")) or []
         choice = _as_dict(choices[0]) if choices else None
         if choice is None:
             return None  # usage-only (or empty) chunk: not a token
-        text = _choice_text(choice)
-        if usage_delta is not None and usage_delta > 0:
-            self._count_source = "usage"
-            count = usage_delta
-        elif text:
-            logprob_count = _logprob_tokens(choice)
-            if logprob_count is not None:
-                self._count_source = "logprobs"
-            count = logprob_count or 1
-        else:
-            return None  # role-only or empty delta: not a token
-        self._counted += count
-        return count
+        reason = choice.get("finish_reason")
+        if _nonempty_str(reason):
+            self.finish_reason = str(reason)
+        if not _carries_tokens(choice):
+            return None  # role-only, empty or finish-only chunk: not a token (usage reconciled later)
+        if completion is not None:
+            delta = completion - self._counted
+            if delta > 0:
+                self._usage_on_tokens = True
+                self._count_source = "usage"
+                return delta
+            if self._usage_on_tokens:
+                return None  # per-chunk usage says this chunk carried no token
+            # the first usage report, below what was counted one per chunk: reconciled at the end
+        logprob_count = _logprob_tokens(choice)
+        if logprob_count is not None and self._count_source == "chunks":
+            self._count_source = "logprobs"
+        return logprob_count or 1
 
     def _usage(self, obj: dict[str, Any]) -> int | None:
-        """Update usage from a chunk; return the change in completion tokens, None without usage."""
+        """Check and store a chunk's usage; return its completion tokens (None without usage)."""
         usage = _as_dict(obj.get("usage"))
         if usage is None:
             return None
-        prompt = usage.get("prompt_tokens")
-        if isinstance(prompt, int):
+        prompt = _usage_count(usage, "prompt_tokens")
+        if prompt is not None:
             self.prompt_tokens = prompt
-        completion = usage.get("completion_tokens")
-        if not isinstance(completion, int):
+        completion = _usage_count(usage, "completion_tokens")
+        if completion is None:
             return None
-        previous = self._usage_completion or 0
-        self._usage_completion = completion
-        return completion - previous
+        previous = self.usage_completion_tokens
+        if previous is not None and completion < previous:
+            raise InvalidUsageError(f"usage.completion_tokens decreased from {previous} to {completion}")
+        self.usage_completion_tokens = completion
+        return completion
+
+    def reconciled_counts(self) -> tuple[list[int], str | None]:
+        """The tokens of each event made to sum to the final usage count, and how (None: no change).
+
+        No event is added or removed: a surplus goes to the last event, a shortfall is taken from the
+        last events down to 1 token each. If the usage is below the number of events (impossible with a
+        one-token minimum per event), the counts are kept and the note says so.
+        """
+        counts = list(self.counts)
+        target = self.usage_completion_tokens
+        total = sum(counts)
+        if target is None or target == total or not counts:
+            return counts, None
+        if target > total:
+            counts[-1] += target - total
+            return counts, f"final usage {target} > {total} counted: +{target - total} on the last event"
+        if target < len(counts):
+            return counts, f"final usage {target} < {len(counts)} token events: counts kept"
+        excess = total - target
+        for i in range(len(counts) - 1, -1, -1):
+            take = min(excess, counts[i] - 1)
+            counts[i] -= take
+            excess -= take
+        return counts, f"final usage {target} < {total} counted: -{total - target} from the last events"
 
     @property
     def output_tokens(self) -> int:
         """Tokens generated: the server's usage count when it gave one, else the counted tokens."""
-        return self._usage_completion if self._usage_completion is not None else self._counted
+        if self.usage_completion_tokens is not None:
+            return self.usage_completion_tokens
+        return self._counted
 
     @property
     def output_tokens_source(self) -> str:
         """How `output_tokens` was obtained: "usage", "logprobs" or "chunks"."""
-        return "usage" if self._usage_completion is not None else self._count_source
+        return "usage" if self.usage_completion_tokens is not None else self._count_source
+
+    @property
+    def tokens_per_event_source(self) -> str:
+        """How the tokens of each event were derived: "usage" (the change in per-chunk usage),
+        "logprobs" (the chunk's token list) or "chunks" (one per token-bearing chunk)."""
+        return self._count_source
 
     @property
     def truncated(self) -> bool:

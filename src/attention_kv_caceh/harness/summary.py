@@ -5,6 +5,12 @@ keys to the names of vLLM's `bench serve` result file where the meaning is the s
 `median_ttft_ms`, `std_ttft_ms`, `p99_itl_ms`, ...; vLLM's std is the population std, as ours).
 As in vLLM, latencies are over successful requests only, ITL is pooled over all of their gaps, and TPOT
 over requests with a defined TPOT. Metrics with no sample are None (null), never 0.
+
+`max_concurrent_requests` and `max_output_tokens_per_s` have vLLM's meaning: the run (from the first
+successful request's send to the last one's finish) is cut into one-second buckets; a request is active
+in every bucket from its send to its finish, and each token event adds its tokens to its bucket; the
+maxima over buckets are reported. The client's own peak of in-flight requests is `max_client_in_flight`.
+`warnings` lists what makes the run's numbers doubtful (client lateness P99 above LATENESS_WARN_MS).
 """
 
 from __future__ import annotations
@@ -17,10 +23,22 @@ from attention_kv_caceh.harness.metrics import GoodputSLO, RequestMetrics
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.timing import summarize_samples
 
-__all__ = ["METRIC_NAMES", "STAT_KEYS", "stats_with_vllm_names", "summarize_run"]
+__all__ = [
+    "LATENESS_WARN_MS",
+    "METRIC_NAMES",
+    "PROMPT_OFF_WARN_PCT",
+    "STAT_KEYS",
+    "second_bucket_peaks",
+    "stats_with_vllm_names",
+    "summarize_run",
+]
+
+PROMPT_OFF_WARN_PCT = 2.0  # actual prompt tokens this far from the requested ones get a warning
+LATENESS_WARN_MS = 1.0  # a client loop this late (P99) is no longer measuring the server alone
 
 # metric name in keys -> what it is (for the table)
 METRIC_NAMES = {
+    "lateness": "client lateness",
     "queue": "client queue time",
     "ttft": "TTFT (first token - sent)",
     "ttft_from_arrival": "TTFT from arrival",
@@ -63,6 +81,7 @@ def _metric_samples(metrics: Sequence[RequestMetrics]) -> dict[str, list[float]]
     samples: dict[str, list[float]] = {name: [] for name in METRIC_NAMES}
     for m in metrics:
         for name, value in (
+            ("lateness", m.lateness_ms),
             ("queue", m.queue_ms),
             ("ttft", m.ttft_ms),
             ("ttft_from_arrival", m.ttft_from_arrival_ms),
@@ -74,6 +93,26 @@ def _metric_samples(metrics: Sequence[RequestMetrics]) -> dict[str, list[float]]
                 samples[name].append(value)
         samples["itl"].extend(m.itl_ms)
     return samples
+
+
+def second_bucket_peaks(records: Sequence[RequestRecord]) -> tuple[int, float]:
+    """(max_concurrent_requests, max_output_tokens_per_s) of the successful `records` in vLLM's
+    meaning (module docstring); (0, 0.0) without a successful request."""
+    done = [r for r in records if r.ok and r.sent_ns is not None and r.finish_ns is not None]
+    if not done:
+        return 0, 0.0
+    t0 = min(r.sent_ns for r in done if r.sent_ns is not None)
+    end = max(r.finish_ns for r in done if r.finish_ns is not None)
+    buckets = (end - t0) // 1_000_000_000 + 1
+    active = [0] * buckets
+    tokens = [0] * buckets
+    for r in done:
+        assert r.sent_ns is not None and r.finish_ns is not None
+        for second in range((r.sent_ns - t0) // 10**9, (r.finish_ns - t0) // 10**9 + 1):
+            active[second] += 1
+        for time_ns, n in zip(r.token_times_ns, r.tokens_per_event, strict=True):
+            tokens[(time_ns - t0) // 10**9] += n
+    return max(active), float(max(tokens))
 
 
 def summarize_run(
@@ -93,7 +132,12 @@ def summarize_run(
     ok = [r for r in records if r.ok]
     failures = Counter(r.status for r in records if not r.ok)
     metrics = [r.metrics() for r in ok]
-    input_tokens = sum(r.prompt_tokens for r in ok)
+    input_tokens = sum(
+        r.prompt_tokens if r.prompt_tokens is not None else (r.requested_prompt_tokens or 0) for r in ok
+    )
+    known = [r for r in ok if r.prompt_tokens is not None and r.requested_prompt_tokens is not None]
+    requested = sum(r.requested_prompt_tokens or 0 for r in known)
+    actual = sum(r.prompt_tokens or 0 for r in known)
     output_tokens = sum(r.output_tokens for r in ok)
     summary: dict[str, Any] = {
         "duration": duration_s,
@@ -101,13 +145,20 @@ def summarize_run(
         "completed": len(ok),
         "failed": sum(failures.values()),
         "failures": dict(sorted(failures.items())),
+        # ok streams that ended with a finish_reason and a clean close but no `data: [DONE]`
+        "num_without_done_marker": sum(1 for r in ok if r.done_marker is False),
         "total_input_tokens": input_tokens,
+        # over successful requests whose actual prompt length is known
+        "total_requested_prompt_tokens": requested if known else None,
+        "total_actual_prompt_tokens": actual if known else None,
+        "prompt_tokens_off_pct": (actual - requested) / requested * 100 if known and requested else None,
         "total_output_tokens": output_tokens,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": output_tokens / duration_s,
         "total_token_throughput": (input_tokens + output_tokens) / duration_s,
-        "max_concurrent_requests": peak_in_flight,
+        "max_client_in_flight": peak_in_flight,
     }
+    summary["max_concurrent_requests"], summary["max_output_tokens_per_s"] = second_bucket_peaks(records)
     if slo is not None and not slo.empty:
         good = sum(1 for m in metrics if slo.is_good(m))
         summary["goodput_slo_ms"] = slo.as_dict()
@@ -117,4 +168,19 @@ def summarize_run(
         summary["request_goodput"] = None
     for name, samples in _metric_samples(metrics).items():
         summary.update(stats_with_vllm_names(name, samples))
+    warnings: list[str] = []
+    lateness_p99 = summary["p99_lateness_ms"]
+    if lateness_p99 is not None and lateness_p99 > LATENESS_WARN_MS:
+        warnings.append(
+            f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms): the client "
+            "started requests late, so the load was lighter than asked; use fewer requests per second "
+            "or a faster client machine"
+        )
+    off = summary["prompt_tokens_off_pct"]
+    if off is not None and abs(off) > PROMPT_OFF_WARN_PCT:
+        warnings.append(
+            f"prompts had {actual} tokens where {requested} were requested ({off:+.1f} %, more than "
+            f"{PROMPT_OFF_WARN_PCT:g} % off)"
+        )
+    summary["warnings"] = warnings
     return summary

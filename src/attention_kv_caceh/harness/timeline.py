@@ -4,30 +4,33 @@ Top panel: one row per request, time in ms from the run's start: client queue (a
 for the first token (sent -> first token: TTFT, which includes waiting in the server's queue), decoding
 (first token -> finish) with a tick per token event; a failed request ends in a red cross. Bottom panel:
 the client's in-flight requests (the semaphore) beside the server's running and waiting requests, to
-show that client concurrency is not the server's batch. matplotlib with the Agg backend, PNG out.
+show that client concurrency is not the server's batch. Server values are steps drawn at the times the
+server was sampled (a value holds until the next sample; nothing is invented between samples), each
+polled sample marked, with the sample count in the panel's title and the legend beside the panel. matplotlib with the Agg backend, PNG out.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.figure import Figure
 
 from attention_kv_caceh.harness.run import RunResult
 
-__all__ = ["plot_timeline"]
+__all__ = ["draw_timeline", "plot_timeline"]
 
 _MAX_TICKS = 20_000  # beyond this many token events, ticks would be ink, not information
 
 
-def plot_timeline(result: RunResult, path: str | os.PathLike[str]) -> Path:
-    """Write the timeline of `result` to `path` (PNG); returns the path. Raises OSError on write."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
+def draw_timeline(result: RunResult) -> Figure:
+    """The timeline of `result` as a matplotlib Figure (the caller closes it)."""
     t0 = result.start_ns
 
     def ms(t_ns: int) -> float:
@@ -68,24 +71,58 @@ def plot_timeline(result: RunResult, path: str | os.PathLike[str]) -> Path:
         alpha=0.45,
         color="tab:purple",
     )
-    server = result.server_exact or result.server_samples
-    if server:
-        times = [ms(s.time_ns) for s in server]
-        style = "post" if result.server_exact else "mid"
-        bottom.step(times, [s.running for s in server], where=style, label="server running", color="k")
-        bottom.step(
-            times,
-            [s.waiting for s in server],
-            where=style,
-            label="server waiting",
-            color="tab:red",
-            linestyle="--",
-        )
+    _draw_server(bottom, result, ms)
     bottom.set_xlabel("time since start (ms)")
     bottom.set_ylabel("requests")
-    bottom.legend(loc="upper right")
+    # beside the panel, never over the curves
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, fontsize="small")
     bottom.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(target, dpi=110)  # pyright: ignore[reportUnknownMemberType]
-    plt.close(fig)
+    return fig
+
+
+def _draw_server(ax: Axes, result: RunResult, ms: Callable[[int], float]) -> None:
+    """Server running/waiting as steps at the server's own sample times (`where="post"`: a value holds
+    until the next sample), each sample marked; the panel title says how many samples there are."""
+    exact = bool(result.server_exact)
+    server = result.server_exact or result.server_samples
+    if not server:
+        ax.set_title("client in-flight (server not polled)", fontsize="small")
+        return
+    times = [ms(s.time_ns) for s in server]
+    marker = None if exact else "o"
+    ax.step(
+        times,
+        [s.running for s in server],
+        where="post",
+        label="server running",
+        color="k",
+        marker=marker,
+        markersize=3,
+    )
+    ax.step(
+        times,
+        [s.waiting for s in server],
+        where="post",
+        label="server waiting",
+        color="tab:red",
+        linestyle="--",
+        marker=marker,
+        markersize=3,
+    )
+    source = "simulated server, every change (exact)" if exact else "/metrics polls, o = a sample"
+    ax.set_title(
+        f"client in-flight and server queue: {len(server)} server samples ({source})", fontsize="small"
+    )
+
+
+def plot_timeline(result: RunResult, path: str | os.PathLike[str]) -> Path:
+    """Write the timeline of `result` to `path` (PNG); returns the path. Raises OSError on write."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fig = draw_timeline(result)
+    try:
+        fig.savefig(target, dpi=110, bbox_inches="tight")  # pyright: ignore[reportUnknownMemberType]
+    finally:
+        plt.close(fig)
     return target

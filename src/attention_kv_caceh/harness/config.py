@@ -1,0 +1,194 @@
+"""The configuration of one harness run, validated on construction, and the run's size limits.
+
+Every flag of the harness maps to one field of `HarnessConfig`; a bad value raises ValueError naming the
+flag before anything is started or written.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from attention_kv_caceh.harness.load import LengthRange
+from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
+from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
+
+__all__ = [
+    "BACKENDS",
+    "MAX_REQUESTS",
+    "MAX_SCHEDULE_S",
+    "MAX_TOKENS",
+    "MIN_SERVER_SAMPLES",
+    "BackendName",
+    "HarnessConfig",
+]
+
+BackendName = Literal["simulated", "openai-completions", "openai-chat"]
+BACKENDS: tuple[BackendName, ...] = ("simulated", "openai-completions", "openai-chat")
+
+# What one load test of this tool can sensibly do: every request is a task, a spec with its prompt and a
+# record holding all its token times, all in this process's memory.
+MAX_REQUESTS = 10_000_000  # --num-requests, and --warmup-requests
+MAX_TOKENS = 10_000_000  # --prompt-len and --output-len (more than any model's context)
+# Measured upper bounds (bytes) of what a run holds: per request (task, spec, record), per prompt token
+# (the prompt text and, while it is drawn, its word indices), per output token (its timestamps).
+_BYTES_PER_REQUEST = 4096
+_BYTES_PER_PROMPT_TOKEN = 16
+_BYTES_PER_OUTPUT_TOKEN = 128
+
+
+MAX_SCHEDULE_S = 1e7  # about 116 days: the longest arrival schedule a run accepts (ns stay exact ints)
+MIN_SERVER_SAMPLES = 10  # fewer samples than this get a warning: peaks from them are guesses
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    """Everything a run needs; validated on construction (ValueError names the bad value).
+
+    Times: `prefill_ms`, `per_token_ms` in ms (simulated backend); `server_metrics_interval_s` and
+    `timeout_s` in seconds (interval 0 disables polling); `request_rate` in requests/s (inf = all at
+    once).
+    """
+
+    backend: BackendName = "simulated"
+    base_url: str = "http://127.0.0.1:8000"
+    model: str = ""
+    api_key: str | None = field(default=None, repr=False)
+    num_requests: int = 16
+    concurrency: int = 4
+    request_rate: float = math.inf
+    burstiness: float = 1.0
+    seed: int = 0
+    prompt_len: LengthRange = field(default_factory=lambda: LengthRange(32, 32))
+    output_len: LengthRange = field(default_factory=lambda: LengthRange(16, 16))
+    warmup_requests: int = 0
+    server_slots: int = 8
+    prefill_ms: float = 50.0
+    per_token_ms: float = 10.0
+    goodput: GoodputSLO = field(default_factory=GoodputSLO)
+    server_metrics_interval_s: float = DEFAULT_INTERVAL_S
+    timeout_s: float = 600.0
+    smoke_test: bool = True
+    ignore_eos: bool = False
+    label: str | None = None
+    tokenizer: str | None = None
+    dataset: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
+        if self.backend != "simulated":
+            _check_base_url(self.base_url)
+        checks: list[tuple[bool, str]] = [
+            (self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
+            (self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}"),
+            (
+                self.request_rate > 0 and not math.isnan(self.request_rate),
+                f"--request-rate must be > 0 or inf, got {self.request_rate}",
+            ),
+            (
+                self.burstiness > 0 and math.isfinite(self.burstiness),
+                f"--burstiness must be a positive finite number, got {self.burstiness}",
+            ),
+            (self.seed >= 0, f"--seed must be >= 0, got {self.seed}"),
+            (self.warmup_requests >= 0, f"--warmup-requests must be >= 0, got {self.warmup_requests}"),
+            (self.server_slots >= 1, f"--server-slots must be >= 1, got {self.server_slots}"),
+            (
+                self.prefill_ms >= 0 and math.isfinite(self.prefill_ms),
+                f"--prefill-ms must be a finite number >= 0, got {self.prefill_ms}",
+            ),
+            (
+                self.per_token_ms >= 0 and math.isfinite(self.per_token_ms),
+                f"--per-token-ms must be a finite number >= 0, got {self.per_token_ms}",
+            ),
+            (
+                self.server_metrics_interval_s >= 0 and math.isfinite(self.server_metrics_interval_s),
+                f"--server-metrics-interval must be >= 0 s, got {self.server_metrics_interval_s}",
+            ),
+            (
+                self.timeout_s > 0 and math.isfinite(self.timeout_s),
+                f"--timeout must be > 0 s, got {self.timeout_s}",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+        if math.isfinite(self.request_rate) and self.num_requests / self.request_rate > MAX_SCHEDULE_S:
+            raise ValueError(
+                f"--request-rate {self.request_rate}: {self.num_requests} requests would arrive over about "
+                f"{self.num_requests / self.request_rate:.3g} s, more than {MAX_SCHEDULE_S:g} s (the most "
+                "a run can schedule); use a higher rate"
+            )
+        if self.tokenizer is not None:
+            path = Path(self.tokenizer)
+            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
+                raise ValueError(f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json")
+        if self.dataset is not None and not Path(self.dataset).is_file():
+            raise ValueError(f"--dataset {self.dataset!r}: no such file")
+        self._check_size()
+
+    def _check_size(self) -> None:
+        """Raise ValueError naming the flag when the run is beyond MAX_REQUESTS or MAX_TOKENS, or its
+        requests would need more memory than `memory.memory_budget_bytes()` allows."""
+        for flag, value in (
+            ("--num-requests", self.num_requests),
+            ("--warmup-requests", self.warmup_requests),
+        ):
+            if value > MAX_REQUESTS:
+                raise ValueError(f"{flag} must be <= {MAX_REQUESTS}, got {value}")
+        for flag, length in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len)):
+            if length.high > MAX_TOKENS:
+                raise ValueError(f"{flag} must be <= {MAX_TOKENS} tokens, got {length}")
+        requests = self.num_requests + self.warmup_requests
+        parts = {
+            "--num-requests": requests * _BYTES_PER_REQUEST,
+            "--prompt-len": requests * self.prompt_len.high * _BYTES_PER_PROMPT_TOKEN,
+            "--output-len": requests * self.output_len.high * _BYTES_PER_OUTPUT_TOKEN,
+        }
+        need, limit = sum(parts.values()), memory_budget_bytes()
+        if limit is not None and need > limit:
+            flag = max(parts, key=lambda k: parts[k])
+            value = {"--num-requests": self.num_requests, "--prompt-len": self.prompt_len}.get(
+                flag, self.output_len
+            )
+            raise ValueError(
+                f"{flag} {value}: {requests} requests of up to {self.prompt_len.high} prompt and "
+                f"{self.output_len.high} output tokens need about {format_bytes(need)} of memory, more "
+                f"than the {format_bytes(limit)} a run may plan to use ({MEMORY_FRACTION:.0%} of physical "
+                "memory or of the address-space limit); use fewer or shorter requests"
+            )
+
+    def describe(self) -> dict[str, Any]:
+        """The config as JSON-ready values, only what the backend uses: the API key left out; the
+        simulated server's `server_slots`, `prefill_ms`, `per_token_ms` only for the simulated backend,
+        and the HTTP settings (`base_url`, `model`, `timeout_s`, `ignore_eos`, `tokenizer`) only for
+        the others."""
+        out = asdict(self)
+        out.pop("api_key")
+        unused = (
+            ("server_slots", "prefill_ms", "per_token_ms")
+            if self.backend != "simulated"
+            else ("base_url", "model", "timeout_s", "ignore_eos", "tokenizer")
+        )
+        for key in unused:
+            out.pop(key)
+        out["prompt_len"] = str(self.prompt_len)
+        out["output_len"] = str(self.output_len)
+        out["goodput"] = self.goodput.as_dict()
+        out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        return out
+
+
+def _check_base_url(base_url: str) -> None:
+    """Raise ValueError naming --base-url unless it is an http(s) URL with a host."""
+    try:
+        parts = urlsplit(base_url)
+        host = parts.hostname if parts.port is None or parts.port > 0 else None
+    except ValueError:  # a bad port or bracketed host
+        host = None
+    if not base_url.startswith(("http://", "https://")) or not host:
+        raise ValueError(f"--base-url {base_url!r}: expected http://HOST[:PORT] or https://HOST[:PORT]")

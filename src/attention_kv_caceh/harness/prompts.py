@@ -1,0 +1,223 @@
+"""Prompts of an exact number of tokens of the target's tokenizer, and real prompts from a dataset.
+
+`--prompt-len N` means N tokens as the server counts them. With a tokenizer, each synthetic prompt is
+built from token ids: N words are drawn, tokenized, cut to N ids, and either sent as the id list
+(`openai-completions`, which counts an id prompt as exactly its ids) or decoded to text and checked
+by tokenizing it again (adjusted by a token at a time if the round trip drifts). The tokenizer is, in
+order of preference: a local `--tokenizer DIR` (its `tokenizer.json`, read with the `tokenizers`
+library), else the server's `POST /tokenize` and `POST /detokenize` (vLLM, SGLang). Without either,
+the prompt is N words, an approximation; the summary then says once how far the server's count was
+from it. For chat, the server's /tokenize counts the chat template too; a local tokenizer.json cannot
+(it has no template), so the server's count is recorded and a difference beyond 2 % is warned about.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import aiohttp
+
+from attention_kv_caceh.harness.backends import RequestSpec
+
+__all__ = [
+    "LocalTokenizer",
+    "PromptTokenizer",
+    "ServerTokenizer",
+    "exact_prompts",
+    "probe_server_tokenizer",
+    "read_dataset",
+]
+
+_MAX_ADJUST = 8  # decode/encode round trips tried before a text prompt keeps its checked length
+
+
+class PromptTokenizer(Protocol):
+    """What exact prompts need: ids of a text (without special tokens), the text of ids, and the number
+    of tokens the server counts for a text prompt (special tokens included)."""
+
+    name: str
+
+    async def encode(self, text: str) -> list[int]: ...
+    async def decode(self, ids: list[int]) -> str: ...
+    async def count(self, text: str) -> int: ...
+
+
+class LocalTokenizer:
+    """A `tokenizer.json` (a file, or a folder holding one) read with the `tokenizers` library.
+
+    Raises ValueError naming the path when there is no such file or it cannot be read.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer
+
+        target = Path(path)
+        file = target / "tokenizer.json" if target.is_dir() else target
+        if not file.is_file():
+            raise ValueError(f"--tokenizer {str(path)!r}: no tokenizer.json there")
+        try:
+            self._tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own exception types
+            raise ValueError(f"--tokenizer {str(path)!r}: cannot read {file}: {exc}") from None
+        self.name = str(target)
+
+    async def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    async def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def count(self, text: str) -> int:
+        return len(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+
+class ServerTokenizer:
+    """The server's `POST /tokenize` and `POST /detokenize` (vLLM's and SGLang's API), over `session`.
+
+    With `chat`, `count` tokenizes the text as one user message in the model's chat template
+    (`messages`, `add_generation_prompt`), so a chat prompt's length includes the template's tokens,
+    as the server's usage counts them.
+
+    Raises aiohttp.ClientError, TimeoutError or ValueError (an answer without `tokens`/`prompt`).
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        base_url: str,
+        model: str,
+        timeout_s: float,
+        *,
+        chat: bool = False,
+    ) -> None:
+        self.chat = chat
+        self.session = session
+        self.root = base_url.rstrip("/").removesuffix("/v1")
+        self.model = model
+        self.timeout = aiohttp.ClientTimeout(total=min(timeout_s, 30.0))
+        self.name = f"{self.root}/tokenize"
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.session.post(self.root + path, json=body, timeout=self.timeout) as response:
+            if response.status != 200:
+                raise ValueError(f"POST {path} answered HTTP {response.status}")
+            data: object = await response.json(content_type=None)
+        if not isinstance(data, dict):
+            raise ValueError(f"POST {path} did not answer a JSON object")
+        return cast("dict[str, Any]", data)
+
+    async def _tokens(self, text: str, special: bool) -> list[int]:
+        body = {"model": self.model, "prompt": text, "add_special_tokens": special}
+        tokens: object = (await self._post("/tokenize", body)).get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in cast("list[Any]", tokens)):
+            raise ValueError("POST /tokenize answered without a list of token ids")
+        return cast("list[int]", tokens)
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._tokens(text, special=False)
+
+    async def decode(self, ids: list[int]) -> str:
+        prompt: object = (await self._post("/detokenize", {"model": self.model, "tokens": ids})).get("prompt")
+        if not isinstance(prompt, str):
+            raise ValueError("POST /detokenize answered without a prompt")
+        return prompt
+
+    async def count(self, text: str) -> int:
+        if not self.chat:
+            return len(await self._tokens(text, special=True))
+        # a chat prompt as the server counts it: one user message in the model's chat template
+        body = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": text}],
+            "add_generation_prompt": True,
+        }
+        tokens: object = (await self._post("/tokenize", body)).get("tokens")
+        if not isinstance(tokens, list):
+            raise ValueError("POST /tokenize (messages) answered without a list of token ids")
+        return len(cast("list[Any]", tokens))
+
+
+async def probe_server_tokenizer(tokenizer: ServerTokenizer) -> bool:
+    """True when the server answers `POST /tokenize` and `/detokenize` sensibly."""
+    try:
+        ids = await tokenizer.encode("hello world")
+        await tokenizer.decode(ids)
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return False
+    return bool(ids)
+
+
+async def _exact_spec(spec: RequestSpec, tokenizer: PromptTokenizer, token_ids: bool) -> RequestSpec:
+    n = spec.prompt_tokens
+    ids = await tokenizer.encode(spec.prompt)
+    while len(ids) < n:  # a text shorter than N tokens (rare: a word is at least one token)
+        ids += await tokenizer.encode(" " + spec.prompt)
+    if token_ids:
+        return replace(spec, prompt_token_ids=tuple(ids[:n]), prompt_tokens_checked=n)
+    specials = await tokenizer.count("") if n > 1 else 0
+    keep = max(1, n - specials)
+    text = await tokenizer.decode(ids[:keep])
+    counted = await tokenizer.count(text)
+    for _ in range(_MAX_ADJUST):
+        if counted == n:
+            break
+        keep = max(1, min(len(ids), keep + (n - counted)))
+        text = await tokenizer.decode(ids[:keep])
+        counted = await tokenizer.count(text)
+    return replace(spec, prompt=text, prompt_tokens_checked=counted)
+
+
+async def exact_prompts(
+    specs: list[RequestSpec], tokenizer: PromptTokenizer, *, token_ids: bool
+) -> list[RequestSpec]:
+    """`specs` with prompts of exactly `prompt_tokens` tokens of `tokenizer` (as ids when `token_ids`),
+    each with `prompt_tokens_checked` set to the count checked. Dataset prompts (`from_dataset`) keep
+    their text and get their count. Raises what the tokenizer raises."""
+    out: list[RequestSpec] = []
+    for spec in specs:
+        if spec.from_dataset:
+            out.append(replace(spec, prompt_tokens_checked=await tokenizer.count(spec.prompt)))
+        else:
+            out.append(await _exact_spec(spec, tokenizer, token_ids))
+        await asyncio.sleep(0)
+    return out
+
+
+def read_dataset(path: str | Path) -> list[tuple[str, int | None]]:
+    """(prompt, output_len or None) of each line of a JSONL file of `{"prompt": str, "output_len": int}`.
+
+    Raises ValueError naming the file and line for a missing file, bad JSON, an empty or non-string
+    prompt, or an output_len that is not an integer >= 1; and for a file without entries.
+    """
+    file = Path(path)
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--dataset {str(path)!r}: cannot read it: {exc}") from None
+    entries: list[tuple[str, int | None]] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--dataset {str(path)!r} line {number}"
+        try:
+            obj: object = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{where}: expected a JSON object")
+        row = cast("dict[str, Any]", obj)
+        prompt, output_len = row.get("prompt"), row.get("output_len")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f'{where}: "prompt" must be a non-empty string')
+        if output_len is not None and (
+            isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1
+        ):
+            raise ValueError(f'{where}: "output_len" must be an integer >= 1, got {output_len!r}')
+        entries.append((prompt, output_len))
+    if not entries:
+        raise ValueError(f"--dataset {str(path)!r}: no entries")
+    return entries

@@ -1,0 +1,150 @@
+"""Exact prompt lengths: `--prompt-len N` gives N prompt tokens as the server counts them, with the
+server's /tokenize or a local tokenizer.json, on both OpenAI backends; without either, the run says
+once how far off the approximate lengths were. Requested and actual lengths are both recorded."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import unittest
+from pathlib import Path
+from typing import Any, cast
+
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from attention_kv_caceh.harness.load import _WORDS, LengthRange  # pyright: ignore[reportPrivateUsage]
+from attention_kv_caceh.harness.prompts import read_dataset
+from attention_kv_caceh.harness.run import BackendName, HarnessConfig, RunResult, run_harness
+from attention_kv_caceh.harness.scripted_server import (
+    Script,
+    ScriptedServer,
+    WordTokenizer,
+    timed_token_script,
+)
+
+BACKENDS: tuple[BackendName, ...] = ("openai-completions", "openai-chat")
+
+
+def word_count(payload: dict[str, Any]) -> int:
+    """Prompt tokens as a one-token-per-word server without BOS counts them."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        return len(cast("list[Any]", prompt))
+    if prompt is None:
+        prompt = " ".join(m["content"] for m in payload["messages"])
+    return len(str(prompt).split())
+
+
+def tokenizing_server() -> ScriptedServer:
+    """A server with /tokenize whose usage counts prompts with the same WordTokenizer (BOS included)."""
+    tokenizer = WordTokenizer()
+    server = ScriptedServer(
+        lambda p, path: timed_token_script(0, 0, 2, prompt_tokens=tokenizer.prompt_tokens(p)), tokenizer=True
+    )
+    server.tokenizer = tokenizer
+    return server
+
+
+def config(url: str, backend: BackendName, **kw: Any) -> HarnessConfig:
+    base: dict[str, Any] = {
+        "backend": backend,
+        "base_url": url,
+        "num_requests": 6,
+        "prompt_len": LengthRange(32, 32),
+        "output_len": LengthRange(2, 2),
+        "server_metrics_interval_s": 0,
+    }
+    return HarnessConfig(**(base | kw))
+
+
+class ExactPromptTest(unittest.IsolatedAsyncioTestCase):
+    def assert_exact(self, result: RunResult, payloads: list[dict[str, Any]], n: int) -> None:
+        self.assertEqual(result.summary["failed"], 0, result.summary["failures"])
+        for r in result.records:
+            self.assertEqual((r.requested_prompt_tokens, r.prompt_tokens), (n, n))
+        self.assertEqual(result.summary["prompt_tokens_off_pct"], 0.0)
+        self.assertEqual(result.summary["prompt_lengths"], "exact")
+        self.assertFalse(any("prompt" in w for w in result.summary["warnings"]))
+        self.assertEqual(len(payloads), 1 + len(result.records))  # smoke test + measured
+
+    async def test_server_tokenize_gives_exactly_n_prompt_tokens_on_both_backends(self) -> None:
+        for backend in BACKENDS:
+            with self.subTest(backend=backend):
+                async with tokenizing_server() as server:
+                    result = await run_harness(config(server.base_url, backend))
+                    payloads = server.counters.payloads
+                self.assert_exact(result, payloads, 32)
+                self.assertTrue(str(result.summary["tokenizer_id"]).endswith("/tokenize"))
+                if backend == "openai-completions":  # sent as token ids
+                    self.assertEqual(len(payloads[-1]["prompt"]), 32)
+                else:  # text whose 28 words and the 4 tokens of the chat template make 32
+                    self.assertEqual(len(payloads[-1]["messages"][0]["content"].split()), 28)
+
+    async def test_local_tokenizer_gives_exactly_n_prompt_tokens_on_both_backends(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            vocab = {w: i for i, w in enumerate(("[UNK]", *_WORDS, "hello"))}
+            tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+            tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # pyright: ignore[reportAttributeAccessIssue]
+            tok.save(str(Path(tmp) / "tokenizer.json"))
+            for backend in BACKENDS:
+                with self.subTest(backend=backend):
+                    script = lambda p, path: timed_token_script(0, 0, 2, prompt_tokens=word_count(p))  # noqa: E731
+                    async with ScriptedServer(script) as server:
+                        result = await run_harness(config(server.base_url, backend, tokenizer=tmp))
+                        payloads = server.counters.payloads
+                    self.assert_exact(result, payloads, 32)
+                    self.assertEqual(result.summary["tokenizer_id"], tmp)
+
+    async def test_without_a_tokenizer_the_run_says_how_far_off_the_lengths_were(self) -> None:
+        # a server that counts a BOS besides the words: 33 tokens for 32 words (+3.1 %)
+        script = lambda p, path: timed_token_script(0, 0, 2, prompt_tokens=word_count(p) + 1)  # noqa: E731
+        async with ScriptedServer(script) as server:
+            result = await run_harness(config(server.base_url, "openai-completions"))
+        s = result.summary
+        self.assertEqual(s["prompt_lengths"], "approximate")
+        self.assertAlmostEqual(s["prompt_tokens_off_pct"], 100 / 32)
+        self.assertEqual(sum("approximate" in w for w in s["warnings"]), 1)
+        self.assertTrue(any("more than 2 % off" in w for w in s["warnings"]))
+        self.assertEqual([r.prompt_tokens for r in result.records], [33] * 6)
+
+    async def test_a_failed_request_does_not_record_the_requested_length_as_actual(self) -> None:
+        async with ScriptedServer(lambda p, path: Script(status=500, body=b"no")) as server:
+            result = await run_harness(config(server.base_url, "openai-completions", smoke_test=False))
+        for r in result.records:
+            self.assertEqual((r.requested_prompt_tokens, r.prompt_tokens), (32, None))
+            self.assertIsNone(r.to_json()["prompt_tokens"])
+
+
+class DatasetTest(unittest.IsolatedAsyncioTestCase):
+    async def test_dataset_prompts_and_output_lengths_are_sent(self) -> None:
+        rows = [{"prompt": f"the cache {i}", "output_len": i + 1} for i in range(4)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "d.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+            async with ScriptedServer(lambda p, path: timed_token_script(0, 0, 1)) as server:
+                cfg = config(server.base_url, "openai-completions", num_requests=3, dataset=str(path))
+                await run_harness(cfg)
+                sent = server.counters.payloads[1:]
+        self.assertEqual(sorted(p["prompt"] for p in sent), [r["prompt"] for r in rows[:3]])
+        self.assertEqual(sorted(p["max_tokens"] for p in sent), [1, 2, 3])
+
+    def test_bad_dataset_lines_are_named(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "d.jsonl"
+            for text, message in (
+                ('{"prompt": "a"}\n{oops\n', "line 2: not JSON"),
+                ('{"prompt": ""}\n', "non-empty string"),
+                ('{"prompt": "a", "output_len": 0}\n', "output_len"),
+                ("\n", "no entries"),
+            ):
+                path.write_text(text)
+                with self.subTest(text=text), self.assertRaisesRegex(ValueError, message):
+                    read_dataset(path)
+        with self.assertRaisesRegex(ValueError, "--dataset"):
+            HarnessConfig(dataset="/nonexistent/d.jsonl")
+        with self.assertRaisesRegex(ValueError, "--tokenizer"):
+            HarnessConfig(tokenizer="/nonexistent")
+
+
+if __name__ == "__main__":
+    unittest.main()
