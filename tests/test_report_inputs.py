@@ -272,6 +272,15 @@ class OneRunPerFileTest(Folder):
         self.assertIn("| dynamic | 16 B | 1.00 KiB | 16 |", text)
 
 
+class CacheSectionTest(Folder):
+    def test_the_cache_section_says_which_r2_to_trust_and_why_they_differ(self) -> None:
+        write_cache(self.folder)
+        text, _ = self.report()
+        note = text.split("**Which R^2 to trust.**")[1].split("\n")[0]
+        self.assertIn("it is the one to read", note)
+        self.assertIn("noise", note)
+
+
 class ServingRecordsTest(Folder):
     def write(self, name: str, records: list[dict[str, Any]]) -> None:
         lines = [json.dumps(r) for r in records]
