@@ -43,10 +43,9 @@ class CharTokenizer:
 @unittest.skipUnless(_HAVE_ENGINE, "the engine modules are not in this tree yet")
 class RealEngineServerTest(unittest.TestCase):
     def test_streams_equal_the_one_at_a_time_oracle_and_the_batch_stays_within_max_num_seqs(self) -> None:
+        from attention_kv_caceh.engine.async_llm import AsyncLLM
         from attention_kv_caceh.engine.config import EngineConfig
         from attention_kv_caceh.engine.llm_engine import LLMEngine
-
-        from attention_kv_caceh.engine.async_llm import AsyncLLM
         from attention_kv_caceh.engine.request import SamplingParams
         from attention_kv_caceh.engine.server import build_app
         from tests.engine_fakes import FakeModelRunner, reference_generate  # pyright: ignore

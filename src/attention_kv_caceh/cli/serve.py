@@ -41,7 +41,12 @@ _DTYPES = ("float32", "float64")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `serve`."""
-    parser.add_argument("--model", required=True, metavar="DIR", help="checkpoint folder (config.json, ...)")
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="checkpoint folder (config.json, ...) (default: none, required)",
+    )
     parser.add_argument(
         "--served-model-name", metavar="NAME", help="model name clients send (default: the folder's name)"
     )
@@ -55,14 +60,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
     size = engine.add_mutually_exclusive_group()
     size.add_argument(
-        "--kv-cache-memory", type=positive_int, metavar="BYTES", help="bytes for K and V of all layers"
+        "--kv-cache-memory",
+        type=positive_int,
+        metavar="BYTES",
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
     )
-    size.add_argument("--num-kv-blocks", type=positive_int, metavar="N", help="KV blocks in the pool")
+    size.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        metavar="N",
+        help="KV blocks in the pool (default: see --kv-cache-memory)",
+    )
     engine.add_argument(
         "--max-model-len", type=positive_int, help="most tokens per request (default: the checkpoint's)"
     )
     engine.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights, activations, KV cache")
-    engine.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off")
+    engine.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)"
+    )
     server = parser.add_argument_group("server")
     server.add_argument(
         "--api-key-env",
