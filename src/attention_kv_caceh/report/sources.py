@@ -32,8 +32,8 @@ __all__ = [
 ]
 
 # The largest file the report reads (raw CSV, JSONL or metadata), in bytes. A default `cache` run writes
-# about 2 MB, a default scan far less; a file past the cap is listed, not read (the report would hold
-# roughly 4x it in memory).
+# about 2 MB, a default scan far less; a file past the cap is listed, not read (the report peaks near
+# 7x a raw CSV's size in memory, see `readers`).
 MAX_INPUT_BYTES = 128 * 1024 * 1024
 
 
