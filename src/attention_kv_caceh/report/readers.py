@@ -6,8 +6,9 @@ through `sources.open_regular` (regular files up to `sources.MAX_INPUT_BYTES`). 
 csv reader walks the open file and each row becomes one slotted dataclass at once, repeated strings
 shared. The parsed rows hold about 5x the file's size and the report peaks near 6-7x (a 24 MB scan
 CSV: 144 MiB traced, 188 MiB RSS), where the whole text plus a dict of strings per row took 21x
-(485 MiB traced, 565 MiB RSS). Nothing here computes statistics or writes Markdown: `sections.py` does, `build.py`
-puts it together; `sources.py` opens files and reads metadata, `jsonl.py` the harness's records.
+(485 MiB traced, 565 MiB RSS). Nothing here computes statistics or writes Markdown: `sections.py`
+does, `build.py` puts it together; `sources.py` opens files and reads metadata, `jsonl.py` the
+harness's records.
 """
 
 from __future__ import annotations
