@@ -57,6 +57,7 @@ SUBCOMMANDS: dict[str, str] = {
     "overhead": "overhead",
     "make-model": "make_model",
     "generate": "generate",
+    "bench-engine": "bench_engine",
     "serve": "serve",
 }
 
