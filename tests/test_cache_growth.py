@@ -273,6 +273,7 @@ class CacheCommandTest(unittest.TestCase):
                 self.assertEqual(len(list(csv.DictReader(f))), 2 * 16)
             meta = json.loads(Path(f"{path}.meta.json").read_text(encoding="utf-8"))
             self.assertEqual(meta["config"]["steps"], 16)
+            self.assertEqual(meta["config"]["oracle_steps"], [1, 2, 8, 16])  # the T the oracle checked
             self.assertIn("numpy", meta["environment"])
             self.assertTrue(Path(tmp, "r", "cache-summary.csv").exists())
             self.assertEqual(Path(tmp, "c.png").read_bytes()[:8], b"\x89PNG\r\n\x1a\n")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 import tempfile
 import unittest
 from pathlib import Path
@@ -64,6 +66,19 @@ class TestDtypes(CheckpointTestBase):
         two = Model.load(sharded, "float32")
         np.testing.assert_array_equal(one.layers[1].qkv_proj, two.layers[1].qkv_proj)
         np.testing.assert_array_equal(one.lm_head, two.lm_head)
+
+
+class TestFilePermissions(CheckpointTestBase):
+    def test_every_written_file_gets_the_umask_permissions_not_0600(self) -> None:
+        old = os.umask(0o022)
+        try:
+            folders = [self.write("one"), self.write("sharded", max_shard_bytes=300_000)]
+        finally:
+            os.umask(old)
+        for folder in folders:
+            for file in folder.iterdir():
+                with self.subTest(file=file.name):
+                    self.assertEqual(stat.S_IMODE(file.stat().st_mode), 0o644)
 
 
 class TestTiedEmbeddings(CheckpointTestBase):

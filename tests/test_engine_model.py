@@ -21,10 +21,16 @@ from safetensors.numpy import load_file
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.layers import MATVEC_MAX_ROWS, linear
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.engine.paged_attention import (
+    AttentionMetadata,
+    paged_attention,
+    paged_decode_attention,
+    write_kv,
+)
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -209,6 +215,11 @@ class TestPagedAttention(unittest.TestCase):
             )  # [1, H, n, D]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             np.testing.assert_allclose(got[start:end], want[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-12)
+        if all(n == 1 for _, n in plan):  # a decode step: the batched decode path must agree
+            decoded = paged_decode_attention(
+                np.concatenate(qs), k_cache, v_cache, block_tables, meta.context_lens
+            )  # [R, H, D]
+            np.testing.assert_allclose(decoded, got, rtol=1e-12, atol=1e-12)
 
     def test_paged_attention_equals_contiguous_attention_for_shuffled_block_tables(self) -> None:
         # A decode, a chunk ending on a block boundary, a whole prefill.
@@ -225,6 +236,26 @@ class TestPagedAttention(unittest.TestCase):
     ) -> None:
         self.check_plan(plan, bs, seed)
 
+    @settings(max_examples=40, deadline=None)
+    @given(
+        cached=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+        bs=st.sampled_from([1, 3, 4, 16]),
+        seed=st.integers(0, 2**16),
+    )
+    def test_paged_decode_attention_equals_contiguous_attention_for_any_decode_batch(
+        self, cached: list[int], bs: int, seed: int
+    ) -> None:
+        self.check_plan([(c, 1) for c in cached], bs, seed)
+
+    def test_paged_decode_attention_rejects_a_block_table_too_short_for_the_context(self) -> None:
+        caches = np.zeros((4, 4, 2, 8)), np.zeros((4, 4, 2, 8))
+        with self.assertRaisesRegex(ValueError, "lack valid blocks"):
+            paged_decode_attention(
+                np.zeros((2, 4, 8)), *caches, np.array([[0, 1], [2, -1]], np.int32), np.array([8, 5])
+            )
+        with self.assertRaisesRegex(ValueError, "context_lens must be >= 1"):
+            paged_decode_attention(np.zeros((1, 4, 8)), *caches, np.array([[0]], np.int32), np.array([0]))
+
     def test_attention_metadata_rejects_a_block_table_too_short_for_the_context(self) -> None:
         with self.assertRaisesRegex(ValueError, "block tables hold"):
             AttentionMetadata(
@@ -234,6 +265,19 @@ class TestPagedAttention(unittest.TestCase):
                 context_lens=np.array([5]),
                 block_size=4,
             )
+
+
+class TestLinear(unittest.TestCase):
+    def test_row_wise_and_gemm_paths_equal_the_float64_product_on_both_sides_of_the_threshold(self) -> None:
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((37, 19)).astype(np.float32)
+        for n in range(1, MATVEC_MAX_ROWS + 3):
+            x = rng.standard_normal((19, n)).astype(np.float32).T  # a strided view, as layers pass on
+            got = linear(x, w)
+            self.assertEqual((got.shape, got.dtype), ((n, 37), np.dtype(np.float32)))
+            self.assertTrue(got.flags.c_contiguous)
+            want = x.astype(np.float64) @ w.astype(np.float64).T
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 class TestModelRunner(EngineModelTestBase):

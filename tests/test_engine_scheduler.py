@@ -15,6 +15,7 @@ import unittest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import RequestStatus, SamplingParams
 from tests.engine_fakes import (
     Arrival,
@@ -346,6 +347,17 @@ class StepStatsTest(unittest.TestCase):
         self.assertAlmostEqual(s[0].kv_cache_usage, 0.2)
         self.assertEqual(s[-1].num_free_blocks, 10)
         self.assertTrue(all(x.step_time_ms >= 0 for x in s))
+
+    def test_step_stats_keep_only_the_newest_max_step_stats_with_indices_counting_on(self) -> None:
+        engine, runner = make_engine(num_blocks=10)
+        engine = LLMEngine(engine.config, runner, max_step_stats=3, eos_token_id=engine.eos_token_id)
+        engine.add_request("A", [1, 2], SamplingParams(max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        self.assertEqual(engine.num_steps, 6)
+        self.assertEqual([x.step_index for x in engine.step_stats], [3, 4, 5])
+        with self.assertRaisesRegex(ValueError, "max_step_stats"):
+            LLMEngine(engine.config, runner, max_step_stats=0)
 
 
 if __name__ == "__main__":

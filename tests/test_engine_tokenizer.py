@@ -56,6 +56,23 @@ class TestTokenizer(unittest.TestCase):
         self.assertFalse(any("\ufffd" in d for d in deltas))
         self.assertIn("", deltas[:-1])  # some multi-byte character was held back for a later token
 
+    def test_each_step_decodes_a_short_window_not_the_whole_output(self) -> None:
+        tok = Tokenizer.load(self.llama)
+        text = " ".join([TEXT] * 8)
+        ids = tok.encode(text, add_special_tokens=False)
+        windows: list[int] = []
+
+        class Counting:
+            def decode(self, token_ids: list[int], /) -> str:
+                windows.append(len(token_ids))
+                return tok.decode(token_ids)
+
+        detok = IncrementalDetokenizer(Counting())
+        deltas = [detok.add([i]) for i in ids] + [detok.flush()]
+        self.assertEqual("".join(deltas), text)
+        self.assertGreater(len(ids), 100)
+        self.assertLessEqual(max(windows), 8)  # a character spans at most a few byte-level tokens
+
     def test_missing_tokenizer_json_is_a_checkpoint_error(self) -> None:
         with (
             tempfile.TemporaryDirectory() as empty,

@@ -331,7 +331,7 @@ class ReportTest(unittest.TestCase):
             by_file,
             {
                 "zero-batch.csv": "malformed scan CSV: row 41: column 'batch_size': '0' must be >= 1",
-                "negative-time.csv": "malformed scan CSV: row 1: column 'elapsed_ms': '-2.475' must be >= 0",
+                "negative-time.csv": "malformed scan CSV: row 1: column 'elapsed_ms': '-2.475' must be > 0",
                 "zero-length.csv": "malformed scan CSV: row 1: column 'sequence_length': '0' must be >= 1",
                 "growth.csv": "malformed cache CSV: row 2: column 'repeat': '-1' must be >= 0",
             },

@@ -38,7 +38,7 @@ __all__ = [
 THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     """One timed call of the batch-size scan: one row of the raw CSV.
 

@@ -2,7 +2,8 @@
 errors to exit codes.
 
     attention-kv-caceh --csv results/benchmark.csv     # no subcommand: the batch-size scan
-    attention-kv-caceh SUBCOMMAND --help               # cache, views, report, harness, overhead
+    attention-kv-caceh SUBCOMMAND --help               # cache, views, report, harness, overhead,
+                                                       # make-model, generate
 
 Convention (every subcommand follows it, so adding one is adding a module and a line in SUBCOMMANDS):
 
@@ -54,6 +55,10 @@ SUBCOMMANDS: dict[str, str] = {
     "report": "report",
     "harness": "harness",
     "overhead": "overhead",
+    "make-model": "make_model",
+    "generate": "generate",
+    "bench-engine": "bench_engine",
+    "serve": "serve",
 }
 
 _EXIT_SIGTERM = 143  # 128 + SIGTERM, as shells report it

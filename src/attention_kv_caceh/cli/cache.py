@@ -267,7 +267,8 @@ def run(args: argparse.Namespace) -> int:
     meta: dict[str, Any] = {
         "status": "running",
         "environment": environment,
-        "config": {"experiment": "cache", **dataclasses.asdict(config)},
+        # oracle_steps: the positions the oracle checks (config.oracle_steps is empty for the default)
+        "config": {"experiment": "cache", **dataclasses.asdict(config), "oracle_steps": config.checked_steps},
         "kv_sizes": card,
         "files": {k: str(v) for k, v in side.items() if k != "meta"},
     }

@@ -8,7 +8,10 @@ Modules, each named after the vLLM v1 file it corresponds to:
 - `scheduler`: the token-budget loop with chunked prefill and preemption by recompute.
 - `sampler`: greedy, temperature, top-k and top-p sampling with per-request seeded generators.
 - `llm_engine`: LLMEngine.step(): schedule -> execute_model -> sample -> update_from_output -> outputs.
+- `benchmark`: run_engine_benchmark, vLLM's throughput benchmark plus each decode step's bytes against
+  the lab's read probe.
 
-The model side (model, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
-its own modules; the engine talks to it only through `SchedulerOutput` and logits.
+The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the
+paged K/V buffers) lives in its own modules; LLMEngine.step talks to it only through `SchedulerOutput`
+and logits (from_pretrained builds it).
 """

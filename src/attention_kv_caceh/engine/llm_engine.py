@@ -14,8 +14,8 @@ scheduled_requests[i]) and, optionally, a `TokenizerLike` with `decode(ids) -> s
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,11 +23,18 @@ import numpy as np
 import numpy.typing as npt
 
 from .config import EngineConfig
+from .model import Model
+from .model_runner import ModelRunner
 from .request import Request, RequestStatus, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerOutput
+from .tokenizer import IncrementalDetokenizer, Tokenizer
 
-__all__ = ["LLMEngine", "ModelRunnerLike", "RequestOutput", "StepStats", "TokenizerLike"]
+__all__ = ["STEP_STATS_MAXLEN", "LLMEngine", "ModelRunnerLike", "RequestOutput", "StepStats", "TokenizerLike"]
+
+# StepStats kept by an engine: the newest this many steps (about 10 minutes of 25 ms steps), so a
+# long-running server's memory stays bounded; a consumer that needs every step reads them as they come.
+STEP_STATS_MAXLEN = 25_000
 
 
 class ModelRunnerLike(Protocol):
@@ -39,14 +46,14 @@ class ModelRunnerLike(Protocol):
 
 
 class TokenizerLike(Protocol):
-    """What the engine needs from a tokenizer: full decode (for text deltas) and the eos id."""
+    """What the engine needs from a tokenizer: decode of id windows (for text deltas) and the eos id."""
 
     @property
     def eos_token_id(self) -> int | None:
         """End-of-sequence id, or None."""
         ...
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], /) -> str:
         """Text of the token ids."""
         ...
 
@@ -114,12 +121,15 @@ class LLMEngine:
         eos_token_id: overrides the tokenizer's eos id.
         extra_eos_token_ids: more end-of-sequence ids (a checkpoint may list several); like vLLM, they are
             added to a request's stop_token_ids unless it sets ignore_eos.
+        max_step_stats: how many of the newest StepStats `step_stats` keeps.
 
     Raises:
-        ValueError: num_blocks or max_model_len is neither given nor in the config.
+        ValueError: num_blocks or max_model_len is neither given nor in the config, or max_step_stats < 1.
 
     Attributes:
-        step_stats: one StepStats per step that computed something.
+        step_stats: one StepStats per step that computed something, the newest STEP_STATS_MAXLEN
+            (older ones are dropped; StepStats.step_index keeps counting).
+        num_steps: steps that computed something over the engine's life.
     """
 
     def __init__(
@@ -132,6 +142,7 @@ class LLMEngine:
         max_model_len: int | None = None,
         eos_token_id: int | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
+        max_step_stats: int = STEP_STATS_MAXLEN,
     ) -> None:
         blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
         if blocks is None:
@@ -139,6 +150,8 @@ class LLMEngine:
         model_len = max_model_len if max_model_len is not None else config.max_model_len
         if model_len is None:
             raise ValueError("max_model_len is required when config.max_model_len is None")
+        if max_step_stats < 1:
+            raise ValueError(f"max_step_stats must be >= 1, got {max_step_stats}")
         self.config = config
         self.model_runner = model_runner
         self.tokenizer = tokenizer
@@ -149,31 +162,29 @@ class LLMEngine:
         )
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != self.eos_token_id)
         self.scheduler = Scheduler(config, blocks, model_len)
-        self.step_stats: list[StepStats] = []
-        self._texts: dict[str, str] = {}  # request_id -> text emitted so far
+        self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self.num_steps = 0
+        self._num_generate_calls = 0
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request_id -> its text deltas
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> LLMEngine:
         """Load a Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json) into an engine.
 
-        Builds Model, Tokenizer and ModelRunner from the engine's model modules (imported here, so the
-        scheduling side does not depend on them), sizing the KV cache with config.num_blocks_for.
+        Builds Model, Tokenizer and ModelRunner, sizing the KV cache with config.num_blocks_for.
 
         Raises:
             ValueError / OSError: from loading, or a max_model_len above the checkpoint's.
         """
         cfg = config or EngineConfig()
-        model_mod = importlib.import_module("attention_kv_caceh.engine.model")
-        runner_mod = importlib.import_module("attention_kv_caceh.engine.model_runner")
-        tok_mod = importlib.import_module("attention_kv_caceh.engine.tokenizer")
-        model: Any = model_mod.Model.load(model_path, cfg.dtype)
-        tokenizer: Any = tok_mod.Tokenizer.load(model_path)
-        max_model_len = cfg.resolve_max_model_len(int(model.config.max_position_embeddings))
-        bytes_per_block = int(runner_mod.ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype))
+        model = Model.load(model_path, cfg.dtype)
+        tokenizer = Tokenizer.load(model_path)
+        max_model_len = cfg.resolve_max_model_len(model.config.max_position_embeddings)
+        bytes_per_block = ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(bytes_per_block)
-        runner: Any = runner_mod.ModelRunner(model, cfg, num_blocks)
+        runner = ModelRunner(model, cfg, num_blocks)
         eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
-        eos: int | None = tokenizer.eos_token_id
+        eos = tokenizer.eos_token_id
         if eos is None and eos_ids:
             eos = eos_ids[0]
         return cls(
@@ -205,7 +216,8 @@ class LLMEngine:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival_time)
         self.scheduler.add_request(request)
-        self._texts[request_id] = ""
+        if self.tokenizer is not None:
+            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
         return request
 
     def abort_request(self, request_ids: str | list[str]) -> None:
@@ -213,7 +225,7 @@ class LLMEngine:
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
         for rid in ids:
-            self._texts.pop(rid, None)
+            self._detokenizers.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
         """Any request waiting or running."""
@@ -245,7 +257,7 @@ class LLMEngine:
         outputs = [self._make_output(request, token) for request, token in updates]
         self.step_stats.append(
             StepStats(
-                step_index=len(self.step_stats),
+                step_index=self.num_steps,
                 num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
                 num_prefill_tokens=scheduler_output.num_prefill_tokens,
                 num_decode_tokens=scheduler_output.num_decode_tokens,
@@ -259,21 +271,19 @@ class LLMEngine:
                 step_time_ms=(time.perf_counter() - t0) * 1e3,
             )
         )
+        self.num_steps += 1
         return outputs
 
     def _make_output(self, request: Request, token: int) -> RequestOutput:
         rid = request.request_id
         delta = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output_token_ids)
-            if not request.is_finished:
-                text = text.rstrip("\ufffd")  # hold back an incomplete UTF-8 sequence
-            previous = self._texts.get(rid, "")
-            if text.startswith(previous):
-                delta = text[len(previous) :]
-                self._texts[rid] = text
+        detokenizer = self._detokenizers.get(rid)
+        if detokenizer is not None:  # feeds the window of new ids; holds back an incomplete UTF-8 character
+            delta = detokenizer.add(request.output_token_ids[len(detokenizer.token_ids) :])
+            if request.is_finished:
+                delta += detokenizer.flush()
         if request.is_finished:
-            self._texts.pop(rid, None)
+            self._detokenizers.pop(rid, None)
         return RequestOutput(
             request_id=rid,
             new_token_ids=[token],
@@ -291,7 +301,8 @@ class LLMEngine:
         Raises:
             ValueError: as add_request.
         """
-        base = len(self.step_stats)
+        base = self._num_generate_calls
+        self._num_generate_calls += 1
         ids = [f"gen-{base}-{i}" for i in range(len(prompts))]
         results: dict[str, list[int]] = {rid: [] for rid in ids}
         for rid, prompt in zip(ids, prompts, strict=True):

@@ -19,6 +19,7 @@ by 10 in the LM head so that greedy decoding mostly picks tokens that decode to 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,13 @@ def write_random_checkpoint(
     return out
 
 
+def _umask() -> int:
+    """The process umask (read by setting and restoring it; there is no getter)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def _write_safetensors(
     out: Path, tensors: dict[str, npt.NDArray[np.float32]], dtype: str, max_shard_bytes: int | None
 ) -> None:
@@ -273,6 +281,7 @@ def _write_safetensors(
             for n in names
         }
         serialize_file(specs, str(out / file), metadata={"format": "pt"})
+        os.chmod(out / file, 0o666 & ~_umask())  # the library writes 0600; give what open() would give
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(a.nbytes for a in stored.values())},

@@ -8,9 +8,12 @@ Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and 
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
 parallelism, quantisation, sliding-window attention, and RoPE scalings other than "llama3".
 
-Weights keep the Hugging Face layout `[out, in]` and a linear layer is `x @ W.T`: BLAS reads the
-transposed view without a copy, tied embeddings stay one array, and a pre-transposed `[in, out]` copy
-measured no faster for the batch-1 decode matvec (OpenBLAS, one thread, 768 x 2048 float32).
+Weights keep the Hugging Face layout `[out, in]` and a linear layer is `layers.linear(x, W)` = x W^T:
+row-wise dot products for a few rows (a decode step of up to MATVEC_MAX_ROWS sequences, one pass over
+W), GEMM above. Tied embeddings stay one array. A pre-transposed `[in, out]` copy measured no faster
+(OpenBLAS, one thread, the `small` preset's 400 MB of matmul weights: 25.4 vs 27.1 ms for x @ W.T at
+N=1, where row-wise took 22.5 ms; 184 vs 193 ms at N=32), so there is one weight layout. A step whose
+requests all decode uses `paged_decode_attention` (one call per layer, the kernel's signature).
 
 Shape legend: N scheduled tokens, R scheduled requests, D_model hidden size, H query heads, H_kv KV
 heads, D head dim, I MLP width, V vocabulary, L layers.
@@ -26,9 +29,21 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
-from attention_kv_caceh.engine.layers import apply_rotary, rms_norm, rope_cos_sin, rope_inv_freq, silu_and_mul
+from attention_kv_caceh.engine.layers import (
+    apply_rotary,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_and_mul,
+)
 from attention_kv_caceh.engine.model_config import ModelConfig
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.engine.paged_attention import (
+    AttentionMetadata,
+    paged_attention,
+    paged_decode_attention,
+    write_kv,
+)
 
 __all__ = ["ENGINE_DTYPES", "Model", "ModelConfig"]
 
@@ -176,8 +191,9 @@ class Model:
         eps = c.rms_norm_eps
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
         x = self.embed_tokens[input_ids]  # [N, D_model]
+        decode = metadata.is_pure_decode
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            qkv = rms_norm(x, layer.input_layernorm, eps) @ layer.qkv_proj.T  # [N, (H + 2 H_kv) D]
+            qkv = linear(rms_norm(x, layer.input_layernorm, eps), layer.qkv_proj)  # [N, (H + 2 H_kv) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             q = qkv[:, : h * d].reshape(n, h, d)  # [N, H, D]
@@ -187,13 +203,18 @@ class Model:
                 q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, metadata).reshape(n, h * d)  # [N, H D]
-            out = attn @ layer.o_proj.T  # [N, D_model]
+            if decode:  # one query per request: [R, H, D] with R == N
+                attn = paged_decode_attention(
+                    q, k_cache, v_cache, metadata.block_tables, metadata.context_lens
+                )
+            else:
+                attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
+            out = linear(attn.reshape(n, h * d), layer.o_proj)  # [N, D_model]
             x = x + (out if layer.o_bias is None else out + layer.o_bias)
-            gate_up = rms_norm(x, layer.post_attention_layernorm, eps) @ layer.gate_up_proj.T  # [N, 2 I]
-            x = x + silu_and_mul(gate_up) @ layer.down_proj.T  # [N, I] @ [I, D_model] -> [N, D_model]
+            gate_up = linear(rms_norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj)  # [N, 2 I]
+            x = x + linear(silu_and_mul(gate_up), layer.down_proj)  # [N, I] -> [N, D_model]
         return rms_norm(x, self.norm, eps)  # [N, D_model]
 
     def compute_logits(self, hidden: FloatArray) -> FloatArray:
         """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype."""
-        return hidden @ self.lm_head.T  # [R, V]
+        return linear(hidden, self.lm_head)  # [R, V]

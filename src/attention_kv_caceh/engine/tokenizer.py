@@ -4,21 +4,21 @@ What vLLM's `transformers_utils/tokenizer.py` and `v1/engine/detokenizer.py` do,
 encode/decode with the fast tokenizer, read the eos/bos tokens and the chat template string from
 tokenizer_config.json, and turn a growing list of output ids into text deltas for streaming. Left out:
 rendering the chat template (it is Jinja; the string is kept for a caller that has a renderer), slow
-tokenizers, and vLLM's prefix/read offsets (the incremental detokenizer decodes the whole output each
-step, O(n) per token, plenty at this engine's sizes).
+tokenizers, and the prompt tokens vLLM decodes as the first window's context (deltas here start at the
+first output token).
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
 
 from attention_kv_caceh.engine.checkpoint import CheckpointError
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["IncrementalDetokenizer", "TextDecoder", "Tokenizer"]
 
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
 
@@ -85,34 +85,48 @@ class Tokenizer:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list, for streaming (vLLM's detokenizer, simplified).
+class TextDecoder(Protocol):
+    """Anything that turns token ids into text (a `Tokenizer`, or a test's byte decoder)."""
 
-    Each `add(ids)` decodes all ids so far and returns the text beyond what earlier calls returned.
-    A decode that ends in U+FFFD (an incomplete UTF-8 sequence of byte-level tokens) is held back until
-    a later token completes it, so no replacement character is streamed mid-character; `flush()`
-    returns whatever is still held back at the end.
+    def decode(self, token_ids: list[int], /) -> str:
+        """Text of the token ids."""
+        ...
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list, for streaming (vLLM's `detokenize_incrementally`).
+
+    Keeps two offsets into the ids, as vLLM does: text up to `read_offset` has been returned, and
+    `prefix_offset` starts a short window of earlier tokens decoded again for context (a decoder may
+    drop the leading space of the first token it sees, and a byte-level token may be half of a
+    character). Each `add(ids)` decodes only ids[prefix_offset:] and ids[prefix_offset:read_offset]
+    and returns the difference, so a step costs the window, not the whole output. A decode that ends
+    in U+FFFD (an incomplete UTF-8 sequence of byte-level tokens) is held back until a later token
+    completes it, so no replacement character is streamed mid-character; `flush()` returns whatever
+    is still held back at the end. The concatenated deltas equal the decode of all ids when the
+    decoder decodes a window starting at a returned boundary as the full decode continues there (true
+    of byte-level BPE; checked by the tests).
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer: TextDecoder) -> None:
         self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
-        self.text = ""  # everything returned so far
+        self.prefix_offset = 0  # start of the context window
+        self.read_offset = 0  # ids before this have had their text returned
 
     def add(self, new_token_ids: list[int]) -> str:
         """Append `new_token_ids`; return the new text (possibly empty)."""
         self.token_ids.extend(new_token_ids)
-        full = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
-        if full.endswith(_REPLACEMENT) or not full.startswith(self.text):
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT):
             return ""
-        delta = full[len(self.text) :]
-        self.text = full
-        return delta
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]
 
     def flush(self) -> str:
-        """The text still held back (the final decode minus what was returned), and mark it returned."""
-        full = self.tokenizer.decode(self.token_ids, self.skip_special_tokens)
-        delta = full[len(self.text) :] if full.startswith(self.text) else ""
-        self.text = full
-        return delta
+        """The text still held back (replacement characters included), and mark it returned."""
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return new_text[len(prefix_text) :]

@@ -42,7 +42,7 @@ CACHE_KINDS: tuple[str, str] = ("dynamic", "preallocated")
 FloatArray = npt.NDArray[np.floating[Any]]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheStepSample:
     """One timed decode step: one row of the raw CSV. `elapsed_ms` is wall time (perf_counter_ns)."""
 
@@ -62,7 +62,7 @@ class CacheStepSample:
     steps: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CacheMemoryRow:
     """One untimed step under tracemalloc (bytes). T = sequence_length positions after the append.
 

@@ -15,20 +15,26 @@ kinds are told apart by their CSV header, never by their name:
   by the harness's own `summarize_run` (completed requests only).
 
 Outliers are flagged (a sample above 2 x the P95 of its group) and kept. A missing or malformed file is
-named with what is wrong, and everything else is still reported. Plots go beside the report.
+named with what is wrong, and everything else is still reported: a raw-file name that is not a regular
+file (a FIFO is never opened for reading), a suffix in another case (`B.CSV`), a file above
+`MAX_INPUT_BYTES`, a file that mixes runs or repeats a row, a request whose timestamps run backwards.
+A run's recorded `prediction` is rebuilt and checked against its raw rows. Plots go beside the report.
 
-Modules: `readers` (find, parse, check files), `sections` (the Markdown of each kind, with the
-statistics it formats), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
+Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; parse and check
+CSVs), `jsonl` (per-request records), `sections`
+(the Markdown of each kind, with the statistics it formats), `predictions` (prediction tables), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
 `build` (`build_report`: one handler per file kind).
 """
 
 from __future__ import annotations
 
 from attention_kv_caceh.report.build import build_report, planned_plots
-from attention_kv_caceh.report.readers import FileProblem, ReportResult, classify_header, parse_rows
+from attention_kv_caceh.report.readers import classify_header, parse_rows
 from attention_kv_caceh.report.sections import OUTLIER_FACTOR, flag_outliers
+from attention_kv_caceh.report.sources import MAX_INPUT_BYTES, FileProblem, ReportResult
 
 __all__ = [
+    "MAX_INPUT_BYTES",
     "OUTLIER_FACTOR",
     "FileProblem",
     "ReportResult",

@@ -8,6 +8,9 @@ memory rows once every file has been read. A handler's failure is a problem of t
 from __future__ import annotations
 
 import csv
+import os
+import stat
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,19 +19,9 @@ from typing import Any
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
-from attention_kv_caceh.report.readers import (
-    CsvFile,
-    FileProblem,
-    ReportResult,
-    classify_header,
-    int_keyed,
-    parse_file_rows,
-    read_csv,
-    read_header,
-    read_jsonl,
-    read_meta,
-    run_key,
-)
+from attention_kv_caceh.report.jsonl import read_jsonl
+from attention_kv_caceh.report.predictions import cache_prediction_section, scan_prediction_section
+from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
 from attention_kv_caceh.report.sections import (
     cache_section,
     environment_card,
@@ -36,6 +29,7 @@ from attention_kv_caceh.report.sections import (
     serving_section,
     views_section,
 )
+from attention_kv_caceh.report.sources import FileProblem, ReportResult, int_keyed, read_header, read_meta
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -50,9 +44,24 @@ def _plot_target(out: Path, csv_name: str) -> Path:
     return out.with_name(f"{out.stem}-{Path(csv_name).stem}.png")
 
 
+# Raw file suffixes, exact and lower-case, as `files.check_output_path` makes every writer use them.
+SUFFIXES = (".csv", ".jsonl")
+_META = ".meta.json"
+
+
+def _case_mismatch(name: str) -> str | None:
+    """The lower-case suffix a name has in another case (`B.CSV` -> ".csv"), else None."""
+    lower = name.lower()
+    for suffix in (*SUFFIXES, _META):
+        if lower.endswith(suffix) and not name.endswith(suffix):
+            return suffix
+    return None
+
+
 def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
     """The PNGs `build_report` may write beside `out_path`: one per scan or cache-growth raw CSV in
-    `results_dir` (told by its header). Lets a caller check them before anything is written.
+    `results_dir` (told by its header; regular `.csv` files only). Lets a caller check them before
+    anything is written.
 
     Raises ValueError when `results_dir` is not a folder.
     """
@@ -62,9 +71,7 @@ def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
     return [
         _plot_target(out, path.name)
         for path in sorted(folder.iterdir())
-        if path.suffix == ".csv"
-        and path.is_file()
-        and classify_header(read_header(path)) in ("scan", "cache")
+        if path.suffix == ".csv" and classify_header(read_header(path)) in ("scan", "cache")
     ]
 
 
@@ -81,18 +88,37 @@ class _Build:
     )
     skipped: list[str] = field(default_factory=lambda: list[str]())
     no_meta: list[str] = field(default_factory=lambda: list[str]())  # raw files used without metadata
-    cache_runs: list[tuple[str, list[CacheStepSample]]] = field(
-        default_factory=lambda: list[tuple[str, list[CacheStepSample]]]()
+    cache_runs: list[tuple[str, list[CacheStepSample], dict[str, Any] | None]] = field(
+        default_factory=lambda: list[tuple[str, list[CacheStepSample], dict[str, Any] | None]]()
     )
-    memory_rows: list[CacheMemoryRow] = field(default_factory=lambda: list[CacheMemoryRow]())
+    memory_files: dict[str, list[CacheMemoryRow]] = field(
+        default_factory=lambda: dict[str, list[CacheMemoryRow]]()
+    )
 
 
-def _scan(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
-    samples = parse_file_rows(Sample, file, path, b.result.problems)
+def _prediction(meta: dict[str, Any] | None) -> Any:
+    return None if meta is None else meta.get("prediction")
+
+
+def _scan(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
+    samples: list[Sample] = rows
     meta_name = meta_path(path.name).name
     probe = int_keyed(meta, "probe_samples_ms", meta_name, b.result.problems)
     kv = int_keyed(meta, "kv_bytes_per_step", meta_name, b.result.problems)
     text, table = scan_section(path.name, samples, probe, kv)
+    impls = list(dict.fromkeys(s.impl for s in samples))
+    by_impl = meta.get("predictions") if meta is not None and len(impls) > 1 else None
+    if isinstance(by_impl, dict):  # `--impl all`: one prediction per implementation, each on its rows
+        pairs = [(i, typing.cast("dict[str, Any]", by_impl).get(i)) for i in impls]
+    else:
+        pairs = [(impls[0], _prediction(meta))]
+    for impl, prediction in pairs:
+        if prediction is None:
+            continue
+        section, problem = scan_prediction_section(prediction, [s for s in samples if s.impl == impl])
+        text += (f"\n**{impl}**\n" if len(pairs) > 1 else "") + section
+        if problem:
+            b.result.problems.append(FileProblem(meta_name, problem))
     if b.plot:
         from attention_kv_caceh.report.plots import plot_scan
 
@@ -102,22 +128,21 @@ def _scan(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> 
     b.buckets["scan"].append(text)
 
 
-def _cache(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
-    b.cache_runs.append((path.name, parse_file_rows(CacheStepSample, file, path, b.result.problems)))
+def _cache(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
+    b.cache_runs.append((path.name, rows, meta))
 
 
-def _cache_memory(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
-    b.memory_rows += parse_file_rows(CacheMemoryRow, file, path, b.result.problems)
+def _cache_memory(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
+    b.memory_files[path.name] = rows
 
 
-def _views(b: _Build, path: Path, file: CsvFile, meta: dict[str, Any] | None) -> None:
-    b.buckets["views"].append(
-        views_section(path.name, parse_file_rows(ViewRow, file, path, b.result.problems))
-    )
+def _views(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
+    views: list[ViewRow] = rows
+    b.buckets["views"].append(views_section(path.name, views))
 
 
 # Raw CSV kind -> handler. Every kind but the memory rows has its own `.meta.json`.
-_CSV_HANDLERS: dict[str, Callable[[_Build, Path, CsvFile, dict[str, Any] | None], None]] = {
+_CSV_HANDLERS: dict[str, Callable[[_Build, Path, list[Any], dict[str, Any] | None], None]] = {
     "scan": _scan,
     "cache": _cache,
     "cache-memory": _cache_memory,
@@ -125,27 +150,48 @@ _CSV_HANDLERS: dict[str, Callable[[_Build, Path, CsvFile, dict[str, Any] | None]
 }
 
 
-def _not_regular(path: Path) -> str:
-    if path.is_symlink() and not path.exists():
-        return "a broken symbolic link"
-    return "a folder" if path.is_dir() else "not a regular file"
+def _not_regular(path: Path) -> str | None:
+    """Why a raw-file name is not read as a file (a folder, a FIFO, a broken link), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if path.is_symlink() else "gone while the folder was read"
+    except OSError as exc:
+        return f"cannot be examined ({exc.strerror or exc})"
+    if stat.S_ISREG(mode):
+        return None
+    return "a folder" if stat.S_ISDIR(mode) else ("a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
 
 
 def _read_csv_file(b: _Build, path: Path) -> None:
     problems = b.result.problems
     try:
-        file = read_csv(path)
-    except (OSError, UnicodeDecodeError, csv.Error, ValueError) as exc:
+        header = read_header(path, quiet=False)
+    except ValueError as exc:  # not a regular file, above the size cap (UnicodeDecodeError: below)
+        if isinstance(exc, UnicodeDecodeError):
+            problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
+        else:
+            problems.append(FileProblem(str(path), str(exc)))
+        return
+    except (OSError, csv.Error) as exc:
         problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
         return
-    kind = classify_header(file.header)
+    kind = classify_header(header)
     if kind is None:
-        problems.append(FileProblem(str(path), f"unrecognised header: {', '.join(file.header) or '(empty)'}"))
+        problems.append(FileProblem(str(path), f"unrecognised header: {', '.join(header) or '(empty)'}"))
         return
     if kind.startswith("derived:"):
         b.skipped.append(f"`{path.name}` ({kind[8:]}: statistics are recomputed from the raw samples)")
         return
-    if not file.rows:
+    try:
+        rows = parse_csv(CLASSES[kind], kind, path, problems)
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
+        problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
+        return
+    except ValueError as exc:
+        problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
+        return
+    if not rows:
         problems.append(FileProblem(str(path), f"{kind} CSV with a header but no rows"))
         return
     meta = read_meta(path, problems) if kind != "cache-memory" else None
@@ -154,11 +200,11 @@ def _read_csv_file(b: _Build, path: Path) -> None:
     elif kind != "cache-memory":
         b.no_meta.append(path.name)
     try:
-        _CSV_HANDLERS[kind](b, path, file, meta)
+        _CSV_HANDLERS[kind](b, path, rows, meta)
     except ValueError as exc:
         problems.append(FileProblem(str(path), f"malformed {kind} CSV: {exc}"))
         return
-    except Exception as exc:  # one file's failure must not cost the whole report
+    except Exception as exc:  # one file's failure must not cost the whole report (MemoryError included)
         problems.append(FileProblem(str(path), f"cannot report this {kind} CSV: {_describe(exc)}"))
         return
     b.result.sources.append(path.name)
@@ -187,13 +233,41 @@ def _read_jsonl_file(b: _Build, path: Path) -> None:
         b.no_meta.append(path.name)
 
 
+def _memory_of(
+    b: _Build, name: str, samples: list[CacheStepSample], meta: dict[str, Any] | None
+) -> list[CacheMemoryRow]:
+    """The memory rows of a cache run: the memory CSV its metadata names (`files.memory`) when that one
+    has the run's parameters, else the one memory CSV with them; none (noted) when several match."""
+    key = run_key(samples[0])
+    matching = [m for m, rows in b.memory_files.items() if run_key(rows[0]) == key]
+    files: Any = meta.get("files") if meta is not None else None
+    named: Any = typing.cast("dict[str, Any]", files).get("memory") if isinstance(files, dict) else None
+    if isinstance(named, str) and Path(named).name in matching:
+        return b.memory_files[Path(named).name]
+    if len(matching) == 1:
+        return b.memory_files[matching[0]]
+    if matching:
+        b.result.problems.append(
+            FileProblem(
+                name,
+                f"{len(matching)} memory CSVs have this run's parameters ({', '.join(matching)}) and its "
+                "metadata names none of them: the memory table is left out",
+            )
+        )
+    return []
+
+
 def _pair_cache_runs(b: _Build) -> None:
     """Each cache-growth run with the memory rows of the same parameters: its section and plot."""
-    for name, samples in b.cache_runs:
-        key = run_key(samples[0])
-        memory = [m for m in b.memory_rows if run_key(m) == key]
+    for name, samples, meta in b.cache_runs:
+        memory = _memory_of(b, name, samples, meta)
         try:
-            text, _ = cache_section(name, samples, memory)
+            text, summary = cache_section(name, samples, memory)
+            if (prediction := _prediction(meta)) is not None:
+                section, problem = cache_prediction_section(prediction, summary)
+                text += section
+                if problem:
+                    b.result.problems.append(FileProblem(meta_path(name).name, problem))
             if b.plot:
                 from attention_kv_caceh.report.plots import plot_cache_growth
 
@@ -219,11 +293,14 @@ def build_report(
     """Read every raw file in `results_dir`, recompute the statistics, draw the plots beside `out_path`
     (named `<report stem>-<csv stem>.png`), and return the Markdown (the caller writes it).
 
+    Raw files are found by exact, lower-case suffix (`.csv`, `.jsonl`), the rule every writer follows.
     Raises ValueError when `results_dir` is not a folder or `out_path` does not end in .md. Problems
     with individual files never raise: they are returned in `problems` and listed in the report, and
-    so is an unexpected error in one file's section (the others are still reported), a `.csv` or
-    `.jsonl` name that is not a regular file (a folder, a broken link) and a row with a value out of
-    range (see `readers.parse_rows`).
+    so is an unexpected error in one file's section (the others are still reported). Listed and not
+    read: a raw-file name that is not a regular file (a folder, a FIFO, a broken link), a suffix that
+    differs only in case (`B.CSV`), a file above `sources.MAX_INPUT_BYTES`; rejected with the reason:
+    a row with a value out of range (see `readers.parse_rows`), a file mixing runs or repeating a row
+    (see `readers.parse_csv`). A metadata `prediction` that cannot be rebuilt is listed too.
     """
     folder, out = Path(results_dir), Path(out_path)
     if not folder.is_dir():
@@ -232,12 +309,19 @@ def build_report(
         raise ValueError(f"--out {str(out_path)!r} must end in .md")
     b = _Build(out=out, plot=plot, result=ReportResult(markdown=""))
     for path in sorted(folder.iterdir()):
-        if path.suffix in (".csv", ".jsonl") and not path.is_file():
-            b.result.problems.append(FileProblem(str(path), f"skipped: {_not_regular(path)}"))
-        elif path.suffix == ".csv":
-            _read_csv_file(b, path)
-        elif path.suffix == ".jsonl":
-            _read_jsonl_file(b, path)
+        if (suffix := _case_mismatch(path.name)) is not None:
+            b.result.problems.append(FileProblem(str(path), f"not read: suffixes are lower-case ({suffix})"))
+        elif path.suffix not in SUFFIXES:
+            continue
+        elif (why := _not_regular(path)) is not None:
+            b.result.problems.append(FileProblem(str(path), f"skipped: {why}"))
+        else:
+            try:
+                (_read_csv_file if path.suffix == ".csv" else _read_jsonl_file)(b, path)
+            except MemoryError:  # what is left of the file's rows is freed with this frame
+                b.result.problems.append(
+                    FileProblem(str(path), "out of memory while reading it: not reported")
+                )
     _pair_cache_runs(b)
 
     result, problems = b.result, b.result.problems

@@ -1,66 +1,46 @@
-"""Reading a results folder's raw files: tell each CSV's kind by its header, parse rows into the
-dataclasses that wrote them, read `.meta.json` and per-request JSONL, and note every problem.
+"""Reading a results folder's raw CSVs: tell each CSV's kind by its header, parse rows into the
+dataclasses that wrote them, check that a file holds one run and no row twice, and note every problem.
 
-A file kind is told by its CSV header, never by its name (see `classify_header`). Nothing here computes
-statistics or writes Markdown: `sections.py` does, `build.py` puts it together.
+A file kind is told by its CSV header, never by its name (see `classify_header`). Files are opened
+through `sources.open_regular` (regular files up to `sources.MAX_INPUT_BYTES`). Rows are streamed: the
+csv reader walks the open file and each row becomes one slotted dataclass at once, repeated strings
+shared. The parsed rows hold about 5x the file's size and the report peaks near 6-7x (a 24 MB scan
+CSV: 144 MiB traced, 188 MiB RSS), where the whole text plus a dict of strings per row took 21x
+(485 MiB traced, 565 MiB RSS). Nothing here computes statistics or writes Markdown: `sections.py`
+does, `build.py` puts it together; `sources.py` opens files and reads metadata, `jsonl.py` the
+harness's records.
 """
 
 from __future__ import annotations
 
 import csv
-import io
-import json
 import math
 import typing
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields, is_dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.cache_growth_stats import CACHE_KINDS, CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import ViewRow
-from attention_kv_caceh.files import meta_path
-from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.report.sources import FileProblem, open_regular
 from attention_kv_caceh.timing import Sample
 
 __all__ = [
+    "CLASSES",
     "DERIVED",
+    "IDENTITY",
     "KINDS",
     "OPTIONAL_COLUMNS",
-    "CsvFile",
-    "FileProblem",
-    "ReportResult",
+    "SLOT",
     "classify_header",
-    "int_keyed",
-    "parse_file_rows",
+    "parse_csv",
     "parse_rows",
-    "read_csv",
-    "read_header",
-    "read_jsonl",
-    "read_meta",
     "run_key",
 ]
 
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class FileProblem:
-    """A file the report could not use (fully or in part), and what is wrong with it."""
-
-    path: str
-    problem: str
-
-
-@dataclass
-class ReportResult:
-    """The Markdown text, the PNGs written beside it, and every file problem found."""
-
-    markdown: str
-    plots: list[Path] = field(default_factory=lambda: list[Path]())
-    problems: list[FileProblem] = field(default_factory=lambda: list[FileProblem]())
-    sources: list[str] = field(default_factory=lambda: list[str]())
 
 
 def _field_names(cls: type[Any]) -> tuple[str, ...]:
@@ -76,6 +56,71 @@ KINDS: dict[str, tuple[str, ...]] = {
 # Columns a raw file may lack because it was written before they existed, and the value they then
 # have: a scan CSV without `impl` timed NumPy's step (the only one before `--impl`).
 OPTIONAL_COLUMNS: dict[str, str] = {"impl": "numpy"}
+CLASSES: dict[str, type[Any]] = {
+    "scan": Sample,
+    "cache": CacheStepSample,
+    "cache-memory": CacheMemoryRow,
+    "views": ViewRow,
+}
+# A run's identity: every parameter column. Rows of one raw file must agree on all of them (a file that
+# mixes runs would be reported as one run, its first row's). The scan's batch size is what it scans.
+IDENTITY: dict[str, tuple[str, ...]] = {
+    "scan": (
+        "sequence_length",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "cache",
+        "model",
+        "seed",
+        "warmup",
+    ),
+    "cache": (
+        "batch_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "model",
+        "seed",
+        "warmup",
+        "steps",
+    ),
+    "cache-memory": (
+        "batch_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "dtype",
+        "model",
+        "seed",
+        "steps",
+    ),
+}
+# What names one measurement within a run: two rows that share it are duplicates (counted twice in
+# every statistic), and reject the file. The remaining columns are the measured values.
+SLOT: dict[str, tuple[str, ...]] = {
+    "scan": ("batch_size", "impl", "repeat"),
+    "cache": ("cache", "repeat", "step"),
+    "cache-memory": ("cache", "step"),
+}
+
+
+def _cache_row(row: CacheStepSample | CacheMemoryRow) -> str | None:
+    """What is inconsistent in one cache-growth row (timed or memory), or None: the cache is one of
+    CACHE_KINDS, T = step + 1 (positions held after the step), and the step lies within the run."""
+    if row.cache not in CACHE_KINDS:
+        return f"column 'cache': {row.cache!r} is not one of {', '.join(CACHE_KINDS)}"
+    if row.sequence_length != row.step + 1:
+        return f"sequence_length {row.sequence_length} is not step + 1 = {row.step + 1}"
+    if row.step >= row.steps:
+        return f"step {row.step} lies outside the run's {row.steps} steps"
+    return None
+
+
+# Consistency between the columns of one row, per kind (beyond each value's own range).
+ROW_CHECKS: dict[str, Callable[[Any], str | None]] = {"cache": _cache_row, "cache-memory": _cache_row}
 # Summaries written by the commands: recognised so they can be named, never read for statistics.
 DERIVED = {
     "scan summary": {"batch_size", "per_sequence_ms", "positions_per_s"},
@@ -97,6 +142,9 @@ def classify_header(header: Sequence[str]) -> str | None:
         if needed <= columns:
             return f"derived:{name}"
     return None
+
+
+# -------------------------------------------------------------------------------------- one value
 
 
 def _convert(value: str, kind: Any, column: str) -> Any:
@@ -121,7 +169,7 @@ def _convert(value: str, kind: Any, column: str) -> Any:
 
 
 # Smallest valid value of the raw columns that have one (in any file kind that has the column): sizes
-# are counts, times and repeat indices cannot be negative.
+# are counts, repeat indices cannot be negative.
 MINIMUM: dict[str, int] = {
     "batch_size": 1,
     "sequence_length": 1,
@@ -129,197 +177,164 @@ MINIMUM: dict[str, int] = {
     "num_kv_heads": 1,
     "head_dim": 1,
     "steps": 1,
-    "elapsed_ms": 0,
     "repeat": 0,
     "step": 0,
     "warmup": 0,
 }
+# Columns that must be above zero: a timed call takes time (0 ms would divide a rate by zero).
+POSITIVE = ("elapsed_ms",)
+
+
+def _row_parser(cls: type[T], header: Sequence[str]) -> Callable[[int, Sequence[str | None]], T]:
+    """A function (data row number, cells in header order) -> instance of `cls`; raises ValueError
+    naming the row and column of the first bad or missing value; a column of OPTIONAL_COLUMNS that the
+    header lacks takes its value there. Repeated strings (dtype, cache kind)
+    are shared between rows, so a large file does not hold one copy per row."""
+    spec: Any = cls
+    if not is_dataclass(spec):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    hints = typing.get_type_hints(spec)
+    where = {name: i for i, name in enumerate(header)}
+    columns = [(f.name, where.get(f.name), hints[f.name]) for f in fields(spec)]
+    shared: dict[str, str] = {}
+
+    def parse(i: int, cells: Sequence[str | None]) -> T:
+        values: list[Any] = []
+        for name, at, kind in columns:
+            raw = cells[at] if at is not None and at < len(cells) else None
+            if at is None and name in OPTIONAL_COLUMNS:
+                raw = OPTIONAL_COLUMNS[name]  # the header lacks the column: an older file
+            if raw is None:
+                raise ValueError(f"row {i}: column {name!r} is missing")
+            try:
+                value = _convert(raw, kind, name)
+            except ValueError as exc:
+                raise ValueError(f"row {i}: {exc}") from None
+            if name in MINIMUM and value < MINIMUM[name]:
+                raise ValueError(f"row {i}: column {name!r}: {raw!r} must be >= {MINIMUM[name]}")
+            if name in POSITIVE and not value > 0:
+                raise ValueError(f"row {i}: column {name!r}: {raw!r} must be > 0")
+            values.append(shared.setdefault(value, value) if isinstance(value, str) else value)
+        return cls(*values)
+
+    return parse
 
 
 def parse_rows(cls: type[T], rows: Sequence[Mapping[str, str | None]]) -> list[T]:
     """Build dataclass instances from CSV rows (strings), converting each field to its annotated type.
 
-    Numbers must be finite, and the columns of MINIMUM at least that value; a column of OPTIONAL_COLUMNS
-    absent from a row (not merely empty) takes its value there. Raises ValueError naming the data row
-    (1-based, after the header) and column of the first bad value.
+    Numbers must be finite, the columns of MINIMUM at least that value, those of POSITIVE above 0.
+    Raises ValueError naming the data row (1-based, after the header) and column of the first bad value.
     """
-    spec: Any = cls
-    if not is_dataclass(spec):
-        raise TypeError(f"{cls!r} is not a dataclass")
-    hints = typing.get_type_hints(spec)
-    names = [f.name for f in fields(spec)]
-    out: list[T] = []
-    for i, row in enumerate(rows, start=1):
-        values: dict[str, Any] = {}
-        for name in names:
-            raw = OPTIONAL_COLUMNS[name] if name not in row and name in OPTIONAL_COLUMNS else row.get(name)
-            if raw is None:
-                raise ValueError(f"row {i}: column {name!r} is missing")
-            try:
-                values[name] = _convert(raw, hints[name], name)
-            except ValueError as exc:
-                raise ValueError(f"row {i}: {exc}") from None
-            if name in MINIMUM and values[name] < MINIMUM[name]:
-                raise ValueError(f"row {i}: column {name!r}: {raw!r} must be >= {MINIMUM[name]}")
-        out.append(cls(**values))
+    names = _field_names(cls)
+    parse = _row_parser(cls, names)
+    return [parse(i, [row.get(name) for name in names]) for i, row in enumerate(rows, start=1)]
+
+
+# -------------------------------------------------------------------------------------------- CSV
+
+
+def _describe_runs(kind: str, runs: Mapping[tuple[Any, ...], int]) -> str:
+    """The columns in which the runs of one file differ, and each run's first row."""
+    names = IDENTITY[kind]
+    keys = list(runs)
+    differ = [
+        f"{name} " + " / ".join(str(k[i]) or "''" for k in keys)
+        for i, name in enumerate(names)
+        if len({k[i] for k in keys}) > 1
+    ]
+    firsts = ", ".join(str(row) for row in runs.values())
+    return (
+        f"rows of {len(keys)} different runs ({'; '.join(differ)}; first rows {firsts}): a raw file holds "
+        "one run, its identity is every parameter column; split the file to report each run"
+    )
+
+
+def _rows(reader: Iterator[list[str]], width: int) -> Iterator[tuple[int, list[str | None]]]:
+    for i, row in enumerate(reader, start=1):
+        if len(row) > width:
+            raise ValueError(f"row {i} has more cells than the header")
+        cells: list[str | None] = list(row)
+        yield i, cells + [None] * (width - len(row))
+
+
+def parse_csv(cls: type[T], kind: str, path: Path, problems: list[FileProblem]) -> list[T]:
+    """The rows of a raw CSV of `kind` (a key of KINDS) as `cls` instances, streamed from the file.
+
+    Checks, each a ValueError naming the row (1-based, after the header): every value (`parse_rows`);
+    the columns of a row against each other (ROW_CHECKS: a cache row's T is its step + 1); one run per file (rows that differ in an IDENTITY column); no duplicate rows (two rows with the same
+    SLOT, e.g. a scan's batch size and repeat). The last row only, when it lacks its line break (its
+    last cell may be cut yet valid, `42,1` of `42,12`) or is short and does not parse, is taken for a
+    cut-off row of a truncated file: it is left out and noted in `problems`; a file whose only row is
+    cut off raises. Raises OSError / ValueError from `open_regular` too.
+    """
+    f, ends = open_regular(path)
+    with f:
+        reader = csv.reader(f)
+        none: list[str] = []
+        header = next(reader, none)
+        parse = _row_parser(cls, header)
+        identity, slot, check = IDENTITY.get(kind, ()), SLOT.get(kind, ()), ROW_CHECKS.get(kind)
+        runs: dict[tuple[Any, ...], int] = {}
+        seen: dict[tuple[Any, ...], dict[tuple[Any, ...], int]] = {}  # run -> slot -> first row
+        out: list[T] = []
+        last: tuple[int, list[str | None]] | None = None
+        for i, cells in _rows(reader, len(header)):
+            if last is not None:
+                out.append(_checked(parse, last, identity, slot, runs, seen, check))
+            last = (i, cells)
+    if last is None:
+        return out
+    i, cells = last
+    cut = not ends
+    if not cut:
+        try:
+            out.append(_checked(parse, last, identity, slot, runs, seen, check))
+        except ValueError as exc:
+            if None not in cells:
+                raise  # a complete last row that is wrong, not a cut-off one
+            if i == 1:
+                raise ValueError(f"{exc} (truncated file?); no complete rows") from None
+            cut = True
+    if cut:
+        if i == 1:
+            raise ValueError("row 1 is incomplete (truncated file?); no complete rows")
+        problems.append(
+            FileProblem(str(path), f"row {i} is incomplete (truncated file?); {i - 1} complete rows used")
+        )
+    if len(runs) > 1:
+        raise ValueError(_describe_runs(kind, runs))
     return out
 
 
-# ------------------------------------------------------------------------------------------- reading
-
-
-@dataclass
-class CsvFile:
-    """A CSV's header and data rows (a short row has None for its missing cells), whether its last
-    row may have been cut off (short), and whether it was (not ended by a line break, while the lines
-    before it are: a writer ends every row, so a file cut in its last row, even between the digits of
-    its last cell, lacks the final one)."""
-
-    header: list[str]
-    rows: list[dict[str, str | None]]
-    tail_suspect: bool
-    tail_cut: bool = False
-
-
-# A UTF-8 byte-order mark before the header (Excel writes one) is dropped, not read as a column name.
-ENCODING = "utf-8-sig"
-
-
-def read_csv(path: Path) -> CsvFile:
-    with path.open(newline="", encoding=ENCODING) as f:
-        text = f.read()
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    header = list(reader.fieldnames or [])
-    rows: list[dict[str, str | None]] = []
-    for row in reader:
-        if None in row:
-            raise ValueError(f"row {len(rows) + 1} has more cells than the header")
-        rows.append(dict(row))
-    short = bool(rows) and any(v is None for v in rows[-1].values())
-    cut = bool(rows) and not text.endswith(("\n", "\r"))
-    return CsvFile(header, rows, short or cut, cut)
-
-
-def read_header(path: Path) -> list[str]:
-    """The header of a CSV ([] when empty or unreadable)."""
-    try:
-        with path.open(newline="", encoding=ENCODING) as f:
-            empty: list[str] = []
-            return next(csv.reader(f), empty)
-    except (OSError, UnicodeDecodeError, csv.Error):
-        return []
-
-
-def _parses(cls: type[Any], rows: Sequence[Mapping[str, str | None]]) -> bool:
-    try:
-        parse_rows(cls, rows)
-    except ValueError:
-        return False
-    return True
-
-
-def parse_file_rows(cls: type[T], file: CsvFile, path: Path, problems: list[FileProblem]) -> list[T]:
-    """parse_rows over a file's rows; a last row cut off (truncated file) is left out and noted.
-
-    Only the last row gets that treatment: always when it lacks its line break (its last cell may be
-    cut yet valid, `42,1` of `42,12`), and when it is short and does not parse. Any other bad row raises
-    ValueError as parse_rows does, and so does a file whose only row is cut off.
-    """
-    last = len(file.rows)
-    if file.tail_cut:
-        if last == 1:
-            raise ValueError("row 1 is incomplete (truncated file?); no complete rows")
-    else:
-        try:
-            return parse_rows(cls, file.rows)
-        except ValueError as exc:
-            if not file.tail_suspect or _parses(cls, file.rows[-1:]):
-                raise  # the bad row is not a cut-off last one
-            if last == 1:
-                raise ValueError(f"{exc} (truncated file?); no complete rows") from None
-    parsed = parse_rows(cls, file.rows[:-1])  # a bad row before the last rejects the file
-    problems.append(
-        FileProblem(str(path), f"row {last} is incomplete (truncated file?); {last - 1} complete rows used")
-    )
+def _checked(
+    parse: Callable[[int, Sequence[str | None]], T],
+    row: tuple[int, list[str | None]],
+    identity: Sequence[str],
+    slot: Sequence[str],
+    runs: dict[tuple[Any, ...], int],
+    seen: dict[tuple[Any, ...], dict[tuple[Any, ...], int]],
+    check: Callable[[Any], str | None] | None,
+) -> T:
+    i, cells = row
+    parsed = parse(i, cells)
+    if check is not None and (wrong := check(parsed)) is not None:
+        raise ValueError(f"row {i}: {wrong}")
+    run = tuple(getattr(parsed, name) for name in identity)
+    if identity:
+        runs.setdefault(run, i)
+    if slot:
+        key = tuple(getattr(parsed, name) for name in slot)
+        first = seen.setdefault(run, {}).setdefault(key, i)
+        if first != i:
+            same = ", ".join(f"{name} {value}" for name, value in zip(slot, key, strict=True))
+            raise ValueError(
+                f"row {i} repeats row {first} (same parameters and {same}): a duplicated row would be "
+                "counted twice in every statistic"
+            )
     return parsed
 
 
-def read_meta(csv_path: Path, problems: list[FileProblem], *, required: bool = True) -> dict[str, Any] | None:
-    """The parsed `<file>.meta.json` of a raw file; None (with a problem noted, when `required` or
-    malformed) when it is missing or malformed."""
-    path = meta_path(csv_path)
-    if not path.exists():
-        if required:
-            problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
-        return None
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problems.append(FileProblem(str(path), f"malformed JSON: {exc}"))
-        return None
-    if not isinstance(meta, dict):
-        problems.append(FileProblem(str(path), "malformed: the top level is not an object"))
-        return None
-    return typing.cast("dict[str, Any]", meta)
-
-
-def int_keyed(meta: Mapping[str, Any] | None, key: str, path: str, problems: list[FileProblem]) -> Any:
-    """meta[key] as {int B: value}; None (with a problem noted) when absent or malformed."""
-    if meta is None or key not in meta:
-        if meta is not None:
-            problems.append(FileProblem(path, f"no {key!r}: bandwidth columns are n/a"))
-        return None
-    raw = meta[key]
-    try:
-        return {int(b): v for b, v in typing.cast("dict[str, Any]", raw).items()}
-    except (AttributeError, TypeError, ValueError):
-        problems.append(FileProblem(path, f"{key!r} is not a mapping of batch size to values"))
-        return None
-
-
 def run_key(row: CacheStepSample | CacheMemoryRow) -> tuple[Any, ...]:
-    return (
-        row.batch_size,
-        row.num_heads,
-        row.num_kv_heads,
-        row.head_dim,
-        row.dtype,
-        row.model,
-        row.seed,
-        row.steps,
-    )
-
-
-def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
-    """A harness RequestRecord from one JSONL object (its raw timestamps; derived keys are ignored)."""
-    names = {f.name for f in fields(RequestRecord)}
-    try:
-        return RequestRecord(**{k: v for k, v in rec.items() if k in names})
-    except TypeError as exc:
-        raise ValueError(f"not a per-request record ({exc})") from None
-
-
-def read_jsonl(path: Path, problems: list[FileProblem]) -> list[RequestRecord] | None:
-    """Serving-harness records of one JSONL file; bad lines are skipped and noted, None when none."""
-    records: list[RequestRecord] = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        problems.append(FileProblem(str(path), f"unreadable: {exc}"))
-        return None
-    for i, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict):
-                raise ValueError("not a JSON object")
-            records.append(_record_from_json(typing.cast("dict[str, Any]", record)))
-        except json.JSONDecodeError as exc:
-            problems.append(FileProblem(str(path), f"line {i}: malformed JSON ({exc.msg}); line skipped"))
-        except ValueError as exc:
-            problems.append(FileProblem(str(path), f"line {i}: {exc}; line skipped"))
-    if not records:
-        problems.append(FileProblem(str(path), "no per-request records"))
-        return None
-    return records
+    """The parameters a cache-growth run shares with its memory rows (IDENTITY["cache-memory"])."""
+    return tuple(getattr(row, name) for name in IDENTITY["cache-memory"])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import typing
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -246,6 +247,15 @@ def _outlier_line(flagged: Sequence[str], group: str) -> str:
 
 # ------------------------------------------------------------------------------------------ cache
 
+# Why the table shows two R^2 and which to trust (the same line, measured against two sets of points).
+R2_NOTE = (
+    "**Which R^2 to trust.** Both columns judge the same line. R^2 (the first) compares it with the "
+    "per-position medians it was fitted to: that says whether the cost grows linearly in T, and it is the "
+    "one to read. R^2 (raw) compares it with every raw sample, so it also counts the timer noise and "
+    "stray slow steps between repeats at the same T, which no line of T can explain; it is lower by that "
+    "noise, and a large gap between the two means noisy samples, not a bad fit.\n"
+)
+
 
 def cache_section(
     name: str, samples: list[CacheStepSample], memory: list[CacheMemoryRow]
@@ -322,6 +332,7 @@ def cache_section(
         + f" How well a straight line describes the growth: R^2 = {fd.r2:.2f} (dynamic), {fp.r2:.2f} "
         "(preallocated); a low R^2 means the cost does not grow smoothly with T (cache sizes, page "
         "faults of fresh allocations, a shared machine), read the plot.\n",
+        R2_NOTE,
     ]
     if s.memory:
         out.append("Memory (untimed pass under tracemalloc):\n")
@@ -382,10 +393,18 @@ def views_section(name: str, rows: Sequence[ViewRow]) -> str:
 def serving_section(name: str, records: Sequence[RequestRecord]) -> str:
     """The section of one serving-harness JSONL file, summarized by `harness.summary.summarize_run`
     from the records' raw timestamps (at least one record; the duration runs from the first arrival
-    to the last stream end or finish).
+    to the last stream end or finish). When no request completed it says so, with the failure kinds,
+    instead of a table of nothing.
 
     Raises ValueError when `summarize_run` cannot summarize the records.
     """
+    if not any(r.ok for r in records):
+        failures = Counter(r.status for r in records)
+        return (
+            f"### Serving run: `{name}`\n\n{len(records)} request(s), **none completed** (failures: "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
+            + "): there is no latency or throughput to report.\n"
+        )
     start = min(r.arrival_ns for r in records)
     ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
     duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")

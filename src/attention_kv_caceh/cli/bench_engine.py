@@ -1,0 +1,134 @@
+"""`attention-kv-caceh bench-engine`: output tokens/s and decode step time of the engine at several max_num_seqs.
+
+Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, greedy, ignore_eos, all requests
+submitted at once, as vLLM's offline throughput benchmark does) and prints one row per max_num_seqs:
+output tokens/s, the decode step's P50/P95, the bytes one decode step reads (every weight once plus
+the KV cache of every running request) and that rate against the same run's read probe. The last line
+is the batching gain: output tokens/s at the largest max_num_seqs over the smallest. Before anything
+is timed, request 0 run alone must give the same greedy tokens as in the batch (exit 1 otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.cli.common import (
+    CommandFailed,
+    UsageError,
+    check_outputs,
+    nonnegative_int,
+    positive_int,
+    warn_if_blas_unpinned,
+)
+
+__all__ = ["HELP", "add_arguments", "format_rows", "run"]
+
+HELP = "engine throughput: output tokens/s and decode step time at several max_num_seqs, vs a read probe"
+
+
+def _at_least_two(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"must be >= 2 (one prefill token and one decode step), got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --dtype, --seed, --json."""
+    parser.add_argument(
+        "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
+    )
+    parser.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        nargs="+",
+        default=[1, 4, 16, 32],
+        metavar="N",
+        help="one run per value, each with N requests at once",
+    )
+    parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=_at_least_two, default=128, help="output tokens per request")
+    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="engine dtype")
+    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="PATH.json",
+        help="rows and environment as JSON (default: not written)",
+    )
+
+
+def format_rows(rows: list[dict[str, Any]]) -> str:
+    """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line."""
+    header = (
+        f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
+        f"{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
+    )
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['max_num_seqs']:>12}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
+            f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}"
+            f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['decode_gb_per_s']:>7.2f}"
+            f"{r['probe_gb_per_s']:>11.2f}{r['probe_ratio']:>7.2f}"
+        )
+    if len(rows) > 1:
+        first, last = rows[0], rows[-1]
+        gain = last["output_tokens_per_s"] / first["output_tokens_per_s"]
+        lines.append(
+            f"batching gain: {gain:.2f}x output tokens/s at max_num_seqs {last['max_num_seqs']} "
+            f"over {first['max_num_seqs']}"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Check flags and outputs (UsageError), run the benchmark, print the table; CommandFailed on a
+    bad checkpoint, a failed oracle or an unwritable --json."""
+    model = Path(args.model)
+    if not (model / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: no config.json there (make-model writes a checkpoint)")
+    check_outputs([("--json", args.json, (".json",))])
+
+    from attention_kv_caceh.engine.benchmark import run_engine_benchmark
+    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.model_config import ModelConfig
+
+    try:
+        config = ModelConfig.from_hf_config(read_config_json(model), model / "config.json")
+    except CheckpointError as exc:
+        raise CommandFailed(str(exc)) from None
+    if args.prompt_len + args.output_len > config.max_position_embeddings:
+        raise UsageError(
+            f"--prompt-len {args.prompt_len} + --output-len {args.output_len} exceed the model's "
+            f"max_position_embeddings {config.max_position_embeddings}"
+        )
+    warn_if_blas_unpinned()
+    from attention_kv_caceh.files import write_json_atomic
+    from attention_kv_caceh.oracle import OracleMismatch
+
+    sizes = sorted(set(args.max_num_seqs))
+    print(
+        f"engine benchmark: {args.model}, {args.prompt_len} prompt + {args.output_len} output tokens "
+        f"per request, max_num_seqs {sizes}, {args.dtype}",
+        flush=True,
+    )
+    try:
+        result = run_engine_benchmark(model, sizes, args.prompt_len, args.output_len, args.dtype, args.seed)
+    except (CheckpointError, OracleMismatch) as exc:
+        raise CommandFailed(str(exc)) from None
+    rows = [asdict(row) for row in result.rows]
+    print(format_rows(rows))
+    if args.json:
+        try:
+            write_json_atomic(args.json, {"environment": result.environment, "rows": rows})
+        except OSError as exc:
+            raise CommandFailed(f"could not write --json {args.json}: {exc}") from None
+    print(
+        json.dumps({"max_num_seqs": sizes, "output_tokens_per_s": [r["output_tokens_per_s"] for r in rows]})
+    )
+    return 0

@@ -1,0 +1,363 @@
+"""`attention-kv-caceh generate`: run prompts through the engine together and show every step.
+
+All prompts are added to one `LLMEngine` up front (request ids "0", "1", ... in input order), then
+`step()` runs until none is left: continuous batching, chunked prefill, prefix caching and preemption,
+each visible in the per-step table (`generate_table.py`). Each prompt's continuation is printed after
+the table; `--output` writes them as JSONL (one line per prompt, input order, written atomically at the
+end), `--trace` writes one JSONL line per engine step (each StepStats, flushed as the step ends).
+
+Checks, in order: flags and output paths (exit 2, nothing read); the model folder holds config.json
+(exit 2); config.json and the tokenizer are read, the prompts tokenized, and a prompt longer than
+max_model_len or a --max-model-len above the checkpoint's is refused (exit 2, no weights loaded); a
+checkpoint the engine cannot load is one line naming the file and key (exit 1); a request the engine
+refuses after loading (it cannot fit the KV pool) is one line (exit 1). Ctrl-C: one line, exit 130, the
+prompts that finished are written to --output and the trace holds every step that ran.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attention_kv_caceh.cli import generate_table
+from attention_kv_caceh.cli.common import (
+    PROG,
+    CommandFailed,
+    UsageError,
+    check_outputs,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+)
+from attention_kv_caceh.cli.generate_table import StepTable
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.config import EngineConfig
+    from attention_kv_caceh.engine.llm_engine import LLMEngine
+    from attention_kv_caceh.engine.request import SamplingParams
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
+
+__all__ = ["HELP", "add_arguments", "read_prompts", "run"]
+
+HELP = "generate continuations of prompts with the engine, printing each step's batch (continuous batching)"
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a number in (0, 1]."""
+    value = nonnegative_float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `generate`: model, prompts, sampling, engine limits, KV cache size, outputs."""
+    parser.epilog = generate_table.__doc__
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="Hugging Face model folder (make-model writes one) (default: none, required)",
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompt",
+        nargs="+",
+        action="extend",
+        metavar="TEXT",
+        help="prompt texts, one or more (default: none; this or --prompts-file)",
+    )
+    source.add_argument(
+        "--prompts-file",
+        metavar="FILE",
+        help="UTF-8 text file, one prompt per line, blank lines skipped (default: none; this or --prompt)",
+    )
+    s = parser.add_argument_group("sampling (vLLM's SamplingParams)")
+    s.add_argument(
+        "--max-tokens",
+        metavar="N",
+        type=positive_int,
+        required=True,
+        help="most output tokens per prompt (default: none, required)",
+    )
+    s.add_argument(
+        "--temperature", metavar="T", type=nonnegative_float, default=0.0, help="0 is greedy (default: 0)"
+    )
+    s.add_argument("--top-p", metavar="P", type=_top_p, default=1.0, help="nucleus sampling mass in (0, 1]")
+    s.add_argument(
+        "--top-k",
+        metavar="N",
+        type=nonnegative_int,
+        default=0,
+        help="keep the k most probable tokens; 0 disables (default: 0)",
+    )
+    s.add_argument(
+        "--seed",
+        metavar="N",
+        type=nonnegative_int,
+        default=None,
+        help="seed of every request's own generator, so equal prompts sample equally (default: fresh entropy)",
+    )
+    s.add_argument(
+        "--ignore-eos", action="store_true", help="keep generating after eos (default: stop at eos)"
+    )
+    e = parser.add_argument_group("engine (vLLM's names)")
+    e.add_argument(
+        "--dtype", choices=("float32", "float64"), default="float32", help="model and KV cache dtype"
+    )
+    e.add_argument(
+        "--max-num-seqs", metavar="N", type=positive_int, default=8, help="most requests running at once"
+    )
+    e.add_argument(
+        "--max-num-batched-tokens",
+        metavar="N",
+        type=positive_int,
+        default=512,
+        help="token budget of one step, prefill and decode together (>= --max-num-seqs)",
+    )
+    e.add_argument("--block-size", metavar="N", type=positive_int, default=16, help="tokens per KV block")
+    size = e.add_mutually_exclusive_group()
+    size.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="KV blocks in the pool (default: see --kv-cache-memory)",
+    )
+    size.add_argument(
+        "--kv-cache-memory",
+        type=positive_int,
+        default=None,
+        metavar="BYTES",
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+    )
+    e.add_argument(
+        "--max-model-len",
+        metavar="N",
+        type=positive_int,
+        default=None,
+        help="most tokens (prompt + output) per request; may only lower the checkpoint's "
+        "(default: max_position_embeddings)",
+    )
+    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)")
+    o = parser.add_argument_group("outputs")
+    o.add_argument(
+        "--output",
+        metavar="OUT.jsonl",
+        help="one JSON line per prompt: index, prompt, prompt_token_ids, token_ids, text, finish_reason "
+        "(default: not written)",
+    )
+    o.add_argument(
+        "--trace",
+        metavar="STEPS.jsonl",
+        help="one JSON line per engine step (StepStats plus finished_request_ids) (default: not written)",
+    )
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts from --prompt or --prompts-file; UsageError for an unreadable file, no prompt, or an
+    empty one."""
+    if args.prompts_file is not None:
+        try:
+            text = Path(args.prompts_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--prompts-file {args.prompts_file!r}: cannot read it ({exc})") from None
+        prompts = [line for line in text.splitlines() if line.strip()]
+        if not prompts:
+            raise UsageError(f"--prompts-file {args.prompts_file!r} holds no prompt (one per line)")
+        return prompts
+    prompts = list(args.prompt)
+    for i, p in enumerate(prompts):
+        if not p:
+            raise UsageError(f"prompt {i} (--prompt, counted from 0) is empty")
+    return prompts
+
+
+def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
+    """EngineConfig and SamplingParams from the flags; UsageError for a combination they refuse."""
+    from attention_kv_caceh.engine.config import EngineConfig
+    from attention_kv_caceh.engine.request import SamplingParams
+
+    try:
+        config = EngineConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            block_size=args.block_size,
+            num_kv_blocks=args.num_kv_blocks,
+            kv_cache_memory=args.kv_cache_memory,
+            max_model_len=args.max_model_len,
+            enable_prefix_caching=not args.no_prefix_caching,
+            dtype=args.dtype,
+        )
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        raise UsageError(
+            str(exc)
+            .replace("max_num_batched_tokens", "--max-num-batched-tokens")
+            .replace("max_num_seqs", "--max-num-seqs")
+        ) from None
+    return config, params
+
+
+def run(args: argparse.Namespace) -> int:
+    """Generate and print; see the module docstring for the checks and exit codes."""
+    check_outputs([("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))])
+    prompts = read_prompts(args)
+    model_dir = Path(args.model)
+    if not model_dir.is_dir():
+        raise UsageError(f"--model {args.model!r} is not a folder")
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"--model {args.model!r} has no config.json (not a Hugging Face model folder)")
+    config, params = _configs(args)
+
+    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.llm_engine import LLMEngine
+    from attention_kv_caceh.engine.model_config import ModelConfig
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
+
+    try:
+        model_config = ModelConfig.from_hf_config(read_config_json(model_dir), model_dir / "config.json")
+        tokenizer = Tokenizer.load(model_dir)
+    except CheckpointError as exc:
+        raise CommandFailed(str(exc)) from None
+    try:
+        max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
+    except ValueError as exc:
+        raise UsageError(f"--max-model-len: {exc}") from None
+    from attention_kv_caceh.engine.model_runner import ModelRunner
+
+    try:
+        config.num_blocks_for(ModelRunner.bytes_per_block(model_config, config.block_size, config.dtype))
+    except ValueError as exc:
+        flag = "--kv-cache-memory" if args.kv_cache_memory is not None else "KV cache size"
+        raise UsageError(f"{flag}: {exc}") from None
+    prompt_ids = [tokenizer.encode(p) for p in prompts]
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise UsageError(f"prompt {i} encodes to no token")
+        if len(ids) > max_model_len:
+            raise UsageError(f"prompt {i} has {len(ids)} tokens, more than max_model_len {max_model_len}")
+
+    try:
+        engine = LLMEngine.from_pretrained(str(model_dir), config)
+    except ValueError as exc:  # CheckpointError (naming the file and key) is a ValueError
+        raise CommandFailed(str(exc)) from None
+    try:
+        for i, ids in enumerate(prompt_ids):
+            engine.add_request(str(i), ids, params)
+    except ValueError as exc:
+        raise CommandFailed(f"the engine refused a prompt (request id = prompt index): {exc}") from None
+    return _run_steps(args, engine, tokenizer, prompts, prompt_ids)
+
+
+def _run_steps(
+    args: argparse.Namespace,
+    engine: LLMEngine,
+    tokenizer: Tokenizer,
+    prompts: list[str],
+    prompt_ids: list[list[int]],
+) -> int:
+    """step() until done, printing the table and writing the trace; then the continuations and --output."""
+    from attention_kv_caceh.files import JsonlWriter, ignoring_sigint
+
+    num_blocks = engine.scheduler.kv_cache_manager.num_blocks
+    print(
+        f"{len(prompts)} prompts ({sum(map(len, prompt_ids))} tokens), max_tokens {args.max_tokens}; "
+        f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
+        f"{num_blocks} KV blocks of {args.block_size} tokens, max_model_len {engine.scheduler.max_model_len}, "
+        f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}"
+    )
+    outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    finish: dict[str, str | None] = {}
+    table = StepTable(sys.stdout)
+    trace = None
+    interrupted = False
+    # Summed as the steps come: engine.step_stats keeps only the newest steps.
+    totals = {"num_prefill_tokens": 0, "num_decode_tokens": 0, "num_preemptions": 0, "prefix_cache_hits": 0}
+    t0 = time.perf_counter()
+    try:
+        if args.trace is not None:
+            trace = JsonlWriter(args.trace, fsync=False)  # flushed per step; fsync would slow the loop
+        table.header()
+        while engine.has_unfinished_requests():
+            before = engine.num_steps  # step_stats is bounded: its length stops growing
+            step_outputs = engine.step()
+            if engine.num_steps == before:
+                raise CommandFailed("the engine scheduled nothing while requests were waiting (a bug)")
+            done: list[str] = []
+            for out in step_outputs:
+                outputs[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    finish[out.request_id] = out.finish_reason
+                    done.append(out.request_id)
+            stats = engine.step_stats[-1]
+            for key in totals:
+                totals[key] += getattr(stats, key)
+            if trace is not None:
+                trace.write({**dataclasses.asdict(stats), "finished_request_ids": done})
+            table.row(stats, done, last=not engine.has_unfinished_requests())
+    except KeyboardInterrupt:
+        interrupted = True
+    except OSError as exc:
+        raise CommandFailed(f"could not write --trace {args.trace}: {exc}") from None
+    finally:
+        if trace is not None:
+            trace.close()
+    elapsed = time.perf_counter() - t0
+
+    with ignoring_sigint():
+        records: list[dict[str, Any]] = [
+            {
+                "index": i,
+                "prompt": prompts[i],
+                "prompt_token_ids": prompt_ids[i],
+                "token_ids": outputs[str(i)],
+                "text": tokenizer.decode(outputs[str(i)]),
+                "finish_reason": finish[str(i)],
+            }
+            for i in range(len(prompts))
+            if str(i) in finish
+        ]
+        table.footer()
+        for r in records:
+            print(
+                f"[{r['index']}] {r['prompt']!r} -> {r['text']!r} ({len(r['token_ids'])} tokens, {r['finish_reason']})"
+            )
+        generated = sum(len(r["token_ids"]) for r in records)
+        print(
+            f"{engine.num_steps} steps, {totals['num_prefill_tokens']} prefill + "
+            f"{totals['num_decode_tokens']} decode tokens computed, "
+            f"{totals['num_preemptions']} preemptions, "
+            f"{totals['prefix_cache_hits']} prefix-cache hit tokens; {generated} tokens "
+            f"generated in {elapsed:.2f} s wall, printing and trace included "
+            f"({generated / max(elapsed, 1e-9):.1f} tokens/s)"
+        )
+        if args.output is not None:
+            from attention_kv_caceh.files import atomic_write_text, strict_json_value
+
+            text = "".join(
+                json.dumps(strict_json_value(r), ensure_ascii=False, allow_nan=False) + "\n" for r in records
+            )
+            try:
+                atomic_write_text(args.output, text)
+            except OSError as exc:
+                raise CommandFailed(f"could not write --output {args.output}: {exc}") from None
+    if interrupted:
+        kept = f", written to {args.output}" if args.output is not None else ""
+        print(
+            f"{PROG}: interrupted; {len(records)} of {len(prompts)} prompts finished{kept}", file=sys.stderr
+        )
+        return 130
+    return 0

@@ -1,0 +1,223 @@
+"""`attention-kv-caceh serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's `vllm serve`).
+
+    attention-kv-caceh serve --model DIR [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
+
+Loads the checkpoint folder into the engine, then serves `/v1/completions`, `/v1/chat/completions`,
+`/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (engine/server.py) with uvicorn. Prints
+one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
+system chose). Ctrl-C or SIGTERM drains: no new connection is accepted, running requests get up to
+`--drain-timeout` seconds to finish, the rest are aborted, and the command exits 0. Also runnable as
+`python -m attention_kv_caceh.cli.serve ...` (what the harness's launcher starts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Generator
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from attention_kv_caceh.cli.common import (
+    CommandFailed,
+    UsageError,
+    nonnegative_float,
+    nonnegative_int,
+    positive_int,
+)
+
+HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
+
+_DTYPES = ("float32", "float64")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the flags of `serve`."""
+    parser.add_argument(
+        "--model",
+        required=True,
+        metavar="DIR",
+        help="checkpoint folder (config.json, ...) (default: none, required)",
+    )
+    parser.add_argument(
+        "--served-model-name", metavar="NAME", help="model name clients send (default: the folder's name)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=nonnegative_int, default=8000, help="port (0: any free port)")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests one step may run")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=positive_int, default=512, help="tokens one step may compute"
+    )
+    engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    size = engine.add_mutually_exclusive_group()
+    size.add_argument(
+        "--kv-cache-memory",
+        type=positive_int,
+        metavar="BYTES",
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+    )
+    size.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        metavar="N",
+        help="KV blocks in the pool (default: see --kv-cache-memory)",
+    )
+    engine.add_argument(
+        "--max-model-len", type=positive_int, help="most tokens per request (default: the checkpoint's)"
+    )
+    engine.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights, activations, KV cache")
+    engine.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)"
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument(
+        "--api-key-env",
+        metavar="VAR",
+        help="require `Authorization: Bearer <key>` with the key read from this environment variable "
+        "(default: no key)",
+    )
+    server.add_argument(
+        "--max-queue",
+        type=nonnegative_int,
+        metavar="N",
+        help="answer 503 when more than N requests would wait (default: no limit)",
+    )
+    server.add_argument(
+        "--drain-timeout",
+        type=nonnegative_float,
+        default=30.0,
+        metavar="S",
+        help="seconds running requests get to finish at Ctrl-C / SIGTERM",
+    )
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The EngineConfig fields given by the flags."""
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "dtype": args.dtype,
+    }
+
+
+def _api_key(var: str | None) -> str | None:
+    if var is None:
+        return None
+    key = os.environ.get(var, "")
+    if not key:
+        raise UsageError(f"--api-key-env {var}: the environment variable is not set or empty")
+    return key
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    """Load the engine and serve until Ctrl-C / SIGTERM; returns 0 after the drain.
+
+    Raises UsageError (bad folder, unset --api-key-env variable, a port in use) before loading anything,
+    CommandFailed when the checkpoint cannot be loaded.
+    """
+    from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
+    from attention_kv_caceh.engine.chat_utils import load_chat_template
+    from attention_kv_caceh.engine.server import build_app
+
+    model_dir = Path(args.model)
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: no config.json in that folder")
+    api_key = _api_key(args.api_key_env)
+    name = args.served_model_name or model_dir.resolve().name
+    sock = _listen(args.host, args.port)
+    try:
+        try:
+            engine, tokenizer, max_model_len = load_engine(str(model_dir), engine_config_kwargs(args))
+            chat_template = load_chat_template(model_dir)
+        except (ValueError, OSError) as exc:
+            raise CommandFailed(f"cannot load {args.model}: {exc}") from None
+        llm = AsyncLLM(engine, tokenizer)
+        app = build_app(
+            llm,
+            tokenizer,
+            name,
+            max_model_len,
+            api_key=api_key,
+            max_queue=args.max_queue,
+            chat_template=chat_template,
+            drain_timeout_s=args.drain_timeout,
+        )
+        config = uvicorn.Config(
+            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=max(args.drain_timeout, 0.1)
+        )
+        port = sock.getsockname()[1]
+        print(f"serving {name} at http://{args.host}:{port}", flush=True)
+        asyncio.run(_DrainingServer(config).serve(sockets=[sock]))
+    finally:
+        sock.close()
+    return 0
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn's Server whose Ctrl-C / SIGTERM handlers drain and return: uvicorn's own re-raise the
+    signal after the shutdown, which would end the process by the signal instead of with exit code 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals reach the main thread only
+            return
+
+        def handle(signum: int, frame: FrameType | None) -> None:
+            if self.should_exit:
+                self.force_exit = True  # a second signal: stop waiting for the drain
+            self.should_exit = True
+
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, handle) for sig in signals}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m attention_kv_caceh.cli.serve`: parse, run, map errors to exit codes (2 usage, 1 failure)."""
+    parser = argparse.ArgumentParser(prog="attention-kv-caceh serve", description=HELP)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as exc:
+        print(f"attention-kv-caceh serve: error: {exc}", file=sys.stderr)
+        return 2
+    except (CommandFailed, OSError) as exc:
+        print(f"attention-kv-caceh serve: error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""Chat prompts: the checkpoint's Jinja2 chat template, or a documented plain one.
+
+Corresponds to vLLM's `vllm/entrypoints/chat_utils.py` (apply_hf_chat_template) at a small size. A Hugging
+Face checkpoint keeps its template in `tokenizer_config.json` under `chat_template` (a string, or a list of
+`{"name", "template"}` of which "default" is used). It is rendered the way transformers renders it: a
+sandboxed Jinja2 environment with `trim_blocks` and `lstrip_blocks`, `raise_exception(msg)`, a `tojson`
+that keeps non-ASCII characters, `strftime_now(fmt)`, and the variables `messages`,
+`add_generation_prompt`, `bos_token`, `eos_token`.
+
+Without a template the server uses `PLAIN_CHAT_TEMPLATE`: one line `role: content` per message, then
+`assistant: ` when a generation prompt is asked for.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, cast
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+__all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTemplate", "load_chat_template"]
+
+PLAIN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """A Jinja2 chat template and the special tokens it may use."""
+
+    source: str = PLAIN_CHAT_TEMPLATE
+    bos_token: str = ""
+    eos_token: str = ""
+
+    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for `messages` (each with `role` and `content`).
+
+        Raises ValueError when the template fails (a syntax error, or its own `raise_exception`).
+        """
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception  # pyright: ignore[reportArgumentType]
+        env.globals["strftime_now"] = _strftime_now  # pyright: ignore[reportArgumentType]
+        try:
+            template = env.from_string(self.source)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token,
+                eos_token=self.eos_token,
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+
+def _token_text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict):
+        content = cast(dict[str, Any], value).get("content")
+        return content if isinstance(content, str) else ""
+    return ""
+
+
+def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
+    """The chat template in `model_dir/tokenizer_config.json`, or None when there is none.
+
+    Raises ValueError when the file exists but is not a JSON object.
+    """
+    path = Path(model_dir) / "tokenizer_config.json"
+    if not path.is_file():
+        return None
+    try:
+        raw: Any = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not readable JSON ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    config = cast(dict[str, Any], raw)
+    template: Any = config.get("chat_template")
+    if isinstance(template, list):
+        named: dict[str, str] = {}
+        for item in cast(list[Any], template):
+            if isinstance(item, dict):
+                entry = cast(dict[str, Any], item)
+                name, source = entry.get("name"), entry.get("template")
+                if isinstance(name, str) and isinstance(source, str):
+                    named[name] = source
+        template = named.get("default")
+    if not isinstance(template, str):
+        return None
+    return ChatTemplate(
+        template,
+        bos_token=_token_text(config.get("bos_token")),
+        eos_token=_token_text(config.get("eos_token")),
+    )

@@ -1,0 +1,150 @@
+"""Prometheus metrics of the server, with vLLM's names, label `model_name` and bucket boundaries.
+
+Corresponds to vLLM v1's `vllm/v1/metrics/loggers.py` (PrometheusStatLogger). Each app gets its own
+CollectorRegistry (never the process-global one), so several servers in one process (the tests) do not
+collide. Counters are declared without the `_total` suffix, as vLLM declares them: prometheus_client adds
+`_total` to the exposed sample (`vllm:prompt_tokens_total`) and a `_created` sample beside it.
+
+The request gauges (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`)
+are read from the scheduler at the moment of the scrape (`Gauge.set_function`), not copied after a step,
+so a scrape between steps sees requests that have just arrived.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from attention_kv_caceh.engine.stats import IterationStats
+
+__all__ = [
+    "E2E_BUCKETS",
+    "ITERATION_TOKENS_BUCKETS",
+    "ITL_BUCKETS",
+    "METRIC_NAMES",
+    "TTFT_BUCKETS",
+    "ServerMetrics",
+]
+
+# Bucket boundaries as vLLM v1's PrometheusStatLogger sets them (seconds, or tokens per step).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+               20.0, 40.0, 80.0)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# The metric family names as a scrape shows them (counters with their `_total` sample).
+METRIC_NAMES = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_preemptions_total",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds",
+    "vllm:iteration_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+)
+
+_FINISH_REASONS = ("stop", "length", "abort")
+
+
+class ServerMetrics:
+    """The server's metrics in their own registry; `record` is an AsyncLLM stat logger (thread-safe).
+
+    `running`, `waiting`, `kv_usage`: zero-argument callables read at each scrape.
+    """
+
+    def __init__(
+        self,
+        model_name: str,
+        running: Callable[[], float],
+        waiting: Callable[[], float],
+        kv_usage: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        reg = self.registry
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(name, doc, labels, registry=reg).labels(model_name).set_function(read)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
+        gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=reg).labels(model_name)
+
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        success = Counter(
+            "vllm:request_success",
+            "Count of finished requests by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
+
+        self.ttft = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", E2E_BUCKETS
+        )
+        self.queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            E2E_BUCKETS,
+        )
+        self.iteration_tokens = histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            tuple(float(b) for b in ITERATION_TOKENS_BUCKETS),
+        )
+
+    def record(self, stats: IterationStats) -> None:
+        """Add one engine step's statistics (called from the engine thread)."""
+        self.num_preemptions.inc(stats.num_preemptions)
+        self.prompt_tokens.inc(stats.num_prompt_tokens)
+        self.generation_tokens.inc(stats.num_generation_tokens)
+        self.prefix_cache_queries.inc(stats.prefix_cache_queries)
+        self.prefix_cache_hits.inc(stats.prefix_cache_hits)
+        if stats.num_scheduled_tokens > 0:
+            self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        for ttft in stats.time_to_first_tokens:
+            self.ttft.observe(ttft)
+        for itl in stats.inter_token_latencies:
+            self.itl.observe(itl)
+        for finished in stats.finished_requests:
+            counter = self.request_success.get(finished.finish_reason)
+            if counter is not None:
+                counter.inc()
+            if finished.finish_reason != "abort":  # a client that left is not a served latency
+                self.e2e.observe(finished.e2e_latency)
+                self.queue_time.observe(finished.queued_time)
+
+    def exposition(self) -> bytes:
+        """The registry in the Prometheus text format."""
+        return generate_latest(self.registry)

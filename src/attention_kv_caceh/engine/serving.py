@@ -1,0 +1,254 @@
+"""One generation request from the HTTP side: sampling checks, stop strings, text deltas, OpenAI chunks.
+
+Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
+size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error);
+`text_deltas` turns a request's token stream into text deltas, applying the `stop` strings: the text stops
+before the first occurrence of any of them, with finish_reason "stop", and the request is aborted in the
+engine at its next step. While stop strings are set, the last `max(len(stop)) - 1` characters are held back
+from the stream (a stop string may straddle two deltas), so the streamed deltas always concatenate to the
+non-streamed text. The chunk builders give OpenAI's stream shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from attention_kv_caceh.engine.async_llm import TokenizerLike
+from attention_kv_caceh.engine.output_processor import RequestStream
+from attention_kv_caceh.engine.protocol import GenerationRequest
+from attention_kv_caceh.engine.request import SamplingParams
+
+__all__ = [
+    "DONE",
+    "HTTPError",
+    "IncrementalDetokenizer",
+    "TextDelta",
+    "chat_chunk",
+    "completion_chunk",
+    "sampling_params_for",
+    "sse",
+    "text_deltas",
+    "usage",
+]
+
+DONE = b"data: [DONE]\n\n"
+
+
+class HTTPError(Exception):
+    """A request the server answers with `status` and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent `data:` event carrying `obj` as JSON."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    """OpenAI's usage object."""
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sampling_params_for(
+    body: GenerationRequest, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
+) -> SamplingParams:
+    """SamplingParams for a request whose prompt has `num_prompt_tokens` tokens.
+
+    `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
+    rest of the context) capped to the rest of the context. `temperature` defaults to 1.0 as in OpenAI's
+    API; `top_k` of 0 or -1 disables it. Raises HTTPError(400) for n != 1, an empty prompt, a prompt of
+    `max_model_len` tokens or more, max_tokens <= 0, a total over `max_model_len`, or a sampling value out
+    of range.
+    """
+    if body.n != 1:
+        raise HTTPError(400, f"only n = 1 is supported, got n = {body.n}", "n")
+    if num_prompt_tokens == 0:
+        raise HTTPError(400, "the prompt is empty", "prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise HTTPError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
+            f"{num_prompt_tokens} tokens and leaves no room for a completion.",
+            "prompt",
+        )
+    room = max_model_len - num_prompt_tokens
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens <= 0:
+        raise HTTPError(400, f"{param} must be at least 1, got {max_tokens}", param)
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise HTTPError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
+            "in the completion).",
+            param,
+        )
+    temperature = 1.0 if body.temperature is None else body.temperature
+    if temperature < 0:
+        raise HTTPError(400, f"temperature must be >= 0, got {temperature}", "temperature")
+    top_p = 1.0 if body.top_p is None else body.top_p
+    if not 0.0 < top_p <= 1.0:
+        raise HTTPError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k
+    if top_k < 0:
+        raise HTTPError(400, f"top_k must be >= 0 (or -1 to disable), got {body.top_k}", "top_k")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        seed=body.seed,
+        ignore_eos=body.ignore_eos,
+    )
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list: decode(all ids) minus the text already returned.
+
+    A trailing U+FFFD (an incomplete UTF-8 sequence of a byte-level tokenizer) is held back until the next
+    token completes it; `flush()` returns whatever is left. Decodes the whole list each time (O(n^2) in the
+    output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
+    """
+
+    def __init__(self, tokenizer: TokenizerLike) -> None:
+        self._tokenizer = tokenizer
+        self._ids: list[int] = []
+        self._text = ""
+
+    @property
+    def text(self) -> str:
+        """The text returned so far."""
+        return self._text
+
+    def add(self, new_ids: Sequence[int]) -> str:
+        """Append `new_ids`; return the new stable text."""
+        self._ids.extend(new_ids)
+        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
+        return self._advance(stable)
+
+    def flush(self) -> str:
+        """The text held back (at the end of the request)."""
+        return self._advance(self._tokenizer.decode(list(self._ids)))
+
+    def _advance(self, full: str) -> str:
+        if len(full) <= len(self._text) or not full.startswith(self._text):
+            return ""
+        delta = full[len(self._text) :]
+        self._text = full
+        return delta
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of one request; `finish_reason` is set on the last one. Token counts are cumulative."""
+
+    text: str
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+def _find_stop(text: str, stops: list[str], start: int) -> int:
+    """Index of the earliest stop string in `text[start:]` (searching from `start`), or -1."""
+    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return min(found) if found else -1
+
+
+async def text_deltas(
+    stream: RequestStream, tokenizer: TokenizerLike, stops: list[str]
+) -> AsyncIterator[TextDelta]:
+    """The request's text deltas until it finishes (see the module docstring for stop strings).
+
+    Raises EngineStepError (from the stream) when the engine step serving the request failed.
+    """
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    holdback = max((len(s) for s in stops), default=1) - 1
+    text = ""
+    sent = 0
+    async for delta in stream:
+        text += detokenizer.add(delta.new_token_ids)
+        if delta.finished:
+            text += detokenizer.flush()
+        counts = (delta.num_prompt_tokens, delta.num_output_tokens)
+        if stops:
+            index = _find_stop(text, stops, max(0, sent - holdback))
+            if index >= 0:
+                stream.close("stop")
+                yield TextDelta(text[sent:index], "stop", *counts)
+                return
+        if delta.finished:
+            yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts)
+            return
+        safe = len(text) - holdback
+        if safe > sent:
+            yield TextDelta(text[sent:safe], None, *counts)
+            sent = safe
+
+
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage_obj: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A /v1/completions stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
+    choices: list[dict[str, Any]] = []
+    if text is not None:
+        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_obj is not None:
+        chunk["usage"] = usage_obj
+    return chunk
+
+
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict[str, str] | None,
+    finish_reason: str | None = None,
+    usage_obj: dict[str, int] | None = None,
+) -> dict[str, Any]:
+    """A /v1/chat/completions stream chunk; `delta=None` gives a usage-only chunk (`choices: []`)."""
+    choices: list[dict[str, Any]] = []
+    if delta is not None:
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
+    if usage_obj is not None:
+        chunk["usage"] = usage_obj
+    return chunk
+
+
+def now_s() -> int:
+    """Unix time in whole seconds (the `created` field)."""
+    return int(time.time())

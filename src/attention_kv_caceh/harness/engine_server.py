@@ -1,0 +1,122 @@
+"""Start the project's own server (`serve`) in a child process for the harness's `--backend engine`.
+
+`serve_process(model_dir, engine_flags)` runs `python -m attention_kv_caceh.cli.serve --model DIR --host
+127.0.0.1 --port 0 [engine flags]` (its own process: its own cores and GIL, so the engine's steps do not
+share an interpreter with the load generator), reads the `serving NAME at URL` line it prints once the
+checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields the base URL
+(`http://127.0.0.1:PORT`, no `/v1`). On exit it sends SIGTERM (the server drains and exits 0), then
+SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's unless
+redirected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Generator, Sequence
+from pathlib import Path
+from typing import IO
+
+__all__ = ["ServerStartError", "serve_command", "serve_process"]
+
+
+class ServerStartError(RuntimeError):
+    """The server child exited or did not become healthy in time."""
+
+
+def serve_command(model_dir: str | Path, engine_flags: Sequence[str] = ()) -> list[str]:
+    """The argv that starts `serve` on a free loopback port with `engine_flags` (e.g. `--max-num-seqs 4`)."""
+    return [
+        sys.executable,
+        "-m",
+        "attention_kv_caceh.cli.serve",
+        "--model",
+        str(model_dir),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *engine_flags,
+    ]
+
+
+def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
+    """Forward the child's stdout lines (so its pipe never fills), then None at its end."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
+
+
+def _announced_url(proc: subprocess.Popen[str], lines: queue.Queue[str | None], deadline: float) -> str:
+    while True:
+        try:
+            line = lines.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            raise ServerStartError("the server did not announce its address in time") from None
+        if line is None:
+            code = proc.wait()
+            raise ServerStartError(f"the server exited with code {code} before serving")
+        if line.startswith("serving ") and " at " in line:
+            return line.rsplit(" at ", 1)[1].strip()
+
+
+def _wait_healthy(base_url: str, proc: subprocess.Popen[str], deadline: float) -> None:
+    """GET /health until it answers 200 (the app's startup runs after the socket listens)."""
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise ServerStartError(f"{base_url}/health did not answer 200 in time")
+        if proc.poll() is not None:
+            raise ServerStartError(f"the server exited with code {proc.returncode} before /health answered")
+        try:
+            with urllib.request.urlopen(base_url + "/health", timeout=remaining) as resp:
+                if resp.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(min(0.05, max(remaining, 0.0)))  # a 503 while the engine starts: ask again shortly
+
+
+@contextlib.contextmanager
+def serve_process(
+    model_dir: str | Path,
+    engine_flags: Sequence[str] = (),
+    *,
+    startup_timeout_s: float = 300.0,
+    stop_timeout_s: float = 30.0,
+    stderr: int | IO[str] | None = None,
+) -> Generator[str]:
+    """Run `serve` for `model_dir` in a child process; yields its base URL once /health answers 200.
+
+    Raises ServerStartError when the child exits before serving or is not healthy within
+    `startup_timeout_s` (loading a checkpoint can take a while). The child gets SIGTERM on exit, then
+    SIGKILL after `stop_timeout_s`. `stderr`: where the child's stderr goes (None: the parent's).
+    """
+    command = serve_command(model_dir, engine_flags)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    assert proc.stdout is not None
+    lines: queue.Queue[str | None] = queue.Queue()
+    reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        base_url = _announced_url(proc, lines, deadline)
+        _wait_healthy(base_url, proc, deadline)
+        yield base_url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        reader.join(timeout=5)
+        proc.stdout.close()

@@ -1,0 +1,122 @@
+"""Reading the serving harness's per-request JSONL for the report: one `RequestRecord` per line.
+
+A line is skipped, and named as a problem, when it is not JSON, not a record, a timestamp is not an
+integer, its timestamps run backwards (sent before arrival would be reported as a negative queue time),
+or it repeats a request id (a request counted twice). Keys the records do not have (derived
+latencies, fields a newer harness adds) are ignored. The file is streamed line by line through
+`readers.open_regular` (regular files up to its size cap only).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import typing
+from collections.abc import Mapping
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.report.sources import FileProblem, open_regular
+
+__all__ = ["check_timestamps", "read_jsonl"]
+
+_NAMES = frozenset(f.name for f in fields(RequestRecord))
+_TIMES = ("arrival_ns", "sent_ns", "first_token_ns", "finish_ns", "stream_end_ns")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
+    """A harness RequestRecord from one JSON object (its raw timestamps; other keys are ignored).
+
+    Raises ValueError when a required key is missing or a timestamp is not an integer.
+    """
+    try:
+        record = RequestRecord(**{k: v for k, v in rec.items() if k in _NAMES})
+    except TypeError as exc:
+        raise ValueError(f"not a per-request record ({exc})") from None
+    for name in ("request_id", *_TIMES):
+        value = getattr(record, name)
+        if (value is not None or name in ("request_id", "arrival_ns")) and not _is_int(value):
+            raise ValueError(f"{name} {value!r} is not an integer")
+    times: Any = record.token_times_ns
+    if not isinstance(times, list) or not all(_is_int(t) for t in typing.cast("list[Any]", times)):
+        raise ValueError("token_times_ns is not a list of integers (ns)")
+    return record
+
+
+def check_timestamps(record: RequestRecord) -> str | None:
+    """What is out of order in a record's timestamps, or None. They must run arrival <= sent <= first
+    token <= every later token <= finish, and sent <= stream end (a request cannot be answered before
+    it was sent, nor sent before it arrived)."""
+    chain = [
+        ("arrival_ns", record.arrival_ns),
+        ("sent_ns", record.sent_ns),
+        ("first_token_ns", record.first_token_ns),
+        *((f"token_times_ns[{i}]", t) for i, t in enumerate(record.token_times_ns)),
+        ("finish_ns", record.finish_ns),
+    ]
+    known = [(name, t) for name, t in chain if t is not None]
+    for (a, ta), (b, tb) in itertools.pairwise(known):
+        if tb < ta:
+            return f"{b} < {a} ({tb} < {ta})"
+    if (
+        record.sent_ns is not None
+        and record.stream_end_ns is not None
+        and record.stream_end_ns < record.sent_ns
+    ):
+        return f"stream_end_ns < sent_ns ({record.stream_end_ns} < {record.sent_ns})"
+    return None
+
+
+def read_jsonl(path: Path, problems: list[FileProblem]) -> list[RequestRecord] | None:
+    """Serving-harness records of one JSONL file; bad lines are skipped and noted, None (noted) when
+    none is left or the file cannot be read."""
+    records: list[RequestRecord] = []
+    ids: dict[Any, int] = {}
+
+    def skip(i: int, why: str) -> None:
+        problems.append(FileProblem(str(path), f"line {i}: {why}; line skipped"))
+
+    try:
+        f, _ = open_regular(path, newline=None)
+        with f:
+            for i, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    raw = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    skip(i, f"malformed JSON ({exc.msg})")
+                    continue
+                if not isinstance(raw, dict):
+                    skip(i, "not a JSON object")
+                    continue
+                try:
+                    record = _record_from_json(typing.cast("dict[str, Any]", raw))
+                except ValueError as exc:
+                    skip(i, str(exc))
+                    continue
+                disorder = check_timestamps(record)
+                if disorder is not None:
+                    skip(i, f"timestamps out of order: {disorder}")
+                    continue
+                first = ids.setdefault(record.request_id, i)
+                if first != i:
+                    skip(i, f"request_id {record.request_id!r} already on line {first}")
+                    continue
+                records.append(record)
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(FileProblem(str(path), f"unreadable: {exc}"))
+        return None
+    except ValueError as exc:  # from open_regular
+        problems.append(FileProblem(str(path), str(exc)))
+        return None
+    if not records:
+        problems.append(FileProblem(str(path), "no per-request records"))
+        return None
+    return records

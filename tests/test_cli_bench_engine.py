@@ -1,0 +1,47 @@
+"""`bench-engine`: rows and arithmetic of what it writes, its usage errors (never its speed)."""
+
+from __future__ import annotations
+
+import json
+import unittest
+
+from test_cli_engine import EngineCommandCase, quietly
+
+
+class BenchEngineCommandTest(EngineCommandCase):
+    def test_one_row_per_max_num_seqs_with_every_output_token_counted(self) -> None:
+        out_json = self.out / "bench.json"
+        code, out, err = quietly(
+            ["bench-engine", "--model", str(self.model), "--max-num-seqs", "3", "1", "--prompt-len", "9"]
+            + ["--output-len", "5", "--json", str(out_json)]
+        )
+        self.assertEqual(code, 0, err)
+        rows = json.loads(out_json.read_text(encoding="utf-8"))["rows"]
+        self.assertEqual([r["max_num_seqs"] for r in rows], [1, 3])  # sorted, one run each
+        for r in rows:
+            self.assertEqual(r["num_output_tokens"], r["max_num_seqs"] * 5)
+            self.assertAlmostEqual(r["output_tokens_per_s"], r["num_output_tokens"] / r["total_time_s"])
+            self.assertAlmostEqual(r["probe_ratio"], r["decode_gb_per_s"] / r["probe_gb_per_s"])
+        gain = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
+        self.assertIn(f"batching gain: {gain:.2f}x", out)
+        last = json.loads(out.strip().splitlines()[-1])
+        self.assertEqual(last["max_num_seqs"], [1, 3])
+
+    def test_usage_errors_exit_2_with_one_line_and_write_nothing(self) -> None:
+        out_json = self.out / "b.json"
+        cases = {
+            "no config": ["--model", str(self.out)],
+            "too long": ["--model", str(self.model), "--prompt-len", "2048", "--output-len", "8"],
+            "one output token": ["--model", str(self.model), "--output-len", "1"],
+            "zero seqs": ["--model", str(self.model), "--max-num-seqs", "0"],
+        }
+        for name, flags in cases.items():
+            with self.subTest(name):
+                code, out, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
+                self.assertEqual(code, 2, err)
+                self.assertEqual(len(err.strip().splitlines()), 1, err)
+                self.assertFalse(out_json.exists())
+
+
+if __name__ == "__main__":
+    unittest.main()

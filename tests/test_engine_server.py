@@ -1,0 +1,433 @@
+"""The OpenAI-compatible server end to end: a real uvicorn server over AsyncLLM and a fake engine.
+
+The fake engine's tokens follow a known rule (tests/fake_engine.py), so every text, usage count and
+metric value has an oracle. Synchronisation is by events (the fake's `changed` condition, response
+headers), never by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import unittest
+from typing import Any
+
+import aiohttp
+import openai
+from prometheus_client.parser import text_string_to_metric_families
+
+from attention_kv_caceh.engine.async_llm import AsyncLLM
+from attention_kv_caceh.engine.chat_utils import ChatTemplate
+from attention_kv_caceh.engine.metrics import METRIC_NAMES
+from attention_kv_caceh.engine.server import build_app
+from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
+from tests.serve_helpers import MODEL, ServerThread, fake_server
+
+TOK = FakeTokenizer()
+
+
+def client(base_url: str, api_key: str = "none") -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=20)
+
+
+def chat_prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    return TOK.encode(ChatTemplate().render(messages, True))
+
+
+async def fetch(method: str, url: str, **kwargs: Any) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as session, session.request(method, url, **kwargs) as resp:
+        text = await resp.text()
+        try:
+            return resp.status, json.loads(text)
+        except json.JSONDecodeError:
+            return resp.status, text
+
+
+def request(method: str, url: str, **kwargs: Any) -> tuple[int, Any]:
+    return asyncio.run(fetch(method, url, **kwargs))
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """{sample name with sorted labels: value} from /metrics, parsed by prometheus_client."""
+    status, text = request("GET", base_url + "/metrics")
+    assert status == 200
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    return samples
+
+
+class StreamingTest(unittest.TestCase):
+    """One server for the read-only streaming checks."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.thread, cls.engine, cls.llm = fake_server(max_num_seqs=4, eos_at=None)
+        cls.thread.__enter__()
+        cls.url = cls.thread.base_url
+        cls.oai = client(cls.url)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.oai.close()
+        cls.thread.__exit__(None, None, None)
+
+    def test_streamed_completion_deltas_concatenate_to_the_whole_text_and_the_oracle(self) -> None:
+        prompt = "hello world"
+        whole = self.oai.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        chunks = list(
+            self.oai.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=20, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+        expected = expected_text(TOK.encode(prompt), 20)
+        self.assertEqual(whole.choices[0].text, expected)
+        self.assertEqual(streamed, expected)
+        self.assertEqual(whole.choices[0].finish_reason, "length")
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        self.assertEqual(finish, ["length"])
+        assert whole.usage is not None and chunks[-1].usage is not None
+        self.assertEqual((whole.usage.prompt_tokens, whole.usage.completion_tokens), (len(prompt), 20))
+        self.assertEqual(chunks[-1].choices, [])
+        self.assertEqual(
+            (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens), (len(prompt), 20)
+        )
+
+    def test_prompt_as_token_ids_equals_prompt_as_text(self) -> None:
+        ids = TOK.encode("abc")
+        by_ids = self.oai.completions.create(model=MODEL, prompt=ids, max_tokens=7)
+        self.assertEqual(by_ids.choices[0].text, expected_text(ids, 7))
+
+    def test_streamed_chat_opens_with_role_then_content_then_finish_then_usage(self) -> None:
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+        whole = self.oai.chat.completions.create(model=MODEL, messages=messages, max_completion_tokens=9)  # type: ignore[arg-type]
+        chunks = list(
+            self.oai.chat.completions.create(
+                model=MODEL,
+                messages=messages,  # type: ignore[arg-type]
+                max_tokens=9,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        prompt_ids = chat_prompt_ids(messages)
+        expected = expected_text(prompt_ids, 9)
+        self.assertEqual(whole.choices[0].message.content, expected)
+        self.assertEqual(chunks[0].choices[0].delta.role, "assistant")
+        self.assertIsNone(chunks[0].choices[0].delta.content)
+        content = [c.choices[0].delta.content or "" for c in chunks[1:] if c.choices]
+        self.assertEqual("".join(content), expected)
+        self.assertEqual(chunks[-2].choices[0].finish_reason, "length")
+        self.assertEqual(chunks[-1].choices, [])
+        assert chunks[-1].usage is not None and whole.usage is not None
+        self.assertEqual(chunks[-1].usage.prompt_tokens, len(prompt_ids))
+        self.assertEqual(chunks[-1].usage.completion_tokens, 9)
+        self.assertEqual(whole.usage.prompt_tokens, len(prompt_ids))
+
+    def test_continuous_usage_counts_the_tokens_so_far(self) -> None:
+        chunks = list(
+            self.oai.completions.create(
+                model=MODEL,
+                prompt="xy",
+                max_tokens=5,
+                stream=True,
+                stream_options={"include_usage": False, "continuous_usage_stats": True},  # type: ignore[typeddict-unknown-key]
+            )
+        )
+        text_chunks = [c for c in chunks if c.usage is not None and c.choices[0].text]
+        counts = [c.usage.completion_tokens for c in text_chunks if c.usage is not None]
+        lengths = [len(c.choices[0].text) for c in text_chunks]
+        # one character per token: each chunk's count is the characters streamed so far
+        self.assertEqual(counts, list(itertools.accumulate(lengths)))
+        self.assertEqual(counts[-1], 5)
+
+    def test_stop_string_trims_the_text_in_stream_and_whole(self) -> None:
+        prompt = "q"
+        full = expected_text(TOK.encode(prompt), 30)
+        stop = full[10:13]
+        cut = full.index(stop)
+        whole = self.oai.completions.create(model=MODEL, prompt=prompt, max_tokens=30, stop=[stop, "@@"])
+        streamed = self.oai.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=30, stop=stop, stream=True
+        )
+        chunks = list(streamed)
+        self.assertEqual(whole.choices[0].text, full[:cut])
+        self.assertEqual(whole.choices[0].finish_reason, "stop")
+        self.assertEqual("".join(c.choices[0].text for c in chunks), full[:cut])
+        self.assertEqual(chunks[-1].choices[0].finish_reason, "stop")
+
+    def test_models_tokenize_and_detokenize_have_vllm_shapes(self) -> None:
+        models = self.oai.models.list()
+        self.assertEqual([m.id for m in models.data], [MODEL])
+        status, body = request(
+            "POST", self.url + "/tokenize", json={"prompt": "abc", "return_token_strs": True}
+        )
+        self.assertEqual(status, 200)
+        self.assertEqual(
+            body, {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99], "token_strs": ["a", "b", "c"]}
+        )
+        messages = [{"role": "user", "content": "hi"}]
+        status, body = request("POST", self.url + "/tokenize", json={"messages": messages})
+        self.assertEqual(body["tokens"], chat_prompt_ids(messages))
+        status, body = request("POST", self.url + "/detokenize", json={"tokens": [104, 105]})
+        self.assertEqual((status, body), (200, {"prompt": "hi"}))
+
+    def test_bad_requests_get_their_status_and_error_body_and_the_server_keeps_serving(self) -> None:
+        cases: list[tuple[str, dict[str, Any], int, str | None]] = [
+            ("/v1/completions", {"data": "{not json"}, 400, None),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": 0}},
+                400,
+                "max_tokens",
+            ),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": -3}},
+                400,
+                "max_tokens",
+            ),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a" * 256}}, 400, "prompt"),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 10}},
+                400,
+                "max_tokens",
+            ),
+            ("/v1/completions", {"json": {"model": "other", "prompt": "a"}}, 404, "model"),
+            (
+                "/v1/completions",
+                {"json": {"model": MODEL, "prompt": "a", "max_tokens": "many"}},
+                400,
+                "max_tokens",
+            ),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": 5}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, 0x110000]}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, -1]}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "n": 2}}, 400, "n"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "top_p": 0}}, 400, "top_p"),
+            ("/v1/chat/completions", {"json": {"model": MODEL, "messages": "hi"}}, 400, "messages"),
+            ("/v1/chat/completions", {"json": {"model": MODEL}}, 400, "messages"),
+        ]
+        for path, kwargs, status, param in cases:
+            with self.subTest(path=path, body=kwargs):
+                headers = {"Content-Type": "application/json"}
+                got, body = request("POST", self.url + path, headers=headers, **kwargs)
+                self.assertEqual(got, status)
+                self.assertEqual(set(body["error"]), {"message", "type", "param", "code"})
+                self.assertEqual(body["error"]["code"], status)
+                if param is not None:
+                    self.assertEqual(body["error"]["param"], param)
+        self.assertEqual(request("GET", self.url + "/health")[0], 200)
+        ok = self.oai.completions.create(model=MODEL, prompt="a", max_tokens=2)
+        self.assertEqual(ok.choices[0].text, expected_text([97], 2))
+
+
+class EosTest(unittest.TestCase):
+    def test_eos_stops_with_stop_and_ignore_eos_runs_to_length(self) -> None:
+        thread, _engine, _llm = fake_server(eos_at=4)
+        with thread, client(thread.base_url) as oai:
+            stopped = oai.completions.create(model=MODEL, prompt="e", max_tokens=10)
+            ignored = oai.completions.create(
+                model=MODEL, prompt="e", max_tokens=10, extra_body={"ignore_eos": True}
+            )
+        self.assertEqual(stopped.choices[0].text, expected_text([101], 4))
+        self.assertEqual(stopped.choices[0].finish_reason, "stop")
+        assert stopped.usage is not None
+        self.assertEqual(stopped.usage.completion_tokens, 5)  # the EOS token is generated and counted
+        self.assertEqual(ignored.choices[0].text, expected_text([101], 10))
+        self.assertEqual(ignored.choices[0].finish_reason, "length")
+
+
+class MetricsTest(unittest.TestCase):
+    def test_metrics_parse_and_count_what_was_served(self) -> None:
+        thread, _engine, _llm = fake_server(max_num_seqs=2)
+        prompts = ["one", "three", "seven"]
+        with thread, client(thread.base_url) as oai:
+            for p in prompts:
+                oai.completions.create(model=MODEL, prompt=p, max_tokens=6)
+            samples = scrape(thread.base_url)
+        names = {name.split("{")[0] for name in samples}
+        for metric in METRIC_NAMES:
+            with self.subTest(metric=metric):
+                self.assertTrue(any(n == metric or n.startswith(metric + "_") for n in names), metric)
+        self.assertEqual(samples["vllm:prompt_tokens_total{}"], sum(len(p) for p in prompts))
+        self.assertEqual(samples["vllm:generation_tokens_total{}"], 6 * len(prompts))
+        self.assertEqual(samples["vllm:request_success_total{finished_reason=length}"], 3)
+        self.assertEqual(samples["vllm:time_to_first_token_seconds_count{}"], 3)
+        self.assertEqual(samples["vllm:inter_token_latency_seconds_count{}"], 3 * 5)
+        self.assertEqual(samples["vllm:e2e_request_latency_seconds_count{}"], 3)
+        self.assertEqual(samples["vllm:request_queue_time_seconds_count{}"], 3)
+        self.assertEqual(samples["vllm:iteration_tokens_total_sum{}"], sum(len(p) + 5 for p in prompts))
+        self.assertEqual(samples["vllm:num_requests_running{}"], 0)
+        self.assertEqual(samples["vllm:kv_cache_usage_perc{}"], 0)
+
+    def test_running_and_waiting_are_read_at_the_moment_of_the_scrape(self) -> None:
+        thread, engine, _llm = fake_server(max_num_seqs=1)
+        engine.gate.clear()  # the engine admits the first request, then its step waits
+
+        async def go(url: str) -> dict[str, float]:
+            body = {"model": MODEL, "prompt": "w", "max_tokens": 3, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                responses = [await session.post(url + "/v1/completions", json=body) for _ in range(3)]
+                self.assertTrue(engine.wait_for(lambda: engine.blocked))
+                samples = await asyncio.to_thread(scrape, url)
+                engine.gate.set()
+                for resp in responses:
+                    await resp.read()
+                    resp.release()
+                return samples
+
+        with thread:
+            samples = asyncio.run(go(thread.base_url))
+        self.assertEqual(samples["vllm:num_requests_running{}"], 1)
+        self.assertEqual(samples["vllm:num_requests_waiting{}"], 2)
+
+
+class FaultTest(unittest.TestCase):
+    def test_clients_that_disconnect_after_the_first_token_leave_nothing_running_or_allocated(self) -> None:
+        # max_tokens far beyond what the test's lifetime allows: every request can only end by the abort
+        thread, engine, llm = fake_server(max_num_seqs=16, max_model_len=10**9)
+        total_blocks = engine.num_free_blocks
+
+        async def one(session: aiohttp.ClientSession, url: str, i: int) -> str:
+            body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 10**8, "stream": True}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        return json.loads(line[6:])["choices"][0]["text"]
+            return ""
+
+        async def go(url: str) -> list[str]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                return await asyncio.gather(*(one(session, url, i) for i in range(100)))
+
+        with thread:
+            firsts = asyncio.run(go(thread.base_url))
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
+            samples = scrape(thread.base_url)
+        self.assertTrue(drained)
+        # a first chunk carries every token produced before it was written (at least one)
+        self.assertTrue(all(firsts))
+        self.assertEqual(firsts, [expected_text(TOK.encode(f"p{i}"), len(f)) for i, f in enumerate(firsts)])
+        self.assertEqual(engine.num_free_blocks, total_blocks)
+        self.assertEqual(samples["vllm:num_requests_running{}"], 0)
+        self.assertEqual(samples["vllm:num_requests_waiting{}"], 0)
+        self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 100)
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 16)
+
+    def test_a_client_that_leaves_a_whole_response_aborts_its_request(self) -> None:
+        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=10**9)
+        engine.gate.clear()  # the request's first step waits: the client leaves meanwhile
+
+        async def go(url: str) -> None:
+            body = {"model": MODEL, "prompt": "w", "max_tokens": 10**8}
+            async with aiohttp.ClientSession() as session:
+                task = asyncio.ensure_future(session.post(url + "/v1/completions", json=body))
+                self.assertTrue(await asyncio.to_thread(engine.wait_for, lambda: engine.blocked))
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            engine.gate.set()
+
+        with thread:
+            asyncio.run(go(thread.base_url))
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
+            samples = scrape(thread.base_url)
+        self.assertTrue(drained)
+        self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 1)
+
+    def test_an_unexpected_error_in_a_handler_is_a_500_with_an_error_body(self) -> None:
+        class Exploding(FakeTokenizer):
+            def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+                if text == "boom":
+                    raise RuntimeError("tokenizer bug")
+                return super().encode(text, add_special_tokens)
+
+        tokenizer = Exploding()
+        app = build_app(AsyncLLM(FakeEngine(), tokenizer), tokenizer, MODEL, 256)
+        with ServerThread(app) as thread:
+            with (
+                self.assertLogs("attention_kv_caceh.engine.server", "ERROR"),
+                self.assertLogs("uvicorn.error"),
+            ):
+                status, body = request("POST", thread.base_url + "/v1/completions", json={"prompt": "boom"})
+            health = request("GET", thread.base_url + "/health")[0]
+            ok = request("POST", thread.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        self.assertEqual((status, body["error"]["code"]), (500, 500))
+        self.assertIn("tokenizer bug", body["error"]["message"])
+        self.assertEqual((health, ok[0]), (200, 200))
+
+    def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
+        thread, _engine, _llm = fake_server(api_key="sesame")
+        with thread:
+            with (
+                client(thread.base_url, api_key="wrong") as bad,
+                self.assertRaises(openai.AuthenticationError),
+            ):
+                bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
+            status, body = request("GET", thread.base_url + "/v1/models")
+            self.assertEqual((status, body["error"]["code"]), (401, 401))
+            self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
+            with client(thread.base_url, api_key="sesame") as good:
+                ok = good.completions.create(model=MODEL, prompt="a", max_tokens=1)
+        self.assertEqual(ok.choices[0].text, expected_text([97], 1))
+
+    def test_requests_beyond_max_queue_waiting_get_503(self) -> None:
+        thread, engine, _llm = fake_server(max_num_seqs=1, max_queue=1)
+        engine.gate.clear()
+
+        async def go(url: str) -> tuple[int, Any, list[int]]:
+            body = {"model": MODEL, "prompt": "m", "max_tokens": 2, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                admitted = [await session.post(url + "/v1/completions", json=body) for _ in range(2)]
+                status, rejected = await fetch("POST", url + "/v1/completions", json=body)
+                engine.gate.set()
+                for resp in admitted:
+                    await resp.read()
+                    resp.release()
+                return status, rejected, [r.status for r in admitted]
+
+        with thread:
+            status, rejected, admitted = asyncio.run(go(thread.base_url))
+            after = request(
+                "POST", thread.base_url + "/v1/completions", json={"prompt": "m", "max_tokens": 2}
+            )
+        self.assertEqual(admitted, [200, 200])
+        self.assertEqual(status, 503)
+        self.assertEqual(rejected["error"]["type"], "ServiceUnavailableError")
+        self.assertEqual(after[0], 200)
+
+    def test_a_failing_step_fails_its_requests_with_an_error_event_and_the_server_keeps_serving(self) -> None:
+        thread, engine, llm = fake_server()
+        engine.fail_steps = 1
+        with thread, client(thread.base_url) as oai:
+            with self.assertLogs("attention_kv_caceh.engine.async_llm", "ERROR") as logs:
+                stream = oai.completions.create(model=MODEL, prompt="f", max_tokens=4, stream=True)
+                with self.assertRaises(openai.APIError):
+                    list(stream)
+            engine.fail_steps = 1
+            with (
+                self.assertRaises(openai.InternalServerError),
+                self.assertLogs("attention_kv_caceh", "ERROR"),
+            ):
+                oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
+            self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
+            ok = oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
+        self.assertEqual(len(logs.records), 1)
+        self.assertEqual(ok.choices[0].text, expected_text([102], 4))
+        self.assertEqual(llm.num_failed_steps, 2)
+        self.assertFalse(engine.has_unfinished_requests())
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,96 @@
+"""The server over the real LLMEngine (scheduler, KV blocks) with the scheduler tests' fake model runner.
+
+Skipped until the engine modules are present (they come from the engine branches at merge). The oracle
+is the fake runner's full-recompute reference: the tokens each stream carries equal `reference_generate`
+of its prompt alone, while the engine batched the requests; the engine's own StepStats show it never ran
+more than max_num_seqs and that requests waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import unittest
+from typing import Any
+
+import aiohttp
+
+_HAVE_ENGINE = (
+    all(
+        importlib.util.find_spec(name) is not None
+        for name in ("attention_kv_caceh.engine.llm_engine", "attention_kv_caceh.engine.config")
+    )
+    and importlib.util.find_spec("tests.engine_fakes") is not None
+)
+
+VOCAB = 40
+
+
+class CharTokenizer:
+    """Token id i is the character chr(65 + i) (ids < VOCAB)."""
+
+    eos_token_id: int | None = 0
+    vocab_size: int = VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [(ord(c) - 65) % VOCAB for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(65 + i) for i in ids)
+
+
+@unittest.skipUnless(_HAVE_ENGINE, "the engine modules are not in this tree yet")
+class RealEngineServerTest(unittest.TestCase):
+    def test_streams_equal_the_one_at_a_time_oracle_and_the_batch_stays_within_max_num_seqs(self) -> None:
+        from attention_kv_caceh.engine.async_llm import AsyncLLM
+        from attention_kv_caceh.engine.config import EngineConfig
+        from attention_kv_caceh.engine.llm_engine import LLMEngine
+        from attention_kv_caceh.engine.request import SamplingParams
+        from attention_kv_caceh.engine.server import build_app
+        from tests.engine_fakes import FakeModelRunner, reference_generate  # pyright: ignore
+        from tests.serve_helpers import ServerThread
+
+        max_model_len, max_tokens, n = 128, 12, 8
+        config = EngineConfig(max_num_seqs=2, num_kv_blocks=64, block_size=4, max_model_len=max_model_len)
+        tokenizer = CharTokenizer()
+        engine = LLMEngine(config, FakeModelRunner(64, 4, VOCAB), tokenizer)
+        llm = AsyncLLM(engine, tokenizer)
+        app = build_app(llm, tokenizer, "real", max_model_len)
+        prompts = [[(7 * i + j) % (VOCAB - 1) + 1 for j in range(3 + i)] for i in range(n)]
+
+        async def one(session: aiohttp.ClientSession, url: str, prompt: list[int]) -> dict[str, Any]:
+            body = {
+                "model": "real",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                lines = [line async for line in resp.content if line.startswith(b"data: {")]
+            chunks = [json.loads(line[6:]) for line in lines]
+            text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+            return {"text": text, "usage": chunks[-1]["usage"]}
+
+        async def go(url: str) -> list[dict[str, Any]]:
+            async with aiohttp.ClientSession() as session:
+                return await asyncio.gather(*(one(session, url, p) for p in prompts))
+
+        with ServerThread(app) as thread:
+            results = asyncio.run(go(thread.base_url))
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        for prompt, result in zip(prompts, results, strict=True):
+            tokens, _reason = reference_generate(prompt, params, max_model_len, vocab=VOCAB)
+            self.assertEqual(result["text"], tokenizer.decode(tokens))
+            self.assertEqual(result["usage"]["prompt_tokens"], len(prompt))
+            self.assertEqual(result["usage"]["completion_tokens"], max_tokens)
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 2)
+        self.assertGreaterEqual(max(s.num_running for s in engine.step_stats), 2)
+        self.assertFalse(engine.has_unfinished_requests())
+
+
+if __name__ == "__main__":
+    unittest.main()

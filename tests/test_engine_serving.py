@@ -1,0 +1,213 @@
+"""Text deltas, stop strings, the incremental detokenizer, sampling checks and chat templates."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import tempfile
+import unittest
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attention_kv_caceh.engine.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
+from attention_kv_caceh.engine.output_processor import RequestDelta, RequestStream
+from attention_kv_caceh.engine.protocol import CompletionRequest
+from attention_kv_caceh.engine.serving import (
+    HTTPError,
+    IncrementalDetokenizer,
+    TextDelta,
+    sampling_params_for,
+    text_deltas,
+)
+from tests.fake_engine import FakeTokenizer
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte: a multi-byte character is incomplete until its last byte arrives."""
+
+    eos_token_id: int | None = None
+    vocab_size: int = 256
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode(errors="replace")
+
+
+class _Aborts:
+    """Stands in for AsyncLLM: records aborts."""
+
+    def __init__(self) -> None:
+        self.aborted: list[tuple[str, str]] = []
+
+    def abort(self, request_id: str, finish_reason: str = "abort") -> None:
+        self.aborted.append((request_id, finish_reason))
+
+
+def deltas_of(tokens: list[list[int]]) -> list[RequestDelta]:
+    """One RequestDelta per step; the last one finishes with "length"."""
+    out: list[RequestDelta] = []
+    count = 0
+    for i, ids in enumerate(tokens):
+        count += len(ids)
+        last = i == len(tokens) - 1
+        out.append(RequestDelta("r", tuple(ids), last, "length" if last else None, 2, count))
+    return out
+
+
+def run_deltas(
+    tokens: list[list[int]], stops: list[str], tokenizer: object
+) -> tuple[list[TextDelta], _Aborts]:
+    """Feed one delta per step through a RequestStream, each once the reader took the previous one."""
+
+    async def go() -> tuple[list[TextDelta], _Aborts]:
+        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+        llm = _Aborts()
+        stream = RequestStream("r", queue, llm.abort)
+
+        async def feed() -> None:
+            for delta in deltas_of(tokens):
+                queue.put_nowait(delta)
+                while not queue.empty():
+                    await asyncio.sleep(0)  # yield to the reader until it took the delta
+
+        feeder = asyncio.ensure_future(feed())
+        result = [d async for d in text_deltas(stream, tokenizer, stops)]  # type: ignore[arg-type]
+        feeder.cancel()
+        return result, llm
+
+    return asyncio.run(go())
+
+
+class RequestStreamTest(unittest.TestCase):
+    def test_deltas_waiting_in_the_queue_come_out_merged_and_an_error_after_them(self) -> None:
+        async def go() -> tuple[list[RequestDelta], BaseException | None]:
+            queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
+            for delta in deltas_of([[1], [2, 3], [4]])[:2]:
+                queue.put_nowait(delta)
+            queue.put_nowait(RuntimeError("step failed"))
+            stream = RequestStream("r", queue, _Aborts().abort)
+            got: list[RequestDelta] = []
+            try:
+                async for delta in stream:
+                    got.append(delta)
+            except RuntimeError as exc:
+                return got, exc
+            return got, None
+
+        got, error = asyncio.run(go())
+        self.assertEqual(
+            [(d.new_token_ids, d.num_output_tokens, d.finished) for d in got], [((1, 2, 3), 3, False)]
+        )
+        self.assertIsInstance(error, RuntimeError)
+
+
+class TextDeltaTest(unittest.TestCase):
+    def test_stop_string_straddling_two_steps_is_never_streamed(self) -> None:
+        tok = FakeTokenizer()
+        steps = [tok.encode(s) for s in ["hel", "lo wo", "rld", "!!"]]
+        deltas, llm = run_deltas(steps, ["o w"], tok)
+        self.assertEqual("".join(d.text for d in deltas), "hell")
+        self.assertEqual(deltas[-1].finish_reason, "stop")
+        self.assertEqual(llm.aborted, [("r", "stop")])
+
+    def test_without_a_stop_every_character_arrives_and_the_finish_is_length(self) -> None:
+        tok = FakeTokenizer()
+        deltas, llm = run_deltas([tok.encode(s) for s in ["ab", "c", "de"]], [], tok)
+        self.assertEqual([d.text for d in deltas], ["ab", "c", "de"])
+        self.assertEqual(deltas[-1].finish_reason, "length")
+        self.assertEqual(deltas[-1].num_output_tokens, 5)
+        self.assertEqual(llm.aborted, [])
+
+    @settings(max_examples=60, deadline=None)
+    @given(
+        text=st.text(alphabet="abc xé€", min_size=1, max_size=30),
+        cuts=st.lists(st.integers(1, 40), max_size=8),
+        stop=st.text(alphabet="abc x", min_size=1, max_size=3),
+    )
+    def test_streamed_text_equals_the_whole_text_cut_at_the_first_stop(
+        self, text: str, cuts: list[int], stop: str
+    ) -> None:
+        tok = ByteTokenizer()
+        ids = tok.encode(text)
+        bounds = sorted({c for c in cuts if c < len(ids)} | {0, len(ids)})
+        steps = [ids[a:b] for a, b in itertools.pairwise(bounds)]
+        deltas, _ = run_deltas(steps, [stop], tok)
+        streamed = "".join(d.text for d in deltas)
+        index = text.find(stop)
+        self.assertEqual(streamed, text if index < 0 else text[:index])
+        self.assertNotIn("\ufffd", streamed)
+
+
+class DetokenizerTest(unittest.TestCase):
+    def test_an_incomplete_utf8_character_is_held_back_until_its_last_byte(self) -> None:
+        tok = ByteTokenizer()
+        detok = IncrementalDetokenizer(tok)
+        euro = list("€".encode())  # three bytes
+        self.assertEqual(detok.add([97]), "a")
+        self.assertEqual(detok.add(euro[:1]), "")
+        self.assertEqual(detok.add(euro[1:2]), "")
+        self.assertEqual(detok.add(euro[2:]), "€")
+        self.assertEqual(detok.add(euro[:1]), "")
+        self.assertEqual(detok.flush(), "\ufffd")
+
+
+class SamplingParamsTest(unittest.TestCase):
+    def test_defaults_and_limits(self) -> None:
+        body = CompletionRequest(prompt="x")
+        self.assertEqual(sampling_params_for(body, 4, 100, 16).max_tokens, 16)
+        self.assertEqual(sampling_params_for(body, 90, 100, 16).max_tokens, 10)
+        self.assertEqual(sampling_params_for(body, 4, 100, None).max_tokens, 96)
+        self.assertEqual(sampling_params_for(body, 4, 100, 16).temperature, 1.0)
+        both = CompletionRequest(prompt="x", max_tokens=5, max_completion_tokens=7, top_k=-1)
+        params = sampling_params_for(both, 4, 100, 16)
+        self.assertEqual((params.max_tokens, params.top_k), (7, 0))
+        with self.assertRaises(HTTPError) as caught:
+            sampling_params_for(CompletionRequest(prompt="x", max_tokens=97), 4, 100, 16)
+        self.assertEqual((caught.exception.status, caught.exception.param), (400, "max_tokens"))
+        with self.assertRaises(HTTPError):
+            sampling_params_for(CompletionRequest(prompt="x", temperature=-0.5), 4, 100, 16)
+
+
+class ChatTemplateTest(unittest.TestCase):
+    def test_plain_template_is_one_line_per_message_then_the_assistant_prompt(self) -> None:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]
+        self.assertEqual(
+            ChatTemplate(PLAIN_CHAT_TEMPLATE).render(messages), "system: s\nuser: u\nassistant: "
+        )
+        self.assertEqual(ChatTemplate().render(messages, add_generation_prompt=False), "system: s\nuser: u\n")
+
+    def test_checkpoint_template_with_special_tokens_and_the_named_list_form(self) -> None:
+        source = (
+            "{{ bos_token }}{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_token }}{% endfor %}"
+            "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+        )
+        with tempfile.TemporaryDirectory() as d:
+            config = {
+                "chat_template": [
+                    {"name": "tool_use", "template": "x"},
+                    {"name": "default", "template": source},
+                ],
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+            }
+            (Path(d) / "tokenizer_config.json").write_text(json.dumps(config))
+            template = load_chat_template(d)
+        assert template is not None
+        rendered = template.render([{"role": "user", "content": "hi"}])
+        self.assertEqual(rendered, "<s><|user|>hi</s><|assistant|>")
+
+    def test_no_config_means_no_template_and_a_failing_template_is_a_value_error(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            self.assertIsNone(load_chat_template(d))
+        failing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+        with self.assertRaisesRegex(ValueError, "roles must alternate"):
+            failing.render([{"role": "user", "content": "x"}])
+
+
+if __name__ == "__main__":
+    unittest.main()
