@@ -116,6 +116,16 @@ class ScanImplCliTest(unittest.TestCase):
                 summary = json.loads(out.strip().splitlines()[-1])
                 self.assertEqual(list(summary["impls"]), list(impls))
 
+    def test_the_report_reads_an_impl_all_run_with_one_prediction_check_per_implementation(self) -> None:
+        code, _, err = run_cli("--csv", str(self.csv), *TINY, "--impl", "all")
+        self.assertEqual(code, 0, err)
+        result = report.build_report(self.csv.parent, self.csv.parent / "report.md", plot=False)
+        self.assertEqual(result.problems, [])
+        for impl in expected_all():
+            self.assertIn(f"### Batch-size scan: `benchmark.csv`, {impl}\n", result.markdown)
+            self.assertIn(f"\n**{impl}**\n", result.markdown)
+        self.assertEqual(result.markdown.count("model saturation"), len(expected_all()))
+
     def test_the_default_times_numpy_only_and_prints_the_plain_table(self) -> None:
         code, out, err = run_cli("--csv", str(self.csv), *TINY)
         self.assertEqual(code, 0, err)
