@@ -191,15 +191,14 @@ class ScanImplUnitTest(unittest.TestCase):
         inputs = build_inputs(config)
         q_t, k_t, v_t = inputs.q_t, inputs.k_t, inputs.v_t
         good = make_step("fused", q_t)
-        err = check_step(
-            good, q_t, k_t, v_t, prefilled_cache(config, inputs, 2), prefilled_cache(config, inputs, 2)
-        )
+        cache = prefilled_cache(config, inputs, 2)
+        err = check_step(good, q_t, k_t, v_t, cache, lambda: prefilled_cache(config, inputs, 2))
         self.assertLess(err, 1e-5)
         with mock.patch.object(fused, "decode_attention_into", wrong_kernel(1e-3)):
             bad = make_step("fused", q_t)
             cache = prefilled_cache(config, inputs, 2)
             with self.assertRaisesRegex(OracleMismatch, r"^fused: output vs multihead_decode_step"):
-                check_step(bad, q_t, k_t, v_t, cache, prefilled_cache(config, inputs, 2))
+                check_step(bad, q_t, k_t, v_t, cache, lambda: prefilled_cache(config, inputs, 2))
 
     def test_calibration_times_the_implementation_it_predicts(self) -> None:
         config = ScanConfig(batch_sizes=(1, 2), seq_len=8, warmup=2, repeats=3)

@@ -117,7 +117,7 @@ def calibrate(
     cache = one_position()
     if step.prepare is not None:
         step.prepare(q_t, k_t, v_t, cache)
-    check_step(step, q_t, k_t, v_t, cache, one_position())
+    check_step(step, q_t, k_t, v_t, cache, one_position)
 
     def rewind() -> None:
         cache.truncate(1)

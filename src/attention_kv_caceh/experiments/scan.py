@@ -220,7 +220,7 @@ def _time_impl(
     if step.prepare is not None:
         step.prepare(q_t, k_t, v_t, cache)  # compile outside the oracle and the timed region
     # Oracle and shape checks before any timing.
-    max_err = check_step(step, q_t, k_t, v_t, cache, prefilled_cache(config, inputs, b))
+    max_err = check_step(step, q_t, k_t, v_t, cache, lambda: prefilled_cache(config, inputs, b))
 
     def rewind() -> None:
         cache.truncate(t)  # O(1): back to T cached positions, so every sample times the same step

@@ -118,12 +118,12 @@ def check_step(
     k_t: FloatArray,
     v_t: FloatArray,
     cache: DynamicKVCache | PreallocatedKVCache,
-    reference_cache: KVCache,
+    reference_cache: Callable[[], KVCache],
 ) -> float:
     """Run the step once on `cache` and check it (module docstring); returns its max |error| vs float64.
 
-    `reference_cache` holds the same positions as `cache` and is used (appended to) only for a step
-    without weights, to run `multihead_decode_step` beside it. Both caches hold T + 1 positions after
+    `reference_cache()` returns a cache holding the same positions as `cache`; it is called only for a
+    step without weights, to run `multihead_decode_step` beside it (so NumPy's check allocates none). Both caches hold T + 1 positions after
     the call. Raises OracleMismatch naming `step.impl` on a wrong shape, dtype, length or value.
     """
     length = cache.length
@@ -139,7 +139,7 @@ def check_step(
             weights: FloatArray = np.asarray(cast("tuple[Any, ...]", result)[1])  # [B, H, 1, T]
             max_err = check_decode_batch(q_t, keys, values, output, weights)
         else:
-            max_err = _check_output(q_t, keys, values, output, reference_cache, k_t, v_t)
+            max_err = _check_output(q_t, keys, values, output, reference_cache(), k_t, v_t)
     except OracleMismatch as exc:
         raise OracleMismatch(f"{step.impl}: {exc}") from None
     if output.dtype != q_t.dtype:
