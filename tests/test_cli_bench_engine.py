@@ -5,15 +5,17 @@ from __future__ import annotations
 import json
 import unittest
 
-from test_cli_engine import EngineCommandCase, quietly
+from tests.test_cli_engine import EngineCommandCase, quietly
 
 
 class BenchEngineCommandTest(EngineCommandCase):
     def test_one_row_per_max_num_seqs_with_every_output_token_counted(self) -> None:
         out_json = self.out / "bench.json"
         code, out, err = quietly(
-            ["bench-engine", "--model", str(self.model), "--max-num-seqs", "3", "1", "--prompt-len", "9"]
-            + ["--output-len", "5", "--json", str(out_json)]
+            [
+                *("bench-engine", "--model", str(self.model), "--max-num-seqs", "3", "1"),
+                *("--prompt-len", "9", "--output-len", "5", "--json", str(out_json)),
+            ]
         )
         self.assertEqual(code, 0, err)
         rows = json.loads(out_json.read_text(encoding="utf-8"))["rows"]
@@ -37,7 +39,7 @@ class BenchEngineCommandTest(EngineCommandCase):
         }
         for name, flags in cases.items():
             with self.subTest(name):
-                code, out, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
+                code, _, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
                 self.assertEqual(code, 2, err)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
                 self.assertFalse(out_json.exists())

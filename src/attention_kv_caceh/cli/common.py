@@ -67,7 +67,8 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         if (
             text
             and "(default" not in text
-            and action.default not in (None, False, argparse.SUPPRESS)
+            # identity, not equality: a default of 0 equals False and must still be shown
+            and not any(action.default is hidden for hidden in (None, False, argparse.SUPPRESS))
             and action.option_strings
         ):
             text += " (default: %(default)s)"

@@ -1,0 +1,164 @@
+"""Hugging Face transformers as a reference for the engine (run in a scratch environment, never in CI).
+
+The project does not depend on torch or transformers. This script is for the by-hand checks that the
+engine's issue asks for, in an environment that has both (e.g. `pip install torch transformers`):
+
+    # 1. let transformers itself write a random checkpoint (float32 or bfloat16), reusing the tokenizer
+    #    files of a folder written by `attention-kv-caceh make-model`
+    python scripts/hf_reference.py write --out /tmp/hf-llama --arch llama --dtype bfloat16 \
+        --tokenizer-from /tmp/tiny-llama
+
+    # 2. greedy continuations with transformers, one prompt at a time (JSONL like `generate --output`)
+    python scripts/hf_reference.py generate --model /tmp/hf-llama --prompt "the cache" --max-tokens 16 \
+        --out /tmp/hf.jsonl
+
+    # 3. the same workload timed: output tokens/s with batch 1..N (greedy, fixed output length)
+    python scripts/hf_reference.py bench --model DIR --batch-sizes 1,4,16,32 --prompt-len 128 --max-tokens 128
+
+Compare the token ids of step 2 with `attention-kv-caceh generate --model DIR --output OUT.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ARCHS = {
+    "llama": ("LlamaConfig", dict(model_type="llama")),
+    "qwen2": ("Qwen2Config", dict(model_type="qwen2")),
+    "qwen3": ("Qwen3Config", dict(model_type="qwen3")),
+}
+
+
+def write(args: argparse.Namespace) -> None:
+    import transformers
+
+    tok_dir = Path(args.tokenizer_from)
+    base = json.loads((tok_dir / "config.json").read_text())
+    cls = getattr(transformers, ARCHS[args.arch][0])
+    keys = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "rope_theta",
+        "max_position_embeddings",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+    )
+    config = cls(**{k: base[k] for k in keys if k in base})
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # spread the logits so greedy choices are not near-ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, args.std)
+    model = model.to(getattr(torch, args.dtype))
+    out = Path(args.out)
+    model.save_pretrained(out, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tok_dir / name).exists():
+            shutil.copy(tok_dir / name, out / name)
+    print(f"wrote {out} ({args.arch}, {args.dtype})")
+
+
+def _load(model_dir: str) -> tuple[object, object]:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.eval()
+    return tok, model
+
+
+def generate(args: argparse.Namespace) -> None:
+    tok, model = _load(args.model)
+    prompts = list(args.prompt or [])
+    if args.prompts_file:
+        prompts += [
+            line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()
+        ]
+    with open(args.out, "w") as f:
+        for i, prompt in enumerate(prompts):
+            ids = tok(prompt, return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = model.generate(
+                    ids,
+                    max_new_tokens=args.max_tokens,
+                    do_sample=False,
+                    min_new_tokens=args.max_tokens if args.ignore_eos else 0,
+                )
+            new = out[0, ids.shape[1] :].tolist()
+            f.write(
+                json.dumps(
+                    {
+                        "index": i,
+                        "prompt": prompt,
+                        "prompt_token_ids": ids[0].tolist(),
+                        "token_ids": new,
+                        "text": tok.decode(new),
+                    }
+                )
+                + "\n"
+            )
+    print(f"wrote {args.out} ({len(prompts)} prompts)")
+
+
+def bench(args: argparse.Namespace) -> None:
+    _, model = _load(args.model)
+    torch.set_num_threads(args.threads)
+    vocab = model.config.vocab_size
+    for b in [int(x) for x in args.batch_sizes.split(",")]:
+        ids = torch.randint(3, vocab, (b, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)  # warm-up
+            t0 = time.perf_counter()
+            model.generate(
+                ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False
+            )
+            dt = time.perf_counter() - t0
+        print(
+            f"batch {b:3d}: {b * args.max_tokens / dt:9.1f} output tokens/s  ({dt:.2f} s, torch threads {args.threads})"
+        )
+        sys.stdout.flush()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("write")
+    w.add_argument("--out", required=True)
+    w.add_argument("--arch", choices=sorted(ARCHS), default="llama")
+    w.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    w.add_argument("--tokenizer-from", required=True)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--std", type=float, default=0.1)
+    g = sub.add_parser("generate")
+    g.add_argument("--model", required=True)
+    g.add_argument("--prompt", action="append")
+    g.add_argument("--prompts-file")
+    g.add_argument("--max-tokens", type=int, default=16)
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--out", required=True)
+    b = sub.add_parser("bench")
+    b.add_argument("--model", required=True)
+    b.add_argument("--batch-sizes", default="1,4,16,32")
+    b.add_argument("--prompt-len", type=int, default=128)
+    b.add_argument("--max-tokens", type=int, default=128)
+    b.add_argument("--threads", type=int, default=1)
+    args = p.parse_args()
+    {"write": write, "generate": generate, "bench": bench}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
