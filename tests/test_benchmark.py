@@ -19,7 +19,7 @@ import numpy as np
 
 from attention_kv_caceh import benchmark
 from attention_kv_caceh.cli import scan as scan_cli
-from attention_kv_caceh.experiments import scan
+from attention_kv_caceh.experiments import scan, scan_impls
 from attention_kv_caceh.experiments.scan import ScanConfig, saturation_verdict, scan_table
 from attention_kv_caceh.timing import Sample
 
@@ -177,13 +177,13 @@ class ScanCliTest(unittest.TestCase):
         self.assertEqual(len(proc.stderr.strip().splitlines()), 1, proc.stderr)
 
     def test_oracle_failure_aborts_before_timing(self) -> None:
-        real = scan.multihead_decode_step
+        real = scan_impls.multihead_decode_step
 
         def leaky_step(q_t, k_t, v_t, cache):  # type: ignore[no-untyped-def]
             out, w = real(q_t, k_t, v_t, cache)
             return out.mean(axis=0, keepdims=True) + 0 * out, w  # mixes sequences across the batch
 
-        with mock.patch.object(scan, "multihead_decode_step", leaky_step):
+        with mock.patch.object(scan_impls, "multihead_decode_step", leaky_step):
             code, _, err = run_cli("--csv", str(self.csv), "--repeats", "2")
         self.assertEqual(code, 1)
         self.assertIn("oracle check failed at B=2", err)  # B=1 passes: a batch of one cannot leak
@@ -195,10 +195,10 @@ class ScanCliTest(unittest.TestCase):
     def test_interrupt_keeps_every_finished_sample(self) -> None:
         real = scan.run_batch
 
-        def interrupted(config, inputs, b):  # type: ignore[no-untyped-def]
+        def interrupted(config, inputs, b, impls=("numpy",)):  # type: ignore[no-untyped-def]
             if b == 4:
                 raise KeyboardInterrupt
-            return real(config, inputs, b)
+            return real(config, inputs, b, impls)
 
         with mock.patch.object(scan_cli, "run_batch", interrupted):
             code, _, err = run_cli("--csv", str(self.csv), "--repeats", "3")
@@ -213,10 +213,10 @@ class SigtermTest(unittest.TestCase):
     def test_sigterm_saves_like_ctrl_c_and_exits_143(self) -> None:
         real = scan.run_batch
 
-        def terminated(config, inputs, b):  # type: ignore[no-untyped-def]
+        def terminated(config, inputs, b, impls=("numpy",)):  # type: ignore[no-untyped-def]
             if b == 2:
                 signal.raise_signal(signal.SIGTERM)  # as `kill PID` or a job scheduler sends it
-            return real(config, inputs, b)
+            return real(config, inputs, b, impls)
 
         with tempfile.TemporaryDirectory() as tmp:
             csv_path = Path(tmp) / "b.csv"
@@ -234,10 +234,10 @@ class SecondInterruptTest(unittest.TestCase):
     def test_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
         real_run, real_write = scan.run_batch, scan_cli.write_json_atomic
 
-        def interrupted(config, inputs, b):  # type: ignore[no-untyped-def]
+        def interrupted(config, inputs, b, impls=("numpy",)):  # type: ignore[no-untyped-def]
             if b == 2:
                 raise KeyboardInterrupt
-            return real_run(config, inputs, b)
+            return real_run(config, inputs, b, impls)
 
         def write_with_second_sigint(path, obj):  # type: ignore[no-untyped-def]
             if obj.get("status") == "interrupted":

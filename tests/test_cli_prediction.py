@@ -16,6 +16,7 @@ import json
 import sys
 import tempfile
 import unittest
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 from unittest import mock
@@ -50,7 +51,9 @@ def fake_batches(p50_ms: dict[int, float], outlier: tuple[int, int, float] | Non
     """A stand-in for `run_batch`: config.repeats samples per B, all at the given P50 (so every statistic
     is it), except an optional (B, repeat, elapsed_ms) outlier; the oracle is not run."""
 
-    def run_batch(config: ScanConfig, inputs: ScanInputs, b: int) -> BatchResult:
+    def run_batch(
+        config: ScanConfig, inputs: ScanInputs, b: int, impls: Sequence[str] = ("numpy",)
+    ) -> BatchResult:
         values = [p50_ms[b]] * config.repeats
         if outlier is not None and outlier[0] == b:
             values[outlier[1]] = outlier[2]
@@ -86,11 +89,13 @@ class ScanPredictionCliTest(unittest.TestCase):
         real = scan_cli.run_batch
         seen: dict[str, Any] = {}
 
-        def first_batch_reads_the_files(config: ScanConfig, inputs: ScanInputs, b: int) -> BatchResult:
+        def first_batch_reads_the_files(
+            config: ScanConfig, inputs: ScanInputs, b: int, impls: Sequence[str]
+        ) -> BatchResult:
             if not seen:  # the first B, before any of its samples is timed
                 seen["meta"] = json.loads(self.meta_file.read_text(encoding="utf-8"))
                 seen["stdout"] = sys.stdout.getvalue()  # type: ignore[attr-defined]  # redirected StringIO
-            return real(config, inputs, b)
+            return real(config, inputs, b, impls)
 
         with mock.patch.object(scan_cli, "run_batch", first_batch_reads_the_files):
             code, out, _ = run_cli(
@@ -182,10 +187,10 @@ class ScanPredictionCliTest(unittest.TestCase):
     def test_an_interrupt_keeps_the_prediction_in_the_metadata(self) -> None:
         real = scan_cli.run_batch
 
-        def interrupted(config: ScanConfig, inputs: ScanInputs, b: int) -> BatchResult:
+        def interrupted(config: ScanConfig, inputs: ScanInputs, b: int, impls: Sequence[str]) -> BatchResult:
             if b == 2:
                 raise KeyboardInterrupt
-            return real(config, inputs, b)
+            return real(config, inputs, b, impls)
 
         with mock.patch.object(scan_cli, "run_batch", interrupted):
             code, _, _ = run_cli("--csv", str(self.csv), *SMALL, "--predict", "flat")
@@ -200,7 +205,7 @@ class ScanPredictionCliTest(unittest.TestCase):
             raise OracleMismatch("weights do not sum to 1")
 
         with (
-            mock.patch.object(calibration, "check_decode_batch", wrong),
+            mock.patch.object(calibration, "check_step", wrong),
             mock.patch.object(
                 scan_cli, "run_batch", side_effect=AssertionError("timed after a failed oracle")
             ),

@@ -210,7 +210,8 @@ class OneRunPerFileTest(Folder):
         self.rewrite_rows(path, lambda rows: [*rows, rows[5] | {"elapsed_ms": "3.5"}])
         _, problems = self.report()
         self.assertIn(
-            "row 61 repeats row 6 (same parameters and batch_size 1, repeat 5)", problems["dup.csv"]
+            "row 61 repeats row 6 (same parameters and batch_size 1, impl numpy, repeat 5)",
+            problems["dup.csv"],
         )
 
     def test_a_cache_row_whose_columns_disagree_rejects_the_file(self) -> None:

@@ -42,7 +42,8 @@ THREAD_ENV_VARS = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 class Sample:
     """One timed call of the batch-size scan: one row of the raw CSV.
 
-    `elapsed_ms` is wall time in milliseconds from `perf_counter_ns`. Frozen is shallow (see the notes,
+    `elapsed_ms` is wall time in milliseconds from `perf_counter_ns`; `impl` names the decode step that
+    was timed (`experiments.scan_impls.IMPLS`; files written before the column existed are all numpy). Frozen is shallow (see the notes,
     2.3): every field here is an immutable scalar, so a Sample really cannot change.
     """
 
@@ -58,6 +59,7 @@ class Sample:
     model: str = ""
     seed: int = 42
     warmup: int = 3
+    impl: str = "numpy"
 
 
 def measure(

@@ -4,23 +4,25 @@
 
     attention-kv-caceh --predict "saturates at B = 4" --predict-saturation 4
 
-Prints a setup card; measures the call overhead and the read bandwidth (`experiments.calibration`),
-writes the prediction (the user's and the two-term roofline's, `experiments.prediction`) to the
+    attention-kv-caceh --impl all      # NumPy and the fused kernel (and torch SDPA) side by side
+
+Prints a setup card; measures each implementation's call overhead and the read bandwidth
+(`experiments.calibration`), writes one prediction per implementation (the user's and the two-term roofline's, `experiments.prediction`) to the
 `.meta.json` and prints it, all before the first timed sample; then runs `experiments.scan` one batch
-size at a time (oracle first, then timing), rewriting the raw CSV, the summary CSV and the metadata
-after every B; then prints the table, the saturation verdict, the prediction against the measurement
-(`experiments.prediction_check`: verdicts, anomalies, the boundary paragraph) and one JSON line.
-Exit codes: 0 done, 1 an oracle check failed (nothing was timed for that B) or out of memory, 2 bad
-usage (nothing touched), 130 interrupted (every sample taken, and the prediction, is on disk).
+size at a time (at each B every implementation of --impl, `experiments.scan_impls`: oracle first, then
+timing; then the probe), rewriting the raw CSV, the summary CSV and the metadata
+after every B; then (`cli/scan_finish.py`) prints the table, the saturation verdicts, the predictions
+against the measurement (`experiments.prediction_check`: verdicts, anomalies, the boundary paragraph)
+and one JSON line. Exit codes: 0 done, 1 an oracle check failed (that implementation was not timed at
+that B nor after it; the others were, and every file is complete) or out of memory, 2 bad usage
+(nothing touched), 130 interrupted (every sample taken, and the predictions, are on disk).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -36,15 +38,14 @@ from attention_kv_caceh.cli.common import (
     preset_name,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title, setup_card
+from attention_kv_caceh.cli.scan_finish import finish_scan, scan_result_tables, summary_path
+from attention_kv_caceh.cli.scan_output import format_scan_table, setup_card, summary_rows
 from attention_kv_caceh.cli.scan_prediction import (
     add_prediction_arguments,
     predict_before_timing,
     user_prediction,
 )
 from attention_kv_caceh.experiments.prediction import UserPrediction, utc_now
-from attention_kv_caceh.experiments.prediction_check import evaluate_scan, outcome_json
-from attention_kv_caceh.experiments.prediction_text import scan_outcome_text
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
     SUMMARY_FIELDS,
@@ -53,9 +54,8 @@ from attention_kv_caceh.experiments.scan import (
     build_inputs,
     kv_bytes_per_step,
     run_batch,
-    saturation_verdict,
-    scan_table,
 )
+from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch
@@ -146,6 +146,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PATH.png",
         help="PNG: P50 with P95 bars, positions/s vs B (default: no plot)",
     )
+    parser.add_argument(
+        "--impl",
+        choices=IMPL_CHOICES,
+        default="numpy",
+        help="decode step to time: numpy (attention.multihead_decode_step), fused (the Numba kernel, one "
+        "thread), or all: both, plus torch-sdpa (one thread) where torch can be imported, each checked "
+        "and timed at every B in turn, side by side against the same probe",
+    )
     add_prediction_arguments(parser)
 
 
@@ -183,7 +191,7 @@ def scan_config(args: argparse.Namespace) -> ScanConfig:
         raise UsageError(str(exc)) from None
 
 
-def _check_memory(config: ScanConfig) -> None:
+def _check_memory(config: ScanConfig, num_impls: int) -> None:
     """Refuse a scan whose arrays alone would not fit (`memory.check_memory`)."""
     b = max(config.batch_sizes)
     itemsize = 4 if config.dtype == "float32" else 8
@@ -191,8 +199,10 @@ def _check_memory(config: ScanConfig) -> None:
     inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
     # raw samples and probe samples per B, and the calibration's overhead and probe samples
     rows = config.repeats * (len(config.batch_sizes) + 1) * 2
-    # cache, a concatenation's new arrays, probe (the calibration's probe is as large, not at once)
-    needed = inputs + 3 * kv + rows * 400  # ~400 B per row
+    rows *= num_impls
+    # cache, the oracle's second cache, a concatenation's new arrays, probe (the calibration's probe
+    # is as large, not at once)
+    needed = inputs + 4 * kv + rows * 400  # ~400 B per row
     try:
         check_memory(
             needed,
@@ -204,11 +214,6 @@ def _check_memory(config: ScanConfig) -> None:
         raise UsageError(str(exc)) from None
 
 
-def summary_path(csv_path: Path) -> Path:
-    """`results/benchmark.csv` -> `results/benchmark-summary.csv`."""
-    return csv_path.with_name(f"{csv_path.stem}-summary.csv")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the batch-size scan from parsed flags; writes raw CSV, summary CSV, metadata (and the plot).
 
@@ -216,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
     an output file (the CSV, the summary and metadata beside it, the plot) that cannot be written.
     """
     config = scan_config(args)
-    _check_memory(config)
+    _check_memory(config, len(IMPLS) if args.impl == "all" else 1)
     user = user_prediction(args, config.batch_sizes)
     csv_path: Path = args.csv
     beside = f"--csv {str(csv_path)!r}: the file beside it"
@@ -238,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: UserPrediction) -> int:
     env = capture_environment()
+    impls = resolve_impls(args.impl)
     cpus = os.cpu_count() or 1
     if args.blas_threads is not None and args.blas_threads > cpus:
         print(
@@ -247,41 +253,53 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         )
     if args.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
-    print(setup_card(config, env))
+    print(setup_card(config, env, impls))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",
         "status": "running",
         "config": asdict(config),
+        "impls": list(impls),
         "environment": env,
         "blas_threads_flag": args.blas_threads,
         "probe": "np.dot(buf, buf) over a buffer of kv_bytes_per_step bytes (BLAS dot: one read stream)",
         "probe_samples_ms": {},
         "kv_bytes_per_step": {},
         "oracle_max_abs_error": {},
+        "oracle_max_abs_error_by_impl": {},
         "files": {"raw_csv": str(csv_path), "summary_csv": str(summary_path(csv_path))},
     }
     results: list[BatchResult] = []
+    alive = list(impls)  # an implementation whose oracle fails is not timed again
 
     def flush(status: str) -> None:
         samples = [s for r in results for s in r.samples]
         write_csv_atomic(csv_path, (asdict(s) for s in samples), SAMPLE_FIELDS)
+        if "fused" in impls:
+            from attention_kv_caceh.kernels import compile_seconds
+
+            # First-call compile (or disk-cache load) of each kernel variant, kept out of every sample.
+            meta["kernel_compile_seconds"] = compile_seconds()
         meta["status"] = status
         write_json_atomic(meta_path(csv_path), meta)
         if results:
-            write_csv_atomic(summary_path(csv_path), _table(results), SUMMARY_FIELDS)
+            write_csv_atomic(
+                summary_path(csv_path), summary_rows(scan_result_tables(results)), SUMMARY_FIELDS
+            )
 
     from tqdm import tqdm
 
     inputs = build_inputs(config)
 
     def time_batch(b: int) -> BatchResult:
-        """Check, then time, the step at batch size b (the only line that knows what is timed)."""
-        return run_batch(config, inputs, b)
+        """Check, then time, every live implementation at batch size b (the only line that knows what
+        is timed)."""
+        return run_batch(config, inputs, b, tuple(alive))
 
     try:
-        prediction = predict_before_timing(config, inputs, user, meta, flush)
-        if prediction is None:
+        predictions = predict_before_timing(config, inputs, user, impls, meta, flush)
+        if predictions is None:
             return 1
+        alive[:] = [i for i in alive if i in predictions]
         meta["timing_started_utc"] = utc_now()
         bar = tqdm(
             config.batch_sizes, desc="batch sizes", unit="B", delay=2.0, disable=not sys.stderr.isatty()
@@ -297,10 +315,20 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
                         f"{PROG}: oracle check failed at B={b}, nothing timed for it: {exc}", file=sys.stderr
                     )
                     return 1
+                for impl, message in result.oracle_failures:
+                    alive.remove(impl)
+                    meta.setdefault("oracle_failures", {})[impl] = f"B={b}: {message}"
+                    print(
+                        f"{PROG}: oracle check failed for {impl} at B={b}, nothing timed for it from here "
+                        f"on: {message}",
+                        file=sys.stderr,
+                    )
                 results.append(result)
                 meta["probe_samples_ms"][str(b)] = list(result.probe_samples_ms)
                 meta["kv_bytes_per_step"][str(b)] = result.kv_bytes_per_step
                 meta["oracle_max_abs_error"][str(b)] = result.oracle_max_abs_error
+                for impl, err in result.oracle_errors:
+                    meta["oracle_max_abs_error_by_impl"].setdefault(impl, {})[str(b)] = err
                 flush("running")
     except KeyboardInterrupt:
         with ignoring_sigint():  # a second Ctrl-C must not cut the save short
@@ -314,46 +342,4 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         done = sum(len(r.samples) for r in results)
         print(f"{PROG}: error: out of memory; {done} samples kept in {csv_path}", file=sys.stderr)
         return 1
-
-    table = _table(results)
-    verdict = saturation_verdict(table)
-    meta["saturation"] = verdict
-    outcome = evaluate_scan(prediction, [s for r in results for s in r.samples])
-    meta["prediction_outcome"] = outcome_json(outcome.verdicts, outcome.anomalies) | {
-        "measured_saturation": outcome.measured_saturation
-    }
-    flush("complete")
-    print()
-    print(format_scan_table(table))
-    print(f"\nSaturation: {verdict}")
-    print()
-    print(scan_outcome_text(outcome))
-    print()
-    print(
-        "Oracle: every B matched the float64 per-sequence reference "
-        f"(max |error| {max(r.oracle_max_abs_error for r in results):.2e})"
-    )
-    written = [str(csv_path), str(summary_path(csv_path)), str(meta_path(csv_path))]
-    if args.plot is not None:
-        from attention_kv_caceh.report.plots import plot_scan
-
-        plot_scan(table, args.plot, title=plot_title(config))
-        written.append(str(args.plot))
-    print(f"Wrote {', '.join(written)}")
-    summary = {
-        "raw_csv": str(csv_path),
-        "rows": sum(len(r.samples) for r in results),
-        "saturation": verdict,
-        "p50_ms": {int(r["batch_size"]): round(r["p50_ms"], 6) for r in table},
-        "predictions": {v.name: v.held for v in outcome.verdicts},
-    }
-    print(json.dumps(summary))
-    return 0
-
-
-def _table(results: Sequence[BatchResult]) -> list[dict[str, float]]:
-    return scan_table(
-        [s for r in results for s in r.samples],
-        {r.batch_size: r.probe_samples_ms for r in results},
-        {r.batch_size: r.kv_bytes_per_step for r in results},
-    )
+    return finish_scan(config, args.plot, csv_path, results, predictions, meta, flush)

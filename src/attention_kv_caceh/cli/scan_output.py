@@ -7,13 +7,13 @@ Text only, no I/O; `cli/scan.py` prints it. The prediction's card and its after-
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attention_kv_caceh.experiments.scan import ScanConfig, kv_bytes_per_step
 from attention_kv_caceh.presets import get_preset
 
-__all__ = ["format_scan_table", "plot_title", "setup_card"]
+__all__ = ["format_scan_table", "plot_title", "setup_card", "summary_rows"]
 
 
 def _fmt(value: float, digits: int = 3) -> str:
@@ -22,21 +22,39 @@ def _fmt(value: float, digits: int = 3) -> str:
     return f"{value:.{digits}f}"
 
 
-def format_scan_table(table: Sequence[dict[str, float]]) -> str:
-    """Fixed-width text table of `scan_table` rows."""
+def format_scan_table(tables: Mapping[str, Sequence[dict[str, float]]]) -> str:
+    """Fixed-width text table of `scan_tables` rows (impl -> `scan_table` rows).
+
+    One implementation: the plain table. Several: one row per implementation at each B, side by side
+    (an `impl` column after B), every ratio to the same B's probe.
+    """
+    several = len(tables) > 1
+    impl_head = f" {'impl':<10}" if several else ""
     header = (
-        f"{'B':>4} {'P50 ms':>9} {'P95 ms':>9} {'min ms':>9} {'max ms':>9} {'ms/seq':>9} "
+        f"{'B':>4}{impl_head} {'P50 ms':>9} {'P95 ms':>9} {'min ms':>9} {'max ms':>9} {'ms/seq':>9} "
         f"{'positions/s':>13} {'speedup':>8} {'KV GB/s':>8} {'probe GB/s':>10} {'ratio':>6}"
     )
     lines = [header, "-" * len(header)]
-    for r in table:
+    rows = [(int(r["batch_size"]), i, impl, r) for i, (impl, t) in enumerate(tables.items()) for r in t]
+    for b, _, impl, r in sorted(rows, key=lambda x: (x[0], x[1])):
+        cell = f" {impl:<10}" if several else ""
         lines.append(
-            f"{int(r['batch_size']):>4} {r['p50_ms']:>9.4f} {r['p95_ms']:>9.4f} {r['min_ms']:>9.4f} "
+            f"{b:>4}{cell} {r['p50_ms']:>9.4f} {r['p95_ms']:>9.4f} {r['min_ms']:>9.4f} "
             f"{r['max_ms']:>9.4f} {r['per_sequence_ms']:>9.4f} {r['positions_per_s']:>13,.0f} "
             f"{r['speedup']:>7.2f}x {_fmt(r['kv_read_gb_s'], 2):>8} {_fmt(r['probe_read_gb_s'], 2):>10} "
             f"{_fmt(r['bandwidth_ratio'], 2):>6}"
         )
     return "\n".join(lines)
+
+
+def summary_rows(tables: Mapping[str, Sequence[dict[str, float]]]) -> list[dict[str, object]]:
+    """The summary CSV's rows: per B (ascending), one row per implementation in `tables`' order."""
+    rows: list[tuple[int, int, dict[str, object]]] = []
+    for i, (impl, t) in enumerate(tables.items()):
+        for r in t:
+            row: dict[str, object] = {"impl": impl, **r}
+            rows.append((int(r["batch_size"]), i, row))
+    return [row for _, _, row in sorted(rows, key=lambda x: (x[0], x[1]))]
 
 
 def _blas_line(env: dict[str, Any]) -> str:
@@ -45,7 +63,7 @@ def _blas_line(env: dict[str, Any]) -> str:
     return text or "none found"
 
 
-def setup_card(config: ScanConfig, env: dict[str, Any]) -> str:
+def setup_card(config: ScanConfig, env: dict[str, Any], impls: Sequence[str] = ("numpy",)) -> str:
     itemsize = 4 if config.dtype == "float32" else 8
     lines = [
         "Batch-size scan: one decode step = append 1 position to the KV cache, attend over T+1",
@@ -53,6 +71,13 @@ def setup_card(config: ScanConfig, env: dict[str, Any]) -> str:
         f"T={config.seq_len}, D={config.head_dim}, {config.dtype}, {config.cache} cache"
         + (f", model {config.model} (one layer)" if config.model else ""),
         f"  timing   {config.warmup} warm-up + {config.repeats} timed calls per B, seed {config.seed}",
+        *(
+            [
+                f"  impls    {', '.join(impls)}, checked then timed at every B in this order; fused, torch-sdpa: 1 thread"
+            ]
+            if len(impls) > 1 or impls[0] != "numpy"
+            else []
+        ),
         f"  BLAS     {_blas_line(env)}",
         f"  CPU      {env['cpu_model']} ({env['cpu_count']} logical CPUs)",
         f"  KV read  {kv_bytes_per_step(config, 1) / 1e6:.3f} MB per step per sequence "

@@ -4,8 +4,9 @@ and printed before the first timed sample.
 `cli/scan.py` calls `add_prediction_arguments` from its own `add_arguments`, `user_prediction` in its
 up-front checks (a saturation no scan could measure is a usage error, exit 2, nothing touched), and
 `predict_before_timing` after the inputs are built and before its per-B loop: the calibration
-(`experiments.calibration.calibrate`: the call overhead at B = 1, T = 1 and the read probe), the
-prediction in the metadata on disk, then its card on stdout. The computation lives in
+(`experiments.calibration.calibrate`: the call overhead of each timed implementation at B = 1, T = 1
+and the read probe), one prediction per implementation in the metadata on disk, then the cards on
+stdout. The computation lives in
 `experiments/prediction*.py`; this module only parses, prints and saves.
 """
 
@@ -86,26 +87,43 @@ def predict_before_timing(
     config: ScanConfig,
     inputs: ScanInputs,
     user: UserPrediction,
+    impls: Sequence[str],
     meta: dict[str, Any],
     flush: Callable[[str], None],
-) -> ScanPrediction | None:
-    """Calibrate, then write the prediction to the metadata on disk and print it, before any B is timed.
+) -> dict[str, ScanPrediction] | None:
+    """Calibrate each implementation, then write its prediction to the metadata on disk and print it,
+    before any B is timed. Returns impl -> prediction, in `impls` order.
 
-    Returns None after saving `status: oracle-failed` and printing one line when the calibration's own
-    oracle check fails (nothing timed).
+    Every implementation's calibration times its own step at B = 1, T = 1; all share the first one's
+    read probe. An implementation whose calibration oracle fails is left out (one line on stderr,
+    recorded under `oracle_failures` in the metadata) and must not be timed. Returns None after saving
+    `status: oracle-failed` when every one failed (nothing timed). The metadata gets `predictions`
+    (impl -> record) and, as before, `prediction`: the first implementation's.
     """
-    try:
-        calibration = calibrate(config, inputs)
-    except OracleMismatch as exc:
+    predictions: dict[str, ScanPrediction] = {}
+    probe: tuple[float, ...] | None = None
+    for impl in impls:
+        try:
+            calibration = calibrate(config, inputs, impl, probe)
+        except OracleMismatch as exc:
+            meta.setdefault("oracle_failures", {})[impl] = f"calibration (B=1, T=1): {exc}"
+            print(
+                f"{PROG}: oracle check failed in the calibration of {impl} (B=1, T=1), nothing timed "
+                f"for it: {exc}",
+                file=sys.stderr,
+            )
+            continue
+        probe = calibration.probe_samples_ms
+        predictions[impl] = make_scan_prediction(config, calibration, user)
+    if not predictions:
         flush("oracle-failed")
-        print(
-            f"{PROG}: oracle check failed in the calibration (B=1, T=1), nothing timed: {exc}",
-            file=sys.stderr,
-        )
         return None
-    prediction = make_scan_prediction(config, calibration, user)
-    meta["prediction"] = prediction.to_json()
+    meta["prediction"] = next(iter(predictions.values())).to_json()
+    meta["predictions"] = {impl: p.to_json() for impl, p in predictions.items()}
     flush("running")  # on disk before the first timed sample
-    print()
-    print(prediction_card(prediction), flush=True)  # flushed: a pipe must show it before the timing
-    return prediction
+    for impl, prediction in predictions.items():
+        print()
+        if len(impls) > 1:
+            print(f"[{impl}]")
+        print(prediction_card(prediction), flush=True)  # flushed: a pipe must show it before the timing
+    return predictions

@@ -1,8 +1,9 @@
 """What the roofline prediction is built from, measured before an experiment times anything.
 
 Two figures (the notes, 6.4: predict before measuring): the fixed per-call cost of a decode step,
-taken at the smallest shape (B = 1, T = 1), and the read bandwidth of the scan's probe
-(`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
+taken at the smallest shape (B = 1, T = 1) with the implementation whose P50s are predicted (NumPy,
+the fused kernel and torch each have their own fixed cost), and the read bandwidth of the scan's
+probe (`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
 `prediction` can state P50(B) = overhead + bytes / bandwidth before the first timed sample.
 
 Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached positions, D head dim.
@@ -10,14 +11,14 @@ Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from attention_kv_caceh.attention import multihead_decode_step
-from attention_kv_caceh.cache import make_cache
+from attention_kv_caceh.cache import DynamicKVCache, PreallocatedKVCache, make_cache
 from attention_kv_caceh.experiments.scan import ScanConfig, ScanInputs, build_inputs, kv_bytes_per_step
-from attention_kv_caceh.oracle import check_decode_batch
+from attention_kv_caceh.experiments.scan_impls import check_step, make_step
 from attention_kv_caceh.timing import measure, summarize_samples
 
 __all__ = ["Calibration", "bytes_moved_per_step", "calibrate", "read_probe"]
@@ -82,31 +83,47 @@ class Calibration:
         return max(0.0, p50 - self.overhead_bytes / self.bandwidth_bytes_per_ms)
 
 
-def calibrate(config: ScanConfig, inputs: ScanInputs | None = None) -> Calibration:
+def calibrate(
+    config: ScanConfig,
+    inputs: ScanInputs | None = None,
+    impl: str = "numpy",
+    probe_samples_ms: Sequence[float] | None = None,
+) -> Calibration:
     """Measure the per-call overhead and the read bandwidth before the scan times any batch size.
 
-    The overhead shape (B = 1, T = 1) is checked against the float64 reference first (OracleMismatch
-    on disagreement), warmed up and timed like `run_batch`; the probe times `np.dot` over
-    kv_bytes_per_step(config, max B) bytes. Uses config.warmup and config.repeats.
+    The overhead is `impl`'s own step (`scan_impls.IMPLS`: the implementation whose P50s are
+    predicted) at the smallest shape (B = 1, T = 1): checked first by its oracle (`scan_impls.check_step`,
+    OracleMismatch on disagreement), compiled where it needs to be, warmed up and timed like
+    `run_batch`. The probe times `np.dot` over kv_bytes_per_step(config, max B) bytes, unless
+    `probe_samples_ms` (an earlier probe over those bytes, e.g. another implementation's calibration)
+    is given, so several implementations' predictions share one bandwidth. Uses config.warmup and
+    config.repeats. Raises ValueError for an unknown impl.
     """
     inputs = build_inputs(config) if inputs is None else inputs
     q_t = np.ascontiguousarray(inputs.q_t[:1])  # [1, H, 1, D]
     k_t = np.ascontiguousarray(inputs.k_t[:1])  # [1, H_kv, 1, D]
     v_t = np.ascontiguousarray(inputs.v_t[:1])
-    cache = make_cache(
-        config.cache, 1, config.num_kv_heads, config.head_dim, max_seq_len=2, dtype=config.dtype
-    )
-    cache.append(
-        np.ascontiguousarray(inputs.k_prefix[:1, :, :1]), np.ascontiguousarray(inputs.v_prefix[:1, :, :1])
-    )  # [1, H_kv, 1, D]: T = 1
-    output, weights = multihead_decode_step(q_t, k_t, v_t, cache)  # [1, H, 1, D], [1, H, 1, 2]
-    check_decode_batch(q_t, cache.keys, cache.values, output, weights)
+    step = make_step(impl, q_t)
+
+    def one_position() -> DynamicKVCache | PreallocatedKVCache:
+        cache = make_cache(
+            config.cache, 1, config.num_kv_heads, config.head_dim, max_seq_len=2, dtype=config.dtype
+        )
+        cache.append(
+            np.ascontiguousarray(inputs.k_prefix[:1, :, :1]), np.ascontiguousarray(inputs.v_prefix[:1, :, :1])
+        )  # [1, H_kv, 1, D]: T = 1
+        return cache
+
+    cache = one_position()
+    if step.prepare is not None:
+        step.prepare(q_t, k_t, v_t, cache)
+    check_step(step, q_t, k_t, v_t, cache, one_position)
 
     def rewind() -> None:
         cache.truncate(1)
 
     overhead = measure(
-        multihead_decode_step,
+        step.fn,
         q_t,
         k_t,
         v_t,
@@ -116,12 +133,15 @@ def calibrate(config: ScanConfig, inputs: ScanInputs | None = None) -> Calibrati
         setup=rewind,
     )
     nbytes = kv_bytes_per_step(config, max(config.batch_sizes))
-    probe_ms = read_probe(nbytes, config.dtype, warmup=config.warmup, repeats=config.repeats)
+    if probe_samples_ms is None:
+        probe_samples_ms = read_probe(nbytes, config.dtype, warmup=config.warmup, repeats=config.repeats)
     shape = (
         f"B=1, T=1, H={config.num_heads}, H_kv={config.num_kv_heads}, D={config.head_dim}, "
-        f"{config.dtype}, {config.cache} cache"
+        f"{config.dtype}, {config.cache} cache, {impl} step"
     )
-    return Calibration(shape, bytes_moved_per_step(config, 1, 1), tuple(overhead), nbytes, tuple(probe_ms))
+    return Calibration(
+        shape, bytes_moved_per_step(config, 1, 1), tuple(overhead), nbytes, tuple(probe_samples_ms)
+    )
 
 
 def read_probe(nbytes: int, dtype: str, *, warmup: int = 3, repeats: int = 30) -> list[float]:

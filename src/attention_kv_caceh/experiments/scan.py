@@ -7,9 +7,11 @@ attention over the cache and the cache's own append cost (the copy of a Dynamic 
 of a Preallocated one).
 
 Order (notes, 6.4): inputs built once from the seed and shared by every B (the first B sequences of one
-`[B_max, ...]` set) -> the step's output checked against a float64 per-sequence reference -> warm-up ->
-timed raw samples (the cache is rewound to T outside the timed region before every call) -> a read-
-bandwidth probe over as many bytes as the step reads from the cache, in the same run.
+`[B_max, ...]` set) -> per implementation (`scan_impls`: numpy, fused, torch-sdpa, in that order)
+the step's output checked against a float64 per-sequence reference -> warm-up -> timed raw samples
+(the cache is rewound to T outside the timed region before every call) -> after the last
+implementation, a read-bandwidth probe over as many bytes as the step reads from the cache, in the
+same run.
 
 Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached positions, D head dim.
 """
@@ -25,9 +27,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.attention import multihead_decode_step
-from attention_kv_caceh.cache import make_cache
-from attention_kv_caceh.oracle import OracleMismatch, check_decode_batch
+from attention_kv_caceh.cache import DynamicKVCache, PreallocatedKVCache, make_cache
+from attention_kv_caceh.experiments.scan_impls import IMPLS, check_step, make_step
+from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import kv_cache_bytes
 from attention_kv_caceh.timing import Sample, measure, summarize_samples
 
@@ -42,10 +44,12 @@ __all__ = [
     "doubling_gains",
     "iter_scan",
     "kv_bytes_per_step",
+    "prefilled_cache",
     "run_batch",
     "saturation_point",
     "saturation_verdict",
     "scan_table",
+    "scan_tables",
 ]
 
 FloatArray = npt.NDArray[np.floating[Any]]
@@ -53,6 +57,7 @@ FloatArray = npt.NDArray[np.floating[Any]]
 SAMPLE_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(Sample))
 SUMMARY_FIELDS: tuple[str, ...] = (
     "batch_size",
+    "impl",
     "sequence_length",
     "count",
     "p50_ms",
@@ -134,13 +139,20 @@ class ScanInputs:
 
 @dataclass(frozen=True)
 class BatchResult:
-    """What one batch size produced: its raw samples, probe samples and the oracle's verdict."""
+    """What one batch size produced: its raw samples, probe samples and the oracle's verdict.
+
+    samples: every implementation's, tagged by `Sample.impl`; oracle_max_abs_error: the largest over
+    the implementations timed; oracle_errors: (impl, max |error| vs float64) per implementation timed;
+    oracle_failures: (impl, message) per implementation whose oracle failed (nothing timed for it).
+    """
 
     batch_size: int
     samples: tuple[Sample, ...]
     probe_samples_ms: tuple[float, ...]
     kv_bytes_per_step: int
     oracle_max_abs_error: float
+    oracle_errors: tuple[tuple[str, float], ...] = ()
+    oracle_failures: tuple[tuple[str, str], ...] = ()
 
 
 def kv_bytes_per_step(config: ScanConfig, batch_size: int) -> int:
@@ -173,16 +185,11 @@ def build_inputs(config: ScanConfig) -> ScanInputs:
     )
 
 
-def run_batch(config: ScanConfig, inputs: ScanInputs, batch_size: int) -> BatchResult:
-    """Check, then time, one decode step at `batch_size`; then time the read-bandwidth probe.
-
-    Raises OracleMismatch (an AssertionError) when the batched step disagrees with the per-sequence
-    float64 reference or has the wrong shape; nothing is timed in that case.
-    """
+def prefilled_cache(
+    config: ScanConfig, inputs: ScanInputs, batch_size: int
+) -> DynamicKVCache | PreallocatedKVCache:
+    """A cache of config.cache kind holding the first `batch_size` sequences' T prefix positions."""
     b, t = batch_size, config.seq_len
-    q_t = np.ascontiguousarray(inputs.q_t[:b])  # [B, H, 1, D]
-    k_t = np.ascontiguousarray(inputs.k_t[:b])  # [B, H_kv, 1, D]
-    v_t = np.ascontiguousarray(inputs.v_t[:b])
     cache = make_cache(
         config.cache,
         b,
@@ -193,54 +200,94 @@ def run_batch(config: ScanConfig, inputs: ScanInputs, batch_size: int) -> BatchR
     )
     cache.append(
         np.ascontiguousarray(inputs.k_prefix[:b]), np.ascontiguousarray(inputs.v_prefix[:b])
-    )  # prefill: the cache now holds T positions
+    )  # prefill: the cache now holds T positions, [B, H_kv, T, D]
+    return cache
 
+
+def _time_impl(
+    config: ScanConfig, inputs: ScanInputs, batch_size: int, impl: str
+) -> tuple[list[float], float]:
+    """Oracle, then the timed samples (ms) of one implementation at one B; (samples, max |error|).
+
+    Raises OracleMismatch (nothing timed) when `scan_impls.check_step` fails.
+    """
+    b, t = batch_size, config.seq_len
+    q_t = np.ascontiguousarray(inputs.q_t[:b])  # [B, H, 1, D]
+    k_t = np.ascontiguousarray(inputs.k_t[:b])  # [B, H_kv, 1, D]
+    v_t = np.ascontiguousarray(inputs.v_t[:b])
+    step = make_step(impl, q_t)
+    cache = prefilled_cache(config, inputs, b)
+    if step.prepare is not None:
+        step.prepare(q_t, k_t, v_t, cache)  # compile outside the oracle and the timed region
     # Oracle and shape checks before any timing.
-    output, weights = multihead_decode_step(q_t, k_t, v_t, cache)  # [B, H, 1, D], [B, H, 1, T+1]
-    if cache.length != t + 1:
-        raise OracleMismatch(f"cache length {cache.length} after one step, expected {t + 1}")
-    keys, values = cache.keys, cache.values  # [B, H_kv, T+1, D]
-    max_err = check_decode_batch(q_t, keys, values, output, weights)
-    if output.dtype != np.dtype(config.dtype):
-        raise OracleMismatch(f"output dtype {output.dtype} != input dtype {config.dtype}")
+    max_err = check_step(step, q_t, k_t, v_t, cache, lambda: prefilled_cache(config, inputs, b))
 
     def rewind() -> None:
         cache.truncate(t)  # O(1): back to T cached positions, so every sample times the same step
 
     samples_ms = measure(
-        multihead_decode_step,
-        q_t,
-        k_t,
-        v_t,
-        cache,
-        warmup=config.warmup,
-        repeats=config.repeats,
-        setup=rewind,
+        step.fn, q_t, k_t, v_t, cache, warmup=config.warmup, repeats=config.repeats, setup=rewind
     )
+    return samples_ms, max_err
+
+
+def run_batch(
+    config: ScanConfig, inputs: ScanInputs, batch_size: int, impls: Sequence[str] = ("numpy",)
+) -> BatchResult:
+    """Check, then time, one decode step at `batch_size` per implementation; then the read probe.
+
+    The implementations (`scan_impls.IMPLS`) run one after another in the given order, each checked
+    by its oracle (`scan_impls.check_step`) before it is timed; one that fails is not timed and is
+    listed in `oracle_failures`. Raises OracleMismatch (an AssertionError) when every implementation
+    failed (nothing was timed, not even the probe); ValueError for no or unknown implementations.
+    """
+    if not impls or any(i not in IMPLS for i in impls):
+        raise ValueError(f"impls must be a non-empty subset of {IMPLS}, got {list(impls)}")
+    b, t = batch_size, config.seq_len
+    samples: list[Sample] = []
+    errors: list[tuple[str, float]] = []
+    failures: list[tuple[str, str]] = []
+    for impl in impls:
+        try:
+            samples_ms, max_err = _time_impl(config, inputs, b, impl)
+        except OracleMismatch as exc:
+            failures.append((impl, str(exc)))
+            continue
+        errors.append((impl, max_err))
+        samples += [
+            Sample(
+                batch_size=b,
+                sequence_length=t,
+                elapsed_ms=ms,
+                repeat=i,
+                num_heads=config.num_heads,
+                num_kv_heads=config.num_kv_heads,
+                head_dim=config.head_dim,
+                dtype=config.dtype,
+                cache=config.cache,
+                model=config.model,
+                seed=config.seed,
+                warmup=config.warmup,
+                impl=impl,
+            )
+            for i, ms in enumerate(samples_ms)
+        ]
+    if not errors:
+        raise OracleMismatch("; ".join(message for _, message in failures))
 
     nbytes = kv_bytes_per_step(config, b)
     probe = np.ones(nbytes // np.dtype(config.dtype).itemsize, dtype=config.dtype)
     # A BLAS dot product streams the buffer once: the fastest plain read we found on this machine.
     probe_ms = measure(np.dot, probe, probe, warmup=config.warmup, repeats=config.repeats)
-
-    samples = tuple(
-        Sample(
-            batch_size=b,
-            sequence_length=t,
-            elapsed_ms=ms,
-            repeat=i,
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            dtype=config.dtype,
-            cache=config.cache,
-            model=config.model,
-            seed=config.seed,
-            warmup=config.warmup,
-        )
-        for i, ms in enumerate(samples_ms)
+    return BatchResult(
+        b,
+        tuple(samples),
+        tuple(probe_ms),
+        nbytes,
+        max(e for _, e in errors),
+        tuple(errors),
+        tuple(failures),
     )
-    return BatchResult(b, samples, tuple(probe_ms), nbytes, max_err)
 
 
 def iter_scan(config: ScanConfig, inputs: ScanInputs | None = None) -> Iterator[BatchResult]:
@@ -266,10 +313,14 @@ def scan_table(
     = the same bytes / P50 of the probe; bandwidth_ratio = kv_read / probe_read. Bandwidth columns are
     NaN where the probe samples or byte counts are not given. Rows are sorted by B.
 
-    Raises ValueError for no samples, or for samples of one B with different sequence lengths.
+    Raises ValueError for no samples, samples of more than one implementation (`scan_tables` splits
+    them), or samples of one B with different sequence lengths.
     """
     if not samples:
         raise ValueError("scan_table needs at least one sample")
+    impls = sorted({s.impl for s in samples})
+    if len(impls) > 1:
+        raise ValueError(f"samples mix implementations {impls}: summarise each alone (scan_tables)")
     by_b: dict[int, list[Sample]] = {}
     for s in samples:
         by_b.setdefault(s.batch_size, []).append(s)
@@ -310,6 +361,22 @@ def scan_table(
     for row in rows:
         row["speedup"] = row["positions_per_s"] / base
     return rows
+
+
+def scan_tables(
+    samples: Sequence[Sample],
+    probe_samples_ms: Mapping[int, Sequence[float]] | None = None,
+    kv_bytes: Mapping[int, int] | None = None,
+) -> dict[str, list[dict[str, float]]]:
+    """`scan_table` per implementation (`Sample.impl`), in IMPLS order (unknown names after, sorted).
+
+    Every implementation's ratio is to the same per-B probe. Raises ValueError as scan_table does.
+    """
+    by_impl: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_impl.setdefault(s.impl, []).append(s)
+    order = [i for i in IMPLS if i in by_impl] + sorted(set(by_impl) - set(IMPLS))
+    return {impl: scan_table(by_impl[impl], probe_samples_ms, kv_bytes) for impl in order}
 
 
 def saturation_verdict(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> str:

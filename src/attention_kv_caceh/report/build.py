@@ -106,9 +106,17 @@ def _scan(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -
     probe = int_keyed(meta, "probe_samples_ms", meta_name, b.result.problems)
     kv = int_keyed(meta, "kv_bytes_per_step", meta_name, b.result.problems)
     text, table = scan_section(path.name, samples, probe, kv)
-    if (prediction := _prediction(meta)) is not None:
-        section, problem = scan_prediction_section(prediction, samples)
-        text += section
+    impls = list(dict.fromkeys(s.impl for s in samples))
+    by_impl = meta.get("predictions") if meta is not None and len(impls) > 1 else None
+    if isinstance(by_impl, dict):  # `--impl all`: one prediction per implementation, each on its rows
+        pairs = [(i, typing.cast("dict[str, Any]", by_impl).get(i)) for i in impls]
+    else:
+        pairs = [(impls[0], _prediction(meta))]
+    for impl, prediction in pairs:
+        if prediction is None:
+            continue
+        section, problem = scan_prediction_section(prediction, [s for s in samples if s.impl == impl])
+        text += (f"\n**{impl}**\n" if len(pairs) > 1 else "") + section
         if problem:
             b.result.problems.append(FileProblem(meta_name, problem))
     if b.plot:

@@ -31,6 +31,7 @@ __all__ = [
     "DERIVED",
     "IDENTITY",
     "KINDS",
+    "OPTIONAL_COLUMNS",
     "SLOT",
     "classify_header",
     "parse_csv",
@@ -52,6 +53,9 @@ KINDS: dict[str, tuple[str, ...]] = {
     "cache-memory": _field_names(CacheMemoryRow),
     "views": _field_names(ViewRow),
 }
+# Columns a raw file may lack because it was written before they existed, and the value they then
+# have: a scan CSV without `impl` timed NumPy's step (the only one before `--impl`).
+OPTIONAL_COLUMNS: dict[str, str] = {"impl": "numpy"}
 CLASSES: dict[str, type[Any]] = {
     "scan": Sample,
     "cache": CacheStepSample,
@@ -97,7 +101,7 @@ IDENTITY: dict[str, tuple[str, ...]] = {
 # What names one measurement within a run: two rows that share it are duplicates (counted twice in
 # every statistic), and reject the file. The remaining columns are the measured values.
 SLOT: dict[str, tuple[str, ...]] = {
-    "scan": ("batch_size", "repeat"),
+    "scan": ("batch_size", "impl", "repeat"),
     "cache": ("cache", "repeat", "step"),
     "cache-memory": ("cache", "step"),
 }
@@ -127,11 +131,12 @@ DERIVED = {
 def classify_header(header: Sequence[str]) -> str | None:
     """The kind of a CSV from its header: a key of KINDS, "derived:<name>", or None when unknown.
 
-    A raw kind matches when the header holds exactly its columns (in any order).
+    A raw kind matches when the header holds exactly its columns (in any order), or all of them but
+    some of OPTIONAL_COLUMNS (an older file).
     """
     columns = set(header)
     for kind, names in KINDS.items():
-        if columns == set(names):
+        if columns <= set(names) and set(names) - columns <= OPTIONAL_COLUMNS.keys():
             return kind
     for name, needed in DERIVED.items():
         if needed <= columns:
@@ -182,7 +187,8 @@ POSITIVE = ("elapsed_ms",)
 
 def _row_parser(cls: type[T], header: Sequence[str]) -> Callable[[int, Sequence[str | None]], T]:
     """A function (data row number, cells in header order) -> instance of `cls`; raises ValueError
-    naming the row and column of the first bad or missing value. Repeated strings (dtype, cache kind)
+    naming the row and column of the first bad or missing value; a column of OPTIONAL_COLUMNS that the
+    header lacks takes its value there. Repeated strings (dtype, cache kind)
     are shared between rows, so a large file does not hold one copy per row."""
     spec: Any = cls
     if not is_dataclass(spec):
@@ -196,6 +202,8 @@ def _row_parser(cls: type[T], header: Sequence[str]) -> Callable[[int, Sequence[
         values: list[Any] = []
         for name, at, kind in columns:
             raw = cells[at] if at is not None and at < len(cells) else None
+            if at is None and name in OPTIONAL_COLUMNS:
+                raw = OPTIONAL_COLUMNS[name]  # the header lacks the column: an older file
             if raw is None:
                 raise ValueError(f"row {i}: column {name!r} is missing")
             try:

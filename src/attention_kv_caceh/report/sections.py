@@ -136,17 +136,39 @@ def scan_section(
     probe: Mapping[int, Sequence[float]] | None,
     kv: Mapping[int, int] | None,
 ) -> tuple[str, list[dict[str, float]]]:
-    """The section of one batch-size scan CSV and its `scan.scan_table` rows (for the plot).
+    """The section of one batch-size scan CSV and its first implementation's `scan.scan_table` rows
+    (for the plot).
 
     `samples` are the file's raw rows (at least one); `probe` (B -> read-bandwidth probe samples, ms)
     and `kv` (B -> KV bytes read per step) come from its metadata, None where unknown (the bandwidth
-    columns are then n/a). Raises ValueError from `scan_table` on inconsistent samples.
+    columns are then n/a). A file of several implementations (`--impl all`) gets one part per
+    implementation (`Sample.impl`), each against the same probe. Raises ValueError from `scan_table`
+    on inconsistent samples.
     """
+    by_impl: dict[str, list[Sample]] = {}
+    for s in samples:
+        by_impl.setdefault(s.impl, []).append(s)
+    parts = [
+        _scan_part(
+            f"`{name}`" + (f", {impl}" if len(by_impl) > 1 or impl != "numpy" else ""), group, probe, kv
+        )
+        for impl, group in by_impl.items()
+    ]
+    return "\n".join(text for text, _ in parts), parts[0][1]
+
+
+def _scan_part(
+    title: str,
+    samples: list[Sample],
+    probe: Mapping[int, Sequence[float]] | None,
+    kv: Mapping[int, int] | None,
+) -> tuple[str, list[dict[str, float]]]:
+    """`scan_section` for the samples of one implementation."""
     table = scan_table(samples, probe, kv)
     verdict = saturation_verdict(table)
     first = samples[0]
     out = [
-        f"### Batch-size scan: `{name}`\n",
+        f"### Batch-size scan: {title}\n",
         f"{len(samples)} raw samples; T = {table[0]['sequence_length']:.0f}, H = {first.num_heads}, "
         f"H_kv = {first.num_kv_heads}, D = {first.head_dim}, {first.dtype}, {first.cache} cache"
         + (f", model {first.model}" if first.model else "")
