@@ -238,7 +238,10 @@ class PagedKernelTest(unittest.TestCase):
         rng = np.random.default_rng(11)
         lens = [2100, 1, 700]
         for dtype in DTYPES:
-            k, v = normal(rng, 3, 2, max(lens), 24, dtype=dtype), normal(rng, 3, 2, max(lens), 24, dtype=dtype)
+            k, v = (
+                normal(rng, 3, 2, max(lens), 24, dtype=dtype),
+                normal(rng, 3, 2, max(lens), 24, dtype=dtype),
+            )
             q = normal(rng, 3, 6, 24, dtype=dtype) * 2  # G = 3
             for block_size in (1, 2047):
                 with self.subTest(dtype=dtype, block_size=block_size):

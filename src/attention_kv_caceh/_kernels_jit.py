@@ -68,7 +68,8 @@ def _float32_from_bits(typingctx, bits):
         return None
 
     def codegen(context, builder, signature, args):
-        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        width = signature.args[0].bitwidth
+        low = builder.trunc(args[0], ir.IntType(32)) if width > 32 else args[0]
         return builder.bitcast(low, ir.FloatType())
 
     return types.float32(bits), codegen
@@ -93,7 +94,8 @@ def _exp_f32(x):
     r = (x - n * _LN2_HI) - n * _LN2_LO
     p = ((((_EXP_P[0] * r + _EXP_P[1]) * r + _EXP_P[2]) * r + _EXP_P[3]) * r + _EXP_P4) * r + _EXP_P5
     y = p * r * r + r + _ONE
-    return y * _float32_from_bits((np.int64(n) + 127) << 23)  # 2^n, n in [-126, 0]
+    two_n = _float32_from_bits((np.int64(n) + 127) << 23)  # pyright: ignore[reportCallIssue]  # 2^n, n >= -126
+    return y * two_n
 
 
 def _exp_nonpositive(x):
@@ -107,6 +109,7 @@ def _exp_nonpositive_impl(x):
         return lambda x: _exp_f32(x)
     return lambda x: math.exp(x)
 
+
 # Reassociation lets LLVM vectorise the dot-product reduction over D; no nnan/ninf, because the
 # running max starts at -inf and exp(-inf) = 0 must stay exact.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -117,7 +120,7 @@ _JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "num
 def _prefetch_row(a, row, d_count):
     """Prefetch row `row` ([D] elements) of a C-contiguous [rows, ..., D] buffer, past its end too."""
     for c in range(0, d_count, _LINE_BYTES // a.itemsize):
-        _prefetch(a, row * d_count + c)
+        _prefetch(a, row * d_count + c)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
 
 
 @numba.njit(**_JIT)
