@@ -54,10 +54,12 @@ bytes, at B=4, H=H_kv=8, T=4097, D=128, float32, one thread, unless said otherwi
 Before and after this module's current version, alternating the two in one session (`scripts/
 bench_kernels.py --shapes large --rounds 4 --repeats 5`, CPU-time medians, two runs each, load 5-6):
 fused contiguous 0.70 and 0.77 -> 0.85 and 0.90; paged (BS=16, shuffled) 0.52 and 0.55 -> 0.69 and
-0.73; NumPy path 0.71-0.77; probe 34-40 GB/s. The issue's contiguous target (>= 0.9) is reached in
-some runs and missed by up to 0.05 in others; the paged target (>= 0.85) is not reached on this
-machine. Default shape (B=1..8, T=129, D=64): fused 0.007-0.024 ms, paged 0.004-0.021 ms, NumPy path
-0.027-0.046 ms per step. A quiet machine should re-run the script.
+0.73; NumPy path 0.71-0.77; probe 34-40 GB/s. Over all five runs of the current version (load 5-8):
+fused 0.75, 0.82, 0.85, 0.87, 0.90 (median 0.85), paged 0.67-0.73 (median 0.70). The issue's
+contiguous target (>= 0.9) is reached in some runs only; the paged target (>= 0.85) is not reached
+on this machine. Default shape (B=1..8, T=129, D=64): fused 0.006-0.026 ms, paged 0.004-0.022 ms,
+NumPy path 0.026-0.053 ms per step (CPU time), so both kernels stay 2-6x faster than NumPy there.
+A quiet machine should re-run the script.
 
 Compile time: each kernel is compiled at its first call for the argument types it gets (dtype, and
 C-contiguous or strided layout) and cached on disk (`cache=True`). Numba writes the cache to
