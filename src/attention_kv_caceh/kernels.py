@@ -49,7 +49,8 @@ bytes, at B=4, H=H_kv=8, T=4097, D=128, float32, one thread, unless said otherwi
   about 0.85 of a probe over K's bytes, the V pass alone at 0.64-0.66 (contiguous: 0.8-0.95): V's
   eight rows of one head lie H_kv * D elements (4 KiB) apart. Tried for V and no better or worse:
   16, 6, 4, 2 or 1 rows per pass over acc, head-major order, memory order with one row per pass,
-  offset or padded scratch (4 KiB aliasing), prefetching as above. With blocks in table order instead
+  offset or padded scratch (4 KiB aliasing), prefetching as above, copying each V block into a
+  head-major scratch first (0.55). With blocks in table order instead
   of shuffled the paged kernel ran 0.79, so part of the gap is the jump between blocks.
 Before and after this module's current version, alternating the two in one session (`scripts/
 bench_kernels.py --shapes large --rounds 4 --repeats 5`, CPU-time medians, two runs each, load 5-6):
