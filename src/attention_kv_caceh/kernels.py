@@ -50,8 +50,9 @@ bytes, at B=4, H=H_kv=8, T=4097, D=128, float32, one thread, unless said otherwi
   eight rows of one head lie H_kv * D elements (4 KiB) apart. Tried for V and no better or worse:
   16, 6, 4, 2 or 1 rows per pass over acc, head-major order, memory order with one row per pass,
   offset or padded scratch (4 KiB aliasing), prefetching as above, copying each V block into a
-  head-major scratch first (0.55). With blocks in table order instead
-  of shuffled the paged kernel ran 0.79, so part of the gap is the jump between blocks.
+  head-major scratch first (0.55). With blocks in table order instead of shuffled the paged kernel
+  ran 0.79 (K pass alone 0.89, V pass alone still 0.60): the jumps between blocks cost the K pass
+  about 0.05, and the V pass's strided rows are the rest of the gap.
 Before and after this module's current version, alternating the two in one session (`scripts/
 bench_kernels.py --shapes large --rounds 4 --repeats 5`, CPU-time medians, two runs each, load 5-6):
 fused contiguous 0.70 and 0.77 -> 0.85 and 0.90; paged (BS=16, shuffled) 0.52 and 0.55 -> 0.69 and
