@@ -100,6 +100,16 @@ class ContiguousKernelTest(unittest.TestCase):
                 decode_attention(q, k, v), reference_rows(q, k, v), rtol=rtol, atol=atol
             )
 
+    def test_float32_weights_far_below_the_max_match_float64(self) -> None:
+        # Large scores put most weights far below the max (the float32 exp polynomial's clamped range);
+        # T = one chunk + 13 leaves a partial chunk and a partial group of eight V rows; G = 3.
+        rng = np.random.default_rng(10)
+        t, d = CONTIGUOUS_CHUNK + 13, 64
+        q = normal(rng, 2, 6, d) * 20  # scores of order +-160
+        k, v = normal(rng, 2, 2, t, d), normal(rng, 2, 2, t, d)
+        rtol, atol = tolerance_for(np.float32, d + t)
+        np.testing.assert_allclose(decode_attention(q, k, v), reference_rows(q, k, v), rtol=rtol, atol=atol)
+
     def test_strided_cache_view_gives_the_contiguous_result(self) -> None:
         rng = np.random.default_rng(2)
         q = normal(rng, 3, 4, 16)
@@ -221,6 +231,26 @@ class PagedKernelTest(unittest.TestCase):
                     expected = reference_rows(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n])
                     rtol, atol = tolerance_for(np.float32, 4 + n)
                     np.testing.assert_allclose(out[i], expected[0], rtol=rtol, atol=atol)
+
+    def test_block_sizes_one_and_2047_with_gqa(self) -> None:
+        # The K pass prefetches rows ahead, across block ends into the table's next block: with one
+        # position per block every prefetch lands in a later block; with 2047 a sequence ends mid-block.
+        rng = np.random.default_rng(11)
+        lens = [2100, 1, 700]
+        for dtype in DTYPES:
+            k, v = (
+                normal(rng, 3, 2, max(lens), 24, dtype=dtype),
+                normal(rng, 3, 2, max(lens), 24, dtype=dtype),
+            )
+            q = normal(rng, 3, 6, 24, dtype=dtype) * 2  # G = 3
+            for block_size in (1, 2047):
+                with self.subTest(dtype=dtype, block_size=block_size):
+                    k_cache, v_cache, tables, context_lens = to_paged(k, v, lens, block_size, rng)
+                    out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens)
+                    for i, n in enumerate(lens):
+                        expected = reference_rows(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n])
+                        rtol, atol = tolerance_for(dtype, 24 + n)
+                        np.testing.assert_allclose(out[i], expected[0], rtol=rtol, atol=atol)
 
     def test_shared_prefix_blocks_and_empty_sequence(self) -> None:
         rng = np.random.default_rng(6)

@@ -10,12 +10,16 @@ of the group are scaled once, then the head's positions are read in chunks of at
   1. scores s[g, t] = q_g . k_t for all G heads, with k_t read once for the whole group;
   2. online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"; as in
      FlashAttention / Flash-Decoding): m' = max(m, max_t s), acc *= exp(m - m'), z *= exp(m - m'),
-     p = exp(s - m'), z += sum_t p  (`_rescale`);
+     p = exp(s - m'), z += sum_t p  (`_softmax_update`);
   3. acc[g] += sum_t p[g, t] v_t, with v_t read once for the whole group.
 At the end out[g] = acc[g] / z[g] (`_finish`). K and V are each read once; the chunk's scores live in
 a [G, chunk] scratch. Paged layout, one sequence at a time (`_paged_sequence`): the same three steps
 over spans of `span` KV blocks (`_paged_span`), every block read once for all H query heads.
-Why this order, chunk size and unrolling: the module docstring of kernels.py.
+The chunk's max is tracked while the scores are computed (a separate max loop does not vectorise
+without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM vectorises, where
+`math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS` rows ahead
+(`_prefetch`, LLVM's prefetch intrinsic; across a block boundary in the paged layout, into the next
+block of the table). Why this order, chunk size and unrolling: the module docstring of kernels.py.
 """
 
 # pyright: basic
@@ -27,9 +31,84 @@ import math
 
 import numba
 import numpy as np
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 __all__: list[str] = []
+
+_PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (kernels.py's docstring)
+_LINE_BYTES = 64  # one prefetch per cache line
+
+
+@intrinsic
+def _prefetch(typingctx, arr, index):
+    """Hint the CPU to load the cache line holding flat element `index` of arr's buffer (no fault)."""
+    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        data = context.make_array(signature.args[0])(context, builder, args[0]).data
+        i8p = ir.IntType(8).as_pointer()
+        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)  # no inbounds: may point past the end
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
+        return context.get_dummy_value()
+
+    return types.void(arr, index), codegen
+
+
+@intrinsic
+def _float32_from_bits(typingctx, bits):
+    """The float32 whose IEEE-754 bit pattern is the low 32 bits of an integer."""
+    if not isinstance(bits, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        width = signature.args[0].bitwidth
+        low = builder.trunc(args[0], ir.IntType(32)) if width > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+# Cephes expf (S. L. Moshier, Cephes Math Library): exp(x) = 2^n exp(r), r = x - n ln 2 in
+# [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts, Cody & Waite), exp(r) by a degree-7 polynomial; about
+# 1 ulp in float32 (measured max relative error 6e-8 against float64 exp on [-87, 0]).
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
+_EXP_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2))
+_EXP_P4, _EXP_P5 = np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
+_EXP_LOWEST = np.float32(-87.0)  # exp(-87) = 1.6e-38, the smallest 2^n kept normal below
+_HALF, _ONE = np.float32(0.5), np.float32(1.0)
+
+
+@numba.njit(inline="always", fastmath={"contract"})
+def _exp_f32(x):
+    """exp(x) for float32 x <= 0, vectorisable; x below -87 gives exp(-87) (< 2e-38), not 0."""
+    x = max(x, _EXP_LOWEST)
+    n = math.floor(x * _LOG2E + _HALF)
+    r = (x - n * _LN2_HI) - n * _LN2_LO
+    p = ((((_EXP_P[0] * r + _EXP_P[1]) * r + _EXP_P[2]) * r + _EXP_P[3]) * r + _EXP_P4) * r + _EXP_P5
+    y = p * r * r + r + _ONE
+    two_n = _float32_from_bits((np.int64(n) + 127) << 23)  # pyright: ignore[reportCallIssue]  # 2^n, n >= -126
+    return y * two_n
+
+
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 (the shifted scores): `_exp_f32` for float32, math.exp for float64."""
+    return math.exp(x)
+
+
+@overload(_exp_nonpositive, inline="always")
+def _exp_nonpositive_impl(x):
+    if x == types.float32:
+        return lambda x: _exp_f32(x)
+    return lambda x: math.exp(x)
+
 
 # Reassociation lets LLVM vectorise the dot-product reduction over D; no nnan/ninf, because the
 # running max starts at -inf and exp(-inf) = 0 must stay exact.
@@ -38,29 +117,49 @@ _JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "num
 
 
 @numba.njit(**_JIT)
-def _chunk(qs, kc, vc, j, n, m, z, acc, s):
-    """Fold rows kc/vc[:n, j] of one chunk [n, X, D] into the running (m [G], z [G], acc [G, D])."""
-    g_count, d_count = qs.shape
-    for t in range(n):  # scores: one K row, G dot products
-        for g in range(g_count):
-            dot = qs[g, 0] * kc[t, j, 0]
-            for d in range(1, d_count):
-                dot += qs[g, d] * kc[t, j, d]
-            s[g, t] = dot
-    for g in range(g_count):  # online softmax: rescale once per chunk
-        m_new = m[g]
-        for t in range(n):
-            m_new = max(m_new, s[g, t])
-        alpha = math.exp(m[g] - m_new)
-        m[g] = m_new
+def _prefetch_row(a, row, d_count):
+    """Prefetch row `row` ([D] elements) of a C-contiguous [rows, ..., D] buffer, past its end too."""
+    for c in range(0, d_count, _LINE_BYTES // a.itemsize):
+        _prefetch(a, row * d_count + c)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
+
+
+@numba.njit(**_JIT)
+def _softmax_update(n, m, m_new, z, acc, s):
+    """Online softmax over scores s[:, :n] whose row maxima (with the old m) are m_new [rows].
+
+    z and acc are rescaled once by exp(m - m_new), m <- m_new, and s <- exp(s - m_new), z += sum.
+    """
+    h_count, d_count = acc.shape
+    for g in range(h_count):
+        top = m_new[g]
+        alpha = math.exp(m[g] - top)
+        m[g] = top
         total = z[g] * alpha
         for t in range(n):
-            p = math.exp(s[g, t] - m_new)
+            p = _exp_nonpositive(s[g, t] - top)
             s[g, t] = p
             total += p
         z[g] = total
         for d in range(d_count):
             acc[g, d] *= alpha
+
+
+@numba.njit(**_JIT)
+def _chunk(qs, kc, vc, n, m, z, acc, s, top):
+    """Fold rows kc/vc[:n, 0] of one chunk [n, 1, D] into the running (m [G], z [G], acc [G, D])."""
+    g_count, d_count = qs.shape
+    for g in range(g_count):
+        top[g] = m[g]
+    for t in range(n):  # scores: one K row, G dot products; the row maxima on the way
+        _prefetch_row(kc, t + _PREFETCH_ROWS, d_count)  # rows past the chunk are the next chunk's
+        for g in range(g_count):
+            dot = qs[g, 0] * np.float32(0.0)  # a zero of the input's dtype
+            for d in range(d_count):  # D iterations, not D - 1: no scalar remainder when 64 | D
+                dot += qs[g, d] * kc[t, 0, d]
+            s[g, t] = dot
+            if dot > top[g]:
+                top[g] = dot
+    _softmax_update(n, m, top, z, acc, s)
     n8 = n - n % 8  # acc += p V, eight V rows per pass over acc
     for t in range(0, n8, 8):
         for g in range(g_count):
@@ -68,58 +167,51 @@ def _chunk(qs, kc, vc, j, n, m, z, acc, s):
             p4, p5, p6, p7 = s[g, t + 4], s[g, t + 5], s[g, t + 6], s[g, t + 7]
             for d in range(d_count):
                 acc[g, d] += (
-                    p0 * vc[t, j, d] + p1 * vc[t + 1, j, d] + p2 * vc[t + 2, j, d] + p3 * vc[t + 3, j, d]
+                    p0 * vc[t, 0, d] + p1 * vc[t + 1, 0, d] + p2 * vc[t + 2, 0, d] + p3 * vc[t + 3, 0, d]
                 ) + (
-                    p4 * vc[t + 4, j, d] + p5 * vc[t + 5, j, d] + p6 * vc[t + 6, j, d] + p7 * vc[t + 7, j, d]
+                    p4 * vc[t + 4, 0, d] + p5 * vc[t + 5, 0, d] + p6 * vc[t + 6, 0, d] + p7 * vc[t + 7, 0, d]
                 )
     for t in range(n8, n):
         for g in range(g_count):
             p = s[g, t]
             for d in range(d_count):
-                acc[g, d] += p * vc[t, j, d]
+                acc[g, d] += p * vc[t, 0, d]
 
 
 @numba.njit(**_JIT)
-def _rescale(n, m, z, acc, s):
-    """Online softmax over scores s[:, :n]: new max, rescale z and acc once, s <- exp(s - max)."""
-    h_count, d_count = acc.shape
-    for g in range(h_count):
-        m_new = m[g]
-        for t in range(n):
-            m_new = max(m_new, s[g, t])
-        alpha = math.exp(m[g] - m_new)
-        m[g] = m_new
-        total = z[g] * alpha
-        for t in range(n):
-            p = math.exp(s[g, t] - m_new)
-            s[g, t] = p
-            total += p
-        z[g] = total
-        for d in range(d_count):
-            acc[g, d] *= alpha
-
-
-@numba.njit(**_JIT)
-def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_ctx, m, z, acc, s):
-    """Fold the sequence's blocks table_row[i0:i1] into the running state of all H query heads.
+def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_blocks, n_ctx, m, z, acc, s, top):
+    """Fold the sequence's blocks table_row[i0:i1] (of its n_blocks) into the state of all H heads.
 
     Per block [BS, H_kv, D], rows are read in memory order (row t's H_kv heads, then row t + 1's); the
     scores of all blocks of the span go to s [H, (i1 - i0) * BS] before one rescale, then V is read.
+    The K pass prefetches _PREFETCH_ROWS rows [D] ahead, into the table's next block at a block's end.
     """
     h_count, d_count = qs.shape
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
+    rows = block_size * h_kv  # [D] rows per block
     g_count = h_count // h_kv
+    for g in range(h_count):
+        top[g] = m[g]
     for i in range(i0, i1):  # scores
-        kb = np.ascontiguousarray(k_cache[table_row[i]])  # [BS, H_kv, D], a view of a C-contiguous cache
+        block = table_row[i]
+        after = table_row[i + 1] if i + 1 < n_blocks else block
+        kb = np.ascontiguousarray(k_cache[block])  # [BS, H_kv, D], a view of a C-contiguous cache
         base = (i - i0) * block_size
         for t in range(min(block_size, n_ctx - i * block_size)):
             for j in range(h_kv):
+                ahead = t * h_kv + j + _PREFETCH_ROWS
+                if ahead < rows:
+                    _prefetch_row(k_cache, block * rows + ahead, d_count)
+                else:
+                    _prefetch_row(k_cache, after * rows + ahead - rows, d_count)
                 for g in range(j * g_count, (j + 1) * g_count):
-                    dot = qs[g, 0] * kb[t, j, 0]
-                    for d in range(1, d_count):
+                    dot = qs[g, 0] * np.float32(0.0)
+                    for d in range(d_count):
                         dot += qs[g, d] * kb[t, j, d]
                     s[g, base + t] = dot
-    _rescale(min(n_ctx - i0 * block_size, (i1 - i0) * block_size), m, z, acc, s)
+                    if dot > top[g]:
+                        top[g] = dot
+    _softmax_update(min(n_ctx - i0 * block_size, (i1 - i0) * block_size), m, top, z, acc, s)
     for i in range(i0, i1):  # acc += p V
         vb = np.ascontiguousarray(v_cache[table_row[i]])
         base = (i - i0) * block_size
@@ -174,7 +266,7 @@ def _finish(out_rows, z, acc):
 
 
 @numba.njit(**_JIT)
-def _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s):
+def _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s, top):
     """One (sequence b, KV head j) work item of the contiguous kernel."""
     h_kv, t_count = k.shape[1], k.shape[2]
     g_count = q.shape[1] // h_kv
@@ -187,7 +279,7 @@ def _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s):
     _start(q[b, h0:h1], scale, qs, m, z, acc)
     for t0 in range(0, t_count, chunk):
         n = min(chunk, t_count - t0)
-        _chunk(qs, kh[t0 : t0 + n], vh[t0 : t0 + n], 0, n, m, z, acc, s)
+        _chunk(qs, kh[t0 : t0 + n], vh[t0 : t0 + n], n, m, z, acc, s, top)
     _finish(out[b, h0:h1], z, acc)
 
 
@@ -201,8 +293,9 @@ def contiguous_serial(q, k, v, out, scale, chunk):
     m = np.empty(g_count, q.dtype)
     z = np.empty(g_count, q.dtype)
     s = np.empty((g_count, chunk), q.dtype)
+    top = np.empty(g_count, q.dtype)
     for item in range(q.shape[0] * k.shape[1]):
-        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s)
+        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s, top)
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -216,18 +309,22 @@ def contiguous_parallel(q, k, v, out, scale, chunk):
         m = np.empty(g_count, q.dtype)
         z = np.empty(g_count, q.dtype)
         s = np.empty((g_count, chunk), q.dtype)
-        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s)
+        top = np.empty(g_count, q.dtype)
+        _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s, top)
 
 
 @numba.njit(**_JIT)
-def _paged_sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s):
+def _paged_sequence(
+    q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
+):
     """Sequence b of the paged kernel: each of its KV blocks is read once, for all H_kv heads."""
     block_size = k_cache.shape[1]
     n_ctx = context_lens[b]
     _start(q[b], scale, qs, m, z, acc)
     n_blocks = (n_ctx + block_size - 1) // block_size
     for i0 in range(0, n_blocks, span):
-        _paged_span(qs, k_cache, v_cache, block_tables[b], i0, min(i0 + span, n_blocks), n_ctx, m, z, acc, s)
+        i1 = min(i0 + span, n_blocks)
+        _paged_span(qs, k_cache, v_cache, block_tables[b], i0, i1, n_blocks, n_ctx, m, z, acc, s, top)
     _finish(out[b], z, acc)
 
 
@@ -243,9 +340,10 @@ def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, sp
     m = np.empty(h_count, q.dtype)
     z = np.empty(h_count, q.dtype)
     s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
+    top = np.empty(h_count, q.dtype)
     for b in range(q.shape[0]):
         _paged_sequence(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
         )
 
 
@@ -259,6 +357,7 @@ def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, 
         m = np.empty(h_count, q.dtype)
         z = np.empty(h_count, q.dtype)
         s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
+        top = np.empty(h_count, q.dtype)
         _paged_sequence(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
         )
