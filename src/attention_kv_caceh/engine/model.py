@@ -13,7 +13,9 @@ row-wise dot products for a few rows (a decode step of up to MATVEC_MAX_ROWS seq
 W), GEMM above. Tied embeddings stay one array. A pre-transposed `[in, out]` copy measured no faster
 (OpenBLAS, one thread, the `small` preset's 400 MB of matmul weights: 25.4 vs 27.1 ms for x @ W.T at
 N=1, where row-wise took 22.5 ms; 184 vs 193 ms at N=32), so there is one weight layout. A step whose
-requests all decode uses `paged_decode_attention` (one call per layer, the kernel's signature).
+requests all decode uses the compiled `kernels.paged_decode_attention` (one call per layer: online
+softmax over each request's blocks read in place through its block table, no gather); the NumPy
+`engine.paged_attention.paged_decode_attention` with the same signature is its oracle in the tests.
 
 Shape legend: N scheduled tokens, R scheduled requests, D_model hidden size, H query heads, H_kv KV
 heads, D head dim, I MLP width, V vocabulary, L layers.
@@ -38,12 +40,8 @@ from attention_kv_caceh.engine.layers import (
     silu_and_mul,
 )
 from attention_kv_caceh.engine.model_config import ModelConfig
-from attention_kv_caceh.engine.paged_attention import (
-    AttentionMetadata,
-    paged_attention,
-    paged_decode_attention,
-    write_kv,
-)
+from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.kernels import paged_decode_attention
 
 __all__ = ["ENGINE_DTYPES", "Model", "ModelConfig"]
 
@@ -204,8 +202,8 @@ class Model:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
             if decode:  # one query per request: [R, H, D] with R == N
-                attn = paged_decode_attention(
-                    q, k_cache, v_cache, metadata.block_tables, metadata.context_lens
+                attn = paged_decode_attention(  # [R, H, D]
+                    q, k_cache, v_cache, metadata.block_tables, metadata.context_lens.astype(np.int32)
                 )
             else:
                 attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
