@@ -33,7 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import (
@@ -62,6 +62,7 @@ from attention_kv_caceh.engine.serving import (
     text_deltas,
     usage,
 )
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = ["build_app"]
 
@@ -72,7 +73,7 @@ _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/comp
 
 def build_app(
     async_llm: AsyncLLM,
-    tokenizer: TokenizerLike,
+    tokenizer: Tokenizer,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -284,7 +285,7 @@ def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
 
 
 async def _completion_events(
-    stream: RequestStream, body: CompletionRequest, tokenizer: TokenizerLike, model: str
+    stream: RequestStream, body: CompletionRequest, tokenizer: Tokenizer, model: str
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
@@ -310,7 +311,7 @@ async def _completion_events(
 
 
 async def _chat_events(
-    stream: RequestStream, body: ChatCompletionRequest, tokenizer: TokenizerLike, model: str
+    stream: RequestStream, body: ChatCompletionRequest, tokenizer: Tokenizer, model: str
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
@@ -337,7 +338,7 @@ async def _chat_events(
 
 
 async def _whole(
-    stream: RequestStream, body: GenerationRequest, tokenizer: TokenizerLike, model: str, *, chat: bool
+    stream: RequestStream, body: GenerationRequest, tokenizer: Tokenizer, model: str, *, chat: bool
 ) -> Response:
     parts: list[str] = []
     finish_reason = "stop"
