@@ -3,7 +3,8 @@
 `add_arguments` declares the flags; `run` validates every argument (UsageError naming the bad value)
 before any output file is created, runs the load, prints a setup line and a fixed-width summary table,
 and writes the per-request JSONL (line by line as requests finish) with its `<jsonl>.meta.json` (config
-and environment), the summary JSON and the timeline. Ctrl-C (or SIGTERM) keeps every finished request in
+and environment), the summary JSON and the timeline. `--backend engine` starts the project's own `serve` for the run (cli/harness_engine.py).
+Ctrl-C (or SIGTERM) keeps every finished request in
 the JSONL and still prints and saves a summary of them (no timeline). Runtime failures (server
 unreachable, smoke test failed, failed requests, an output that cannot be written) print one line
 `attention-kv-caceh: error: ...` on stderr and return 1; only files actually written are listed.
@@ -18,12 +19,15 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from attention_kv_caceh.cli import harness_engine
 from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs
+from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import (
     JsonlSink,
     error,
@@ -50,7 +54,10 @@ from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
 
-HELP = "streaming serving harness: TTFT, ITL, TPOT, E2EL per request (simulated or OpenAI-compatible)"
+HELP = (
+    "streaming serving harness: TTFT, ITL, TPOT, E2EL per request "
+    "(simulated, OpenAI-compatible, or the project's own engine)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,15 +65,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     formatter_class works)."""
     g = parser.add_argument_group("backend")
     g.add_argument(
-        "--backend", choices=BACKENDS, default="simulated", help="where requests go (default: %(default)s)"
+        "--backend",
+        choices=(*BACKENDS, ENGINE_BACKEND),
+        default="simulated",
+        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model DIR` on a free loopback port "
+        "for the run and use openai-completions against it (default: %(default)s)",
     )
     g.add_argument(
         "--base-url",
-        default="http://127.0.0.1:8000",
-        help="OpenAI-compatible server root (default: %(default)s)",
+        default=None,
+        help="OpenAI-compatible server root (default: http://127.0.0.1:8000)",
     )
     g.add_argument(
-        "--model", default="", help="model name (default: the first model listed by GET /v1/models)"
+        "--model",
+        default="",
+        help=f"model name (default: the first model listed by GET /v1/models); with --backend "
+        f"{ENGINE_BACKEND}: the checkpoint folder to serve (required)",
     )
     g.add_argument(
         "--api-key-env",
@@ -190,6 +204,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between polls of the server's /metrics (0: off), from a thread of its own, "
         "stretched so that polls cost the server < 1%% of its time (default: %(default)s)",
     )
+    harness_engine.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> HarnessConfig:
@@ -202,10 +217,12 @@ def config_from_args(args: argparse.Namespace) -> HarnessConfig:
 
 def _config(args: argparse.Namespace) -> HarnessConfig:
     key_env: str = args.api_key_env
+    engine = args.backend == ENGINE_BACKEND
+    base_url = harness_engine.check_usage(args)  # the engine's own URL replaces it once it serves
     return HarnessConfig(
-        backend=args.backend,
-        base_url=args.base_url,
-        model=args.model,
+        backend="openai-completions" if engine else args.backend,
+        base_url=base_url,
+        model="" if engine else args.model,
         api_key=os.environ.get(key_env) or None,
         num_requests=args.num_requests,
         concurrency=args.concurrency,
@@ -224,7 +241,7 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
         label=args.label,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or (args.model if engine else None),
         dataset=args.dataset,
     )
 
@@ -266,13 +283,31 @@ async def _run_until_write_fails(
 
 def run(args: argparse.Namespace) -> int:
     """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
-    0 ok; 1 a runtime failure (server unreachable, smoke test failed, a request failed, an output
-    could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError for bad
-    input (before any file is created)."""
+    0 ok; 1 a runtime failure (server unreachable or not started, smoke test failed, a request failed,
+    an output could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError
+    for bad input (before any file is created or any server started)."""
     config = config_from_args(args)
     _check_outputs(args)
+    if args.backend != ENGINE_BACKEND:
+        return _run(args, config, None)
+    from attention_kv_caceh.harness.engine_server import ServerStartError, serve_process
+
+    flags = harness_engine.engine_flags(args)
+    print(f"harness: starting serve --model {args.model} {' '.join(flags)}".rstrip(), flush=True)
+    try:
+        with serve_process(args.model, flags) as server:
+            print(f"harness: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
+            described = harness_engine.server_description(server, args)
+            return _run(args, replace(config, base_url=server.base_url), described)
+    except ServerStartError as exc:
+        error(f"serve --model {args.model}: {exc}")
+        return 1
+
+
+def _run(args: argparse.Namespace, config: HarnessConfig, server: dict[str, Any] | None) -> int:
+    """The run against `config`'s backend; `server`: the engine's description for the outputs."""
     print(
-        f"harness: backend={config.backend} "
+        f"harness: backend={args.backend} "
         + (f"base_url={config.base_url} " if config.backend != "simulated" else "")
         + (
             f"server_slots={config.server_slots} prefill_ms={config.prefill_ms} "
@@ -316,7 +351,7 @@ def run(args: argparse.Namespace) -> int:
         finally:
             progress.close()
             sink.close()
-        return _report_and_save(args, config, sink, finished, result, interrupted=interrupted)
+        return _report_and_save(args, config, sink, finished, result, interrupted=interrupted, server=server)
 
 
 def _report_and_save(
@@ -327,6 +362,7 @@ def _report_and_save(
     result: RunResult | None,
     *,
     interrupted: bool,
+    server: dict[str, Any] | None = None,
 ) -> int:
     """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
     if sink.error is not None:
@@ -364,10 +400,14 @@ def _report_and_save(
                 "config": config.describe(),
                 "environment": environment,
             }
+            if server is not None:
+                meta["server"] = server
             written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
         if args.summary_json is not None:
             environment = environment or capture_environment()
             doc = summary_document(result, summary, config, environment)
+            if server is not None:
+                doc["server"] = server
             written.append(str(write_json_atomic(args.summary_json, doc)))
         if args.plot is not None and result is not None:  # no timeline of an interrupted run
             from attention_kv_caceh.harness.timeline import plot_timeline

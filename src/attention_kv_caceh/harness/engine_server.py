@@ -3,8 +3,8 @@
 `serve_process(model_dir, engine_flags)` runs `python -m attention_kv_caceh.cli.serve --model DIR --host
 127.0.0.1 --port 0 [engine flags]` (its own process: its own cores and GIL, so the engine's steps do not
 share an interpreter with the load generator), reads the `serving NAME at URL` line it prints once the
-checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields the base URL
-(`http://127.0.0.1:PORT`, no `/v1`). On exit it sends SIGTERM (the server drains and exits 0), then
+checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields a
+ServerProcess (its base URL `http://127.0.0.1:PORT`, no `/v1`; its pid; its argv). On exit it sends SIGTERM (the server drains and exits 0), then
 SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's unless
 redirected.
 """
@@ -21,10 +21,20 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-__all__ = ["ServerStartError", "serve_command", "serve_process"]
+__all__ = ["ServerProcess", "ServerStartError", "serve_command", "serve_process"]
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    """A running `serve` child: `base_url` (`http://127.0.0.1:PORT`, no `/v1`), `pid`, `command` (argv)."""
+
+    base_url: str
+    pid: int
+    command: tuple[str, ...]
 
 
 class ServerStartError(RuntimeError):
@@ -92,8 +102,8 @@ def serve_process(
     startup_timeout_s: float = 300.0,
     stop_timeout_s: float = 30.0,
     stderr: int | IO[str] | None = None,
-) -> Generator[str]:
-    """Run `serve` for `model_dir` in a child process; yields its base URL once /health answers 200.
+) -> Generator[ServerProcess]:
+    """Run `serve` for `model_dir` in a child process; yields it once /health answers 200.
 
     Raises ServerStartError when the child exits before serving or is not healthy within
     `startup_timeout_s` (loading a checkpoint can take a while). The child gets SIGTERM on exit, then
@@ -109,7 +119,7 @@ def serve_process(
         deadline = time.monotonic() + startup_timeout_s
         base_url = _announced_url(proc, lines, deadline)
         _wait_healthy(base_url, proc, deadline)
-        yield base_url
+        yield ServerProcess(base_url, proc.pid, tuple(command))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
