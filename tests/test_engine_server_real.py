@@ -92,5 +92,49 @@ class RealEngineServerTest(unittest.TestCase):
         self.assertFalse(engine.has_unfinished_requests())
 
 
+class CheckpointServerTest(unittest.TestCase):
+    def test_greedy_text_through_http_equals_generate_for_the_same_prompts(self) -> None:
+        """Several prompts sent at once to the server (batched, at most max_num_seqs 2 per step) give, token for token, the text LLMEngine.generate (what `generate` runs) gives them on a
+        second engine loaded from the same tiny checkpoint."""
+        import tempfile
+        from pathlib import Path
+
+        from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
+        from attention_kv_caceh.engine.config import EngineConfig
+        from attention_kv_caceh.engine.llm_engine import LLMEngine
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.engine.request import SamplingParams
+        from attention_kv_caceh.engine.server import build_app
+        from tests.serve_helpers import ServerThread
+
+        prompts = ["hello world", "the cat sat on", "a", "serving engines batch requests", "x y z"]
+        max_tokens = 12
+        with tempfile.TemporaryDirectory() as d:
+            model = str(write_random_checkpoint(Path(d) / "tiny", "llama", "tiny", seed=1))
+            fields: dict[str, Any] = {"max_num_seqs": 2, "num_kv_blocks": 64, "block_size": 4}
+            engine, tokenizer, max_model_len = load_engine(model, fields)
+            app = build_app(AsyncLLM(engine, tokenizer), tokenizer, "tiny", max_model_len)
+
+            async def one(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    self.assertEqual(resp.status, 200)
+                    return (await resp.json())["choices"][0]
+
+            async def go(url: str) -> list[dict[str, Any]]:
+                async with aiohttp.ClientSession() as session:
+                    return await asyncio.gather(*(one(session, url, p) for p in prompts))
+
+            with ServerThread(app) as thread:
+                choices = asyncio.run(go(thread.base_url))
+            reference = LLMEngine.from_pretrained(model, EngineConfig(**fields))
+            ids = [tokenizer.encode(p) for p in prompts]
+            outputs = reference.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 2)
+        for prompt, choice, tokens in zip(prompts, choices, outputs, strict=True):
+            self.assertEqual(choice["text"], tokenizer.decode(tokens), prompt)
+            self.assertEqual(choice["finish_reason"], "length" if len(tokens) == max_tokens else "stop")
+
+
 if __name__ == "__main__":
     unittest.main()
