@@ -121,6 +121,9 @@ class HarnessEngineProcessTest(unittest.TestCase):
             self.assertEqual(server["engine_config"]["max_num_seqs"], 2)
             self.assertEqual(server["engine_config"]["block_size"], 16)  # serve's default, filled in
             self.assertIn("attention_kv_caceh.cli.serve", server["command"])
+            steps = server["engine_steps"]  # the engine's own StepStats, read before the stop
+            self.assertIn(steps["max_num_running"], (1, 2))  # never above max_num_seqs
+            self.assertGreaterEqual(steps["count_decode_step_time"], 4 * 3)  # 3 decode tokens each
         self.assertEqual(summary["completed"], 4)
         self.assertEqual(summary["prompt_lengths"], "exact")  # the checkpoint's own tokenizer
 

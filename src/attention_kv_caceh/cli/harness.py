@@ -297,15 +297,22 @@ def run(args: argparse.Namespace) -> int:
     try:
         with serve_process(args.model, flags) as server:
             print(f"harness: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
-            described = harness_engine.server_description(server, args)
-            return _run(args, replace(config, base_url=server.base_url), described)
+            running = server
+
+            def describe() -> dict[str, Any]:
+                return harness_engine.server_description(running, args)
+
+            return _run(args, replace(config, base_url=server.base_url), describe)
     except ServerStartError as exc:
         error(f"serve --model {args.model}: {exc}")
         return 1
 
 
-def _run(args: argparse.Namespace, config: HarnessConfig, server: dict[str, Any] | None) -> int:
-    """The run against `config`'s backend; `server`: the engine's description for the outputs."""
+def _run(
+    args: argparse.Namespace, config: HarnessConfig, describe_server: Callable[[], dict[str, Any]] | None
+) -> int:
+    """The run against `config`'s backend; `describe_server()`: the engine server's description for the
+    outputs, asked for after the run while the server still runs."""
     print(
         f"harness: backend={args.backend} "
         + (f"base_url={config.base_url} " if config.backend != "simulated" else "")
@@ -351,7 +358,9 @@ def _run(args: argparse.Namespace, config: HarnessConfig, server: dict[str, Any]
         finally:
             progress.close()
             sink.close()
-        return _report_and_save(args, config, sink, finished, result, interrupted=interrupted, server=server)
+        return _report_and_save(
+            args, config, sink, finished, result, interrupted=interrupted, describe_server=describe_server
+        )
 
 
 def _report_and_save(
@@ -362,7 +371,7 @@ def _report_and_save(
     result: RunResult | None,
     *,
     interrupted: bool,
-    server: dict[str, Any] | None = None,
+    describe_server: Callable[[], dict[str, Any]] | None = None,
 ) -> int:
     """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
     if sink.error is not None:
@@ -386,6 +395,9 @@ def _report_and_save(
     else:
         return 130
     print(format_summary(summary))
+    server = describe_server() if describe_server is not None else None
+    if server is not None:
+        print(harness_engine.format_engine_steps(server))
 
     written: list[str] = []
     environment: dict[str, Any] | None = None

@@ -19,13 +19,14 @@ from typing import Any
 from attention_kv_caceh.cli.common import OneLineParser, UsageError
 from attention_kv_caceh.cli.serve import ENGINE_DEFAULTS, add_engine_arguments, engine_config_kwargs
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
-from attention_kv_caceh.harness.engine_server import ServerProcess
+from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
 
 __all__ = [
     "ENGINE_BACKEND",
     "add_arguments",
     "check_usage",
     "engine_flags",
+    "format_engine_steps",
     "server_description",
 ]
 
@@ -81,15 +82,39 @@ def check_usage(args: argparse.Namespace) -> str:
 
 
 def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
-    """What the summary records of the server: its argv, the engine flags given, and every EngineConfig
-    field those flags set (serve's defaults filled in)."""
+    """What the summary records of the server: its argv, the engine flags given, every EngineConfig
+    field those flags set (serve's defaults filled in), and `engine_steps`, the summary of the engine's
+    own StepStats (`engine_step_summary`; `{"error": ...}` when they cannot be read). Call it after the
+    run, while the server still runs."""
     parser = OneLineParser(prog="serve", add_help=False)
     add_serve_arguments(parser)
     flags = engine_flags(args)
     settings = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    try:
+        steps: dict[str, Any] = engine_step_summary(server.base_url, timeout_s=10.0)
+    except (OSError, ValueError, KeyError) as exc:
+        steps = {"error": f"{type(exc).__name__}: {exc}"}
     return {
         "command": list(server.command),
         "flags": flags,
         "engine_config": settings,
         "base_url": server.base_url,
+        "engine_steps": steps,
     }
+
+
+def format_engine_steps(server: dict[str, Any]) -> str:
+    """One line of the engine's own step record (exact, unlike the /metrics samples above it)."""
+    steps: dict[str, Any] = server["engine_steps"]
+    if "error" in steps:
+        return f"engine steps: not read ({steps['error']})"
+
+    def ms(key: str) -> str:
+        value = steps.get(key)
+        return "-" if value is None else f"{value:.2f} ms"
+
+    return (
+        f"engine steps: {steps['num_steps']}   max running: {steps['max_num_running']}   "
+        f"max waiting: {steps['max_num_waiting']}   preemptions: {steps['num_preemptions']}   "
+        f"step time P50: {ms('median_step_time_ms')}   decode step P50: {ms('median_decode_step_time_ms')}"
+    )
