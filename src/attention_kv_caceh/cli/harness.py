@@ -26,16 +26,15 @@ from typing import Any
 from tqdm import tqdm
 
 from attention_kv_caceh.cli import harness_engine
-from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs
+from attention_kv_caceh.cli.common import UsageError, check_outputs
 from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import (
     JsonlSink,
     error,
-    failure_line,
     format_summary,
-    summary_document,
+    report_and_save,
 )
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_json_atomic
+from attention_kv_caceh.files import ignoring_sigint, meta_path
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
@@ -49,8 +48,6 @@ from attention_kv_caceh.harness.run import (
     run_harness,
 )
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
-from attention_kv_caceh.harness.summary import summarize_run
-from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
 
@@ -358,84 +355,6 @@ def _run(
         finally:
             progress.close()
             sink.close()
-        return _report_and_save(
+        return report_and_save(
             args, config, sink, finished, result, interrupted=interrupted, describe_server=describe_server
         )
-
-
-def _report_and_save(
-    args: argparse.Namespace,
-    config: HarnessConfig,
-    sink: JsonlSink,
-    finished: list[RequestRecord],
-    result: RunResult | None,
-    *,
-    interrupted: bool,
-    describe_server: Callable[[], dict[str, Any]] | None = None,
-) -> int:
-    """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
-    if sink.error is not None:
-        error(
-            f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "
-            f"({sink.count} of {len(finished)} finished requests written)"
-        )
-        return 1
-    if interrupted:
-        kept = f" in {args.jsonl}" if sink.opened else ""
-        print(f"{PROG}: interrupted; {len(finished)} finished requests kept{kept}", file=sys.stderr)
-
-    if result is not None:
-        summary = result.summary
-        config = result.config  # as actually run (the model read from the server)
-    elif finished:
-        start = min(r.arrival_ns for r in finished)
-        end = max(r.stream_end_ns or r.arrival_ns for r in finished)
-        summary = summarize_run(finished, max(end - start, 1) / 1e9, slo=config.goodput)
-        summary["interrupted"] = True
-    else:
-        return 130
-    print(format_summary(summary))
-    server = describe_server() if describe_server is not None else None
-    if server is not None:
-        print(harness_engine.format_engine_steps(server))
-
-    written: list[str] = []
-    environment: dict[str, Any] | None = None
-    try:
-        if sink.opened:
-            written.append(str(args.jsonl))
-            environment = capture_environment()
-            meta = {
-                "kind": "serving-harness",
-                "status": "interrupted" if result is None else "complete",
-                "records": sink.count,
-                "config": config.describe(),
-                "environment": environment,
-            }
-            if server is not None:
-                meta["server"] = server
-            written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
-        if args.summary_json is not None:
-            environment = environment or capture_environment()
-            doc = summary_document(result, summary, config, environment)
-            if server is not None:
-                doc["server"] = server
-            written.append(str(write_json_atomic(args.summary_json, doc)))
-        if args.plot is not None and result is not None:  # no timeline of an interrupted run
-            from attention_kv_caceh.harness.timeline import plot_timeline
-
-            written.append(str(plot_timeline(result, args.plot)))
-    except OSError as exc:
-        if written:
-            print("wrote: " + ", ".join(written))
-        error(f"could not write an output file: {exc}")
-        return 1
-    if written:
-        print("wrote: " + ", ".join(written))
-    if result is None:
-        return 130
-    failures = failure_line(result.records)
-    if failures is not None:
-        error(failures)
-        return 1
-    return 0
