@@ -127,15 +127,17 @@ class HarnessEngineProcessTest(unittest.TestCase):
         self.assertEqual(summary["completed"], 4)
         self.assertEqual(summary["prompt_lengths"], "exact")  # the checkpoint's own tokenizer
 
-    def test_sigterm_mid_run_stops_the_server_too(self) -> None:
-        proc, pid = self.start(
-            *("--num-requests", "8", "--concurrency", "8", "--output-len", "1500", "--ignore-eos")
-        )
-        self.assertTrue(_alive(pid))
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=120)
-        self.assertEqual(proc.returncode, 143, err)
-        self.assertFalse(_alive(pid))
+    def test_sigterm_or_ctrl_c_mid_run_stops_the_server_too(self) -> None:
+        for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            with self.subTest(signal=sig.name):
+                proc, pid = self.start(
+                    *("--num-requests", "8", "--concurrency", "8", "--output-len", "1500", "--ignore-eos")
+                )
+                self.assertTrue(_alive(pid))
+                proc.send_signal(sig)  # to the harness alone: stopping the server is its job
+                _, err = proc.communicate(timeout=120)
+                self.assertEqual(proc.returncode, code, err)
+                self.assertFalse(_alive(pid))
 
     def test_a_failing_run_exits_1_and_stops_the_server(self) -> None:
         # prompts longer than --max-model-len: the smoke test's request is refused (HTTP 400)
