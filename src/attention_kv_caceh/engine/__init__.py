@@ -10,5 +10,8 @@ Modules, each named after the vLLM v1 file it corresponds to:
 - `llm_engine`: LLMEngine.step(): schedule -> execute_model -> sample -> update_from_output -> outputs.
 
 The model side (model, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
-its own modules; the engine talks to it only through `SchedulerOutput` and logits.
+its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side
+(`async_llm`: the engine loop in a thread; `output_processor`: per-request state and streams; `stats` /
+`metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`: the
+OpenAI-compatible HTTP API) drives an LLMEngine from asyncio.
 """
