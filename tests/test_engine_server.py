@@ -177,6 +177,21 @@ class StreamingTest(unittest.TestCase):
         status, body = request("POST", self.url + "/detokenize", json={"tokens": [104, 105]})
         self.assertEqual((status, body), (200, {"prompt": "hi"}))
 
+    def test_debug_step_stats_returns_the_engines_last_steps_and_refuses_a_bad_count(self) -> None:
+        self.oai.completions.create(model=MODEL, prompt="abc", max_tokens=3)
+        status, body = request("GET", self.url + "/debug/step_stats?last=2")
+        self.assertEqual(status, 200)
+        steps = self.engine.step_stats[-2:]
+        self.assertEqual(len(body["data"]), len(steps))
+        self.assertEqual(
+            [(d["num_running"], d["num_waiting"]) for d in body["data"]],
+            [(s.num_running, s.num_waiting) for s in steps],
+        )
+        for bad in ("0", "100001", "x"):
+            status, body = request("GET", self.url + f"/debug/step_stats?last={bad}")
+            self.assertEqual(status, 400, bad)
+            self.assertIn("error", body)
+
     def test_bad_requests_get_their_status_and_error_body_and_the_server_keeps_serving(self) -> None:
         cases: list[tuple[str, dict[str, Any], int, str | None]] = [
             ("/v1/completions", {"data": "{not json"}, 400, None),

@@ -92,5 +92,100 @@ class RealEngineServerTest(unittest.TestCase):
         self.assertFalse(engine.has_unfinished_requests())
 
 
+class CheckpointServerTest(unittest.TestCase):
+    def test_greedy_text_through_http_equals_generate_for_the_same_prompts(self) -> None:
+        """Several prompts sent at once to the server (batched, at most max_num_seqs 2 per step) give, token for token, the text LLMEngine.generate (what `generate` runs) gives them on a
+        second engine loaded from the same tiny checkpoint."""
+        import tempfile
+        from pathlib import Path
+
+        from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
+        from attention_kv_caceh.engine.config import EngineConfig
+        from attention_kv_caceh.engine.llm_engine import LLMEngine
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.engine.request import SamplingParams
+        from attention_kv_caceh.engine.server import build_app
+        from tests.serve_helpers import ServerThread
+
+        prompts = ["hello world", "the cat sat on", "a", "serving engines batch requests", "x y z"]
+        max_tokens = 12
+        with tempfile.TemporaryDirectory() as d:
+            model = str(write_random_checkpoint(Path(d) / "tiny", "llama", "tiny", seed=1))
+            fields: dict[str, Any] = {"max_num_seqs": 2, "num_kv_blocks": 64, "block_size": 4}
+            engine, tokenizer, max_model_len = load_engine(model, fields)
+            app = build_app(AsyncLLM(engine, tokenizer), tokenizer, "tiny", max_model_len)
+
+            async def one(session: aiohttp.ClientSession, url: str, prompt: str) -> dict[str, Any]:
+                body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    self.assertEqual(resp.status, 200)
+                    return (await resp.json())["choices"][0]
+
+            async def go(url: str) -> list[dict[str, Any]]:
+                async with aiohttp.ClientSession() as session:
+                    return await asyncio.gather(*(one(session, url, p) for p in prompts))
+
+            with ServerThread(app) as thread:
+                choices = asyncio.run(go(thread.base_url))
+            reference = LLMEngine.from_pretrained(model, EngineConfig(**fields))
+            ids = [tokenizer.encode(p) for p in prompts]
+            outputs = reference.generate(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 2)
+        for prompt, choice, tokens in zip(prompts, choices, outputs, strict=True):
+            self.assertEqual(choice["text"], tokenizer.decode(tokens), prompt)
+            self.assertEqual(choice["finish_reason"], "length" if len(tokens) == max_tokens else "stop")
+
+    def test_100_clients_that_leave_after_their_first_token_leave_nothing_running_or_allocated(self) -> None:
+        """The fault test of test_engine_server.py against the real engine and KV cache manager: every
+        block is back in the free pool and the gauges read 0 once the server has applied the aborts."""
+        import tempfile
+        import time
+        import urllib.request
+        from pathlib import Path
+
+        from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.engine.server import build_app
+        from tests.serve_helpers import ServerThread
+
+        with tempfile.TemporaryDirectory() as d:
+            model = str(write_random_checkpoint(Path(d) / "tiny", "llama", "tiny", seed=2))
+            fields: dict[str, Any] = {"max_num_seqs": 16, "num_kv_blocks": 512, "block_size": 4}
+            engine, tokenizer, max_model_len = load_engine(model, fields)
+        llm = AsyncLLM(engine, tokenizer)
+        app = build_app(llm, tokenizer, "tiny", max_model_len)
+        kv = engine.scheduler.kv_cache_manager
+
+        async def one(session: aiohttp.ClientSession, url: str, i: int) -> bool:
+            # ignore_eos and max_tokens near max_model_len: a request ends by its client leaving
+            body = {"model": "tiny", "prompt": f"p{i}", "max_tokens": max_model_len - 16, "stream": True}
+            body["ignore_eos"] = True
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        return True
+            return False
+
+        async def go(url: str) -> list[bool]:
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+                return await asyncio.gather(*(one(session, url, i) for i in range(100)))
+
+        with ServerThread(app) as thread:
+            firsts = asyncio.run(go(thread.base_url))
+            deadline = time.monotonic() + 120  # a bound on the wait for the aborts, not a synchronisation
+            while (llm.num_unfinished or engine.has_unfinished_requests()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with urllib.request.urlopen(thread.base_url + "/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
+        self.assertTrue(all(firsts))
+        self.assertEqual(llm.num_unfinished, 0)
+        self.assertFalse(engine.has_unfinished_requests())
+        self.assertEqual(kv.num_free_blocks, kv.num_blocks)
+        self.assertEqual(kv.usage, 0.0)
+        self.assertIn('vllm:num_requests_running{model_name="tiny"} 0.0', metrics)
+        self.assertIn('vllm:kv_cache_usage_perc{model_name="tiny"} 0.0', metrics)
+        self.assertLessEqual(max(s.num_running for s in engine.step_stats), 16)
+
+
 if __name__ == "__main__":
     unittest.main()

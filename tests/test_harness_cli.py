@@ -310,7 +310,7 @@ class CliTest(unittest.TestCase):
 
         with (
             mock.patch("attention_kv_caceh.cli.harness._run_until_write_fails", interrupted_run),
-            mock.patch("attention_kv_caceh.cli.harness.write_json_atomic", write_with_ctrl_c),
+            mock.patch("attention_kv_caceh.cli.harness_output.write_json_atomic", write_with_ctrl_c),
         ):
             code, out, err = quietly(
                 [*FAST, "--num-requests", "3", "--jsonl", str(jsonl), "--summary-json", str(summary)]

@@ -40,7 +40,8 @@ class ServeProcessTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as d:
             model = write_random_checkpoint(Path(d) / "tiny", "llama", "tiny", seed=0)
             flags = ["--max-num-seqs", "2", "--num-kv-blocks", "64", "--served-model-name", "tiny"]
-            with serve_process(model, flags, stop_timeout_s=30) as url:
+            with serve_process(model, flags, stop_timeout_s=30) as server:
+                url = server.base_url
                 body = json.dumps({"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0})
                 request = urllib.request.Request(
                     url + "/v1/completions", body.encode(), {"Content-Type": "application/json"}

@@ -3,7 +3,7 @@ errors to exit codes.
 
     attention-kv-caceh --csv results/benchmark.csv     # no subcommand: the batch-size scan
     attention-kv-caceh SUBCOMMAND --help               # cache, views, report, harness, overhead,
-                                                       # make-model, generate
+                                                       # make-model, generate, serve
 
 Convention (every subcommand follows it, so adding one is adding a module and a line in SUBCOMMANDS):
 

@@ -3,7 +3,8 @@
 `add_arguments` declares the flags; `run` validates every argument (UsageError naming the bad value)
 before any output file is created, runs the load, prints a setup line and a fixed-width summary table,
 and writes the per-request JSONL (line by line as requests finish) with its `<jsonl>.meta.json` (config
-and environment), the summary JSON and the timeline. Ctrl-C (or SIGTERM) keeps every finished request in
+and environment), the summary JSON and the timeline. `--backend engine` starts the project's own `serve` for the run (cli/harness_engine.py).
+Ctrl-C (or SIGTERM) keeps every finished request in
 the JSONL and still prints and saves a summary of them (no timeline). Runtime failures (server
 unreachable, smoke test failed, failed requests, an output that cannot be written) print one line
 `attention-kv-caceh: error: ...` on stderr and return 1; only files actually written are listed.
@@ -18,20 +19,22 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs
+from attention_kv_caceh.cli import harness_engine
+from attention_kv_caceh.cli.common import UsageError, check_outputs
+from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import (
     JsonlSink,
     error,
-    failure_line,
     format_summary,
-    summary_document,
+    report_and_save,
 )
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_json_atomic
+from attention_kv_caceh.files import ignoring_sigint, meta_path
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
@@ -45,12 +48,13 @@ from attention_kv_caceh.harness.run import (
     run_harness,
 )
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
-from attention_kv_caceh.harness.summary import summarize_run
-from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
 
-HELP = "streaming serving harness: TTFT, ITL, TPOT, E2EL per request (simulated or OpenAI-compatible)"
+HELP = (
+    "streaming serving harness: TTFT, ITL, TPOT, E2EL per request "
+    "(simulated, OpenAI-compatible, or the project's own engine)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,15 +62,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     formatter_class works)."""
     g = parser.add_argument_group("backend")
     g.add_argument(
-        "--backend", choices=BACKENDS, default="simulated", help="where requests go (default: %(default)s)"
+        "--backend",
+        choices=(*BACKENDS, ENGINE_BACKEND),
+        default="simulated",
+        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model DIR` on a free loopback port "
+        "for the run and use openai-completions against it (default: %(default)s)",
     )
     g.add_argument(
         "--base-url",
-        default="http://127.0.0.1:8000",
-        help="OpenAI-compatible server root (default: %(default)s)",
+        default=None,
+        help="OpenAI-compatible server root (default: http://127.0.0.1:8000)",
     )
     g.add_argument(
-        "--model", default="", help="model name (default: the first model listed by GET /v1/models)"
+        "--model",
+        default="",
+        help=f"model name (default: the first model listed by GET /v1/models); with --backend "
+        f"{ENGINE_BACKEND}: the checkpoint folder to serve (required)",
     )
     g.add_argument(
         "--api-key-env",
@@ -190,6 +201,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds between polls of the server's /metrics (0: off), from a thread of its own, "
         "stretched so that polls cost the server < 1%% of its time (default: %(default)s)",
     )
+    harness_engine.add_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> HarnessConfig:
@@ -202,10 +214,12 @@ def config_from_args(args: argparse.Namespace) -> HarnessConfig:
 
 def _config(args: argparse.Namespace) -> HarnessConfig:
     key_env: str = args.api_key_env
+    engine = args.backend == ENGINE_BACKEND
+    base_url = harness_engine.check_usage(args)  # the engine's own URL replaces it once it serves
     return HarnessConfig(
-        backend=args.backend,
-        base_url=args.base_url,
-        model=args.model,
+        backend="openai-completions" if engine else args.backend,
+        base_url=base_url,
+        model="" if engine else args.model,
         api_key=os.environ.get(key_env) or None,
         num_requests=args.num_requests,
         concurrency=args.concurrency,
@@ -224,7 +238,7 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         smoke_test=args.smoke_test,
         ignore_eos=args.ignore_eos,
         label=args.label,
-        tokenizer=args.tokenizer,
+        tokenizer=args.tokenizer or (args.model if engine else None),
         dataset=args.dataset,
     )
 
@@ -266,13 +280,38 @@ async def _run_until_write_fails(
 
 def run(args: argparse.Namespace) -> int:
     """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
-    0 ok; 1 a runtime failure (server unreachable, smoke test failed, a request failed, an output
-    could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError for bad
-    input (before any file is created)."""
+    0 ok; 1 a runtime failure (server unreachable or not started, smoke test failed, a request failed,
+    an output could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError
+    for bad input (before any file is created or any server started)."""
     config = config_from_args(args)
     _check_outputs(args)
+    if args.backend != ENGINE_BACKEND:
+        return _run(args, config, None)
+    from attention_kv_caceh.harness.engine_server import ServerStartError, serve_process
+
+    flags = harness_engine.engine_flags(args)
+    print(f"harness: starting serve --model {args.model} {' '.join(flags)}".rstrip(), flush=True)
+    try:
+        with serve_process(args.model, flags) as server:
+            print(f"harness: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
+            running = server
+
+            def describe() -> dict[str, Any]:
+                return harness_engine.server_description(running, args)
+
+            return _run(args, replace(config, base_url=server.base_url), describe)
+    except ServerStartError as exc:
+        error(f"serve --model {args.model}: {exc}")
+        return 1
+
+
+def _run(
+    args: argparse.Namespace, config: HarnessConfig, describe_server: Callable[[], dict[str, Any]] | None
+) -> int:
+    """The run against `config`'s backend; `describe_server()`: the engine server's description for the
+    outputs, asked for after the run while the server still runs."""
     print(
-        f"harness: backend={config.backend} "
+        f"harness: backend={args.backend} "
         + (f"base_url={config.base_url} " if config.backend != "simulated" else "")
         + (
             f"server_slots={config.server_slots} prefill_ms={config.prefill_ms} "
@@ -316,74 +355,6 @@ def run(args: argparse.Namespace) -> int:
         finally:
             progress.close()
             sink.close()
-        return _report_and_save(args, config, sink, finished, result, interrupted=interrupted)
-
-
-def _report_and_save(
-    args: argparse.Namespace,
-    config: HarnessConfig,
-    sink: JsonlSink,
-    finished: list[RequestRecord],
-    result: RunResult | None,
-    *,
-    interrupted: bool,
-) -> int:
-    """After the run: print the summary, write the metadata, summary JSON and timeline; the exit code."""
-    if sink.error is not None:
-        error(
-            f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "
-            f"({sink.count} of {len(finished)} finished requests written)"
+        return report_and_save(
+            args, config, sink, finished, result, interrupted=interrupted, describe_server=describe_server
         )
-        return 1
-    if interrupted:
-        kept = f" in {args.jsonl}" if sink.opened else ""
-        print(f"{PROG}: interrupted; {len(finished)} finished requests kept{kept}", file=sys.stderr)
-
-    if result is not None:
-        summary = result.summary
-        config = result.config  # as actually run (the model read from the server)
-    elif finished:
-        start = min(r.arrival_ns for r in finished)
-        end = max(r.stream_end_ns or r.arrival_ns for r in finished)
-        summary = summarize_run(finished, max(end - start, 1) / 1e9, slo=config.goodput)
-        summary["interrupted"] = True
-    else:
-        return 130
-    print(format_summary(summary))
-
-    written: list[str] = []
-    environment: dict[str, Any] | None = None
-    try:
-        if sink.opened:
-            written.append(str(args.jsonl))
-            environment = capture_environment()
-            meta = {
-                "kind": "serving-harness",
-                "status": "interrupted" if result is None else "complete",
-                "records": sink.count,
-                "config": config.describe(),
-                "environment": environment,
-            }
-            written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
-        if args.summary_json is not None:
-            environment = environment or capture_environment()
-            doc = summary_document(result, summary, config, environment)
-            written.append(str(write_json_atomic(args.summary_json, doc)))
-        if args.plot is not None and result is not None:  # no timeline of an interrupted run
-            from attention_kv_caceh.harness.timeline import plot_timeline
-
-            written.append(str(plot_timeline(result, args.plot)))
-    except OSError as exc:
-        if written:
-            print("wrote: " + ", ".join(written))
-        error(f"could not write an output file: {exc}")
-        return 1
-    if written:
-        print("wrote: " + ", ".join(written))
-    if result is None:
-        return 130
-    failures = failure_line(result.records)
-    if failures is not None:
-        error(failures)
-        return 1
-    return 0

@@ -1,20 +1,32 @@
 """What `attention-kv-caceh harness` prints and how it keeps records: the summary table, the failure
-line, and the per-request JSONL sink (opened at the first finished request, flushed per line).
+line, the per-request JSONL sink (opened at the first finished request, flushed per line), and
+`report_and_save`, everything the command does after the run.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.cli.common import PROG
-from attention_kv_caceh.files import JsonlWriter, meta_path
+from attention_kv_caceh.cli.harness_engine import format_engine_steps
+from attention_kv_caceh.files import JsonlWriter, meta_path, write_json_atomic
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult
-from attention_kv_caceh.harness.summary import METRIC_NAMES
+from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
+from attention_kv_caceh.timing import capture_environment
 
-__all__ = ["JsonlSink", "error", "failure_line", "format_summary", "summary_document"]
+__all__ = [
+    "JsonlSink",
+    "error",
+    "failure_line",
+    "format_summary",
+    "report_and_save",
+    "summary_document",
+]
 
 
 def _fmt(value: Any, width: int = 9) -> str:
@@ -129,3 +141,83 @@ class JsonlSink:
                 self._writer.close()
             except OSError as exc:
                 self.error = self.error or exc
+
+
+def report_and_save(
+    args: argparse.Namespace,
+    config: HarnessConfig,
+    sink: JsonlSink,
+    finished: list[RequestRecord],
+    result: RunResult | None,
+    *,
+    interrupted: bool,
+    describe_server: Callable[[], dict[str, Any]] | None = None,
+) -> int:
+    """After a harness run: print the summary (and the engine's step line when `describe_server` is
+    given), write the JSONL's metadata, the summary JSON and the timeline; returns the exit code (0, 1
+    after a failure reported on stderr, 130 interrupted)."""
+    if sink.error is not None:
+        error(
+            f"could not write --jsonl {args.jsonl}: {sink.error}; run stopped "
+            f"({sink.count} of {len(finished)} finished requests written)"
+        )
+        return 1
+    if interrupted:
+        kept = f" in {args.jsonl}" if sink.opened else ""
+        print(f"{PROG}: interrupted; {len(finished)} finished requests kept{kept}", file=sys.stderr)
+
+    if result is not None:
+        summary = result.summary
+        config = result.config  # as actually run (the model read from the server)
+    elif finished:
+        start = min(r.arrival_ns for r in finished)
+        end = max(r.stream_end_ns or r.arrival_ns for r in finished)
+        summary = summarize_run(finished, max(end - start, 1) / 1e9, slo=config.goodput)
+        summary["interrupted"] = True
+    else:
+        return 130
+    print(format_summary(summary))
+    server = describe_server() if describe_server is not None else None
+    if server is not None:
+        print(format_engine_steps(server))
+
+    written: list[str] = []
+    environment: dict[str, Any] | None = None
+    try:
+        if sink.opened:
+            written.append(str(args.jsonl))
+            environment = capture_environment()
+            meta = {
+                "kind": "serving-harness",
+                "status": "interrupted" if result is None else "complete",
+                "records": sink.count,
+                "config": config.describe(),
+                "environment": environment,
+            }
+            if server is not None:
+                meta["server"] = server
+            written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))
+        if args.summary_json is not None:
+            environment = environment or capture_environment()
+            doc = summary_document(result, summary, config, environment)
+            if server is not None:
+                doc["server"] = server
+            written.append(str(write_json_atomic(args.summary_json, doc)))
+        if args.plot is not None and result is not None:  # no timeline of an interrupted run
+            from attention_kv_caceh.harness.timeline import plot_timeline
+
+            written.append(str(plot_timeline(result, args.plot)))
+    except OSError as exc:
+        if written:
+            print("wrote: " + ", ".join(written))
+        error(f"could not write an output file: {exc}")
+        return 1
+    if written:
+        print("wrote: " + ", ".join(written))
+    if result is None:
+        return 130
+    failures = failure_line(result.records)
+    if failures is not None:
+        error(failures)
+        return 1
+    return 0

@@ -52,32 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=nonnegative_int, default=8000, help="port (0: any free port)")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests one step may run")
-    engine.add_argument(
-        "--max-num-batched-tokens", type=positive_int, default=512, help="tokens one step may compute"
-    )
-    engine.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    size = engine.add_mutually_exclusive_group()
-    size.add_argument(
-        "--kv-cache-memory",
-        type=positive_int,
-        metavar="BYTES",
-        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
-    )
-    size.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        metavar="N",
-        help="KV blocks in the pool (default: see --kv-cache-memory)",
-    )
-    engine.add_argument(
-        "--max-model-len", type=positive_int, help="most tokens per request (default: the checkpoint's)"
-    )
-    engine.add_argument("--dtype", choices=_DTYPES, default="float32", help="weights, activations, KV cache")
-    engine.add_argument(
-        "--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)"
-    )
+    add_engine_arguments(parser.add_argument_group("engine"))
     server = parser.add_argument_group("server")
     server.add_argument(
         "--api-key-env",
@@ -97,6 +72,77 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=30.0,
         metavar="S",
         help="seconds running requests get to finish at Ctrl-C / SIGTERM",
+    )
+
+
+# (flag, default) of every engine flag; `harness --backend engine` passes the ones it was given to `serve`.
+ENGINE_DEFAULTS: dict[str, object] = {
+    "--max-num-seqs": 8,
+    "--max-num-batched-tokens": 512,
+    "--block-size": 16,
+    "--kv-cache-memory": None,
+    "--num-kv-blocks": None,
+    "--max-model-len": None,
+    "--dtype": "float32",
+    "--no-prefix-caching": False,
+}
+
+
+def add_engine_arguments(group: argparse._ArgumentGroup, *, defaults: bool = True) -> None:  # pyright: ignore[reportPrivateUsage]
+    """Declare the engine flags on `group`; `defaults=False` leaves every default None (so that a caller
+    can tell which were given) and says in the help that serve's default applies."""
+
+    def default(flag: str) -> object:
+        return ENGINE_DEFAULTS[flag] if defaults else None
+
+    def explain(flag: str, text: str) -> str:
+        return text if defaults else f"{text} (default: serve's, {ENGINE_DEFAULTS[flag]})"
+
+    group.add_argument(
+        "--max-num-seqs",
+        type=positive_int,
+        default=default("--max-num-seqs"),
+        help=explain("--max-num-seqs", "requests one step may run"),
+    )
+    group.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=default("--max-num-batched-tokens"),
+        help=explain("--max-num-batched-tokens", "tokens one step may compute"),
+    )
+    group.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=default("--block-size"),
+        help=explain("--block-size", "tokens per KV block"),
+    )
+    size = group.add_mutually_exclusive_group()
+    size.add_argument(
+        "--kv-cache-memory",
+        type=positive_int,
+        metavar="BYTES",
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+    )
+    size.add_argument(
+        "--num-kv-blocks",
+        type=positive_int,
+        metavar="N",
+        help="KV blocks in the pool (default: see --kv-cache-memory)",
+    )
+    group.add_argument(
+        "--max-model-len", type=positive_int, help="most tokens per request (default: the checkpoint's)"
+    )
+    group.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=default("--dtype"),
+        help=explain("--dtype", "weights, activations, KV cache"),
+    )
+    group.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        default=default("--no-prefix-caching"),
+        help="turn prefix caching off (default: on)",
     )
 
 

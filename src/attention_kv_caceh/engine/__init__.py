@@ -11,7 +11,9 @@ Modules, each named after the vLLM v1 file it corresponds to:
 - `benchmark`: run_engine_benchmark, vLLM's throughput benchmark plus each decode step's bytes against
   the lab's read probe.
 
-The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the
-paged K/V buffers) lives in its own modules; LLMEngine.step talks to it only through `SchedulerOutput`
-and logits (from_pretrained builds it).
+The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
+its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side
+(`async_llm`: the engine loop in a thread; `output_processor`: per-request state and streams; `stats` /
+`metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`: the
+OpenAI-compatible HTTP API) drives an LLMEngine from asyncio.
 """

@@ -11,166 +11,55 @@ loop with `loop.call_soon_threadsafe(queue.put_nowait, ...)`; adds and aborts cr
 through a command list under a lock and are applied before the next step (so an abort frees the request's
 KV blocks at the next step).
 
-Every use of the engine's API lives in this module: `EngineLike` (add_request, abort_request, step,
-has_unfinished_requests, the scheduler's running/waiting lists, the KV usage, the last StepStats),
-`EngineRequestOutput` / `EngineStepStats` (the fields read), `TokenizerLike`, and `load_engine` (building
-the engine from a checkpoint). Adapting to a renamed engine API is a change here only.
+Per-request state and the conversion of a step's outputs into deltas and IterationStats live in
+output_processor.py (OutputProcessor); this module owns the thread, the command list and the delivery.
 
 After every step AsyncLLM hands an `IterationStats` (stats.py, which defines how each time is measured) to
-its stat loggers (the Prometheus metrics).
+its stat loggers (the Prometheus metrics). Tests drive AsyncLLM with fakes of LLMEngine and Tokenizer
+that have the same attributes (tests/fake_engine.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
+from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
 from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
     EngineRequestError,
     EngineStepError,
+    OutputProcessor,
     RequestDelta,
     RequestState,
     RequestStream,
     StreamItem,
 )
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
+from attention_kv_caceh.engine.stats import IterationStats
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["AsyncLLM", "EngineLike", "TokenizerLike", "load_engine"]
+__all__ = ["AsyncLLM", "load_engine"]
 
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# The engine's API as this module uses it (the one place to adapt at merge).
-# ---------------------------------------------------------------------------------------------------------
-
-
-class EngineRequestOutput(Protocol):
-    """One request's output of one step (the engine's RequestOutput)."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def new_token_ids(self) -> Sequence[int]: ...
-    @property
-    def finished(self) -> bool: ...
-    @property
-    def finish_reason(self) -> str | None: ...
-
-
-class EngineStepStats(Protocol):
-    """What one step did (the engine's StepStats); token counts are per step, not cumulative."""
-
-    @property
-    def num_scheduled_tokens(self) -> Mapping[str, int]: ...
-    @property
-    def num_prefill_tokens(self) -> int: ...
-    @property
-    def num_decode_tokens(self) -> int: ...
-    @property
-    def num_preemptions(self) -> int: ...
-    @property
-    def prefix_cache_hits(self) -> int: ...
-    @property
-    def prefix_cache_queries(self) -> int: ...
-
-
-class _HasRequestId(Protocol):
-    @property
-    def request_id(self) -> str: ...
-
-
-class _KVCacheManagerLike(Protocol):
-    @property
-    def usage(self) -> float: ...
-
-
-class _SchedulerLike(Protocol):
-    @property
-    def running(self) -> Sequence[_HasRequestId]: ...
-    @property
-    def num_running(self) -> int: ...
-    @property
-    def num_waiting(self) -> int: ...
-    @property
-    def kv_cache_manager(self) -> _KVCacheManagerLike: ...
-    @property
-    def max_model_len(self) -> int: ...
-
-
-class _ConfigLike(Protocol):
-    @property
-    def max_num_seqs(self) -> int: ...
-
-
-class EngineLike(Protocol):
-    """The LLMEngine surface the server drives (llm_engine.py: LLMEngine)."""
-
-    @property
-    def config(self) -> _ConfigLike: ...
-    @property
-    def scheduler(self) -> _SchedulerLike: ...
-    @property
-    def step_stats(self) -> Sequence[EngineStepStats]: ...
-    @property
-    def num_steps(self) -> int: ...
-    def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, /
-    ) -> object: ...
-    def abort_request(self, request_ids: str, /) -> None: ...
-    def step(self) -> Sequence[EngineRequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-
-
-class TokenizerLike(Protocol):
-    """The tokenizer surface the server uses (tokenizer.py: Tokenizer)."""
-
-    @property
-    def eos_token_id(self) -> int | None: ...
-    @property
-    def vocab_size(self) -> int: ...
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
-    def decode(self, ids: list[int], /) -> str: ...
-
-
-def load_engine(model_dir: str, config_kwargs: dict[str, Any]) -> tuple[EngineLike, TokenizerLike, int]:
+def load_engine(model_dir: str, config_kwargs: dict[str, Any]) -> tuple[LLMEngine, Tokenizer, int]:
     """Build the real engine from a checkpoint folder: (engine, tokenizer, max_model_len).
 
     `config_kwargs` are EngineConfig fields. Raises ValueError / OSError from the config or the loading.
     """
-    config_module: Any = importlib.import_module("attention_kv_caceh.engine.config")
-    engine_module: Any = importlib.import_module("attention_kv_caceh.engine.llm_engine")
-    config = config_module.EngineConfig(**config_kwargs)
-    engine: Any = engine_module.LLMEngine.from_pretrained(model_dir, config)
-    return engine, engine.tokenizer, int(engine.scheduler.max_model_len)
-
-
-def _admission_limit(engine: EngineLike) -> int:
-    return engine.config.max_num_seqs
-
-
-def _num_running(engine: EngineLike) -> int:
-    return engine.scheduler.num_running
-
-
-def _running_ids(engine: EngineLike) -> list[str]:
-    return [request.request_id for request in list(engine.scheduler.running)]
-
-
-def _num_waiting(engine: EngineLike) -> int:
-    return engine.scheduler.num_waiting
-
-
-def _kv_cache_usage(engine: EngineLike) -> float:
-    return float(engine.scheduler.kv_cache_manager.usage)
+    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**config_kwargs))
+    tokenizer = engine.tokenizer
+    if not isinstance(tokenizer, Tokenizer):
+        raise ValueError(f"{model_dir}: the engine was built without a tokenizer")
+    return engine, tokenizer, engine.scheduler.max_model_len
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -186,14 +75,14 @@ class AsyncLLM:
     `num_unfinished`) read the scheduler at the moment they are called (not the last step's snapshot).
     """
 
-    def __init__(self, engine: EngineLike, tokenizer: TokenizerLike) -> None:
+    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor()
         self._cond = threading.Condition()
         # (kind, request_id, prompt_token_ids, sampling_params, finish_reason of an abort)
         self._commands: list[tuple[str, str, list[int], SamplingParams | None, str]] = []
         self._num_pending_adds = 0
-        self._tracked: dict[str, RequestState] = {}
         self._stop = False
         self._draining = False
         self._thread: threading.Thread | None = None
@@ -230,7 +119,7 @@ class AsyncLLM:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._idle.wait(), timeout_s)
         with self._cond:
-            for request_id in list(self._tracked):
+            for request_id in self.output_processor.request_ids():
                 self._commands.append(("abort", request_id, [], None, "abort"))
             self._commands.append(("stop", "", [], None, ""))
             self._cond.notify()
@@ -255,10 +144,9 @@ class AsyncLLM:
         if self._draining or self._stop:
             raise EngineDrainingError("the server is shutting down")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        state = RequestState(queue, time.monotonic(), len(prompt_token_ids))
         with self._cond:
-            if request_id in self._tracked:
-                raise ValueError(f"request id {request_id!r} is already in use")
-            self._tracked[request_id] = RequestState(queue, time.monotonic(), len(prompt_token_ids))
+            self.output_processor.add_request(request_id, state)
             self._commands.append(("add", request_id, list(prompt_token_ids), sampling_params, ""))
             self._num_pending_adds += 1
             self._cond.notify()
@@ -286,30 +174,29 @@ class AsyncLLM:
     @property
     def max_num_seqs(self) -> int:
         """The engine's max_num_seqs (requests one step may run)."""
-        return _admission_limit(self.engine)
+        return self.engine.config.max_num_seqs
 
     @property
     def num_running(self) -> int:
         """Requests in the scheduler's running list now."""
-        return _num_running(self.engine)
+        return self.engine.scheduler.num_running
 
     @property
     def num_waiting(self) -> int:
         """Requests waiting: in the scheduler's waiting queue plus added but not yet handed to the engine."""
         with self._cond:
             pending = self._num_pending_adds
-        return _num_waiting(self.engine) + pending
+        return self.engine.scheduler.num_waiting + pending
 
     @property
     def kv_cache_usage(self) -> float:
         """Fraction of KV blocks in use now (0..1)."""
-        return _kv_cache_usage(self.engine)
+        return float(self.engine.scheduler.kv_cache_manager.usage)
 
     @property
     def num_unfinished(self) -> int:
         """Requests added and not yet finished, aborted or failed."""
-        with self._cond:
-            return len(self._tracked)
+        return len(self.output_processor)
 
     # -- engine thread ---------------------------------------------------------------------------------
 
@@ -320,8 +207,7 @@ class AsyncLLM:
             logger.exception("the engine loop stopped")
             with self._cond:
                 self._stop = True
-                failed = list(self._tracked)
-            self._fail(failed, exc)
+            self._fail(self.output_processor.request_ids(), exc)
 
     def _loop_forever(self) -> None:
         busy = False
@@ -347,10 +233,9 @@ class AsyncLLM:
         try:
             self.engine.add_request(request_id, prompt, params)
         except ValueError as exc:  # the engine refused the request (e.g. larger than the whole KV pool)
-            with self._cond:
-                tracked = self._tracked.pop(request_id, None)
-            if tracked is not None:
-                self._deliver(tracked, EngineRequestError(str(exc)))
+            state = self.output_processor.pop(request_id)
+            if state is not None:
+                self._deliver(state, EngineRequestError(str(exc)))
             self._signal_if_idle()
         except Exception as exc:
             logger.exception("adding request %s failed", request_id)
@@ -360,16 +245,12 @@ class AsyncLLM:
                 self._num_pending_adds -= 1
 
     def _apply_abort(self, request_id: str, reason: str) -> None:
-        with self._cond:
-            tracked = self._tracked.pop(request_id, None)
-        if tracked is None:
+        aborted = self.output_processor.abort_request(request_id, reason, time.monotonic())
+        if aborted is None:
             return
-        finished = tracked.finished_stats(reason, time.monotonic())
-        self._record(IterationStats(0, 0, 0, 0, 0, 0, finished_requests=[finished]))
-        delta = RequestDelta(
-            request_id, (), True, reason, tracked.num_prompt_tokens, tracked.num_output_tokens
-        )
-        self._deliver(tracked, delta)
+        state, delta, stats = aborted
+        self._record(stats)
+        self._deliver(state, delta)
         try:
             self.engine.abort_request(request_id)  # frees its KV blocks before the next step
         except Exception:
@@ -381,14 +262,13 @@ class AsyncLLM:
         start = time.monotonic()
         num_stats = self.engine.num_steps  # step_stats is bounded: its length stops growing
         try:
-            outputs = list(self.engine.step())
+            outputs: Sequence[RequestOutput] = self.engine.step()
         except Exception as exc:
             self.num_failed_steps += 1
             logger.exception("engine step failed; failing the requests it was running")
-            failed = _running_ids(self.engine)
+            failed = [request.request_id for request in list(self.engine.scheduler.running)]
             if not failed:
-                with self._cond:
-                    failed = list(self._tracked)
+                failed = self.output_processor.request_ids()
             for request_id in failed:
                 with contextlib.suppress(Exception):  # the step's exception above is the one logged
                     self.engine.abort_request(request_id)
@@ -397,87 +277,28 @@ class AsyncLLM:
         end = time.monotonic()
         self.num_steps += 1
         step_stats = self.engine.step_stats[-1] if self.engine.num_steps > num_stats else None
-        self._process(outputs, step_stats, start, end)
-        return bool(outputs) or step_stats is not None
-
-    def _process(
-        self,
-        outputs: list[EngineRequestOutput],
-        step_stats: EngineStepStats | None,
-        start: float,
-        end: float,
-    ) -> None:
-        ttfts: list[float] = []
-        itls: list[float] = []
-        finished: list[FinishedRequestStats] = []
-        prompt_tokens = 0
-        generation_tokens = 0
-        if step_stats is not None:
-            with self._cond:
-                scheduled = [self._tracked.get(rid) for rid in step_stats.num_scheduled_tokens]
-            for tracked in scheduled:
-                if tracked is not None and tracked.scheduled_time is None:
-                    tracked.scheduled_time = start
-        for output in outputs:
-            with self._cond:
-                tracked = self._tracked.get(output.request_id)
-                if tracked is not None and output.finished:
-                    del self._tracked[output.request_id]
-            if tracked is None:
-                continue  # aborted before this step's output arrived
-            new_ids = tuple(int(t) for t in output.new_token_ids)
-            if new_ids:
-                ttft, itl = tracked.record_tokens(len(new_ids), start, end)
-                if ttft is not None:
-                    ttfts.append(ttft)
-                    prompt_tokens += tracked.num_prompt_tokens
-                if itl is not None:
-                    itls.append(itl)
-                generation_tokens += len(new_ids)
-            reason = output.finish_reason if output.finished else None
-            delta = RequestDelta(
-                output.request_id,
-                new_ids,
-                output.finished,
-                reason,
-                tracked.num_prompt_tokens,
-                tracked.num_output_tokens,
-            )
-            self._deliver(tracked, delta)
-            if output.finished:
-                finished.append(tracked.finished_stats(reason or "stop", end))
-        stats = IterationStats(
-            num_prompt_tokens=prompt_tokens,
-            num_generation_tokens=generation_tokens,
-            num_scheduled_tokens=0
-            if step_stats is None
-            else step_stats.num_prefill_tokens + step_stats.num_decode_tokens,
-            num_preemptions=0 if step_stats is None else step_stats.num_preemptions,
-            prefix_cache_queries=0 if step_stats is None else step_stats.prefix_cache_queries,
-            prefix_cache_hits=0 if step_stats is None else step_stats.prefix_cache_hits,
-            time_to_first_tokens=ttfts,
-            inter_token_latencies=itls,
-            finished_requests=finished,
-        )
+        deliveries, stats = self.output_processor.process_outputs(outputs, step_stats, start, end)
+        for state, delta in deliveries:
+            self._deliver(state, delta)
         self._record(stats)
-        if finished:
+        if stats.finished_requests:
             self._signal_if_idle()
+        return bool(outputs) or step_stats is not None
 
     def _fail(self, request_ids: list[str], exc: Exception) -> None:
         for request_id in request_ids:
-            with self._cond:
-                tracked = self._tracked.pop(request_id, None)
-            if tracked is not None:
+            state = self.output_processor.pop(request_id)
+            if state is not None:
                 error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
-                self._deliver(tracked, error)
+                self._deliver(state, error)
         self._signal_if_idle()
 
-    def _deliver(self, tracked: RequestState, item: StreamItem) -> None:
+    def _deliver(self, state: RequestState, item: StreamItem) -> None:
         loop = self._loop
         if loop is None:
             return
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is reading
-            loop.call_soon_threadsafe(tracked.queue.put_nowait, item)
+            loop.call_soon_threadsafe(state.queue.put_nowait, item)
 
     def _record(self, stats: IterationStats) -> None:
         for record in self._stat_loggers:

@@ -1,22 +1,27 @@
 """What crosses from the engine thread to a request's reader: deltas, errors, per-request state, streams.
 
-Corresponds to vLLM v1's `vllm/v1/engine/output_processor.py` (RequestState, RequestOutputCollector) at a
-small size: the engine thread puts each request's RequestDelta (or the exception that ended it) on the
-request's asyncio.Queue through `loop.call_soon_threadsafe`; the reader iterates a RequestStream.
+Corresponds to vLLM v1's `vllm/v1/engine/output_processor.py` (OutputProcessor, RequestState,
+RequestOutputCollector) at a small size: `OutputProcessor.process_outputs` turns one engine step's
+RequestOutputs into each request's RequestDelta and the step's IterationStats (stats.py defines how each
+time is measured); AsyncLLM's engine thread puts each delta (or the exception that ended the request) on
+the request's asyncio.Queue through `loop.call_soon_threadsafe`; the reader iterates a RequestStream.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from attention_kv_caceh.engine.stats import FinishedRequestStats
+from attention_kv_caceh.engine.llm_engine import RequestOutput, StepStats
+from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
 
 __all__ = [
     "EngineDrainingError",
     "EngineRequestError",
     "EngineStepError",
+    "OutputProcessor",
     "RequestDelta",
     "RequestState",
     "RequestStream",
@@ -159,3 +164,112 @@ def _merge(first: RequestDelta, then: RequestDelta) -> RequestDelta:
         then.num_prompt_tokens,
         then.num_output_tokens,
     )
+
+
+class OutputProcessor:
+    """The states of the requests being served, and one step's outputs turned into deltas and stats.
+
+    Thread-safe: the event loop adds requests, the engine thread processes outputs and removes them.
+    A request leaves when its finishing output is processed, or with `pop` (abort, refusal, failure).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._states)
+
+    def request_ids(self) -> list[str]:
+        """The ids of the requests being served, in the order they were added."""
+        with self._lock:
+            return list(self._states)
+
+    def add_request(self, request_id: str, state: RequestState) -> None:
+        """Track a new request. Raises ValueError for an id already in use."""
+        with self._lock:
+            if request_id in self._states:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._states[request_id] = state
+
+    def pop(self, request_id: str) -> RequestState | None:
+        """Stop tracking a request; its state, or None when unknown or already finished."""
+        with self._lock:
+            return self._states.pop(request_id, None)
+
+    def abort_request(
+        self, request_id: str, reason: str, now: float
+    ) -> tuple[RequestState, RequestDelta, IterationStats] | None:
+        """Stop tracking an aborted request: its state, its final (empty) delta and the stats recording
+        it as finished with `reason`; None when unknown or already finished."""
+        state = self.pop(request_id)
+        if state is None:
+            return None
+        finished = state.finished_stats(reason, now)
+        stats = IterationStats(0, 0, 0, 0, 0, 0, finished_requests=[finished])
+        delta = RequestDelta(request_id, (), True, reason, state.num_prompt_tokens, state.num_output_tokens)
+        return state, delta, stats
+
+    def process_outputs(
+        self,
+        outputs: Sequence[RequestOutput],
+        step_stats: StepStats | None,
+        start: float,
+        end: float,
+    ) -> tuple[list[tuple[RequestState, RequestDelta]], IterationStats]:
+        """One engine step that ran from `start` to `end` (time.monotonic() s): each tracked request's
+        (state, delta) and the step's IterationStats. `step_stats` None: the step recorded none."""
+        ttfts: list[float] = []
+        itls: list[float] = []
+        finished: list[FinishedRequestStats] = []
+        deliveries: list[tuple[RequestState, RequestDelta]] = []
+        prompt_tokens = generation_tokens = 0
+        if step_stats is not None:
+            with self._lock:
+                scheduled = [self._states.get(rid) for rid in step_stats.num_scheduled_tokens]
+            for state in scheduled:
+                if state is not None and state.scheduled_time is None:
+                    state.scheduled_time = start
+        for output in outputs:
+            with self._lock:
+                state = self._states.get(output.request_id)
+                if state is not None and output.finished:
+                    del self._states[output.request_id]
+            if state is None:
+                continue  # aborted before this step's output arrived
+            new_ids = tuple(int(t) for t in output.new_token_ids)
+            if new_ids:
+                ttft, itl = state.record_tokens(len(new_ids), start, end)
+                if ttft is not None:
+                    ttfts.append(ttft)
+                    prompt_tokens += state.num_prompt_tokens
+                if itl is not None:
+                    itls.append(itl)
+                generation_tokens += len(new_ids)
+            reason = output.finish_reason if output.finished else None
+            delta = RequestDelta(
+                output.request_id,
+                new_ids,
+                output.finished,
+                reason,
+                state.num_prompt_tokens,
+                state.num_output_tokens,
+            )
+            deliveries.append((state, delta))
+            if output.finished:
+                finished.append(state.finished_stats(reason or "stop", end))
+        stats = IterationStats(
+            num_prompt_tokens=prompt_tokens,
+            num_generation_tokens=generation_tokens,
+            num_scheduled_tokens=0
+            if step_stats is None
+            else step_stats.num_prefill_tokens + step_stats.num_decode_tokens,
+            num_preemptions=0 if step_stats is None else step_stats.num_preemptions,
+            prefix_cache_queries=0 if step_stats is None else step_stats.prefix_cache_queries,
+            prefix_cache_hits=0 if step_stats is None else step_stats.prefix_cache_hits,
+            time_to_first_tokens=ttfts,
+            inter_token_latencies=itls,
+            finished_requests=finished,
+        )
+        return deliveries, stats

@@ -3,7 +3,9 @@
 Corresponds to vLLM's `vllm/entrypoints/openai/api_server.py`, small: `POST /v1/completions` and
 `POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health`,
 `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /metrics` (Prometheus, vLLM's names; see
-metrics.py). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
+metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
+StepStats (llm_engine.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
+record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
 
 Faults: a bad request (malformed JSON, a known field of the wrong type, max_tokens <= 0, a prompt too long
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -33,7 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import (
@@ -62,17 +65,19 @@ from attention_kv_caceh.engine.serving import (
     text_deltas,
     usage,
 )
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = ["build_app"]
 
 logger = logging.getLogger(__name__)
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
+_MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
 
 def build_app(
     async_llm: AsyncLLM,
-    tokenizer: TokenizerLike,
+    tokenizer: Tokenizer,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -176,6 +181,13 @@ def build_app(
     @app.get("/metrics")
     async def scrape() -> Response:  # pyright: ignore[reportUnusedFunction]
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/debug/step_stats")
+    async def step_stats(last: int = 1000) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
+        if not 1 <= last <= _MAX_STEP_STATS:
+            raise HTTPError(400, f"last must be in [1, {_MAX_STEP_STATS}], got {last}", "last")
+        recent = async_llm.engine.step_stats[-last:]  # one slice: atomic against the engine thread
+        return {"object": "list", "data": [dataclasses.asdict(s) for s in recent]}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
@@ -284,7 +296,7 @@ def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
 
 
 async def _completion_events(
-    stream: RequestStream, body: CompletionRequest, tokenizer: TokenizerLike, model: str
+    stream: RequestStream, body: CompletionRequest, tokenizer: Tokenizer, model: str
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
@@ -310,7 +322,7 @@ async def _completion_events(
 
 
 async def _chat_events(
-    stream: RequestStream, body: ChatCompletionRequest, tokenizer: TokenizerLike, model: str
+    stream: RequestStream, body: ChatCompletionRequest, tokenizer: Tokenizer, model: str
 ) -> AsyncIterator[bytes]:
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
@@ -337,7 +349,7 @@ async def _chat_events(
 
 
 async def _whole(
-    stream: RequestStream, body: GenerationRequest, tokenizer: TokenizerLike, model: str, *, chat: bool
+    stream: RequestStream, body: GenerationRequest, tokenizer: Tokenizer, model: str, *, chat: bool
 ) -> Response:
     parts: list[str] = []
     finish_reason = "stop"

@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from attention_kv_caceh.engine.async_llm import TokenizerLike
 from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.protocol import GenerationRequest
 from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = [
     "DONE",
@@ -126,7 +126,7 @@ class IncrementalDetokenizer:
     output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
     """
 
-    def __init__(self, tokenizer: TokenizerLike) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._ids: list[int] = []
         self._text = ""
@@ -171,7 +171,7 @@ def _find_stop(text: str, stops: list[str], start: int) -> int:
 
 
 async def text_deltas(
-    stream: RequestStream, tokenizer: TokenizerLike, stops: list[str]
+    stream: RequestStream, tokenizer: Tokenizer, stops: list[str]
 ) -> AsyncIterator[TextDelta]:
     """The request's text deltas until it finishes (see the module docstring for stop strings).
 

@@ -3,15 +3,17 @@
 `serve_process(model_dir, engine_flags)` runs `python -m attention_kv_caceh.cli.serve --model DIR --host
 127.0.0.1 --port 0 [engine flags]` (its own process: its own cores and GIL, so the engine's steps do not
 share an interpreter with the load generator), reads the `serving NAME at URL` line it prints once the
-checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields the base URL
-(`http://127.0.0.1:PORT`, no `/v1`). On exit it sends SIGTERM (the server drains and exits 0), then
+checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields a
+ServerProcess (its base URL `http://127.0.0.1:PORT`, no `/v1`; its pid; its argv). On exit it sends SIGTERM (the server drains and exits 0), then
 SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's unless
-redirected.
+redirected. `engine_step_summary(base_url)` reads the server's `GET /debug/step_stats` (the engine's own
+StepStats) before the stop: the exact peaks of num_running / num_waiting and the engine's step times.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import signal
 import subprocess
@@ -21,10 +23,30 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Generator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
-__all__ = ["ServerStartError", "serve_command", "serve_process"]
+from attention_kv_caceh.harness.summary import stats_with_vllm_names
+
+__all__ = [
+    "ServerProcess",
+    "ServerStartError",
+    "engine_step_summary",
+    "serve_command",
+    "serve_process",
+]
+
+MAX_STEP_STATS = 100_000  # the most the server returns; a run with more steps is summarised over its last
+
+
+@dataclass(frozen=True)
+class ServerProcess:
+    """A running `serve` child: `base_url` (`http://127.0.0.1:PORT`, no `/v1`), `pid`, `command` (argv)."""
+
+    base_url: str
+    pid: int
+    command: tuple[str, ...]
 
 
 class ServerStartError(RuntimeError):
@@ -92,8 +114,8 @@ def serve_process(
     startup_timeout_s: float = 300.0,
     stop_timeout_s: float = 30.0,
     stderr: int | IO[str] | None = None,
-) -> Generator[str]:
-    """Run `serve` for `model_dir` in a child process; yields its base URL once /health answers 200.
+) -> Generator[ServerProcess]:
+    """Run `serve` for `model_dir` in a child process; yields it once /health answers 200.
 
     Raises ServerStartError when the child exits before serving or is not healthy within
     `startup_timeout_s` (loading a checkpoint can take a while). The child gets SIGTERM on exit, then
@@ -109,7 +131,7 @@ def serve_process(
         deadline = time.monotonic() + startup_timeout_s
         base_url = _announced_url(proc, lines, deadline)
         _wait_healthy(base_url, proc, deadline)
-        yield base_url
+        yield ServerProcess(base_url, proc.pid, tuple(command))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -120,3 +142,26 @@ def serve_process(
                 proc.wait()
         reader.join(timeout=5)
         proc.stdout.close()
+
+
+def engine_step_summary(base_url: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Summarise the engine's StepStats read from `GET {base_url}/debug/step_stats` (every step since the
+    server started, smoke test and warm-up included; the last MAX_STEP_STATS of a longer life).
+
+    Returns `num_steps`, `max_num_running`, `max_num_waiting`, `num_preemptions`, and vLLM-style stats
+    (`median_..._ms`, `p99_..._ms`, ...) of `step_time_ms` over every step and over decode-only steps
+    (no prefill token: the step time an inter-token latency is made of). Raises OSError / ValueError
+    when the endpoint cannot be read or parsed.
+    """
+    url = f"{base_url}/debug/step_stats?last={MAX_STEP_STATS}"
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        steps: list[dict[str, Any]] = json.loads(resp.read())["data"]
+    decode = [float(s["step_time_ms"]) for s in steps if int(s["num_prefill_tokens"]) == 0]
+    return {
+        "num_steps": len(steps),
+        "max_num_running": max((int(s["num_running"]) for s in steps), default=0),
+        "max_num_waiting": max((int(s["num_waiting"]) for s in steps), default=0),
+        "num_preemptions": sum(int(s["num_preemptions"]) for s in steps),
+        **stats_with_vllm_names("step_time", [float(s["step_time_ms"]) for s in steps]),
+        **stats_with_vllm_names("decode_step_time", decode),
+    }

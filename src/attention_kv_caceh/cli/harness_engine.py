@@ -1,0 +1,120 @@
+"""`harness --backend engine`: the project's own `serve` in a child process, for the length of one run.
+
+    attention-kv-caceh harness --backend engine --model DIR [--max-num-seqs 4 ...] [load and output flags]
+
+The harness checks the flags (UsageError, exit 2, before anything starts), starts `serve --model DIR --host
+127.0.0.1 --port 0 [the engine flags given]` with `harness.engine_server.serve_process`, waits for
+`/health`, runs the usual openai-completions path against it with the checkpoint's own tokenizer (so
+prompt lengths are exact), records the server's command and engine settings under "server" in the
+summary JSON and the JSONL's .meta.json, and stops the child on the way out: at the end, on an error, on
+Ctrl-C or SIGTERM (both reach the harness as KeyboardInterrupt; see cli/__init__.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.cli.common import OneLineParser, UsageError
+from attention_kv_caceh.cli.serve import ENGINE_DEFAULTS, add_engine_arguments, engine_config_kwargs
+from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
+from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
+
+__all__ = [
+    "ENGINE_BACKEND",
+    "add_arguments",
+    "check_usage",
+    "engine_flags",
+    "format_engine_steps",
+    "server_description",
+]
+
+ENGINE_BACKEND = "engine"
+_DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the engine flags (passed on to `serve`; None when not given)."""
+    group = parser.add_argument_group(
+        "engine backend (--backend engine: serve --model DIR runs in a child process for the run)"
+    )
+    add_engine_arguments(group, defaults=False)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags that were given, as `serve` argv (e.g. ["--max-num-seqs", "4"])."""
+    argv: list[str] = []
+    for flag in ENGINE_DEFAULTS:
+        value = getattr(args, _dest(flag))
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
+
+
+def check_usage(args: argparse.Namespace) -> str:
+    """Check the backend/flag combination; returns the base URL the run should use until a server's is
+    known. Raises UsageError: --backend engine without --model, with a --model folder lacking
+    config.json, or with --base-url; an engine flag with another backend."""
+    given = engine_flags(args)
+    if args.backend != ENGINE_BACKEND:
+        if given:
+            raise UsageError(f"{given[0]} is an engine flag: it needs --backend {ENGINE_BACKEND}")
+        return args.base_url or _DEFAULT_BASE_URL
+    if not args.model:
+        raise UsageError(
+            f"--backend {ENGINE_BACKEND} needs --model DIR (a checkpoint folder, see make-model)"
+        )
+    if not (Path(args.model) / "config.json").is_file():
+        raise UsageError(f"--model {args.model}: no config.json in that folder")
+    if args.base_url is not None:
+        raise UsageError(
+            f"--base-url {args.base_url}: --backend {ENGINE_BACKEND} starts its own server "
+            "(use --backend openai-completions to reach a running one)"
+        )
+    return _DEFAULT_BASE_URL
+
+
+def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
+    """What the summary records of the server: its argv, the engine flags given, every EngineConfig
+    field those flags set (serve's defaults filled in), and `engine_steps`, the summary of the engine's
+    own StepStats (`engine_step_summary`; `{"error": ...}` when they cannot be read). Call it after the
+    run, while the server still runs."""
+    parser = OneLineParser(prog="serve", add_help=False)
+    add_serve_arguments(parser)
+    flags = engine_flags(args)
+    settings = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    try:
+        steps: dict[str, Any] = engine_step_summary(server.base_url, timeout_s=10.0)
+    except (OSError, ValueError, KeyError) as exc:
+        steps = {"error": f"{type(exc).__name__}: {exc}"}
+    return {
+        "command": list(server.command),
+        "flags": flags,
+        "engine_config": settings,
+        "base_url": server.base_url,
+        "engine_steps": steps,
+    }
+
+
+def format_engine_steps(server: dict[str, Any]) -> str:
+    """One line of the engine's own step record (exact, unlike the /metrics samples above it)."""
+    steps: dict[str, Any] = server["engine_steps"]
+    if "error" in steps:
+        return f"engine steps: not read ({steps['error']})"
+
+    def ms(key: str) -> str:
+        value = steps.get(key)
+        return "-" if value is None else f"{value:.2f} ms"
+
+    return (
+        f"engine steps: {steps['num_steps']}   max running: {steps['max_num_running']}   "
+        f"max waiting: {steps['max_num_waiting']}   preemptions: {steps['num_preemptions']}   "
+        f"step time P50: {ms('median_step_time_ms')}   decode step P50: {ms('median_decode_step_time_ms')}"
+    )

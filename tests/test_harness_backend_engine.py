@@ -1,0 +1,152 @@
+"""`harness --backend engine`: usage errors before anything starts, the server recorded, no orphan server.
+
+The process tests run the real command in a child process (as a user would) on a `make-model` tiny
+checkpoint; the server's pid comes from the line the harness prints once the server is healthy. "No
+orphan" is checked by the pid: the harness waits for its child, so after the harness exits that pid
+names no process; a server left running would still have it (re-parented, never reaped by the harness).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import unittest
+from pathlib import Path
+from unittest import mock
+
+from attention_kv_caceh.cli import main
+from attention_kv_caceh.engine.make_model import write_random_checkpoint
+
+_HEALTHY = re.compile(r"^harness: serve \(pid (\d+)\) is healthy at (http://127\.0\.0\.1:\d+)$")
+_COMMAND = [sys.executable, "-c", "import sys; from attention_kv_caceh.cli import main; sys.exit(main())"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _kill_if_alive(pid: int) -> None:
+    """Cleanup only: a server the test failed to see stopped must not outlive the test."""
+    if _alive(pid):
+        os.kill(pid, signal.SIGKILL)
+
+
+class HarnessEngineUsageTest(unittest.TestCase):
+    def test_usage_errors_exit_2_with_one_line_before_any_server_or_file(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            model = Path(d) / "m"
+            model.mkdir()
+            (model / "config.json").write_text("{}")
+            empty = Path(d) / "empty"
+            empty.mkdir()
+            jsonl = Path(d) / "out.jsonl"
+            cases = {
+                "needs --model": ["--backend", "engine"],
+                "no config.json": ["--backend", "engine", "--model", str(empty)],
+                "--base-url": ["--backend", "engine", "--model", str(model), "--base-url", "http://x:1"],
+                "engine flag": ["--backend", "openai-completions", "--max-num-seqs", "4"],
+                "not allowed with": [
+                    *("--backend", "engine", "--model", str(model)),
+                    *("--num-kv-blocks", "4", "--kv-cache-memory", "100"),
+                ],
+            }
+            starter = mock.Mock(side_effect=AssertionError("a server was started"))
+            for expected, argv in cases.items():
+                with (
+                    self.subTest(expected),
+                    mock.patch("attention_kv_caceh.harness.engine_server.serve_process", starter),
+                ):
+                    err = io.StringIO()
+                    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                        code = main(["harness", *argv, "--jsonl", str(jsonl)])
+                    self.assertEqual(code, 2, err.getvalue())
+                    self.assertIn(expected, err.getvalue())
+                    self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
+            starter.assert_not_called()
+            self.assertFalse(jsonl.exists())
+
+
+class HarnessEngineProcessTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.dir = tempfile.TemporaryDirectory()
+        cls.model = write_random_checkpoint(Path(cls.dir.name) / "tiny", "llama", "tiny", seed=0)
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.dir.cleanup()
+
+    def start(self, *flags: str) -> tuple[subprocess.Popen[str], int]:
+        """Start the harness; return it and its server's pid once the server is healthy."""
+        env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+        argv = [*_COMMAND, "harness", "--backend", "engine", "--model", str(self.model), *flags]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.addCleanup(proc.kill)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            match = _HEALTHY.match(line.strip())
+            if match:
+                pid = int(match.group(1))
+                self.addCleanup(_kill_if_alive, pid)
+                return proc, pid
+        _, err = proc.communicate(timeout=60)
+        self.fail(f"the harness exited with {proc.returncode} before its server was healthy: {err}")
+
+    def test_a_run_records_the_server_flags_and_stops_the_server(self) -> None:
+        out = Path(self.dir.name)
+        proc, pid = self.start(
+            *("--max-num-seqs", "2", "--num-kv-blocks", "64", "--num-requests", "4"),
+            *("--concurrency", "4", "--output-len", "4", "--prompt-len", "8", "--ignore-eos"),
+            *("--jsonl", str(out / "r.jsonl"), "--summary-json", str(out / "s.json")),
+        )
+        _, err = proc.communicate(timeout=300)
+        self.assertEqual(proc.returncode, 0, err)
+        self.assertFalse(_alive(pid))
+        summary = json.loads((out / "s.json").read_text())
+        meta = json.loads((out / "r.jsonl.meta.json").read_text())
+        for doc in (summary, meta):
+            server = doc["server"]
+            self.assertEqual(server["flags"], ["--max-num-seqs", "2", "--num-kv-blocks", "64"])
+            self.assertEqual(server["engine_config"]["max_num_seqs"], 2)
+            self.assertEqual(server["engine_config"]["block_size"], 16)  # serve's default, filled in
+            self.assertIn("attention_kv_caceh.cli.serve", server["command"])
+            steps = server["engine_steps"]  # the engine's own StepStats, read before the stop
+            self.assertIn(steps["max_num_running"], (1, 2))  # never above max_num_seqs
+            self.assertGreater(steps["count_decode_step_time"], 0)
+        self.assertEqual(summary["completed"], 4)
+        self.assertEqual(summary["prompt_lengths"], "exact")  # the checkpoint's own tokenizer
+
+    def test_sigterm_or_ctrl_c_mid_run_stops_the_server_too(self) -> None:
+        for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
+            with self.subTest(signal=sig.name):
+                proc, pid = self.start(
+                    *("--num-requests", "8", "--concurrency", "8", "--output-len", "1500", "--ignore-eos")
+                )
+                self.assertTrue(_alive(pid))
+                proc.send_signal(sig)  # to the harness alone: stopping the server is its job
+                _, err = proc.communicate(timeout=120)
+                self.assertEqual(proc.returncode, code, err)
+                self.assertFalse(_alive(pid))
+
+    def test_a_failing_run_exits_1_and_stops_the_server(self) -> None:
+        # prompts longer than --max-model-len: the smoke test's request is refused (HTTP 400)
+        proc, pid = self.start(*("--max-model-len", "16", "--prompt-len", "32", "--output-len", "4"))
+        _, err = proc.communicate(timeout=120)
+        self.assertEqual(proc.returncode, 1, err)
+        self.assertIn("error", err)
+        self.assertFalse(_alive(pid))
+
+
+if __name__ == "__main__":
+    unittest.main()
