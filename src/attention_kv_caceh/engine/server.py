@@ -186,7 +186,8 @@ def build_app(
     async def step_stats(last: int = 1000) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         if not 1 <= last <= _MAX_STEP_STATS:
             raise HTTPError(400, f"last must be in [1, {_MAX_STEP_STATS}], got {last}", "last")
-        recent = async_llm.engine.step_stats[-last:]  # one slice: atomic against the engine thread
+        # list() of the bounded deque runs in C under the GIL: one consistent copy against the engine thread
+        recent = list(async_llm.engine.step_stats)[-last:]
         return {"object": "list", "data": [dataclasses.asdict(s) for s in recent]}
 
     @app.get("/v1/models")
