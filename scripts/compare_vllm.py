@@ -26,7 +26,7 @@ Run from the repository root with the project's environment:
     uv run python scripts/compare_vllm.py --vllm-python /tmp/vllmenv/bin/python
 
 Without `--checkpoint` a random tiny Llama checkpoint (Hugging Face layout, byte-level BPE tokenizer) is
-written with the project's `write_random_checkpoint`. The server runs with `--dtype float32
+written with the project's `write_random_checkpoint` (`--preset small`, ~110 M parameters, by default). The server runs with `--dtype float32
 --max-num-seqs 16` and VLLM_CPU_KVCACHE_SPACE=1 (GiB). Every subprocess has a time limit; the number of
 runs is 2 x pairs x len(concurrency), each at most --num-requests requests.
 """
@@ -172,12 +172,12 @@ def format_table(results: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]]
     return "\n".join(lines)
 
 
-def write_checkpoint(out: Path) -> None:
+def write_checkpoint(out: Path, preset: str) -> None:
     code = (
         "import sys\nfrom attention_kv_caceh.engine.make_model import write_random_checkpoint as w\n"
-        "w(sys.argv[1], arch='llama', preset='tiny', seed=0)\n"
+        "w(sys.argv[1], arch='llama', preset=sys.argv[2], seed=0)\n"
     )
-    subprocess.run([sys.executable, "-c", code, str(out)], check=True, timeout=300)
+    subprocess.run([sys.executable, "-c", code, str(out), preset], check=True, timeout=300)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,6 +185,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vllm-python", default="/tmp/vllmenv/bin/python", help="python of the vLLM venv")
     p.add_argument(
         "--checkpoint", type=Path, default=None, help="HF-layout model folder (default: write one)"
+    )
+    p.add_argument(
+        "--preset",
+        choices=["tiny", "small"],
+        default="small",
+        help="shapes of the written checkpoint (tiny: ~0.5 M parameters, so fast that the server's "
+        "streams arrive in bursts; small: ~110 M)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--pairs", type=int, default=2, help="alternating (harness, vLLM) pairs per concurrency")
@@ -214,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir: Path = args.out_dir or Path(tempfile.mkdtemp(prefix="compare-vllm-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if args.checkpoint is None:
-        args.checkpoint = out_dir / "tiny-llama"
-        write_checkpoint(args.checkpoint)
+        args.checkpoint = out_dir / f"{args.preset}-llama"
+        write_checkpoint(args.checkpoint, args.preset)
     args.checkpoint = args.checkpoint.resolve()
     args.model_name = str(args.checkpoint)
     port = free_port()
@@ -255,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     except KeyboardInterrupt:
-        print("interrupted; stopping the server", file=sys.stderr)
-        return 130
+        print("interrupted; the table covers the pairs finished so far", file=sys.stderr)
+        rc = 130
+    else:
+        rc = 0
     finally:
         stop(server)
     table = format_table(results)
     (out_dir / "table.txt").write_text(table + "\n")
     print(table)
-    return 0
+    return rc
 
 
 if __name__ == "__main__":
