@@ -55,6 +55,7 @@ METRICS = [
         for m in ("ttft", "tpot", "itl", "e2el")
         for stat in ("mean", "median", "p99")
     ],
+    ("events_per_request", "n"),
 ]
 COUNTS = ["completed", "total_input_tokens", "total_output_tokens"]
 VLLM_CLIENT = (
@@ -134,15 +135,33 @@ def vllm_cmd(args: argparse.Namespace, port: int, conc: int, out: Path) -> list[
         "--num-prompts", str(args.num_requests), "--max-concurrency", str(conc),
         "--request-rate", "inf", "--ignore-eos", "--seed", str(args.seed),
         "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99",
-        "--disable-tqdm", "--save-result", "--result-dir", str(out.parent), "--result-filename", out.name,
+        "--disable-tqdm", "--save-result", "--save-detailed",
+        "--result-dir", str(out.parent), "--result-filename", out.name,
     ]  # fmt: skip
+
+
+def events_per_request(summary: dict[str, Any]) -> float | None:
+    """Token-bearing SSE events per successful request: ITL gaps / completed + 1. The harness counts
+    its gaps (`count_itl`); vLLM's `--save-detailed` result has every request's `itls` list."""
+    done = summary.get("completed") or 0
+    if not done:
+        return None
+    if isinstance(summary.get("count_itl"), int):
+        return summary["count_itl"] / done + 1
+    itls = summary.get("itls")
+    if isinstance(itls, list):
+        return sum(len(x) for x in itls if isinstance(x, list)) / done + 1
+    return None
 
 
 def ratio_rows(pairs: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[tuple[str, float, float, float]]:
     """(key, harness median, vLLM median, median of per-pair ratios) for every metric both define."""
     rows: list[tuple[str, float, float, float]] = []
     for key, _unit in METRICS:
-        got = [(h.get(key), v.get(key)) for h, v in pairs]
+        if key == "events_per_request":
+            got = [(events_per_request(h), events_per_request(v)) for h, v in pairs]
+        else:
+            got = [(h.get(key), v.get(key)) for h, v in pairs]
         both = [
             (float(a), float(b)) for a, b in got if isinstance(a, int | float) and isinstance(b, int | float)
         ]
