@@ -213,7 +213,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "streams arrive in bursts; small: ~110 M)",
     )
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--pairs", type=int, default=2, help="alternating (harness, vLLM) pairs per concurrency")
+    p.add_argument("--pairs", type=int, default=3, help="alternating (harness, vLLM) pairs per concurrency")
     p.add_argument("--num-requests", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
