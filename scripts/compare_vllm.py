@@ -105,19 +105,23 @@ def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> Non
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (it has its own session), SIGKILL after 30 s."""
-    if proc.poll() is not None:
-        return
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+    """SIGTERM the server's process group (it has its own session: the API server, the engine core and
+    its workers), SIGKILL what is left of the group after 30 s."""
+    deadline = time.monotonic() + 30
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+            break
+        while time.monotonic() < deadline:
+            proc.poll()  # reap the API server so that the group can empty
+            try:
+                os.killpg(proc.pid, 0)  # anyone left in the group?
+            except ProcessLookupError:
+                return
+            time.sleep(0.5)
+        deadline = time.monotonic() + 10
+    proc.poll()
 
 
 def run_checked(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:
@@ -300,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted; the table covers the pairs finished so far", file=sys.stderr)
         rc = 130
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        print(f"error: {exc}; the table covers the pairs finished so far", file=sys.stderr)
+        rc = 1
     else:
         rc = 0
     finally:
