@@ -19,7 +19,12 @@ from attention_kv_caceh.harness.load import LengthRange, SmokeTestError, smoke_t
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
 from attention_kv_caceh.harness.scripted_server import DONE, Script, ScriptedServer, Step, completion_chunk
-from attention_kv_caceh.harness.server_metrics import BadServerValueError, sample_from_metrics
+from attention_kv_caceh.harness.server_metrics import (
+    BadServerValueError,
+    _wanted_lines,  # pyright: ignore[reportPrivateUsage]
+    parse_vllm_metrics,
+    sample_from_metrics,
+)
 from attention_kv_caceh.harness.sse import EventTooLargeError, SSEEvent, SSEParser
 
 SPEC = RequestSpec(0, prompt_tokens=4, output_tokens=4, prompt="hi")
@@ -62,6 +67,49 @@ class ServerNumbersTest(unittest.TestCase):
         sample = sample_from_metrics(gauges("3", "1"), 5)
         assert sample is not None
         self.assertEqual((sample.running, sample.waiting, sample.kv_cache_usage), (3.0, 1.0, 0.5))
+
+
+def whole_exposition(kv_name: str = "vllm:kv_cache_usage_perc") -> str:
+    """A vLLM-0.32-like unfiltered `/metrics`: two engines, the three gauges among ~600 other lines,
+    including `vllm:num_requests_waiting_by_reason` (a name that starts like a wanted one)."""
+    lines: list[str] = []
+    for k in range(40):
+        lines += [f"# HELP vllm:histogram_{k} Some histogram.", f"# TYPE vllm:histogram_{k} histogram"]
+        lines += [f'vllm:histogram_{k}_bucket{{le="{b}",engine="0"}} {b * 3}' for b in range(12)]
+        lines += [f'vllm:histogram_{k}_count{{engine="0"}} 36', f'vllm:histogram_{k}_sum{{engine="0"}} 9.5']
+    for name, values in (
+        ("vllm:num_requests_running", ("3.0", "2.0")),
+        ("vllm:num_requests_waiting", ("1.0", "4.0")),
+        ("vllm:num_requests_waiting_by_reason", ("7.0", "9.0")),
+        (kv_name, ("0.25", "0.5")),
+    ):
+        lines += [f"# HELP {name} A gauge.", f"# TYPE {name} gauge"]
+        lines += [f'{name}{{engine="{e}",model_name="m"}} {v}' for e, v in enumerate(values)]
+    return "\n".join(lines) + "\n"
+
+
+class UnfilteredExpositionTest(unittest.TestCase):
+    """vLLM 0.32 ignores `name[]=`; the poller parses only the gauges' lines of its whole answer."""
+
+    def test_the_gauges_lines_give_the_same_sample_as_the_whole_exposition(self) -> None:
+        for kv_name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+            with self.subTest(kv_name=kv_name):
+                text = whole_exposition(kv_name)
+                totals = parse_vllm_metrics(text)  # oracle: the whole text through prometheus_client
+                sample = sample_from_metrics(text, 7)
+                assert sample is not None
+                expected = (
+                    totals["vllm:num_requests_running"],
+                    totals["vllm:num_requests_waiting"],
+                    totals[kv_name],
+                )
+                self.assertEqual((sample.running, sample.waiting, sample.kv_cache_usage), expected)
+                self.assertEqual(expected, (5.0, 5.0, 0.75))
+
+    def test_only_the_three_gauges_lines_are_parsed(self) -> None:
+        kept = _wanted_lines(whole_exposition()).splitlines()
+        self.assertEqual(len(kept), 3 * 4)  # HELP, TYPE and one sample per engine, for each gauge
+        self.assertFalse([line for line in kept if "histogram" in line or "by_reason" in line])
 
 
 class ErrorNamingTest(unittest.TestCase):

@@ -129,6 +129,39 @@ class TokenAccountingTest(StreamTestCase):
                 self.assertEqual(record.status, "incomplete_stream")
 
 
+class HeldBackTextTest(StreamTestCase):
+    """vLLM streams a token whose bytes end inside a UTF-8 character (byte-level BPE: CJK, emoji, a
+    random model) as a choice with `"text": ""` and per-chunk usage one higher; its text comes with a
+    later chunk. The token arrived with that chunk, and vLLM's `bench serve` counts the chunk."""
+
+    async def test_empty_text_chunks_with_growing_usage_are_token_events(self) -> None:
+        for endpoint in ENDPOINTS:
+            with self.subTest(endpoint=endpoint):
+                # tokens 1 and 3-4 hold their text back; token 5 releases "é" and a letter
+                texts = ["", "a", "", "", "\u00e9b", "c"]
+                chunks = [text(endpoint, t, k + 1) for k, t in enumerate(texts)]
+                chunks.append(text(endpoint, "", 6, finish="length"))  # finish chunk: no new token
+                record = await run_script(steps(*chunks, DONE), endpoint)
+                self.check_invariants(record)
+                self.assertEqual(record.tokens_per_event, [1] * 6)
+                self.assertEqual(record.tokens_per_event_source, "usage")
+                # 6 events, so the first (empty) chunk is the first token and sets TTFT
+                self.assertEqual(len(record.token_times_ns), 6)
+                self.assertEqual(len(record.metrics().itl_ms), 5)  # one gap per chunk, as vLLM's itl
+
+    async def test_a_final_usage_report_on_an_empty_chunk_is_still_reconciled(self) -> None:
+        for endpoint in ENDPOINTS:
+            with self.subTest(endpoint=endpoint):
+                # chunks counted one by one (no usage), then the first usage on an empty chunk
+                chunks = [text(endpoint, "a"), text(endpoint, "b"), text(endpoint, "", 5)]
+                record = await run_script(
+                    steps(*chunks, text(endpoint, "", 5, finish="stop"), DONE), endpoint
+                )
+                self.check_invariants(record)
+                self.assertEqual(record.tokens_per_event, [1, 4])
+                self.assertEqual(len(record.token_times_ns), 2)
+
+
 class NonTextDeltaTest(StreamTestCase):
     async def test_tool_call_deltas_after_content_are_token_events(self) -> None:
         chunks = [chat_chunk(role="assistant", usage=usage(0))]

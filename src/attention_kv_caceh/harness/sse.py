@@ -7,8 +7,10 @@ CR; `:` starts a comment; several `data:` lines join with LF; a blank line dispa
 decides what is a token-bearing event, the point common tools get wrong:
 
 - a chunk is token-bearing when its choice carries generated tokens: text, content, reasoning, refusal,
-  tool-call name/arguments, or a logprobs list; a chat stream's role-only opening chunk, an empty
-  finish chunk and a usage-only chunk (`choices: []`) are not, and never move the finish time;
+  tool-call name/arguments, or a logprobs list, or when per-chunk usage grows on a choice whose text the
+  server held back (vLLM sends `"text": ""` for a token that ends inside a UTF-8 character); a chat
+  stream's role-only opening chunk, an empty finish chunk and a usage-only chunk (`choices: []`) are
+  not, and never move the finish time;
 - the tokens of a token-bearing event: the change in `usage.completion_tokens` from the tokens already
   counted, where the server reports usage per chunk (vLLM's `continuous_usage_stats`); a chunk whose
   per-chunk usage adds 0 carries no token and is not an event. Without per-chunk usage: the chunk's
@@ -292,20 +294,34 @@ class OpenAIStreamDecoder:
         if _nonempty_str(reason):
             self.finish_reason = str(reason)
         if not _carries_tokens(choice):
+            if completion is not None and self._held_back_token(completion, reason):
+                return self._usage_delta(completion)
             return None  # role-only, empty or finish-only chunk: not a token (usage reconciled later)
-        if completion is not None:
-            delta = completion - self._counted
-            if delta > 0:
-                self._usage_on_tokens = True
-                self._count_source = "usage"
-                return delta
-            if self._usage_on_tokens:
-                return None  # per-chunk usage says this chunk carried no token
-            # the first usage report, below what was counted one per chunk: reconciled at the end
+        if completion is not None and completion > self._counted:
+            return self._usage_delta(completion)
+        if completion is not None and self._usage_on_tokens:
+            return None  # per-chunk usage says this chunk carried no token
+        # else no usage, or a first usage report below the chunks counted one by one: reconciled at the end
         logprob_count = _logprob_tokens(choice)
         if logprob_count is not None and self._count_source == "chunks":
             self._count_source = "logprobs"
         return logprob_count or 1
+
+    def _held_back_token(self, completion: int, reason: object) -> bool:
+        """True when a choice without text still carries a token by per-chunk usage: the server
+        generated it but held its text back (an incomplete UTF-8 sequence of a byte-level BPE, a
+        stripped special token), as vLLM does, and vLLM's client counts that chunk. Only once per-chunk
+        usage is established (or for the stream's first chunk, before any finish), so that a final
+        usage report after chunks counted one by one is reconciled, never a new event."""
+        if completion <= self._counted:
+            return False
+        return self._usage_on_tokens or (self._counted == 0 and not _nonempty_str(reason))
+
+    def _usage_delta(self, completion: int) -> int:
+        """The tokens of a chunk by per-chunk usage (`completion` above those counted so far)."""
+        self._usage_on_tokens = True
+        self._count_source = "usage"
+        return completion - self._counted
 
     def _usage(self, obj: dict[str, Any]) -> int | None:
         """Check and store a chunk's usage; return its completion tokens (None without usage)."""
