@@ -20,6 +20,7 @@ import aiohttp
 
 from attention_kv_caceh.cli import serve
 from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
 
 
@@ -48,8 +49,7 @@ class ServeCliTest(unittest.TestCase):
     def setUp(self) -> None:
         self.dir = tempfile.TemporaryDirectory()
         self.addCleanup(self.dir.cleanup)
-        self.model = Path(self.dir.name)
-        (self.model / "config.json").write_text("{}")
+        self.model = write_random_checkpoint(Path(self.dir.name) / "m", "llama", "tiny")
 
     def test_bad_input_is_a_usage_error_before_the_engine_loads(self) -> None:
         empty = tempfile.TemporaryDirectory()
@@ -67,6 +67,27 @@ class ServeCliTest(unittest.TestCase):
             parse(["--model", str(self.model), "--num-kv-blocks", "4", "--kv-cache-memory", "100"])
         with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             parse(["--model", str(self.model), "--max-num-seqs", "0"])
+        loader.assert_not_called()
+
+    def test_engine_checks_exit_2_before_loading_as_in_generate(self) -> None:
+        """serve makes generate's checks (cli/engine_args.py) before any weight is read: same exit code 2."""
+        loader = mock.Mock(side_effect=AssertionError("loaded"))
+        cases = {
+            "--max-model-len": ["--max-model-len", "100000"],
+            "holds no block": ["--kv-cache-memory", "10"],
+            "--kv-cache-memory 1000000000000000": ["--kv-cache-memory", str(10**15)],
+            "--num-kv-blocks 1000000000000": ["--num-kv-blocks", str(10**12)],
+            "--max-num-seqs": ["--max-num-seqs", "9", "--max-num-batched-tokens", "4"],
+        }
+        with mock.patch("attention_kv_caceh.engine.async_llm.load_engine", loader):
+            for names, flags in cases.items():
+                with self.subTest(flags=flags):
+                    err = io.StringIO()
+                    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                        code = serve.main(["--model", str(self.model), "--port", "0", *flags])
+                    self.assertEqual(code, 2, err.getvalue())
+                    self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
+                    self.assertIn(names, err.getvalue())
         loader.assert_not_called()
 
     def test_flags_become_the_engine_config(self) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import signal
 import socket
@@ -33,6 +34,7 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
+from attention_kv_caceh.cli.engine_args import engine_config_kwargs, plan_engine
 
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
@@ -146,20 +148,6 @@ def add_engine_arguments(group: argparse._ArgumentGroup, *, defaults: bool = Tru
     )
 
 
-def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The EngineConfig fields given by the flags."""
-    return {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "dtype": args.dtype,
-    }
-
-
 def _api_key(var: str | None) -> str | None:
     if var is None:
         return None
@@ -185,7 +173,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     """Load the engine and serve until Ctrl-C / SIGTERM; returns 0 after the drain.
 
-    Raises UsageError (bad folder, unset --api-key-env variable, a port in use) before loading anything,
+    Raises UsageError (bad folder, unset --api-key-env variable, the engine checks of
+    `engine_args.plan_engine` that generate makes too, a port in use) before loading anything,
     CommandFailed when the checkpoint cannot be loaded.
     """
     from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
@@ -193,14 +182,14 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.server import build_app
 
     model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {args.model}: no config.json in that folder")
     api_key = _api_key(args.api_key_env)
+    plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     name = args.served_model_name or model_dir.resolve().name
     sock = _listen(args.host, args.port)
     try:
         try:
-            engine, tokenizer, max_model_len = load_engine(str(model_dir), engine_config_kwargs(args))
+            config = dataclasses.asdict(plan.engine_config)
+            engine, tokenizer, max_model_len = load_engine(str(model_dir), config)
             chat_template = load_chat_template(model_dir)
         except (ValueError, OSError) as exc:
             raise CommandFailed(f"cannot load {args.model}: {exc}") from None
