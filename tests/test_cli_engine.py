@@ -327,6 +327,29 @@ class MakeModelTest(EngineCommandCase):
         code, _, err = quietly(["generate", "--model", str(target), "--prompt", "a", "--max-tokens", "2"])
         self.assertEqual(code, 0, err)
 
+    def test_a_full_disk_exits_1_with_one_line_naming_out_not_the_staging_folder(self) -> None:
+        from safetensors import SafetensorError
+
+        failures: list[BaseException] = [
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            OSError(28, "No space left on device", str(self.out / ".full.x1y2" / "model.safetensors")),
+        ]
+        for failure in failures:
+            with self.subTest(failure=type(failure).__name__):
+                target = self.out / "full"
+                writer = unittest.mock.Mock(side_effect=failure)
+                with unittest.mock.patch("attention_kv_caceh.engine.make_model.serialize_file", writer):
+                    code, _, err = quietly(["make-model", "--out", str(target)])
+                writer.assert_called()
+                self.assertEqual(code, 1, err)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn(f"--out {str(target)!r}", err)
+                self.assertIn("No space left on device", err)
+                self.assertNotIn(".full.", err)  # the hidden staging folder's name
+                self.assertNotIn("internal error", err)
+                self.assertFalse(target.exists())
+                self.assertEqual([p for p in self.out.iterdir() if p.name.startswith(".full")], [])
+
     def test_the_same_flags_write_the_same_bytes(self) -> None:
         again = self.out / "again"
         code, _, err = quietly(["make-model", "--out", str(again), "--preset", "tiny"])
