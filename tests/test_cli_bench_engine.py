@@ -29,6 +29,19 @@ class BenchEngineCommandTest(EngineCommandCase):
         last = json.loads(out.strip().splitlines()[-1])
         self.assertEqual(last["max_num_seqs"], [1, 3])
 
+    def test_output_lengths_below_the_oracles_four_tokens_run(self) -> None:
+        for output_len in ("2", "3"):
+            with self.subTest(output_len=output_len):
+                code, out, err = quietly(
+                    [
+                        *("bench-engine", "--model", str(self.model), "--max-num-seqs", "2"),
+                        *("--prompt-len", "3", "--output-len", output_len),
+                    ]
+                )
+                self.assertEqual(code, 0, err)
+                last = json.loads(out.strip().splitlines()[-1])
+                self.assertEqual(last["max_num_seqs"], [2])
+
     def test_usage_errors_exit_2_with_one_line_and_write_nothing(self) -> None:
         out_json = self.out / "b.json"
         cases = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import shutil
 import tempfile
 import unittest
@@ -199,6 +200,8 @@ class UsageErrorTest(EngineCommandCase):
             ([*gen, "--model", m, "--prompt", "a", "--kv-cache-memory", "100"], "holds no block"),
             ([*gen, "--model", m, "--prompt", "a", "--max-num-seqs", "9", "--max-num-batched-tokens", "4"], "--max-num-seqs"),
             ([*gen, "--model", m, "--prompt", "a", "--max-model-len", "100000"], "--max-model-len"),
+            ([*gen, "--model", m, "--prompt", "a", "--kv-cache-memory", str(10**15)], "--kv-cache-memory 1000000000000000"),
+            ([*gen, "--model", m, "--prompt", "a", "--num-kv-blocks", str(10**12)], "--num-kv-blocks 1000000000000"),
             ([*gen, "--model", m, "--prompt", PROMPTS[1], "--max-model-len", "4"], "more than max_model_len 4"),
             (["generate", "--model", m, "--prompt", "a", "--max-tokens", "4", "--output", f"{o}/x.txt"], ".jsonl"),
             (["generate", "--model", m, "--prompt", "a", "--max-tokens", "4", "--output", f"{o}/a.jsonl", "--trace", f"{o}/a.jsonl"], "same file"),
@@ -241,11 +244,33 @@ class CheckpointAndPoolErrorTest(EngineCommandCase):
         self.assertIn("model.safetensors", err)
         self.assertFalse(output.exists())
 
-    def test_a_prompt_that_cannot_fit_the_pool_exits_1_with_the_reason(self) -> None:
-        code, _, err = self.generate("--prompt", PROMPTS[1], "--max-tokens", "4", "--num-kv-blocks", "2")
-        self.assertEqual(code, 1)
-        self.assertEqual(len(err.splitlines()), 1, err)
-        self.assertIn("the pool has 2", err)
+    def test_a_prompt_that_cannot_fit_the_pool_exits_2_before_loading_weights(self) -> None:
+        # the weights are unreadable, so reaching the loader would exit 1: the refusal comes before it
+        folder = self.out / "no-weights"
+        shutil.copytree(self.model, folder)
+        (folder / "model.safetensors").write_bytes(b"\0" * 4)
+        for flags in (("--num-kv-blocks", "2"), ("--block-size", "4", "--num-kv-blocks", "1")):
+            with self.subTest(flags=flags):
+                code, _, err = quietly(
+                    ["generate", "--model", str(folder), "--prompt", PROMPTS[1], "--max-tokens", "4", *flags]
+                )
+                self.assertEqual(code, 2, err)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn(f"the pool has {flags[-1]}", err)
+
+    def test_a_truncated_safetensors_file_exits_1_with_one_line_naming_it(self) -> None:
+        for size in (4, 1_000_000 // 16):
+            with self.subTest(size=size):
+                broken = self.out / f"cut{size}"
+                shutil.copytree(self.model, broken)
+                os.truncate(broken / "model.safetensors", size)
+                code, _, err = quietly(
+                    ["generate", "--model", str(broken), "--prompt", "a", "--max-tokens", "2"]
+                )
+                self.assertEqual(code, 1, err)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn("model.safetensors", err)
+                self.assertNotIn("internal error", err)
 
 
 def decode_stats(index: int, running: int = 2, preemptions: int = 0) -> StepStats:
@@ -301,6 +326,29 @@ class MakeModelTest(EngineCommandCase):
         )
         code, _, err = quietly(["generate", "--model", str(target), "--prompt", "a", "--max-tokens", "2"])
         self.assertEqual(code, 0, err)
+
+    def test_a_full_disk_exits_1_with_one_line_naming_out_not_the_staging_folder(self) -> None:
+        from safetensors import SafetensorError
+
+        failures: list[BaseException] = [
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+            OSError(28, "No space left on device", str(self.out / ".full.x1y2" / "model.safetensors")),
+        ]
+        for failure in failures:
+            with self.subTest(failure=type(failure).__name__):
+                target = self.out / "full"
+                writer = unittest.mock.Mock(side_effect=failure)
+                with unittest.mock.patch("attention_kv_caceh.engine.make_model.serialize_file", writer):
+                    code, _, err = quietly(["make-model", "--out", str(target)])
+                writer.assert_called()
+                self.assertEqual(code, 1, err)
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn(f"--out {str(target)!r}", err)
+                self.assertIn("No space left on device", err)
+                self.assertNotIn(".full.", err)  # the hidden staging folder's name
+                self.assertNotIn("internal error", err)
+                self.assertFalse(target.exists())
+                self.assertEqual([p for p in self.out.iterdir() if p.name.startswith(".full")], [])
 
     def test_the_same_flags_write_the_same_bytes(self) -> None:
         again = self.out / "again"

@@ -9,8 +9,12 @@ import io
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import tempfile
 import threading
+import time
 import unittest
 from pathlib import Path
 from typing import Any
@@ -20,6 +24,7 @@ import aiohttp
 
 from attention_kv_caceh.cli import serve
 from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
 
 
@@ -48,8 +53,7 @@ class ServeCliTest(unittest.TestCase):
     def setUp(self) -> None:
         self.dir = tempfile.TemporaryDirectory()
         self.addCleanup(self.dir.cleanup)
-        self.model = Path(self.dir.name)
-        (self.model / "config.json").write_text("{}")
+        self.model = write_random_checkpoint(Path(self.dir.name) / "m", "llama", "tiny")
 
     def test_bad_input_is_a_usage_error_before_the_engine_loads(self) -> None:
         empty = tempfile.TemporaryDirectory()
@@ -67,6 +71,27 @@ class ServeCliTest(unittest.TestCase):
             parse(["--model", str(self.model), "--num-kv-blocks", "4", "--kv-cache-memory", "100"])
         with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             parse(["--model", str(self.model), "--max-num-seqs", "0"])
+        loader.assert_not_called()
+
+    def test_engine_checks_exit_2_before_loading_as_in_generate(self) -> None:
+        """serve makes generate's checks (cli/engine_args.py) before any weight is read: same exit code 2."""
+        loader = mock.Mock(side_effect=AssertionError("loaded"))
+        cases = {
+            "--max-model-len": ["--max-model-len", "100000"],
+            "holds no block": ["--kv-cache-memory", "10"],
+            "--kv-cache-memory 1000000000000000": ["--kv-cache-memory", str(10**15)],
+            "--num-kv-blocks 1000000000000": ["--num-kv-blocks", str(10**12)],
+            "--max-num-seqs": ["--max-num-seqs", "9", "--max-num-batched-tokens", "4"],
+        }
+        with mock.patch("attention_kv_caceh.engine.async_llm.load_engine", loader):
+            for names, flags in cases.items():
+                with self.subTest(flags=flags):
+                    err = io.StringIO()
+                    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                        code = serve.main(["--model", str(self.model), "--port", "0", *flags])
+                    self.assertEqual(code, 2, err.getvalue())
+                    self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
+                    self.assertIn(names, err.getvalue())
         loader.assert_not_called()
 
     def test_flags_become_the_engine_config(self) -> None:
@@ -120,6 +145,72 @@ class ServeCliTest(unittest.TestCase):
         chunks = [json.loads(e[6:]) for e in events[:-1]]
         self.assertEqual("".join(c["choices"][0]["text"] for c in chunks), expected_text([100], 12))
         self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "length")
+
+
+class ServeChildTest(unittest.TestCase):
+    """A real `serve` process: what a shell, `timeout` or `uv run` see."""
+
+    def setUp(self) -> None:
+        self.dir = tempfile.TemporaryDirectory()
+        self.addCleanup(self.dir.cleanup)
+        self.model = write_random_checkpoint(Path(self.dir.name) / "m", "llama", "tiny")
+
+    def start(self, *flags: str) -> subprocess.Popen[str]:
+        cmd = [sys.executable, "-m", "attention_kv_caceh.cli.serve", "--model", str(self.model), *flags]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.addCleanup(lambda: proc.poll() is None and proc.kill())
+        return proc
+
+    def test_sigterm_twice_exits_0_without_a_traceback(self) -> None:
+        proc = self.start("--port", "0", "--drain-timeout", "30")
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        self.assertTrue(line.startswith("serving "), line)
+        host, port = line.split("http://")[1].strip().rsplit(":", 1)
+        # A request whose body is still coming keeps the drain waiting until the client leaves.
+        with socket.create_connection((host, int(port)), timeout=30) as conn:
+            conn.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: 100\r\n\r\n{"
+            )
+            time.sleep(0.3)
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(0.5)  # the drain is under way
+            proc.send_signal(signal.SIGTERM)  # what `uv run` or `timeout` add when the whole group got one
+            time.sleep(0.3)
+        _, err = proc.communicate(timeout=60)  # the client left: the drain ends
+        self.assertEqual(proc.returncode, 0, err)
+        self.assertNotIn("Traceback", err)
+        self.assertNotIn("CancelledError", err)
+
+    def test_a_port_over_65535_is_a_usage_error_and_ipv6_is_bracketed(self) -> None:
+        proc = self.start("--port", "70000")
+        _, err = proc.communicate(timeout=60)
+        self.assertEqual(proc.returncode, 2, err)
+        self.assertIn("--port", err)
+        self.assertNotIn("Traceback", err)
+        self.assertEqual(serve.url_of("::1", 8793), "http://[::1]:8793")
+        self.assertEqual(serve.url_of("127.0.0.1", 8793), "http://127.0.0.1:8793")
+        for host, loopback in (("127.0.0.1", True), ("127.3.0.1", True), ("::1", True), ("localhost", True)):
+            self.assertIs(serve.is_loopback(host), loopback)
+        for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
+            self.assertFalse(serve.is_loopback(host))
+
+    def test_a_non_loopback_host_without_an_api_key_warns_on_stderr(self) -> None:
+        out = io.StringIO()
+        err = io.StringIO()
+        args = parse(["--model", str(self.model), "--host", "0.0.0.0", "--port", "0"])
+        with (
+            mock.patch.object(serve, "_DrainingServer") as server,
+            mock.patch("attention_kv_caceh.engine.async_llm.load_engine") as loader,
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+        ):
+            loader.return_value = (FakeEngine(max_num_seqs=2), FakeTokenizer(), 256)
+            server.return_value.serve = mock.AsyncMock(return_value=None)
+            self.assertEqual(serve.run(args), 0)
+        self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
+        self.assertIn("warning: listening on 0.0.0.0", err.getvalue())
 
 
 if __name__ == "__main__":

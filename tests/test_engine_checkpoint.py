@@ -124,6 +124,52 @@ class TestErrors(CheckpointTestBase):
         ):
             Model.load(folder)
 
+    def test_a_truncated_or_corrupt_safetensors_file_is_a_checkpoint_error_naming_it(self) -> None:
+        for size in (4, 100, 1_000_000 // 8, None):
+            for dtype in ("float32", "bfloat16"):
+                with self.subTest(size=size, dtype=dtype):
+                    folder = self.write(f"t{size}{dtype}", dtype=dtype)
+                    path = folder / "model.safetensors"
+                    if size is None:  # the header parses, the data is cut short
+                        size = path.stat().st_size - 8
+                    if size >= path.stat().st_size:
+                        continue
+                    os.truncate(path, size)
+                    with self.assertRaisesRegex(CheckpointError, r"model\.safetensors"):
+                        Model.load(folder)
+        folder = self.write("garbage")
+        (folder / "model.safetensors").write_bytes(b"\xff" * 64)
+        with self.assertRaisesRegex(CheckpointError, r"model\.safetensors: not a readable safetensors"):
+            SafetensorsCheckpoint(folder)
+
+    def test_a_config_int_of_the_wrong_type_names_its_key(self) -> None:
+        keys = [
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "max_position_embeddings",
+            "bos_token_id",
+            "eos_token_id",
+        ]
+        folder = self.write("c")
+        original = (folder / "config.json").read_text()
+        for key in keys:
+            for bad in ("two", 4.5, True, None if key in ("vocab_size", "hidden_size") else [1.5], {}):
+                if bad is None:
+                    continue
+                with self.subTest(key=key, value=bad):
+                    (folder / "config.json").write_text(original)
+                    self.edit_config(folder, **{key: bad})
+                    with self.assertRaisesRegex(CheckpointError, rf"config\.json: key '{key}'"):
+                        Model.load(folder)
+        (folder / "config.json").write_text(original)
+        self.edit_config(folder, num_hidden_layers=2.0)  # JSON writers may spell an int as 2.0
+        self.assertEqual(Model.load(folder).config.num_hidden_layers, 2)
+
     def test_unknown_architecture_names_config_json_and_the_key(self) -> None:
         folder = self.write("a")
         self.edit_config(folder, architectures=["GPT2LMHeadModel"])

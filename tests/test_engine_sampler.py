@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from attention_kv_caceh.engine.request import Request, SamplingParams
+from attention_kv_caceh.engine.request import SAMPLING_EPS, Request, SamplingParams
 from attention_kv_caceh.engine.sampler import sample, sample_row
 from tests.engine_fakes import make_engine, random_logits, run_workload
 
@@ -76,6 +76,24 @@ class SampleRowTest(unittest.TestCase):
 
         self.assertEqual(draws(1), draws(1))
         self.assertNotEqual(draws(1), draws(2))
+
+    def test_temperatures_below_the_sampling_eps_pick_the_greedy_token(self) -> None:
+        """1e-320 would overflow logits / temperature and 1e-6 samples rounding noise: both are greedy
+        (vLLM's _SAMPLING_EPS rule); the greedy token is the argmax oracle, including a near-tie."""
+        rng = np.random.default_rng(7)
+        for _ in range(50):
+            logits = rng.normal(size=64) * 30.0
+            logits[rng.integers(64)] = logits.max() - 1e-9  # a near-tie the noise would resolve at random
+            greedy = int(np.argmax(logits))
+            for temperature in (1e-320, 5e-324, 1e-6, 9.99e-6):
+                params = SamplingParams(temperature=temperature, top_k=5, top_p=0.5)
+                self.assertTrue(params.is_greedy)
+                self.assertEqual(sample_row(logits, params, np.random.default_rng(0)), greedy)
+        self.assertFalse(SamplingParams(temperature=SAMPLING_EPS).is_greedy)
+
+    def test_a_negative_seed_is_refused(self) -> None:
+        with self.assertRaisesRegex(ValueError, "seed"):
+            SamplingParams(temperature=1.0, seed=-1)
 
     def test_sample_rejects_mismatched_rows_and_nan(self) -> None:
         reqs = [Request("a", [1], SamplingParams())]

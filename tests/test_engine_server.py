@@ -242,6 +242,51 @@ class StreamingTest(unittest.TestCase):
         ok = self.oai.completions.create(model=MODEL, prompt="a", max_tokens=2)
         self.assertEqual(ok.choices[0].text, expected_text([97], 2))
 
+    def test_every_sampling_field_is_checked_at_the_boundary_with_its_param(self) -> None:
+        """Non-finite floats, bools for ints, out-of-range values and unsupported options are 400s naming
+        the field; none is a 500 (the engine's own ValueError must never be reached)."""
+        chat = "/v1/chat/completions"
+        comp = "/v1/completions"
+        raw_cases: list[tuple[str, str, str | None]] = [
+            (comp, '{"prompt": "a", "temperature": NaN}', "temperature"),
+            (comp, '{"prompt": "a", "temperature": Infinity}', "temperature"),
+            (chat, '{"messages": [{"role": "user", "content": "a"}], "temperature": NaN}', "temperature"),
+            (comp, '{"prompt": "a", "top_p": -Infinity}', "top_p"),
+            (comp, '{"prompt": "a", "top_p": NaN}', "top_p"),
+            (comp, '{"prompt": "a", "max_tokens": true}', "max_tokens"),
+            (comp, '{"prompt": "a", "max_tokens": 2.0}', "max_tokens"),
+            (comp, '{"prompt": "a", "top_k": false}', "top_k"),
+            (comp, '{"prompt": "a", "top_k": -2}', "top_k"),
+            (comp, '{"prompt": "a", "seed": -1}', "seed"),
+            (comp, '{"prompt": "a", "seed": true}', "seed"),
+            (comp, '{"prompt": "a", "temperature": true}', "temperature"),
+            (comp, '{"prompt": "a", "logprobs": 2}', "logprobs"),
+            (comp, '{"prompt": "a", "echo": true}', "echo"),
+            (chat, '{"messages": [{"role": "user", "content": "a"}], "logprobs": true}', "logprobs"),
+            (chat, '{"messages": [{"role": "user", "content": "a"}], "top_logprobs": 3}', "top_logprobs"),
+            (chat, '{"messages": []}', "messages"),
+            (chat, '{"messages": [{"role": "wizard", "content": "a"}]}', "messages"),
+            (comp, '{"model": "m", "prompt": "a", "max_tokens": }', None),
+        ]
+        for path, raw, param in raw_cases:
+            with self.subTest(path=path, body=raw):
+                headers = {"Content-Type": "application/json"}
+                got, body = request("POST", self.url + path, headers=headers, data=raw.encode())
+                self.assertEqual(got, 400, body)
+                self.assertEqual(body["error"]["param"], param)
+                self.assertEqual(body["error"]["code"], 400)
+        got, body = request("POST", self.url + comp, headers=headers, data=raw_cases[-1][1].encode())
+        self.assertIn("not valid JSON", body["error"]["message"])
+        self.assertIn("character 44", body["error"]["message"])
+        got, body = request("POST", self.url + comp, headers=headers, data=b'{"prompt": "\xff"}')
+        self.assertEqual(got, 400, body)
+        self.assertEqual(set(body), {"error"})
+        self.assertEqual(set(body["error"]), {"message", "type", "param", "code"})
+        ok = self.oai.completions.create(
+            model=MODEL, prompt="a", max_tokens=2, temperature=0, seed=0, extra_body={"top_k": -1}
+        )
+        self.assertEqual(ok.choices[0].text, expected_text([97], 2))
+
 
 class EosTest(unittest.TestCase):
     def test_eos_stops_with_stop_and_ignore_eos_runs_to_length(self) -> None:

@@ -4,8 +4,11 @@ Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, greedy, i
 submitted at once, as vLLM's offline throughput benchmark does) and prints one row per max_num_seqs:
 output tokens/s, the decode step's P50/P95, the bytes one decode step reads (every weight once plus
 the KV cache of every running request) and that rate against the same run's read probe. The last line
-is the batching gain: output tokens/s at the largest max_num_seqs over the smallest. Before anything
-is timed, request 0 run alone must give the same greedy tokens as in the batch (exit 1 otherwise).
+is the batching gain: output tokens/s at the largest max_num_seqs over the smallest. Then one more line,
+a JSON object for scripts (they read it; keep its shape): `{"max_num_seqs": [...],
+"output_tokens_per_s": [...]}`, one value per row in the table's order. Before anything is timed,
+request 0 run alone must give the same greedy tokens as in the batch (its first min(4, --output-len)
+tokens; exit 1 otherwise).
 """
 
 from __future__ import annotations
@@ -27,7 +30,10 @@ from attention_kv_caceh.cli.common import (
 
 __all__ = ["HELP", "add_arguments", "format_rows", "run"]
 
-HELP = "engine throughput: output tokens/s and decode step time at several max_num_seqs, vs a read probe"
+HELP = (
+    "engine throughput: output tokens/s and decode step time at several max_num_seqs, vs a read probe; "
+    "the last stdout line is JSON for scripts ({max_num_seqs, output_tokens_per_s})"
+)
 
 
 def _at_least_two(text: str) -> int:

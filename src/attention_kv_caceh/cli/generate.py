@@ -6,11 +6,13 @@ each visible in the per-step table (`generate_table.py`). Each prompt's continua
 the table; `--output` writes them as JSONL (one line per prompt, input order, written atomically at the
 end), `--trace` writes one JSONL line per engine step (each StepStats, flushed as the step ends).
 
-Checks, in order: flags and output paths (exit 2, nothing read); the model folder holds config.json
-(exit 2); config.json and the tokenizer are read, the prompts tokenized, and a prompt longer than
-max_model_len or a --max-model-len above the checkpoint's is refused (exit 2, no weights loaded); a
-checkpoint the engine cannot load is one line naming the file and key (exit 1); a request the engine
-refuses after loading (it cannot fit the KV pool) is one line (exit 1). Ctrl-C: one line, exit 130, the
+Checks, in order: flags and output paths (exit 2, nothing read); then `engine_args.plan_engine`, the
+checks `serve` makes too: the model folder holds config.json, config.json and the tokenizer are read, a
+--max-model-len above the checkpoint's or a KV cache of no block or over the memory budget is refused
+(exit 2, no weights loaded); the prompts are tokenized and a prompt longer than max_model_len, or whose
+prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
+engine cannot load is one line naming the file and key (exit 1). The first line printed says how long
+loading took, the one-time kernel compile (warm-up) included, so no step time holds it. Ctrl-C: one line, exit 130, the
 prompts that finished are written to --output and the trace holds every step that ran.
 """
 
@@ -34,10 +36,10 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
+from attention_kv_caceh.cli.engine_args import check_prompts_fit, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.generate_table import StepTable
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.config import EngineConfig
     from attention_kv_caceh.engine.llm_engine import LLMEngine
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
@@ -178,23 +180,12 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
-    """EngineConfig and SamplingParams from the flags; UsageError for a combination they refuse."""
-    from attention_kv_caceh.engine.config import EngineConfig
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags; UsageError for a value they refuse."""
     from attention_kv_caceh.engine.request import SamplingParams
 
     try:
-        config = EngineConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-            kv_cache_memory=args.kv_cache_memory,
-            max_model_len=args.max_model_len,
-            enable_prefix_caching=not args.no_prefix_caching,
-            dtype=args.dtype,
-        )
-        params = SamplingParams(
+        return SamplingParams(
             max_tokens=args.max_tokens,
             temperature=args.temperature,
             top_p=args.top_p,
@@ -203,63 +194,32 @@ def _configs(args: argparse.Namespace) -> tuple[EngineConfig, SamplingParams]:
             ignore_eos=args.ignore_eos,
         )
     except ValueError as exc:
-        raise UsageError(
-            str(exc)
-            .replace("max_num_batched_tokens", "--max-num-batched-tokens")
-            .replace("max_num_seqs", "--max-num-seqs")
-        ) from None
-    return config, params
+        raise UsageError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; see the module docstring for the checks and exit codes."""
     check_outputs([("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))])
     prompts = read_prompts(args)
-    model_dir = Path(args.model)
-    if not model_dir.is_dir():
-        raise UsageError(f"--model {args.model!r} is not a folder")
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {args.model!r} has no config.json (not a Hugging Face model folder)")
-    config, params = _configs(args)
+    params = _sampling_params(args)
+    plan = plan_engine(args.model, engine_config_kwargs(args))
+    prompt_ids = [plan.tokenizer.encode(p) for p in prompts]
+    check_prompts_fit(plan, prompt_ids, params)
 
-    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
     from attention_kv_caceh.engine.llm_engine import LLMEngine
-    from attention_kv_caceh.engine.model_config import ModelConfig
-    from attention_kv_caceh.engine.tokenizer import Tokenizer
 
+    t0 = time.perf_counter()
     try:
-        model_config = ModelConfig.from_hf_config(read_config_json(model_dir), model_dir / "config.json")
-        tokenizer = Tokenizer.load(model_dir)
-    except CheckpointError as exc:
-        raise CommandFailed(str(exc)) from None
-    try:
-        max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
-    except ValueError as exc:
-        raise UsageError(f"--max-model-len: {exc}") from None
-    from attention_kv_caceh.engine.model_runner import ModelRunner
-
-    try:
-        config.num_blocks_for(ModelRunner.bytes_per_block(model_config, config.block_size, config.dtype))
-    except ValueError as exc:
-        flag = "--kv-cache-memory" if args.kv_cache_memory is not None else "KV cache size"
-        raise UsageError(f"{flag}: {exc}") from None
-    prompt_ids = [tokenizer.encode(p) for p in prompts]
-    for i, ids in enumerate(prompt_ids):
-        if not ids:
-            raise UsageError(f"prompt {i} encodes to no token")
-        if len(ids) > max_model_len:
-            raise UsageError(f"prompt {i} has {len(ids)} tokens, more than max_model_len {max_model_len}")
-
-    try:
-        engine = LLMEngine.from_pretrained(str(model_dir), config)
+        engine = LLMEngine.from_pretrained(str(args.model), plan.engine_config)
     except ValueError as exc:  # CheckpointError (naming the file and key) is a ValueError
         raise CommandFailed(str(exc)) from None
+    load_s = time.perf_counter() - t0
     try:
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), ids, params)
     except ValueError as exc:
         raise CommandFailed(f"the engine refused a prompt (request id = prompt index): {exc}") from None
-    return _run_steps(args, engine, tokenizer, prompts, prompt_ids)
+    return _run_steps(args, engine, plan.tokenizer, prompts, prompt_ids, load_s)
 
 
 def _run_steps(
@@ -268,6 +228,7 @@ def _run_steps(
     tokenizer: Tokenizer,
     prompts: list[str],
     prompt_ids: list[list[int]],
+    load_s: float,
 ) -> int:
     """step() until done, printing the table and writing the trace; then the continuations and --output."""
     from attention_kv_caceh.files import JsonlWriter, ignoring_sigint
@@ -277,7 +238,8 @@ def _run_steps(
         f"{len(prompts)} prompts ({sum(map(len, prompt_ids))} tokens), max_tokens {args.max_tokens}; "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
         f"{num_blocks} KV blocks of {args.block_size} tokens, max_model_len {engine.scheduler.max_model_len}, "
-        f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}"
+        f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}; loaded in "
+        f"{load_s:.2f} s (kernel compile included)"
     )
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     finish: dict[str, str | None] = {}

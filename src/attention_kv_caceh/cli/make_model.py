@@ -138,7 +138,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             os.replace(staging, out)
     except OSError as exc:
-        raise CommandFailed(f"could not write --out {str(out)!r}: {exc}") from None
+        # the hidden staging folder is ours, not the user's: the message names --out only
+        reason = (exc.strerror if exc.filename else None) or str(exc)
+        reason = reason.replace(str(staging), str(out))
+        raise CommandFailed(f"could not write --out {str(out)!r}: {reason}") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 

@@ -5,8 +5,12 @@
 Loads the checkpoint folder into the engine, then serves `/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (engine/server.py) with uvicorn. Prints
 one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
-system chose). Ctrl-C or SIGTERM drains: no new connection is accepted, running requests get up to
-`--drain-timeout` seconds to finish, the rest are aborted, and the command exits 0. Also runnable as
+system chose; an IPv6 host in brackets, `http://[::1]:8000`). The default host is 127.0.0.1 (loopback):
+a non-loopback `--host` (0.0.0.0, a LAN address, a host name) is allowed, but without `--api-key-env` it
+prints a one-line warning on stderr, since anyone who reaches the port can then use the server. Ctrl-C or SIGTERM drains: no new connection is accepted, running requests get up to
+`--drain-timeout` seconds to finish, the rest are aborted, and the command exits 0. A second Ctrl-C or
+SIGTERM during the drain is ignored (`uv run` and `timeout` deliver the group's SIGTERM twice); the drain
+ends by itself within --drain-timeout. Also runnable as
 `python -m attention_kv_caceh.cli.serve ...` (what the harness's launcher starts).
 """
 
@@ -15,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import ipaddress
 import os
 import signal
 import socket
@@ -27,12 +33,14 @@ from types import FrameType
 import uvicorn
 
 from attention_kv_caceh.cli.common import (
+    PROG,
     CommandFailed,
     UsageError,
     nonnegative_float,
     nonnegative_int,
     positive_int,
 )
+from attention_kv_caceh.cli.engine_args import engine_config_kwargs, plan_engine
 
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
@@ -50,8 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", metavar="NAME", help="model name clients send (default: the folder's name)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=nonnegative_int, default=8000, help="port (0: any free port)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on; a non-loopback one without --api-key-env prints a warning",
+    )
+    parser.add_argument("--port", type=port_number, default=8000, help="port in 0..65535 (0: any free port)")
     add_engine_arguments(parser.add_argument_group("engine"))
     server = parser.add_argument_group("server")
     server.add_argument(
@@ -146,18 +158,27 @@ def add_engine_arguments(group: argparse._ArgumentGroup, *, defaults: bool = Tru
     )
 
 
-def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The EngineConfig fields given by the flags."""
-    return {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "dtype": args.dtype,
-    }
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0..65535."""
+    value = nonnegative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def is_loopback(host: str) -> bool:
+    """True for "localhost" and the loopback addresses (127.0.0.0/8, ::1); False for any other host."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def url_of(host: str, port: int) -> str:
+    """`http://HOST:PORT`, an IPv6 address in brackets (RFC 3986's IP-literal)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def _api_key(var: str | None) -> str | None:
@@ -185,7 +206,8 @@ def _listen(host: str, port: int) -> socket.socket:
 def run(args: argparse.Namespace) -> int:
     """Load the engine and serve until Ctrl-C / SIGTERM; returns 0 after the drain.
 
-    Raises UsageError (bad folder, unset --api-key-env variable, a port in use) before loading anything,
+    Raises UsageError (bad folder, unset --api-key-env variable, the engine checks of
+    `engine_args.plan_engine` that generate makes too, a port in use) before loading anything,
     CommandFailed when the checkpoint cannot be loaded.
     """
     from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
@@ -193,14 +215,14 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.server import build_app
 
     model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {args.model}: no config.json in that folder")
     api_key = _api_key(args.api_key_env)
+    plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     name = args.served_model_name or model_dir.resolve().name
     sock = _listen(args.host, args.port)
     try:
         try:
-            engine, tokenizer, max_model_len = load_engine(str(model_dir), engine_config_kwargs(args))
+            config = dataclasses.asdict(plan.engine_config)
+            engine, tokenizer, max_model_len = load_engine(str(model_dir), config)
             chat_template = load_chat_template(model_dir)
         except (ValueError, OSError) as exc:
             raise CommandFailed(f"cannot load {args.model}: {exc}") from None
@@ -219,8 +241,17 @@ def run(args: argparse.Namespace) -> int:
             app, log_level="warning", lifespan="on", timeout_graceful_shutdown=max(args.drain_timeout, 0.1)
         )
         port = sock.getsockname()[1]
-        print(f"serving {name} at http://{args.host}:{port}", flush=True)
-        asyncio.run(_DrainingServer(config).serve(sockets=[sock]))
+        if not is_loopback(args.host) and api_key is None:
+            print(
+                f"{PROG} serve: warning: listening on {args.host}, not a loopback address, without "
+                "--api-key-env: anyone who can reach this machine can use the server",
+                file=sys.stderr,
+                flush=True,
+            )
+        server = _DrainingServer(config)
+        with server.draining_on_signals():  # before the announcement: a SIGTERM right after it drains
+            print(f"serving {name} at {url_of(args.host, port)}", flush=True)
+            asyncio.run(server.serve(sockets=[sock]))
     finally:
         sock.close()
     return 0
@@ -232,13 +263,19 @@ class _DrainingServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None]:
+        yield  # `draining_on_signals` installed the handlers before the URL was announced
+
+    @contextlib.contextmanager
+    def draining_on_signals(self) -> Generator[None]:
+        """Ctrl-C / SIGTERM start the drain (uvicorn's should_exit) while the block runs."""
         if threading.current_thread() is not threading.main_thread():
             yield  # signals reach the main thread only
             return
 
         def handle(signum: int, frame: FrameType | None) -> None:
-            if self.should_exit:
-                self.force_exit = True  # a second signal: stop waiting for the drain
+            # A second signal during the drain is ignored: `uv run` and `timeout` forward a SIGTERM the
+            # process group already got, and uvicorn's force exit would skip the lifespan shutdown and
+            # leave it to be cancelled with a traceback. The drain is bounded by --drain-timeout anyway.
             self.should_exit = True
 
         signals = (signal.SIGINT, signal.SIGTERM)

@@ -186,7 +186,7 @@ def run_engine_benchmark(
     *,
     block_size: int = 16,
     max_num_batched_tokens: int = 2048,
-    oracle_tokens: int = 4,
+    oracle_tokens: int | None = None,
     probe_every: int = 1,
     detokenize: bool = True,
 ) -> EngineBenchResult:
@@ -194,7 +194,8 @@ def run_engine_benchmark(
 
     Each run: a KV pool of exactly the blocks the requests need (no preemption), prefix caching off
     (random prompts share nothing, and the oracle's solo run must not leave request 0 cached); the
-    solo run of request 0 (oracle_tokens greedy tokens, which also warms the engine up); then all
+    solo run of request 0 (oracle_tokens greedy tokens, None: min(4, output_len); the solo run also warms
+    the engine up); then all
     requests (random token ids of prompt_len drawn from `seed`, greedy, ignore_eos,
     max_tokens=output_len) stepped to completion, with the read probe timed after every
     probe_every-th pure-decode step (not counted in the step times or the wall time; every step by
@@ -213,6 +214,8 @@ def run_engine_benchmark(
         raise ValueError(f"max_num_seqs_list must hold positive counts, got {seqs}")
     if prompt_len < 1 or output_len < 2:
         raise ValueError(f"need prompt_len >= 1 and output_len >= 2, got {prompt_len}, {output_len}")
+    if oracle_tokens is None:
+        oracle_tokens = min(4, output_len)
     if not 1 <= oracle_tokens <= output_len or probe_every < 1:
         raise ValueError(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"

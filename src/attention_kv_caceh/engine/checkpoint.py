@@ -11,20 +11,24 @@ Layouts read: one `model.safetensors`; shards listed by `model.safetensors.index
 tensor name -> file); or, without an index, every `*.safetensors` file in the folder.
 
 Every problem with the folder (missing file or key, unknown dtype, tensor of the wrong shape, a setting
-the model does not implement) is one `CheckpointError`, a ValueError whose message names the file and
-the key.
+the model does not implement, a config value of the wrong type, a truncated or corrupt safetensors file,
+an unreadable file) is one `CheckpointError`, a ValueError whose message names the file and the key:
+every safetensors read goes through `_reading`, which turns the library's SafetensorError, an OSError
+(a failed read or mmap) and a malformed header into one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 __all__ = ["CheckpointError", "SafetensorsCheckpoint", "read_config_json", "widen_bfloat16"]
 
@@ -97,7 +101,7 @@ class SafetensorsCheckpoint:
             if not files:
                 raise CheckpointError(f"{self.folder / SINGLE_FILE}: file not found (no *.safetensors)")
             for file in files:
-                with _open(file) as f:
+                with _reading(file), _open(file) as f:
                     for name in f.keys():  # noqa: SIM118 (a safe_open handle, not a dict)
                         self._file_of[name] = file
             self.source = files[0] if len(files) == 1 else self.folder
@@ -119,7 +123,7 @@ class SafetensorsCheckpoint:
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor `name`. Raises CheckpointError when it is absent."""
         file = self._file(name)
-        with _open(file) as f:
+        with _reading(file, name), _open(file) as f:
             return tuple(f.get_slice(name).get_shape())
 
     def get(self, name: str, dtype: npt.DTypeLike) -> npt.NDArray[np.floating[Any]]:
@@ -130,13 +134,31 @@ class SafetensorsCheckpoint:
         a non-floating dtype on disk.
         """
         file = self._file(name)
-        with _open(file) as f:
+        with _reading(file, name), _open(file) as f:
             stored = f.get_slice(name).get_dtype()
             if stored in _NUMPY_DTYPES:
                 return np.ascontiguousarray(f.get_tensor(name), dtype=dtype)
         if stored == "BF16":
-            return np.ascontiguousarray(widen_bfloat16(_read_raw(file, name, np.uint16)), dtype=dtype)
+            with _reading(file, name):
+                raw = _read_raw(file, name, np.uint16)
+            return np.ascontiguousarray(widen_bfloat16(raw), dtype=dtype)
         raise CheckpointError(f"{file}: tensor {name!r} has dtype {stored}, expected F32, F16, BF16 or F64")
+
+
+@contextlib.contextmanager
+def _reading(file: Path, name: str | None = None) -> Generator[None]:
+    """Turn any failure to read safetensors `file` (tensor `name`) into one CheckpointError naming both.
+
+    Caught: SafetensorError (a header that does not parse, a file shorter than its header says), OSError
+    (open, read, mmap), and the ValueError / KeyError / struct.error of a malformed header read by hand.
+    """
+    where = f"{file}" if name is None else f"{file}: tensor {name!r}"
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (SafetensorError, OSError, struct.error, ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{where}: not a readable safetensors file ({err})") from err
 
 
 def _open(file: Path) -> Any:
@@ -156,7 +178,10 @@ def _read_raw(file: Path, name: str, dtype: type[np.uint16]) -> npt.NDArray[np.u
         begin, end = (int(x) for x in entry["data_offsets"])
         shape = tuple(int(s) for s in entry["shape"])
         fh.seek(8 + n + begin)
-        data = np.frombuffer(fh.read(end - begin), dtype=np.dtype(dtype).newbyteorder("<"))
+        raw = fh.read(end - begin)
+        if len(raw) != end - begin:
+            raise CheckpointError(f"{file}: tensor {name!r} is truncated ({len(raw)} of {end - begin} bytes)")
+        data = np.frombuffer(raw, dtype=np.dtype(dtype).newbyteorder("<"))
     if data.size != int(np.prod(shape)):
         raise CheckpointError(f"{file}: tensor {name!r} holds {data.size} elements, shape says {shape}")
     return data.reshape(shape).astype(dtype)

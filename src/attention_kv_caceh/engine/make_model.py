@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from safetensors import TensorSpec, serialize_file
+from safetensors import SafetensorError, TensorSpec, serialize_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from attention_kv_caceh.engine.training_text import TRAINING_TEXT
@@ -205,7 +205,8 @@ def write_random_checkpoint(
     `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json` once a shard would
     exceed it; None writes one `model.safetensors`. The same arguments write byte-identical files.
 
-    Raises ValueError for an unknown arch, preset or dtype, or max_shard_bytes < 1.
+    Raises ValueError for an unknown arch, preset or dtype, or max_shard_bytes < 1; OSError when a file
+    cannot be written (a full disk: the safetensors library's SafetensorError is raised as an OSError).
     """
     if arch not in ARCHITECTURES or preset not in PRESETS or dtype not in _SAVE_DTYPES:
         raise ValueError(
@@ -280,7 +281,10 @@ def _write_safetensors(
             )
             for n in names
         }
-        serialize_file(specs, str(out / file), metadata={"format": "pt"})
+        try:
+            serialize_file(specs, str(out / file), metadata={"format": "pt"})
+        except SafetensorError as exc:  # the library's own error for a failed write (a full disk, say)
+            raise OSError(f"{out / file}: {exc}") from exc
         os.chmod(out / file, 0o666 & ~_umask())  # the library writes 0600; give what open() would give
     if len(shards) > 1:
         index = {

@@ -8,6 +8,7 @@ NumPy model would silently get wrong (another architecture, activation, RoPE sca
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -123,38 +124,64 @@ class ModelConfig:
         rope_theta: Any = hf.get("rope_theta", 10000.0)
         if rope_key == "rope_parameters" and isinstance(rope_params, dict):
             rope_theta = cast("dict[str, Any]", rope_params).get("rope_theta", rope_theta)
-        heads = int(need("num_attention_heads"))
-        hidden = int(need("hidden_size"))
+
+        def integer(key: str, value: Any) -> int:
+            # JSON has one number type: 4.0 is an integer, 4.5, "4", true and null are not
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise fail(key, f"must be an integer, got {value!r}")
+            if isinstance(value, float) and not value.is_integer():
+                raise fail(key, f"must be an integer, got {value!r}")
+            return int(value)
+
+        def number(key: str, value: Any) -> float:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+                raise fail(key, f"must be a finite number, got {value!r}")
+            return float(value)
+
+        def flag(key: str, default: bool) -> bool:
+            value: Any = hf.get(key, default)
+            if not isinstance(value, bool):
+                raise fail(key, f"must be true or false, got {value!r}")
+            return value
+
+        heads = integer("num_attention_heads", need("num_attention_heads"))
+        hidden = integer("hidden_size", need("hidden_size"))
         eos: Any = hf.get("eos_token_id")
         eos_ids = (
-            tuple(int(e) for e in cast("list[Any]", eos))
+            tuple(integer("eos_token_id", e) for e in cast("list[Any]", eos))
             if isinstance(eos, list)
-            else (() if eos is None else (int(eos),))
+            else (() if eos is None else (integer("eos_token_id", eos),))
         )
-        bias = bool(hf.get("attention_bias", False))
+        bias = flag("attention_bias", False)
         bos = hf.get("bos_token_id")
+        kv_heads: Any = hf.get("num_key_value_heads")
+        head_dim: Any = hf.get("head_dim")
+        if heads <= 0:
+            raise fail("num_attention_heads", f"must be >= 1, got {heads}")
         try:
             return cls(
                 architecture=arch,
-                vocab_size=int(need("vocab_size")),
+                vocab_size=integer("vocab_size", need("vocab_size")),
                 hidden_size=hidden,
-                num_hidden_layers=int(need("num_hidden_layers")),
+                num_hidden_layers=integer("num_hidden_layers", need("num_hidden_layers")),
                 num_attention_heads=heads,
-                num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
-                head_dim=int(hf.get("head_dim") or hidden // heads),
-                intermediate_size=int(need("intermediate_size")),
-                rope_theta=float(rope_theta),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+                num_key_value_heads=heads if kv_heads is None else integer("num_key_value_heads", kv_heads),
+                head_dim=hidden // heads if head_dim is None else integer("head_dim", head_dim),
+                intermediate_size=integer("intermediate_size", need("intermediate_size")),
+                rope_theta=number("rope_theta", rope_theta),
+                rms_norm_eps=number("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+                max_position_embeddings=integer(
+                    "max_position_embeddings", hf.get("max_position_embeddings", 2048)
+                ),
+                tie_word_embeddings=flag("tie_word_embeddings", False),
                 eos_token_ids=eos_ids,
-                bos_token_id=None if bos is None else int(bos),
+                bos_token_id=None if bos is None else integer("bos_token_id", bos),
                 qkv_bias=True if arch == "Qwen2ForCausalLM" else bias,
                 o_proj_bias=False if arch == "Qwen2ForCausalLM" else bias,
                 qk_norm=arch == "Qwen3ForCausalLM",
                 rope_scaling=rope_scaling,
             )
-        except ValueError as err:  # __post_init__ or int() of a malformed value
+        except ValueError as err:  # __post_init__: a value out of range
             raise CheckpointError(f"{source}: {err}") from err
 
 

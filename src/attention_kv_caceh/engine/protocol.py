@@ -4,16 +4,20 @@ Corresponds to vLLM's `vllm/entrypoints/openai/protocol.py`, reduced to the fiel
 sampling (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` strings,
 `ignore_eos`), `n = 1`, streaming with `stream_options` (`include_usage`, `continuous_usage_stats`), and
 vLLM's `/tokenize` and `/detokenize` bodies. Unknown fields are ignored (as vLLM does); a known field of the
-wrong type is a 400. Errors use OpenAI's body: `{"error": {"message", "type", "param", "code"}}`, with the
+wrong type is a 400: integer fields are strict (a bool or a float such as `true` or `5.0` is refused, not read
+as 1 or 5), float fields refuse bools, NaN and +-Infinity (Python's json module accepts those literals).
+`logprobs`, `top_logprobs` and `echo` are parsed only so that asking for them is a 400 "not supported"
+instead of being silently ignored. Chat `messages` must be non-empty with roles from OpenAI's set. Errors use OpenAI's body: `{"error": {"message", "type", "param", "code"}}`, with the
 `type` names the openai client gives its exceptions and the HTTP status as `code` (as vLLM does).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 
 __all__ = [
     "ChatCompletionRequest",
@@ -25,6 +29,7 @@ __all__ = [
     "TokenizeRequest",
     "error_body",
     "error_response",
+    "validation_error",
 ]
 
 _ERROR_TYPES = {
@@ -47,6 +52,32 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     return JSONResponse(error_body(status, message, param), status_code=status)
 
 
+# A JSON number that is finite and not a bool (JSON ints are accepted as floats).
+FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
+
+# OpenAI's chat roles ("developer" is the newer name of "system"; "tool"/"function" carry tool results).
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
+
+
+def validation_error(errors: Sequence[Any]) -> tuple[int, str, str | None]:
+    """(status, message, param) of FastAPI's request-validation `errors` (pydantic's error dicts).
+
+    `param` is the top-level body field at fault, or None when no field is (a body that is not JSON: its
+    `loc` holds a character offset, which the message gives instead).
+    """
+    first: dict[str, Any] = dict(errors[0]) if errors else {}
+    loc: list[Any] = [part for part in first.get("loc", ()) if part != "body"]
+    message = str(first.get("msg", "invalid request"))
+    if first.get("type") == "json_invalid":
+        ctx: dict[str, Any] = dict(first.get("ctx") or {})
+        where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
+        return 400, f"the body is not valid JSON: {ctx.get('error', message)}{where}", None
+    if loc:
+        message = f"{'.'.join(str(part) for part in loc)}: {message}"
+    param = loc[0] if loc and isinstance(loc[0], str) else None
+    return 400, message, param
+
+
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -63,15 +94,19 @@ class GenerationRequest(_Base):
     """The fields completions and chat share (model, sampling, streaming)."""
 
     model: str | None = None
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: FiniteFloat | None = None
+    top_p: FiniteFloat | None = None
+    top_k: StrictInt | None = None
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
     ignore_eos: bool = False
-    n: int = 1
+    n: StrictInt = 1
+    # not supported: parsed so that a request for them is refused (sampling_params_for), not ignored
+    logprobs: StrictBool | StrictInt | None = None
+    top_logprobs: StrictInt | None = None
+    echo: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -98,7 +133,7 @@ class _TextPart(_Base):
 class ChatMessage(_Base):
     """One chat message; `content` is a string or a list of text parts (joined)."""
 
-    role: str
+    role: ChatRole
     content: str | list[_TextPart] | None = None
 
     def text(self) -> str:
@@ -113,7 +148,7 @@ class ChatMessage(_Base):
 class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
 
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Request", "RequestStatus", "SamplingParams", "check_stop"]
+__all__ = ["SAMPLING_EPS", "Request", "RequestStatus", "SamplingParams", "check_stop"]
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +52,9 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
 }
 
+# Temperatures below this are greedy, as in vLLM (vllm/sampling_params.py, `_SAMPLING_EPS = 1e-5`).
+SAMPLING_EPS = 1e-5
+
 
 def _is_int(value: object) -> bool:
     """An int that is not a bool (the fields are typed int, but callers may pass anything)."""
@@ -64,10 +67,12 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most output tokens (>= 1).
-        temperature: 0 is greedy (argmax); > 0 divides the logits before the softmax.
+        temperature: below SAMPLING_EPS (1e-5, vLLM's `_SAMPLING_EPS`) is greedy (argmax, no random
+            draw): dividing by a tinier temperature overflows float64 (1e-320) or leaves only rounding
+            noise; >= SAMPLING_EPS divides the logits before the softmax.
         top_p: keep the smallest set of most probable tokens whose probability sums to >= top_p (0 < top_p <= 1).
         top_k: keep the k most probable tokens; 0 disables.
-        seed: seed of the request's own np.random.Generator; None draws fresh entropy.
+        seed: seed (>= 0) of the request's own np.random.Generator; None draws fresh entropy.
         ignore_eos: keep generating after the eos token.
         stop_token_ids: more token ids that end the request (always honored, unlike eos).
 
@@ -92,15 +97,15 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"seed must be an int >= 0 or None, got {self.seed!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
 
     @property
     def is_greedy(self) -> bool:
-        """Temperature 0: argmax, no random draw."""
-        return self.temperature == 0.0
+        """Temperature below SAMPLING_EPS (0 included): argmax, no random draw."""
+        return self.temperature < SAMPLING_EPS
 
 
 class Request:

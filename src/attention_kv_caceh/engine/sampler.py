@@ -3,7 +3,8 @@
 Corresponds to vLLM v1's `vllm/v1/sample/sampler.py` and `ops/topk_topp_sampler.py`, one request at a time.
 Left out: logprobs, penalties, min_p, logit bias, bad words, batched vectorized kernels.
 
-Per row, in vLLM's order: temperature 0 -> argmax (greedy, no random draw). Otherwise divide the logits by
+Per row, in vLLM's order: temperature below SAMPLING_EPS = 1e-5 (0 included) -> argmax (greedy, no random
+draw; as vLLM does, since a tinier temperature overflows the division or samples rounding noise). Otherwise divide the logits by
 the temperature, keep the top_k largest (top_k > 0), keep the smallest set of most probable tokens whose
 probability sums to >= top_p (the "nucleus", Holtzman et al. 2020, always at least the most probable token),
 renormalize the softmax over the kept tokens and draw one token by inverse CDF with ONE uniform number from

@@ -34,6 +34,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
@@ -54,6 +55,7 @@ from attention_kv_caceh.engine.protocol import (
     TokenizeRequest,
     error_body,
     error_response,
+    validation_error,
 )
 from attention_kv_caceh.engine.serving import (
     DONE,
@@ -118,13 +120,13 @@ def build_app(
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
-        errors = list(exc.errors())
-        first: dict[str, Any] = dict(errors[0]) if errors else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = str(first.get("msg", "invalid request"))
-        if loc:
-            message = f"{'.'.join(loc)}: {message}"
-        return error_response(400, message, loc[0] if loc else None)  # the top-level field
+        status, message, param = validation_error(list(exc.errors()))
+        return error_response(status, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
+        # FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method) in OpenAI's shape
+        return error_response(exc.status_code, str(exc.detail))
 
     @app.exception_handler(HTTPError)
     async def _http_error(_request: Request, exc: HTTPError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]

@@ -12,6 +12,7 @@ non-streamed text. The chunk builders give OpenAI's stream shapes.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -69,12 +70,21 @@ def sampling_params_for(
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
     rest of the context) capped to the rest of the context. `temperature` defaults to 1.0 as in OpenAI's
-    API; `top_k` of 0 or -1 disables it. Raises HTTPError(400) for n != 1, an empty prompt, a prompt of
+    API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for n != 1,
+    `logprobs` / `top_logprobs` / `echo` asked for (not supported), an empty prompt, a prompt of
     `max_model_len` tokens or more, max_tokens <= 0, a total over `max_model_len`, or a sampling value out
-    of range.
+    of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0). The request
+    models (protocol.py) already refuse bools for numbers and NaN / Infinity; the finiteness checks here
+    repeat that for bodies built in code.
     """
     if body.n != 1:
         raise HTTPError(400, f"only n = 1 is supported, got n = {body.n}", "n")
+    if body.logprobs not in (None, False, 0) or body.logprobs is True:
+        raise HTTPError(400, "logprobs are not supported by this server", "logprobs")
+    if body.top_logprobs not in (None, 0):
+        raise HTTPError(400, "top_logprobs is not supported by this server", "top_logprobs")
+    if body.echo:
+        raise HTTPError(400, "echo is not supported by this server", "echo")
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
@@ -100,14 +110,16 @@ def sampling_params_for(
             param,
         )
     temperature = 1.0 if body.temperature is None else body.temperature
-    if temperature < 0:
-        raise HTTPError(400, f"temperature must be >= 0, got {temperature}", "temperature")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise HTTPError(400, f"temperature must be finite and >= 0, got {temperature}", "temperature")
     top_p = 1.0 if body.top_p is None else body.top_p
-    if not 0.0 < top_p <= 1.0:
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
         raise HTTPError(400, f"top_p must be in (0, 1], got {top_p}", "top_p")
     top_k = 0 if body.top_k is None or body.top_k == -1 else body.top_k
     if top_k < 0:
         raise HTTPError(400, f"top_k must be >= 0 (or -1 to disable), got {body.top_k}", "top_k")
+    if body.seed is not None and body.seed < 0:
+        raise HTTPError(400, f"seed must be >= 0, got {body.seed}", "seed")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,

@@ -1,0 +1,156 @@
+"""The up-front checks `generate` and `serve` share before they load any weight.
+
+Both commands build an engine from a checkpoint folder and the same engine flags. Everything that can be
+refused from the flags, `config.json` and `tokenizer.json` alone is refused here, with the same exit code
+in both commands: a flag combination EngineConfig refuses, a `--max-model-len` above the checkpoint's, a
+KV cache that holds no block, a KV cache larger than the memory a run may plan to use
+(`memory.check_memory`, the project's one memory check; without it a huge `--kv-cache-memory` or
+`--num-kv-blocks` fails in NumPy's allocation), and (generate) a request whose prompt plus max_tokens can
+never fit the KV pool. These are UsageErrors (exit 2); an unreadable config.json or tokenizer is a
+CommandFailed (exit 1) naming the file.
+
+The block count found here is passed on to the engine (`EnginePlan.engine_config` fixes `num_kv_blocks`),
+so the engine gets exactly the cache that was checked, even if the available memory moves in between.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from attention_kv_caceh.cli.common import CommandFailed, UsageError
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.config import EngineConfig
+    from attention_kv_caceh.engine.model_config import ModelConfig
+    from attention_kv_caceh.engine.request import SamplingParams
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
+
+__all__ = ["EnginePlan", "check_prompts_fit", "engine_config_kwargs", "plan_engine"]
+
+# EngineConfig field -> the flag that sets it, for messages
+_FLAGS = {
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "max_num_seqs": "--max-num-seqs",
+    "num_kv_blocks": "--num-kv-blocks",
+    "kv_cache_memory": "--kv-cache-memory",
+    "max_model_len": "--max-model-len",
+    "block_size": "--block-size",
+}
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The EngineConfig fields given by the engine flags (serve's `add_engine_arguments`, generate's)."""
+    return {
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "kv_cache_memory": args.kv_cache_memory,
+        "max_model_len": args.max_model_len,
+        "enable_prefix_caching": not args.no_prefix_caching,
+        "dtype": args.dtype,
+    }
+
+
+def _flag_names(text: str) -> str:
+    for field, flag in _FLAGS.items():
+        text = text.replace(field, flag)
+    return text
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """What the checks found: the engine config to load with (its `num_kv_blocks` fixed to the checked
+    count), the model's config, the tokenizer, the effective max_model_len (tokens) and the KV pool
+    (`num_blocks` blocks of `bytes_per_block` bytes each)."""
+
+    engine_config: EngineConfig
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    max_model_len: int
+    num_blocks: int
+    bytes_per_block: int
+
+
+def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan:
+    """Check the engine flags against the checkpoint `model_flag` (the --model value) without loading
+    weights.
+
+    `config_kwargs` are EngineConfig fields (None where a flag was not given). Raises UsageError (no
+    folder or config.json, a combination EngineConfig refuses, --max-model-len over the checkpoint's, a KV
+    cache of no block or over `memory.memory_budget_bytes()`, naming the flag) and CommandFailed (an
+    unreadable config.json or tokenizer, naming the file).
+    """
+    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.config import EngineConfig
+    from attention_kv_caceh.engine.model_config import ModelConfig
+    from attention_kv_caceh.engine.model_runner import ModelRunner
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
+    from attention_kv_caceh.memory import MemoryBudgetError, check_memory
+
+    model_dir = Path(model_flag)
+    if not model_dir.is_dir():
+        raise UsageError(f"--model {model_flag!r} is not a folder")
+    if not (model_dir / "config.json").is_file():
+        raise UsageError(f"--model {model_flag!r} has no config.json (not a Hugging Face model folder)")
+    try:
+        config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
+    except ValueError as exc:
+        raise UsageError(_flag_names(str(exc))) from None
+    try:
+        model_config = ModelConfig.from_hf_config(read_config_json(model_dir), model_dir / "config.json")
+        tokenizer = Tokenizer.load(model_dir)
+    except CheckpointError as exc:
+        raise CommandFailed(str(exc)) from None
+    try:
+        max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
+    except ValueError as exc:
+        raise UsageError(f"--max-model-len: {exc}") from None
+    bytes_per_block = ModelRunner.bytes_per_block(model_config, config.block_size, config.dtype)
+    if config.num_kv_blocks is not None:
+        flag = f"--num-kv-blocks {config.num_kv_blocks}"
+    elif config.kv_cache_memory is not None:
+        flag = f"--kv-cache-memory {config.kv_cache_memory}"
+    else:
+        flag = "the default KV cache size"
+    try:
+        num_blocks = config.num_blocks_for(bytes_per_block)
+        check_memory(
+            num_blocks * bytes_per_block,
+            f"{flag}: a KV cache of {num_blocks} blocks of {bytes_per_block} bytes",
+            "--kv-cache-memory or --num-kv-blocks",
+        )
+    except MemoryBudgetError as exc:
+        raise UsageError(str(exc)) from None
+    except ValueError as exc:
+        raise UsageError(f"{flag}: {exc}") from None
+    engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None)
+    return EnginePlan(engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block)
+
+
+def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: SamplingParams) -> None:
+    """UsageError for a prompt that encodes to no token, is longer than max_model_len, or whose prompt +
+    max_tokens can never fit the whole KV pool (the scheduler's own rule: prompt + max_tokens - 1
+    positions, capped by max_model_len, in blocks of block_size). Prompts are counted from 0."""
+    from attention_kv_caceh.engine.request import Request
+
+    block_size = plan.engine_config.block_size
+    for i, ids in enumerate(prompt_ids):
+        if not ids:
+            raise UsageError(f"prompt {i} encodes to no token")
+        if len(ids) > plan.max_model_len:
+            raise UsageError(
+                f"prompt {i} has {len(ids)} tokens, more than max_model_len {plan.max_model_len}"
+            )
+        positions = Request(str(i), ids, params).max_final_num_tokens(plan.max_model_len) - 1
+        need = -(-positions // block_size)
+        if need > plan.num_blocks:
+            raise UsageError(
+                f"prompt {i}: {len(ids)} prompt tokens + --max-tokens {params.max_tokens} need {need} KV "
+                f"blocks of {block_size} tokens, the pool has {plan.num_blocks}; raise --num-kv-blocks "
+                "or --kv-cache-memory, or lower --max-tokens"
+            )
