@@ -107,6 +107,14 @@ class RequestStreamTest(unittest.TestCase):
 
 
 class TextDeltaTest(unittest.TestCase):
+    def test_every_step_yields_a_delta_even_when_its_token_completes_no_character(self) -> None:
+        # "é" is two UTF-8 bytes, so its first byte-token has no text yet. vLLM still sends a chunk
+        # (empty text, usage one higher) so a client can time that token; so must we.
+        tokens = [[ord("a")], ["é".encode()[0]], ["é".encode()[1]], [ord("b")]]
+        deltas, _ = run_deltas(tokens, [], ByteTokenizer())
+        self.assertEqual([d.text for d in deltas], ["a", "", "é", "b"])
+        self.assertEqual([d.num_output_tokens for d in deltas], [1, 2, 3, 4])
+
     def test_stop_string_straddling_two_steps_is_never_streamed(self) -> None:
         tok = FakeTokenizer()
         steps = [tok.encode(s) for s in ["hel", "lo wo", "rld", "!!"]]

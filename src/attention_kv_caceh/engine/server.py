@@ -309,7 +309,7 @@ async def _completion_events(
         async for delta in text_deltas(stream, tokenizer, body.stop_strings):
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             per_chunk = usage(*counts) if continuous else None
-            if delta.text:
+            if delta.text or (continuous and delta.finish_reason is None):  # see serving.text_deltas
                 yield sse(completion_chunk(rid, model, created, delta.text, None, per_chunk))
             if delta.finish_reason is not None:
                 yield sse(completion_chunk(rid, model, created, "", delta.finish_reason, per_chunk))
@@ -336,7 +336,7 @@ async def _chat_events(
         async for delta in text_deltas(stream, tokenizer, body.stop_strings):
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             per_chunk = usage(*counts) if continuous else None
-            if delta.text:
+            if delta.text or (continuous and delta.finish_reason is None):  # see serving.text_deltas
                 yield sse(chat_chunk(rid, model, created, {"content": delta.text}, None, per_chunk))
             if delta.finish_reason is not None:
                 yield sse(chat_chunk(rid, model, created, {}, delta.finish_reason, per_chunk))

@@ -208,9 +208,11 @@ async def text_deltas(
             yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts)
             return
         safe = len(text) - holdback
-        if safe > sent:
-            yield TextDelta(text[sent:safe], None, *counts)
-            sent = safe
+        # A token whose text cannot be sent yet (half of a UTF-8 character, or held back for a stop
+        # string) still yields a delta, with empty text: the server sends it as a chunk whose usage
+        # counts the token (with continuous_usage_stats), as vLLM does, so a client times every token.
+        yield TextDelta(text[sent:safe] if safe > sent else "", None, *counts)
+        sent = max(sent, safe)
 
 
 def completion_chunk(
