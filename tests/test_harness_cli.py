@@ -133,7 +133,6 @@ class CliTest(unittest.TestCase):
             "--goodput=ttft:fast": "ttft:fast",
             "--timeout=0": "0",
             "--server-metrics-interval=-1": "-1",
-            f"--plot={self.tmp / 'x.jpg'}": "x.jpg",
             f"--summary-json={self.tmp / 'file.txt' / 's.json'}": "file.txt",
             "--num-requests=1000000000": "1000000000",
             "--warmup-requests=1000000000": "1000000000",
@@ -152,6 +151,12 @@ class CliTest(unittest.TestCase):
                 self.assertIn(value, str(caught.exception))  # ... and the value
                 self.assertEqual(out.getvalue(), "")  # refused before the run
                 self.assertFalse(jsonl.exists())
+        # a wrong suffix is refused while parsing (the flag's type), naming the flag and the value
+        code, out, err = quietly([f"--plot={self.tmp / 'x.jpg'}", "--jsonl", str(jsonl)])
+        self.assertEqual((code, out), (2, ""))
+        self.assertIn("--plot", err)
+        self.assertIn("x.jpg", err)
+        self.assertFalse(jsonl.exists())
         for url in ("http://", "ftp://h", "http://h:99999", "http://[::1"):
             with self.subTest(url=url):
                 args = parse(["--backend", "openai-chat", "--base-url", url])

@@ -22,6 +22,7 @@ from attention_kv_caceh.cli.common import (
     UsageError,
     check_outputs,
     nonnegative_int,
+    output_file,
     positive_int,
     preset_name,
     warn_if_blas_unpinned,
@@ -72,6 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = CACHE_DEFAULTS
     parser.add_argument(
         "--csv",
+        type=output_file(".csv"),
         default="results/cache.csv",
         metavar="PATH.csv",
         help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside it",
@@ -127,6 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plot",
+        type=output_file(".png"),
         default=None,
         metavar="PATH.png",
         help="PNG: per-step time and bytes per step against T (default: no plot)",

@@ -5,6 +5,8 @@
   not be written); `main` prints one line and exits 1. Files already written stay complete.
 - flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
   argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
+- `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
+  suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
 - `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
@@ -20,11 +22,11 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
-from attention_kv_caceh.files import check_output_path
+from attention_kv_caceh.files import check_output_path, path_problem
 
 __all__ = [
     "PROG",
@@ -36,6 +38,7 @@ __all__ = [
     "int_list",
     "nonnegative_float",
     "nonnegative_int",
+    "output_file",
     "positive_int",
     "preset_name",
     "warn_if_blas_unpinned",
@@ -156,6 +159,24 @@ def preset_name(text: str) -> str:
 
 
 # ------------------------------------------------------------------------------------ output paths
+
+
+def output_file(*suffixes: str) -> Callable[[str], Path]:
+    """argparse type factory for an output file flag: `type=output_file(".csv")`.
+
+    The returned function refuses "" ("empty path") and a path not ending in one of `suffixes`
+    (exact, lower-case; see `files.path_problem`) with argparse.ArgumentTypeError, which argparse
+    reports naming the flag (exit 2); otherwise returns the path as a Path.
+    """
+
+    def parse(text: str) -> Path:
+        problem = path_problem(text, suffixes)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return Path(text)
+
+    parse.__name__ = "output file"  # argparse's fallback message names the type
+    return parse
 
 
 def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:

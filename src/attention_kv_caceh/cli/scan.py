@@ -34,6 +34,7 @@ from attention_kv_caceh.cli.common import (
     check_outputs,
     int_list,
     nonnegative_int,
+    output_file,
     positive_int,
     preset_name,
     warn_if_blas_unpinned,
@@ -79,7 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the batch-size scan; defaults are the notes' M1 scan."""
     d = _DEFAULTS
     parser.add_argument(
-        "--csv", type=Path, default=Path("results/benchmark.csv"), metavar="PATH", help="raw samples CSV"
+        "--csv",
+        type=output_file(".csv"),
+        default=Path("results/benchmark.csv"),
+        metavar="PATH.csv",
+        help="raw samples CSV",
     )
     parser.add_argument(
         "--batch-sizes",
@@ -141,7 +146,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=output_file(".png"),
         default=None,
         metavar="PATH.png",
         help="PNG: P50 with P95 bars, positions/s vs B (default: no plot)",

@@ -1,0 +1,88 @@
+"""Every output flag of every command is checked the same way, before any file is touched: an empty
+path, a wrong suffix and another run's raw file in the way of a side file are usage errors (exit 2,
+one line)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import tempfile
+import unittest
+from pathlib import Path
+
+from attention_kv_caceh import cli
+from attention_kv_caceh.files import check_output_path
+
+
+def quietly(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(argv)
+    return code, out.getvalue(), err.getvalue()
+
+
+class OutputFlagTestCase(unittest.TestCase):
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.addCleanup(self._tmp.cleanup)
+        self.dir = Path(self._tmp.name)
+        cwd = os.getcwd()
+        os.chdir(self.dir)
+        self.addCleanup(os.chdir, cwd)
+
+    def assert_usage_error(self, argv: list[str], *needles: str) -> str:
+        code, _, err = quietly(argv)
+        self.assertEqual(code, 2, err)
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertNotIn("internal error", err)
+        for needle in needles:
+            self.assertIn(needle, err)
+        self.assertEqual(sorted(os.listdir(self.dir)), [], "a usage error touched a file")
+        return err
+
+
+class EmptyOutputPathTest(OutputFlagTestCase):
+    def test_an_empty_path_is_refused_for_every_output_flag_naming_the_flag(self) -> None:
+        cases: list[tuple[list[str], str]] = [
+            (["--csv", ""], "--csv"),
+            (["--csv", "x.csv", "--plot", ""], "--plot"),
+            (["cache", "--csv", ""], "--csv"),
+            (["cache", "--plot", ""], "--plot"),
+            (["report", "--results", ".", "--out", ""], "--out"),
+            (["views", "--csv", ""], "--csv"),
+            (["views", "--md", ""], "--md"),
+            (["harness", "--backend", "simulated", "--jsonl", ""], "--jsonl"),
+            (["harness", "--backend", "simulated", "--summary-json", ""], "--summary-json"),
+            (["harness", "--backend", "simulated", "--plot", ""], "--plot"),
+            (["overhead", "--json", ""], "--json"),
+        ]
+        for argv, flag in cases:
+            with self.subTest(argv=argv):
+                err = self.assert_usage_error(argv, flag, "empty path")
+                self.assertNotIn("'.'", err)
+
+    def test_an_empty_results_folder_is_a_usage_error(self) -> None:
+        self.assert_usage_error(["report", "--results", "", "--out", "r.md"], "--results", "empty")
+
+    def test_check_output_path_refuses_the_empty_string(self) -> None:
+        with self.assertRaisesRegex(ValueError, "--csv: empty path"):
+            check_output_path("", "--csv", (".csv",))
+
+
+class SuffixTest(OutputFlagTestCase):
+    def test_harness_and_overhead_outputs_need_their_lower_case_suffix(self) -> None:
+        cases: list[tuple[list[str], str]] = [
+            (["harness", "--backend", "simulated", "--jsonl", "X.JSONL"], "use .jsonl"),
+            (["harness", "--backend", "simulated", "--jsonl", "h.txt"], ".jsonl"),
+            (["harness", "--backend", "simulated", "--summary-json", "H.JSON"], "use .json"),
+            (["harness", "--backend", "simulated", "--summary-json", "h3.txt"], ".json"),
+            (["overhead", "--json", "o.txt"], ".json"),
+        ]
+        for argv, needle in cases:
+            with self.subTest(argv=argv):
+                self.assert_usage_error(argv, argv[-2], needle)
+
+
+if __name__ == "__main__":
+    unittest.main()
