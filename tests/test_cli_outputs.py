@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 
 from attention_kv_caceh import cli
+from attention_kv_caceh.cli import cache as cache_cli
+from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.files import check_output_path
 
 
@@ -86,3 +90,56 @@ class SuffixTest(OutputFlagTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class SideFilesOfOneRunTest(OutputFlagTestCase):
+    """The summary is rewritten whenever the raw file is: an interrupted run with no sample leaves a
+    header-only summary, never the previous run's rows beside its own raw file and metadata."""
+
+    def rows(self, path: Path) -> list[str]:
+        return path.read_text(encoding="utf-8").splitlines()[1:]
+
+    def test_scan_interrupted_before_any_sample_leaves_no_old_summary(self) -> None:
+        from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
+
+        csv = self.dir / "x.csv"
+        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+            code, _, _ = quietly(
+                ["--csv", str(csv), "--batch-sizes", "1,2", "--repeats", "2", "--warmup", "0"]
+            )
+        self.assertEqual(code, 0)
+        summary = self.dir / "x-summary.csv"
+        self.assertEqual(len(self.rows(summary)), 2)  # B = 1, 2
+
+        def interrupted(*_: object) -> object:
+            raise KeyboardInterrupt
+
+        with mock.patch.object(scan_cli, "run_batch", interrupted):
+            code, _, _ = quietly(
+                ["--csv", str(csv), "--batch-sizes", "4,8", "--repeats", "2", "--warmup", "0"]
+            )
+        self.assertEqual(code, 130)
+        meta = json.loads((self.dir / "x.csv.meta.json").read_text(encoding="utf-8"))
+        self.assertEqual((meta["status"], meta["config"]["batch_sizes"]), ("interrupted", [4, 8]))
+        self.assertEqual(meta["files"]["summary_csv"], str(summary))
+        self.assertEqual(self.rows(csv), [])
+        self.assertEqual(self.rows(summary), [])  # header-only: the B = 1, 2 rows are gone
+
+    def test_cache_interrupted_leaves_no_old_summary(self) -> None:
+        flags = ["--steps", "8", "--batch-size", "1", "--num-heads", "2", "--num-kv-heads", "1"]
+        flags += ["--head-dim", "8", "--repeats", "2", "--warmup", "0"]
+        csv = self.dir / "c.csv"
+        code, _, _ = quietly(["cache", "--csv", str(csv), *flags])
+        self.assertEqual(code, 0)
+        summary = self.dir / "c-summary.csv"
+        self.assertEqual(len(self.rows(summary)), 2)  # one row per cache kind
+
+        def interrupted(*_: object, **__: object) -> None:
+            raise KeyboardInterrupt
+
+        with mock.patch.object(cache_cli, "run_cache_growth", interrupted):
+            code, _, _ = quietly(["cache", "--csv", str(csv), *flags])
+        self.assertEqual(code, 130)
+        for path in (csv, self.dir / "c-memory.csv", summary):
+            with self.subTest(path=path.name):
+                self.assertEqual(self.rows(path), [])

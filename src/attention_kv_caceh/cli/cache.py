@@ -35,6 +35,7 @@ from attention_kv_caceh.experiments.cache_growth import (
     total_steps,
 )
 from attention_kv_caceh.experiments.cache_growth_stats import (
+    SUMMARY_FIELDS,
     CacheMemoryRow,
     CacheStepSample,
     format_cache_summary,
@@ -293,6 +294,9 @@ def run(args: argparse.Namespace) -> int:
             meta["error"] = error
         write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
         write_csv_atomic(csv_path, (dataclasses.asdict(s) for s in samples), step_fields)
+        # header-only until the run completes (then the fitted summary replaces it): a summary left
+        # by an earlier run never sits beside this run's raw files
+        write_csv_atomic(side["summary"], (), SUMMARY_FIELDS)
         write_meta()
 
     def write_meta() -> None:
@@ -365,7 +369,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     try:
         summary = summarize_cache_growth(samples, memory)
-        write_csv_atomic(side["summary"], summary_rows(summary), tuple(summary_rows(summary)[0]))
+        write_csv_atomic(side["summary"], summary_rows(summary), SUMMARY_FIELDS)
         print(format_cache_summary(summary, config.steps))
         if prediction is not None:
             outcome = evaluate_cache(prediction, summary)

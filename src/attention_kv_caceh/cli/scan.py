@@ -286,10 +286,10 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
             meta["kernel_compile_seconds"] = compile_seconds()
         meta["status"] = status
         write_json_atomic(meta_path(csv_path), meta)
-        if results:
-            write_csv_atomic(
-                summary_path(csv_path), summary_rows(scan_result_tables(results)), SUMMARY_FIELDS
-            )
+        # Rewritten with the raw file every time (header-only before the first B), so a summary left
+        # by an earlier run never sits beside this run's raw file and metadata.
+        rows = summary_rows(scan_result_tables(results)) if results else []
+        write_csv_atomic(summary_path(csv_path), rows, SUMMARY_FIELDS)
 
     from tqdm import tqdm
 
