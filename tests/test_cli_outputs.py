@@ -143,3 +143,57 @@ class SideFilesOfOneRunTest(OutputFlagTestCase):
         for path in (csv, self.dir / "c-memory.csv", summary):
             with self.subTest(path=path.name):
                 self.assertEqual(self.rows(path), [])
+
+
+class SideFileIsAnotherRunsRawFileTest(OutputFlagTestCase):
+    SCAN = ("--batch-sizes", "1,2", "--repeats", "2", "--warmup", "0")
+    CACHE = (
+        "--steps",
+        "8",
+        "--batch-size",
+        "1",
+        "--num-heads",
+        "2",
+        "--num-kv-heads",
+        "1",
+        "--head-dim",
+        "8",
+    )
+
+    def scan(self, csv: str) -> tuple[int, str, str]:
+        from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
+
+        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+            return quietly(["--csv", csv, *self.SCAN])
+
+    def assert_refused_and_untouched(self, argv: list[str], victim: Path) -> None:
+        before = victim.read_bytes()
+        code, out, err = quietly(argv)
+        self.assertEqual((code, out), (2, ""), err)
+        self.assertEqual(len(err.strip().splitlines()), 1, err)
+        self.assertIn("another run's raw file", err)
+        self.assertIn(str(victim.relative_to(self.dir)), err)
+        self.assertEqual(victim.read_bytes(), before)
+
+    def test_scan_refuses_to_write_its_summary_over_another_scans_raw_file(self) -> None:
+        self.assertEqual(self.scan("d/a-summary.csv")[0], 0)
+        victim = self.dir / "d" / "a-summary.csv"
+        self.assert_refused_and_untouched(["--csv", "d/a.csv", *self.SCAN], victim)
+        self.assertFalse((self.dir / "d" / "a.csv").exists())
+
+    def test_a_raw_header_without_metadata_is_refused_too(self) -> None:
+        self.assertEqual(self.scan("d/a-summary.csv")[0], 0)
+        os.remove(self.dir / "d" / "a-summary.csv.meta.json")
+        self.assert_refused_and_untouched(["--csv", "d/a.csv", *self.SCAN], self.dir / "d" / "a-summary.csv")
+
+    def test_cache_refuses_to_write_its_memory_rows_over_another_caches_raw_file(self) -> None:
+        self.assertEqual(quietly(["cache", "--csv", "d/b-memory.csv", *self.CACHE, "--repeats", "1"])[0], 0)
+        victim = self.dir / "d" / "b-memory.csv"
+        self.assert_refused_and_untouched(["cache", "--csv", "d/b.csv", *self.CACHE], victim)
+
+    def test_rerunning_the_same_command_replaces_its_own_side_files(self) -> None:
+        self.assertEqual(self.scan("d/a.csv")[0], 0)
+        self.assertEqual(self.scan("d/a.csv")[0], 0)
+        argv = ["cache", "--csv", "d/b.csv", *self.CACHE, "--repeats", "1"]
+        self.assertEqual(quietly(argv)[0], 0)
+        self.assertEqual(quietly(argv)[0], 0)

@@ -21,6 +21,7 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     check_outputs,
+    check_side_files,
     nonnegative_int,
     output_file,
     positive_int,
@@ -207,6 +208,15 @@ def _check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path
     check_outputs(
         [("--csv", csv_path, (".csv",)), ("--plot", plot_path, (".png",))]
         + [(beside, path, ()) for path in side.values()]
+    )
+    check_side_files(
+        "--csv",
+        {
+            side["memory"]: tuple(CacheMemoryRow.__dataclass_fields__),
+            side["summary"]: SUMMARY_FIELDS,
+            side["meta"]: (),
+            side["memory_meta"]: (),
+        },
     )
     return side
 

@@ -8,6 +8,7 @@
 - `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
   suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
+- `check_side_files`: a file written beside the raw file never replaces another run's raw file.
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
 - `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
   whose help text does not already say its default; flags without a value of their own spell it out
@@ -26,7 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
-from attention_kv_caceh.files import check_output_path, path_problem
+from attention_kv_caceh.files import check_output_path, meta_path, path_problem
 
 __all__ = [
     "PROG",
@@ -35,6 +36,7 @@ __all__ = [
     "OneLineParser",
     "UsageError",
     "check_outputs",
+    "check_side_files",
     "int_list",
     "nonnegative_float",
     "nonnegative_int",
@@ -201,3 +203,59 @@ def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tu
                 f"{what} {str(path)!r} is the same file as {seen[resolved]}; output files must differ"
             )
         seen[resolved] = what
+
+
+def _raw_headers() -> set[tuple[str, ...]]:
+    """The headers of every raw CSV the commands write (scan samples, cache steps and memory, views)."""
+    from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+    from attention_kv_caceh.experiments.scan import SAMPLE_FIELDS
+    from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS
+
+    return {
+        SAMPLE_FIELDS,
+        tuple(CacheStepSample.__dataclass_fields__),
+        tuple(CacheMemoryRow.__dataclass_fields__),
+        VIEW_TABLE_COLUMNS,
+    }
+
+
+def _header(path: Path) -> tuple[str, ...]:
+    """The first CSV row of `path` (empty when unreadable or empty)."""
+    import csv
+
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.reader([f.readline()]))
+    except (OSError, UnicodeDecodeError):
+        return ()
+    return tuple(rows[0]) if rows else ()
+
+
+def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None:
+    """Refuse to replace another run's raw file with a file written beside this run's raw file.
+
+    `side_files` maps every file the command writes beside its raw file (its summary, memory rows and
+    metadata) to the CSV header it writes there (() for a non-CSV). A side file that already exists
+    is another run's raw file, and UsageError names `flag`, the file and why, when
+    - a `.meta.json` sits beside it and the command does not write that metadata itself (only raw
+      files have metadata beside them), or
+    - its header is a raw file's header (`_raw_headers`) other than the one the command writes there.
+    A side file of an earlier run of the same command (same --csv) is replaced, as before.
+    """
+    raw_headers: set[tuple[str, ...]] | None = None
+    for path, header in side_files.items():
+        if not path.is_file():
+            continue
+        meta = meta_path(path)
+        if meta not in side_files and meta.is_file():
+            why = f"{meta} is beside it"
+        else:
+            raw_headers = _raw_headers() if raw_headers is None else raw_headers
+            found = _header(path)
+            if found == header or found not in raw_headers:
+                continue
+            why = "its header is a raw file's header"
+        raise UsageError(
+            f"{flag}: {str(path)!r}, a file this run writes beside its raw file, is another run's raw "
+            f"file ({why}); choose another {flag} or move that file"
+        )

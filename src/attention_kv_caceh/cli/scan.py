@@ -32,6 +32,7 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     check_outputs,
+    check_side_files,
     int_list,
     nonnegative_int,
     output_file,
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             ("--plot", args.plot, (".png",)),
         ]
     )
+    check_side_files("--csv", {summary_path(csv_path): SUMMARY_FIELDS, meta_path(csv_path): ()})
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
 
