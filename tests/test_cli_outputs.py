@@ -197,3 +197,17 @@ class SideFileIsAnotherRunsRawFileTest(OutputFlagTestCase):
         argv = ["cache", "--csv", "d/b.csv", *self.CACHE, "--repeats", "1"]
         self.assertEqual(quietly(argv)[0], 0)
         self.assertEqual(quietly(argv)[0], 0)
+
+
+class SmallMessagesTest(OutputFlagTestCase):
+    def test_cache_steps_below_two_has_one_message_from_the_flag_type(self) -> None:
+        for steps in ("0", "1"):
+            with self.subTest(steps=steps):
+                self.assert_usage_error(["cache", "--steps", steps], "argument --steps: must be >= 2", steps)
+
+    def test_a_dataset_that_is_a_fifo_is_not_called_missing(self) -> None:
+        os.mkfifo(self.dir / "fifo")
+        code, _, err = quietly(["harness", "--backend", "simulated", "--dataset", str(self.dir / "fifo")])
+        self.assertEqual(code, 2, err)
+        self.assertIn("not a regular file", err)
+        self.assertNotIn("no such file", err)

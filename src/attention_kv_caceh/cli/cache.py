@@ -22,6 +22,7 @@ from attention_kv_caceh.cli.common import (
     UsageError,
     check_outputs,
     check_side_files,
+    int_at_least,
     nonnegative_int,
     output_file,
     positive_int,
@@ -63,6 +64,7 @@ from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["CACHE_DEFAULTS", "HELP", "add_arguments", "cache_config", "cache_side_paths", "run"]
 
+STEPS_WHY = "the summary fits a line over T"
 HELP = "decode N steps over a Dynamic and a Preallocated KV cache: per-step time and memory"
 CACHE_DEFAULTS = CacheGrowthConfig()
 
@@ -81,7 +83,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside it",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=d.steps, metavar="N", help="decode steps, at least 2"
+        "--steps",
+        type=int_at_least(2, STEPS_WHY),
+        default=d.steps,
+        metavar="N",
+        help="decode steps, at least 2",
     )
     parser.add_argument(
         "--batch-size",
@@ -158,7 +164,7 @@ def cache_config(args: argparse.Namespace) -> CacheGrowthConfig:
             f"--num-heads {shape.num_heads} must be a multiple of --num-kv-heads {shape.num_kv_heads}"
         )
     if args.steps < 2:
-        raise UsageError(f"--steps must be at least 2 (the summary fits a line over T), got {args.steps}")
+        raise UsageError(f"--steps must be >= 2 ({STEPS_WHY}), got {args.steps}")
     try:
         return CacheGrowthConfig(
             steps=args.steps,

@@ -37,6 +37,7 @@ __all__ = [
     "UsageError",
     "check_outputs",
     "check_side_files",
+    "int_at_least",
     "int_list",
     "nonnegative_float",
     "nonnegative_int",
@@ -108,6 +109,21 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """argparse type factory: an integer >= `minimum`; `why` (e.g. "the summary fits a line over T")
+    is added to the message in parentheses."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{reason}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
 
 
 def nonnegative_int(text: str) -> int:
