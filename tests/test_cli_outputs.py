@@ -211,3 +211,15 @@ class SmallMessagesTest(OutputFlagTestCase):
         self.assertEqual(code, 2, err)
         self.assertIn("not a regular file", err)
         self.assertNotIn("no such file", err)
+
+
+class SaturationWithOneBatchSizeTest(OutputFlagTestCase):
+    def test_a_saturation_prediction_with_one_batch_size_asks_for_two(self) -> None:
+        for value in ("1", "none"):
+            with self.subTest(value=value):
+                err = self.assert_usage_error(
+                    ["--csv", "x.csv", "--batch-sizes", "1", "--predict-saturation", value],
+                    "--predict-saturation",
+                    "at least two batch sizes",
+                )
+                self.assertNotIn("one of []", err)
