@@ -223,3 +223,18 @@ class SaturationWithOneBatchSizeTest(OutputFlagTestCase):
                     "at least two batch sizes",
                 )
                 self.assertNotIn("one of []", err)
+
+
+class SetupCardTest(unittest.TestCase):
+    def test_impl_all_without_torch_names_torch_sdpa_as_skipped_and_not_as_run(self) -> None:
+        from attention_kv_caceh.cli.scan_output import setup_card
+        from attention_kv_caceh.experiments.scan import ScanConfig
+        from attention_kv_caceh.experiments.scan_impls import resolve_impls
+        from attention_kv_caceh.timing import capture_environment
+
+        impls = resolve_impls("all", torch_available=False)
+        card = setup_card(ScanConfig(batch_sizes=(1, 2)), capture_environment(), impls, ["torch-sdpa"])
+        impl_line = next(line for line in card.splitlines() if line.strip().startswith("impls"))
+        self.assertNotIn("torch-sdpa", impl_line)
+        self.assertIn("fused: 1 thread", impl_line)
+        self.assertIn("torch-sdpa: skipped (torch not importable)", card)

@@ -260,7 +260,8 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         )
     if args.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
-    print(setup_card(config, env, impls))
+    skipped = [i for i in IMPLS if i not in impls] if args.impl == "all" else []
+    print(setup_card(config, env, impls, skipped))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",
         "status": "running",
