@@ -238,3 +238,38 @@ class SetupCardTest(unittest.TestCase):
         self.assertNotIn("torch-sdpa", impl_line)
         self.assertIn("fused: 1 thread", impl_line)
         self.assertIn("torch-sdpa: skipped (torch not importable)", card)
+
+
+class ReportProblemsTest(OutputFlagTestCase):
+    def test_unknown_impl_non_strict_metadata_and_problem_paths_are_consistent(self) -> None:
+        from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
+
+        res = self.dir / "res"
+        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+            argv = ["--csv", str(res / "s.csv"), "--batch-sizes", "1,2", "--repeats", "2", "--warmup", "0"]
+            self.assertEqual(quietly(argv)[0], 0)
+        (res / "s-summary.csv").unlink()
+        raw = (res / "s.csv").read_text(encoding="utf-8")
+        meta = (res / "s.csv.meta.json").read_text(encoding="utf-8")
+        (res / "b.csv").write_text(raw.replace(",numpy\n", ",bogus\n"), encoding="utf-8")
+        (res / "b.csv.meta.json").write_text(meta, encoding="utf-8")
+        (res / "n.csv").write_text(raw, encoding="utf-8")
+        (res / "n.csv.meta.json").write_text('{"status": NaN}', encoding="utf-8")
+        (res / "p.csv").write_text(raw, encoding="utf-8")
+        (res / "p.csv.meta.json").write_text('{"status": "complete"}', encoding="utf-8")  # no probe
+
+        code, _, err = quietly(["report", "--results", str(res), "--out", str(self.dir / "r.md")])
+        self.assertEqual(code, 0, err)
+        problems = [
+            line.removeprefix("problem: ") for line in err.splitlines() if line.startswith("problem: ")
+        ]
+        by_file: dict[str, list[str]] = {}
+        for line in problems:
+            path, _, what = line.partition(": ")
+            by_file.setdefault(path, []).append(what)
+        for path in by_file:
+            self.assertTrue(path.startswith(str(res) + os.sep), f"{path!r} is not named by its path")
+        self.assertIn("unknown impl 'bogus'", " ".join(by_file[str(res / "b.csv")]))
+        self.assertIn("NaN", " ".join(by_file[str(res / "n.csv.meta.json")]))
+        self.assertIn("probe_samples_ms", " ".join(by_file[str(res / "p.csv.meta.json")]))
+        self.assertNotIn("b.csv", (self.dir / "r.md").read_text(encoding="utf-8").split("## Problems")[0])
