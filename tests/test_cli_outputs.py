@@ -273,3 +273,18 @@ class ReportProblemsTest(OutputFlagTestCase):
         self.assertIn("NaN", " ".join(by_file[str(res / "n.csv.meta.json")]))
         self.assertIn("probe_samples_ms", " ".join(by_file[str(res / "p.csv.meta.json")]))
         self.assertNotIn("b.csv", (self.dir / "r.md").read_text(encoding="utf-8").split("## Problems")[0])
+
+
+class PredictionWordingTest(OutputFlagTestCase):
+    def test_the_text_verdict_does_not_repeat_itself_and_saturation_is_defined(self) -> None:
+        from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
+
+        argv = ["--csv", "x.csv", "--batch-sizes", "1,2,4", "--repeats", "2", "--warmup", "0"]
+        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+            code, out, _ = quietly([*argv, "--predict", "saturates at B = 4"])
+        self.assertEqual(code, 0)
+        line = next(x for x in out.splitlines() if x.startswith("user (text)"))
+        self.assertEqual(line.count("not checked"), 1, line)
+        self.assertIn("'saturates at B = 4'", line)
+        sat = next(x for x in out.splitlines() if "model saturation:" in x)
+        self.assertIn("saturation = the first doubling of B that raises positions/s by < 10 %", sat)
