@@ -288,3 +288,24 @@ class PredictionWordingTest(OutputFlagTestCase):
         self.assertIn("'saturates at B = 4'", line)
         sat = next(x for x in out.splitlines() if "model saturation:" in x)
         self.assertIn("saturation = the first doubling of B that raises positions/s by < 10 %", sat)
+
+
+class FinishedRunTimelineTest(unittest.TestCase):
+    def test_in_flight_is_rebuilt_from_arrivals_and_stream_ends(self) -> None:
+        import asyncio
+
+        from attention_kv_caceh.cli.harness_output import finished_run
+        from attention_kv_caceh.harness.run import HarnessConfig, run_harness
+
+        config = HarnessConfig(backend="simulated", num_requests=3, concurrency=2)
+        records = asyncio.run(run_harness(config)).records
+        run = finished_run(config, records, {})
+        # oracle: after the last event at time t, the requests with sent <= t < stream end
+        after_each_time = dict(run.in_flight)  # the last count at each time wins
+        for t, count in after_each_time.items():
+            expected = sum(1 for r in records if (r.sent_ns or 0) <= t < (r.stream_end_ns or 0))
+            self.assertEqual(count, expected, t)
+        self.assertEqual(max(after_each_time.values()), 2)  # --concurrency 2, both slots used
+        self.assertEqual(run.in_flight[-1][1], 0)
+        self.assertEqual(run.start_ns, min(r.sent_ns or 0 for r in records))
+        self.assertEqual(run.end_ns, max(r.stream_end_ns or 0 for r in records))
