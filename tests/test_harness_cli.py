@@ -133,7 +133,6 @@ class CliTest(unittest.TestCase):
             "--goodput=ttft:fast": "ttft:fast",
             "--timeout=0": "0",
             "--server-metrics-interval=-1": "-1",
-            f"--plot={self.tmp / 'x.jpg'}": "x.jpg",
             f"--summary-json={self.tmp / 'file.txt' / 's.json'}": "file.txt",
             "--num-requests=1000000000": "1000000000",
             "--warmup-requests=1000000000": "1000000000",
@@ -152,6 +151,12 @@ class CliTest(unittest.TestCase):
                 self.assertIn(value, str(caught.exception))  # ... and the value
                 self.assertEqual(out.getvalue(), "")  # refused before the run
                 self.assertFalse(jsonl.exists())
+        # a wrong suffix is refused while parsing (the flag's type), naming the flag and the value
+        code, out, err = quietly([f"--plot={self.tmp / 'x.jpg'}", "--jsonl", str(jsonl)])
+        self.assertEqual((code, out), (2, ""))
+        self.assertIn("--plot", err)
+        self.assertIn("x.jpg", err)
+        self.assertFalse(jsonl.exists())
         for url in ("http://", "ftp://h", "http://h:99999", "http://[::1"):
             with self.subTest(url=url):
                 args = parse(["--backend", "openai-chat", "--base-url", url])
@@ -324,7 +329,7 @@ class CliTest(unittest.TestCase):
         self.assertTrue(json.loads(summary.read_text())["interrupted"])
         self.assertIs(signal.getsignal(signal.SIGINT), signal.default_int_handler)  # restored
 
-    def test_ctrl_c_keeps_records_and_lists_only_written_files(self) -> None:
+    def test_ctrl_c_keeps_records_and_draws_the_timeline_of_what_finished(self) -> None:
         jsonl, summary, plot = self.tmp / "h.jsonl", self.tmp / "s.json", self.tmp / "h.png"
         argv = [
             *("--num-requests", "500", "--concurrency", "1", "--per-token-ms", "20", "--output-len", "4"),
@@ -352,9 +357,9 @@ class CliTest(unittest.TestCase):
         kept = len(jsonl.read_text().splitlines())
         self.assertGreaterEqual(kept, 1)
         self.assertEqual(err, f"attention-kv-caceh: interrupted; {kept} finished requests kept in {jsonl}\n")
-        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json, {summary}\n", out)
-        self.assertFalse(plot.exists())
-        self.assertNotIn("h.png", out)
+        # the timeline of the requests that finished is drawn too
+        self.assertIn(f"wrote: {jsonl}, {jsonl}.meta.json, {summary}, {plot}\n", out)
+        self.assertEqual(plot.read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
         self.assertEqual(json.loads(Path(f"{jsonl}.meta.json").read_text())["status"], "interrupted")
         self.assertTrue(json.loads(summary.read_text())["interrupted"])
 

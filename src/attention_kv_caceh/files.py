@@ -41,6 +41,7 @@ __all__ = [
     "check_output_path",
     "ignoring_sigint",
     "meta_path",
+    "path_problem",
     "strict_json_value",
     "write_csv_atomic",
     "write_json_atomic",
@@ -137,6 +138,7 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
 
     Raises ValueError (which the CLI reports as a usage error, exit status 2) naming `flag` and the
     path when:
+    - it is empty ("empty path": `Path("")` would silently mean the current folder);
     - it does not end in one of `suffixes` (if given). Suffixes are exact and lower-case: `B.CSV` is
       refused with "use .csv", because every reader of our files looks for the lower-case suffix;
     - something other than a regular file exists there (a folder, device, FIFO or socket), which is
@@ -144,10 +146,10 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
     - its nearest existing parent (of the symlink's target, for a symlink) is a file or not writable
       (tested by creating and removing a temporary file there; no folder is created).
     """
+    problem = path_problem(os.fspath(path), suffixes)
+    if problem is not None:
+        raise ValueError(f"{flag}: {problem}" if problem == "empty path" else f"{flag} {problem}")
     p = Path(path)
-    if suffixes and p.suffix not in suffixes:
-        hint = f"; suffixes are lower-case: use {p.suffix.lower()}" if p.suffix.lower() in suffixes else ""
-        raise ValueError(f"{flag} {str(p)!r} must end in {' or '.join(suffixes)}{hint}")
     try:
         target, kind = _resolve(p)
     except OSError as exc:
@@ -168,6 +170,22 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
                 raise ValueError(f"{flag} {str(p)!r}: cannot write in {parent} ({exc.strerror})") from None
             break
     return p
+
+
+def path_problem(text: str, suffixes: tuple[str, ...] = ()) -> str | None:
+    """What is wrong with an output path's text on its own (no file system access), or None.
+
+    "empty path" for "", else, when `suffixes` are given and the path does not end in one of them,
+    "'x.CSV' must end in .csv; suffixes are lower-case: use .csv" (suffixes are exact and lower-case,
+    because every reader of our files looks for the lower-case suffix).
+    """
+    if text == "":
+        return "empty path"
+    p = Path(text)
+    if suffixes and p.suffix not in suffixes:
+        hint = f"; suffixes are lower-case: use {p.suffix.lower()}" if p.suffix.lower() in suffixes else ""
+        return f"{text!r} must end in {' or '.join(suffixes)}{hint}"
+    return None
 
 
 @contextlib.contextmanager

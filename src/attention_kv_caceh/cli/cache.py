@@ -21,7 +21,10 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     check_outputs,
+    check_side_files,
+    int_at_least,
     nonnegative_int,
+    output_file,
     positive_int,
     preset_name,
     warn_if_blas_unpinned,
@@ -34,6 +37,7 @@ from attention_kv_caceh.experiments.cache_growth import (
     total_steps,
 )
 from attention_kv_caceh.experiments.cache_growth_stats import (
+    SUMMARY_FIELDS,
     CacheMemoryRow,
     CacheStepSample,
     format_cache_summary,
@@ -60,6 +64,7 @@ from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["CACHE_DEFAULTS", "HELP", "add_arguments", "cache_config", "cache_side_paths", "run"]
 
+STEPS_WHY = "the summary fits a line over T"
 HELP = "decode N steps over a Dynamic and a Preallocated KV cache: per-step time and memory"
 CACHE_DEFAULTS = CacheGrowthConfig()
 
@@ -72,12 +77,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = CACHE_DEFAULTS
     parser.add_argument(
         "--csv",
+        type=output_file(".csv"),
         default="results/cache.csv",
         metavar="PATH.csv",
         help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside it",
     )
     parser.add_argument(
-        "--steps", type=positive_int, default=d.steps, metavar="N", help="decode steps, at least 2"
+        "--steps",
+        type=int_at_least(2, STEPS_WHY),
+        default=d.steps,
+        metavar="N",
+        help="decode steps, at least 2",
     )
     parser.add_argument(
         "--batch-size",
@@ -127,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plot",
+        type=output_file(".png"),
         default=None,
         metavar="PATH.png",
         help="PNG: per-step time and bytes per step against T (default: no plot)",
@@ -153,7 +164,7 @@ def cache_config(args: argparse.Namespace) -> CacheGrowthConfig:
             f"--num-heads {shape.num_heads} must be a multiple of --num-kv-heads {shape.num_kv_heads}"
         )
     if args.steps < 2:
-        raise UsageError(f"--steps must be at least 2 (the summary fits a line over T), got {args.steps}")
+        raise UsageError(f"--steps must be >= 2 ({STEPS_WHY}), got {args.steps}")
     try:
         return CacheGrowthConfig(
             steps=args.steps,
@@ -203,6 +214,15 @@ def _check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path
     check_outputs(
         [("--csv", csv_path, (".csv",)), ("--plot", plot_path, (".png",))]
         + [(beside, path, ()) for path in side.values()]
+    )
+    check_side_files(
+        "--csv",
+        {
+            side["memory"]: tuple(CacheMemoryRow.__dataclass_fields__),
+            side["summary"]: SUMMARY_FIELDS,
+            side["meta"]: (),
+            side["memory_meta"]: (),
+        },
     )
     return side
 
@@ -290,6 +310,9 @@ def run(args: argparse.Namespace) -> int:
             meta["error"] = error
         write_csv_atomic(side["memory"], (dataclasses.asdict(m) for m in memory), memory_fields)
         write_csv_atomic(csv_path, (dataclasses.asdict(s) for s in samples), step_fields)
+        # header-only until the run completes (then the fitted summary replaces it): a summary left
+        # by an earlier run never sits beside this run's raw files
+        write_csv_atomic(side["summary"], (), SUMMARY_FIELDS)
         write_meta()
 
     def write_meta() -> None:
@@ -362,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
             return 1
     try:
         summary = summarize_cache_growth(samples, memory)
-        write_csv_atomic(side["summary"], summary_rows(summary), tuple(summary_rows(summary)[0]))
+        write_csv_atomic(side["summary"], summary_rows(summary), SUMMARY_FIELDS)
         print(format_cache_summary(summary, config.steps))
         if prediction is not None:
             outcome = evaluate_cache(prediction, summary)

@@ -5,7 +5,10 @@
   not be written); `main` prints one line and exits 1. Files already written stay complete.
 - flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
   argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
+- `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
+  suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
+- `check_side_files`: a file written beside the raw file never replaces another run's raw file.
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
 - `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
   whose help text does not already say its default; flags without a value of their own spell it out
@@ -20,11 +23,11 @@ import argparse
 import math
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import NoReturn
 
-from attention_kv_caceh.files import check_output_path
+from attention_kv_caceh.files import check_output_path, meta_path, path_problem
 
 __all__ = [
     "PROG",
@@ -33,9 +36,12 @@ __all__ = [
     "OneLineParser",
     "UsageError",
     "check_outputs",
+    "check_side_files",
+    "int_at_least",
     "int_list",
     "nonnegative_float",
     "nonnegative_int",
+    "output_file",
     "positive_int",
     "preset_name",
     "warn_if_blas_unpinned",
@@ -105,6 +111,21 @@ def positive_int(text: str) -> int:
     return value
 
 
+def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
+    """argparse type factory: an integer >= `minimum`; `why` (e.g. "the summary fits a line over T")
+    is added to the message in parentheses."""
+
+    def parse(text: str) -> int:
+        value = _int(text)
+        if value < minimum:
+            reason = f" ({why})" if why else ""
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}{reason}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
 def nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = _int(text)
@@ -158,6 +179,24 @@ def preset_name(text: str) -> str:
 # ------------------------------------------------------------------------------------ output paths
 
 
+def output_file(*suffixes: str) -> Callable[[str], Path]:
+    """argparse type factory for an output file flag: `type=output_file(".csv")`.
+
+    The returned function refuses "" ("empty path") and a path not ending in one of `suffixes`
+    (exact, lower-case; see `files.path_problem`) with argparse.ArgumentTypeError, which argparse
+    reports naming the flag (exit 2); otherwise returns the path as a Path.
+    """
+
+    def parse(text: str) -> Path:
+        problem = path_problem(text, suffixes)
+        if problem is not None:
+            raise argparse.ArgumentTypeError(problem)
+        return Path(text)
+
+    parse.__name__ = "output file"  # argparse's fallback message names the type
+    return parse
+
+
 def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:
     """Check every file a command will write before the first sample is taken.
 
@@ -180,3 +219,59 @@ def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tu
                 f"{what} {str(path)!r} is the same file as {seen[resolved]}; output files must differ"
             )
         seen[resolved] = what
+
+
+def _raw_headers() -> set[tuple[str, ...]]:
+    """The headers of every raw CSV the commands write (scan samples, cache steps and memory, views)."""
+    from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+    from attention_kv_caceh.experiments.scan import SAMPLE_FIELDS
+    from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS
+
+    return {
+        SAMPLE_FIELDS,
+        tuple(CacheStepSample.__dataclass_fields__),
+        tuple(CacheMemoryRow.__dataclass_fields__),
+        VIEW_TABLE_COLUMNS,
+    }
+
+
+def _header(path: Path) -> tuple[str, ...]:
+    """The first CSV row of `path` (empty when unreadable or empty)."""
+    import csv
+
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.reader([f.readline()]))
+    except (OSError, UnicodeDecodeError):
+        return ()
+    return tuple(rows[0]) if rows else ()
+
+
+def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None:
+    """Refuse to replace another run's raw file with a file written beside this run's raw file.
+
+    `side_files` maps every file the command writes beside its raw file (its summary, memory rows and
+    metadata) to the CSV header it writes there (() for a non-CSV). A side file that already exists
+    is another run's raw file, and UsageError names `flag`, the file and why, when
+    - a `.meta.json` sits beside it and the command does not write that metadata itself (only raw
+      files have metadata beside them), or
+    - its header is a raw file's header (`_raw_headers`) other than the one the command writes there.
+    A side file of an earlier run of the same command (same --csv) is replaced, as before.
+    """
+    raw_headers: set[tuple[str, ...]] | None = None
+    for path, header in side_files.items():
+        if not path.is_file():
+            continue
+        meta = meta_path(path)
+        if meta not in side_files and meta.is_file():
+            why = f"{meta} is beside it"
+        else:
+            raw_headers = _raw_headers() if raw_headers is None else raw_headers
+            found = _header(path)
+            if found == header or found not in raw_headers:
+                continue
+            why = "its header is a raw file's header"
+        raise UsageError(
+            f"{flag}: {str(path)!r}, a file this run writes beside its raw file, is another run's raw "
+            f"file ({why}); choose another {flag} or move that file"
+        )

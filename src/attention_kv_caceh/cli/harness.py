@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from attention_kv_caceh.cli import harness_engine
-from attention_kv_caceh.cli.common import UsageError, check_outputs
+from attention_kv_caceh.cli.common import UsageError, check_outputs, output_file
 from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import (
     JsonlSink,
@@ -171,17 +171,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("outputs")
     g.add_argument(
         "--jsonl",
-        type=Path,
+        type=output_file(".jsonl"),
         default=None,
         help="per-request records, one JSON a line (default: not written)",
     )
     g.add_argument(
         "--summary-json",
-        type=Path,
+        type=output_file(".json"),
         default=None,
         help="summary (vLLM key names) (default: not written)",
     )
-    g.add_argument("--plot", type=Path, default=None, help="timeline PNG (default: not drawn)")
+    g.add_argument("--plot", type=output_file(".png"), default=None, help="timeline PNG (default: not drawn)")
     g.add_argument(
         "--goodput",
         nargs="+",
@@ -248,9 +248,9 @@ def _check_outputs(args: argparse.Namespace) -> None:
     jsonl: Path | None = args.jsonl
     check_outputs(
         [
-            ("--jsonl", jsonl, ()),
+            ("--jsonl", jsonl, (".jsonl",)),
             ("--jsonl", None if jsonl is None else meta_path(jsonl), ()),  # its metadata beside it
-            ("--summary-json", args.summary_json, ()),
+            ("--summary-json", args.summary_json, (".json",)),
             ("--plot", args.plot, (".png",)),
         ]
     )

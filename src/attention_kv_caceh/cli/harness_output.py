@@ -143,6 +143,36 @@ class JsonlSink:
                 self.error = self.error or exc
 
 
+def _sent(r: RequestRecord) -> int:
+    return r.sent_ns if r.sent_ns is not None else r.arrival_ns
+
+
+def finished_run(config: HarnessConfig, finished: list[RequestRecord], summary: dict[str, Any]) -> RunResult:
+    """A RunResult of the finished requests of an interrupted run, for its timeline: starts at the
+    first send, ends at the last stream end; the client in-flight count (`load.InFlightTracker`: sent
+    to stream end) is rebuilt from each finished request's `sent_ns` (its arrival if never sent) and
+    `stream_end_ns` (requests cut off are not in it); no server samples. `finished` must not be
+    empty."""
+    spans = [(_sent(r), r.stream_end_ns or _sent(r)) for r in finished]
+    events = sorted([(sent, 1) for sent, _ in spans] + [(end, -1) for _, end in spans])
+    in_flight: list[tuple[int, int]] = []
+    count = 0
+    for t, step in events:
+        count += step
+        in_flight.append((t, count))
+    return RunResult(
+        config=config,
+        records=list(finished),
+        summary=summary,
+        start_ns=events[0][0],
+        end_ns=events[-1][0],
+        in_flight=in_flight,
+        server_samples=[],
+        server_exact=[],
+        server_metrics_errors=[],
+    )
+
+
 def report_and_save(
     args: argparse.Namespace,
     config: HarnessConfig,
@@ -166,6 +196,7 @@ def report_and_save(
         kept = f" in {args.jsonl}" if sink.opened else ""
         print(f"{PROG}: interrupted; {len(finished)} finished requests kept{kept}", file=sys.stderr)
 
+    partial: RunResult | None = None  # an interrupted run: what finished, for the timeline
     if result is not None:
         summary = result.summary
         config = result.config  # as actually run (the model read from the server)
@@ -174,6 +205,7 @@ def report_and_save(
         end = max(r.stream_end_ns or r.arrival_ns for r in finished)
         summary = summarize_run(finished, max(end - start, 1) / 1e9, slo=config.goodput)
         summary["interrupted"] = True
+        partial = finished_run(config, finished, summary)
     else:
         return 130
     print(format_summary(summary))
@@ -203,10 +235,11 @@ def report_and_save(
             if server is not None:
                 doc["server"] = server
             written.append(str(write_json_atomic(args.summary_json, doc)))
-        if args.plot is not None and result is not None:  # no timeline of an interrupted run
+        timeline = result if result is not None else partial  # interrupted: the requests that finished
+        if args.plot is not None and timeline is not None:
             from attention_kv_caceh.harness.timeline import plot_timeline
 
-            written.append(str(plot_timeline(result, args.plot)))
+            written.append(str(plot_timeline(timeline, args.plot)))
     except OSError as exc:
         if written:
             print("wrote: " + ", ".join(written))

@@ -16,6 +16,7 @@ from attention_kv_caceh.cli.common import (
     UsageError,
     check_outputs,
     nonnegative_float,
+    output_file,
     positive_int,
 )
 
@@ -51,6 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--json",
+        type=output_file(".json"),
         default=None,
         metavar="PATH",
         help="also save the results as JSON here (default: not written)",
@@ -93,7 +95,7 @@ def format_overhead(rows: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Measure and print the overhead table; raises UsageError for an unwritable --json (before the
     server starts), CommandFailed when a request failed or --json could not be written."""
-    check_outputs([("--json", args.json, ())])
+    check_outputs([("--json", args.json, (".json",))])
     from attention_kv_caceh.harness.config import MAX_REQUESTS
 
     if args.waves * max(args.concurrency) > MAX_REQUESTS:

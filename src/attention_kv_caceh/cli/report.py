@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from attention_kv_caceh.cli.common import UsageError, check_outputs
+from attention_kv_caceh.cli.common import UsageError, check_outputs, output_file
 from attention_kv_caceh.files import atomic_write_text
 
 __all__ = ["HELP", "add_arguments", "run"]
@@ -26,6 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--out",
+        type=output_file(".md"),
         default="results/REPORT.md",
         metavar="PATH.md",
         help="the Markdown report; PNG plots go beside it",
@@ -41,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.report import build_report, planned_plots
 
     out_path = str(args.out)
+    if str(args.results) == "":
+        raise UsageError("--results: empty path; give the folder of raw files (default: results)")
     if not Path(args.results).is_dir():
         raise UsageError(f"--results {str(args.results)!r} is not a folder")
     beside = f"--out {out_path!r}: the plot beside it"

@@ -32,8 +32,10 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     check_outputs,
+    check_side_files,
     int_list,
     nonnegative_int,
+    output_file,
     positive_int,
     preset_name,
     warn_if_blas_unpinned,
@@ -79,7 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the batch-size scan; defaults are the notes' M1 scan."""
     d = _DEFAULTS
     parser.add_argument(
-        "--csv", type=Path, default=Path("results/benchmark.csv"), metavar="PATH", help="raw samples CSV"
+        "--csv",
+        type=output_file(".csv"),
+        default=Path("results/benchmark.csv"),
+        metavar="PATH.csv",
+        help="raw samples CSV",
     )
     parser.add_argument(
         "--batch-sizes",
@@ -141,7 +147,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--plot",
-        type=Path,
+        type=output_file(".png"),
         default=None,
         metavar="PATH.png",
         help="PNG: P50 with P95 bars, positions/s vs B (default: no plot)",
@@ -233,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
             ("--plot", args.plot, (".png",)),
         ]
     )
+    check_side_files("--csv", {summary_path(csv_path): SUMMARY_FIELDS, meta_path(csv_path): ()})
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
 
@@ -253,7 +260,8 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         )
     if args.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
-    print(setup_card(config, env, impls))
+    skipped = [i for i in IMPLS if i not in impls] if args.impl == "all" else []
+    print(setup_card(config, env, impls, skipped))
     meta: dict[str, Any] = {
         "kind": "batch-size-scan",
         "status": "running",
@@ -281,10 +289,10 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
             meta["kernel_compile_seconds"] = compile_seconds()
         meta["status"] = status
         write_json_atomic(meta_path(csv_path), meta)
-        if results:
-            write_csv_atomic(
-                summary_path(csv_path), summary_rows(scan_result_tables(results)), SUMMARY_FIELDS
-            )
+        # Rewritten with the raw file every time (header-only before the first B), so a summary left
+        # by an earlier run never sits beside this run's raw file and metadata.
+        rows = summary_rows(scan_result_tables(results)) if results else []
+        write_csv_atomic(summary_path(csv_path), rows, SUMMARY_FIELDS)
 
     from tqdm import tqdm
 

@@ -63,7 +63,12 @@ def _blas_line(env: dict[str, Any]) -> str:
     return text or "none found"
 
 
-def setup_card(config: ScanConfig, env: dict[str, Any], impls: Sequence[str] = ("numpy",)) -> str:
+def setup_card(
+    config: ScanConfig, env: dict[str, Any], impls: Sequence[str] = ("numpy",), skipped: Sequence[str] = ()
+) -> str:
+    """The setup printed before a scan; `skipped`: implementations of --impl all that are not run
+    (torch-sdpa where torch cannot be imported), each on a line of its own."""
+    one_thread = [i for i in impls if i != "numpy"]
     itemsize = 4 if config.dtype == "float32" else 8
     lines = [
         "Batch-size scan: one decode step = append 1 position to the KV cache, attend over T+1",
@@ -73,11 +78,13 @@ def setup_card(config: ScanConfig, env: dict[str, Any], impls: Sequence[str] = (
         f"  timing   {config.warmup} warm-up + {config.repeats} timed calls per B, seed {config.seed}",
         *(
             [
-                f"  impls    {', '.join(impls)}, checked then timed at every B in this order; fused, torch-sdpa: 1 thread"
+                f"  impls    {', '.join(impls)}, checked then timed at every B in this order"
+                + (f"; {', '.join(one_thread)}: 1 thread" if one_thread else "")
             ]
             if len(impls) > 1 or impls[0] != "numpy"
             else []
         ),
+        *(f"  {impl}: skipped (torch not importable)" for impl in skipped),
         f"  BLAS     {_blas_line(env)}",
         f"  CPU      {env['cpu_model']} ({env['cpu_count']} logical CPUs)",
         f"  KV read  {kv_bytes_per_step(config, 1) / 1e6:.3f} MB per step per sequence "

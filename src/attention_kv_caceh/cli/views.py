@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from pathlib import Path
 
-from attention_kv_caceh.cli.common import check_outputs
+from attention_kv_caceh.cli.common import check_outputs, output_file
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import atomic_write_text, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.timing import capture_environment
@@ -24,12 +25,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `views`: `--csv PATH.csv`, `--md PATH.md` (both optional; the table is printed anyway)."""
     parser.add_argument(
         "--csv",
+        type=output_file(".csv"),
         default=None,
         metavar="PATH.csv",
         help="write the table as CSV, plus <csv>.meta.json (default: not written)",
     )
     parser.add_argument(
-        "--md", default=None, metavar="PATH.md", help="write the table as Markdown (default: not written)"
+        "--md",
+        type=output_file(".md", ".markdown"),
+        default=None,
+        metavar="PATH.md",
+        help="write the table as Markdown (default: not written)",
     )
 
 
@@ -39,13 +45,13 @@ def run(args: argparse.Namespace) -> int:
     Raises UsageError for an output path (`--csv`, its `.meta.json`, `--md`) that has the wrong suffix
     or cannot be written, before any file is written.
     """
-    csv_path: str | None = args.csv
-    md_path: str | None = args.md
+    csv_path: Path | None = args.csv
+    md_path: Path | None = args.md
     check_outputs(
         [
             ("--csv", csv_path, (".csv",)),
             (
-                f"--csv {csv_path!r}: the file beside it",
+                f"--csv {str(csv_path)!r}: the file beside it",
                 None if csv_path is None else meta_path(csv_path),
                 (),
             ),
@@ -65,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
                 "config": {"experiment": "views"},
             },
         )
-        written += [csv_path, str(meta_path(csv_path))]
+        written += [str(csv_path), str(meta_path(csv_path))]
     if md_path is not None:
         atomic_write_text(md_path, table)
-        written.append(md_path)
+        written.append(str(md_path))
     print(table, end="")
     held = sum(r.prediction_held for r in rows)
     print(f"\n{held} of {len(rows)} predictions held.")

@@ -25,6 +25,7 @@ from attention_kv_caceh.timing import summarize_samples
 
 __all__ = [
     "CACHE_KINDS",
+    "SUMMARY_FIELDS",
     "CacheFit",
     "CacheGrowthSummary",
     "CacheMemoryRow",
@@ -349,6 +350,18 @@ def format_cache_summary(summary: CacheGrowthSummary, steps: int) -> str:
             f" for T={int(m['final_sequence_length'])}; largest step peak {format_bytes(m['max_step_peak_bytes'])}"
         )
     return "\n".join(lines)
+
+
+# Columns of the summary CSV (`summary_rows`), also its header when no summary exists yet.
+SUMMARY_FIELDS: tuple[str, ...] = (
+    "cache",
+    "slope_ms_per_position",
+    "intercept_ms",
+    "r2",
+    "r2_raw",
+    "total_p50_ms",
+    "total_ratio_dynamic_over_preallocated",
+)
 
 
 def summary_rows(summary: CacheGrowthSummary) -> list[dict[str, Any]]:

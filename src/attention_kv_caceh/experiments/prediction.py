@@ -110,9 +110,17 @@ def check_user_prediction(user: UserPrediction, batch_sizes: Sequence[int]) -> N
     """Refuse a saturation prediction that no scan over `batch_sizes` could confirm (ValueError).
 
     `saturation_point` only ever names a B that has a larger B after it, so the prediction must be one
-    of the scanned sizes other than the largest.
+    of the scanned sizes other than the largest; with fewer than two batch sizes no saturation
+    (not even "not reached") can be measured.
     """
-    if not user.saturation_given or user.saturation is None:
+    if not user.saturation_given:
+        return
+    if len(batch_sizes) < 2:
+        raise ValueError(
+            f"a saturation prediction needs at least two batch sizes (saturation is a doubling of B that "
+            f"gains < 10 % positions/s); --batch-sizes has {list(batch_sizes)}"
+        )
+    if user.saturation is None:
         return
     possible = sorted(batch_sizes)[:-1]
     if user.saturation not in possible:

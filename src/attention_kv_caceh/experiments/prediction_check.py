@@ -141,7 +141,7 @@ def _verdicts(
     user = prediction.user
     out: list[Verdict] = []
     if user.text:
-        out.append(Verdict("user (text)", None, f"recorded, not checked: {user.text!r}"))
+        out.append(Verdict("user (text)", None, f"recorded: {user.text!r}"))
     if user.saturation_given:
         out.append(_saturation_verdict("user saturation", user.saturation, measured))
     out.append(_saturation_verdict("model saturation", model_saturation(prediction, rows), measured))

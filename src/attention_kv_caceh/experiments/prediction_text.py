@@ -40,8 +40,8 @@ def prediction_card(prediction: ScanPrediction) -> str:
         "np.dot(buf, buf)",
         "  model     P50(B) = overhead + bytes moved per step / probe bandwidth",
         *("  " + line for line in _roofline_lines(prediction)),
-        f"  model saturation: {sat_text(prediction.saturation)} (positions/s gain per doubling "
-        f"< {100 * prediction.gain:.0f} %); bandwidth term above overhead from "
+        f"  model saturation: {sat_text(prediction.saturation)} (saturation = the first doubling of B "
+        f"that raises positions/s by < {100 * prediction.gain:.0f} %); bandwidth term above overhead from "
         + (f"B = {prediction.knee}" if prediction.knee is not None else "no scanned B"),
     ]
     return "\n".join(lines)

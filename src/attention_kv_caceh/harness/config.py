@@ -128,7 +128,9 @@ class HarnessConfig:
             if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
                 raise ValueError(f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json")
         if self.dataset is not None and not Path(self.dataset).is_file():
-            raise ValueError(f"--dataset {self.dataset!r}: no such file")
+            exists = Path(self.dataset).exists()
+            what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
+            raise ValueError(f"--dataset {self.dataset!r}: {what}")
         self._check_size()
 
     def _check_size(self) -> None:

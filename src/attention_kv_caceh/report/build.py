@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
+from attention_kv_caceh.experiments.scan_impls import IMPLS
 from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.report.jsonl import read_jsonl
@@ -82,6 +83,7 @@ class _Build:
     out: Path
     plot: bool
     result: ReportResult
+    folder: Path = Path()  # the --results folder: problems name files by their path in it
     metas: dict[str, dict[str, Any]] = field(default_factory=lambda: dict[str, dict[str, Any]]())
     buckets: dict[str, list[str]] = field(
         default_factory=lambda: {"scan": [], "cache": [], "views": [], "serving": []}
@@ -102,7 +104,10 @@ def _prediction(meta: dict[str, Any] | None) -> Any:
 
 def _scan(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
     samples: list[Sample] = rows
-    meta_name = meta_path(path.name).name
+    unknown = sorted({s.impl for s in samples} - set(IMPLS))
+    if unknown:
+        raise ValueError(f"unknown impl {', '.join(map(repr, unknown))} (expected one of {', '.join(IMPLS)})")
+    meta_name = str(meta_path(path))  # problems name files as the folder walk does: by their path
     probe = int_keyed(meta, "probe_samples_ms", meta_name, b.result.problems)
     kv = int_keyed(meta, "kv_bytes_per_step", meta_name, b.result.problems)
     text, table = scan_section(path.name, samples, probe, kv)
@@ -195,10 +200,6 @@ def _read_csv_file(b: _Build, path: Path) -> None:
         problems.append(FileProblem(str(path), f"{kind} CSV with a header but no rows"))
         return
     meta = read_meta(path, problems) if kind != "cache-memory" else None
-    if meta is not None:
-        b.metas[path.name] = meta
-    elif kind != "cache-memory":
-        b.no_meta.append(path.name)
     try:
         _CSV_HANDLERS[kind](b, path, rows, meta)
     except ValueError as exc:
@@ -207,6 +208,11 @@ def _read_csv_file(b: _Build, path: Path) -> None:
     except Exception as exc:  # one file's failure must not cost the whole report (MemoryError included)
         problems.append(FileProblem(str(path), f"cannot report this {kind} CSV: {_describe(exc)}"))
         return
+    # only a file that is reported has a column in the environment card
+    if meta is not None:
+        b.metas[path.name] = meta
+    elif kind != "cache-memory":
+        b.no_meta.append(path.name)
     b.result.sources.append(path.name)
 
 
@@ -249,7 +255,7 @@ def _memory_of(
     if matching:
         b.result.problems.append(
             FileProblem(
-                name,
+                str(b.folder / name),
                 f"{len(matching)} memory CSVs have this run's parameters ({', '.join(matching)}) and its "
                 "metadata names none of them: the memory table is left out",
             )
@@ -267,7 +273,7 @@ def _pair_cache_runs(b: _Build) -> None:
                 section, problem = cache_prediction_section(prediction, summary)
                 text += section
                 if problem:
-                    b.result.problems.append(FileProblem(meta_path(name).name, problem))
+                    b.result.problems.append(FileProblem(str(meta_path(b.folder / name)), problem))
             if b.plot:
                 from attention_kv_caceh.report.plots import plot_cache_growth
 
@@ -276,10 +282,14 @@ def _pair_cache_runs(b: _Build) -> None:
                 b.result.plots.append(plot_cache_growth(samples, memory, target, title=title))
                 text += f"\n![{name}]({target.name})\n"
         except ValueError as exc:
-            b.result.problems.append(FileProblem(name, f"cannot summarize the cache run: {exc}"))
+            b.result.problems.append(
+                FileProblem(str(b.folder / name), f"cannot summarize the cache run: {exc}")
+            )
             continue
         except Exception as exc:
-            b.result.problems.append(FileProblem(name, f"cannot summarize the cache run: {_describe(exc)}"))
+            b.result.problems.append(
+                FileProblem(str(b.folder / name), f"cannot summarize the cache run: {_describe(exc)}")
+            )
             continue
         b.buckets["cache"].append(text)
 
@@ -307,7 +317,7 @@ def build_report(
         raise ValueError(f"--results {str(results_dir)!r} is not a folder")
     if out.suffix.lower() != ".md":
         raise ValueError(f"--out {str(out_path)!r} must end in .md")
-    b = _Build(out=out, plot=plot, result=ReportResult(markdown=""))
+    b = _Build(out=out, plot=plot, result=ReportResult(markdown=""), folder=folder)
     for path in sorted(folder.iterdir()):
         if (suffix := _case_mismatch(path.name)) is not None:
             b.result.problems.append(FileProblem(str(path), f"not read: suffixes are lower-case ({suffix})"))

@@ -121,6 +121,12 @@ def read_header(path: Path, *, quiet: bool = True) -> list[str]:
 # ------------------------------------------------------------------------------------------ metadata
 
 
+def _refuse_constant(name: str) -> Any:
+    """`json.load`'s parse_constant: NaN, Infinity and -Infinity are not JSON (RFC 8259); our writers
+    never emit them (`files.strict_json_value`), so a file that has one was not written by us."""
+    raise ValueError(f"{name} is not valid JSON (RFC 8259 has no NaN or Infinity)")
+
+
 def read_meta(csv_path: Path, problems: list[FileProblem], *, required: bool = True) -> dict[str, Any] | None:
     """The parsed `<file>.meta.json` of a raw file; None (with a problem noted, when `required` or
     malformed, not a regular file or too large) when it is missing or cannot be used."""
@@ -131,16 +137,20 @@ def read_meta(csv_path: Path, problems: list[FileProblem], *, required: bool = T
         return None
     try:
         f, _ = open_regular(path, newline=None)
-        with f:
-            meta = json.load(f)
     except (OSError, UnicodeDecodeError) as exc:
         problems.append(FileProblem(str(path), f"unreadable: {exc}"))
         return None
-    except json.JSONDecodeError as exc:
-        problems.append(FileProblem(str(path), f"malformed JSON: {exc}"))
-        return None
     except ValueError as exc:  # from open_regular: not a regular file, too large
         problems.append(FileProblem(str(path), str(exc)))
+        return None
+    try:
+        with f:
+            meta = json.load(f, parse_constant=_refuse_constant)
+    except (OSError, UnicodeDecodeError) as exc:
+        problems.append(FileProblem(str(path), f"unreadable: {exc}"))
+        return None
+    except ValueError as exc:  # json.JSONDecodeError, or a NaN / Infinity token (_refuse_constant)
+        problems.append(FileProblem(str(path), f"malformed JSON: {exc}"))
         return None
     if not isinstance(meta, dict):
         problems.append(FileProblem(str(path), "malformed: the top level is not an object"))
