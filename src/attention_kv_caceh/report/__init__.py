@@ -2,7 +2,7 @@
 
 It reads every kind of raw file, the lab's and the serving harness's, so it sits beside `experiments/`
 and `harness/` and imports from both; nothing there imports it. Statistics are recomputed from raw
-samples only (`timing.summarize_samples` through `scan.scan_table` and
+samples only (`timing.summarize_samples` through `scan_stats.scan_table` and
 `cache_growth_stats.summarize_cache_growth`); summary files in the folder are listed and ignored. File
 kinds are told apart by their CSV header, never by their name:
 

@@ -1,6 +1,6 @@
 """The Markdown sections of the results report: one function per file kind, plus the environment card.
 
-Each section recomputes its statistics from the raw rows it is given (`scan.scan_table`,
+Each section recomputes its statistics from the raw rows it is given (`scan_stats.scan_table`,
 `cache_growth_stats.summarize_cache_growth`, `harness.summary.summarize_run`, `views.views_markdown`)
 and returns Markdown; finding and reading the files, pairing them and listing what is wrong with them
 is the job of `readers.py` and `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under
@@ -23,7 +23,7 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     partial_passes,
     summarize_cache_growth,
 )
-from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
+from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
@@ -136,7 +136,7 @@ def scan_section(
     probe: Mapping[int, Sequence[float]] | None,
     kv: Mapping[int, int] | None,
 ) -> tuple[str, list[dict[str, float]]]:
-    """The section of one batch-size scan CSV and its first implementation's `scan.scan_table` rows
+    """The section of one batch-size scan CSV and its first implementation's `scan_stats.scan_table` rows
     (for the plot).
 
     `samples` are the file's raw rows (at least one); `probe` (B -> read-bandwidth probe samples, ms)
