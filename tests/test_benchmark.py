@@ -20,7 +20,8 @@ import numpy as np
 from attention_kv_caceh import benchmark
 from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments import scan, scan_impls
-from attention_kv_caceh.experiments.scan import ScanConfig, saturation_verdict, scan_table
+from attention_kv_caceh.experiments.scan import ScanConfig
+from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.timing import Sample
 
 

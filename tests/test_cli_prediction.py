@@ -67,7 +67,7 @@ def fake_batches(p50_ms: dict[int, float], outlier: tuple[int, int, float] | Non
 
 
 # positions/s = B * T / P50: doubling B from 1 to 2 doubles it, from 2 to 4 leaves it flat, so the
-# measured saturation point is B = 2 (`scan.saturation_point`, gain < 10 %).
+# measured saturation point is B = 2 (`scan_stats.saturation_point`, gain < 10 %).
 SATURATES_AT_2 = {1: 0.05, 2: 0.05, 4: 0.10, 8: 0.20}
 # Every doubling raises positions/s by 60 % or more: not reached.
 NEVER_SATURATES = {1: 0.05, 2: 0.06, 4: 0.07, 8: 0.08}

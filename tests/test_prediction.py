@@ -43,8 +43,10 @@ from attention_kv_caceh.experiments.prediction_text import (
 )
 from attention_kv_caceh.experiments.scan import (
     ScanConfig,
-    doubling_gains,
     kv_bytes_per_step,
+)
+from attention_kv_caceh.experiments.scan_stats import (
+    doubling_gains,
     saturation_point,
     saturation_verdict,
     scan_table,

@@ -27,10 +27,9 @@ from attention_kv_caceh.experiments.scan import (
     build_inputs,
     prefilled_cache,
     run_batch,
-    scan_table,
-    scan_tables,
 )
 from attention_kv_caceh.experiments.scan_impls import IMPLS, check_step, make_step, resolve_impls
+from attention_kv_caceh.experiments.scan_stats import scan_table, scan_tables
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.report import build as report

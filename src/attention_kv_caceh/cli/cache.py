@@ -3,8 +3,10 @@
 Flags, the config, the up-front checks (shape, memory, every output path), the setup lines, the
 prediction (the notes, 6.4: predicted slopes from the bytes each step moves per cached position and the
 read probe, `experiments.prediction_cache`; written to the metadata and printed before anything is
-timed), the run with its saves, the summary, and the prediction against the fitted slopes. `experiments/cache_growth.py` stays a library that returns rows; the summary
-text and rows come from `experiments/cache_growth_stats.py`.
+timed), the run with its saves, the summary, and the prediction against the fitted slopes. The files
+a run writes, their checks and the setup lines are `cli/cache_output.py`. `experiments/cache_growth.py`
+stays a library that returns rows; the summary text and rows come from
+`experiments/cache_growth_stats.py`.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
+from attention_kv_caceh.cli.cache_output import check_cache_outputs, kept_text, setup_lines
 from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
-    check_outputs,
-    check_side_files,
     int_at_least,
     nonnegative_int,
     output_file,
@@ -56,13 +56,13 @@ from attention_kv_caceh.experiments.prediction_cache import (
     make_cache_prediction,
 )
 from attention_kv_caceh.experiments.prediction_check import outcome_json
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
-from attention_kv_caceh.memory import MemoryBudgetError, check_memory, format_bytes
+from attention_kv_caceh.files import ignoring_sigint, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import MODEL_PRESETS, resolve_shape
 from attention_kv_caceh.timing import capture_environment
 
-__all__ = ["CACHE_DEFAULTS", "HELP", "add_arguments", "cache_config", "cache_side_paths", "run"]
+__all__ = ["CACHE_DEFAULTS", "HELP", "add_arguments", "cache_config", "run"]
 
 STEPS_WHY = "the summary fits a line over T"
 HELP = "decode N steps over a Dynamic and a Preallocated KV cache: per-step time and memory"
@@ -195,38 +195,6 @@ def _check_memory(config: CacheGrowthConfig) -> None:
         raise UsageError(str(exc)) from None
 
 
-def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
-    """Files a `cache` run writes beside its raw CSV: memory rows, summary and metadata."""
-    p = Path(csv_path)
-    return {
-        "memory": p.with_name(f"{p.stem}-memory.csv"),
-        "summary": p.with_name(f"{p.stem}-summary.csv"),
-        "meta": meta_path(p),
-        "memory_meta": meta_path(p.with_name(f"{p.stem}-memory.csv")),
-    }
-
-
-def _check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]:
-    """Check every file `cache` may write (the CSV, the files beside it, the plot); returns the side
-    paths. Raises UsageError naming the flag and the path."""
-    side = cache_side_paths(csv_path)
-    beside = f"--csv {csv_path!r}: the file beside it"
-    check_outputs(
-        [("--csv", csv_path, (".csv",)), ("--plot", plot_path, (".png",))]
-        + [(beside, path, ()) for path in side.values()]
-    )
-    check_side_files(
-        "--csv",
-        {
-            side["memory"]: tuple(CacheMemoryRow.__dataclass_fields__),
-            side["summary"]: SUMMARY_FIELDS,
-            side["meta"]: (),
-            side["memory_meta"]: (),
-        },
-    )
-    return side
-
-
 def predict_slopes(config: CacheGrowthConfig) -> CachePrediction:
     """The predicted slopes, measured and stamped before the run times anything.
 
@@ -256,27 +224,12 @@ def run(args: argparse.Namespace) -> int:
     config = cache_config(args)
     csv_path = str(args.csv)
     plot_path: str | None = args.plot
-    side = _check_cache_outputs(csv_path, plot_path)
+    side = check_cache_outputs(csv_path, plot_path)
     _check_memory(config)
     card = kv_size_card(config)
 
-    print(
-        f"cache growth: N={config.steps} steps, B={config.batch_size}, H={config.num_heads}, "
-        f"H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}"
-        + (f", model {config.model}" if config.model else "")
-        + f"; {config.warmup} warm-up + {config.repeats} timed passes per cache, seed {config.seed}"
-    )
-    print(
-        f"KV bytes per token (one layer): {card['kv_bytes_per_token_one_layer']} B; per sequence at "
-        f"T={config.steps}: {format_bytes(card['kv_bytes_per_sequence_one_layer'])}; batch: "
-        f"{format_bytes(card['kv_bytes_batch_one_layer'])}"
-    )
-    if config.model:
-        print(
-            f"{config.model}, all {card['model_layers']} layers: {format_bytes(card['kv_bytes_per_token_all_layers'])}"
-            f" per token at {config.dtype} ({format_bytes(card['kv_bytes_per_token_all_layers_float16'])} at "
-            f"float16), {format_bytes(card['kv_bytes_per_sequence_all_layers'])} per sequence at T={config.steps}"
-        )
+    for line in setup_lines(config, card):
+        print(line)
     warn_if_blas_unpinned()
 
     try:
@@ -320,11 +273,7 @@ def run(args: argparse.Namespace) -> int:
         write_json_atomic(side["memory_meta"], {**meta, "files": {"timed": csv_path}})
 
     def kept() -> str:
-        cut = partial_passes(samples, memory)
-        return (
-            f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in "
-            f"{side['memory']}" + (f" (cut part-way: {', '.join(cut)})" if cut else "")
-        )
+        return kept_text(samples, memory, csv_path, side["memory"])
 
     bar = tqdm(
         total=total_steps(config),

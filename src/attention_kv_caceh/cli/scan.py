@@ -50,7 +50,6 @@ from attention_kv_caceh.cli.scan_prediction import (
 from attention_kv_caceh.experiments.prediction import UserPrediction, utc_now
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
-    SUMMARY_FIELDS,
     BatchResult,
     ScanConfig,
     build_inputs,
@@ -58,6 +57,7 @@ from attention_kv_caceh.experiments.scan import (
     run_batch,
 )
 from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
+from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch

@@ -13,7 +13,8 @@ from attention_kv_caceh.cli.scan_output import format_scan_table, plot_title
 from attention_kv_caceh.experiments.prediction import ScanPrediction
 from attention_kv_caceh.experiments.prediction_check import evaluate_scan, outcome_json
 from attention_kv_caceh.experiments.prediction_text import scan_outcome_text
-from attention_kv_caceh.experiments.scan import BatchResult, ScanConfig, saturation_verdict, scan_tables
+from attention_kv_caceh.experiments.scan import BatchResult, ScanConfig
+from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_tables
 from attention_kv_caceh.files import meta_path
 
 __all__ = ["finish_scan", "scan_result_tables", "summary_path"]
@@ -108,7 +109,7 @@ def finish_scan(
 
 
 def scan_result_tables(results: Sequence[BatchResult]) -> dict[str, list[dict[str, float]]]:
-    """`scan.scan_tables` of every finished B: impl -> rows, against each B's probe."""
+    """`scan_stats.scan_tables` of every finished B: impl -> rows, against each B's probe."""
     return scan_tables(
         [s for r in results for s in r.samples],
         {r.batch_size: r.probe_samples_ms for r in results},

@@ -16,8 +16,8 @@ The batch-size scan records two predictions before its first timed sample:
 
 Decisions (each applied in one place below):
 
-- Saturation uses one definition for prediction and measurement: `scan.saturation_point`, the rule of
-  `scan.saturation_verdict` (the first B whose doubling raises positions/s = B * T / P50 by less than
+- Saturation uses one definition for prediction and measurement: `scan_stats.saturation_point`, the rule of
+  `scan_stats.saturation_verdict` (the first B whose doubling raises positions/s = B * T / P50 by less than
   SATURATION_GAIN = 10 %), applied to the predicted P50s and to the measured P50s alike. For the
   roofline with o = overhead and s = bandwidth term per sequence, one doubling gains o / (o + 2Bs), so
   the model saturates once B * s > 4.5 * o; the "knee" where the bandwidth term first exceeds the
@@ -47,7 +47,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step
-from attention_kv_caceh.experiments.scan import SATURATION_GAIN, ScanConfig, saturation_point
+from attention_kv_caceh.experiments.scan import ScanConfig
+from attention_kv_caceh.experiments.scan_stats import SATURATION_GAIN, saturation_point
 
 __all__ = [
     "BANDWIDTH",
@@ -224,7 +225,7 @@ class ScanPrediction:
 
     @property
     def saturation(self) -> int | None:
-        """The model's saturation point by `scan.saturation_point` (None: not reached)."""
+        """The model's saturation point by `scan_stats.saturation_point` (None: not reached)."""
         return saturation_point(self.predicted_table(), self.gain)
 
     @property

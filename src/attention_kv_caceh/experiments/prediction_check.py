@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from attention_kv_caceh.experiments.prediction import BANDWIDTH, ScanPrediction
-from attention_kv_caceh.experiments.scan import doubling_gains, saturation_point, scan_table
+from attention_kv_caceh.experiments.scan_stats import doubling_gains, saturation_point, scan_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
@@ -193,8 +193,8 @@ def _compare(
 def evaluate_scan(prediction: ScanPrediction, samples: Sequence[Sample]) -> ScanOutcome:
     """Compare a prediction with a scan's raw samples (all of them, anomalies included).
 
-    Measured P50 and positions/s come from `scan.scan_table`, the measured saturation from
-    `scan.saturation_point`. A partial scan (fewer B than predicted) is compared on the B it has.
+    Measured P50 and positions/s come from `scan_stats.scan_table`, the measured saturation from
+    `scan_stats.saturation_point`. A partial scan (fewer B than predicted) is compared on the B it has.
     Raises ValueError for no samples or samples at a B that was not predicted.
     """
     rows, measured, verdicts = _compare(prediction, samples)

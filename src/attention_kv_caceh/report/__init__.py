@@ -2,7 +2,7 @@
 
 It reads every kind of raw file, the lab's and the serving harness's, so it sits beside `experiments/`
 and `harness/` and imports from both; nothing there imports it. Statistics are recomputed from raw
-samples only (`timing.summarize_samples` through `scan.scan_table` and
+samples only (`timing.summarize_samples` through `scan_stats.scan_table` and
 `cache_growth_stats.summarize_cache_growth`); summary files in the folder are listed and ignored. File
 kinds are told apart by their CSV header, never by their name:
 
@@ -22,7 +22,8 @@ A run's recorded `prediction` is rebuilt and checked against its raw rows. Plots
 
 Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; parse and check
 CSVs), `jsonl` (per-request records), `sections`
-(the Markdown of each kind, with the statistics it formats), `predictions` (prediction tables), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
+(the Markdown of each lab kind, with the statistics it formats), `serving` (the serving run's section),
+`environment` (the environment card), `markdown` (the number format and table they share), `predictions` (prediction tables), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
 `build` (`build_report`: one handler per file kind).
 """
 

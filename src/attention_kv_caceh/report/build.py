@@ -1,7 +1,7 @@
 """`build_report`: one pass over a results folder, one handler per kind of raw file, one Markdown text.
 
 Each raw kind (`readers.KINDS`, plus per-request JSONL) has a handler in `_CSV_HANDLERS` that parses the
-file and appends its section (from `sections.py`) and plot; cache-growth runs are paired with their
+file and appends its section (from `sections.py` or `serving.py`) and plot; cache-growth runs are paired with their
 memory rows once every file has been read. A handler's failure is a problem of that file only.
 """
 
@@ -20,16 +20,12 @@ from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, Ca
 from attention_kv_caceh.experiments.scan_impls import IMPLS
 from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
+from attention_kv_caceh.report.environment import environment_card
 from attention_kv_caceh.report.jsonl import read_jsonl
 from attention_kv_caceh.report.predictions import cache_prediction_section, scan_prediction_section
 from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
-from attention_kv_caceh.report.sections import (
-    cache_section,
-    environment_card,
-    scan_section,
-    serving_section,
-    views_section,
-)
+from attention_kv_caceh.report.sections import cache_section, scan_section, views_section
+from attention_kv_caceh.report.serving import serving_section
 from attention_kv_caceh.report.sources import FileProblem, ReportResult, int_keyed, read_header, read_meta
 from attention_kv_caceh.timing import Sample
 

@@ -58,7 +58,7 @@ def save_figure(fig: Figure, path: str | os.PathLike[str], *, dpi: int = 110) ->
 def plot_scan(table: Sequence[dict[str, float]], path: str | Path, *, title: str = "") -> Path:
     """Batch-size scan: P50 step latency with P95 bars (left) and positions/s (right) against B.
 
-    `table` holds `experiments.scan.scan_table` rows. Writes a PNG (folders created) and returns its path.
+    `table` holds `experiments.scan_stats.scan_table` rows. Writes a PNG (folders created) and returns its path.
     """
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

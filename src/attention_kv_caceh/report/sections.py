@@ -1,19 +1,16 @@
-"""The Markdown sections of the results report: one function per file kind, plus the environment card.
+"""The Markdown sections of the results report for the lab's raw files: scan, cache growth, views.
 
-Each section recomputes its statistics from the raw rows it is given (`scan.scan_table`,
-`cache_growth_stats.summarize_cache_growth`, `harness.summary.summarize_run`, `views.views_markdown`)
-and returns Markdown; finding and reading the files, pairing them and listing what is wrong with them
-is the job of `readers.py` and `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under
-their section and kept in every statistic.
+Each section recomputes its statistics from the raw rows it is given (`scan_stats.scan_table`,
+`cache_growth_stats.summarize_cache_growth`, `views.views_markdown`) and returns Markdown; finding and
+reading the files, pairing them and listing what is wrong with them is the job of `readers.py` and
+`build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under their
+section and kept in every statistic. The serving harness's section is `serving.py`, the environment
+card `environment.py`, the number format and table they all use `markdown.py`.
 """
 
 from __future__ import annotations
 
-import math
-import typing
-from collections import Counter
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from attention_kv_caceh.experiments.cache_growth_stats import (
     CACHE_KINDS,
@@ -23,20 +20,17 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     partial_passes,
     summarize_cache_growth,
 )
-from attention_kv_caceh.experiments.scan import saturation_verdict, scan_table
+from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
-from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.memory import format_bytes
+from attention_kv_caceh.report.markdown import format_number, markdown_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
     "OUTLIER_FACTOR",
     "cache_section",
-    "environment_card",
     "flag_outliers",
     "scan_section",
-    "serving_section",
     "views_section",
 ]
 
@@ -52,81 +46,6 @@ def flag_outliers(values: Sequence[float], factor: float = OUTLIER_FACTOR) -> li
     return [i for i, v in enumerate(values) if v > limit]
 
 
-# -------------------------------------------------------------------------------------------- helpers
-
-
-def _num(x: float, digits: int = 4) -> str:
-    if isinstance(x, float) and not math.isfinite(x):
-        return "n/a"
-    if x == 0:
-        return "0"
-    if abs(x) >= 10 ** (digits + 1) or abs(x) < 10 ** (-digits + 1):
-        return f"{x:.{digits - 1}e}"
-    return f"{x:.{digits}g}"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
-    lines = ["| " + " | ".join(headers) + " |", "|" + " --- |" * len(headers)]
-    for row in rows:
-        cells = [_num(c) if isinstance(c, float) else str(c) for c in row]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-# ------------------------------------------------------------------------------------ environment
-
-
-def environment_card(metas: Mapping[str, Mapping[str, Any]], missing: Sequence[str] = ()) -> str:
-    """A table of each metadata file's environment (file name -> its parsed `.meta.json`), one
-    column per file, then a line naming the raw files used without metadata (`missing`); a line
-    saying the environment is unknown when there are none."""
-    note = (
-        "No metadata for " + ", ".join(f"`{name}`" for name in missing) + ": their environment is unknown.\n"
-        if missing
-        else ""
-    )
-    if not metas:
-        return "No metadata found: the environment of these results is unknown.\n" + (
-            "\n" + note if note else ""
-        )
-    keys = [
-        ("start_time_utc", "start (UTC)"),
-        ("cpu_model", "CPU"),
-        ("cpu_count", "CPU count"),
-        ("platform", "platform"),
-        ("python", "Python"),
-        ("numpy", "NumPy"),
-        ("blas", "BLAS"),
-        ("blas_threads", "BLAS threads"),
-        ("thread_env", "thread variables"),
-        ("git_commit", "git commit"),
-    ]
-    names = list(metas)
-    rows: list[list[object]] = []
-    for key, label in keys:
-        cells: list[object] = [label]
-        for name in names:
-            env: Any = metas[name].get("environment", {})
-            value: Any = typing.cast("dict[str, Any]", env).get(key, "?") if isinstance(env, dict) else "?"
-            if key == "blas" and isinstance(value, list):
-                value = ", ".join(
-                    f"{p.get('internal_api')} {p.get('version')}"
-                    for p in typing.cast("list[dict[str, Any]]", value)
-                )
-            elif key == "thread_env" and isinstance(value, dict):
-                value = (
-                    " ".join(f"{k}={v}" for k, v in typing.cast("dict[str, Any]", value).items()) or "none"
-                )
-            elif key == "git_commit" and isinstance(value, str):
-                value = value[:12]
-            cells.append(str(value).replace("|", "/"))
-        rows.append(cells)
-    status = [str(metas[name].get("status", "?")).replace("|", "/") for name in names]
-    if any(v != "?" for v in status):
-        rows.insert(0, ["run status", *status])
-    return _table(["", *names], rows) + ("\n" + note if note else "")
-
-
 # ------------------------------------------------------------------------------------------- scan
 
 
@@ -136,7 +55,7 @@ def scan_section(
     probe: Mapping[int, Sequence[float]] | None,
     kv: Mapping[int, int] | None,
 ) -> tuple[str, list[dict[str, float]]]:
-    """The section of one batch-size scan CSV and its first implementation's `scan.scan_table` rows
+    """The section of one batch-size scan CSV and its first implementation's `scan_stats.scan_table` rows
     (for the plot).
 
     `samples` are the file's raw rows (at least one); `probe` (B -> read-bandwidth probe samples, ms)
@@ -173,7 +92,7 @@ def _scan_part(
         f"H_kv = {first.num_kv_heads}, D = {first.head_dim}, {first.dtype}, {first.cache} cache"
         + (f", model {first.model}" if first.model else "")
         + f", {first.warmup} warm-up calls.\n",
-        _table(
+        markdown_table(
             [
                 "B",
                 "n",
@@ -214,10 +133,10 @@ def _scan_part(
     base = table[0]
     for r in table[1:]:
         out.append(
-            f"- B = {r['batch_size']:.0f}: the step takes {_num(r['p50_ms'])} ms, "
+            f"- B = {r['batch_size']:.0f}: the step takes {format_number(r['p50_ms'])} ms, "
             f"{r['p50_ms'] / base['p50_ms']:.2f}x the B = {base['batch_size']:.0f} step "
-            f"({_num(base['p50_ms'])} ms), so each request waits {r['p50_ms'] / base['p50_ms']:.2f}x as "
-            f"long per token, while the per-sequence cost is {_num(r['per_sequence_ms'])} ms "
+            f"({format_number(base['p50_ms'])} ms), so each request waits {r['p50_ms'] / base['p50_ms']:.2f}x as "
+            f"long per token, while the per-sequence cost is {format_number(r['per_sequence_ms'])} ms "
             f"({r['per_sequence_ms'] / base['per_sequence_ms']:.2f}x) and positions/s rise "
             f"{r['speedup']:.2f}x."
         )
@@ -229,7 +148,8 @@ def _scan_part(
         group = [s for s in samples if s.batch_size == r["batch_size"]]
         idx = flag_outliers([s.elapsed_ms for s in group])
         flagged += [
-            f"B={group[i].batch_size} repeat {group[i].repeat}: {_num(group[i].elapsed_ms)} ms" for i in idx
+            f"B={group[i].batch_size} repeat {group[i].repeat}: {format_number(group[i].elapsed_ms)} ms"
+            for i in idx
         ]
     out.append(_outlier_line(flagged, "its batch size"))
     return "\n".join(out) + "\n", table
@@ -282,7 +202,7 @@ def cache_section(
             else ".\n"
         ),
         "Per-step P50 (all repeats, positions in a window of N/64 ending at T):\n",
-        _table(
+        markdown_table(
             ["T", "dynamic P50 ms", "preallocated P50 ms", "dynamic / preallocated"],
             [
                 [int(c["sequence_length"]), c["dynamic_p50_ms"], c["preallocated_p50_ms"], c["ratio"]]
@@ -290,7 +210,7 @@ def cache_section(
             ],
         ),
         "Per-step time against T (np.polyfit on the per-position median over repeats):\n",
-        _table(
+        markdown_table(
             ["cache", "slope us/position", "intercept ms", "R^2", "R^2 (raw)", "N-step total P50 ms"],
             [
                 [
@@ -337,7 +257,7 @@ def cache_section(
     if s.memory:
         out.append("Memory (untimed pass under tracemalloc):\n")
         out.append(
-            _table(
+            markdown_table(
                 [
                     "cache",
                     "append peak at T=1",
@@ -372,7 +292,7 @@ def cache_section(
         for lo in range(0, n, w):
             group = [x for x in rows if lo < x.sequence_length <= lo + w]
             flagged += [
-                f"{kind} T={group[i].sequence_length} repeat {group[i].repeat}: {_num(group[i].elapsed_ms)} ms"
+                f"{kind} T={group[i].sequence_length} repeat {group[i].repeat}: {format_number(group[i].elapsed_ms)} ms"
                 for i in flag_outliers([x.elapsed_ms for x in group])
             ]
     out.append(_outlier_line(flagged, f"its cache in windows of {w} positions"))
@@ -385,42 +305,3 @@ def cache_section(
 def views_section(name: str, rows: Sequence[ViewRow]) -> str:
     """The section of one view/copy table CSV (`views.views_markdown` of its rows)."""
     return f"### View/copy table: `{name}`\n\n{views_markdown(rows)}"
-
-
-# ------------------------------------------------------------------------------------------ jsonl
-
-
-def serving_section(name: str, records: Sequence[RequestRecord]) -> str:
-    """The section of one serving-harness JSONL file, summarized by `harness.summary.summarize_run`
-    from the records' raw timestamps (at least one record; the duration runs from the first arrival
-    to the last stream end or finish). When no request completed it says so, with the failure kinds,
-    instead of a table of nothing.
-
-    Raises ValueError when `summarize_run` cannot summarize the records.
-    """
-    if not any(r.ok for r in records):
-        failures = Counter(r.status for r in records)
-        return (
-            f"### Serving run: `{name}`\n\n{len(records)} request(s), **none completed** (failures: "
-            + ", ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
-            + "): there is no latency or throughput to report.\n"
-        )
-    start = min(r.arrival_ns for r in records)
-    ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
-    duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")
-    summary = summarize_run(records, duration_s)
-    rows: list[list[object]] = []
-    for metric, label in METRIC_NAMES.items():
-        count = summary.get(f"count_{metric}") or 0
-        if count:
-            row: list[object] = [label, int(count)]
-            row += [float(summary[f"{p}_{metric}_ms"]) for p in ("median", "p90", "p99", "mean", "max")]
-            rows.append(row)
-    failures = ", ".join(f"{k}: {v}" for k, v in summary["failures"].items()) or "none"
-    return (
-        f"### Serving run: `{name}`\n\n{summary['num_requests']} request(s), "
-        f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
-        f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s. "
-        "Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools every gap.\n\n"
-        + _table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
-    )
