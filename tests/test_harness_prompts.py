@@ -12,8 +12,8 @@ from typing import Any, cast
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import _WORDS, LengthRange  # pyright: ignore[reportPrivateUsage]
-from attention_kv_caceh.harness.prompts import read_dataset
 from attention_kv_caceh.harness.run import BackendName, HarnessConfig, RunResult, run_harness
 from attention_kv_caceh.harness.scripted_server import (
     Script,
@@ -148,3 +148,41 @@ class DatasetTest(unittest.IsolatedAsyncioTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class DatasetCheckedUpFrontTest(unittest.TestCase):
+    def test_bad_dataset_contents_are_a_usage_error_before_any_request(self) -> None:
+        import contextlib
+        import io
+
+        from attention_kv_caceh import cli
+
+        with tempfile.TemporaryDirectory() as tmp:
+            cases = {
+                "not json": '{"prompt": "a"}\nnot json\n',
+                "empty": "",
+                "no prompt": '{"text": "a"}\n',
+                "bad output_len": '{"prompt": "a", "output_len": 1.5}\n',
+                "too few": '{"prompt": "a"}\n',
+                "output_len over the cap": '{"prompt": "a", "output_len": 99999999}\n{"prompt": "b"}\n',
+            }
+            for name, text in cases.items():
+                with self.subTest(name):
+                    path = Path(tmp) / "d.jsonl"
+                    path.write_text(text, encoding="utf-8")
+                    out, err = io.StringIO(), io.StringIO()
+                    argv = [
+                        "harness",
+                        "--backend",
+                        "simulated",
+                        "--num-requests",
+                        "2",
+                        "--dataset",
+                        str(path),
+                    ]
+                    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                        code = cli.main(argv)
+                    self.assertEqual(code, 2, err.getvalue())
+                    self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
+                    self.assertIn("--dataset", err.getvalue())
+                    self.assertEqual(out.getvalue(), "")

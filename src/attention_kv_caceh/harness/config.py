@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
@@ -131,6 +132,18 @@ class HarnessConfig:
             exists = Path(self.dataset).exists()
             what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
             raise ValueError(f"--dataset {self.dataset!r}: {what}")
+        if self.dataset is not None:  # its contents too, before any server is contacted
+            entries = read_dataset(self.dataset)
+            if len(entries) < self.num_requests:
+                raise ValueError(
+                    f"--dataset {self.dataset!r} has {len(entries)} entries, fewer than --num-requests "
+                    f"{self.num_requests}"
+                )
+            longest = max((n for _, n in entries[: self.num_requests] if n is not None), default=0)
+            if longest > MAX_TOKENS:
+                raise ValueError(
+                    f"--dataset {self.dataset!r}: an output_len of {longest} is above {MAX_TOKENS}"
+                )
         self._check_size()
 
     def _check_size(self) -> None:

@@ -14,7 +14,6 @@ from it. For chat, the server's /tokenize counts the chat template too; a local 
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -29,7 +28,6 @@ __all__ = [
     "ServerTokenizer",
     "exact_prompts",
     "probe_server_tokenizer",
-    "read_dataset",
 ]
 
 _MAX_ADJUST = 8  # decode/encode round trips tried before a text prompt keeps its checked length
@@ -185,39 +183,3 @@ async def exact_prompts(
             out.append(await _exact_spec(spec, tokenizer, token_ids))
         await asyncio.sleep(0)
     return out
-
-
-def read_dataset(path: str | Path) -> list[tuple[str, int | None]]:
-    """(prompt, output_len or None) of each line of a JSONL file of `{"prompt": str, "output_len": int}`.
-
-    Raises ValueError naming the file and line for a missing file, bad JSON, an empty or non-string
-    prompt, or an output_len that is not an integer >= 1; and for a file without entries.
-    """
-    file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--dataset {str(path)!r}: cannot read it: {exc}") from None
-    entries: list[tuple[str, int | None]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--dataset {str(path)!r} line {number}"
-        try:
-            obj: object = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"{where}: expected a JSON object")
-        row = cast("dict[str, Any]", obj)
-        prompt, output_len = row.get("prompt"), row.get("output_len")
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f'{where}: "prompt" must be a non-empty string')
-        if output_len is not None and (
-            isinstance(output_len, bool) or not isinstance(output_len, int) or output_len < 1
-        ):
-            raise ValueError(f'{where}: "output_len" must be an integer >= 1, got {output_len!r}')
-        entries.append((prompt, output_len))
-    if not entries:
-        raise ValueError(f"--dataset {str(path)!r}: no entries")
-    return entries

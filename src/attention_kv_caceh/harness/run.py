@@ -33,6 +33,7 @@ from attention_kv_caceh.harness.config import (
     BackendName,
     HarnessConfig,
 )
+from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
     SmokeTestError,
@@ -48,7 +49,6 @@ from attention_kv_caceh.harness.prompts import (
     ServerTokenizer,
     exact_prompts,
     probe_server_tokenizer,
-    read_dataset,
 )
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
