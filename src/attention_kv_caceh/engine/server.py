@@ -230,7 +230,7 @@ def build_app(
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = admit(request_id, completion_prompt(body.prompt), body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         if body.stream:
-            return _sse_response(_completion_events(stream, body, tokenizer, served_model_name))
+            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=False))
         return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=False))
 
     @app.post("/v1/chat/completions")
@@ -240,7 +240,7 @@ def build_app(
         prompt_ids = chat_prompt(body.messages, body.add_generation_prompt)
         stream = admit(request_id, prompt_ids, body, None)
         if body.stream:
-            return _sse_response(_chat_events(stream, body, tokenizer, served_model_name))
+            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=True))
         return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=True))
 
     return app
@@ -298,56 +298,55 @@ def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
     return options.include_usage, options.continuous_usage_stats
 
 
-async def _completion_events(
-    stream: RequestStream, body: CompletionRequest, tokenizer: Tokenizer, model: str
+async def _stream_events(
+    stream: RequestStream,
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: str,
+    *,
+    chat: bool,
 ) -> AsyncIterator[bytes]:
+    """One streamed request as SSE events in OpenAI's shapes.
+
+    Chat: a role-only first chunk, then `delta.content` chunks; completions: `text` chunks. Then a chunk
+    with the finish_reason, a usage-only chunk (`choices: []`) with `stream_options.include_usage`, and
+    `data: [DONE]`. With `continuous_usage_stats` every chunk carries the usage so far, and a token whose
+    text is not complete yet still gets a chunk (empty text) so a client can time it (see
+    `serving.text_deltas`). An engine error ends the stream with an error event (400 for a request the
+    engine refused, 500 for a failed step).
+    """
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
     rid = stream.request_id
+
+    def chunk(
+        text: str | None, finish_reason: str | None = None, usage_obj: dict[str, int] | None = None
+    ) -> bytes:
+        """text None: the usage-only chunk; "" with a finish_reason: the finish chunk."""
+        if not chat:
+            return sse(completion_chunk(rid, model, created, text, finish_reason, usage_obj))
+        delta = None if text is None else {} if finish_reason is not None and not text else {"content": text}
+        return sse(chat_chunk(rid, model, created, delta, finish_reason, usage_obj))
+
     counts = (0, 0)
     try:
+        if chat:
+            yield sse(chat_chunk(rid, model, created, {"role": "assistant"}))
         async for delta in text_deltas(stream, tokenizer, body.stop_strings):
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             per_chunk = usage(*counts) if continuous else None
-            if delta.text or (continuous and delta.finish_reason is None):  # see serving.text_deltas
-                yield sse(completion_chunk(rid, model, created, delta.text, None, per_chunk))
+            if delta.text or (continuous and delta.finish_reason is None):
+                yield chunk(delta.text, None, per_chunk)
             if delta.finish_reason is not None:
-                yield sse(completion_chunk(rid, model, created, "", delta.finish_reason, per_chunk))
+                yield chunk("", delta.finish_reason, per_chunk)
         if include_usage:
-            yield sse(completion_chunk(rid, model, created, None, usage_obj=usage(*counts)))
+            yield chunk(None, usage_obj=usage(*counts))
     except EngineRequestError as exc:
         yield sse(error_body(400, str(exc)))
     except EngineStepError as exc:
         yield sse(error_body(500, str(exc)))
     finally:
         stream.close()  # a client that left cancels this generator: abort its request
-    yield DONE
-
-
-async def _chat_events(
-    stream: RequestStream, body: ChatCompletionRequest, tokenizer: Tokenizer, model: str
-) -> AsyncIterator[bytes]:
-    include_usage, continuous = _stream_flags(body)
-    created = int(time.time())
-    rid = stream.request_id
-    counts = (0, 0)
-    try:
-        yield sse(chat_chunk(rid, model, created, {"role": "assistant"}))
-        async for delta in text_deltas(stream, tokenizer, body.stop_strings):
-            counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-            per_chunk = usage(*counts) if continuous else None
-            if delta.text or (continuous and delta.finish_reason is None):  # see serving.text_deltas
-                yield sse(chat_chunk(rid, model, created, {"content": delta.text}, None, per_chunk))
-            if delta.finish_reason is not None:
-                yield sse(chat_chunk(rid, model, created, {}, delta.finish_reason, per_chunk))
-        if include_usage:
-            yield sse(chat_chunk(rid, model, created, None, usage_obj=usage(*counts)))
-    except EngineRequestError as exc:
-        yield sse(error_body(400, str(exc)))
-    except EngineStepError as exc:
-        yield sse(error_body(500, str(exc)))
-    finally:
-        stream.close()
     yield DONE
 
 

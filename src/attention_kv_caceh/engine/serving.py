@@ -215,6 +215,27 @@ async def text_deltas(
         sent = max(sent, safe)
 
 
+def _stream_chunk(
+    obj: str,
+    request_id: str,
+    model: str,
+    created: int,
+    choice: dict[str, Any] | None,
+    usage_obj: dict[str, int] | None,
+) -> dict[str, Any]:
+    """The envelope both stream chunk shapes share; `choice=None` gives `choices: []` (usage-only)."""
+    chunk: dict[str, Any] = {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [] if choice is None else [{"index": 0, **choice}],
+    }
+    if usage_obj is not None:
+        chunk["usage"] = usage_obj
+    return chunk
+
+
 def completion_chunk(
     request_id: str,
     model: str,
@@ -224,19 +245,8 @@ def completion_chunk(
     usage_obj: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A /v1/completions stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
-    choices: list[dict[str, Any]] = []
-    if text is not None:
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_obj is not None:
-        chunk["usage"] = usage_obj
-    return chunk
+    choice = None if text is None else {"text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _stream_chunk("text_completion", request_id, model, created, choice, usage_obj)
 
 
 def chat_chunk(
@@ -248,19 +258,8 @@ def chat_chunk(
     usage_obj: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """A /v1/chat/completions stream chunk; `delta=None` gives a usage-only chunk (`choices: []`)."""
-    choices: list[dict[str, Any]] = []
-    if delta is not None:
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-    chunk: dict[str, Any] = {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": choices,
-    }
-    if usage_obj is not None:
-        chunk["usage"] = usage_obj
-    return chunk
+    choice = None if delta is None else {"delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _stream_chunk("chat.completion.chunk", request_id, model, created, choice, usage_obj)
 
 
 def now_s() -> int:
