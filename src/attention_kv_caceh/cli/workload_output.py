@@ -51,6 +51,16 @@ def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
     line = counter_line(summary)
     if line is not None:
         lines.append(line)
+    implied = summary.get("implied_prefix_hit_tokens")
+    delta = summary.get("server_counters")
+    if implied is not None:
+        queries = delta["prefix_cache_queries"] if delta else None
+        share = f" = {100 * implied / queries:.1f} % of the server's queries" if queries else ""
+        lines.append(
+            f"shared-prefix workload implies {implied} hit tokens (every request after its group's first "
+            f"reuses the whole prefix){share}; a server finds whole blocks only, so up to one block a "
+            "request fewer"
+        )
     rows = summary.get("per_turn")
     if rows:
         lines += per_turn_lines(rows)

@@ -56,6 +56,7 @@ from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metri
 from attention_kv_caceh.harness.summary import summarize_run
 from attention_kv_caceh.harness.workloads import (
     TaggingBackend,
+    implied_prefix_hits,
     per_turn_summary,
     plan_conversations,
     run_rounds,
@@ -378,6 +379,8 @@ async def run_harness(
         summary["per_turn"] = per_turn_summary(records, rounds)
     if summary["server_counters"] is not None:
         summary["warnings"] += counter_warnings(summary["server_counters"])
+    if config.workload.kind == "shared-prefix":
+        summary["implied_prefix_hit_tokens"] = implied_prefix_hits(config.workload, len(records), 1)
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
     if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:

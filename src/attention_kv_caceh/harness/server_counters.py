@@ -113,7 +113,7 @@ def read_counters(
 
 
 def _whole(value: float) -> int | float:
-    return int(value) if value.is_integer() else value
+    return int(value) if float(value).is_integer() else value
 
 
 def counter_delta(
