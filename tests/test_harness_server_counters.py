@@ -74,11 +74,21 @@ class ParseTest(unittest.TestCase):
 
     def test_delta_hit_rate_finish_reasons_and_client_comparison(self) -> None:
         before = CounterSnapshot(
-            {"prefix_cache_queries": 100, "prefix_cache_hits": 40, "prompt_tokens": 100, "generation_tokens": 10},
+            {
+                "prefix_cache_queries": 100,
+                "prefix_cache_hits": 40,
+                "prompt_tokens": 100,
+                "generation_tokens": 10,
+            },
             {"length": 2},
         )
         after = CounterSnapshot(
-            {"prefix_cache_queries": 300, "prefix_cache_hits": 190, "prompt_tokens": 300, "generation_tokens": 50},
+            {
+                "prefix_cache_queries": 300,
+                "prefix_cache_hits": 190,
+                "prompt_tokens": 300,
+                "generation_tokens": 50,
+            },
             {"length": 5, "stop": 1},
         )
         d = counter_delta(before, after, client_prompt_tokens=200, client_output_tokens=41)

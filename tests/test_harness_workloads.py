@@ -54,7 +54,9 @@ class SpecsTest(unittest.TestCase):
     def test_shared_prefix_specs_are_the_random_prompts_after_the_group_prefix(self) -> None:
         workload = Workload("shared-prefix", num_prefixes=3, prefix_len=7)
         plain = make_request_specs(8, LengthRange(4, 4), LengthRange(2, 2), np.random.default_rng(5))
-        specs = shared_prefix_specs(workload, 8, LengthRange(4, 4), LengthRange(2, 2), np.random.default_rng(5), 5)
+        specs = shared_prefix_specs(
+            workload, 8, LengthRange(4, 4), LengthRange(2, 2), np.random.default_rng(5), 5
+        )
         prefixes: dict[int, str] = {}
         for spec, base in zip(specs, plain, strict=True):
             self.assertEqual(spec.group, spec.request_id % 3)
@@ -93,7 +95,9 @@ class ConversationFileTest(unittest.TestCase):
             ]  # fmt: skip
             path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
             self.assertEqual(read_conversations(path), [("be brief", ("a b", "c")), (None, ("hello",))])
-            path.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"conversation": [{"role": "bot"}]}) + "\n")
+            path.write_text(
+                json.dumps(rows[0]) + "\n" + json.dumps({"conversation": [{"role": "bot"}]}) + "\n"
+            )
             with self.assertRaisesRegex(ValueError, "line 2"):
                 read_conversations(path)
 
@@ -115,7 +119,9 @@ class SharedPrefixRunTest(unittest.IsolatedAsyncioTestCase):
         summary = await self.run_shared(True)
         counters = summary["server_counters"]
         # prompts are sent as token ids (the server's /tokenize): prefix of 10 ids, whole blocks of 4 hit
-        self.assertEqual(counters["prefix_cache_hits"], implied_prefix_hits(Workload("shared-prefix", 3, 10), 12, 4))
+        self.assertEqual(
+            counters["prefix_cache_hits"], implied_prefix_hits(Workload("shared-prefix", 3, 10), 12, 4)
+        )
         self.assertEqual(counters["prefix_cache_queries"], 12 * 15)
         self.assertEqual(counters["prompt_tokens_diff"], 0)
         self.assertEqual(counters["generation_tokens_diff"], 0)
@@ -181,7 +187,10 @@ class MultiTurnRunTest(unittest.IsolatedAsyncioTestCase):
             path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
             async with _server() as server:
                 config = _config(
-                    server.base_url, num_requests=4, dataset=str(path), workload=Workload("multi-turn", turns=2)
+                    server.base_url,
+                    num_requests=4,
+                    dataset=str(path),
+                    workload=Workload("multi-turn", turns=2),
                 )
                 result = await run_harness(config)
                 prompts = [p["prompt"] for p in server.counters.payloads]
