@@ -4,6 +4,7 @@ and the group and turn on every record."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import tempfile
 import unittest
@@ -15,7 +16,7 @@ import numpy as np
 from attention_kv_caceh.harness.load import LengthRange, make_request_specs
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
-from attention_kv_caceh.harness.scripted_server import ScriptedServer, Script, timed_token_script
+from attention_kv_caceh.harness.scripted_server import Script, ScriptedServer, timed_token_script
 from attention_kv_caceh.harness.workloads import (
     Workload,
     implied_prefix_hits,
@@ -172,7 +173,7 @@ class MultiTurnRunTest(unittest.IsolatedAsyncioTestCase):
         rates = [row["prefix_cache_hit_rate"] for row in rows]
         # turn 0 hits only the chat template's opening block; each later turn repeats more of its prompt
         self.assertLess(rates[0], 0.2)
-        self.assertTrue(all(b > a for a, b in zip(rates, rates[1:], strict=False)), rates)
+        self.assertTrue(all(b > a for a, b in itertools.pairwise(rates)), rates)
         self.assertEqual(len(finished), 9)
         self.assertTrue(all(r.requested_prompt_tokens is None for r in finished))
 
