@@ -183,6 +183,7 @@ class SweepCommandTest(unittest.TestCase):
             ["--slo", "ttft:100", "--goodput", "ttft:100"],
             ["--slo", "ttfx:100"],
             ["--repeats", "0"],
+            ["--slo", "ttft:100", "--repeats", "2"],
             ["--workload", "multi-turn", "--turns", "4", "--num-requests", "6"],
         ):
             with self.subTest(argv=argv):

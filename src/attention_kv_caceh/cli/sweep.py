@@ -122,9 +122,10 @@ class _Sweep:
         self.runs = 0
         self.failed_requests = 0
 
-    def run_point(self, concurrency: int, rate: float, repeat: int, name: str) -> dict[str, Any] | None:
-        """One harness run; its files written; its row added. None when interrupted (KeyboardInterrupt
-        re-raised after the partial files are kept) or on a runtime failure (raised as RuntimeError)."""
+    def run_point(self, concurrency: int, rate: float, repeat: int, name: str) -> dict[str, Any]:
+        """One harness run; its files written; its row added and returned. Ctrl-C: the run's finished
+        records and a summary of them are kept, then KeyboardInterrupt is re-raised. Raises RuntimeError
+        when the JSONL cannot be written, and what `run_harness` raises."""
         config = replace(
             self.base,
             concurrency=concurrency,
@@ -253,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
     if args.slo:
+        if args.repeats != 1:
+            raise UsageError(f"--repeats {args.repeats}: the SLO search runs each rate once")
         if args.goodput:
             raise UsageError("--goodput and --slo: the SLO search sets the objectives; give one of them")
         try:
@@ -335,7 +338,6 @@ def _slo(args: argparse.Namespace, sweep: _Sweep, base: HarnessConfig) -> dict[s
 
     def try_rate(rate: float) -> tuple[float, Mapping[str, Any]]:
         row = sweep.run_point(base.concurrency, rate, 0, f"slo-try{len(sweep.rows)}-rate{rate:.4g}")
-        assert row is not None
         fraction = row["good_fraction"]
         return (0.0 if fraction is None else float(fraction)), row
 
