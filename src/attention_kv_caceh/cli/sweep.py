@@ -311,7 +311,13 @@ def _sweep(
     code = 0
     try:
         if args.slo:
-            doc["slo"] = _slo(args, sweep, base)
+            slo: dict[str, Any] = {
+                "objectives_ms": base.goodput.as_dict(),
+                "pass_fraction": SLO_PASS_FRACTION,
+                "tries": [],
+            }
+            doc["slo"] = slo
+            _slo(args, sweep, base, slo)
         else:
             values: list[float] = args.concurrency if axis == "concurrency" else args.request_rate
             for value in values:
@@ -331,25 +337,36 @@ def _sweep(
         return _finish(args, sweep, doc, describe, code)
 
 
-def _slo(args: argparse.Namespace, sweep: _Sweep, base: HarnessConfig) -> dict[str, Any]:
+def _slo(args: argparse.Namespace, sweep: _Sweep, base: HarnessConfig, out: dict[str, Any]) -> None:
+    """Run the SLO search; every try is added to `out["tries"]` as it ends (an interrupted search keeps
+    them), then `best_rate` and `lowest_failing_rate`."""
     rates: list[float] = args.request_rate
     bracket = (rates[0], rates[1]) if len(rates) == 2 else None
     start = rates[0] if math.isfinite(rates[0]) else 1.0
+    tries: list[dict[str, Any]] = out["tries"]
 
     def try_rate(rate: float) -> tuple[float, Mapping[str, Any]]:
         row = sweep.run_point(base.concurrency, rate, 0, f"slo-try{len(sweep.rows)}-rate{rate:.4g}")
-        fraction = row["good_fraction"]
-        return (0.0 if fraction is None else float(fraction)), row
+        fraction = 0.0 if row["good_fraction"] is None else float(row["good_fraction"])
+        passed = fraction >= SLO_PASS_FRACTION
+        tries.append({"rate": rate, "good_fraction": fraction, "passed": passed, "jsonl": row["jsonl"]})
+        print(
+            f"SLO search: try {len(tries) - 1}: rate {rate:.4g} req/s: {100 * fraction:.1f} % good: "
+            + ("pass" if passed else "fail"),
+            flush=True,
+        )
+        return fraction, row
 
     result = search_slo_rate(try_rate, start=start, bracket=bracket, max_runs=args.max_runs)
+    out["best_rate"], out["lowest_failing_rate"] = result.best_rate, result.lowest_failing_rate
     print(f"SLO search ({' '.join(args.slo)}, pass: >= {100 * SLO_PASS_FRACTION:.0f} % of requests good):")
     for i, t in enumerate(result.tries):
-        verdict = "pass" if t.passed else "fail"
-        print(f"  try {i}: rate {t.rate:.4g} req/s: {100 * t.good_fraction:.1f} % good: {verdict}")
-    if result.best_rate is None:
         print(
-            f"SLO search: no rate passed in {len(result.tries)} runs (lowest tried {min(t.rate for t in result.tries):.4g} req/s)"
+            f"  try {i}: rate {t.rate:.4g} req/s: {100 * t.good_fraction:.1f} % good: {'pass' if t.passed else 'fail'}"
         )
+    if result.best_rate is None:
+        lowest = min(t.rate for t in result.tries)
+        print(f"SLO search: no rate passed in {len(result.tries)} runs (lowest tried {lowest:.4g} req/s)")
     else:
         print(
             f"SLO search: highest passing rate {result.best_rate:.4g} req/s"
@@ -360,16 +377,6 @@ def _slo(args: argparse.Namespace, sweep: _Sweep, base: HarnessConfig) -> dict[s
             )
             + f", {len(result.tries)} runs"
         )
-    return {
-        "objectives_ms": base.goodput.as_dict(),
-        "pass_fraction": SLO_PASS_FRACTION,
-        "best_rate": result.best_rate,
-        "lowest_failing_rate": result.lowest_failing_rate,
-        "tries": [
-            {"rate": t.rate, "good_fraction": t.good_fraction, "passed": t.passed, "jsonl": t.row["jsonl"]}
-            for t in result.tries
-        ],
-    }
 
 
 def _finish(

@@ -178,6 +178,10 @@ def _client_counts(records: Sequence[RequestRecord]) -> tuple[int, int]:
     return sum(r.prompt_tokens or 0 for r in answered), sum(r.output_tokens for r in answered)
 
 
+def _tokens(snapshot: CounterSnapshot) -> tuple[float | None, float | None]:
+    return snapshot.values.get("prompt_tokens"), snapshot.values.get("generation_tokens")
+
+
 class RunCounters:
     """The server's counters around one run (module docstring): `read_before()` just before the load,
     `read_after(records)` just after it, then `delta(records)`. Disabled (every method a no-op, `delta`
@@ -202,7 +206,18 @@ class RunCounters:
         return snapshot
 
     async def read_before(self) -> None:
+        """Read the counters before the load. The smoke test and warm-up requests may still be adding
+        their last step, so the read is repeated (up to SETTLE_S) until two reads 50 ms apart agree on
+        the prompt and generation tokens."""
+        deadline = time.monotonic() + SETTLE_S
         self.before = await self.snapshot()
+        while self.before is not None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            again = await self.snapshot()
+            if again is None or _tokens(again) == _tokens(self.before):
+                self.before = again if again is not None else self.before
+                return
+            self.before = again
 
     async def read_after(self, records: Sequence[RequestRecord]) -> None:
         """Read the counters after the load. A server may add a request's last step to its counters just
