@@ -90,6 +90,7 @@ __all__ = [
     "decode_attention_into",
     "paged_decode_attention",
     "paged_decode_attention_into",
+    "plain_decode_attention",
     "prepare_decode_attention",
     "prepare_paged_decode_attention",
 ]
@@ -329,3 +330,30 @@ def prepare_paged_decode_attention(
 def compile_seconds() -> dict[str, float]:
     """Seconds each first `prepare_*` call took in this process (compile, or a disk-cache load), by name."""
     return dict(_COMPILE_SECONDS)
+
+
+def plain_decode_attention(
+    q: FloatArray, k: FloatArray, v: FloatArray, *, scale: float | None = None
+) -> FloatArray:
+    """The readable kernel (`_kernels_jit.plain_serial`): the same result as `decode_attention`.
+
+    One loop nest over (sequence, query head, position) with an online softmax, no tuning; kept as the
+    reference the tuned kernels are tested against and as the first step of docs/kernels.md.
+    q `[B, H, D]` or `[B, H, 1, D]`; k and v `[B, H_kv, T, D]`, T >= 1, H % H_kv == 0; all float32 or all
+    float64. scale defaults to 1 / sqrt(D). Returns a new array of q's shape and dtype (sums in float64).
+
+    Raises ValueError for a wrong rank or dtype, mismatched shapes, H not a multiple of H_kv, or T = 0.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    q3 = _as_rows(q, "q")
+    _check_float("q", q3)
+    _check_float("k", k, q3.dtype)
+    _check_float("v", v, q3.dtype)
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != q3.shape[0] or k.shape[3] != q3.shape[2]:
+        raise ValueError(f"k and v must be [B, H_kv, T, D] matching q {q.shape}, got {k.shape} and {v.shape}")
+    h, h_kv, t, d = q3.shape[1], k.shape[1], k.shape[2], q3.shape[2]
+    if h_kv == 0 or h % h_kv or t == 0 or d == 0:
+        raise ValueError(f"need H % H_kv == 0, T >= 1 and D >= 1; got q {q.shape} and k {k.shape}")
+    out = np.empty_like(q)
+    _jit.plain_serial(q3, k, v, _as_rows(out, "out"), _scale(scale, d))
+    return out
