@@ -39,7 +39,7 @@ from numba.extending import intrinsic, overload
 
 __all__: list[str] = []
 
-_PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (kernels.py's docstring)
+_PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (docs/kernels.md)
 _LINE_BYTES = 64  # one prefetch per cache line
 
 
