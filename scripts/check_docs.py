@@ -17,6 +17,7 @@ passed, 1 otherwise.
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shutil
 import subprocess
@@ -114,6 +115,7 @@ def main() -> int:
     workdir = Path(tempfile.mkdtemp(prefix="check-docs-"))
     fresh_copy(workdir)
     print(f"fresh copy: {workdir}")
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}  # the copy gets its own .venv
     failures = 0
     for b in blocks:
         first = b.text.strip().splitlines()[0]
@@ -122,6 +124,7 @@ def main() -> int:
             done = subprocess.run(
                 ["bash", "-e", "-o", "pipefail", "-c", b.text],
                 cwd=workdir,
+                env=env,
                 capture_output=True,
                 text=True,
                 timeout=b.timeout_s,
