@@ -205,3 +205,31 @@ class MultiTurnRunTest(unittest.IsolatedAsyncioTestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class EngineSharedPrefixTest(unittest.TestCase):
+    """Against the project's own `serve` (a tiny random checkpoint, block size 16): the server's own
+    counters find exactly what the workload implies."""
+
+    def test_serve_hits_what_the_workload_implies(self) -> None:
+        import contextlib
+        import io
+
+        from attention_kv_caceh import cli
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            model = write_random_checkpoint(Path(tmp) / "tiny", "llama", "tiny", seed=0)
+            summary_path = Path(tmp) / "s.json"
+            argv = ["harness", "--backend", "engine", "--model", str(model), "--workload", "shared-prefix",
+                    "--num-prefixes", "2", "--prefix-len", "40", "--prompt-len", "4", "--output-len", "2",
+                    "--num-requests", "6", "--concurrency", "1", "--block-size", "16",
+                    "--server-metrics-interval", "0", "--summary-json", str(summary_path)]  # fmt: skip
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                self.assertEqual(cli.main(argv), 0, out.getvalue())
+            summary = json.loads(summary_path.read_text())
+        counters = summary["server_counters"]
+        workload = Workload("shared-prefix", num_prefixes=2, prefix_len=40)
+        self.assertEqual(counters["prefix_cache_hits"], implied_prefix_hits(workload, 6, 16))  # 4 x 32
+        self.assertEqual(counters["prefix_cache_queries"], 6 * 44)
+        self.assertEqual((counters["prompt_tokens_diff"], counters["generation_tokens_diff"]), (0, 0))
