@@ -173,6 +173,8 @@ class HarnessConfig:
         for flag, length in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len)):
             if length.high > MAX_TOKENS:
                 raise ValueError(f"{flag} must be <= {MAX_TOKENS} tokens, got {length}")
+        if self.workload.prefix_len > MAX_TOKENS:
+            raise ValueError(f"--prefix-len must be <= {MAX_TOKENS} tokens, got {self.workload.prefix_len}")
         requests = self.num_requests + self.warmup_requests
         parts = {
             "--num-requests": requests * _BYTES_PER_REQUEST,
