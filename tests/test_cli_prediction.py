@@ -27,8 +27,7 @@ from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments import calibration
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheStepSample
-from attention_kv_caceh.experiments.prediction import ScanPrediction
-from attention_kv_caceh.experiments.prediction_cache import CachePrediction
+from attention_kv_caceh.experiments.prediction import CachePrediction, ScanPrediction
 from attention_kv_caceh.experiments.scan import BatchResult, ScanConfig, ScanInputs, kv_bytes_per_step
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import Sample
@@ -158,8 +157,12 @@ class ScanPredictionCliTest(unittest.TestCase):
             code, out, _ = run_cli("--csv", str(self.csv), *SMALL)
         self.assertEqual(code, 0)
         self.assertEqual(set(last_json(out)["predictions"]), {"model saturation", "model P50"})
-        self.assertIn("yours     no text (--predict)", out)
-        self.assertIn("saturation: not given", out)
+        # No card of a prediction nobody gave: the model's verdicts only, one line each.
+        self.assertNotIn("Prediction (written", out)
+        self.assertNotIn("Prediction against measurement", out)
+        self.assertLessEqual(len(out.splitlines()), 25, out)
+        self.assertIs(self.meta()["prediction"]["user"]["saturation_given"], False)
+        self.assertEqual(len(self.meta()["prediction"]["model"]["rows"]), 4)
 
     def test_an_anomaly_is_listed_with_its_repeat_index(self) -> None:
         # 40 samples at B = 4: 39 at 0.07 ms and repeat 13 at 10 ms. P95 (linear, index 37.05 of the

@@ -22,9 +22,11 @@ from unittest import mock
 from attention_kv_caceh import cli
 from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments.calibration import Calibration
-from attention_kv_caceh.experiments.prediction import make_scan_prediction
-from attention_kv_caceh.experiments.prediction_cache import make_cache_prediction
-from attention_kv_caceh.experiments.prediction_text import VERDICT_MARK
+from attention_kv_caceh.experiments.prediction import (
+    VERDICT_MARK,
+    make_cache_prediction,
+    make_scan_prediction,
+)
 from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord

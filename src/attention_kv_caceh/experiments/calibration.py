@@ -11,8 +11,9 @@ Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -81,6 +82,29 @@ class Calibration:
         """Fixed per-call cost: P50 of the smallest shape minus its bytes / bandwidth (never below 0)."""
         p50 = summarize_samples(self.overhead_samples_ms)["p50_ms"]
         return max(0.0, p50 - self.overhead_bytes / self.bandwidth_bytes_per_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        """The raw samples and bytes, plus the derived figures (for readers of the file)."""
+        return {
+            "overhead_shape": self.overhead_shape,
+            "overhead_bytes": self.overhead_bytes,
+            "overhead_samples_ms": list(self.overhead_samples_ms),
+            "probe_bytes": self.probe_bytes,
+            "probe_samples_ms": list(self.probe_samples_ms),
+            "overhead_ms": self.overhead_ms,
+            "bandwidth_gb_s": self.bandwidth_gb_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Calibration:
+        """Rebuild from `to_json` output (derived figures are recomputed)."""
+        return cls(
+            overhead_shape=str(data["overhead_shape"]),
+            overhead_bytes=int(data["overhead_bytes"]),
+            overhead_samples_ms=tuple(float(x) for x in data["overhead_samples_ms"]),
+            probe_bytes=int(data["probe_bytes"]),
+            probe_samples_ms=tuple(float(x) for x in data["probe_samples_ms"]),
+        )
 
 
 def calibrate(

@@ -15,14 +15,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from attention_kv_caceh.experiments.cache_growth_stats import CacheGrowthSummary
-from attention_kv_caceh.experiments.prediction import ScanPrediction
-from attention_kv_caceh.experiments.prediction_cache import (
+from attention_kv_caceh.experiments.prediction import (
     CachePrediction,
-    cache_outcome_markdown,
+    ScanPrediction,
     evaluate_cache,
+    evaluate_scan,
+    outcome_markdown,
 )
-from attention_kv_caceh.experiments.prediction_check import evaluate_scan
-from attention_kv_caceh.experiments.prediction_text import scan_outcome_markdown
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["cache_prediction_section", "scan_prediction_section"]
@@ -49,7 +48,7 @@ def scan_prediction_section(prediction: Any, samples: Sequence[Sample]) -> tuple
     problem (one line) when the record is malformed or does not fit the samples (a batch size it did
     not predict)."""
     return _section(
-        lambda data: scan_outcome_markdown(evaluate_scan(ScanPrediction.from_json(data), samples)),
+        lambda data: outcome_markdown(evaluate_scan(ScanPrediction.from_json(data), samples)),
         prediction,
     )
 
@@ -58,6 +57,6 @@ def cache_prediction_section(prediction: Any, summary: CacheGrowthSummary) -> tu
     """The Markdown of a cache run's `prediction` record against its summary (`summarize_cache_growth`
     of the raw rows), and None; or "" and the problem when the record is malformed."""
     return _section(
-        lambda data: cache_outcome_markdown(evaluate_cache(CachePrediction.from_json(data), summary)),
+        lambda data: outcome_markdown(evaluate_cache(CachePrediction.from_json(data), summary)),
         prediction,
     )

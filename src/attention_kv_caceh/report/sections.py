@@ -23,7 +23,7 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
 from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
 from attention_kv_caceh.memory import format_bytes
-from attention_kv_caceh.report.markdown import format_number, markdown_table
+from attention_kv_caceh.tables import format_number, markdown_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [

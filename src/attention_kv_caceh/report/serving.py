@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
-from attention_kv_caceh.report.markdown import markdown_table
+from attention_kv_caceh.tables import markdown_table
 
 __all__ = ["serving_section"]
 
