@@ -14,6 +14,7 @@ import tempfile
 import threading
 import tracemalloc
 import unittest
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -256,6 +257,16 @@ class OneRunPerFileTest(Folder):
         )
         self.assertNotIn("ZeroDivisionError", text)
 
+    def test_an_elapsed_time_too_large_for_statistics_is_one_listed_problem(self) -> None:
+        path = write_scan(self.folder, "huge.csv")
+        self.rewrite_rows(path, lambda rows: [rows[0] | {"elapsed_ms": "1e308"}, *rows[1:]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a NumPy overflow warning fails the test
+            text, problems = self.report()
+        self.assertEqual(list(problems), ["huge.csv"])
+        self.assertIn("1e+308", problems["huge.csv"])
+        self.assertNotIn("### Batch-size scan: `huge.csv`", text)
+
     def test_two_memory_csvs_of_the_same_parameters_pair_by_the_metadata(self) -> None:
         write_cache(self.folder)
         memory = (self.folder / "growth-mem.csv").read_bytes()
@@ -303,6 +314,38 @@ class ServingRecordsTest(Folder):
         self.write("serve.jsonl", [ok_record(0) | {"added_later": [1, 2]}, ok_record(0)])
         text, problems = self.report()
         self.assertEqual(problems["serve.jsonl"], "line 2: request_id 0 already on line 1; line skipped")
+        self.assertIn("1 request(s), 1 completed", text)
+
+    def test_a_negative_token_count_is_listed_not_summed_into_throughput(self) -> None:
+        for field, value in (("output_tokens", -3), ("prompt_tokens", -1), ("output_tokens", 2.5)):
+            with self.subTest(field=field, value=value):
+                self.write("serve.jsonl", [ok_record(0), ok_record(1) | {field: value}, ok_record(2)])
+                text, problems = self.report()
+                self.assertEqual(list(problems), ["serve.jsonl"])
+                self.assertRegex(problems["serve.jsonl"], rf"^line 2: {field} .*; line skipped$")
+                self.assertIn("2 request(s), 2 completed", text)
+
+    def test_the_label_goodput_and_server_block_of_the_metadata_are_shown(self) -> None:
+        # TTFT is 10 ms for every ok_record; an SLO of 5 ms passes none, one of 20 ms passes all three.
+        self.write("serve.jsonl", [ok_record(0), ok_record(1), ok_record(2)])
+        server = {"engine_config": {"max_num_seqs": 7}, "engine_steps": {"num_steps": 42}}
+        for ttft, good in ((5, 0), (20, 3)):
+            with self.subTest(ttft=ttft):
+                meta = {**ENV, "config": {"label": "nightly-A", "goodput": {"ttft": ttft}}, "server": server}
+                write_json_atomic(self.folder / "serve.jsonl.meta.json", meta)
+                text, problems = self.report()
+                self.assertEqual(problems, {})
+                section = text.split("### Serving run: `serve.jsonl`")[1]
+                self.assertTrue(section.startswith(" (nightly-A)"), section[:40])
+                self.assertRegex(section, rf"\({good} of 3 completed requests meet ttft <= {ttft} ms\)")
+                self.assertIn("| engine_config | max_num_seqs | 7 |", section)
+                self.assertIn("| engine_steps | num_steps | 42 |", section)
+
+    def test_a_malformed_goodput_in_the_metadata_is_listed_and_the_run_still_reported(self) -> None:
+        self.write("serve.jsonl", [ok_record(0)])
+        write_json_atomic(self.folder / "serve.jsonl.meta.json", {**ENV, "config": {"goodput": {"ttft": -1}}})
+        text, problems = self.report()
+        self.assertEqual(list(problems), ["serve.jsonl.meta.json"])
         self.assertIn("1 request(s), 1 completed", text)
 
     def test_a_run_where_every_request_failed_says_so(self) -> None:

@@ -217,18 +217,20 @@ def _read_jsonl_file(b: _Build, path: Path) -> None:
     records = read_jsonl(path, problems)
     if records is None:
         return
+    # The harness writes `<jsonl>.meta.json`; older runs have none (noted in the card).
+    meta = read_meta(path, problems, required=False)
+    meta_problems: list[str] = []
     try:
-        text = serving_section(path.name, records)
+        text = serving_section(path.name, records, meta, meta_problems)
     except ValueError as exc:
         problems.append(FileProblem(str(path), f"cannot summarize: {exc}"))
         return
     except Exception as exc:
         problems.append(FileProblem(str(path), f"cannot summarize: {_describe(exc)}"))
         return
+    problems += [FileProblem(str(meta_path(path)), p) for p in meta_problems]
     b.buckets["serving"].append(text)
     b.result.sources.append(path.name)
-    # The harness may write `<jsonl>.meta.json`; older runs have none (noted in the card).
-    meta = read_meta(path, problems, required=False)
     if meta is not None:
         b.metas[path.name] = meta
     else:
