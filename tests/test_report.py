@@ -345,19 +345,19 @@ class ReportTest(unittest.TestCase):
         write_scan(self.folder, "a.csv")
         write_scan(self.folder, "b.csv")
         write_cache(self.folder)
-        real = report.scan_section
+        real = report.scan_run_markdown
 
-        def scan_section(name: str, *args: Any) -> Any:
+        def scan_run_markdown(name: str, *args: Any) -> Any:
             if name == "a.csv":
                 raise ZeroDivisionError("float division by zero")
             return real(name, *args)
 
-        def cache_section(*_: Any) -> Any:
+        def cache_run_markdown(*_: Any) -> Any:
             raise KeyError("dynamic")
 
         with (
-            mock.patch.object(report, "scan_section", scan_section),
-            mock.patch.object(report, "cache_section", cache_section),
+            mock.patch.object(report, "scan_run_markdown", scan_run_markdown),
+            mock.patch.object(report, "cache_run_markdown", cache_run_markdown),
         ):
             text, problems = self.report()
         self.assertEqual(

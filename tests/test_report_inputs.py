@@ -10,6 +10,7 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tempfile
 import threading
 import tracemalloc
@@ -424,6 +425,10 @@ class PredictionFromTheCommandsTest(Folder):
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
         text, problems = self.report()
         self.assertEqual(problems, {})
+        # The Markdown the command wrote beside its raw file is the report's section of that file.
+        written = meta_file.with_name(meta_file.name.replace(".csv.meta.json", ".md")).read_text("utf-8")
+        self.assertIn("Status: complete", written)
+        self.assertIn(re.sub(r"\nStatus: complete[.;][^\n]*\n", "", written), text)
         section = text.split("#### Prediction against measurement")[1]
         for v in meta["prediction_outcome"]["verdicts"]:
             mark = VERDICT_MARK[v["held"]]

@@ -59,7 +59,14 @@ from attention_kv_caceh.experiments.prediction import (
     outcome_json,
     outcome_text,
 )
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    atomic_write_text,
+    ignoring_sigint,
+    markdown_path,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory, format_bytes
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment
@@ -229,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         # by an earlier run never sits beside this run's raw files
         write_csv_atomic(side["summary"], (), SUMMARY_FIELDS)
         write_meta()
+        atomic_write_text(side["markdown"], _markdown(csv_path, samples, memory, meta))
 
     def write_meta() -> None:
         write_json_atomic(side["meta"], meta)
@@ -308,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
             print()
         print(
             f"wrote {csv_path} ({len(samples)} rows), {side['memory']} ({len(memory)} rows), "
-            f"{side['summary']}, {side['meta']}, {side['memory_meta']}"
+            f"{side['summary']}, {side['meta']}, {side['memory_meta']}, {side['markdown']}"
         )
         if plot_path is not None:
             from attention_kv_caceh.report.plots import plot_cache_growth
@@ -332,6 +340,7 @@ def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
         "summary": p.with_name(f"{p.stem}-summary.csv"),
         "meta": meta_path(p),
         "memory_meta": meta_path(p.with_name(f"{p.stem}-memory.csv")),
+        "markdown": markdown_path(p),
     }
 
 
@@ -351,6 +360,7 @@ def check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]
             side["summary"]: SUMMARY_FIELDS,
             side["meta"]: (),
             side["memory_meta"]: (),
+            side["markdown"]: (),
         },
     )
     return side
@@ -386,3 +396,17 @@ def kept_text(
         f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in "
         f"{memory_path}" + (f" (cut part-way: {', '.join(cut)})" if cut else "")
     )
+
+
+def _markdown(
+    csv_path: str, samples: list[CacheStepSample], memory: list[CacheMemoryRow], meta: dict[str, Any]
+) -> str:
+    """The run's Markdown (`report.predictions.cache_run_markdown`, as `report` renders it from the
+    raw files) with a status line once it is complete; before, the status alone."""
+    name = Path(csv_path).name
+    if meta["status"] != "complete":
+        return f"### KV-cache growth: `{name}`\n\nStatus: {meta['status']}; no summary yet.\n"
+    from attention_kv_caceh.report.predictions import cache_run_markdown
+
+    text = cache_run_markdown(name, samples, memory, meta, [])
+    return text.replace("\n\n", "\n\nStatus: complete.\n\n", 1)

@@ -11,9 +11,9 @@ Prints a setup card; measures each implementation's call overhead and the read b
 roofline's, `experiments.prediction`) to the `.meta.json`, all before the first timed sample (the
 prediction card is printed when the user gave a prediction); then runs `experiments.scan` one batch size
 at a time (at each B every implementation of --impl, `experiments.scan_impls`: oracle first, then
-timing; then the probe), rewriting the raw CSV, the summary CSV and the metadata after every B; then
-prints the table, the saturation verdicts, the predictions against the measurement and one JSON line,
-and writes `<stem>.md` (the same content as Markdown, which `report` collects). Exit codes: 0 done, 1
+timing; then the probe), rewriting the raw CSV, the summary CSV, the metadata and `<stem>.md` (the
+run's Markdown, the section `report` renders from the raw file) after every B; then prints the table,
+the saturation verdicts, the predictions against the measurement and one JSON line. Exit codes: 0 done, 1
 an oracle check failed (that implementation was not timed at that B nor after it; the others were,
 and every file is complete) or out of memory, 2 bad usage (nothing touched), 130 interrupted (every
 sample taken, and the predictions, are on disk).
@@ -72,11 +72,18 @@ from attention_kv_caceh.experiments.scan import (
 )
 from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
 from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS, saturation_verdict, scan_tables
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    atomic_write_text,
+    ignoring_sigint,
+    markdown_path,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import get_preset
-from attention_kv_caceh.timing import capture_environment
+from attention_kv_caceh.timing import Sample, capture_environment
 
 __all__ = [
     "HELP",
@@ -262,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
             ("--csv", csv_path, (".csv",)),
             (beside, summary_path(csv_path), ()),
             (beside, meta_path(csv_path), ()),
+            (beside, markdown_path(csv_path), ()),
             ("--plot", args.plot, (".png",)),
         ]
     )
@@ -319,6 +327,7 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         # by an earlier run never sits beside this run's raw file and metadata.
         rows = _summary_rows(_tables(results)) if results else []
         write_csv_atomic(summary_path(csv_path), rows, SUMMARY_FIELDS)
+        atomic_write_text(markdown_path(csv_path), _markdown(csv_path.name, samples, meta))
 
     from tqdm import tqdm
 
@@ -478,7 +487,12 @@ def _finish(
         )
     for impl in failed:
         print(f"Oracle FAILED for {impl}: {failed[impl]}")
-    written = [str(csv_path), str(summary_path(csv_path)), str(meta_path(csv_path))]
+    written = [
+        str(csv_path),
+        str(summary_path(csv_path)),
+        str(meta_path(csv_path)),
+        str(markdown_path(csv_path)),
+    ]
     if plot is not None:
         from attention_kv_caceh.report.plots import plot_scan
 
@@ -521,6 +535,18 @@ def _outcome_lines(outcome: ScanOutcome, impl: str, *, full: bool) -> str:
 
 
 # ---------------------------------------------------------------------------- text of the scan
+
+
+def _markdown(name: str, samples: list[Sample], meta: dict[str, Any]) -> str:
+    """The run's Markdown (`report.predictions.scan_run_markdown`, as `report` renders it from the raw
+    file), with its status; a line saying so before the first B has finished."""
+    status = f"Status: {meta['status']}.\n\n"
+    if not samples:
+        return f"### Batch-size scan: `{name}`\n\n{status}No batch size has finished.\n"
+    from attention_kv_caceh.report.predictions import scan_run_markdown
+
+    text, _ = scan_run_markdown(name, samples, meta, [])
+    return text.replace("\n\n", f"\n\n{status}", 1)
 
 
 def _tables(results: Sequence[BatchResult]) -> dict[str, list[dict[str, float]]]:
