@@ -128,12 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cache_config(args: argparse.Namespace) -> CacheGrowthConfig:
     """The validated config; the shape from `presets.resolve_shape` (explicit flags win).
 
-    Raises UsageError when H is not a multiple of H_kv, for fewer than 2 steps (the summary fits a line
-    over T), or any value the config rejects.
+    Raises UsageError when H is not a multiple of H_kv or for any value the config rejects (--steps
+    below 2 is refused by its argparse type).
     """
     shape = shape_from_args(args, CACHE_DEFAULTS)
-    if args.steps < 2:
-        raise UsageError(f"--steps must be >= 2 ({STEPS_WHY}), got {args.steps}")
     try:
         return CacheGrowthConfig(
             steps=args.steps,

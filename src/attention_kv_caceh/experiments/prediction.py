@@ -524,10 +524,9 @@ def explain_scan(prediction: ScanPrediction, rows: Sequence[PredictionRow], meas
     """One paragraph on the boundary, every figure taken from `rows` (formatted as the table does).
 
     Says where per-sequence cost stops falling (the measured saturation point) and which model term
-    dominates there, and that throughput rose while each step got slower. Raises ValueError for no rows.
+    dominates there, and that throughput rose while each step got slower. `rows` holds at least one row
+    (`evaluate_scan` refuses no samples).
     """
-    if not rows:
-        raise ValueError("explain_scan needs at least one row")
     first, last = rows[0], rows[-1]
     if len(rows) == 1:
         return (
