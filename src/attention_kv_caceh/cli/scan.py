@@ -23,10 +23,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
@@ -67,11 +66,18 @@ from attention_kv_caceh.experiments.scan import (
     ScanConfig,
     ScanInputs,
     build_inputs,
+    estimate_scan_bytes,
     kv_bytes_per_step,
     run_batch,
 )
 from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
-from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS, saturation_verdict, scan_tables
+from attention_kv_caceh.experiments.scan_stats import (
+    SUMMARY_FIELDS,
+    format_scan_table,
+    saturation_verdict,
+    scan_tables,
+    summary_rows,
+)
 from attention_kv_caceh.files import (
     atomic_write_text,
     ignoring_sigint,
@@ -88,7 +94,6 @@ from attention_kv_caceh.timing import Sample, capture_environment
 __all__ = [
     "HELP",
     "add_arguments",
-    "format_scan_table",
     "run",
     "scan_config",
     "setup_card",
@@ -228,20 +233,11 @@ def _user_prediction(args: argparse.Namespace, batch_sizes: Sequence[int]) -> Us
 
 def _check_memory(config: ScanConfig, num_impls: int) -> None:
     """Refuse a scan whose arrays alone would not fit (`memory.check_memory`)."""
-    b = max(config.batch_sizes)
-    itemsize = 4 if config.dtype == "float32" else 8
-    kv = kv_bytes_per_step(config, b)
-    inputs = itemsize * b * (config.num_heads * config.head_dim) + kv  # q_t, prefix and new K/V
-    # raw samples and probe samples per B, and the calibration's overhead and probe samples
-    rows = config.repeats * (len(config.batch_sizes) + 1) * 2 * num_impls
-    # cache, the oracle's second cache, a concatenation's new arrays, probe (the calibration's probe
-    # is as large, not at once)
-    needed = inputs + 4 * kv + rows * 400  # ~400 B per row
     try:
         check_memory(
-            needed,
-            f"this scan (B={b}, T={config.seq_len}, {config.repeats} repeats, H_kv={config.num_kv_heads}, "
-            f"D={config.head_dim})",
+            estimate_scan_bytes(config, num_impls),
+            f"this scan (B={max(config.batch_sizes)}, T={config.seq_len}, {config.repeats} repeats, "
+            f"H_kv={config.num_kv_heads}, D={config.head_dim})",
             "--batch-sizes, --seq-len or --repeats",
         )
     except MemoryBudgetError as exc:
@@ -325,7 +321,7 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         write_json_atomic(meta_path(csv_path), meta)
         # Rewritten with the raw file every time (header-only before the first B), so a summary left
         # by an earlier run never sits beside this run's raw file and metadata.
-        rows = _summary_rows(_tables(results)) if results else []
+        rows = summary_rows(_tables(results)) if results else []
         write_csv_atomic(summary_path(csv_path), rows, SUMMARY_FIELDS)
         atomic_write_text(markdown_path(csv_path), _markdown(csv_path.name, samples, meta))
 
@@ -556,45 +552,6 @@ def _tables(results: Sequence[BatchResult]) -> dict[str, list[dict[str, float]]]
         {r.batch_size: r.probe_samples_ms for r in results},
         {r.batch_size: r.kv_bytes_per_step for r in results},
     )
-
-
-def _summary_rows(tables: Mapping[str, Sequence[dict[str, float]]]) -> list[dict[str, object]]:
-    """The summary CSV's rows: per B (ascending), one row per implementation in `tables`' order."""
-    rows: list[tuple[int, int, dict[str, object]]] = [
-        (int(r["batch_size"]), i, {"impl": impl, **r})
-        for i, (impl, t) in enumerate(tables.items())
-        for r in t
-    ]
-    return [row for _, _, row in sorted(rows, key=lambda x: (x[0], x[1]))]
-
-
-def _fmt(value: float, digits: int = 3) -> str:
-    return "-" if math.isnan(value) else f"{value:.{digits}f}"
-
-
-def format_scan_table(tables: Mapping[str, Sequence[dict[str, float]]]) -> str:
-    """Fixed-width text table of `scan_tables` rows (impl -> `scan_table` rows).
-
-    One implementation: the plain table. Several: one row per implementation at each B, side by side
-    (an `impl` column after B), every ratio to the same B's probe.
-    """
-    several = len(tables) > 1
-    impl_head = f" {'impl':<10}" if several else ""
-    header = (
-        f"{'B':>4}{impl_head} {'P50 ms':>9} {'P95 ms':>9} {'min ms':>9} {'max ms':>9} {'ms/seq':>9} "
-        f"{'positions/s':>13} {'speedup':>8} {'KV GB/s':>8} {'probe GB/s':>10} {'ratio':>6}"
-    )
-    lines = [header, "-" * len(header)]
-    for row in _summary_rows(tables):
-        r: dict[str, Any] = row
-        cell = f" {r['impl']:<10}" if several else ""
-        lines.append(
-            f"{int(r['batch_size']):>4}{cell} {r['p50_ms']:>9.4f} {r['p95_ms']:>9.4f} {r['min_ms']:>9.4f} "
-            f"{r['max_ms']:>9.4f} {r['per_sequence_ms']:>9.4f} {r['positions_per_s']:>13,.0f} "
-            f"{r['speedup']:>7.2f}x {_fmt(r['kv_read_gb_s'], 2):>8} {_fmt(r['probe_read_gb_s'], 2):>10} "
-            f"{_fmt(r['bandwidth_ratio'], 2):>6}"
-        )
-    return "\n".join(lines)
 
 
 def setup_card(
