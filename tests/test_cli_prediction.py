@@ -1,5 +1,4 @@
-"""Predict before measuring, end to end through the CLI (`cli/scan.py`, `cli/scan_prediction.py`,
-`cli/cache.py`): the prediction is on disk and on stdout before the first timed sample, a wrong
+"""Predict before measuring, end to end through the CLI (`cli/scan.py`, `cli/cache.py`): the prediction is on disk and on stdout before the first timed sample, a wrong
 prediction is reported as failed (text and JSON line), anomalies are listed with their repeat index,
 and a saturation no scan could measure is a usage error.
 

@@ -1,9 +1,8 @@
 """What the roofline prediction is built from, measured before an experiment times anything.
 
-Two figures (the notes, 6.4: predict before measuring): the fixed per-call cost of a decode step,
-taken at the smallest shape (B = 1, T = 1) with the implementation whose P50s are predicted (NumPy,
-the fused kernel and torch each have their own fixed cost), and the read bandwidth of the scan's
-probe (`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
+Two figures: the fixed per-call cost of a decode step, taken at the smallest shape (B = 1, T = 1)
+with the implementation whose P50s are predicted (NumPy, the fused kernel and torch each have their
+own fixed cost), and the read bandwidth of the scan's probe (`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
 `prediction` can state P50(B) = overhead + bytes / bandwidth before the first timed sample.
 
 Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached positions, D head dim.

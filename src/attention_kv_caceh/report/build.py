@@ -26,7 +26,7 @@ from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_m
 from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
 from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
-from attention_kv_caceh.report.sources import FileProblem, ReportResult, read_header, read_meta
+from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -142,9 +142,7 @@ def _not_regular(path: Path) -> str | None:
         return "a broken symbolic link" if path.is_symlink() else "gone while the folder was read"
     except OSError as exc:
         return f"cannot be examined ({exc.strerror or exc})"
-    if stat.S_ISREG(mode):
-        return None
-    return "a folder" if stat.S_ISDIR(mode) else ("a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+    return None if stat.S_ISREG(mode) else kind_word(mode)
 
 
 def _read_csv_file(b: _Build, path: Path) -> None:

@@ -5,7 +5,7 @@ Each section recomputes its statistics from the raw rows it is given (`scan_stat
 reading the files, pairing them and listing what is wrong with them is the job of `readers.py` and
 `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under their
 section and kept in every statistic. The serving harness's section is `serving.py`, the environment
-card `environment.py`, the number format and table they all use `markdown.py`.
+card `environment.py`, the number format and table they all use `tables.py`.
 """
 
 from __future__ import annotations

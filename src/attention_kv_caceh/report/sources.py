@@ -26,6 +26,7 @@ __all__ = [
     "FileProblem",
     "ReportResult",
     "int_keyed",
+    "kind_word",
     "open_regular",
     "read_header",
     "read_meta",
@@ -58,7 +59,8 @@ class ReportResult:
 # ------------------------------------------------------------------------------------ opening files
 
 
-def _kind_word(mode: int) -> str:
+def kind_word(mode: int) -> str:
+    """What a file that is not a regular file is: "a folder", "a FIFO", "a socket", ... (os.stat mode)."""
     for test, word in (
         (stat.S_ISDIR, "a folder"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -85,12 +87,12 @@ def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool
     """
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{_kind_word(mode)}, not a regular file: not read")
+        raise ValueError(f"{kind_word(mode)}, not a regular file: not read")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{_kind_word(info.st_mode)}, not a regular file: not read")
+            raise ValueError(f"{kind_word(info.st_mode)}, not a regular file: not read")
         if info.st_size > MAX_INPUT_BYTES:
             raise ValueError(
                 f"{info.st_size / 2**20:.1f} MiB, above the report's cap of {MAX_INPUT_BYTES / 2**20:.0f} MiB "
