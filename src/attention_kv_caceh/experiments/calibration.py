@@ -34,8 +34,6 @@ def bytes_moved_per_step(config: ScanConfig, batch_size: int, seq_len: int | Non
     they are H / H_kv / D times smaller than the cache. T defaults to config.seq_len.
     """
     t = config.seq_len if seq_len is None else seq_len
-    if batch_size < 1 or t < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {t}")
     per_position = 2 * batch_size * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
     append = (2 * t + 1) if config.cache == "dynamic" else 1
     return per_position * (t + 1 + append)

@@ -625,10 +625,8 @@ _TRAFFIC = {"preallocated": 1, "dynamic": 3}
 def cache_bytes_per_position(batch_size: int, num_kv_heads: int, head_dim: int, dtype: str) -> dict[str, int]:
     """{cache kind: bytes one step moves per cached position}: 2 * B * H_kv * D * itemsize x 1 or 3.
 
-    Raises ValueError for a non-positive size, TypeError for an unknown dtype (np.dtype).
+    Sizes come from a validated `CacheGrowthConfig`; raises TypeError for an unknown dtype (np.dtype).
     """
-    if min(batch_size, num_kv_heads, head_dim) < 1:
-        raise ValueError(f"sizes must be >= 1, got B={batch_size}, H_kv={num_kv_heads}, D={head_dim}")
     kv = 2 * batch_size * num_kv_heads * head_dim * np.dtype(dtype).itemsize
     return {kind: kv * _TRAFFIC[kind] for kind in CACHE_KINDS}
 
