@@ -130,10 +130,11 @@ def md_rows(text: str) -> list[list[str]]:
     return [r for r in rows if any(c.strip("- ") for c in r)]
 
 
-def md_table(text: str, first_header: str) -> list[dict[str, str]]:
-    """The rows of the first table in `text` whose header starts with `first_header`, as header -> cell."""
+def md_table(text: str, first_header: str, having: str = "") -> list[dict[str, str]]:
+    """The rows of the first table in `text` whose header starts with `first_header` (and has a column
+    `having`, when given), as header -> cell."""
     rows = md_rows(text)
-    i = next(i for i, r in enumerate(rows) if r[0] == first_header)
+    i = next(i for i, r in enumerate(rows) if r[0] == first_header and (not having or having in r))
     header, out = rows[i], []
     for row in rows[i + 1 :]:
         if len(row) != len(header) or row[0] == first_header:
@@ -183,6 +184,7 @@ class ReportTest(unittest.TestCase):
 
     def report(self, plot: bool = False) -> tuple[str, list[FileProblem]]:
         result = build_report(self.folder, self.out, plot=plot)
+        self.sources = result.sources  # the raw files reported
         return result.markdown, result.problems
 
     def test_scan_percentiles_recomputed_from_raw_samples(self) -> None:
@@ -221,7 +223,7 @@ class ReportTest(unittest.TestCase):
         write_cache(self.folder)
         text, problems = self.report()
         self.assertEqual(problems, [])
-        fits = {r["cache"]: r for r in md_table(text, "cache") if "slope us/position" in r}
+        fits = {r["cache"]: r for r in md_table(text, "cache", having="slope us/position")}
         for kind, slope in (("dynamic", 10.0), ("preallocated", 2.0)):  # exact lines: R^2 = 1
             row = fits[kind]
             self.assertEqual(
@@ -231,7 +233,10 @@ class ReportTest(unittest.TestCase):
         self.assertEqual(re.findall(r"\*\*([\d.]+)x\*\*", text), [f"{27.2 / 10.56:.2f}"])
         self.assertIn("The Dynamic cache's slope is 5.0x", text)
         self.assertIn("from T = 17", text)
-        self.assertIn("| dynamic | 16 B | 1.00 KiB | 16 |", text)
+        memory = {r["cache"]: r for r in md_table(text, "cache", having="B/position (traced)")}
+        # append_peak_bytes = 16 T, new_buffer_bytes = 32 T (write_cache)
+        self.assertEqual(float(memory["dynamic"]["B/position (traced)"]), 16)
+        self.assertEqual(float(memory["dynamic"]["new buffers B/position"]), 32)
         self.assertIn("Outliers (> 2 x the P95 of its cache in windows of 1 positions): none.", text)
 
     def test_a_cache_pass_cut_part_way_is_named(self) -> None:
@@ -303,9 +308,9 @@ class ReportTest(unittest.TestCase):
         self.assertRegex(by_file["bad.csv"], r"\brow 3\b.*'sequence_length'.*'128x'")
         self.assertRegex(by_file["ragged.csv"], r"\brow 1\b.*'elapsed_ms'")
         # The good files are still reported, and every problem is listed in the report itself.
-        self.assertIn("### Batch-size scan: `good.csv`", text)
-        self.assertIn("### Batch-size scan: `nometa.csv`", text)
-        self.assertNotIn("### Batch-size scan: `bad.csv`", text)
+        self.assertIn("good.csv", self.sources)
+        self.assertIn("nometa.csv", self.sources)
+        self.assertNotIn("bad.csv", self.sources)
         self.assertIn("## Problems with files", text)
         for name in by_file:
             self.assertIn(name, text.split("## Problems with files")[1])
@@ -320,9 +325,9 @@ class ReportTest(unittest.TestCase):
             [p.problem for p in problems],
             [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
         )
-        self.assertIn("### Batch-size scan: `cut.csv`", report)
-        self.assertIn(f"{rows - 1} raw samples", report)
-        self.assertIn("| 4 | 19 |", report)  # the B = 4 group lost its last sample
+        self.assertIn("cut.csv", self.sources)
+        counts = {r["B"]: int(r["n"]) for r in md_table(report, "B")}
+        self.assertEqual(counts, {"1": 20, "2": 20, "4": 19})  # the B = 4 group lost its last sample
         self.assertIn("truncated file?", report.split("## Problems with files")[1])
 
     def test_a_short_row_before_the_last_still_rejects_the_file(self) -> None:
@@ -330,10 +335,10 @@ class ReportTest(unittest.TestCase):
         lines = path.read_text(encoding="utf-8").splitlines()
         lines[5] = lines[5][: lines[5].rindex(",")]
         path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10], encoding="utf-8")
-        report, problems = self.report()
+        _report, problems = self.report()
         self.assertEqual(len(problems), 1)
         self.assertIn("row 5: column", problems[0].problem)
-        self.assertNotIn("### Batch-size scan", report)
+        self.assertEqual(self.sources, [])
 
     def test_a_last_row_without_its_line_break_is_cut_even_when_it_parses(self) -> None:
         path = write_scan(self.folder, "cut.csv")
@@ -346,8 +351,7 @@ class ReportTest(unittest.TestCase):
             [p.problem for p in problems],
             [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
         )
-        self.assertIn(f"{rows - 1} raw samples", report)
-        self.assertIn("| 4 | 19 |", report)
+        self.assertEqual({r["B"]: int(r["n"]) for r in md_table(report, "B")}, {"1": 20, "2": 20, "4": 19})
 
     def test_out_of_range_values_reject_the_file_and_the_rest_is_reported(self) -> None:
         write_scan(self.folder, "good.csv")
@@ -378,7 +382,7 @@ class ReportTest(unittest.TestCase):
                 "growth.csv": "malformed cache CSV: row 2: column 'repeat': '-1' must be >= 0",
             },
         )
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertEqual(text.count("### Batch-size scan"), 1)
         with self.assertRaisesRegex(ValueError, "row 1: column 'head_dim': '0' must be >= 1"):
             parse_rows(Sample, [{**dataclasses.asdict(Sample(1, 1, 1.0, 0)), "head_dim": "0"}])
@@ -401,7 +405,7 @@ class ReportTest(unittest.TestCase):
             mock.patch.object(report, "scan_run_markdown", scan_run_markdown),
             mock.patch.object(report, "cache_run_markdown", cache_run_markdown),
         ):
-            text, problems = self.report()
+            _text, problems = self.report()
         self.assertEqual(
             [(Path(p.path).name, p.problem) for p in problems],
             [
@@ -409,15 +413,15 @@ class ReportTest(unittest.TestCase):
                 ("growth.csv", "cannot summarize the cache run: KeyError: 'dynamic'"),
             ],
         )
-        self.assertIn("### Batch-size scan: `b.csv`", text)
+        self.assertIn("b.csv", self.sources)
 
     def test_a_byte_order_mark_before_the_header_is_ignored(self) -> None:
         path = write_scan(self.folder, "excel.csv")
         path.write_text(path.read_text(encoding="utf-8"), encoding="utf-8-sig")
         self.assertTrue(path.read_bytes().startswith(b"\xef\xbb\xbf"))
-        text, problems = self.report()
+        _text, problems = self.report()
         self.assertEqual(problems, [])
-        self.assertIn("### Batch-size scan: `excel.csv`", text)
+        self.assertIn("excel.csv", self.sources)
         self.assertEqual([p.name for p in planned_plots(self.folder, self.out)], ["REPORT-excel.png"])
 
     def test_broken_links_and_folders_named_like_raw_files_are_listed(self) -> None:
@@ -434,7 +438,7 @@ class ReportTest(unittest.TestCase):
                 ("sub.csv", "skipped: a folder"),
             ],
         )
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertIn("sub.csv`: skipped: a folder", text)
 
     def test_serving_metadata_in_the_card(self) -> None:
