@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attention_kv_caceh.experiments.scan_impls import IMPLS
+from attention_kv_caceh.tables import text_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
@@ -193,25 +194,20 @@ def _fmt(value: float, digits: int = 3) -> str:
 
 
 def format_scan_table(tables: Mapping[str, Sequence[dict[str, float]]]) -> str:
-    """Fixed-width text table of `scan_tables` rows (impl -> `scan_table` rows).
+    """Fixed-width text table (`tables.text_table`) of `scan_tables` rows (impl -> `scan_table` rows).
 
     One implementation: the plain table. Several: one row per implementation at each B, side by side
     (an `impl` column after B), every ratio to the same B's probe.
     """
     several = len(tables) > 1
-    impl_head = f" {'impl':<10}" if several else ""
-    header = (
-        f"{'B':>4}{impl_head} {'P50 ms':>9} {'P95 ms':>9} {'min ms':>9} {'max ms':>9} {'ms/seq':>9} "
-        f"{'positions/s':>13} {'speedup':>8} {'KV GB/s':>8} {'probe GB/s':>10} {'ratio':>6}"
-    )
-    lines = [header, "-" * len(header)]
+    header = ["B", *(["impl"] if several else []), "P50 ms", "P95 ms", "min ms", "max ms", "ms/seq"]
+    header += ["positions/s", "speedup", "KV GB/s", "probe GB/s", "ratio"]
+    rows: list[list[str]] = []
     for row in summary_rows(tables):
         r: dict[str, Any] = row
-        cell = f" {r['impl']:<10}" if several else ""
-        lines.append(
-            f"{int(r['batch_size']):>4}{cell} {r['p50_ms']:>9.4f} {r['p95_ms']:>9.4f} {r['min_ms']:>9.4f} "
-            f"{r['max_ms']:>9.4f} {r['per_sequence_ms']:>9.4f} {r['positions_per_s']:>13,.0f} "
-            f"{r['speedup']:>7.2f}x {_fmt(r['kv_read_gb_s'], 2):>8} {_fmt(r['probe_read_gb_s'], 2):>10} "
-            f"{_fmt(r['bandwidth_ratio'], 2):>6}"
-        )
-    return "\n".join(lines)
+        cells = [str(int(r["batch_size"])), *([r["impl"]] if several else [])]
+        cells += [f"{r[k]:.4f}" for k in ("p50_ms", "p95_ms", "min_ms", "max_ms", "per_sequence_ms")]
+        cells += [f"{r['positions_per_s']:,.0f}", f"{r['speedup']:.2f}x"]
+        cells += [_fmt(r[k], 2) for k in ("kv_read_gb_s", "probe_read_gb_s", "bandwidth_ratio")]
+        rows.append(cells)
+    return text_table(header, rows)
