@@ -32,9 +32,8 @@ __all__ = [
     "read_meta",
 ]
 
-# The largest file the report reads (raw CSV, JSONL or metadata), in bytes. A default `cache` run writes
-# about 2 MB, a default scan far less; a file past the cap is listed, not read (the report peaks near
-# 7x a raw CSV's size in memory, see `readers`).
+# The largest file the report reads (raw CSV, JSONL or metadata), in bytes; far above what a default run
+# writes. A file past the cap is listed, not read (the parsed rows are a multiple of the file's size).
 MAX_INPUT_BYTES = 128 * 1024 * 1024
 
 
