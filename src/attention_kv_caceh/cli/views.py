@@ -1,4 +1,4 @@
-"""`attention-kv-caceh views`: the view/copy table of the notes (exercise 9.1).
+"""`attention-kv-caceh views`: the view/copy table (which operations share an array's memory, which copy it).
 
 `experiments/views.py` runs the six experiments and returns rows; this module prints the table and
 writes the files asked for, after checking every output path (UsageError naming the flag, nothing
@@ -24,7 +24,7 @@ from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["HELP", "add_arguments", "run"]
 
-HELP = "the view/copy table of the notes (exercise 9.1)"
+HELP = "the view/copy table: which list and NumPy operations share memory with the original, which copy"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,4 +1,4 @@
-"""The P0 table of the user's notes (exercise 9.1): which operations share state, which copy it.
+"""The view/copy table: which Python and NumPy operations share state with the original, which copy it.
 
 Six experiments of a few lines each: list assignment, a shallow list copy, a NumPy basic slice, advanced
 (fancy) indexing, `swapaxes` and `np.concatenate`. Each declares its prediction in code *before* it runs
