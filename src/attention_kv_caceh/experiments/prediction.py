@@ -405,6 +405,11 @@ def fmt_rate(value: float) -> str:
     return f"{value:,.0f}"
 
 
+def _within(ratio: float, tolerance: float) -> bool:
+    """Whether measured / predicted lies within [1/tolerance, tolerance]: the prediction held."""
+    return 1 / tolerance <= ratio <= tolerance
+
+
 def sat_text(b: int | None) -> str:
     """A saturation point as text: "B = 4", or "not reached" for None."""
     return "not reached" if b is None else f"B = {b}"
@@ -466,7 +471,7 @@ def _compare(
     for b in sorted(table):
         m, t = model[b], table[b]
         ratio = t["p50_ms"] / m.predicted_p50_ms
-        held = 1 / prediction.tolerance <= ratio <= prediction.tolerance
+        held = _within(ratio, prediction.tolerance)
         rows.append(
             PredictionRow(
                 b,
@@ -619,6 +624,7 @@ def outcome_json(verdicts: Sequence[Verdict], anomalies: Sequence[Anomaly] = ())
 
 # --------------------------------------------------------------------- the cache experiment's slopes
 
+# Bytes moved per cached position, in units of the K/V bytes attention reads (see the module docstring).
 _TRAFFIC = {"preallocated": 1, "dynamic": 3}
 
 
@@ -730,10 +736,6 @@ class CacheOutcome:
     rows: tuple[CacheSlopeRow, ...]
     verdicts: tuple[Verdict, ...]
     explanation: str
-
-
-def _within(ratio: float, tolerance: float) -> bool:
-    return 1 / tolerance <= ratio <= tolerance
 
 
 def _us(ms_per_position: float) -> str:
