@@ -459,12 +459,12 @@ class EngineCoreProc:
             idle = not self._process_engine_step()
 
     def _process_input_queue(self, block: bool) -> bool:
-        """Apply every waiting input; wait for one first when `block` and no request is unfinished.
-        False on shutdown."""
+        """Apply every waiting input; wait for one first when `block` (the last step scheduled nothing:
+        only an input can change that). False on shutdown."""
         handled = False
         while True:
             try:
-                waiting = block and not handled and not self.core.has_unfinished_requests()
+                waiting = block and not handled
                 kind, payload = self.input_queue.get() if waiting else self.input_queue.get_nowait()
             except queue.Empty:
                 break
