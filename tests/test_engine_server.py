@@ -1,8 +1,9 @@
 """The OpenAI-compatible server end to end: a real uvicorn server over AsyncLLM and a fake engine.
 
-The fake engine's tokens follow a known rule (tests/fake_engine.py), so every text, usage count and
-metric value has an oracle. Synchronisation is by events (the fake's `changed` condition, response
-headers), never by sleeping.
+The server runs over the real EngineCore (its busy loop in a thread, behind the ZMQ sockets `serve` uses)
+with the letter runner of tests/engine_fakes.py, whose tokens follow a known rule, so every text, usage
+count and metric value has an oracle. Synchronisation is by bounded waits on state (the runner's gate,
+response headers), never by sleeping.
 """
 
 from __future__ import annotations
@@ -287,6 +288,63 @@ class StreamingTest(unittest.TestCase):
             model=MODEL, prompt="a", max_tokens=2, temperature=0, seed=0, extra_body={"top_k": -1}
         )
         self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("a"), 2))
+
+
+class BodySizeAndPrefixCacheTest(unittest.TestCase):
+    def test_a_body_over_max_request_bytes_is_413_before_parsing_and_the_server_keeps_serving(self) -> None:
+        thread, _engine, _llm = fake_server(max_request_bytes=1000)
+
+        async def chunked(url: str, size: int) -> tuple[int, Any]:
+            async def body():  # no Content-Length: the server counts the chunks as they come
+                yield b'{"prompt": "'
+                yield b"a" * size
+                yield b'", "max_tokens": 1}'
+
+            async with aiohttp.ClientSession() as session:
+                headers = {"Content-Type": "application/json"}
+                async with session.post(url + "/v1/completions", data=body(), headers=headers) as resp:
+                    return resp.status, await resp.json(content_type=None)
+
+        with thread:
+            big = {"prompt": "a" * 2000, "max_tokens": 1}
+            status, body = request("POST", thread.base_url + "/v1/completions", json=big)
+            # not JSON at all: a parser would have answered 400, the size check answers first
+            raw = request("POST", thread.base_url + "/v1/completions", data=b"{" * 5000)
+            stream_status, stream_body = asyncio.run(chunked(thread.base_url, 5000))
+            small_chunked = asyncio.run(chunked(thread.base_url, 10))[0]
+            ok = request("POST", thread.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        self.assertEqual((status, body["error"]["code"]), (413, 413))
+        self.assertEqual(raw[0], 413)
+        self.assertEqual((stream_status, stream_body["error"]["code"]), (413, 413))
+        self.assertEqual(small_chunked, 200)
+        self.assertEqual(ok[0], 200)
+
+    def test_reset_prefix_cache_forgets_the_cache_when_idle_and_is_409_while_blocks_are_held(self) -> None:
+        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=60_000)
+        prompt = "a long prompt of several blocks " * 3
+        with thread, client(thread.base_url) as oai:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            hits_before = sum(s.prefix_cache_hits for s in engine.step_stats)
+            status = request("POST", thread.base_url + "/reset_prefix_cache")[0]
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            hits_after = sum(s.prefix_cache_hits for s in engine.step_stats)
+
+            async def busy(url: str) -> int:
+                # 50 000 tokens: the request holds its blocks for far longer than the call takes
+                body = {"model": MODEL, "prompt": "b", "max_tokens": 50_000, "stream": True}
+                async with aiohttp.ClientSession() as session:
+                    async with session.post(url + "/v1/completions", json=body) as resp:
+                        await resp.content.readline()  # a first event: the request runs
+                        return (await fetch("POST", url + "/reset_prefix_cache"))[0]
+
+            refused = asyncio.run(busy(thread.base_url))
+            drained = engine.wait_for(lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests())
+        self.assertGreater(hits_before, 0)  # the second request found the first one's blocks
+        self.assertEqual(status, 200)
+        self.assertEqual(hits_after, hits_before)  # after the reset the same prompt found nothing
+        self.assertEqual(refused, 409)
+        self.assertTrue(drained)
 
 
 class EosTest(unittest.TestCase):
