@@ -25,8 +25,8 @@ import aiohttp
 
 from attention_kv_caceh.cli import serve
 from attention_kv_caceh.cli.common import UsageError
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.async_llm import AsyncLLM
+from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from tests.engine_fakes import CharTokenizer, expected_text, make_text_core, wait_for
 
@@ -164,11 +164,13 @@ class ServeCliTest(unittest.TestCase):
         async def client(url: str, runner: Any, result: dict[str, Any]) -> None:
             runner.gate.clear()
             body = {"model": "fake", "prompt": "d", "max_tokens": 100, "stream": True}
-            async with aiohttp.ClientSession() as session:
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    self.assertTrue(await asyncio.to_thread(wait_for, lambda: runner.blocked))
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    result["events"] = [line async for line in resp.content if line.startswith(b"data: ")]
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/completions", json=body) as resp,
+            ):
+                self.assertTrue(await asyncio.to_thread(wait_for, lambda: runner.blocked))
+                os.kill(os.getpid(), signal.SIGTERM)
+                result["events"] = [line async for line in resp.content if line.startswith(b"data: ")]
             runner.gate.set()
 
         err = io.StringIO()
@@ -181,6 +183,7 @@ class ServeCliTest(unittest.TestCase):
         last = json.loads(events[-2][6:])
         self.assertEqual(last["choices"][0]["finish_reason"], "abort")
         self.assertNotIn("CancelledError", err.getvalue())
+
 
 def _proc_stat(pid: int) -> tuple[str, str, int] | None:
     """(comm, state, ppid) of a process from /proc (Linux), None when it is gone."""

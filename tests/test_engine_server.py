@@ -333,13 +333,17 @@ class BodySizeAndPrefixCacheTest(unittest.TestCase):
             async def busy(url: str) -> int:
                 # 50 000 tokens: the request holds its blocks for far longer than the call takes
                 body = {"model": MODEL, "prompt": "b", "max_tokens": 50_000, "stream": True}
-                async with aiohttp.ClientSession() as session:
-                    async with session.post(url + "/v1/completions", json=body) as resp:
-                        await resp.content.readline()  # a first event: the request runs
-                        return (await fetch("POST", url + "/reset_prefix_cache"))[0]
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(url + "/v1/completions", json=body) as resp,
+                ):
+                    await resp.content.readline()  # a first event: the request runs
+                    return (await fetch("POST", url + "/reset_prefix_cache"))[0]
 
             refused = asyncio.run(busy(thread.base_url))
-            drained = engine.wait_for(lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests())
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
         self.assertGreater(hits_before, 0)  # the second request found the first one's blocks
         self.assertEqual(status, 200)
         self.assertEqual(hits_after, hits_before)  # after the reset the same prompt found nothing

@@ -173,7 +173,13 @@ class CheckpointServerTest(unittest.TestCase):
         app = build_app(llm, tokenizer, "tiny", 2048)
 
         async def one(session: aiohttp.ClientSession, url: str, i: int, started: asyncio.Event) -> list[Any]:
-            body = {"model": "tiny", "prompt": f"p{i}", "max_tokens": 2000, "stream": True, "ignore_eos": True}
+            body = {
+                "model": "tiny",
+                "prompt": f"p{i}",
+                "max_tokens": 2000,
+                "stream": True,
+                "ignore_eos": True,
+            }
             events: list[Any] = []
             async with session.post(url + "/v1/completions", json=body) as resp:
                 async for line in resp.content:

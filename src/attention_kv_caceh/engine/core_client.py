@@ -18,6 +18,7 @@ sentinel fd is polled beside the socket, so a dead core is seen at once and rais
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
@@ -202,10 +203,8 @@ class MPClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Ask the core to abort requests (applied before its next step); no-op on a dead core."""
         if request_ids and self.dead is None and not self._closed:
-            try:
+            with contextlib.suppress(EngineDeadError):
                 self._send(RequestType.ABORT, request_ids)
-            except EngineDeadError:
-                pass
 
     def call_utility(self, method: str) -> Future[Any]:
         """Call a core method by name (`reset_prefix_cache`); the Future holds its result, or
@@ -274,10 +273,8 @@ class MPClient:
             if self._closed:
                 return
             if self.dead is None:
-                try:
+                with contextlib.suppress(zmq.ZMQError):
                     self._input.send_multipart((RequestType.SHUTDOWN, b""), flags=zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
             self._closed = True
         if self.thread is not None:
             self.thread.join(timeout_s)

@@ -4,7 +4,7 @@ Corresponds to vLLM's `vllm/entrypoints/openai/api_server.py`, small: `POST /v1/
 `POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health`,
 `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /metrics` (Prometheus, vLLM's names; see
 metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
-StepStats (llm_engine.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
+StepStats (core.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
 record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
 
