@@ -252,7 +252,7 @@ class ServeChildTest(unittest.TestCase):
         cores = [pid for pid, comm in _children(proc.pid).items() if comm == "EngineCore"]
         self.assertEqual(len(cores), 1)  # what `ps -o pid,ppid,comm` shows
         proc.kill()  # SIGKILL: serve cannot tell the core anything
-        proc.wait(timeout=30)
+        proc.communicate(timeout=30)
 
         def gone() -> bool:
             stat = _proc_stat(cores[0])
