@@ -154,6 +154,11 @@ class AsyncLLM:
         self._thread.start()
 
     @property
+    def is_started(self) -> bool:
+        """start() was called."""
+        return self._thread is not None
+
+    @property
     def is_running(self) -> bool:
         """True while the core and the output thread are alive and no shutdown began."""
         return (

@@ -127,7 +127,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncGenerator[None]:
-        if not async_llm.is_running:
+        if not async_llm.is_started:
             async_llm.start()
         yield
         await async_llm.shutdown(drain_timeout_s)
