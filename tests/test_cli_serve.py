@@ -97,6 +97,19 @@ class ServeCliTest(unittest.TestCase):
                     self.assertIn(names, err.getvalue())
         loader.assert_not_called()
 
+    def test_an_engine_core_cpu_this_process_may_not_use_exits_2_before_loading(self) -> None:
+        loader = mock.Mock(side_effect=AssertionError("loaded"))
+        err = io.StringIO()
+        with (
+            mock.patch.object(AsyncLLM, "from_checkpoint", loader),
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            code = serve.main(["--model", str(self.model), "--port", "0", "--engine-core-cpu", "100000"])
+        self.assertEqual(code, 2, err.getvalue())
+        self.assertIn("--engine-core-cpu", err.getvalue())
+        loader.assert_not_called()
+
     def test_flags_become_the_engine_config(self) -> None:
         args = parse(["--model", "m", "--max-num-seqs", "3", "--num-kv-blocks", "64", "--no-prefix-caching"])
         config = serve.engine_config_kwargs(args)
