@@ -10,7 +10,9 @@ over requests with a defined TPOT. Metrics with no sample are None (null), never
 successful request's send to the last one's finish) is cut into one-second buckets; a request is active
 in every bucket from its send to its finish, and each token event adds its tokens to its bucket; the
 maxima over buckets are reported. The client's own peak of in-flight requests is `max_client_in_flight`.
-`warnings` lists what makes the run's numbers doubtful (client lateness P99 above LATENESS_WARN_MS).
+`warnings` lists what makes the run's numbers doubtful: client lateness P99 above LATENESS_WARN_MS,
+prompts off their requested length, requests that got more output tokens than their `max_tokens`
+(`num_over_requested_output`).
 """
 
 from __future__ import annotations
@@ -181,6 +183,18 @@ def summarize_run(
         warnings.append(
             f"prompts had {actual} tokens where {requested} were requested ({off:+.1f} %, more than "
             f"{PROMPT_OFF_WARN_PCT:g} % off)"
+        )
+    over = [
+        r for r in ok if r.requested_output_tokens is not None and r.output_tokens > r.requested_output_tokens
+    ]
+    summary["num_over_requested_output"] = len(over)
+    if over:
+        worst = max(over, key=lambda r: r.output_tokens - (r.requested_output_tokens or 0))
+        warnings.append(
+            f"{len(over)} of {len(ok)} successful requests got more output tokens than asked for (request "
+            f"{worst.request_id}: {worst.output_tokens} for max_tokens {worst.requested_output_tokens}): "
+            "the server did not honour max_tokens, so throughput, TPOT and E2EL are of longer outputs "
+            "than the run asked for"
         )
     summary["warnings"] = warnings
     return summary
