@@ -16,8 +16,11 @@ from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import _WORDS, LengthRange  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.harness.run import BackendName, HarnessConfig, RunResult, run_harness
 from attention_kv_caceh.harness.scripted_server import (
+    DONE,
     Script,
     ScriptedServer,
+    Step,
+    chat_chunk,
     WordTokenizer,
     timed_token_script,
 )
@@ -43,6 +46,17 @@ def tokenizing_server() -> ScriptedServer:
     )
     server.tokenizer = tokenizer
     return server
+
+
+def word_level_tokenizer(folder: str, *, split_punctuation: bool = False) -> Tokenizer:
+    """A word-level tokenizer.json in `folder` (one token per word of the synthetic prompts; with
+    `split_punctuation`, punctuation marks are tokens of their own); returned too."""
+    vocab = {w: i for i, w in enumerate(("[UNK]", *_WORDS, "hello", ",", "."))}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    split = pre_tokenizers.Whitespace() if split_punctuation else pre_tokenizers.WhitespaceSplit()
+    tok.pre_tokenizer = split  # pyright: ignore[reportAttributeAccessIssue]
+    tok.save(str(Path(folder) / "tokenizer.json"))
+    return tok
 
 
 def config(url: str, backend: BackendName, **kw: Any) -> HarnessConfig:
@@ -82,10 +96,7 @@ class ExactPromptTest(unittest.IsolatedAsyncioTestCase):
 
     async def test_local_tokenizer_gives_exactly_n_prompt_tokens_on_both_backends(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            vocab = {w: i for i, w in enumerate(("[UNK]", *_WORDS, "hello"))}
-            tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-            tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # pyright: ignore[reportAttributeAccessIssue]
-            tok.save(str(Path(tmp) / "tokenizer.json"))
+            word_level_tokenizer(tmp)
             for backend in BACKENDS:
                 with self.subTest(backend=backend):
                     script = lambda p, path: timed_token_script(0, 0, 2, prompt_tokens=word_count(p))  # noqa: E731
@@ -94,6 +105,29 @@ class ExactPromptTest(unittest.IsolatedAsyncioTestCase):
                         payloads = server.counters.payloads
                     self.assert_exact(result, payloads, 32)
                     self.assertEqual(result.summary["tokenizer_id"], tmp)
+
+    async def test_a_local_tokenizer_is_not_exact_for_chat_when_the_server_counts_a_template(self) -> None:
+        # the server's chat template adds 4 tokens that a tokenizer.json cannot know about
+        with tempfile.TemporaryDirectory() as tmp:
+            word_level_tokenizer(tmp)
+            script = lambda p, path: timed_token_script(0, 0, 2, prompt_tokens=word_count(p) + 4)  # noqa: E731
+            async with ScriptedServer(script) as server:
+                result = await run_harness(config(server.base_url, "openai-chat", tokenizer=tmp))
+        s = result.summary
+        self.assertEqual(s["prompt_lengths"], "approximate")
+        self.assertEqual([r.prompt_tokens for r in result.records], [36] * 6)  # the server's count
+        self.assertEqual(sum("chat template" in w for w in s["warnings"]), 1, s["warnings"])
+
+    async def test_a_local_chat_count_is_never_recorded_as_what_the_server_saw(self) -> None:
+        # a chat server without usage: the length it saw is unknown, not the template-less local count
+        with tempfile.TemporaryDirectory() as tmp:
+            word_level_tokenizer(tmp)
+            chunks = (Step(0, chat_chunk(role="assistant")), Step(0, chat_chunk("a")), Step(0, DONE))
+            async with ScriptedServer(lambda p, path: Script(chunks)) as server:
+                result = await run_harness(config(server.base_url, "openai-chat", tokenizer=tmp))
+        self.assertEqual(result.summary["completed"], 6)
+        self.assertEqual([r.prompt_tokens for r in result.records], [None] * 6)
+        self.assertEqual(result.summary["prompt_lengths"], "approximate")
 
     async def test_without_a_tokenizer_the_run_says_how_far_off_the_lengths_were(self) -> None:
         # a server that counts a BOS besides the words: 33 tokens for 32 words (+3.1 %)
@@ -127,6 +161,30 @@ class DatasetTest(unittest.IsolatedAsyncioTestCase):
                 sent = server.counters.payloads[1:]
         self.assertEqual(sorted(p["prompt"] for p in sent), [r["prompt"] for r in rows[:3]])
         self.assertEqual(sorted(p["max_tokens"] for p in sent), [1, 2, 3])
+
+    async def test_with_a_tokenizer_a_dataset_prompt_is_requested_at_its_token_count(self) -> None:
+        # 3 words but 5 tokens each: the requested length is the tokenizer's count, not the word count
+        rows = [{"prompt": "the cache, keys.", "output_len": 2} for _ in range(4)]
+        with tempfile.TemporaryDirectory() as tmp:
+            tok = word_level_tokenizer(tmp, split_punctuation=True)
+            path = Path(tmp) / "d.jsonl"
+            path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+            def script(payload: dict[str, Any], _path: str) -> Script:
+                prompt = payload["prompt"]
+                n = len(prompt) if isinstance(prompt, list) else len(tok.encode(prompt).ids)
+                return timed_token_script(0, 0, 2, prompt_tokens=n)
+
+            async with ScriptedServer(script) as server:
+                cfg = config(
+                    server.base_url, "openai-completions", num_requests=4, dataset=str(path), tokenizer=tmp
+                )
+                result = await run_harness(cfg)
+        s = result.summary
+        self.assertEqual([(r.requested_prompt_tokens, r.prompt_tokens) for r in result.records], [(5, 5)] * 4)
+        self.assertEqual(s["prompt_tokens_off_pct"], 0.0)
+        self.assertEqual(s["prompt_lengths"], "exact")
+        self.assertFalse(any("prompt" in w for w in s["warnings"]), s["warnings"])
 
     def test_bad_dataset_lines_are_named(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -129,11 +129,52 @@ async def _exact(
         return None, list(specs)
     ids = config.backend == "openai-completions"
     try:
-        return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
+        groups = [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise SmokeTestError(
             f"building prompts of exact length with {tokenizer.name} failed: {type(exc).__name__}: {exc}"
         ) from None
+    if _without_template(config, tokenizer):
+        # the local count leaves out the chat template: never record it as the length the server saw
+        groups = [[replace(spec, prompt_tokens_checked=None) for spec in group] for group in groups]
+    return tokenizer, groups
+
+
+def _without_template(config: HarnessConfig, tokenizer: PromptTokenizer | None) -> bool:
+    """True when chat prompts were counted by a local tokenizer.json, which has no chat template."""
+    return config.backend == "openai-chat" and isinstance(tokenizer, LocalTokenizer)
+
+
+def _prompt_lengths(
+    config: HarnessConfig,
+    tokenizer: PromptTokenizer | None,
+    records: list[RequestRecord],
+    off_pct: float | None,
+) -> tuple[str, str | None]:
+    """("exact" or "approximate", the warning saying why when approximate) for a run against a server.
+
+    Exact: prompts built with the server's /tokenize, or with a local tokenizer for `/v1/completions`;
+    chat prompts built with a local tokenizer only where the server's usage reported, for every
+    successful request, exactly the requested length (the template's tokens are not in the local count).
+    """
+    measured = (
+        f"the server counted {off_pct:+.1f} % against the requested tokens"
+        if off_pct is not None
+        else "the server reported no prompt token counts"
+    )
+    if tokenizer is None:
+        return "approximate", (
+            f"prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): {measured}"
+        )
+    if _without_template(config, tokenizer):
+        ok = [r for r in records if r.ok]
+        if ok and all(r.prompt_tokens == r.requested_prompt_tokens for r in ok):
+            return "exact", None  # the server's own counts confirm every prompt
+        return "approximate", (
+            f"prompt lengths are approximate: --tokenizer {tokenizer.name} has no chat template, and the "
+            f"server counts the template's tokens of /v1/chat/completions too: {measured}"
+        )
+    return "exact", None
 
 
 @dataclass
@@ -288,11 +329,19 @@ async def run_harness(
         "label": config.label,
         "model_id": model_used,
         "tokenizer_id": tokenizer.name if tokenizer is not None else None,
-        "prompt_lengths": "exact" if tokenizer is not None or simulated is not None else "approximate",
+        "prompt_lengths": None,  # set below, from the records
     }
     summary |= summarize_run(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
+    lengths, why = (
+        ("exact", None)
+        if simulated is not None
+        else _prompt_lengths(config, tokenizer, records, summary["prompt_tokens_off_pct"])
+    )
+    summary["prompt_lengths"] = lengths
+    if why is not None:
+        summary["warnings"].insert(0, why)
     server_samples = poller.samples if poller is not None else []
     server_exact = list(simulated.samples) if simulated is not None else []
     peaks_from = server_exact or server_samples
@@ -301,17 +350,6 @@ async def run_harness(
     )
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
-    if summary["prompt_lengths"] == "approximate":
-        off = summary["prompt_tokens_off_pct"]
-        summary["warnings"].insert(
-            0,
-            "prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): "
-            + (
-                f"the server counted {off:+.1f} % against the requested tokens"
-                if off is not None
-                else "the server reported no prompt token counts"
-            ),
-        )
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
     if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:
