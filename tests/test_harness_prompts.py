@@ -20,8 +20,8 @@ from attention_kv_caceh.harness.scripted_server import (
     Script,
     ScriptedServer,
     Step,
-    chat_chunk,
     WordTokenizer,
+    chat_chunk,
     timed_token_script,
 )
 
