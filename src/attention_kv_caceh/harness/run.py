@@ -348,14 +348,17 @@ async def run_harness(
     summary["server_metrics_source"] = (
         "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
     )
+    too_few = poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES
+    if too_few:  # a peak of a few samples is a guess (often 0 at idle moments): none is reported
+        peaks_from = []
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
-    if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:
+    if too_few:
         summary["warnings"].append(
-            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): the server "
-            "peaks may miss what happened; use a longer run or a shorter --server-metrics-interval"
+            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): too few for the "
+            "server's peaks, which are not reported; use a longer run or a shorter --server-metrics-interval"
         )
     return RunResult(
         config=used,
