@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -34,6 +35,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by whoever adopted it) has stopped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return _alive(pid) if not Path("/proc").is_dir() else False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _kill_if_alive(pid: int) -> None:
@@ -138,6 +148,18 @@ class HarnessEngineProcessTest(unittest.TestCase):
                 _, err = proc.communicate(timeout=120)
                 self.assertEqual(proc.returncode, code, err)
                 self.assertFalse(_alive(pid))
+
+    @unittest.skipUnless(sys.platform.startswith("linux"), "PR_SET_PDEATHSIG is Linux's")
+    def test_a_sigkilled_harness_takes_its_server_with_it(self) -> None:
+        proc, pid = self.start(
+            *("--num-requests", "8", "--concurrency", "8", "--output-len", "1500", "--ignore-eos")
+        )
+        proc.kill()  # SIGKILL: the harness cannot stop its server itself
+        proc.wait(timeout=60)  # not communicate(): a surviving server would hold the stderr pipe open
+        deadline = time.monotonic() + 120  # the server's own SIGTERM shutdown, on a loaded machine
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(_running(pid), "the server outlived its killed harness")
 
     def test_a_failing_run_exits_1_and_stops_the_server(self) -> None:
         # prompts longer than --max-model-len: the smoke test's request is refused (HTTP 400)
