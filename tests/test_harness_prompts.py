@@ -4,17 +4,25 @@ once how far off the approximate lengths were. Requested and actual lengths are 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import tempfile
 import unittest
 from pathlib import Path
 from typing import Any, cast
 
+from aiohttp import web
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import _WORDS, LengthRange  # pyright: ignore[reportPrivateUsage]
-from attention_kv_caceh.harness.run import BackendName, HarnessConfig, RunResult, run_harness
+from attention_kv_caceh.harness.run import (
+    BackendName,
+    ContextLengthError,
+    HarnessConfig,
+    RunResult,
+    run_harness,
+)
 from attention_kv_caceh.harness.scripted_server import (
     DONE,
     Script,
@@ -204,10 +212,6 @@ class DatasetTest(unittest.IsolatedAsyncioTestCase):
             HarnessConfig(tokenizer="/nonexistent")
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class DatasetCheckedUpFrontTest(unittest.TestCase):
     def test_bad_dataset_contents_are_a_usage_error_before_any_request(self) -> None:
         import contextlib
@@ -244,3 +248,103 @@ class DatasetCheckedUpFrontTest(unittest.TestCase):
                     self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
                     self.assertIn("--dataset", err.getvalue())
                     self.assertEqual(out.getvalue(), "")
+
+
+class ContextServer(ScriptedServer):
+    """A scripted server whose GET /v1/models gives a max_model_len, as vLLM's and serve's do."""
+
+    def __init__(self, max_model_len: int) -> None:
+        super().__init__(lambda p, path: timed_token_script(0, 0, 2))
+        self.max_model_len = max_model_len
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": "scripted", "object": "model", "max_model_len": self.max_model_len}
+        return web.json_response({"object": "list", "data": [card]})
+
+
+class ContextLengthTest(unittest.IsolatedAsyncioTestCase):
+    async def test_requests_beyond_the_servers_context_are_refused_before_any_is_sent(self) -> None:
+        cases = {
+            "--prompt-len": {"prompt_len": LengthRange(8, 64)},  # 64 >= 64: no room for an output token
+            "--output-len": {"prompt_len": LengthRange(32, 32), "output_len": LengthRange(40, 40)},
+        }
+        for flag, kw in cases.items():
+            with self.subTest(flag):
+                async with ContextServer(64) as server:
+                    with self.assertRaises(ContextLengthError) as caught:
+                        await run_harness(config(server.base_url, "openai-completions", **kw))
+                    self.assertEqual(server.counters.requests, 0)  # not even the smoke test
+                self.assertIn(flag, str(caught.exception))
+                self.assertIn("64", str(caught.exception))
+
+    async def test_requests_that_fit_run(self) -> None:
+        async with ContextServer(64) as server:
+            cfg = config(server.base_url, "openai-completions", prompt_len=LengthRange(62, 62))
+            result = await run_harness(cfg)
+        self.assertEqual(result.summary["completed"], 6)
+
+    async def test_a_counted_dataset_prompt_beyond_the_context_is_named(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            word_level_tokenizer(tmp)
+            path = Path(tmp) / "d.jsonl"
+            long = " ".join(["the"] * 70)
+            path.write_text(json.dumps({"prompt": "the cache"}) + "\n" + json.dumps({"prompt": long}) + "\n")
+            async with ContextServer(64) as server:
+                cfg = config(
+                    server.base_url, "openai-completions", num_requests=2, dataset=str(path), tokenizer=tmp
+                )
+                with self.assertRaisesRegex(ContextLengthError, "entry 2"):
+                    await run_harness(cfg)
+                self.assertEqual(server.counters.requests, 0)
+
+
+class ContextLengthCliTest(unittest.TestCase):
+    def test_the_cli_exits_2_with_one_line_naming_the_flag(self) -> None:
+        import contextlib
+        import io
+        import threading
+
+        from attention_kv_caceh import cli
+
+        ready = threading.Event()
+        stop: list[Any] = []
+        urls: list[str] = []
+
+        def serve() -> None:
+            async def main() -> None:
+                async with ContextServer(64) as server:
+                    urls.append(server.base_url)
+                    done = asyncio.Event()
+                    stop.append((asyncio.get_running_loop(), done))
+                    ready.set()
+                    await done.wait()
+
+            asyncio.run(main())
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            self.assertTrue(ready.wait(30))
+            out, err = io.StringIO(), io.StringIO()
+            argv = [
+                "harness",
+                "--backend",
+                "openai-completions",
+                "--base-url",
+                urls[0],
+                "--prompt-len",
+                "100",
+            ]
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = cli.main([*argv, "--server-metrics-interval", "0"])
+        finally:
+            loop, done = stop[0]
+            loop.call_soon_threadsafe(done.set)
+            thread.join(30)
+        self.assertEqual(code, 2, err.getvalue())
+        self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
+        self.assertIn("--prompt-len", err.getvalue())
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -61,9 +61,12 @@ __all__ = [
     "MAX_TOKENS",
     "MIN_SERVER_SAMPLES",
     "BackendName",
+    "ContextLengthError",
     "HarnessConfig",
     "ModelDiscoveryError",
     "RunResult",
+    "context_problem",
+    "dataset_context_problem",
     "plan_requests",
     "run_harness",
 ]
@@ -246,6 +249,64 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
     raise ModelDiscoveryError(f"no --model given and {url} lists no model; pass --model")
 
 
+class ContextLengthError(ValueError):
+    """The requests asked for cannot fit the model's context (max_model_len): bad input, found before
+    any request is sent."""
+
+
+def context_problem(config: HarnessConfig, limit: int, what: str) -> str | None:
+    """Why `config`'s synthetic requests cannot fit a context of `limit` tokens (`what` names the limit
+    and its source in the message), or None. A server refuses a prompt of `limit` tokens or more (no
+    room for an output token) and a prompt + max_tokens above `limit` (vLLM's HTTP 400). Dataset prompts
+    are checked once counted (`dataset_context_problem`)."""
+    if config.dataset is not None:
+        return None
+    prompt, output = config.prompt_len.high, config.output_len.high
+    if prompt >= limit:
+        return (
+            f"--prompt-len {config.prompt_len}: a prompt of {prompt} tokens does not fit the model's "
+            f"context, {what}, with room for an output token"
+        )
+    if prompt + output > limit:
+        return (
+            f"--prompt-len {config.prompt_len} + --output-len {config.output_len}: up to {prompt + output} "
+            f"tokens per request, more than the model's context, {what}"
+        )
+    return None
+
+
+def dataset_context_problem(config: HarnessConfig, specs: list[RequestSpec], limit: int) -> str | None:
+    """Why a counted dataset prompt (with its output length) cannot fit `limit` tokens, or None."""
+    for spec in specs:
+        n = spec.prompt_tokens_checked
+        if spec.from_dataset and n is not None and (n >= limit or n + spec.output_tokens > limit):
+            return (
+                f"--dataset {config.dataset}: entry {spec.request_id + 1} has a prompt of {n} tokens and "
+                f"an output of {spec.output_tokens}, more than the model's context, max_model_len {limit}"
+            )
+    return None
+
+
+async def _served_context(
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+) -> int | None:
+    """The `max_model_len` of `model` in the server's GET /v1/models (vLLM and `serve` list it), or None
+    when the server does not say (then the server itself refuses what does not fit)."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=min(timeout_s, 30.0))) as response:
+            body: Any = await response.json(content_type=None) if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
+    for card in cast("list[Any]", data) if isinstance(data, list) else []:
+        if isinstance(card, dict) and cast("dict[str, Any]", card).get("id") == model:
+            limit: object = cast("dict[str, Any]", card).get("max_model_len")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                return limit
+    return None
+
+
 async def run_harness(
     config: HarnessConfig,
     *,
@@ -254,8 +315,9 @@ async def run_harness(
     """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
 
     Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
-    ModelDiscoveryError when no model can be found, ValueError for an unreadable --tokenizer or
-    --dataset.
+    ModelDiscoveryError when no model can be found, ContextLengthError (before the smoke test) when
+    the server's GET /v1/models gives a max_model_len the requests cannot fit, ValueError for an
+    unreadable --tokenizer or --dataset.
     Each measured record is passed to `on_record` as its request finishes.
     """
     smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
@@ -285,6 +347,15 @@ async def run_harness(
             )
         assert backend is not None
         tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
+        if session is not None and model_used is not None:
+            limit = await _served_context(session, config.base_url, model_used, config.timeout_s)
+            if limit is not None:
+                what = f"max_model_len {limit} (GET /v1/models)"
+                problem = context_problem(config, limit, what) or dataset_context_problem(
+                    config, specs, limit
+                )
+                if problem is not None:
+                    raise ContextLengthError(problem)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
