@@ -312,7 +312,9 @@ async def run_harness(
     *,
     on_record: Callable[[RequestRecord], None] | None = None,
 ) -> RunResult:
-    """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
+    """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load. Before the
+    clock starts, the request bodies are encoded and `min(concurrency, num_requests)` connections are
+    opened (`OpenAIBackend.prepare`, `open_connections`), so a burst costs the client no connects.
 
     Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
     ModelDiscoveryError when no model can be found, ContextLengthError (before the smoke test) when
@@ -363,6 +365,9 @@ async def run_harness(
             await run_requests(backend, warm_specs, [0.0] * len(warm_specs), config.concurrency)
         if simulated is not None:
             simulated.reset_stats()
+        if isinstance(backend, OpenAIBackend):  # the client's own work, done before the clock starts
+            backend.prepare(specs)
+            await backend.open_connections(min(config.concurrency, len(specs)))
 
         poller: ServerMetricsPoller | None = None
         if config.server_metrics_interval_s > 0:

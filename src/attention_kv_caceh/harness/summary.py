@@ -117,6 +117,27 @@ def second_bucket_peaks(records: Sequence[RequestRecord]) -> tuple[int, float]:
     return max(active), float(max(tokens))
 
 
+def _lateness_warning(records: Sequence[RequestRecord], lateness_p99: float) -> str:
+    """What a client lateness P99 above LATENESS_WARN_MS means for this run: at a burst (every request
+    arriving at once, `--request-rate inf`) one client loop starts the requests one after another, so
+    lateness is the time it took to start them all; at a finite rate the client fell behind the
+    schedule."""
+    head = f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms)"
+    dispatched = [r.dispatch_ns for r in records if r.dispatch_ns is not None]
+    if len(records) > 1 and len({r.arrival_ns for r in records}) == 1 and len(dispatched) > 1:
+        spread_ms = (max(dispatched) - min(dispatched)) / 1e6
+        return (
+            f"{head}: all {len(records)} requests arrived at once (--request-rate inf) and the client's "
+            f"one event loop started them one after another, the last {spread_ms:.1f} ms after the first "
+            f"({spread_ms / (len(dispatched) - 1):.3f} ms each); TTFT and E2EL count from each request's "
+            "send and leave this out, TTFT from arrival and E2E include it"
+        )
+    return (
+        f"{head}: the client started requests later than their scheduled arrivals, so the load was "
+        "lighter than asked; lower --request-rate, or run the client on a less busy machine"
+    )
+
+
 def summarize_run(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -173,11 +194,7 @@ def summarize_run(
     warnings: list[str] = []
     lateness_p99 = summary["p99_lateness_ms"]
     if lateness_p99 is not None and lateness_p99 > LATENESS_WARN_MS:
-        warnings.append(
-            f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms): the client "
-            "started requests late, so the load was lighter than asked; use fewer requests per second "
-            "or a faster client machine"
-        )
+        warnings.append(_lateness_warning(records, lateness_p99))
     off = summary["prompt_tokens_off_pct"]
     if off is not None and abs(off) > PROMPT_OFF_WARN_PCT:
         warnings.append(

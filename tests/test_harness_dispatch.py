@@ -1,0 +1,99 @@
+"""Dispatch at a burst: the client's own work is done before the clock starts, and the lateness warning
+says what happened.
+
+At `--request-rate inf` every request arrives at once and one event loop starts them one after another,
+so whatever a start costs delays every later request. Opening a TCP connection was most of that cost;
+the run opens its connections (and encodes its request bodies) before the measured requests, and every
+measured request then goes out on a connection opened before the clock started.
+"""
+
+from __future__ import annotations
+
+import unittest
+from typing import Any
+
+from aiohttp import web
+
+from attention_kv_caceh.harness.load import LengthRange
+from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.run import HarnessConfig, run_harness
+from attention_kv_caceh.harness.scripted_server import ScriptedServer, timed_token_script
+from attention_kv_caceh.harness.summary import summarize_run
+
+MS = 1_000_000
+
+
+class PeerRecordingServer(ScriptedServer):
+    """Records the client port of every GET /v1/models and of every streamed request."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda payload, path: timed_token_script(0, 0, 2))
+        self.models_ports: list[int] = []
+        self.stream_ports: list[int] = []
+
+    @staticmethod
+    def _port(request: web.Request) -> int:
+        assert request.transport is not None
+        return int(request.transport.get_extra_info("peername")[1])
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.models_ports.append(self._port(request))
+        return await super()._models(request)
+
+    async def _stream(self, request: web.Request) -> web.StreamResponse:
+        self.stream_ports.append(self._port(request))
+        return await super()._stream(request)
+
+
+class ConnectionsOpenedBeforeTheClockTest(unittest.IsolatedAsyncioTestCase):
+    async def test_every_request_of_a_burst_reuses_a_connection_opened_before_it(self) -> None:
+        async with PeerRecordingServer() as server:
+            config = HarnessConfig(
+                backend="openai-completions",
+                base_url=server.base_url,
+                model="scripted",
+                num_requests=12,
+                concurrency=12,
+                output_len=LengthRange(2, 2),
+                server_metrics_interval_s=0,
+                smoke_test=False,
+            )
+            result = await run_harness(config)
+            opened, used = set(server.models_ports), server.stream_ports
+        self.assertEqual(result.summary["completed"], 12)
+        self.assertEqual(len(used), 12)
+        self.assertEqual(len(opened), 12)  # one per concurrency slot
+        self.assertTrue(set(used) <= opened, f"requests on new connections: {set(used) - opened}")
+
+
+def burst_record(rid: int, arrival_ns: int, dispatch_ns: int) -> RequestRecord:
+    r = RequestRecord(rid, arrival_ns, 1, dispatch_ns=dispatch_ns, sent_ns=dispatch_ns)
+    r.add_token_event(dispatch_ns + 10 * MS, 1)
+    r.output_tokens = 1
+    r.status = "ok"
+    return r
+
+
+class LatenessWarningTest(unittest.TestCase):
+    def lateness_warning(self, records: list[RequestRecord]) -> str:
+        summary: dict[str, Any] = summarize_run(records, 1.0)
+        found = [w for w in summary["warnings"] if "lateness" in w]
+        self.assertEqual(len(found), 1, summary["warnings"])
+        return found[0]
+
+    def test_at_a_burst_it_gives_the_time_to_start_every_request_not_rate_advice(self) -> None:
+        # 11 requests arriving together, started 2 ms apart: the last 20 ms after the first
+        text = self.lateness_warning([burst_record(i, 0, 2 * MS * i) for i in range(11)])
+        self.assertIn("--request-rate inf", text)
+        self.assertIn("20.0 ms", text)
+        self.assertIn("2.000 ms", text)
+        self.assertNotIn("lower --request-rate", text)
+
+    def test_at_a_finite_rate_it_says_the_client_fell_behind_the_schedule(self) -> None:
+        text = self.lateness_warning([burst_record(i, 10 * MS * i, 10 * MS * i + 5 * MS) for i in range(11)])
+        self.assertIn("lower --request-rate", text)
+        self.assertNotIn("--request-rate inf", text)
+
+
+if __name__ == "__main__":
+    unittest.main()
