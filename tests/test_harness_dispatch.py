@@ -4,11 +4,14 @@ says what happened.
 At `--request-rate inf` every request arrives at once and one event loop starts them one after another,
 so whatever a start costs delays every later request. Opening a TCP connection was most of that cost;
 the run opens its connections (and encodes its request bodies) before the measured requests, and every
-measured request then goes out on a connection opened before the clock started.
+measured request then goes out on a connection opened before the clock started. A full garbage
+collection in the middle of a burst was the other large cost; the objects built before the clock are
+frozen out of the collector for the run.
 """
 
 from __future__ import annotations
 
+import gc
 import unittest
 from typing import Any
 
@@ -64,6 +67,18 @@ class ConnectionsOpenedBeforeTheClockTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual(len(used), 12)
         self.assertEqual(len(opened), 12)  # one per concurrency slot
         self.assertTrue(set(used) <= opened, f"requests on new connections: {set(used) - opened}")
+
+
+class HeapFrozenDuringTheLoadTest(unittest.IsolatedAsyncioTestCase):
+    async def test_objects_built_before_the_clock_are_not_collected_during_the_load(self) -> None:
+        # a full collection over the process's heap (tens of ms of CPU) in the middle of a burst would
+        # start every later request that much later; gc.freeze() leaves collections only the run's own
+        frozen_while_running: list[int] = []
+        config = HarnessConfig(num_requests=4, concurrency=4, prefill_ms=1, per_token_ms=1)
+        await run_harness(config, on_record=lambda r: frozen_while_running.append(gc.get_freeze_count()))
+        self.assertEqual(len(frozen_while_running), 4)
+        self.assertTrue(all(n > 0 for n in frozen_while_running), frozen_while_running)
+        self.assertEqual(gc.get_freeze_count(), 0)  # unfrozen after the run
 
 
 def burst_record(rid: int, arrival_ns: int, dispatch_ns: int) -> RequestRecord:
