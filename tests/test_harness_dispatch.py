@@ -69,6 +69,25 @@ class ConnectionsOpenedBeforeTheClockTest(unittest.IsolatedAsyncioTestCase):
         self.assertTrue(set(used) <= opened, f"requests on new connections: {set(used) - opened}")
 
 
+class FirstScrapeBeforeTheClockTest(unittest.IsolatedAsyncioTestCase):
+    async def test_the_first_metrics_scrape_is_done_before_the_first_request_is_due(self) -> None:
+        # the polling thread's first scrape holds the GIL for milliseconds: not while a burst starts
+        script = lambda payload, path: timed_token_script(0, 0, 2)  # noqa: E731
+        async with ScriptedServer(script, live_metrics=True) as server:
+            config = HarnessConfig(
+                backend="openai-completions",
+                base_url=server.base_url,
+                model="scripted",
+                num_requests=4,
+                concurrency=4,
+                output_len=LengthRange(2, 2),
+                server_metrics_interval_s=60.0,
+            )
+            result = await run_harness(config)
+        self.assertGreaterEqual(len(result.server_samples), 1)
+        self.assertLess(result.server_samples[0].time_ns, result.start_ns)
+
+
 class HeapFrozenDuringTheLoadTest(unittest.IsolatedAsyncioTestCase):
     async def test_objects_built_before_the_clock_are_not_collected_during_the_load(self) -> None:
         # a full collection over the process's heap (tens of ms of CPU) in the middle of a burst would

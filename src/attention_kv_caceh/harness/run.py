@@ -7,6 +7,7 @@ once and keep it if the run is interrupted.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -250,6 +251,15 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
     raise ModelDiscoveryError(f"no --model given and {url} lists no model; pass --model")
 
 
+async def _first_sample(poller: ServerMetricsPoller, limit_s: float = 2.0) -> None:
+    """Wait (up to `limit_s`) until the poller's first scrape is done. Its thread holds the GIL while
+    it sets up its HTTP client and parses the answer; begun at the clock's start, that held the event
+    loop off the first requests of a burst for 5-10 ms. The next scrape comes an interval later."""
+    deadline = perf_counter_ns() + int(limit_s * 1e9)
+    while not (poller.samples or poller.errors) and perf_counter_ns() < deadline:
+        await asyncio.sleep(0.001)
+
+
 def _freeze_heap() -> bool:
     """Collect garbage now and move every object that exists to the collector's permanent generation
     (`gc.freeze`), so that the collections that run during the measured load traverse only what the
@@ -394,10 +404,11 @@ async def run_harness(
                     config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
         tracker = InFlightTracker()
-        frozen = _freeze_heap()
-        start_ns = perf_counter_ns()
         if poller is not None:
             poller.start()
+            await _first_sample(poller)
+        frozen = _freeze_heap()
+        start_ns = perf_counter_ns()
         try:
             records = await run_requests(
                 backend,
