@@ -338,8 +338,8 @@ async def run_harness(
     on_record: Callable[[RequestRecord], None] | None = None,
 ) -> RunResult:
     """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load. Before the
-    clock starts, the request bodies are encoded and `min(concurrency, num_requests)` connections are
-    opened (`OpenAIBackend.prepare`, `open_connections`), so a burst costs the client no connects.
+    clock starts, the bodies of the first `concurrency` requests are encoded and as many connections
+    are opened (`OpenAIBackend.prepare`, `open_connections`), so a burst costs the client no connects.
 
     Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
     ModelDiscoveryError when no model can be found, ContextLengthError (before the smoke test) when
@@ -391,8 +391,9 @@ async def run_harness(
         if simulated is not None:
             simulated.reset_stats()
         if isinstance(backend, OpenAIBackend):  # the client's own work, done before the clock starts
-            backend.prepare(specs)
-            await backend.open_connections(min(config.concurrency, len(specs)))
+            first = specs[: config.concurrency]  # those that can go out at once (memory: one body each)
+            backend.prepare(first)
+            await backend.open_connections(len(first))
 
         poller: ServerMetricsPoller | None = None
         if config.server_metrics_interval_s > 0:
@@ -404,12 +405,13 @@ async def run_harness(
                     config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
         tracker = InFlightTracker()
-        if poller is not None:
-            poller.start()
-            await _first_sample(poller)
-        frozen = _freeze_heap()
-        start_ns = perf_counter_ns()
+        frozen = False
         try:
+            if poller is not None:
+                poller.start()
+                await _first_sample(poller)
+            frozen = _freeze_heap()
+            start_ns = perf_counter_ns()
             records = await run_requests(
                 backend,
                 specs,
