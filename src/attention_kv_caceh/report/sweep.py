@@ -215,7 +215,7 @@ def sweep_section(
         tail = f"{find_knee(rows, axis).verdict} (`harness.sweep.find_knee`, over the mean of each point's repeats).\n"
     failed = sum(int(r["failed"]) for r in rows)
     return (
-        f"### Sweep: `{name}` (over {head.split(' ')[0]}, {len(rows)} runs"
+        f"### Sweep: `{name}` (over {axis.replace('_', ' ')}, {len(rows)} runs"
         + (f", {failed} failed requests" if failed else "")
         + ")\n\n"
         + table
