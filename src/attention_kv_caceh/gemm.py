@@ -137,23 +137,19 @@ def packed_path_available() -> tuple[bool, str]:
 
 
 def fma_probe(seconds: float = 0.01) -> float:
-    """FLOP/s of float32 FMAs in registers (16 independent 16-lane chains), one thread.
+    """FLOP/s of float32 FMAs in registers (16 independent 16-lane chains), one thread, wall clock.
 
-    Runs about `seconds` of work after a warm-up call; the median of three timings. The ceiling a
-    compute-bound float32 kernel on this core can reach, measured in the caller's conditions.
+    A short calibration call sizes the timed call to take about `seconds`; on a shared machine, give
+    it the duration of what it is compared with, so both see the same share of the CPU. The ceiling
+    a compute-bound float32 kernel on this core can reach. Raises ValueError for seconds <= 0.
     """
-    _jit.fma_rounds(1000, np.float32(1.0))  # compile or load
-    rounds = 1000
-    while True:
-        start = time.perf_counter()
-        _jit.fma_rounds(rounds, np.float32(1.0))
-        elapsed = time.perf_counter() - start
-        if elapsed >= seconds / 4 or rounds > 1 << 30:
-            break
-        rounds *= 4
-    times: list[float] = []
-    for _ in range(3):
-        start = time.perf_counter()
-        _jit.fma_rounds(rounds, np.float32(1.0))
-        times.append(time.perf_counter() - start)
-    return rounds * 512 / float(np.median(times))
+    if not seconds > 0:
+        raise ValueError(f"seconds must be > 0, got {seconds}")
+    calibration = 20_000  # 10 M flops: 0.1 ms at 100 GFLOP/s
+    start = time.perf_counter()
+    _jit.fma_rounds(calibration, np.float32(1.0))  # compiles or loads on the first call
+    rate = calibration / max(time.perf_counter() - start, 1e-9)  # rounds per second, roughly
+    rounds = max(1000, int(rate * seconds))
+    start = time.perf_counter()
+    _jit.fma_rounds(rounds, np.float32(1.0))
+    return rounds * 512 / (time.perf_counter() - start)

@@ -166,7 +166,8 @@ def _linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Cal
 @dataclass
 class _Probes:
     """What is timed between decode steps, one sample each per call: np.dot over `buffer` (the read
-    probe, ms), the linear-layer `replay` (ms) and `gemm.fma_probe` (flop/s, about 2 ms of work)."""
+    probe, ms), the linear-layer `replay` (ms) and `gemm.fma_probe` (flop/s) for as long as the replay
+    took, so that on a shared machine both get the same share of the CPU."""
 
     buffer: npt.NDArray[np.floating[Any]]
     replay: Callable[[], None]
@@ -181,7 +182,7 @@ class _Probes:
         start = time.perf_counter()
         self.replay()
         self.linear_ms.append((time.perf_counter() - start) * 1e3)
-        self.fma_flops.append(fma_probe(0.002))
+        self.fma_flops.append(fma_probe(self.linear_ms[-1] / 1e3))
 
 
 def decode_kv_bytes(model: Model, num_positions: float) -> float:
