@@ -108,6 +108,7 @@ class TestEngineBenchmark(unittest.TestCase):
                     self.assertAlmostEqual(row.output_tokens_per_s * row.total_time_s, r * OUT)
                     self.assertAlmostEqual(row.decode_tokens_per_s * row.decode_time_s, r * (OUT - 1))
                     self.assertLessEqual(row.decode_step_ms_p50, row.decode_step_ms_p95)
+                    self.assertGreater(row.decode_step_cpu_ms_p50, 0.0)
                     self.assertLess(row.decode_time_s, row.total_time_s)
 
     def test_tied_lm_head_is_counted_once(self) -> None:

@@ -2,7 +2,8 @@
 
 Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, greedy, ignore_eos, all requests
 submitted at once, as vLLM's offline throughput benchmark does) and prints one row per max_num_seqs:
-output tokens/s, the decode step's P50/P95, the bytes one decode step reads (every weight once plus
+output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what a shared machine's
+other processes do not change), the bytes one decode step reads (every weight once plus
 the KV cache of every running request) and that rate against the same run's read probe, then the
 linear layers: their share of the step (replayed alone), their FLOP/s and that against the same run's
 FMA probe, and the GEMM path they took (the line above the table says why). The last line is the
@@ -82,14 +83,14 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line."""
     header = (
         f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
-        f"{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
+        f"{'cpu p50 ms':>11}{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
         f"{'linear %':>9}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}{'gemm':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['max_num_seqs']:>12}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
-            f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}"
+            f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}{r['decode_step_cpu_ms_p50']:>11.2f}"
             f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['decode_gb_per_s']:>7.2f}"
             f"{r['probe_gb_per_s']:>11.2f}{r['probe_ratio']:>7.2f}"
             f"{100 * r['linear_share']:>9.0f}{r['linear_gflop_per_s']:>9.1f}{r['fma_gflop_per_s']:>12.1f}"

@@ -66,6 +66,9 @@ class EngineBenchRow:
         decode_tokens_per_s: output tokens of those steps / decode_time_s.
         decode_step_ms_p50, decode_step_ms_p95: percentiles of those steps' step_time_ms
             (`timing.summarize_samples`, linear interpolation).
+        decode_step_cpu_ms_p50: median CPU time of the benchmark's thread over those steps (the engine
+            steps in it), ms: unlike the wall time, it leaves out the time a shared machine's other
+            processes held the core, so its ratios between rows stay comparable under changing load.
         mean_num_seqs: mean requests per pure-decode step.
         mean_context_len: mean context length (positions attended) of a request in those steps.
         weight_bytes_per_decode_step: `decode_weight_bytes` at mean_num_seqs.
@@ -99,6 +102,7 @@ class EngineBenchRow:
     decode_tokens_per_s: float
     decode_step_ms_p50: float
     decode_step_ms_p95: float
+    decode_step_cpu_ms_p50: float
     mean_num_seqs: float
     mean_context_len: float
     weight_bytes_per_decode_step: int
@@ -222,8 +226,9 @@ def _run(
     params: SamplingParams,
     probes: Callable[[], None] | None = None,
     probe_every: int = 1,
-) -> tuple[list[list[int]], float]:
-    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps).
+) -> tuple[list[list[int]], float, list[float]]:
+    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps, this
+    thread's CPU milliseconds of each pure-decode step).
 
     `probes` runs after every probe_every-th pure-decode step (outside the wall time returned), so
     probes and decode steps share the machine's load of the moment.
@@ -234,16 +239,18 @@ def _run(
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
     num_decode_steps = 0
     wall = 0.0
+    cpu_ms: list[float] = []
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
         wall += time.perf_counter() - t0
-        if probes is not None and engine.step_stats and engine.step_stats[-1].num_prefill_tokens == 0:
+        if engine.step_stats and engine.step_stats[-1].num_prefill_tokens == 0:
+            cpu_ms.append((time.thread_time() - c0) * 1e3)
             num_decode_steps += 1
-            if num_decode_steps % probe_every == 0:
+            if probes is not None and num_decode_steps % probe_every == 0:
                 probes()
-    return [outputs[rid] for rid in ids], wall
+    return [outputs[rid] for rid in ids], wall, cpu_ms
 
 
 def run_engine_benchmark(
@@ -315,7 +322,7 @@ def run_engine_benchmark(
         )
         prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, prompt_len)).tolist()
         engine = _engine(model, tokenizer, config)
-        solo, _ = _run(engine, prompts[:1], SamplingParams(max_tokens=oracle_tokens, ignore_eos=True))
+        solo, _, _ = _run(engine, prompts[:1], SamplingParams(max_tokens=oracle_tokens, ignore_eos=True))
         stats_start = engine.num_steps
         runner = engine.model_runner
         assert isinstance(runner, _RecordingRunner)
@@ -331,7 +338,7 @@ def run_engine_benchmark(
         replay = _linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
         replay()  # the same: first touches outside any timing
         probes = _Probes(probe, replay)
-        outputs, total_s = _run(
+        outputs, total_s, cpu_ms = _run(
             engine, prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), probes, probe_every
         )
         if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
@@ -372,6 +379,7 @@ def run_engine_benchmark(
                 decode_tokens_per_s=decode_tokens / decode_s,
                 decode_step_ms_p50=summary["p50_ms"],
                 decode_step_ms_p95=summary["p95_ms"],
+                decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
                 mean_num_seqs=mean_seqs,
                 mean_context_len=mean_positions / mean_seqs,
                 weight_bytes_per_decode_step=round(weight_bytes),
