@@ -1,4 +1,4 @@
-"""The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU.
+"""The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU, linear.
 
 What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py, and the
 unquantised GEMM of linear.py), without fused kernels: each function is the formula, written on one or

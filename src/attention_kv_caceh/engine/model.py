@@ -17,7 +17,7 @@ matmul each). A tied LM head shares the embedding array on the numpy path and is
 on the packed path. A step whose requests all decode uses the compiled
 `kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
 read in place through its block table, no gather); the test-only NumPy reference
-`oracle.paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
+`oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
 a step once (`ModelRunner.prepare_inputs`).
 
 Shape legend: N scheduled tokens, R scheduled requests, D_model hidden size, H query heads, H_kv KV
