@@ -18,7 +18,7 @@ the tile keeps 16 accumulators, 2 weight vectors and one broadcast in AVX-512's 
 
 `_tile` is written in LLVM IR (llvmlite) with explicit `<16 x float>` vectors: written as Numba loops
 over a `[MR, NR]` accumulator array, LLVM kept the accumulators in memory and emitted scalar or
-partial-width FMAs (0.3-3 GFLOP/s against 70-100 for this version; the measurements are in the docs).
+partial-width FMAs, some 30 times slower (the steps and their measurements: docs/kernels.md).
 The IR is the loop above, unrolled over i and over the NR / 16 vectors; LLVM's mem2reg turns the
 accumulator slots (allocas) into registers.
 """
