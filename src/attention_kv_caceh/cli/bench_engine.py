@@ -30,6 +30,7 @@ from attention_kv_caceh.cli.common import (
     positive_int,
     warn_if_blas_unpinned,
 )
+from attention_kv_caceh.cli.engine_args import add_engine_arguments
 
 __all__ = ["HELP", "add_arguments", "format_rows", "run"]
 
@@ -47,8 +48,8 @@ def _at_least_two(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --dtype, --gemm, --seed,
-    --json."""
+    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --gemm, --seed, --json,
+    and the engine flags --max-num-batched-tokens, --block-size, --dtype."""
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
     )
@@ -62,7 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=_at_least_two, default=128, help="output tokens per request")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="engine dtype")
+    add_engine_arguments(
+        parser.add_argument_group("engine (the KV pool is sized to the requests; prefix caching off)"),
+        only=("max_num_batched_tokens", "block_size", "dtype"),
+    )
     parser.add_argument(
         "--gemm",
         choices=("auto", "packed", "numpy"),
@@ -143,7 +147,15 @@ def run(args: argparse.Namespace) -> int:
     print(resolve_gemm_path(args.gemm, args.dtype)[1], flush=True)
     try:
         result = run_engine_benchmark(
-            model, sizes, args.prompt_len, args.output_len, args.dtype, args.seed, gemm=args.gemm
+            model,
+            sizes,
+            args.prompt_len,
+            args.output_len,
+            args.dtype,
+            args.seed,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            gemm=args.gemm,
         )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None

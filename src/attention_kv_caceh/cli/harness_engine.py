@@ -13,17 +13,22 @@ Ctrl-C or SIGTERM (both reach the harness as KeyboardInterrupt; see cli/__init__
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.cli.common import OneLineParser, UsageError
-from attention_kv_caceh.cli.serve import ENGINE_DEFAULTS, add_engine_arguments, engine_config_kwargs
+from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, engine_flags_given
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
+from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.harness.config import HarnessConfig
 from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
+from attention_kv_caceh.harness.run import context_problem
 
 __all__ = [
     "ENGINE_BACKEND",
     "add_arguments",
+    "check_context",
     "check_usage",
     "engine_flags",
     "format_engine_steps",
@@ -42,20 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(group, defaults=False)
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags that were given, as `serve` argv (e.g. ["--max-num-seqs", "4"])."""
-    argv: list[str] = []
-    for flag in ENGINE_DEFAULTS:
-        value = getattr(args, _dest(flag))
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
+    return engine_flags_given(args)
 
 
 def check_usage(args: argparse.Namespace) -> str:
@@ -81,6 +75,27 @@ def check_usage(args: argparse.Namespace) -> str:
     return _DEFAULT_BASE_URL
 
 
+def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
+    """UsageError when `config`'s synthetic requests cannot fit the model's context, which the server
+    would refuse request by request (HTTP 400): a --prompt-len of max_model_len tokens or more, or
+    --prompt-len + --output-len above it. max_model_len is --max-model-len when given, else the
+    checkpoint's `max_position_embeddings`. A config.json the engine cannot read is left to `serve` to
+    report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
+    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.model_config import ModelConfig
+
+    try:
+        folder = Path(args.model)
+        checkpoint = ModelConfig.from_hf_config(read_config_json(folder), folder / "config.json")
+    except (CheckpointError, ValueError, OSError):
+        return
+    limit: int = args.max_model_len or checkpoint.max_position_embeddings
+    source = "--max-model-len" if args.max_model_len else "the checkpoint's max_position_embeddings"
+    message = context_problem(config, limit, f"max_model_len {limit} ({source})")
+    if message is not None:
+        raise UsageError(message)
+
+
 def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:
     """What the summary records of the server: its argv, the engine flags given, every EngineConfig
     field those flags set (serve's defaults filled in), and `engine_steps`, the summary of the engine's
@@ -89,7 +104,8 @@ def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[
     parser = OneLineParser(prog="serve", add_help=False)
     add_serve_arguments(parser)
     flags = engine_flags(args)
-    settings = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    given = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    settings = dataclasses.asdict(EngineConfig(**given))  # pyright: ignore[reportArgumentType]
     try:
         steps: dict[str, Any] = engine_step_summary(server.base_url, timeout_s=10.0)
     except (OSError, ValueError, KeyError) as exc:

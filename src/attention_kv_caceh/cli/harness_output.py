@@ -13,6 +13,7 @@ from typing import Any
 
 from attention_kv_caceh.cli.common import PROG
 from attention_kv_caceh.cli.harness_engine import format_engine_steps
+from attention_kv_caceh.cli.workload_output import summary_extra_lines
 from attention_kv_caceh.files import JsonlWriter, meta_path, write_json_atomic
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult
@@ -37,6 +38,18 @@ def _fmt(value: Any, width: int = 9) -> str:
     return f"{float(value):>{width}.2f}"
 
 
+def _server_peaks(summary: dict[str, Any]) -> str:
+    """The server's peaks, or why there are none (not polled, or too few /metrics samples)."""
+    samples = summary.get("server_metrics_samples")
+    running, waiting = summary.get("peak_server_running"), summary.get("peak_server_waiting")
+    if running is None and waiting is None and samples is not None:
+        return f"peak server running/waiting: not reported (only {samples} /metrics samples: too few)"
+    return (
+        f"peak server running: {_fmt(running, 0)}   peak server waiting: {_fmt(waiting, 0)}   "
+        f"(server: {summary.get('server_metrics_source') or 'not polled'})"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width text table (ms), with throughput and server lines above it."""
     lines = [
@@ -45,10 +58,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   "
-        f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
-        f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
-        f"(server: {summary.get('server_metrics_source') or 'not polled'})",
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   " + _server_peaks(summary),
     ]
     if summary.get("request_goodput") is not None:
         lines.append(
@@ -66,7 +76,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
         ]
         lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
-    return "\n".join(lines)
+    return "\n".join(lines + summary_extra_lines(summary))
 
 
 def summary_document(

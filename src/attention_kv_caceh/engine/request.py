@@ -8,15 +8,14 @@ Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting q
 FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
 they are recomputed with the prompt when it runs again (preemption by recompute).
 
-Timestamps are `time.monotonic()` seconds, the clock vLLM's request-level metrics use (TTFT = first_token_time
-- arrival_time, E2EL = finished_time - arrival_time, ITL = differences of token_times).
+The core's Request has no timestamps: the front end's OutputProcessor keeps them (output_processor.py),
+where the metrics read them, as vLLM v1 does.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +60,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token and when to stop (a subset of vLLM's SamplingParams).
@@ -75,6 +78,8 @@ class SamplingParams:
         seed: seed (>= 0) of the request's own np.random.Generator; None draws fresh entropy.
         ignore_eos: keep generating after the eos token.
         stop_token_ids: more token ids that end the request (always honored, unlike eos).
+        stop: strings that end the request; the text stops before the first one found (applied by the
+            front end's OutputProcessor, which aborts the request in the core).
 
     Raises:
         ValueError: a field is out of its range.
@@ -87,6 +92,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -101,6 +107,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int >= 0 or None, got {self.seed!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if any(not _is_nonempty_str(s) for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -109,7 +117,7 @@ class SamplingParams:
 
 
 class Request:
-    """One request: its tokens, its place in the KV cache and its timestamps.
+    """One request: its tokens and its place in the KV cache.
 
     Attributes:
         request_id: unique id.
@@ -121,12 +129,11 @@ class Request:
         output_token_ids: sampled tokens so far.
         block_ids: the block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size).
         block_hashes: prefix-cache hashes of the full blocks of all_token_ids, extended as tokens come.
-        num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission.
-        num_preemptions: times this request was preempted.
+        num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission (sent
+            to the front end with each output; FinishedRequestStats carries it).
+        num_preemptions: times this request was preempted (sent likewise).
         generator: the request's own random generator (sampling with temperature > 0), seeded from
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
-        arrival_time, first_scheduled_time, first_token_time, finished_time: time.monotonic() seconds
-            (None until it happens); token_times: one entry per output token.
 
     Raises:
         ValueError: an empty prompt or a negative token id.
@@ -138,7 +145,6 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -156,11 +162,6 @@ class Request:
         self.num_cached_tokens = 0
         self.num_preemptions = 0
         self.generator = np.random.default_rng(sampling_params.seed)
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.token_times: list[float] = []
-        self.finished_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -194,13 +195,9 @@ class Request:
             max(max_model_len, self.num_prompt_tokens + 1),
         )
 
-    def append_output_token(self, token_id: int, now: float | None = None) -> None:
-        """Record a sampled token and its time."""
-        t = time.monotonic() if now is None else now
+    def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token."""
         self.output_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = t
-        self.token_times.append(t)
 
     def __repr__(self) -> str:
         return (

@@ -4,17 +4,28 @@ Corresponds to vLLM's `vllm/entrypoints/openai/api_server.py`, small: `POST /v1/
 `POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health`,
 `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /metrics` (Prometheus, vLLM's names; see
 metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
-StepStats (llm_engine.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
+StepStats (core.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
 record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
 
-Faults: a bad request (malformed JSON, a known field of the wrong type, max_tokens <= 0, a prompt too long
-for `max_model_len`) is a 400 and an unknown model a 404, both with OpenAI's error body; with `api_key`
-set, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (else 401; `/health` and
-`/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more than `max_queue`
-requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that disconnects
-mid-stream aborts its request (its KV blocks are freed at the next step). An engine step that raises fails
-the requests it was running: a stream gets an error event then `[DONE]`, a whole response a 500.
+`POST /reset_prefix_cache` (vLLM's) forgets the engine core's prefix cache: 200 when done, 409 while
+requests hold KV blocks.
+
+Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
+request (malformed JSON, a known field of the wrong type, max_tokens <= 0, a prompt too long for
+`max_model_len`) is a 400 and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
+`/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
+401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
+than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
+disconnects mid-stream aborts its request (its KV blocks are freed at the core's next step). An engine
+step that raises fails the requests it was running: a stream gets an error event then `[DONE]`, a whole
+response a 500. A dead engine core (EngineDeadError) ends every open stream with an error event then
+`[DONE]`; new requests get 503 and `/health` answers 503. A drain that runs out of time ends each cut
+stream with a chunk whose finish_reason is "abort", then `[DONE]`.
+
+Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
+tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
+deltas arrive already detokenized from AsyncLLM's output thread.
 """
 
 from __future__ import annotations
@@ -37,8 +48,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from attention_kv_caceh.engine.async_llm import AsyncLLM
+from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
+from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
@@ -64,12 +76,13 @@ from attention_kv_caceh.engine.serving import (
     completion_chunk,
     sampling_params_for,
     sse,
-    text_deltas,
     usage,
 )
-from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""Largest request body the server reads by default (8 MiB); a larger one is a 413 before parsing."""
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +92,7 @@ _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
 def build_app(
     async_llm: AsyncLLM,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerLike,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -87,17 +100,21 @@ def build_app(
     *,
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
-    requests get up to `drain_timeout_s` seconds). `chat_template` None uses chat_utils'
-    PLAIN_CHAT_TEMPLATE. Raises ValueError for max_model_len < 2 or max_queue < 0.
+    requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
+    see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. Raises ValueError for
+    max_model_len < 2, max_queue < 0 or max_request_bytes < 1.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     template = chat_template if chat_template is not None else ChatTemplate()
     metrics = ServerMetrics(
         served_model_name,
@@ -110,7 +127,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncGenerator[None]:
-        if not async_llm.is_running:
+        if not async_llm.is_started:
             async_llm.start()
         yield
         await async_llm.shutdown(drain_timeout_s)
@@ -139,6 +156,7 @@ def build_app(
 
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)  # outermost: before any parsing
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -151,11 +169,13 @@ def build_app(
         if max_queue is not None and async_llm.num_unfinished >= async_llm.max_num_seqs + max_queue:
             raise HTTPError(503, f"the server's queue is full ({max_queue} requests waiting); retry later")
         try:
-            return async_llm.add_request(request_id, prompt_ids, params)
+            return async_llm.generate(prompt_ids, params, request_id)
         except EngineDrainingError as exc:
             raise HTTPError(503, str(exc)) from exc
+        except EngineDeadError as exc:
+            raise HTTPError(503, f"EngineDeadError: {exc}") from exc
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def render_chat(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
@@ -165,9 +185,12 @@ def build_app(
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
 
-    def completion_prompt(prompt: str | list[int]) -> list[int]:
+    async def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        return await asyncio.to_thread(render_chat, messages, add_generation_prompt)
+
+    async def completion_prompt(prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+            return await asyncio.to_thread(tokenizer.encode, prompt)
         # an id the model has no embedding row for would fail the whole engine step, not just this request
         bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
         if bad:
@@ -180,6 +203,16 @@ def build_app(
     async def health() -> Response:  # pyright: ignore[reportUnusedFunction]
         return Response(status_code=200 if async_llm.is_running else 503)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:  # pyright: ignore[reportUnusedFunction]
+        try:
+            done = await async_llm.reset_prefix_cache()
+        except EngineDeadError as exc:
+            raise HTTPError(503, f"EngineDeadError: {exc}") from exc
+        if not done:
+            raise HTTPError(409, "the prefix cache was not reset: requests hold KV blocks; retry when idle")
+        return Response(status_code=200)
+
     @app.get("/metrics")
     async def scrape() -> Response:  # pyright: ignore[reportUnusedFunction]
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -188,8 +221,8 @@ def build_app(
     async def step_stats(last: int = 1000) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         if not 1 <= last <= _MAX_STEP_STATS:
             raise HTTPError(400, f"last must be in [1, {_MAX_STEP_STATS}], got {last}", "last")
-        # list() of the bounded deque runs in C under the GIL: one consistent copy against the engine thread
-        recent = list(async_llm.engine.step_stats)[-last:]
+        # list() of the bounded deque runs in C under the GIL: one consistent copy against the output thread
+        recent = list(async_llm.step_stats)[-last:]
         return {"object": "list", "data": [dataclasses.asdict(s) for s in recent]}
 
     @app.get("/v1/models")
@@ -209,12 +242,16 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         if body.messages is not None:
-            tokens = chat_prompt(body.messages, body.add_generation_prompt)
+            tokens = await chat_prompt(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = await asyncio.to_thread(
+                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+        strs = None
+        if body.return_token_strs:
+            strs = await asyncio.to_thread(lambda: [tokenizer.decode([t]) for t in tokens])
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
 
     @app.post("/detokenize")
@@ -222,28 +259,91 @@ def build_app(
         check_model(body.model)
         if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
             raise HTTPError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = admit(request_id, completion_prompt(body.prompt), body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
+        prompt_ids = await completion_prompt(body.prompt)
+        stream = admit(request_id, prompt_ids, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         if body.stream:
-            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=False))
-        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=False))
+            return _sse_response(_stream_events(stream, body, served_model_name, chat=False))
+        return await _unless_disconnected(raw, _whole(stream, served_model_name, chat=False))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = chat_prompt(body.messages, body.add_generation_prompt)
+        prompt_ids = await chat_prompt(body.messages, body.add_generation_prompt)
         stream = admit(request_id, prompt_ids, body, None)
         if body.stream:
-            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=True))
-        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=True))
+            return _sse_response(_stream_events(stream, body, served_model_name, chat=True))
+        return await _unless_disconnected(raw, _whole(stream, served_model_name, chat=True))
 
     return app
+
+
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
+
+
+class _BodySizeMiddleware:
+    """413 with OpenAI's error body for a request body over `max_bytes`: at once when Content-Length says
+    so, else as soon as the received chunks pass it; nothing of such a body is parsed (a plain ASGI
+    middleware, so streaming and disconnect detection are untouched)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        if length is not None and length.isdigit():
+            await self.app(scope, receive, send)  # the server stops reading at Content-Length
+            return
+        # chunked: read the body here, bounded, then hand it on
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([], message, receive), send)
+                return
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        await error_response(413, message)(scope, receive, send)
+
+
+def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
+    """A `receive` that gives the buffered body (or `first`) once, then the connection's own messages."""
+    pending: list[Any] = (
+        [first]
+        if first is not None
+        else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    )
+
+    async def replay() -> Any:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
 
 
 class _ApiKeyMiddleware:
@@ -256,7 +356,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"
@@ -301,7 +401,6 @@ def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
 async def _stream_events(
     stream: RequestStream,
     body: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
     model: str,
     *,
     chat: bool,
@@ -312,8 +411,8 @@ async def _stream_events(
     with the finish_reason, a usage-only chunk (`choices: []`) with `stream_options.include_usage`, and
     `data: [DONE]`. With `continuous_usage_stats` every chunk carries the usage so far, and a token whose
     text is not complete yet still gets a chunk (empty text) so a client can time it (see
-    `serving.text_deltas`). An engine error ends the stream with an error event (400 for a request the
-    engine refused, 500 for a failed step).
+    output_processor.py). An engine error ends the stream with an error event (400 for a request the
+    engine refused, 500 for a failed step, 503 for a dead engine core), then `data: [DONE]`.
     """
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
@@ -332,7 +431,7 @@ async def _stream_events(
     try:
         if chat:
             yield sse(chat_chunk(rid, model, created, {"role": "assistant"}))
-        async for delta in text_deltas(stream, tokenizer, body.stop_strings):
+        async for delta in stream:
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             per_chunk = usage(*counts) if continuous else None
             if delta.text or (continuous and delta.finish_reason is None):
@@ -345,19 +444,19 @@ async def _stream_events(
         yield sse(error_body(400, str(exc)))
     except EngineStepError as exc:
         yield sse(error_body(500, str(exc)))
+    except EngineDeadError as exc:
+        yield sse(error_body(503, f"EngineDeadError: {exc}"))
     finally:
         stream.close()  # a client that left cancels this generator: abort its request
     yield DONE
 
 
-async def _whole(
-    stream: RequestStream, body: GenerationRequest, tokenizer: Tokenizer, model: str, *, chat: bool
-) -> Response:
+async def _whole(stream: RequestStream, model: str, *, chat: bool) -> Response:
     parts: list[str] = []
     finish_reason = "stop"
     counts = (0, 0)
     try:
-        async for delta in text_deltas(stream, tokenizer, body.stop_strings):
+        async for delta in stream:
             parts.append(delta.text)
             counts = (delta.num_prompt_tokens, delta.num_output_tokens)
             if delta.finish_reason is not None:
@@ -366,6 +465,8 @@ async def _whole(
         return error_response(400, str(exc))
     except EngineStepError as exc:
         return error_response(500, str(exc))
+    except EngineDeadError as exc:
+        return error_response(503, f"EngineDeadError: {exc}")
     finally:
         stream.close()
     text = "".join(parts)

@@ -1,12 +1,9 @@
-"""One generation request from the HTTP side: sampling checks, stop strings, text deltas, OpenAI chunks.
+"""One generation request from the HTTP side: sampling checks and OpenAI's chunk shapes.
 
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
-size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error);
-`text_deltas` turns a request's token stream into text deltas, applying the `stop` strings: the text stops
-before the first occurrence of any of them, with finish_reason "stop", and the request is aborted in the
-engine at its next step. While stop strings are set, the last `max(len(stop)) - 1` characters are held back
-from the stream (a stop string may straddle two deltas), so the streamed deltas always concatenate to the
-non-streamed text. The chunk builders give OpenAI's stream shapes.
+size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error),
+`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
+chunk builders give OpenAI's stream shapes.
 """
 
 from __future__ import annotations
@@ -14,25 +11,18 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.protocol import GenerationRequest
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = [
     "DONE",
     "HTTPError",
-    "IncrementalDetokenizer",
-    "TextDelta",
     "chat_chunk",
     "completion_chunk",
     "sampling_params_for",
     "sse",
-    "text_deltas",
     "usage",
 ]
 
@@ -127,92 +117,8 @@ def sampling_params_for(
         top_k=top_k,
         seed=body.seed,
         ignore_eos=body.ignore_eos,
+        stop=tuple(body.stop_strings),
     )
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list: decode(all ids) minus the text already returned.
-
-    A trailing U+FFFD (an incomplete UTF-8 sequence of a byte-level tokenizer) is held back until the next
-    token completes it; `flush()` returns whatever is left. Decodes the whole list each time (O(n^2) in the
-    output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """The text returned so far."""
-        return self._text
-
-    def add(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids`; return the new stable text."""
-        self._ids.extend(new_ids)
-        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
-        return self._advance(stable)
-
-    def flush(self) -> str:
-        """The text held back (at the end of the request)."""
-        return self._advance(self._tokenizer.decode(list(self._ids)))
-
-    def _advance(self, full: str) -> str:
-        if len(full) <= len(self._text) or not full.startswith(self._text):
-            return ""
-        delta = full[len(self._text) :]
-        self._text = full
-        return delta
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """New text of one request; `finish_reason` is set on the last one. Token counts are cumulative."""
-
-    text: str
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-
-
-def _find_stop(text: str, stops: list[str], start: int) -> int:
-    """Index of the earliest stop string in `text[start:]` (searching from `start`), or -1."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else -1
-
-
-async def text_deltas(
-    stream: RequestStream, tokenizer: Tokenizer, stops: list[str]
-) -> AsyncIterator[TextDelta]:
-    """The request's text deltas until it finishes (see the module docstring for stop strings).
-
-    Raises EngineStepError (from the stream) when the engine step serving the request failed.
-    """
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    holdback = max((len(s) for s in stops), default=1) - 1
-    text = ""
-    sent = 0
-    async for delta in stream:
-        text += detokenizer.add(delta.new_token_ids)
-        if delta.finished:
-            text += detokenizer.flush()
-        counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-        if stops:
-            index = _find_stop(text, stops, max(0, sent - holdback))
-            if index >= 0:
-                stream.close("stop")
-                yield TextDelta(text[sent:index], "stop", *counts)
-                return
-        if delta.finished:
-            yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts)
-            return
-        safe = len(text) - holdback
-        # A token whose text cannot be sent yet (half of a UTF-8 character, or held back for a stop
-        # string) still yields a delta, with empty text: the server sends it as a chunk whose usage
-        # counts the token (with continuous_usage_stats), as vLLM does, so a client times every token.
-        yield TextDelta(text[sent:safe] if safe > sent else "", None, *counts)
-        sent = max(sent, safe)
 
 
 def _stream_chunk(

@@ -13,12 +13,15 @@ the record, which is then written like any other (see `records.FAILURE_KINDS`).
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Literal, Protocol
 
 import aiohttp
 
+from attention_kv_caceh.harness.answer_text import AnswerText
 from attention_kv_caceh.harness.client_errors import classify_client_error
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.harness.sse import (
@@ -47,7 +50,11 @@ class RequestSpec:
 
     `prompt_token_ids`: the prompt as token ids (sent as such to `/v1/completions`);
     `prompt_tokens_checked`: the prompt's length as a tokenizer counted it (None: not checked, the
-    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one.
+    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one. `group` and `turn`:
+    the workload's group (shared-prefix: which prefix; multi-turn: which conversation) and the turn
+    within a conversation (from 0), None for the random workload; `messages`: the whole chat history
+    as (role, content) pairs, sent as `messages` to the chat endpoint (the completions endpoint gets
+    `prompt`, the history rendered as text).
     """
 
     request_id: int
@@ -57,6 +64,9 @@ class RequestSpec:
     prompt_token_ids: tuple[int, ...] | None = None
     prompt_tokens_checked: int | None = None
     from_dataset: bool = False
+    group: int | None = None
+    turn: int | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -146,10 +156,13 @@ class SimulatedServer:
 
 
 class SimulatedBackend:
-    """Streams from a SimulatedServer; output tokens are exactly those asked for."""
+    """Streams from a SimulatedServer; output tokens are exactly those asked for. With `keep_answers`,
+    `answers[request_id]` is a made-up answer text of one word per output token."""
 
-    def __init__(self, server: SimulatedServer) -> None:
+    def __init__(self, server: SimulatedServer, *, keep_answers: bool = False) -> None:
         self.server = server
+        self.keep_answers = keep_answers
+        self.answers: dict[int, str] = {}
 
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Fill `record` with one event per token; status "ok" when the stream completes."""
@@ -160,6 +173,8 @@ class SimulatedBackend:
         record.prompt_tokens = spec.prompt_tokens
         record.tokens_per_event_source = "simulated"
         record.status = STATUS_OK
+        if self.keep_answers:
+            self.answers[spec.request_id] = " ".join(f"t{k}" for k in range(record.output_tokens))
 
 
 def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
@@ -176,7 +191,8 @@ class OpenAIBackend:
     Asks for `stream_options: {"include_usage": true, "continuous_usage_stats": true}` so that vLLM
     reports the tokens of every chunk. `timeout_s` bounds each whole request; `max_event_bytes` one SSE
     event (beyond it the request fails as `event_too_large`). The aiohttp session is
-    shared by all requests and owned by the caller.
+    shared by all requests and owned by the caller. With `keep_answers`, `answers[request_id]` is the
+    text each request streamed (`answer_text.AnswerText`), for a multi-turn workload's next turn.
     """
 
     def __init__(
@@ -190,6 +206,7 @@ class OpenAIBackend:
         timeout_s: float = 600.0,
         ignore_eos: bool = False,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        keep_answers: bool = False,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
@@ -203,6 +220,37 @@ class OpenAIBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.ignore_eos = ignore_eos
         self.max_event_bytes = max_event_bytes
+        self.keep_answers = keep_answers
+        self.answers: dict[int, str] = {}
+        self._bodies: dict[int, tuple[RequestSpec, bytes]] = {}  # request_id -> (spec, its JSON body)
+
+    def prepare(self, specs: Sequence[RequestSpec]) -> None:
+        """Encode the JSON bodies of `specs` now, so that sending one costs no encoding (a long
+        prompt's body takes a while to encode, and at a burst every encoding delays the next send)."""
+        self._bodies = {spec.request_id: (spec, self._body(spec)) for spec in specs}
+
+    def _body(self, spec: RequestSpec) -> bytes:
+        """The encoded body of `spec`: prepared (when `spec` itself was prepared), else encoded now."""
+        prepared = self._bodies.get(spec.request_id)
+        if prepared is not None and prepared[0] is spec:
+            return prepared[1]
+        return json.dumps(self.payload(spec)).encode()
+
+    async def open_connections(self, n: int) -> int:
+        """Open up to `n` keep-alive connections to the server now (concurrent `GET /v1/models`, each
+        answer read to its end), so that a burst of requests reuses them instead of connecting while
+        the clock runs. Returns how many answered; failures are left to the requests to meet."""
+        models = self.url.rsplit("/v1/", 1)[0] + "/v1/models"
+
+        async def one() -> bool:
+            try:
+                async with self.session.get(models, headers=self.headers, timeout=self.timeout) as response:
+                    await response.read()
+                    return True
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+
+        return sum(await asyncio.gather(*(one() for _ in range(n))))
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body of one streamed request."""
@@ -215,7 +263,8 @@ class OpenAIBackend:
             body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt
             body["max_tokens"] = spec.output_tokens
         else:
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
+            pairs = spec.messages if spec.messages is not None else (("user", spec.prompt),)
+            body["messages"] = [{"role": role, "content": content} for role, content in pairs]
             body["max_completion_tokens"] = spec.output_tokens
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -224,9 +273,10 @@ class OpenAIBackend:
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
         decoder = OpenAIStreamDecoder(self.max_event_bytes)
+        answer = AnswerText() if self.keep_answers else None
         try:
             async with self.session.post(
-                self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
+                self.url, data=self._body(spec), headers=self.headers, timeout=self.timeout
             ) as response:
                 record.http_status = response.status
                 if response.status != 200:
@@ -239,6 +289,8 @@ class OpenAIBackend:
                     return
                 async for chunk in response.content.iter_any():
                     now = perf_counter_ns()
+                    if answer is not None:
+                        answer.feed(chunk)
                     for count in decoder.feed(chunk):
                         record.add_token_event(now, count)
                     if decoder.failure is not None:
@@ -261,6 +313,8 @@ class OpenAIBackend:
         else:
             self._finish(decoder, record)
         finally:
+            if answer is not None:
+                self.answers[spec.request_id] = answer.text
             if decoder.prompt_tokens is not None:
                 record.prompt_tokens = decoder.prompt_tokens
             elif spec.prompt_tokens_checked is not None:
