@@ -24,10 +24,25 @@ class BenchEngineCommandTest(EngineCommandCase):
             self.assertEqual(r["num_output_tokens"], r["max_num_seqs"] * 5)
             self.assertAlmostEqual(r["output_tokens_per_s"], r["num_output_tokens"] / r["total_time_s"])
             self.assertAlmostEqual(r["probe_ratio"], r["decode_gb_per_s"] / r["probe_gb_per_s"])
+            self.assertAlmostEqual(r["linear_share"], r["linear_ms"] / r["decode_step_ms_p50"])
+            self.assertAlmostEqual(r["fma_ratio"], r["linear_gflop_per_s"] / r["fma_gflop_per_s"])
+            self.assertIn(r["gemm_path"], ("packed", "numpy"))
         gain = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
         self.assertIn(f"batching gain: {gain:.2f}x", out)
         last = json.loads(out.strip().splitlines()[-1])
         self.assertEqual(last["max_num_seqs"], [1, 3])
+
+    def test_gemm_flag_picks_the_path_every_row_reports(self) -> None:
+        out_json = self.out / "numpy.json"
+        code, _, err = quietly(
+            [
+                *("bench-engine", "--model", str(self.model), "--max-num-seqs", "2", "--gemm", "numpy"),
+                *("--prompt-len", "3", "--output-len", "3", "--json", str(out_json)),
+            ]
+        )
+        self.assertEqual(code, 0, err)
+        rows = json.loads(out_json.read_text(encoding="utf-8"))["rows"]
+        self.assertEqual([r["gemm_path"] for r in rows], ["numpy"])
 
     def test_output_lengths_below_the_oracles_four_tokens_run(self) -> None:
         for output_len in ("2", "3"):
@@ -49,6 +64,7 @@ class BenchEngineCommandTest(EngineCommandCase):
             "too long": ["--model", str(self.model), "--prompt-len", "2048", "--output-len", "8"],
             "one output token": ["--model", str(self.model), "--output-len", "1"],
             "zero seqs": ["--model", str(self.model), "--max-num-seqs", "0"],
+            "packed float64": ["--model", str(self.model), "--gemm", "packed", "--dtype", "float64"],
         }
         for name, flags in cases.items():
             with self.subTest(name):

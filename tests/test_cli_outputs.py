@@ -16,6 +16,7 @@ from unittest import mock
 from attention_kv_caceh import cli
 from attention_kv_caceh.cli import cache as cache_cli
 from attention_kv_caceh.cli import scan as scan_cli
+from attention_kv_caceh.cli.common import MARKDOWN_HEADINGS
 from attention_kv_caceh.files import check_output_path
 
 
@@ -197,6 +198,53 @@ class SideFileIsAnotherRunsRawFileTest(OutputFlagTestCase):
         argv = ["cache", "--csv", "d/b.csv", *self.CACHE, "--repeats", "1"]
         self.assertEqual(quietly(argv)[0], 0)
         self.assertEqual(quietly(argv)[0], 0)
+
+
+class MarkdownBesideTheCsvTest(OutputFlagTestCase):
+    """The `<stem>.md` a lab command writes beside its raw CSV never replaces a user's Markdown file."""
+
+    SCAN = SideFileIsAnotherRunsRawFileTest.SCAN
+    CACHE = SideFileIsAnotherRunsRawFileTest.CACHE
+    scan = SideFileIsAnotherRunsRawFileTest.scan
+
+    NOTES = b"# My notes on the benchmark\n\nkept as written\n"
+
+    def argv(self, command: str, csv: str) -> list[str]:
+        return {
+            "scan": ["--csv", csv, *self.SCAN],
+            "cache": ["cache", "--csv", csv, *self.CACHE, "--repeats", "1"],
+            "views": ["views", "--csv", csv],
+        }[command]
+
+    def run_command(self, command: str, csv: str) -> tuple[int, str, str]:
+        return self.scan(csv) if command == "scan" else quietly(self.argv(command, csv))
+
+    def test_a_users_markdown_is_refused_up_front_and_kept(self) -> None:
+        (self.dir / "d").mkdir()
+        notes = self.dir / "d" / "a.md"
+        for command in ("scan", "cache", "views"):
+            for content in (self.NOTES, b"", b"\xff\xfe not text"):
+                with self.subTest(command=command, content=content):
+                    notes.write_bytes(content)
+                    code, out, err = self.run_command(command, "d/a.csv")
+                    self.assertEqual((code, out), (2, ""), err)
+                    self.assertEqual(len(err.strip().splitlines()), 1, err)
+                    self.assertIn("--csv", err)
+                    self.assertIn(str(Path("d", "a.md")), err)
+                    self.assertEqual(notes.read_bytes(), content)
+                    self.assertEqual(sorted(os.listdir(self.dir / "d")), ["a.md"])
+
+    def test_each_commands_own_markdown_is_replaced_on_a_rerun(self) -> None:
+        for command in ("scan", "cache", "views"):
+            with self.subTest(command=command):
+                csv = f"{command}/a.csv"
+                self.assertEqual(self.run_command(command, csv)[0], 0)
+                written = (self.dir / command / "a.md").read_text(encoding="utf-8")
+                self.assertTrue(written.startswith(MARKDOWN_HEADINGS), written.splitlines()[0])
+                self.assertIn("`a.csv`", written.splitlines()[0])
+                (self.dir / command / "a.md").write_text(written + "\nstale line\n", encoding="utf-8")
+                self.assertEqual(self.run_command(command, csv)[0], 0)
+                self.assertNotIn("stale line", (self.dir / command / "a.md").read_text(encoding="utf-8"))
 
 
 class SmallMessagesTest(OutputFlagTestCase):

@@ -40,6 +40,15 @@ def weights_read_per_step(config: dict[str, Any], num_seqs: int) -> int:
     return 4 * items
 
 
+def linear_weights(config: dict[str, Any]) -> int:
+    """Weights of the q/k/v, o, gate/up and down projections of every layer and of the LM head."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    h, h_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or hidden // h
+    layer = hidden * (h + 2 * h_kv) * d + h * d * hidden + 3 * hidden * inter
+    return config["num_hidden_layers"] * layer + config["vocab_size"] * hidden
+
+
 class CorruptBatchRunner(ModelRunner):
     """Shifts request 0's logits by one token whenever more than one request is scheduled."""
 
@@ -91,9 +100,15 @@ class TestEngineBenchmark(unittest.TestCase):
                         row.decode_gb_per_s, row.bytes_per_decode_step / (row.decode_step_ms_p50 * 1e6)
                     )
                     self.assertAlmostEqual(row.probe_ratio, row.decode_gb_per_s / row.probe_gb_per_s)
+                    flops = 2 * r * linear_weights(config)  # per replay of the step's linear layers
+                    self.assertAlmostEqual(row.linear_gflop_per_s, flops / (row.linear_ms * 1e6))
+                    self.assertAlmostEqual(row.fma_ratio, row.linear_gflop_per_s / row.fma_gflop_per_s)
+                    self.assertAlmostEqual(row.linear_share, row.linear_ms / row.decode_step_ms_p50)
+                    self.assertEqual(row.gemm_path, result.environment["gemm_path"])
                     self.assertAlmostEqual(row.output_tokens_per_s * row.total_time_s, r * OUT)
                     self.assertAlmostEqual(row.decode_tokens_per_s * row.decode_time_s, r * (OUT - 1))
                     self.assertLessEqual(row.decode_step_ms_p50, row.decode_step_ms_p95)
+                    self.assertGreater(row.decode_step_cpu_ms_p50, 0.0)
                     self.assertLess(row.decode_time_s, row.total_time_s)
 
     def test_tied_lm_head_is_counted_once(self) -> None:

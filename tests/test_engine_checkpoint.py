@@ -64,8 +64,8 @@ class TestDtypes(CheckpointTestBase):
         self.assertTrue((sharded / "model.safetensors.index.json").is_file())
         self.assertGreater(len(list(sharded.glob("model-*-of-*.safetensors"))), 2)
         two = Model.load(sharded, "float32")
-        np.testing.assert_array_equal(one.layers[1].qkv_proj, two.layers[1].qkv_proj)
-        np.testing.assert_array_equal(one.lm_head, two.lm_head)
+        np.testing.assert_array_equal(one.layers[1].qkv_proj.dense(), two.layers[1].qkv_proj.dense())
+        np.testing.assert_array_equal(one.lm_head.dense(), two.lm_head.dense())
 
 
 class TestFilePermissions(CheckpointTestBase):
@@ -86,16 +86,18 @@ class TestTiedEmbeddings(CheckpointTestBase):
         folder = self.write("tied", "llama", tie_word_embeddings=True)
         self.assertNotIn("lm_head.weight", load_file(folder / "model.safetensors"))
         model = Model.load(folder, "float64")
-        self.assertIs(model.lm_head, model.embed_tokens)
+        self.assertIs(model.lm_head.weight, model.embed_tokens)  # the numpy path shares the array
         hidden = np.random.default_rng(0).standard_normal((2, 128))
         np.testing.assert_allclose(model.compute_logits(hidden), hidden @ model.embed_tokens.T)
+        packed = Model.load(folder, "float32", "packed")  # a packed copy of the same matrix
+        np.testing.assert_array_equal(packed.lm_head.dense(), packed.embed_tokens)
 
     def test_untied_checkpoint_reads_its_own_lm_head(self) -> None:
         folder = self.write("untied", "qwen3", tie_word_embeddings=False)
         tensors = load_file(folder / "model.safetensors")
         model = Model.load(folder, "float32")
-        np.testing.assert_array_equal(model.lm_head, tensors["lm_head.weight"])
-        self.assertFalse(np.array_equal(model.lm_head, model.embed_tokens))
+        np.testing.assert_array_equal(model.lm_head.dense(), tensors["lm_head.weight"])
+        self.assertFalse(np.array_equal(model.lm_head.dense(), model.embed_tokens))
 
 
 class TestErrors(CheckpointTestBase):

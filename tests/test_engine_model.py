@@ -21,16 +21,13 @@ from safetensors.numpy import load_file
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.layers import MATVEC_MAX_ROWS, linear
+from attention_kv_caceh.engine.layers import LinearWeight, linear
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
-from attention_kv_caceh.engine.model import Model
+from attention_kv_caceh.engine.model import Model, resolve_gemm_path
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.engine.paged_attention import (
-    AttentionMetadata,
-    paged_attention,
-    paged_decode_attention,
-    write_kv,
-)
+from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.kernels import paged_decode_attention
+from attention_kv_caceh.oracle import reference_paged_decode_attention
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -215,10 +212,12 @@ class TestPagedAttention(unittest.TestCase):
             )  # [1, H, n, D]
             start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
             np.testing.assert_allclose(got[start:end], want[0].transpose(1, 0, 2), rtol=1e-12, atol=1e-12)
-        if all(n == 1 for _, n in plan):  # a decode step: the batched decode path must agree
-            decoded = paged_decode_attention(
-                np.concatenate(qs), k_cache, v_cache, block_tables, meta.context_lens
-            )  # [R, H, D]
+        if all(n == 1 for _, n in plan):  # a decode step: the compiled kernel and its oracle must agree
+            q = np.concatenate(qs)  # [R, H, D]
+            lens = meta.context_lens.astype(np.int32)
+            reference = reference_paged_decode_attention(q, k_cache, v_cache, block_tables, lens)
+            np.testing.assert_allclose(reference, got, rtol=1e-12, atol=1e-12)
+            decoded = paged_decode_attention(q, k_cache, v_cache, block_tables, lens)  # the engine's path
             np.testing.assert_allclose(decoded, got, rtol=1e-12, atol=1e-12)
 
     def test_paged_attention_equals_contiguous_attention_for_shuffled_block_tables(self) -> None:
@@ -247,37 +246,50 @@ class TestPagedAttention(unittest.TestCase):
     ) -> None:
         self.check_plan([(c, 1) for c in cached], bs, seed)
 
-    def test_paged_decode_attention_rejects_a_block_table_too_short_for_the_context(self) -> None:
-        caches = np.zeros((4, 4, 2, 8)), np.zeros((4, 4, 2, 8))
-        with self.assertRaisesRegex(ValueError, "lack valid blocks"):
-            paged_decode_attention(
-                np.zeros((2, 4, 8)), *caches, np.array([[0, 1], [2, -1]], np.int32), np.array([8, 5])
-            )
-        with self.assertRaisesRegex(ValueError, "context_lens must be >= 1"):
-            paged_decode_attention(np.zeros((1, 4, 8)), *caches, np.array([[0]], np.int32), np.array([0]))
-
-    def test_attention_metadata_rejects_a_block_table_too_short_for_the_context(self) -> None:
-        with self.assertRaisesRegex(ValueError, "block tables hold"):
-            AttentionMetadata(
-                slot_mapping=np.array([4]),
-                query_start_loc=np.array([0, 1]),
-                block_tables=np.array([[1]], dtype=np.int32),
-                context_lens=np.array([5]),
-                block_size=4,
-            )
-
 
 class TestLinear(unittest.TestCase):
-    def test_row_wise_and_gemm_paths_equal_the_float64_product_on_both_sides_of_the_threshold(self) -> None:
+    def test_both_gemm_paths_equal_the_float64_product(self) -> None:
+        # Row counts around every tile height of the packed kernel (8, 4, 2, 1), output widths that are
+        # and are not a multiple of its panel width, and a strided x as layers pass on.
         rng = np.random.default_rng(0)
-        w = rng.standard_normal((37, 19)).astype(np.float32)
-        for n in range(1, MATVEC_MAX_ROWS + 3):
-            x = rng.standard_normal((19, n)).astype(np.float32).T  # a strided view, as layers pass on
-            got = linear(x, w)
-            self.assertEqual((got.shape, got.dtype), ((n, 37), np.dtype(np.float32)))
-            self.assertTrue(got.flags.c_contiguous)
-            want = x.astype(np.float64) @ w.astype(np.float64).T
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        for c_out in (37, 64):
+            w = rng.standard_normal((c_out, 19)).astype(np.float32)
+            want_w = w.astype(np.float64)
+            for path in ("numpy", "packed"):
+                weight = LinearWeight.of(w, path)
+                np.testing.assert_array_equal(weight.dense(), w)
+                for n in (1, 2, 3, 7, 8, 13, 17):
+                    x = rng.standard_normal((19, n)).astype(np.float32).T  # [n, 19], a strided view
+                    got = linear(x, weight)
+                    self.assertEqual((got.shape, got.dtype), ((n, c_out), np.dtype(np.float32)))
+                    np.testing.assert_allclose(got, x.astype(np.float64) @ want_w.T, rtol=1e-5, atol=1e-5)
+
+    def test_packed_model_picks_the_same_greedy_tokens_as_the_numpy_model(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny", seed=3)
+            picks = []
+            for gemm in ("numpy", "packed"):
+                model = Model.load(folder, "float32", gemm)
+                self.assertEqual(model.gemm_path, gemm)
+                runner = ModelRunner(model, EngineConfig(block_size=4), num_blocks=8)
+                reqs = [
+                    FakeRequest(r, list(range(1 + i, 6 + i)), 0, [2 * i, 2 * i + 1])
+                    for i, r in enumerate("ab")
+                ]
+                n = 5
+                for _ in range(3):  # a prefill of 2 x 5 tokens, then two decode steps of 2 rows
+                    logits = runner.execute_model(FakeSchedulerOutput(reqs, {r.request_id: n for r in reqs}))  # type: ignore[arg-type]
+                    for row, req in enumerate(reqs):
+                        req.num_computed_tokens += n
+                        req.all_token_ids.append(int(np.argmax(logits[row])))
+                    n = 1
+                picks.append([r.all_token_ids for r in reqs])
+            self.assertEqual(picks[0], picks[1])
+
+    def test_packed_path_needs_float32(self) -> None:
+        with self.assertRaisesRegex(ValueError, "float32"):
+            resolve_gemm_path("packed", "float64")
+        self.assertEqual(resolve_gemm_path("auto", "float64")[0], "numpy")
 
 
 class TestModelRunner(EngineModelTestBase):
@@ -332,6 +344,11 @@ class TestModelRunner(EngineModelTestBase):
         self.assertTrue(all(not k.any() and not v.any() for k, v in runner.kv_caches))
         with self.assertRaisesRegex(ValueError, "0 scheduled tokens"):
             runner.execute_model(FakeSchedulerOutput([req], {"a": 0}))  # type: ignore[arg-type]
+        for bad in (-1, model.config.vocab_size):  # the one check of token ids: the model trusts them
+            req = FakeRequest("b", [1, bad, 2], 0, [0])
+            with self.assertRaisesRegex(ValueError, str(bad)):
+                runner.execute_model(FakeSchedulerOutput([req], {"b": 3}))  # type: ignore[arg-type]
+        self.assertTrue(all(not k.any() and not v.any() for k, v in runner.kv_caches))
 
     def test_runner_refuses_a_dtype_other_than_the_models(self) -> None:
         model = Model.load(self.folders["qwen2"], "float32")

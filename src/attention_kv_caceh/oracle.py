@@ -6,6 +6,8 @@ it times anything).
 - `check_close`: compares a result to a reference with a tolerance chosen from the dtype
   (`tolerance_for`), and raises `OracleMismatch` naming the worst element.
 - `check_decode_batch`: batched decode output == the reference computed one sequence at a time.
+- `reference_paged_decode_attention`: NumPy decode attention over a paged KV cache (gathered blocks,
+  two-pass softmax), the reference of the compiled paged kernel in the engine's tests.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ __all__ = [
     "check_close",
     "check_decode_batch",
     "reference_attention",
+    "reference_paged_decode_attention",
     "repeat_kv",
     "tolerance_for",
 ]
@@ -159,3 +162,41 @@ def check_decode_batch(
         check_close(weights[i : i + 1], ref_w, rtol=rtol, atol=atol, what=f"weights of sequence {i}")
         max_err = max(max_err, float(np.max(np.abs(output[i : i + 1].astype(np.float64) - ref_out))))
     return max_err
+
+
+def reference_paged_decode_attention(
+    q: FloatArray,
+    k_cache: FloatArray,
+    v_cache: FloatArray,
+    block_tables: npt.NDArray[np.integer[Any]],
+    context_lens: npt.NDArray[np.integer[Any]],
+) -> FloatArray:
+    """Decode attention over a paged cache in NumPy: request b's one query attends to its positions
+    0 .. context_lens[b] - 1 (context_lens >= 1), read through block_tables (vLLM's layout).
+
+    q `[B, H, D]`, caches `[num_blocks, block_size, H_kv, D]`, block_tables `[B, max_blocks]` (padded
+    with -1), context_lens `[B]` -> `[B, H, D]` in q's dtype; scale 1/sqrt(D). The blocks of all B
+    requests are gathered into one `[B, T, H_kv, D]` copy (T = the longest context), positions
+    >= context_lens[b] are masked out, and the softmax is written out in two passes: an implementation
+    that shares nothing with the compiled `kernels.paged_decode_attention` (online softmax, blocks read
+    in place), which the tests hold to it. No argument checks (a test oracle).
+    """
+    b, h, d = q.shape
+    _, block_size, h_kv, _ = k_cache.shape
+    lens = context_lens.astype(np.int64)  # [B]
+    max_blocks = -(-int(lens.max()) // block_size)
+    needed = lens[:, None] > np.arange(max_blocks, dtype=np.int64)[None, :] * block_size  # [B, max_blocks]
+    safe = np.where(needed, block_tables[:, :max_blocks], 0)  # padding reads block 0, never attended below
+    t = int(lens.max())
+    g = h // h_kv
+    keys = k_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D], a gathered copy
+    values = v_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D]
+    q_g = q.reshape(b, h_kv, g, d) * q.dtype.type(1 / math.sqrt(d))  # [B, H_kv, G, D], scaled
+    scores = q_g @ keys.transpose(0, 2, 3, 1)  # [B, H_kv, G, T]
+    keep = lens[:, None] > np.arange(t, dtype=np.int64)[None, :]  # [B, T]
+    scores = np.where(keep[:, None, None, :], scores, -np.inf)  # position 0 is always kept
+    scores -= scores.max(axis=-1, keepdims=True)
+    np.exp(scores, out=scores)  # [B, H_kv, G, T], unnormalised weights
+    scores /= scores.sum(axis=-1, keepdims=True)
+    out = scores @ values.transpose(0, 2, 1, 3)  # [B, H_kv, G, D]
+    return out.reshape(b, h, d)  # [B, H, D]

@@ -2,9 +2,12 @@
 
 Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, greedy, ignore_eos, all requests
 submitted at once, as vLLM's offline throughput benchmark does) and prints one row per max_num_seqs:
-output tokens/s, the decode step's P50/P95, the bytes one decode step reads (every weight once plus
-the KV cache of every running request) and that rate against the same run's read probe. The last line
-is the batching gain: output tokens/s at the largest max_num_seqs over the smallest. Then one more line,
+output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what a shared machine's
+other processes do not change), the bytes one decode step reads (every weight once plus
+the KV cache of every running request) and that rate against the same run's read probe, then the
+linear layers: their share of the step (replayed alone), their FLOP/s and that against the same run's
+FMA probe, and the GEMM path they took (the line above the table says why). The last line is the
+batching gain: output tokens/s at the largest max_num_seqs over the smallest. Then one more line,
 a JSON object for scripts (they read it; keep its shape): `{"max_num_seqs": [...],
 "output_tokens_per_s": [...]}`, one value per row in the table's order. Before anything is timed,
 request 0 run alone must give the same greedy tokens as in the batch (its first min(4, --output-len)
@@ -45,8 +48,8 @@ def _at_least_two(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --seed, --json, and
-    the engine flags --max-num-batched-tokens, --block-size, --dtype."""
+    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --gemm, --seed, --json,
+    and the engine flags --max-num-batched-tokens, --block-size, --dtype."""
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
     )
@@ -64,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument_group("engine (the KV pool is sized to the requests; prefix caching off)"),
         only=("max_num_batched_tokens", "block_size", "dtype"),
     )
+    parser.add_argument(
+        "--gemm",
+        choices=("auto", "packed", "numpy"),
+        default="auto",
+        help="linear layers: auto (packed for float32 on a CPU with AVX-512F, else numpy), packed "
+        "(compiled kernel over weights packed at load, float32 only) or numpy (x @ W.T)",
+    )
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random prompts")
     parser.add_argument(
         "--json",
@@ -77,15 +87,18 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line."""
     header = (
         f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
-        f"{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
+        f"{'cpu p50 ms':>11}{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
+        f"{'linear %':>9}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}{'gemm':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['max_num_seqs']:>12}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
-            f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}"
+            f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}{r['decode_step_cpu_ms_p50']:>11.2f}"
             f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['decode_gb_per_s']:>7.2f}"
             f"{r['probe_gb_per_s']:>11.2f}{r['probe_ratio']:>7.2f}"
+            f"{100 * r['linear_share']:>9.0f}{r['linear_gflop_per_s']:>9.1f}{r['fma_gflop_per_s']:>12.1f}"
+            f"{r['fma_ratio']:>7.2f}{r['gemm_path']:>8}"
         )
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
@@ -107,12 +120,15 @@ def run(args: argparse.Namespace) -> int:
 
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.model import resolve_gemm_path
     from attention_kv_caceh.engine.model_config import ModelConfig
 
     try:
         config = ModelConfig.from_hf_config(read_config_json(model), model / "config.json")
     except CheckpointError as exc:
         raise CommandFailed(str(exc)) from None
+    if args.gemm == "packed" and args.dtype != "float32":
+        raise UsageError(f"--gemm packed needs --dtype float32, got --dtype {args.dtype}")
     if args.prompt_len + args.output_len > config.max_position_embeddings:
         raise UsageError(
             f"--prompt-len {args.prompt_len} + --output-len {args.output_len} exceed the model's "
@@ -128,6 +144,7 @@ def run(args: argparse.Namespace) -> int:
         f"per request, max_num_seqs {sizes}, {args.dtype}",
         flush=True,
     )
+    print(resolve_gemm_path(args.gemm, args.dtype)[1], flush=True)
     try:
         result = run_engine_benchmark(
             model,
@@ -138,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            gemm=args.gemm,
         )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None

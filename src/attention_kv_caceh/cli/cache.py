@@ -23,6 +23,7 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     add_shape_arguments,
+    check_markdown_file,
     check_outputs,
     check_side_files,
     int_at_least,
@@ -344,7 +345,8 @@ def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
 
 def check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]:
     """Check every file `cache` may write (the CSV, the files beside it, the plot); returns the side
-    paths. Raises UsageError naming the flag and the path."""
+    paths. Raises UsageError naming the flag and the path (`common.check_markdown_file` for a
+    `<stem>.md` beside the CSV that no lab command wrote)."""
     side = cache_side_paths(csv_path)
     beside = f"--csv {csv_path!r}: the file beside it"
     check_outputs(
@@ -361,6 +363,7 @@ def check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]
             side["markdown"]: (),
         },
     )
+    check_markdown_file("--csv", csv_path)
     return side
 
 

@@ -12,6 +12,8 @@
   suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
 - `check_side_files`: a file written beside the raw file never replaces another run's raw file.
+- `check_markdown_file`: the `<stem>.md` written beside the raw file never replaces a Markdown file
+  that no lab command wrote (a user's notes).
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
 - `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
   whose help text does not already say its default; flags without a value of their own spell it out
@@ -30,18 +32,20 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from attention_kv_caceh.files import check_output_path, meta_path, path_problem
+from attention_kv_caceh.files import check_output_path, markdown_path, meta_path, path_problem
 
 if TYPE_CHECKING:  # presets imports NumPy, which `main` loads only for the commands that need it
     from attention_kv_caceh.presets import ResolvedShape
 
 __all__ = [
+    "MARKDOWN_HEADINGS",
     "PROG",
     "CommandFailed",
     "HelpFormatter",
     "OneLineParser",
     "UsageError",
     "add_shape_arguments",
+    "check_markdown_file",
     "check_outputs",
     "check_side_files",
     "int_at_least",
@@ -354,4 +358,33 @@ def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None
         raise UsageError(
             f"{flag}: {str(path)!r}, a file this run writes beside its raw file, is another run's raw "
             f"file ({why}); choose another {flag} or move that file"
+        )
+
+
+# How the first line of every Markdown file a lab command writes beside its raw CSV begins: the heading
+# of its section (`report.sections`: scan, cache growth, views).
+MARKDOWN_HEADINGS = ("### Batch-size scan: `", "### KV-cache growth: `", "### View/copy table: `")
+
+
+def check_markdown_file(flag: str, csv_path: str | os.PathLike[str]) -> None:
+    """Refuse to replace a Markdown file beside the raw CSV that no lab command wrote.
+
+    The command writes its section to `files.markdown_path(csv_path)` (`results/x.csv` ->
+    `results/x.md`). When that file exists and its first line does not begin with one of
+    MARKDOWN_HEADINGS (a user's notes, an empty or unreadable file), UsageError names `flag` and the
+    file. A Markdown file of an earlier lab run is replaced, as before. Nothing is written.
+    """
+    path = markdown_path(csv_path)
+    if not path.is_file():
+        return
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = f.readline(200)
+    except (OSError, UnicodeDecodeError):
+        first = ""
+    if not first.startswith(MARKDOWN_HEADINGS):
+        raise UsageError(
+            f"{flag}: {str(path)!r} exists and was not written by a lab command (its first line is not "
+            f"a section heading they write), and this run would replace it; choose another {flag} or "
+            "move that file"
         )

@@ -205,6 +205,7 @@ def _run_steps(
     load_s: float,
 ) -> int:
     """step() until done, printing the table and writing the trace; then the continuations and --output."""
+    from attention_kv_caceh.engine.model_runner import ModelRunner
     from attention_kv_caceh.files import JsonlWriter, ignoring_sigint
 
     num_blocks = engine.scheduler.kv_cache_manager.num_blocks
@@ -215,6 +216,9 @@ def _run_steps(
         f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}; loaded in "
         f"{load_s:.2f} s (kernel compile included)"
     )
+    runner = engine.model_runner
+    if isinstance(runner, ModelRunner):
+        print(runner.model.gemm_note)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     finish: dict[str, str | None] = {}
     table = StepTable(sys.stdout)

@@ -35,6 +35,7 @@ from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
     add_shape_arguments,
+    check_markdown_file,
     check_outputs,
     check_side_files,
     int_list,
@@ -253,7 +254,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the batch-size scan from parsed flags; writes raw CSV, summary CSV, metadata (and the plot).
 
     Raises UsageError (nothing touched) for a bad shape, a run too large for this machine's memory, or
-    an output file (the CSV, the summary and metadata beside it, the plot) that cannot be written.
+    an output file (the CSV, the summary and metadata beside it, the plot) that cannot be written, and
+    for a `<stem>.md` beside the CSV that no lab command wrote (`common.check_markdown_file`).
     """
     config = scan_config(args)
     _check_memory(config, len(IMPLS) if args.impl == "all" else 1)
@@ -270,6 +272,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     )
     check_side_files("--csv", {summary_path(csv_path): SUMMARY_FIELDS, meta_path(csv_path): ()})
+    check_markdown_file("--csv", csv_path)
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
 

@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from attention_kv_caceh.cli.common import check_outputs, output_file
+from attention_kv_caceh.cli.common import check_markdown_file, check_outputs, output_file
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
 from attention_kv_caceh.files import (
     atomic_write_text,
@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the six view/copy experiments, print the Markdown table, write the files asked for.
 
     Raises UsageError for an output path (`--csv`, its `.meta.json`, `--md`) that has the wrong suffix
-    or cannot be written, before any file is written.
+    or cannot be written, and for a `<stem>.md` beside the CSV that no lab command wrote
+    (`common.check_markdown_file`), before any file is written.
     """
     csv_path: Path | None = args.csv
     md_path: Path | None = args.md
@@ -66,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
             ("--md", md_path, (".md", ".markdown")),
         ]
     )
+    if section is not None and csv_path is not None:
+        check_markdown_file("--csv", csv_path)
     rows = run_views()
     table = views_markdown(rows)
     written: list[str] = []

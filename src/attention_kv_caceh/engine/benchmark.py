@@ -4,9 +4,12 @@ What vLLM's `benchmarks/benchmark_throughput.py` measures (random prompts, a fix
 ignore_eos, every request submitted at once) for this engine, plus the lab's roofline question: a
 decode step reads every weight once and each request's KV cache, so its time is bounded below by
 reading those bytes; the ratio to `np.dot` over a buffer of the same size (the lab's read probe, as
-`experiments.calibration.read_probe` times it) says how close the step comes to that bound. The probe
-is timed between decode steps of the same run, so on a shared machine both see the same load. Nothing
-here prints; a CLI formats the rows.
+`experiments.calibration.read_probe` times it) says how close the step comes to that bound. A step of
+many requests is bounded by arithmetic instead: its linear layers do 2 flops per weight per request,
+so the run also replays the step's linear layers alone (same weights, same rows) to give their share
+of the step and their FLOP/s, against an FMA probe (`gemm.fma_probe`: float32 FMAs in registers). All
+probes are timed between decode steps of the same run, so on a shared machine they see the same load
+as the steps. Nothing here prints; a CLI formats the rows.
 
 Before anything is timed, an oracle: the first request run alone (greedy) must produce the same first
 tokens as in the batched run; otherwise `OracleMismatch` is raised and nothing is reported.
@@ -17,7 +20,8 @@ Shape legend: R requests in a decode step, L layers, H_kv KV heads, D head dim, 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,14 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.layers import linear
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.gemm import fma_probe
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment, summarize_samples
 
@@ -39,6 +45,7 @@ __all__ = [
     "EngineBenchRow",
     "decode_kv_bytes",
     "decode_weight_bytes",
+    "linear_parameters",
     "run_engine_benchmark",
 ]
 
@@ -59,6 +66,9 @@ class EngineBenchRow:
         decode_tokens_per_s: output tokens of those steps / decode_time_s.
         decode_step_ms_p50, decode_step_ms_p95: percentiles of those steps' step_time_ms
             (`timing.summarize_samples`, linear interpolation).
+        decode_step_cpu_ms_p50: median CPU time of the benchmark's thread over those steps (the engine
+            steps in it), ms: unlike the wall time, it leaves out the time a shared machine's other
+            processes held the core, so its ratios between rows stay comparable under changing load.
         mean_num_seqs: mean requests per pure-decode step.
         mean_context_len: mean context length (positions attended) of a request in those steps.
         weight_bytes_per_decode_step: `decode_weight_bytes` at mean_num_seqs.
@@ -69,6 +79,15 @@ class EngineBenchRow:
             bytes_per_decode_step (the lockstep estimate, within a few KV positions), median of the
             samples timed between this run's decode steps; 1e9 bytes per second.
         probe_ratio: decode_gb_per_s / probe_gb_per_s (1.0 = the step reads its bytes as fast as np.dot).
+        linear_ms: the step's linear layers replayed alone at max_num_seqs rows (every layer's qkv, o,
+            gate_up and down projections and the LM head, random inputs), median of the replays timed
+            between this run's decode steps; milliseconds.
+        linear_share: linear_ms / decode_step_ms_p50.
+        linear_gflop_per_s: 2 * max_num_seqs * `linear_parameters` / linear_ms, in 1e9 flops per second.
+        fma_gflop_per_s: `gemm.fma_probe` (float32 FMAs in registers, one thread), median of the probes
+            timed between this run's decode steps; 1e9 flops per second.
+        fma_ratio: linear_gflop_per_s / fma_gflop_per_s (1.0 = the linear layers run at the FMA peak).
+        gemm_path: the GEMM path of the linear layers ("packed" or "numpy", `Model.gemm_path`).
         oracle_tokens: first tokens of request 0 checked against its solo run.
     """
 
@@ -83,6 +102,7 @@ class EngineBenchRow:
     decode_tokens_per_s: float
     decode_step_ms_p50: float
     decode_step_ms_p95: float
+    decode_step_cpu_ms_p50: float
     mean_num_seqs: float
     mean_context_len: float
     weight_bytes_per_decode_step: int
@@ -91,6 +111,12 @@ class EngineBenchRow:
     decode_gb_per_s: float
     probe_gb_per_s: float
     probe_ratio: float
+    linear_ms: float
+    linear_share: float
+    linear_gflop_per_s: float
+    fma_gflop_per_s: float
+    fma_ratio: float
+    gemm_path: str
     oracle_tokens: int
 
 
@@ -110,6 +136,57 @@ def decode_weight_bytes(model: Model, num_seqs: float) -> float:
     layer_items = sum(int(a.size) for layer in model.layers for a in vars(layer).values() if a is not None)
     items = layer_items + model.norm.size + model.lm_head.size
     return (items + num_seqs * model.config.hidden_size) * model.dtype.itemsize
+
+
+def linear_parameters(model: Model) -> int:
+    """Weights of every linear layer a decode step multiplies by: each layer's qkv, o, gate_up and
+    down projections and the LM head (2 flops per weight per request)."""
+    layers = sum(
+        w.size for lay in model.layers for w in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
+    )
+    return layers + model.lm_head.size
+
+
+def _linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Callable[[], None]:
+    """A call that runs a decode step's linear layers alone on `num_rows` random rows (inputs made once)."""
+    c = model.config
+
+    def rows(width: int) -> npt.NDArray[np.floating[Any]]:
+        return rng.standard_normal((num_rows, width)).astype(model.dtype)
+
+    x, attn, inter = rows(c.hidden_size), rows(c.num_attention_heads * c.head_dim), rows(c.intermediate_size)
+
+    def replay() -> None:
+        for layer in model.layers:
+            linear(x, layer.qkv_proj)
+            linear(attn, layer.o_proj)
+            linear(x, layer.gate_up_proj)
+            linear(inter, layer.down_proj)
+        linear(x, model.lm_head)
+
+    return replay
+
+
+@dataclass
+class _Probes:
+    """What is timed between decode steps, one sample each per call: np.dot over `buffer` (the read
+    probe, ms), the linear-layer `replay` (ms) and `gemm.fma_probe` (flop/s) for as long as the replay
+    took, so that on a shared machine both get the same share of the CPU."""
+
+    buffer: npt.NDArray[np.floating[Any]]
+    replay: Callable[[], None]
+    read_ms: list[float] = field(default_factory=list[float])
+    linear_ms: list[float] = field(default_factory=list[float])
+    fma_flops: list[float] = field(default_factory=list[float])
+
+    def __call__(self) -> None:
+        start = time.perf_counter()
+        np.dot(self.buffer, self.buffer)
+        self.read_ms.append((time.perf_counter() - start) * 1e3)
+        start = time.perf_counter()
+        self.replay()
+        self.linear_ms.append((time.perf_counter() - start) * 1e3)
+        self.fma_flops.append(fma_probe(self.linear_ms[-1] / 1e3))
 
 
 def decode_kv_bytes(model: Model, num_positions: float) -> float:
@@ -147,33 +224,33 @@ def _run(
     engine: LLMEngine,
     prompts: list[list[int]],
     params: SamplingParams,
-    probe: npt.NDArray[np.floating[Any]] | None = None,
+    probes: Callable[[], None] | None = None,
     probe_every: int = 1,
 ) -> tuple[list[list[int]], float, list[float]]:
-    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps, probe ms).
+    """Submit all prompts, step until done; (output ids per prompt, wall seconds of the steps, this
+    thread's CPU milliseconds of each pure-decode step).
 
-    With `probe`, np.dot(probe, probe) is timed after every probe_every-th pure-decode step (outside
-    the wall time returned), so probe and decode steps share the machine's load of the moment.
+    `probes` runs after every probe_every-th pure-decode step (outside the wall time returned), so
+    probes and decode steps share the machine's load of the moment.
     """
     ids = [f"bench-{i}" for i in range(len(prompts))]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, prompt, params)
     outputs: dict[str, list[int]] = {rid: [] for rid in ids}
-    probe_ms: list[float] = []
     num_decode_steps = 0
     wall = 0.0
+    cpu_ms: list[float] = []
     while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for out in engine.step():
             outputs[out.request_id].extend(out.new_token_ids)
         wall += time.perf_counter() - t0
-        if probe is not None and engine.step_stats and engine.step_stats[-1].num_prefill_tokens == 0:
+        if engine.step_stats and engine.step_stats[-1].num_prefill_tokens == 0:
+            cpu_ms.append((time.thread_time() - c0) * 1e3)
             num_decode_steps += 1
-            if num_decode_steps % probe_every == 0:
-                t0 = time.perf_counter()
-                np.dot(probe, probe)
-                probe_ms.append((time.perf_counter() - t0) * 1e3)
-    return [outputs[rid] for rid in ids], wall, probe_ms
+            if probes is not None and num_decode_steps % probe_every == 0:
+                probes()
+    return [outputs[rid] for rid in ids], wall, cpu_ms
 
 
 def run_engine_benchmark(
@@ -189,6 +266,7 @@ def run_engine_benchmark(
     oracle_tokens: int | None = None,
     probe_every: int = 1,
     detokenize: bool = True,
+    gemm: str = "auto",
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 
@@ -197,16 +275,17 @@ def run_engine_benchmark(
     solo run of request 0 (oracle_tokens greedy tokens, None: min(4, output_len); the solo run also warms
     the engine up); then all
     requests (random token ids of prompt_len drawn from `seed`, greedy, ignore_eos,
-    max_tokens=output_len) stepped to completion, with the read probe timed after every
-    probe_every-th pure-decode step (not counted in the step times or the wall time; every step by
-    default, so probe and steps sample the same moments of a shared machine's load). With
-    detokenize, requests stream text through the tokenizer as a server's would.
+    max_tokens=output_len) stepped to completion, with the read probe, the linear-layer replay and the
+    FMA probe timed after every probe_every-th pure-decode step (not counted in the step times or the
+    wall time; every step by default, so probes and steps sample the same moments of a shared
+    machine's load). With detokenize, requests stream text through the tokenizer as a server's would.
+    gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy").
 
     Raises:
         ValueError: an empty or non-positive max_num_seqs_list, prompt_len < 1, output_len < 2 (no
             decode step), oracle_tokens outside 1 .. output_len, probe_every < 1, or
-            prompt_len + output_len beyond the model's max_position_embeddings; CheckpointError
-            from loading.
+            prompt_len + output_len beyond the model's max_position_embeddings, a gemm `Model`
+            refuses; CheckpointError from loading.
         OracleMismatch: request 0's first tokens in a batched run differ from its solo run.
     """
     seqs = list(max_num_seqs_list)
@@ -220,7 +299,7 @@ def run_engine_benchmark(
         raise ValueError(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
-    model = Model.load(model_dir, dtype)
+    model = Model.load(model_dir, dtype, gemm)
     max_model_len = prompt_len + output_len
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
@@ -256,19 +335,18 @@ def run_engine_benchmark(
         )
         probe = np.ones(int(expected) // model.dtype.itemsize, dtype=model.dtype)
         np.dot(probe, probe)  # touch the pages once, outside any timing
-        outputs, total_s, probe_ms = _run(
-            engine,
-            prompts,
-            SamplingParams(max_tokens=output_len, ignore_eos=True),
-            probe,
-            probe_every=probe_every,
+        replay = _linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
+        replay()  # the same: first touches outside any timing
+        probes = _Probes(probe, replay)
+        outputs, total_s, cpu_ms = _run(
+            engine, prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), probes, probe_every
         )
-        while len(probe_ms) < 1:  # fewer pure-decode steps than expected: probe after the run
-            t0 = time.perf_counter()
-            np.dot(probe, probe)
-            probe_ms.append((time.perf_counter() - t0) * 1e3)
+        if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
+            probes()
         probe_bytes = probe.nbytes
-        del probe
+        read_ms, lin_ms = float(np.median(probes.read_ms)), float(np.median(probes.linear_ms))
+        fma_gflops = float(np.median(probes.fma_flops)) / 1e9
+        del probe, probes  # the buffer: as large as a decode step's bytes
         if outputs[0][:oracle_tokens] != solo[0]:
             raise OracleMismatch(
                 f"max_num_seqs={num_seqs}: request 0's first tokens {outputs[0][:oracle_tokens]} differ "
@@ -284,9 +362,10 @@ def run_engine_benchmark(
         kv_bytes = decode_kv_bytes(model, mean_positions)
         nbytes = round(weight_bytes + kv_bytes)
         decode_gbps = nbytes / (summary["p50_ms"] * 1e6)
-        probe_gbps = probe_bytes / (float(np.median(probe_ms)) * 1e6)
+        probe_gbps = probe_bytes / (read_ms * 1e6)
         num_output = sum(len(o) for o in outputs)
         decode_s = sum(step_ms) / 1e3
+        lin_gflops = 2 * num_seqs * linear_parameters(model) / (lin_ms * 1e6)
         rows.append(
             EngineBenchRow(
                 max_num_seqs=num_seqs,
@@ -300,6 +379,7 @@ def run_engine_benchmark(
                 decode_tokens_per_s=decode_tokens / decode_s,
                 decode_step_ms_p50=summary["p50_ms"],
                 decode_step_ms_p95=summary["p95_ms"],
+                decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
                 mean_num_seqs=mean_seqs,
                 mean_context_len=mean_positions / mean_seqs,
                 weight_bytes_per_decode_step=round(weight_bytes),
@@ -308,6 +388,12 @@ def run_engine_benchmark(
                 decode_gb_per_s=decode_gbps,
                 probe_gb_per_s=probe_gbps,
                 probe_ratio=decode_gbps / probe_gbps,
+                linear_ms=lin_ms,
+                linear_share=lin_ms / summary["p50_ms"],
+                linear_gflop_per_s=lin_gflops,
+                fma_gflop_per_s=fma_gflops,
+                fma_ratio=lin_gflops / fma_gflops,
+                gemm_path=model.gemm_path,
                 oracle_tokens=oracle_tokens,
             )
         )
@@ -316,5 +402,7 @@ def run_engine_benchmark(
         "dtype": dtype,
         "num_parameters": model.num_parameters,
         "architecture": model.config.architecture,
+        "gemm_path": model.gemm_path,
+        "gemm_note": model.gemm_note,
     }
     return EngineBenchResult(tuple(rows), environment)

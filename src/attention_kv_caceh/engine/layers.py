@@ -1,7 +1,9 @@
-"""The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU.
+"""The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU, linear.
 
-What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py), without
-fused kernels: each function is the formula, written on one or two array expressions.
+What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py, and the
+unquantised GEMM of linear.py), without fused kernels: each function is the formula, written on one or
+two array expressions; the linear layer's weights are packed once at load for the compiled kernel of
+`attention_kv_caceh.gemm` (vLLM's CPU backend likewise packs weights for oneDNN at load).
 
 Shape legend (as in `attention_kv_caceh.attention`): N tokens of a flattened batch, H query heads,
 H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
@@ -10,13 +12,17 @@ H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.gemm import PackedWeight, pack_weight, packed_linear_into, unpack_weight
+
 __all__ = [
-    "MATVEC_MAX_ROWS",
+    "GEMM_PATHS",
+    "LinearWeight",
     "apply_rotary",
     "linear",
     "rms_norm",
@@ -27,16 +33,9 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
-# Up to this many rows, `linear` computes dot products row by row of W instead of calling GEMM.
-# Measured on the `small` preset's weights (all 12 layers' qkv/o/gate_up/down plus the LM head, 400 MB
-# float32; OpenBLAS 0.3.31, one thread, 2 cores shared with other jobs, so each pair below was timed
-# alternately in one process, median of 3-9): row-wise vs x @ W.T vs a np.dot read probe over the
-# same bytes, in ms: N=1 22.5 / 27.1 / 22.1; N=2 34 / 82; N=3 27 / 89; N=4 29-32 / 39-47;
-# N=5 30 / 48-53; N=6 45-69 / 51-129; N=8 96-100 / 99-121; N=10 143-177 / 119-140; N=16 169-266 /
-# 81-156. GEMM with a few rows packs (copies) W before computing, so it reads the weights several
-# times; the row-wise products read each weight row once but cost one short dot call per row and
-# input row, which dominates past N of about 8.
-MATVEC_MAX_ROWS = 6
+GEMM_PATHS = ("packed", "numpy")
+"""How `linear` multiplies: "packed", the compiled kernel over weights packed at load (`gemm`, float32);
+"numpy", `x @ W.T` (any float dtype, and the oracle of the packed path)."""
 
 
 def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
@@ -44,27 +43,71 @@ def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
 
     x `[..., C]`, weight `[C]`; the result has x's shape and dtype. Computed in x's dtype, as
     Hugging Face's LlamaRMSNorm does for float32 inputs. The mean of squares is a dot product
-    (`np.vecdot`) divided by C: half the time of `np.mean(x * x)` for one decode row (11 vs 22 us).
+    (`np.vecdot`) divided by C, which is faster than `np.mean(x * x)` at decode sizes.
     """
     variance = np.vecdot(x, x)[..., None] / x.dtype.type(x.shape[-1])  # [..., 1], mean of squares
     return x / np.sqrt(variance + x.dtype.type(eps)) * weight
 
 
-def linear(x: FloatArray, weight: FloatArray) -> FloatArray:
-    """A bias-free linear layer, x @ weight^T: x `[N, C_in]`, weight `[C_out, C_in]` -> `[N, C_out]`.
+@dataclass(frozen=True)
+class LinearWeight:
+    """The weight W `[C_out, C_in]` of a bias-free linear layer, stored for one of `GEMM_PATHS`.
 
-    Weight keeps the Hugging Face `[out, in]` layout. For N <= MATVEC_MAX_ROWS (the decode of a few
-    sequences) each output is a dot product of a weight row with a row of x (`np.vecdot`, one pass over
-    the weight at about the read-probe rate); above it, one GEMM (`x @ weight.T`), which wins once the
-    arithmetic per weight byte grows (see MATVEC_MAX_ROWS for the measurements). Both compute the same
-    sums in x's dtype; they may differ in the last bits (summation order).
+    Exactly one of `weight` (the "numpy" path: W itself, Hugging Face's `[out, in]` layout) and `packed`
+    (the "packed" path: W's float32 panels, `gemm.PackedWeight`) is set; build with `LinearWeight.of`.
     """
-    if x.shape[0] <= MATVEC_MAX_ROWS:
-        # [C_out, 1, C_in] . [1, N, C_in] -> [C_out, N]: a weight row is reused while it is in cache.
-        # Both operands need unit-stride rows (a strided x makes every dot call ~3x slower).
-        rows = np.ascontiguousarray(x)[None, :, :]  # [1, N, C_in]
-        return np.ascontiguousarray(np.vecdot(weight[:, None, :], rows).T)  # [N, C_out]
-    return x @ weight.T  # [N, C_out]
+
+    weight: FloatArray | None
+    packed: PackedWeight | None
+
+    @classmethod
+    def of(cls, weight: FloatArray, path: str) -> LinearWeight:
+        """W `[C_out, C_in]` for `path` ("packed" copies it into panels and needs float32).
+
+        Raises ValueError for a path outside GEMM_PATHS or (packed) a weight that is not float32.
+        """
+        if path == "numpy":
+            return cls(weight, None)
+        if path == "packed":
+            return cls(None, pack_weight(weight))
+        raise ValueError(f"GEMM path must be one of {GEMM_PATHS}, got {path!r}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(C_out, C_in)."""
+        if self.packed is not None:
+            return self.packed.out_features, self.packed.in_features
+        assert self.weight is not None
+        return self.weight.shape[0], self.weight.shape[1]
+
+    @property
+    def size(self) -> int:
+        """C_out * C_in: the parameters (packed padding not counted)."""
+        c_out, c_in = self.shape
+        return c_out * c_in
+
+    def dense(self) -> FloatArray:
+        """W `[C_out, C_in]` (unpacked again for the packed path: a copy, for oracles)."""
+        if self.packed is not None:
+            return unpack_weight(self.packed)
+        assert self.weight is not None
+        return self.weight
+
+
+def linear(x: FloatArray, weight: LinearWeight) -> FloatArray:
+    """A bias-free linear layer, x @ W^T: x `[N, C_in]` -> `[N, C_out]` in x's dtype.
+
+    The packed path (`gemm.packed_linear_into`, no checks: x must be float32 `[N, C_in]`) reads each
+    weight panel once for all N rows; the numpy path is `x @ W.T`. Both compute the same sums and may
+    differ in the last bits (summation order).
+    """
+    packed = weight.packed
+    if packed is None:
+        assert weight.weight is not None
+        return x @ weight.weight.T  # [N, C_out]
+    out = np.empty((x.shape[0], packed.padded_out_features), dtype=np.float32)  # [N, C_out padded]
+    packed_linear_into(np.ascontiguousarray(x), packed, out)
+    return out if packed.padded_out_features == packed.out_features else out[:, : packed.out_features]
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> FloatArray:

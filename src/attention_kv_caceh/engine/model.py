@@ -8,14 +8,17 @@ Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and 
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
 parallelism, quantisation, sliding-window attention, and RoPE scalings other than "llama3".
 
-Weights keep the Hugging Face layout `[out, in]` and a linear layer is `layers.linear(x, W)` = x W^T:
-row-wise dot products for a few rows (a decode step of up to MATVEC_MAX_ROWS sequences, one pass over
-W), GEMM above. Tied embeddings stay one array. A pre-transposed `[in, out]` copy measured no faster
-(OpenBLAS, one thread, the `small` preset's 400 MB of matmul weights: 25.4 vs 27.1 ms for x @ W.T at
-N=1, where row-wise took 22.5 ms; 184 vs 193 ms at N=32), so there is one weight layout. A step whose
-requests all decode uses the compiled `kernels.paged_decode_attention` (one call per layer: online
-softmax over each request's blocks read in place through its block table, no gather); the NumPy
-`engine.paged_attention.paged_decode_attention` with the same signature is its oracle in the tests.
+Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
+path (float32 on a CPU with AVX-512F, the default there) the weights are packed once here, at load,
+for the compiled kernel of `attention_kv_caceh.gemm`, which reads each weight once for all N rows of a
+step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face layout `[out,
+in]` and the product is `x @ W.T`, the packed path's oracle. q/k/v and gate/up are fused row-wise (one
+matmul each). A tied LM head shares the embedding array on the numpy path and is a packed copy of it
+on the packed path. A step whose requests all decode uses the compiled
+`kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
+read in place through its block table, no gather); the test-only NumPy reference
+`oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
+a step once (`ModelRunner.prepare_inputs`).
 
 Shape legend: N scheduled tokens, R scheduled requests, D_model hidden size, H query heads, H_kv KV
 heads, D head dim, I MLP width, V vocabulary, L layers.
@@ -23,6 +26,7 @@ heads, D head dim, I MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +36,8 @@ import numpy.typing as npt
 
 from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.engine.layers import (
+    GEMM_PATHS,
+    LinearWeight,
     apply_rotary,
     linear,
     rms_norm,
@@ -41,12 +47,32 @@ from attention_kv_caceh.engine.layers import (
 )
 from attention_kv_caceh.engine.model_config import ModelConfig
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
-from attention_kv_caceh.kernels import paged_decode_attention
+from attention_kv_caceh.gemm import packed_path_available, prepare_packed_linear
+from attention_kv_caceh.kernels import paged_decode_attention_into
 
-__all__ = ["ENGINE_DTYPES", "Model", "ModelConfig"]
+__all__ = ["ENGINE_DTYPES", "GEMM_CHOICES", "Model", "ModelConfig", "resolve_gemm_path"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 ENGINE_DTYPES = ("float32", "float64")
+GEMM_CHOICES = ("auto", *GEMM_PATHS)
+
+
+def resolve_gemm_path(gemm: str, dtype: str) -> tuple[str, str]:
+    """The GEMM path for `gemm` ("auto", "packed" or "numpy") and engine `dtype`, and a one-line note.
+
+    "auto" takes "packed" for float32 on a CPU with AVX-512F, "numpy" otherwise. Raises ValueError for
+    a `gemm` outside GEMM_CHOICES or "packed" with a dtype other than float32.
+    """
+    if gemm not in GEMM_CHOICES:
+        raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
+    if gemm == "packed" and dtype != "float32":
+        raise ValueError(f"the packed GEMM path needs dtype float32, got {dtype!r}")
+    available, cpu = packed_path_available()
+    if gemm == "numpy" or (gemm == "auto" and dtype != "float32"):
+        return "numpy", f"GEMM path: numpy (x @ W.T, {dtype}{', asked for' if gemm == 'numpy' else ''})"
+    if gemm == "auto" and not available:
+        return "numpy", f"GEMM path: numpy (x @ W.T; the packed float32 kernel needs AVX-512F: {cpu})"
+    return "packed", f"GEMM path: packed (compiled float32 kernel, weights packed at load; {cpu})"
 
 
 @dataclass(frozen=True)
@@ -54,37 +80,48 @@ class _Layer:
     """One decoder layer's weights; q/k/v and gate/up are fused row-wise (one matmul each)."""
 
     input_layernorm: FloatArray  # [D_model]
-    qkv_proj: FloatArray  # [(H + 2 H_kv) D, D_model] = q_proj; k_proj; v_proj
+    qkv_proj: LinearWeight  # [(H + 2 H_kv) D, D_model] = q_proj; k_proj; v_proj
     qkv_bias: FloatArray | None  # [(H + 2 H_kv) D]   (Qwen2)
     q_norm: FloatArray | None  # [D]   (Qwen3)
     k_norm: FloatArray | None  # [D]   (Qwen3)
-    o_proj: FloatArray  # [D_model, H D]
+    o_proj: LinearWeight  # [D_model, H D]
     o_bias: FloatArray | None  # [D_model]
     post_attention_layernorm: FloatArray  # [D_model]
-    gate_up_proj: FloatArray  # [2 I, D_model] = gate_proj; up_proj
-    down_proj: FloatArray  # [D_model, I]
+    gate_up_proj: LinearWeight  # [2 I, D_model] = gate_proj; up_proj
+    down_proj: LinearWeight  # [D_model, I]
 
 
 class Model:
     """A decoder-only transformer with weights as NumPy arrays of one engine dtype (float32 or float64).
 
-    Build with `Model.load(folder, dtype)`. `forward` runs the decoder stack over a flattened batch and
-    writes the new K/V into the paged caches; `compute_logits` applies the LM head to chosen rows.
+    Build with `Model.load(folder, dtype, gemm)`. `forward` runs the decoder stack over a flattened batch
+    and writes the new K/V into the paged caches; `compute_logits` applies the LM head to chosen rows.
+    gemm_path is the GEMM path its linear layers take and gemm_note a one-line note saying so (for the
+    CLI to print); gemm_compile_s the seconds the packed kernel's compile (or disk-cache load) took here.
     """
 
     def __init__(
-        self, config: ModelConfig, checkpoint: SafetensorsCheckpoint, dtype: str = "float32"
+        self,
+        config: ModelConfig,
+        checkpoint: SafetensorsCheckpoint,
+        dtype: str = "float32",
+        gemm: str = "auto",
     ) -> None:
-        """Read every tensor `config` needs from `checkpoint`, converted to `dtype`.
+        """Read every tensor `config` needs from `checkpoint`, converted to `dtype`; pack the linear layers'
+        weights when the GEMM path (`resolve_gemm_path(gemm, dtype)`) is "packed".
 
-        Raises ValueError for a dtype other than "float32"/"float64", CheckpointError (naming the
-        file and key) for a missing tensor or one of the wrong shape.
+        Raises ValueError for a dtype other than "float32"/"float64" or a gemm `resolve_gemm_path`
+        refuses, CheckpointError (naming the file and key) for a missing tensor or one of the wrong shape.
         """
         if dtype not in ENGINE_DTYPES:
             raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
+        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype)
         self.config = config
         self.dtype = np.dtype(dtype)
         c = config
+
+        def lin(weight: FloatArray) -> LinearWeight:
+            return LinearWeight.of(weight, self.gemm_path)
 
         def get(name: str, shape: tuple[int, ...]) -> FloatArray:
             found = checkpoint.shape(name)
@@ -115,44 +152,46 @@ class Model:
             self.layers.append(
                 _Layer(
                     input_layernorm=get(p + "input_layernorm.weight", (hidden,)),
-                    qkv_proj=qkv,
+                    qkv_proj=lin(qkv),
                     qkv_bias=qkv_bias,
                     q_norm=get(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                     k_norm=get(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                    o_proj=get(a + "o_proj.weight", (hidden, q_dim)),
+                    o_proj=lin(get(a + "o_proj.weight", (hidden, q_dim))),
                     o_bias=get(a + "o_proj.bias", (hidden,)) if c.o_proj_bias else None,
                     post_attention_layernorm=get(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_proj=gate_up,
-                    down_proj=get(p + "mlp.down_proj.weight", (hidden, inter)),
+                    gate_up_proj=lin(gate_up),
+                    down_proj=lin(get(p + "mlp.down_proj.weight", (hidden, inter))),
                 )
             )
         self.norm = get("model.norm.weight", (hidden,))  # [D_model]
-        # Tied embeddings: the LM head is the embedding matrix itself, as in transformers, which ties
-        # them even when a file also stores lm_head.weight (usually it is omitted).
+        # Tied embeddings: the LM head is the embedding matrix, as in transformers, which ties them
+        # even when a file also stores lm_head.weight (usually it is omitted).
         if c.tie_word_embeddings:
-            self.lm_head = self.embed_tokens  # [V, D_model]
+            self.lm_head = lin(self.embed_tokens)  # [V, D_model]
         else:
-            self.lm_head = get("lm_head.weight", (c.vocab_size, hidden))  # [V, D_model]
+            self.lm_head = lin(get("lm_head.weight", (c.vocab_size, hidden)))  # [V, D_model]
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
+        self.gemm_compile_s = prepare_packed_linear() if self.gemm_path == "packed" else 0.0
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32") -> Model:
-        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`.
+    def load(cls, path: str | Path, dtype: str = "float32", gemm: str = "auto") -> Model:
+        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`, GEMM path `gemm`.
 
-        Raises CheckpointError for anything the folder lacks or the model does not implement.
+        Raises CheckpointError for anything the folder lacks or the model does not implement, ValueError
+        as `Model()` does.
         """
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
-        return cls(config, SafetensorsCheckpoint(path), dtype)
+        return cls(config, SafetensorsCheckpoint(path), dtype, gemm)
 
     @property
     def num_parameters(self) -> int:
-        """Parameters held, counting a tied LM head once."""
-        arrays = [self.embed_tokens, self.norm] + (
-            [] if self.lm_head is self.embed_tokens else [self.lm_head]
-        )
+        """Parameters of the checkpoint, counting a tied LM head once (a packed copy is not a parameter)."""
+        sizes = [self.embed_tokens.size, self.norm.size]
+        if not self.config.tie_word_embeddings:
+            sizes.append(self.lm_head.size)
         for layer in self.layers:
-            arrays += [a for a in vars(layer).values() if a is not None]
-        return sum(int(a.size) for a in arrays)
+            sizes += [a.size for a in vars(layer).values() if a is not None]
+        return sum(int(size) for size in sizes)
 
     def forward(
         self,
@@ -168,28 +207,21 @@ class Model:
         at metadata.slot_mapping. Each layer (Touvron et al., 2023, Llama):
             h = x + o_proj(attention(rope(q), rope(k), v)),  q, k, v = qkv_proj(rms_norm(x))
             x' = h + down_proj(silu(gate_proj(rms_norm(h))) * up_proj(rms_norm(h)))
-        Raises ValueError for mismatched lengths, token ids outside the vocabulary, or caches of the
-        wrong shape or dtype.
+        No checks: the arguments are those `ModelRunner.prepare_inputs` validated (token ids in the
+        vocabulary, positions and slots inside each request's blocks) and caches of the engine dtype.
         """
         c = self.config
         n = input_ids.shape[0]
-        if input_ids.shape != (n,) or positions.shape != (n,):
-            raise ValueError(f"input_ids {input_ids.shape} and positions {positions.shape} must both be [N]")
-        if n and (input_ids.min() < 0 or input_ids.max() >= c.vocab_size):
-            raise ValueError(f"token ids must be in 0 .. {c.vocab_size - 1}, got {input_ids}")
-        if len(kv_caches) != c.num_hidden_layers:
-            raise ValueError(f"expected {c.num_hidden_layers} (K, V) cache pairs, got {len(kv_caches)}")
-        for k_cache, _ in kv_caches[:1]:
-            if k_cache.shape[2:] != (c.num_key_value_heads, c.head_dim) or k_cache.dtype != self.dtype:
-                raise ValueError(
-                    f"KV cache {k_cache.shape} {k_cache.dtype} does not fit [num_blocks, block_size, "
-                    f"{c.num_key_value_heads}, {c.head_dim}] {self.dtype}"
-                )
         h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
         x = self.embed_tokens[input_ids]  # [N, D_model]
         decode = metadata.is_pure_decode
+        # The compiled decode kernel's arguments, made once per step: int32 lengths, its output buffer
+        # (rewritten by every layer; R == N in a decode step) and the scale 1 / sqrt(D).
+        context_lens = metadata.context_lens.astype(np.int32)  # [R]
+        decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
+        scale = 1.0 / math.sqrt(d)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             qkv = linear(rms_norm(x, layer.input_layernorm, eps), layer.qkv_proj)  # [N, (H + 2 H_kv) D]
             if layer.qkv_bias is not None:
@@ -202,9 +234,10 @@ class Model:
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
             if decode:  # one query per request: [R, H, D] with R == N
-                attn = paged_decode_attention(  # [R, H, D]
-                    q, k_cache, v_cache, metadata.block_tables, metadata.context_lens.astype(np.int32)
-                )
+                q = np.ascontiguousarray(q)  # [R, H, D]
+                tables = metadata.block_tables  # [R, max_blocks]
+                paged_decode_attention_into(q, k_cache, v_cache, tables, context_lens, decode_out, scale)
+                attn = decode_out
             else:
                 attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
             out = linear(attn.reshape(n, h * d), layer.o_proj)  # [N, D_model]

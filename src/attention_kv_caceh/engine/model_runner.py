@@ -90,8 +90,10 @@ class ModelRunner:
         """Flatten the step: request r's tokens all_token_ids[c : c + n] at positions c .. c + n - 1.
 
         c = num_computed_tokens, n = num_scheduled_tokens[request_id]; position p goes to slot
-        block_ids[p // block_size] * block_size + p % block_size. Raises ValueError for an empty step,
-        n < 1, c + n beyond the request's tokens, too few blocks, or a block id outside the pool.
+        block_ids[p // block_size] * block_size + p % block_size. This is the step's one validation:
+        the model and its kernels trust what it returns. Raises ValueError for an empty step, n < 1,
+        c + n beyond the request's tokens, a token id outside the vocabulary, too few blocks, or a block
+        id outside the pool.
         """
         requests = scheduler_output.scheduled_requests
         if not requests:
@@ -119,6 +121,11 @@ class ModelRunner:
             positions.append(np.arange(c, c + n, dtype=np.int64))
             context_lens[i] = c + n
             block_tables[i, : len(r.block_ids)] = r.block_ids
+        input_ids = np.concatenate(ids)  # [N]
+        vocab = self.model.config.vocab_size
+        if input_ids.min() < 0 or input_ids.max() >= vocab:
+            bad = int(input_ids[(input_ids < 0) | (input_ids >= vocab)][0])
+            raise ValueError(f"token id {bad} is outside the vocabulary 0 .. {vocab - 1}")
         pos = np.concatenate(positions)  # [N]
         counts = np.array([p.shape[0] for p in positions], dtype=np.int64)  # [R]
         query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [R+1]
@@ -131,7 +138,7 @@ class ModelRunner:
             context_lens=context_lens,
             block_size=bs,
         )
-        return ModelInputs(np.concatenate(ids), pos, metadata)
+        return ModelInputs(input_ids, pos, metadata)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
         """Run one step; logits `[R, V]` in the engine dtype, row i for the last scheduled token of

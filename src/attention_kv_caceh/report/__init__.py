@@ -13,6 +13,8 @@ kinds are told apart by their CSV header, never by their name:
 - the view/copy table (`ViewRow` fields).
 - serving-harness per-request JSONL (`*.jsonl`): records rebuilt from their raw timestamps and summarized
   by the harness's own `summarize_run` (completed requests only).
+- a sweep's `sweep.csv` (`harness.sweep.CSV_FIELDS`, a row per point and repeat) with the `sweep.json`
+  beside it: the runs' table, the knee by `harness.sweep.find_knee`, an SLO search's tries.
 
 Outliers are flagged (a sample above 2 x the P95 of its group) and kept. A missing or malformed file is
 named with what is wrong, and everything else is still reported: a raw-file name that is not a regular
@@ -24,7 +26,7 @@ Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; p
 CSVs), `jsonl` (per-request records), `sections` (the Markdown of each lab kind, with the statistics it
 formats), `predictions` (one lab run's Markdown: its section and its prediction against the
 measurement; the scan, `cache` and `views` commands write the same text beside their raw CSV),
-`serving` (the serving run's section), `environment` (the environment card), `plots` (matplotlib, PNG
+`serving` (the serving run's section), `sweep` (a sweep's CSV read and its section), `environment` (the environment card), `plots` (matplotlib, PNG
 out; the scan and cache commands draw with it too), `build` (`build_report`: one handler per file
 kind). Tables go through `tables.markdown_table`, the project's one table writer.
 """

@@ -1,7 +1,7 @@
 """`build_report`: one pass over a results folder, one handler per kind of raw file, one Markdown text.
 
 Each raw kind (`readers.KINDS`, plus per-request JSONL) has a handler in `_CSV_HANDLERS` that parses the
-file and appends its section (from `sections.py` or `serving.py`) and plot; cache-growth runs are paired with their
+file and appends its section (from `sections.py`, `serving.py` or `sweep.py`) and plot; cache-growth runs are paired with their
 memory rows once every file has been read. A handler's failure is a problem of that file only.
 """
 
@@ -27,6 +27,7 @@ from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_cs
 from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
 from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
+from attention_kv_caceh.report.sweep import parse_sweep_csv, read_sweep_json, sweep_section
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -82,7 +83,7 @@ class _Build:
     folder: Path = Path()  # the --results folder: problems name files by their path in it
     metas: dict[str, dict[str, Any]] = field(default_factory=lambda: dict[str, dict[str, Any]]())
     buckets: dict[str, list[str]] = field(
-        default_factory=lambda: {"scan": [], "cache": [], "views": [], "serving": []}
+        default_factory=lambda: {"scan": [], "cache": [], "views": [], "sweep": [], "serving": []}
     )
     skipped: list[str] = field(default_factory=lambda: list[str]())
     no_meta: list[str] = field(default_factory=lambda: list[str]())  # raw files used without metadata
@@ -125,12 +126,20 @@ def _views(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) 
     b.buckets["views"].append(views_section(path.name, views))
 
 
+def _sweep(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
+    problems: list[str] = []
+    text = sweep_section(path.name, rows, meta, problems)
+    b.result.problems += [FileProblem(str(path.with_suffix(".json")), p) for p in problems]
+    b.buckets["sweep"].append(text)
+
+
 # Raw CSV kind -> handler. Every kind but the memory rows has its own `.meta.json`.
 _CSV_HANDLERS: dict[str, Callable[[_Build, Path, list[Any], dict[str, Any] | None], None]] = {
     "scan": _scan,
     "cache": _cache,
     "cache-memory": _cache_memory,
     "views": _views,
+    "sweep": _sweep,
 }
 
 
@@ -166,7 +175,10 @@ def _read_csv_file(b: _Build, path: Path) -> None:
         b.skipped.append(f"`{path.name}` ({kind[8:]}: statistics are recomputed from the raw samples)")
         return
     try:
-        rows = parse_csv(CLASSES[kind], kind, path, problems)
+        if kind == "sweep":
+            rows: list[Any] = parse_sweep_csv(path)
+        else:
+            rows = parse_csv(CLASSES[kind], kind, path, problems)
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
         problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
         return
@@ -176,7 +188,10 @@ def _read_csv_file(b: _Build, path: Path) -> None:
     if not rows:
         problems.append(FileProblem(str(path), f"{kind} CSV with a header but no rows"))
         return
-    meta = read_meta(path, problems) if kind != "cache-memory" else None
+    if kind == "sweep":  # its environment is in the sweep.json beside it
+        meta = read_sweep_json(path, rows[0]["axis"], problems)
+    else:
+        meta = read_meta(path, problems) if kind != "cache-memory" else None
     try:
         _CSV_HANDLERS[kind](b, path, rows, meta)
     except ValueError as exc:

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from attention_kv_caceh.experiments.cache_growth_stats import CACHE_KINDS, CacheMemoryRow, CacheStepSample
 from attention_kv_caceh.experiments.views import ViewRow
+from attention_kv_caceh.harness.sweep import CSV_FIELDS
 from attention_kv_caceh.report.sources import FileProblem, open_regular
 from attention_kv_caceh.timing import Sample
 
@@ -50,6 +51,7 @@ KINDS: dict[str, tuple[str, ...]] = {
     "cache": _field_names(CacheStepSample),
     "cache-memory": _field_names(CacheMemoryRow),
     "views": _field_names(ViewRow),
+    "sweep": CSV_FIELDS,  # read by `report.sweep.parse_sweep_csv` (its rows are dicts, not a dataclass)
 }
 # Columns a raw file may lack because it was written before they existed, and the value they then
 # have: a scan CSV without `impl` timed NumPy's step (the only one before `--impl`).

@@ -29,6 +29,7 @@ __all__ = [
     "kind_word",
     "open_regular",
     "read_header",
+    "read_json_object",
     "read_meta",
 ]
 
@@ -136,6 +137,12 @@ def read_meta(csv_path: Path, problems: list[FileProblem], *, required: bool = T
         if required:
             problems.append(FileProblem(str(path), "missing: the environment of this run is unknown"))
         return None
+    return read_json_object(path, problems)
+
+
+def read_json_object(path: Path, problems: list[FileProblem]) -> dict[str, Any] | None:
+    """The parsed JSON object in `path` (strict JSON: no NaN or Infinity); None, with a problem noted,
+    when it cannot be opened (not a regular file, too large), is malformed or is not an object."""
     try:
         f, _ = open_regular(path, newline=None)
     except (OSError, UnicodeDecodeError) as exc:
