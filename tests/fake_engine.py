@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs
 
 EOS = 3  # a control character: never produced by the letter rule
 
@@ -60,6 +60,8 @@ class FakeOutput:
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)

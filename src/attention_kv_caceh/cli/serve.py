@@ -79,6 +79,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 503 when more than N requests would wait (default: no limit)",
     )
     server.add_argument(
+        "--max-logprobs",
+        type=nonnegative_int,
+        default=20,
+        metavar="K",
+        help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
+    )
+    server.add_argument(
         "--drain-timeout",
         type=nonnegative_float,
         default=30.0,
@@ -239,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
+            max_logprobs=args.max_logprobs,
+            kv_capacity_tokens=engine.scheduler.kv_cache_manager.num_blocks * engine.config.block_size,
         )
         config = uvicorn.Config(
             app, log_level="warning", lifespan="on", timeout_graceful_shutdown=max(args.drain_timeout, 0.1)

@@ -2,7 +2,7 @@
 
 Corresponds to vLLM v1's `vllm/v1/engine/async_llm.py` plus the per-request queues of its
 `output_processor.py`, at the size of this project: the engine runs in a thread of the server's process
-(not an engine-core process behind ZMQ), one request has one sequence (n = 1), no logprobs, no LoRA.
+(not an engine-core process behind ZMQ), one request has one sequence (the server fans `n` out into requests), no LoRA.
 
 Why a thread: a model step is seconds of NumPy work that releases the GIL in its matmuls; the asyncio event
 loop keeps accepting connections and writing streams beside it. One engine step serves every running

@@ -3,7 +3,7 @@
 Corresponds to vLLM v1's `vllm/v1/engine/llm_engine.py` + `core.py` (EngineCore.step) +
 `output_processor.py` / `detokenizer.py` (text deltas), folded into one synchronous class the way
 nano-vllm's `llm_engine.py` is. Left out: the engine-core process, async output, multiple engines, stop
-strings, logprobs. Every step records a StepStats, the per-step numbers vLLM's Prometheus metrics and
+strings (the API process applies them). Every step records a StepStats, the per-step numbers vLLM's Prometheus metrics and
 its scheduler stats are made of.
 
 The model side is reached through two small protocols so tests can inject a fake: a `ModelRunnerLike` with
@@ -25,7 +25,7 @@ import numpy.typing as npt
 from .config import EngineConfig
 from .model import Model
 from .model_runner import ModelRunner
-from .request import Request, RequestStatus, SamplingParams
+from .request import Request, RequestStatus, SamplingParams, TokenLogprobs
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerOutput
 from .tokenizer import IncrementalDetokenizer, Tokenizer
@@ -69,6 +69,9 @@ class RequestOutput:
         finished: the request ended this step.
         finish_reason: "stop" | "length" when finished, else None.
         num_output_tokens: output tokens so far.
+        logprobs: TokenLogprobs of new_token_ids (empty unless sampling_params.logprobs is set).
+        prompt_logprobs: with the request's first output only, when sampling_params.prompt_logprobs is
+            set: one TokenLogprobs per prompt token after the first; else None.
     """
 
     request_id: str
@@ -77,6 +80,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -284,6 +289,13 @@ class LLMEngine:
                 delta += detokenizer.flush()
         if request.is_finished:
             self._detokenizers.pop(rid, None)
+        params = request.sampling_params
+        logprobs: tuple[TokenLogprobs, ...] = ()
+        if params.logprobs is not None and len(request.output_logprobs) >= request.num_output_tokens:
+            logprobs = (request.output_logprobs[request.num_output_tokens - 1],)
+        prompt_logprobs = None
+        if params.prompt_logprobs is not None and request.num_output_tokens == 1:
+            prompt_logprobs = tuple(request.prompt_logprobs)
         return RequestOutput(
             request_id=rid,
             new_token_ids=[token],
@@ -291,6 +303,8 @@ class LLMEngine:
             finished=request.is_finished,
             finish_reason=request.status.finish_reason,
             num_output_tokens=request.num_output_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def generate(

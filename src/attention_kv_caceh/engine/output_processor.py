@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from attention_kv_caceh.engine.llm_engine import RequestOutput, StepStats
+from attention_kv_caceh.engine.request import TokenLogprobs
 from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
 
 __all__ = [
@@ -39,6 +40,8 @@ class RequestDelta:
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int  # cumulative, including new_token_ids
+    logprobs: tuple[TokenLogprobs, ...] = ()  # of new_token_ids, when the request asked for logprobs
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None  # once, with the first tokens
 
 
 class EngineStepError(RuntimeError):
@@ -163,6 +166,8 @@ def _merge(first: RequestDelta, then: RequestDelta) -> RequestDelta:
         then.finish_reason,
         then.num_prompt_tokens,
         then.num_output_tokens,
+        first.logprobs + then.logprobs,
+        first.prompt_logprobs if first.prompt_logprobs is not None else then.prompt_logprobs,
     )
 
 
@@ -255,6 +260,8 @@ class OutputProcessor:
                 reason,
                 state.num_prompt_tokens,
                 state.num_output_tokens,
+                tuple(output.logprobs),
+                output.prompt_logprobs,
             )
             deliveries.append((state, delta))
             if output.finished:

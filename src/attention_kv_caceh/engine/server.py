@@ -8,8 +8,15 @@ StepStats (llm_engine.py; num_running / num_waiting after each step, step_time_m
 record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
 
-Faults: a bad request (malformed JSON, a known field of the wrong type, max_tokens <= 0, a prompt too long
-for `max_model_len`) is a 400 and an unknown model a 404, both with OpenAI's error body; with `api_key`
+The request fields (protocol.py) and how they are served (serving.py): `prompt` in vLLM's four forms,
+`n` fanned out into one engine request per prompt and sample, `echo`, `logprobs`, `stop_token_ids`,
+`min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
+are logged in one warning line naming them, and the request is served, as vLLM does.
+
+Faults: a bad request (malformed JSON, a known field of the wrong type or out of range, a field this
+server does not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a
+prompt too long for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache)
+is a 400 naming the field as `param`, and an unknown model a 404, both with OpenAI's error body; with `api_key`
 set, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (else 401; `/health` and
 `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more than `max_queue`
 requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that disconnects
@@ -40,32 +47,27 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import ServerMetrics
-from attention_kv_caceh.engine.output_processor import (
-    EngineDrainingError,
-    EngineRequestError,
-    EngineStepError,
-    RequestStream,
-)
+from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
-    GenerationRequest,
+    Prompt,
     TokenizeRequest,
-    error_body,
     error_response,
     validation_error,
 )
+from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
-    DONE,
+    DEFAULT_MAX_LOGPROBS,
+    Choice,
     HTTPError,
-    chat_chunk,
-    completion_chunk,
+    check_request_fields,
+    close_all,
     sampling_params_for,
-    sse,
-    text_deltas,
-    usage,
+    stream_events,
+    whole_response,
 )
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 
@@ -87,15 +89,22 @@ def build_app(
     *,
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    kv_capacity_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
     requests get up to `drain_timeout_s` seconds). `chat_template` None uses chat_utils'
-    PLAIN_CHAT_TEMPLATE. Raises ValueError for max_model_len < 2 or max_queue < 0.
+    PLAIN_CHAT_TEMPLATE. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
+    whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    Raises ValueError for max_model_len < 2, max_queue < 0 or max_logprobs < 0.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     template = chat_template if chat_template is not None else ChatTemplate()
@@ -144,16 +153,80 @@ def build_app(
         if model is not None and model != served_model_name:
             raise HTTPError(404, f"The model `{model}` does not exist.", "model")
 
+    def warn_ignored(
+        body: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest,
+    ) -> None:
+        ignored = body.ignored_fields
+        if ignored:  # as vLLM does: one line naming them, and the request is served
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+    def check_kv_capacity(num_prompt_tokens: int, params: SamplingParams) -> None:
+        if kv_capacity_tokens is None:
+            return
+        # the last sampled token is never computed: the cache holds at most prompt + max_tokens - 1 positions
+        positions = min(num_prompt_tokens + params.max_tokens, max_model_len) - 1
+        if positions > kv_capacity_tokens:
+            param = "prompt" if num_prompt_tokens > kv_capacity_tokens else "max_tokens"
+            raise HTTPError(
+                400,
+                f"the prompt ({num_prompt_tokens} tokens) and max_tokens ({params.max_tokens}) need "
+                f"{positions} KV cache positions; the server's KV cache holds {kv_capacity_tokens}",
+                param,
+            )
+
     def admit(
-        request_id: str, prompt_ids: list[int], body: GenerationRequest, default: int | None
-    ) -> RequestStream:
-        params = sampling_params_for(body, len(prompt_ids), max_model_len, default)
-        if max_queue is not None and async_llm.num_unfinished >= async_llm.max_num_seqs + max_queue:
+        response_id: str,
+        prompts: list[tuple[list[int], str]],
+        body: CompletionRequest | ChatCompletionRequest,
+        default: int | None,
+    ) -> list[Choice]:
+        """Validate every child first, then add them all (or none)."""
+        echo = isinstance(body, CompletionRequest) and body.echo
+        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        echo_only = echo and given == 0
+        planned: list[tuple[str, list[int], SamplingParams, Choice | None]] = []
+        for p, (prompt_ids, _text) in enumerate(prompts):
+            base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
+            for i in range(body.n):
+                params = sampling_params_for(
+                    body,
+                    len(prompt_ids),
+                    max_model_len,
+                    default,
+                    vocab_size=tokenizer.vocab_size,
+                    max_logprobs=max_logprobs,
+                    index=i,
+                )
+                check_kv_capacity(len(prompt_ids), params)
+                planned.append((base if body.n == 1 else f"{i}_{base}", prompt_ids, params, None))
+        if (
+            max_queue is not None
+            and async_llm.num_unfinished + len(planned) > async_llm.max_num_seqs + max_queue
+        ):
             raise HTTPError(503, f"the server's queue is full ({max_queue} requests waiting); retry later")
+        choices: list[Choice] = []
+        for index, (request_id, prompt_ids, params, _) in enumerate(planned):
+            p, i = divmod(index, body.n)
+            choice = Choice(
+                index,
+                request_id,
+                prompt_ids,
+                params,
+                async_llm.add_request,
+                leader=None if i == 0 else choices[index - i],
+                echo_text=prompts[p][1] if echo else "",
+                echo_only=echo_only,
+                first_prompt=i == 0,
+            )
+            choices.append(choice)
         try:
-            return async_llm.add_request(request_id, prompt_ids, params)
+            for choice in choices:
+                if choice.leader is None:
+                    choice.start()
         except EngineDrainingError as exc:
+            close_all(choices)
             raise HTTPError(503, str(exc)) from exc
+        return choices
 
     def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
@@ -165,16 +238,42 @@ def build_app(
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
 
-    def completion_prompt(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return tokenizer.encode(prompt)
+    def check_ids(ids: list[int], param: str) -> list[int]:
         # an id the model has no embedding row for would fail the whole engine step, not just this request
-        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise HTTPError(
-                400, f"prompt token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "prompt"
-            )
-        return list(prompt)
+        for t in ids:
+            if not 0 <= t < tokenizer.vocab_size:
+                raise HTTPError(
+                    400, f"{param} token ids must be in [0, {tokenizer.vocab_size}), got {t}", param
+                )
+        return list(ids)
+
+    def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+        """vLLM's four prompt forms as a list of prompts (a text or token ids each)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise HTTPError(400, "the prompt is empty", "prompt")
+        first = prompt[0]
+        if isinstance(first, int):
+            return [[t for t in prompt if isinstance(t, int)]]
+        out: list[str | list[int]] = []
+        for item in prompt:
+            if isinstance(item, (str, list)):
+                out.append(item)
+        return out
+
+    def completion_prompts(
+        prompt: Prompt, add_special_tokens: bool = True, with_text: bool = False
+    ) -> list[tuple[list[int], str]]:
+        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`."""
+        out: list[tuple[list[int], str]] = []
+        for item in prompt_list(prompt):
+            if isinstance(item, str):
+                out.append((tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+            else:
+                ids = check_ids(item, "prompt")
+                out.append((ids, tokenizer.decode(ids) if with_text else ""))
+        return out
 
     @app.get("/health")
     async def health() -> Response:  # pyright: ignore[reportUnusedFunction]
@@ -208,10 +307,11 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
+        warn_ignored(body)
         if body.messages is not None:
             tokens = chat_prompt(body.messages, body.add_generation_prompt)
         elif body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            tokens = [t for ids, _ in completion_prompts(body.prompt, body.add_special_tokens) for t in ids]
         else:
             raise HTTPError(400, "give `prompt` or `messages`", "prompt")
         strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
@@ -220,28 +320,44 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
-            raise HTTPError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        warn_ignored(body)
+        lists = [ids for ids in body.tokens if isinstance(ids, list)]
+        flat = [t for t in body.tokens if isinstance(t, int)]
+        if lists:
+            return {"prompt": [tokenizer.decode(check_ids(ids, "tokens")) for ids in lists]}
+        return {"prompt": tokenizer.decode(check_ids(flat, "tokens"))}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = admit(request_id, completion_prompt(body.prompt), body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
-        if body.stream:
-            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=False))
-        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=False))
+        warn_ignored(body)
+        check_request_fields(body, max_logprobs)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        prompts = completion_prompts(body.prompt, with_text=body.echo)
+        choices = admit(response_id, prompts, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await respond(raw, response_id, choices, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        warn_ignored(body)
+        check_request_fields(body, max_logprobs)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt_ids = chat_prompt(body.messages, body.add_generation_prompt)
-        stream = admit(request_id, prompt_ids, body, None)
+        choices = admit(response_id, [(prompt_ids, "")], body, None)
+        return await respond(raw, response_id, choices, body)
+
+    async def respond(
+        raw: Request, response_id: str, choices: list[Choice], body: CompletionRequest | ChatCompletionRequest
+    ) -> Response:
         if body.stream:
-            return _sse_response(_stream_events(stream, body, tokenizer, served_model_name, chat=True))
-        return await _unless_disconnected(raw, _whole(stream, body, tokenizer, served_model_name, chat=True))
+            return _sse_response(stream_events(response_id, choices, body, tokenizer, served_model_name))
+        try:
+            return await _unless_disconnected(
+                raw, whole_response(response_id, choices, body, tokenizer, served_model_name)
+            )
+        finally:
+            close_all(choices)  # also when the work was cancelled before it started
 
     return app
 
@@ -289,98 +405,3 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
 
 def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
-    options = body.stream_options
-    if options is None:
-        return False, False
-    return options.include_usage, options.continuous_usage_stats
-
-
-async def _stream_events(
-    stream: RequestStream,
-    body: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
-    model: str,
-    *,
-    chat: bool,
-) -> AsyncIterator[bytes]:
-    """One streamed request as SSE events in OpenAI's shapes.
-
-    Chat: a role-only first chunk, then `delta.content` chunks; completions: `text` chunks. Then a chunk
-    with the finish_reason, a usage-only chunk (`choices: []`) with `stream_options.include_usage`, and
-    `data: [DONE]`. With `continuous_usage_stats` every chunk carries the usage so far, and a token whose
-    text is not complete yet still gets a chunk (empty text) so a client can time it (see
-    `serving.text_deltas`). An engine error ends the stream with an error event (400 for a request the
-    engine refused, 500 for a failed step).
-    """
-    include_usage, continuous = _stream_flags(body)
-    created = int(time.time())
-    rid = stream.request_id
-
-    def chunk(
-        text: str | None, finish_reason: str | None = None, usage_obj: dict[str, int] | None = None
-    ) -> bytes:
-        """text None: the usage-only chunk; "" with a finish_reason: the finish chunk."""
-        if not chat:
-            return sse(completion_chunk(rid, model, created, text, finish_reason, usage_obj))
-        delta = None if text is None else {} if finish_reason is not None and not text else {"content": text}
-        return sse(chat_chunk(rid, model, created, delta, finish_reason, usage_obj))
-
-    counts = (0, 0)
-    try:
-        if chat:
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant"}))
-        async for delta in text_deltas(stream, tokenizer, body.stop_strings):
-            counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-            per_chunk = usage(*counts) if continuous else None
-            if delta.text or (continuous and delta.finish_reason is None):
-                yield chunk(delta.text, None, per_chunk)
-            if delta.finish_reason is not None:
-                yield chunk("", delta.finish_reason, per_chunk)
-        if include_usage:
-            yield chunk(None, usage_obj=usage(*counts))
-    except EngineRequestError as exc:
-        yield sse(error_body(400, str(exc)))
-    except EngineStepError as exc:
-        yield sse(error_body(500, str(exc)))
-    finally:
-        stream.close()  # a client that left cancels this generator: abort its request
-    yield DONE
-
-
-async def _whole(
-    stream: RequestStream, body: GenerationRequest, tokenizer: Tokenizer, model: str, *, chat: bool
-) -> Response:
-    parts: list[str] = []
-    finish_reason = "stop"
-    counts = (0, 0)
-    try:
-        async for delta in text_deltas(stream, tokenizer, body.stop_strings):
-            parts.append(delta.text)
-            counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-            if delta.finish_reason is not None:
-                finish_reason = delta.finish_reason
-    except EngineRequestError as exc:
-        return error_response(400, str(exc))
-    except EngineStepError as exc:
-        return error_response(500, str(exc))
-    finally:
-        stream.close()
-    text = "".join(parts)
-    choice: dict[str, Any]
-    if chat:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    obj = {
-        "id": stream.request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(*counts),
-    }
-    return JSONResponse(obj)

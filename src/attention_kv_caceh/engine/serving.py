@@ -3,28 +3,57 @@
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
 size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error);
 `text_deltas` turns a request's token stream into text deltas, applying the `stop` strings: the text stops
-before the first occurrence of any of them, with finish_reason "stop", and the request is aborted in the
-engine at its next step. While stop strings are set, the last `max(len(stop)) - 1` characters are held back
-from the stream (a stop string may straddle two deltas), so the streamed deltas always concatenate to the
-non-streamed text. The chunk builders give OpenAI's stream shapes.
+before the first occurrence of any of them (after it with `include_stop_str_in_output`), with
+finish_reason "stop", and the request is aborted in the engine at its next step. While stop strings are
+set, the last `max(len(stop)) - 1` characters are held back from the stream (a stop string may straddle
+two deltas), so the streamed deltas always concatenate to the non-streamed text. As in vLLM, a stop string
+only counts when it ends in the text of an output token after the first `min_tokens`, and a request the
+engine stopped with eos or a stop token id leaves that token out of the text (it is still counted in the
+usage and carries logprobs).
+
+Fan-out (vLLM's ParentRequest): a request with several prompts and `n` samples is `len(prompts) * n`
+engine requests, choice index `prompt_index * n + sample_index`, child `i` of a prompt seeded with
+`seed + i`. `stream_events` interleaves the children's chunks as they come; `whole_response` gathers them.
+Usage counts each prompt once and every completion token. `echo` puts the prompt's text (and, with
+logprobs, its tokens' logprobs) before each choice's text; `max_tokens: 0` with `echo` returns the prompt
+alone (the engine samples one token, which is dropped, as vLLM does).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from attention_kv_caceh.engine.output_processor import RequestStream
-from attention_kv_caceh.engine.protocol import GenerationRequest
-from attention_kv_caceh.engine.request import SamplingParams
+from fastapi.responses import JSONResponse, Response
+
+from attention_kv_caceh.engine.logprobs import chat_logprobs, completion_logprobs
+from attention_kv_caceh.engine.output_processor import (
+    EngineDrainingError,
+    EngineRequestError,
+    EngineStepError,
+    RequestStream,
+)
+from attention_kv_caceh.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    error_body,
+    error_response,
+    refused_field,
+)
+from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = [
+    "DEFAULT_MAX_LOGPROBS",
     "DONE",
+    "MAX_N",
+    "Choice",
     "HTTPError",
     "IncrementalDetokenizer",
     "TextDelta",
@@ -32,11 +61,16 @@ __all__ = [
     "completion_chunk",
     "sampling_params_for",
     "sse",
+    "stream_events",
     "text_deltas",
     "usage",
+    "whole_response",
 ]
 
 DONE = b"data: [DONE]\n\n"
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_N = 128  # most samples per prompt (each is an engine request)
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
 class HTTPError(Exception):
@@ -63,28 +97,75 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
+    for t in ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            upper = "" if vocab_size is None else f", {vocab_size}"
+            raise HTTPError(400, f"{param} must hold token ids in [0{upper}), got {t}", param)
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    pairs: list[tuple[int, float]] = []
+    for key, bias in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        _check_token_ids([token_id], vocab_size, "logit_bias")
+        if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+            raise HTTPError(400, f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
+        pairs.append((token_id, bias))
+    return tuple(pairs)
+
+
+def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+    """The checks that do not depend on the prompt: refused fields, `n`, echo in chat, the logprobs
+    counts. Raises HTTPError(400) naming the field."""
+    refused = refused_field(body)
+    if refused is not None:
+        raise HTTPError(400, f"`{refused}` is not supported by this server", refused)
+    if not 1 <= body.n <= MAX_N:
+        raise HTTPError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    if isinstance(body, ChatCompletionRequest):
+        if body.echo:
+            raise HTTPError(400, "echo is not supported for chat completions", "echo")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= max_logprobs:
+            raise HTTPError(
+                400, f"top_logprobs must be in [0, {max_logprobs}], got {body.top_logprobs}", "top_logprobs"
+            )
+        if body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = body.logprobs if isinstance(body, CompletionRequest) else None
+    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+        raise HTTPError(400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", "logprobs")
+
+
 def sampling_params_for(
-    body: GenerationRequest, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
+    body: GenerationRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    *,
+    vocab_size: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    index: int = 0,
 ) -> SamplingParams:
-    """SamplingParams for a request whose prompt has `num_prompt_tokens` tokens.
+    """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
-    rest of the context) capped to the rest of the context. `temperature` defaults to 1.0 as in OpenAI's
-    API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for n != 1,
-    `logprobs` / `top_logprobs` / `echo` asked for (not supported), an empty prompt, a prompt of
-    `max_model_len` tokens or more, max_tokens <= 0, a total over `max_model_len`, or a sampling value out
-    of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0). The request
-    models (protocol.py) already refuse bools for numbers and NaN / Infinity; the finiteness checks here
-    repeat that for bodies built in code.
+    rest of the context) capped to the rest of the context. `max_tokens: 0` is accepted with `echo` only
+    (the engine then runs one token, which the response drops). `temperature` defaults to 1.0 as in
+    OpenAI's API; `top_k` of 0 or -1 disables it; the seed of sample `index` is `seed + index`. Raises
+    HTTPError(400), naming the field as `param`, for the checks of `check_request_fields`, an empty prompt,
+    a prompt of `max_model_len` tokens or more, max_tokens <= 0 (without echo), a total over
+    `max_model_len`, a sampling value out of range (temperature not finite or < 0, top_p not in (0, 1],
+    top_k < -1, seed < 0, min_tokens not in [0, max_tokens], a penalty out of range, a logit_bias value
+    outside [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
     """
-    if body.n != 1:
-        raise HTTPError(400, f"only n = 1 is supported, got n = {body.n}", "n")
-    if body.logprobs not in (None, False, 0) or body.logprobs is True:
-        raise HTTPError(400, "logprobs are not supported by this server", "logprobs")
-    if body.top_logprobs not in (None, 0):
-        raise HTTPError(400, "top_logprobs is not supported by this server", "top_logprobs")
-    if body.echo:
-        raise HTTPError(400, "echo is not supported by this server", "echo")
+    check_request_fields(body, max_logprobs)
+    echo = isinstance(body, CompletionRequest) and body.echo
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
@@ -99,14 +180,16 @@ def sampling_params_for(
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens == 0 and echo:
+        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
     if max_tokens <= 0:
-        raise HTTPError(400, f"{param} must be at least 1, got {max_tokens}", param)
+        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise HTTPError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "in the completion).",
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {param} = "
+            f"{max_tokens} in the completion).",
             param,
         )
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -120,13 +203,38 @@ def sampling_params_for(
         raise HTTPError(400, f"top_k must be >= 0 (or -1 to disable), got {body.top_k}", "top_k")
     if body.seed is not None and body.seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {body.seed}", "seed")
+    if not 0 <= body.min_tokens <= max_tokens:
+        raise HTTPError(
+            400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}", "min_tokens"
+        )
+    stop_ids = list(body.stop_token_ids or [])
+    _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+    penalties = {
+        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+    }
+    for name, value in penalties.items():
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise HTTPError(400, f"repetition_penalty must be > 0, got {repetition}", "repetition_penalty")
+    num_logprobs = body.num_logprobs
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seed=body.seed,
+        seed=None if body.seed is None else body.seed + index,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        min_tokens=body.min_tokens,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        repetition_penalty=repetition,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
+        logprobs=num_logprobs,
+        prompt_logprobs=num_logprobs if echo else None,
     )
 
 
@@ -168,50 +276,94 @@ class IncrementalDetokenizer:
 
 @dataclass(frozen=True)
 class TextDelta:
-    """New text of one request; `finish_reason` is set on the last one. Token counts are cumulative."""
+    """New text of one request; `finish_reason` is set on the last one. Token counts are cumulative.
+
+    `token_ids` / `logprobs`: the tokens of this delta (the stop token included) and, when the request
+    asked for logprobs, their TokenLogprobs; `prompt_logprobs`: the prompt's, on the first delta only.
+    """
 
     text: str
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
-def _find_stop(text: str, stops: list[str], start: int) -> int:
-    """Index of the earliest stop string in `text[start:]` (searching from `start`), or -1."""
-    found = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(found) if found else -1
+class _Decoder:
+    """`tokenizer.decode` with the request's skip_special_tokens."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+
+    def decode(self, token_ids: list[int], /) -> str:
+        if self._skip:
+            return self._tokenizer.decode(token_ids)
+        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+
+
+def _find_stop(text: str, stops: list[str], start: int, floor: int) -> tuple[int, str] | None:
+    """(index, stop) of the earliest stop string found at or after `start` that ends after `floor`."""
+    found: list[tuple[int, str]] = []
+    for stop in stops:
+        i = text.find(stop, max(start, floor - len(stop) + 1, 0))
+        if i >= 0:
+            found.append((i, stop))
+    return min(found, key=lambda f: f[0]) if found else None
 
 
 async def text_deltas(
-    stream: RequestStream, tokenizer: Tokenizer, stops: list[str]
+    stream: RequestStream,
+    tokenizer: Tokenizer,
+    stops: list[str],
+    *,
+    min_tokens: int = 0,
+    include_stop_str: bool = False,
+    skip_special_tokens: bool = True,
 ) -> AsyncIterator[TextDelta]:
     """The request's text deltas until it finishes (see the module docstring for stop strings).
 
     Raises EngineStepError (from the stream) when the engine step serving the request failed.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(_Decoder(tokenizer, skip_special_tokens))  # pyright: ignore[reportArgumentType]
     holdback = max((len(s) for s in stops), default=1) - 1
     text = ""
     sent = 0
+    count = 0
+    floor: int | None = 0 if min_tokens == 0 else None  # a stop string must end after text[:floor]
     async for delta in stream:
-        text += detokenizer.add(delta.new_token_ids)
+        ids = list(delta.new_token_ids)
+        if delta.finished and delta.finish_reason == "stop" and not include_stop_str and ids:
+            ids.pop()  # eos or a stop token id: counted, not shown (as vLLM does)
+        if floor is None and count + len(ids) >= min_tokens:  # split at the min_tokens-th token
+            text += detokenizer.add(ids[: min_tokens - count])
+            floor = len(text)
+            text += detokenizer.add(ids[min_tokens - count :])
+        else:
+            text += detokenizer.add(ids)
+        count += len(delta.new_token_ids)
         if delta.finished:
             text += detokenizer.flush()
+        extra = (delta.new_token_ids, delta.logprobs, delta.prompt_logprobs)
         counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-        if stops:
-            index = _find_stop(text, stops, max(0, sent - holdback))
-            if index >= 0:
+        if stops and floor is not None:
+            found = _find_stop(text, stops, max(0, sent - holdback), floor)
+            if found is not None:
+                index, stop = found
+                cut = index + len(stop) if include_stop_str else index
                 stream.close("stop")
-                yield TextDelta(text[sent:index], "stop", *counts)
+                yield TextDelta(text[sent:cut], "stop", *counts, *extra)
                 return
         if delta.finished:
-            yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts)
+            yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts, *extra)
             return
         safe = len(text) - holdback
         # A token whose text cannot be sent yet (half of a UTF-8 character, or held back for a stop
         # string) still yields a delta, with empty text: the server sends it as a chunk whose usage
         # counts the token (with continuous_usage_stats), as vLLM does, so a client times every token.
-        yield TextDelta(text[sent:safe] if safe > sent else "", None, *counts)
+        yield TextDelta(text[sent:safe] if safe > sent else "", None, *counts, *extra)
         sent = max(sent, safe)
 
 
@@ -229,7 +381,7 @@ def _stream_chunk(
         "object": obj,
         "created": created,
         "model": model,
-        "choices": [] if choice is None else [{"index": 0, **choice}],
+        "choices": [] if choice is None else [choice],
     }
     if usage_obj is not None:
         chunk["usage"] = usage_obj
@@ -243,9 +395,14 @@ def completion_chunk(
     text: str | None,
     finish_reason: str | None = None,
     usage_obj: dict[str, int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A /v1/completions stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
-    choice = None if text is None else {"text": text, "logprobs": None, "finish_reason": finish_reason}
+    """A /v1/completions stream chunk for choice `index`; `text=None` gives a usage-only chunk (`choices: []`)."""
+    choice = None
+    if text is not None:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _stream_chunk("text_completion", request_id, model, created, choice, usage_obj)
 
 
@@ -256,12 +413,336 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish_reason: str | None = None,
     usage_obj: dict[str, int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A /v1/chat/completions stream chunk; `delta=None` gives a usage-only chunk (`choices: []`)."""
-    choice = None if delta is None else {"delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    """A /v1/chat/completions stream chunk for choice `index`; `delta=None` gives a usage-only chunk."""
+    choice = None
+    if delta is not None:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _stream_chunk("chat.completion.chunk", request_id, model, created, choice, usage_obj)
 
 
 def now_s() -> int:
     """Unix time in whole seconds (the `created` field)."""
     return int(time.time())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Fan-out: the choices of one response, streamed interleaved or gathered.
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Choice:
+    """One choice of a response: its engine request's stream and what its output needs.
+
+    A choice is added to the engine by `start()`. The first sample of a prompt starts at once; the others
+    (`leader` set) start when the leader has its first token, so that the prompt's full blocks are in the
+    prefix cache by then and every sample shares them instead of computing the prompt again (children
+    admitted in one step could not hit blocks computed in that same step).
+
+    Attributes:
+        index: the choice index (prompt_index * n + sample_index).
+        request_id: its engine request id (vLLM's `{sample_index}_{parent id}` when n > 1).
+        prompt_token_ids: its prompt.
+        params: its SamplingParams.
+        add_request: AsyncLLM.add_request (or a stand-in); may raise EngineDrainingError.
+        leader: the choice whose first token this one waits for, or None.
+        echo_text: the prompt's text to put before the choice's text ("" without echo).
+        echo_only: `max_tokens: 0` with echo: the prompt alone, the sampled token dropped.
+        first_prompt: whether this choice's prompt is counted in the usage (the first sample of a prompt).
+    """
+
+    index: int
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    add_request: Callable[[str, list[int], SamplingParams], RequestStream]
+    leader: Choice | None = None
+    echo_text: str = ""
+    echo_only: bool = False
+    first_prompt: bool = True
+    # filled while the response is written
+    text_offset: int = 0
+    started: bool = False
+    finished: bool = False
+    num_output_tokens: int = 0
+    parts: list[str] = field(default_factory=list[str])
+    logprob_tokens: list[tuple[int, TokenLogprobs | None]] = field(
+        default_factory=list[tuple[int, TokenLogprobs | None]]
+    )
+    chat_entries: list[TokenLogprobs] = field(default_factory=list[TokenLogprobs])
+    stream: RequestStream | None = None
+    closed: bool = False
+    first_token: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def start(self) -> RequestStream:
+        """Add the engine request (once); raises EngineDrainingError while the server shuts down."""
+        if self.stream is None:
+            self.stream = self.add_request(self.request_id, self.prompt_token_ids, self.params)
+        return self.stream
+
+    def close(self, finish_reason: str = "abort") -> None:
+        """Abort the engine request unless it finished; a choice not started yet never starts."""
+        self.closed = True
+        self.first_token.set()
+        if self.stream is not None:
+            self.stream.close(finish_reason)
+
+
+def _prompt_logprob_tokens(
+    prompt: list[int], entries: tuple[TokenLogprobs, ...] | None
+) -> list[tuple[int, TokenLogprobs | None]]:
+    """(token, logprobs) of the echoed prompt: the first token has none; missing entries give None."""
+    got = entries or ()
+    return [(t, None if j == 0 or j - 1 >= len(got) else got[j - 1]) for j, t in enumerate(prompt)]
+
+
+def _apply_delta(
+    choice: Choice, delta: TextDelta, body: GenerationRequest, tokenizer: Tokenizer, *, chat: bool
+) -> tuple[str, dict[str, Any] | None]:
+    """Record `delta` in `choice`; return the text this delta adds to the choice and its logprobs object
+    (None when the request asked for none, or the delta adds no token)."""
+    text = delta.text
+    tokens: list[tuple[int, TokenLogprobs | None]] = []
+    want = body.num_logprobs is not None
+    if not choice.started:
+        choice.started = True
+        if choice.echo_text or choice.echo_only:
+            text = choice.echo_text + ("" if choice.echo_only else text)
+            if want:
+                tokens.extend(_prompt_logprob_tokens(choice.prompt_token_ids, delta.prompt_logprobs))
+    elif choice.echo_only:
+        text = ""
+    if not choice.echo_only:
+        choice.num_output_tokens = delta.num_output_tokens
+        if want:
+            tokens.extend(zip(delta.token_ids, delta.logprobs, strict=False))
+    choice.parts.append(text)
+    if not want or not tokens:
+        return text, None
+    if chat:
+        entries = [e for _, e in tokens if e is not None]
+        choice.chat_entries.extend(entries)
+        return text, chat_logprobs(entries, tokenizer)
+    choice.logprob_tokens.extend(tokens)
+    obj, choice.text_offset = completion_logprobs(tokens, tokenizer, choice.text_offset)
+    return text, obj
+
+
+def _usage_of(choices: Sequence[Choice]) -> dict[str, int]:
+    prompt = sum(len(c.prompt_token_ids) for c in choices if c.first_prompt)
+    return usage(prompt, sum(c.num_output_tokens for c in choices))
+
+
+_END = object()
+
+
+async def _interleaved(
+    choices: Sequence[Choice], body: GenerationRequest, tokenizer: Tokenizer
+) -> AsyncIterator[tuple[Choice, TextDelta]]:
+    """Every choice's TextDeltas, in the order they come (one task per choice feeds one queue).
+
+    Raises the first EngineStepError / EngineRequestError a choice's stream raises.
+    """
+
+    async def deltas(choice: Choice) -> AsyncIterator[TextDelta]:
+        if choice.leader is not None:
+            await choice.leader.first_token.wait()
+        if choice.closed:
+            return
+        try:
+            stream = choice.start()
+        except EngineDrainingError as exc:
+            raise EngineStepError(f"the server is shutting down: {exc}") from exc
+        try:
+            async for delta in _text_deltas(stream):
+                choice.first_token.set()
+                yield delta
+        finally:
+            choice.first_token.set()  # also when the leader failed: the others start (and fail) on their own
+
+    def _text_deltas(stream: RequestStream) -> AsyncIterator[TextDelta]:
+        return text_deltas(
+            stream,
+            tokenizer,
+            body.stop_strings,
+            min_tokens=body.min_tokens,
+            include_stop_str=body.include_stop_str_in_output,
+            skip_special_tokens=body.skip_special_tokens,
+        )
+
+    if len(choices) == 1:
+        async for delta in deltas(choices[0]):
+            yield choices[0], delta
+        return
+    queue: asyncio.Queue[tuple[Choice, object]] = asyncio.Queue()
+
+    async def pump(choice: Choice) -> None:
+        try:
+            async for delta in deltas(choice):
+                queue.put_nowait((choice, delta))
+        except Exception as exc:  # handed to the reader, which raises it
+            queue.put_nowait((choice, exc))
+        finally:
+            queue.put_nowait((choice, _END))
+
+    tasks = [asyncio.ensure_future(pump(c)) for c in choices]
+    try:
+        remaining = len(choices)
+        while remaining:
+            choice, item = await queue.get()
+            if item is _END:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            elif isinstance(item, TextDelta):
+                yield choice, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
+    options = body.stream_options
+    if options is None:
+        return False, False
+    return options.include_usage, options.continuous_usage_stats
+
+
+def close_all(choices: Sequence[Choice]) -> None:
+    """Abort every choice's engine request that has not finished (idempotent)."""
+    for choice in choices:
+        choice.close()
+
+
+async def stream_events(
+    response_id: str,
+    choices: Sequence[Choice],
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: str,
+) -> AsyncIterator[bytes]:
+    """The choices as SSE events in OpenAI's shapes, interleaved as their tokens come.
+
+    Chat: a role-only first chunk per choice, then `delta.content` chunks; completions: `text` chunks (the
+    first one carries the echo). Then a chunk with each choice's finish_reason (once per index), a
+    usage-only chunk (`choices: []`) with `stream_options.include_usage`, and `data: [DONE]`. With
+    `continuous_usage_stats` every chunk carries the usage so far, and a token whose text is not complete
+    yet still gets a chunk (empty text) so a client can time it (see `text_deltas`). An engine error
+    ends the stream with an error event (400 for a request the engine refused, 500 for a failed step).
+    """
+    chat = isinstance(body, ChatCompletionRequest)
+    include_usage, continuous = _stream_flags(body)
+    created = int(time.time())
+
+    def chunk(
+        choice: Choice | None,
+        text: str | None,
+        finish_reason: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        usage_obj: dict[str, int] | None = None,
+    ) -> bytes:
+        """text None: the usage-only chunk; "" with a finish_reason: the finish chunk."""
+        index = 0 if choice is None else choice.index
+        if not chat:
+            return sse(
+                completion_chunk(
+                    response_id,
+                    model,
+                    created,
+                    text,
+                    finish_reason,
+                    usage_obj,
+                    index=index,
+                    logprobs=logprobs,
+                )
+            )
+        delta = None if text is None else {} if finish_reason is not None and not text else {"content": text}
+        return sse(
+            chat_chunk(
+                response_id, model, created, delta, finish_reason, usage_obj, index=index, logprobs=logprobs
+            )
+        )
+
+    try:
+        if chat:
+            for choice in choices:
+                yield sse(chat_chunk(response_id, model, created, {"role": "assistant"}, index=choice.index))
+        async for choice, delta in _interleaved(choices, body, tokenizer):
+            if choice.finished:
+                continue
+            text, logprobs = _apply_delta(choice, delta, body, tokenizer, chat=chat)
+            per_chunk = _usage_of(choices) if continuous else None
+            if text or logprobs is not None or (continuous and delta.finish_reason is None):
+                yield chunk(choice, text, None, logprobs, per_chunk)
+            if delta.finish_reason is not None:
+                choice.finished = True
+                reason = "length" if choice.echo_only else delta.finish_reason
+                yield chunk(choice, "", reason, None, per_chunk)
+            if choice.echo_only:
+                choice.finished = True
+                choice.close()
+        if include_usage:
+            yield chunk(None, None, usage_obj=_usage_of(choices))
+    except EngineRequestError as exc:
+        yield sse(error_body(400, str(exc)))
+    except EngineStepError as exc:
+        yield sse(error_body(500, str(exc)))
+    finally:
+        close_all(choices)  # a client that left cancels this generator: abort its requests
+    yield DONE
+
+
+async def whole_response(
+    response_id: str,
+    choices: Sequence[Choice],
+    body: CompletionRequest | ChatCompletionRequest,
+    tokenizer: Tokenizer,
+    model: str,
+) -> Response:
+    """The choices gathered into one OpenAI response (choices sorted by index), or an error response."""
+    chat = isinstance(body, ChatCompletionRequest)
+    reasons: dict[int, str] = {}
+    try:
+        async for choice, delta in _interleaved(choices, body, tokenizer):
+            if choice.index in reasons:
+                continue
+            _apply_delta(choice, delta, body, tokenizer, chat=chat)
+            if delta.finish_reason is not None or choice.echo_only:
+                reasons[choice.index] = "length" if choice.echo_only else delta.finish_reason or "stop"
+                choice.close()
+    except EngineRequestError as exc:
+        return error_response(400, str(exc))
+    except EngineStepError as exc:
+        return error_response(500, str(exc))
+    finally:
+        close_all(choices)
+    out: list[dict[str, Any]] = []
+    for choice in sorted(choices, key=lambda c: c.index):
+        text = "".join(choice.parts)
+        reason = reasons.get(choice.index, "stop")
+        logprobs: dict[str, Any] | None = None
+        if body.num_logprobs is not None:
+            if chat:
+                logprobs = chat_logprobs(choice.chat_entries, tokenizer)
+            else:
+                logprobs = completion_logprobs(choice.logprob_tokens, tokenizer, 0)[0]
+        if chat:
+            message = {"role": "assistant", "content": text}
+            out.append(
+                {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+            )
+        else:
+            out.append({"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": reason})
+    obj = {
+        "id": response_id,
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": out,
+        "usage": _usage_of(choices),
+    }
+    return JSONResponse(obj)
