@@ -79,6 +79,7 @@ class FakeStepStats:
 @dataclass(frozen=True)
 class FakeConfig:
     max_num_seqs: int
+    block_size: int = 4
 
 
 class FakeKVCacheManager:
@@ -115,7 +116,7 @@ class FakeEngine:
         block_size: int = 4,
         eos_at: int | None = None,
     ) -> None:
-        self.config = FakeConfig(max_num_seqs)
+        self.config = FakeConfig(max_num_seqs, block_size)
         self.scheduler = FakeScheduler(num_blocks, max_model_len=1 << 30)
         self.block_size = block_size
         self.eos_at = eos_at
