@@ -190,16 +190,20 @@ class ServerFieldsTest(_Checkpoint):
     def test_children_share_the_prompts_kv_blocks(self) -> None:
         pool = self.eng.scheduler.kv_cache_manager.block_pool
         most: list[int] = [0]
+        hits: list[int] = [0]
 
-        def record(_stats: IterationStats) -> None:  # runs in the engine thread after every step
+        def record(stats: IterationStats) -> None:  # runs in the engine thread after every step
             most[0] = max(most[0], max(b.ref_cnt for b in pool.blocks))
+            hits[0] += stats.prefix_cache_hits
 
         self.llm.add_stat_logger(record)
         prompt = [int(t) for t in np.random.default_rng(3).integers(3, 500, size=10)]  # two full blocks
-        status, body = self.post("/v1/completions", {"prompt": prompt, "n": 3, "max_tokens": 4, "seed": 1})
-        self.assertEqual(status, 200, body)
-        self.assertEqual(len(body["choices"]), 3)
-        self.assertEqual(most[0], 3)  # one copy of the prompt's full blocks, held by all three children
+        body = {"prompt": prompt, "n": 3, "max_tokens": 40, "seed": 1, "ignore_eos": True}
+        status, got = self.post("/v1/completions", body)
+        self.assertEqual(status, 200, got)
+        self.assertEqual(len(got["choices"]), 3)
+        self.assertEqual(hits[0], 2 * 8)  # each later child found the prompt's two full blocks cached
+        self.assertEqual(most[0], 3)  # one copy of those blocks, held by all three children at once
 
     def test_echo_with_max_tokens_0_gives_the_prompts_logprobs_and_echo_prefixes_the_text(self) -> None:
         prompt = [int(t) for t in np.random.default_rng(4).integers(3, 500, size=9)]
@@ -223,6 +227,30 @@ class ServerFieldsTest(_Checkpoint):
             self.post("/v1/completions", echo)[1]["choices"][0]["text"],
             "the cache" + self.post("/v1/completions", plain)[1]["choices"][0]["text"],
         )
+
+    def test_streamed_echo_opens_the_first_chunk_and_adds_up_to_the_whole(self) -> None:
+        body = {"prompt": "the cache", "echo": True, "max_tokens": 5, "temperature": 0}
+        chunks = self.stream("/v1/completions", body)
+        texts = [ch["text"] for c in chunks for ch in c["choices"]]
+        self.assertTrue(texts[0].startswith("the cache"))
+        self.assertEqual("".join(texts), self.post("/v1/completions", body)[1]["choices"][0]["text"])
+
+    def test_include_stop_str_in_output_and_skip_special_tokens(self) -> None:
+        body = {"prompt": "the cache", "max_tokens": 10, "temperature": 0, "ignore_eos": True}
+        text = self.post("/v1/completions", body)[1]["choices"][0]["text"]
+        stop = text[3:5]
+        cut = text.index(stop)
+        for include, expected in ((False, text[:cut]), (True, text[: cut + len(stop)])):
+            with self.subTest(include_stop_str_in_output=include):
+                extra = {"stop": [stop], "include_stop_str_in_output": include}
+                got = self.post("/v1/completions", {**body, **extra})[1]["choices"][0]
+                self.assertEqual((got["text"], got["finish_reason"]), (expected, "stop"))
+        eos = self.tok.eos_token_id
+        assert eos is not None and self.tok.eos_token is not None
+        forced = {**body, "max_tokens": 3, "logit_bias": {str(eos): 100}}
+        skipped = self.post("/v1/completions", forced)[1]["choices"][0]["text"]
+        kept = self.post("/v1/completions", {**forced, "skip_special_tokens": False})[1]["choices"][0]["text"]
+        self.assertEqual((skipped, kept), ("", self.tok.eos_token * 3))
 
     def test_batched_prompts_equal_each_prompt_alone(self) -> None:
         ids = [int(t) for t in np.random.default_rng(5).integers(3, 500, size=6)]
