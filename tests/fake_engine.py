@@ -30,8 +30,11 @@ class FakeTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(chr(i) for i in ids if i != EOS)
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids if i != EOS or not skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return chr(token_id).encode("utf-8", "surrogatepass")
 
 
 def letter(prompt: Sequence[int], k: int) -> int:

@@ -8,6 +8,7 @@ import json
 import tempfile
 import unittest
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -48,19 +49,19 @@ class _Aborts:
         self.aborted.append((request_id, finish_reason))
 
 
-def deltas_of(tokens: list[list[int]]) -> list[RequestDelta]:
-    """One RequestDelta per step; the last one finishes with "length"."""
+def deltas_of(tokens: list[list[int]], finish: str = "length") -> list[RequestDelta]:
+    """One RequestDelta per step; the last one finishes with `finish`."""
     out: list[RequestDelta] = []
     count = 0
     for i, ids in enumerate(tokens):
         count += len(ids)
         last = i == len(tokens) - 1
-        out.append(RequestDelta("r", tuple(ids), last, "length" if last else None, 2, count))
+        out.append(RequestDelta("r", tuple(ids), last, finish if last else None, 2, count))
     return out
 
 
 def run_deltas(
-    tokens: list[list[int]], stops: list[str], tokenizer: object
+    tokens: list[list[int]], stops: list[str], tokenizer: object, finish: str = "length", **options: Any
 ) -> tuple[list[TextDelta], _Aborts]:
     """Feed one delta per step through a RequestStream, each once the reader took the previous one."""
 
@@ -70,13 +71,13 @@ def run_deltas(
         stream = RequestStream("r", queue, llm.abort)
 
         async def feed() -> None:
-            for delta in deltas_of(tokens):
+            for delta in deltas_of(tokens, finish):
                 queue.put_nowait(delta)
                 while not queue.empty():
                     await asyncio.sleep(0)  # yield to the reader until it took the delta
 
         feeder = asyncio.ensure_future(feed())
-        result = [d async for d in text_deltas(stream, tokenizer, stops)]  # type: ignore[arg-type]
+        result = [d async for d in text_deltas(stream, tokenizer, stops, **options)]  # type: ignore[arg-type]
         feeder.cancel()
         return result, llm
 
@@ -107,6 +108,26 @@ class RequestStreamTest(unittest.TestCase):
 
 
 class TextDeltaTest(unittest.TestCase):
+    def test_min_tokens_include_stop_str_and_a_stop_token_kept_out_of_the_text(self) -> None:
+        steps = [[ord(c)] for c in "abcabcab"]
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({}, "a"),  # the first "b" stops
+            ({"min_tokens": 3}, "abca"),  # a stop string within the first 3 tokens does not count
+            ({"min_tokens": 3, "include_stop_str": True}, "abcab"),
+            ({"min_tokens": 1}, "a"),  # the "b" is the 2nd token: it counts
+        ]
+        for options, expected in cases:
+            with self.subTest(options=options):
+                got, aborts = run_deltas(steps, ["b"], FakeTokenizer(), **options)
+                self.assertEqual("".join(d.text for d in got), expected)
+                self.assertEqual(got[-1].finish_reason, "stop")
+                self.assertEqual(aborts.aborted, [("r", "stop")])
+        stopped, _ = run_deltas(steps, [], FakeTokenizer(), finish="stop")  # ended by a stop token id
+        self.assertEqual("".join(d.text for d in stopped), "abcabca")
+        self.assertEqual(stopped[-1].num_output_tokens, 8)  # still counted
+        kept, _ = run_deltas(steps, [], FakeTokenizer(), finish="stop", include_stop_str=True)
+        self.assertEqual("".join(d.text for d in kept), "abcabcab")
+
     def test_every_step_yields_a_delta_even_when_its_token_completes_no_character(self) -> None:
         # "é" is two UTF-8 bytes, so its first byte-token has no text yet. vLLM still sends a chunk
         # (empty text, usage one higher) so a client can time that token; so must we.

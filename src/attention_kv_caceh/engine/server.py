@@ -184,8 +184,8 @@ def build_app(
         echo = isinstance(body, CompletionRequest) and body.echo
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo_only = echo and given == 0
-        planned: list[tuple[str, list[int], SamplingParams, Choice | None]] = []
-        for p, (prompt_ids, _text) in enumerate(prompts):
+        choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
+        for p, (prompt_ids, text) in enumerate(prompts):
             base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             for i in range(body.n):
                 params = sampling_params_for(
@@ -198,27 +198,23 @@ def build_app(
                     index=i,
                 )
                 check_kv_capacity(len(prompt_ids), params)
-                planned.append((base if body.n == 1 else f"{i}_{base}", prompt_ids, params, None))
+                choice = Choice(
+                    len(choices),
+                    base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
+                    prompt_ids,
+                    params,
+                    async_llm.add_request,
+                    leader=None if i == 0 else choices[len(choices) - i],
+                    echo_text=text if echo else "",
+                    echo_only=echo_only,
+                    first_prompt=i == 0,
+                )
+                choices.append(choice)
         if (
             max_queue is not None
-            and async_llm.num_unfinished + len(planned) > async_llm.max_num_seqs + max_queue
+            and async_llm.num_unfinished + len(choices) > async_llm.max_num_seqs + max_queue
         ):
             raise HTTPError(503, f"the server's queue is full ({max_queue} requests waiting); retry later")
-        choices: list[Choice] = []
-        for index, (request_id, prompt_ids, params, _) in enumerate(planned):
-            p, i = divmod(index, body.n)
-            choice = Choice(
-                index,
-                request_id,
-                prompt_ids,
-                params,
-                async_llm.add_request,
-                leader=None if i == 0 else choices[index - i],
-                echo_text=prompts[p][1] if echo else "",
-                echo_only=echo_only,
-                first_prompt=i == 0,
-            )
-            choices.append(choice)
         try:
             for choice in choices:
                 if choice.leader is None:
