@@ -31,11 +31,12 @@ from attention_kv_caceh.engine.paged_attention import (
     paged_decode_attention,
     write_kv,
 )
+from attention_kv_caceh.engine.request import SamplingParams
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
-# The runner reads only these attributes of a request and of a scheduler output (the engine contract);
+# The runner reads only these attributes of a request (sampling_params: whether it asks for prompt logprobs) and of a scheduler output (the engine contract);
 # the fakes keep these tests independent of how the scheduler constructs its own types.
 @dataclass
 class FakeRequest:
@@ -43,6 +44,7 @@ class FakeRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list[int])
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)  # read for prompt_logprobs
 
 
 @dataclass

@@ -156,10 +156,12 @@ class ModelRunner:
         position already recorded (recomputed after a preemption) is skipped."""
         for i, r in enumerate(scheduler_output.scheduled_requests):
             k = r.sampling_params.prompt_logprobs
+            if k is None:
+                continue
             c = r.num_computed_tokens
             end = min(c + scheduler_output.num_scheduled_tokens[r.request_id], r.num_prompt_tokens - 1)
             start = max(c, len(r.prompt_logprobs))
-            if k is None or start >= end:
+            if start >= end:
                 continue
             rows = np.arange(start - c, end - c) + query_start_loc[i]  # [n_p]
             logits = self.model.compute_logits(hidden[rows])  # [n_p, V]
