@@ -19,7 +19,8 @@ The chunk's max is tracked while the scores are computed (a separate max loop do
 without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM vectorises, where
 `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS` rows ahead
 (`_prefetch`, LLVM's prefetch intrinsic; across a block boundary in the paged layout, into the next
-block of the table). Why this order, chunk size and unrolling: the module docstring of kernels.py.
+block of the table). Why this order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the
+same attention as one readable loop nest, the reference the tuned kernels are tested against.
 """
 
 # pyright: basic
@@ -38,7 +39,7 @@ from numba.extending import intrinsic, overload
 
 __all__: list[str] = []
 
-_PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (kernels.py's docstring)
+_PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (docs/kernels.md)
 _LINE_BYTES = 64  # one prefetch per cache line
 
 
@@ -114,6 +115,41 @@ def _exp_nonpositive_impl(x):
 # running max starts at -inf and exp(-inf) = 0 must stay exact.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 _JIT = {"nogil": True, "cache": True, "fastmath": _FASTMATH, "error_model": "numpy", "boundscheck": False}
+
+
+@numba.njit(cache=True)
+def plain_serial(q, k, v, out, scale):
+    """The readable kernel: q [B, H, D], k/v [B, H_kv, T >= 1, D] -> out [B, H, D] (written in place).
+
+    One loop nest, one position at a time, online softmax (Milakov & Gimelshein 2018): m is the
+    largest score so far, z the sum of exp(score - m), acc the sum of exp(score - m) * v. When a new
+    score raises m, z and acc are rescaled by exp(m_old - m_new). Sums in float64. The tuned kernels
+    of this module compute the same thing; docs/kernels.md walks from this one to them.
+    """
+    b_count, h_count, d_count = q.shape
+    h_kv, t_count = k.shape[1], k.shape[2]
+    group = h_count // h_kv  # query heads per KV head (GQA)
+    acc = np.zeros(d_count)  # [D] float64
+    for b in range(b_count):
+        for h in range(h_count):
+            j = h // group  # the KV head query head h reads
+            m = -np.inf
+            z = 0.0
+            acc[:] = 0.0
+            for t in range(t_count):
+                score = 0.0
+                for d in range(d_count):
+                    score += q[b, h, d] * k[b, j, t, d]
+                score *= scale
+                m_new = max(m, score)
+                alpha = math.exp(m - m_new)  # rescales what was summed under the old max
+                p = math.exp(score - m_new)
+                z = z * alpha + p
+                for d in range(d_count):
+                    acc[d] = acc[d] * alpha + p * v[b, j, t, d]
+                m = m_new
+            for d in range(d_count):
+                out[b, h, d] = acc[d] / z
 
 
 @numba.njit(**_JIT)

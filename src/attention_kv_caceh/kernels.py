@@ -14,54 +14,15 @@ Two layouts (shape legend as in attention.py; NB physical KV blocks, BS position
 - paged, the engine's (vLLM's words): k_cache and v_cache `[NB, BS, H_kv, D]`, block_tables
   `[B, max_blocks]` int32 padded with -1, context_lens `[B]` int32; sequence b's position t lives in
   block block_tables[b, t // BS] at offset t % BS.
-float32 and float64; the accumulators have the input's dtype.
+float32 and float64; the tuned kernels' accumulators have the input's dtype.
 
-Choices, by measurement (`scripts/bench_kernels.py` plus single-purpose variants timed in one process;
-a shared, heavily loaded 2-core AMD EPYC VM with AVX-512 (load average 5-10), so variants were
-alternated round-robin and compared by the median of this thread's CPU time; repeated runs of one
-variant still move by about +-0.05; every figure is a ratio to the `np.dot` read probe over the same
-bytes, at B=4, H=H_kv=8, T=4097, D=128, float32, one thread, unless said otherwise):
-- Loop order: per (sequence, KV head) work item, positions in chunks of 1024 (`CONTIGUOUS_CHUNK`);
-  per chunk all scores first (one K row, G dot products over D), then one online-softmax rescale,
-  then acc += p V with eight V rows per pass over acc (four rows 0.85, one row 0.67 of a V-only pass).
-  Chunks of 64/256/4097 positions ran 0.65/0.73/0.76 against 0.77 for 1024. Tiles of 16-128
-  positions (K, softmax and V per tile, rescaling only when the max grows) ran 0.50-0.69.
-- The softmax step cost about 0.1 of the probe: `math.exp` is a scalar call per score (0.23 ms for
-  the 131k scores here) and the separate `max` loop does not vectorise (LLVM needs `nnan` for a
-  select-based max reduction; we leave `nnan` off so exp(-inf) = 0 stays exact). Now the chunk max is
-  tracked while the scores are computed and float32 uses a vectorised Cephes exp polynomial (0.04 ms,
-  max relative error 6e-8 against float64 exp): 0.75 -> 0.83, the same as with the softmax step
-  removed altogether (an incorrect ablation, 0.81-0.87).
-- Dot products run over all D terms from a zero (D - 1 terms after the first product left a scalar
-  remainder loop when 64 divides D).
-- Software prefetch of the K row 16 rows ahead (8 KiB at D=128 float32; 8 and 32 rows no better,
-  64 worse): contiguous 0.85 -> 0.88, paged 0.62 -> 0.70. Prefetching V (the next 8 rows, the next
-  block, or V during the K pass) was never better and often 0.05-0.1 worse, so only K is prefetched.
-  An earlier note said prefetching code loaded from Numba's disk cache ran slower than fresh code;
-  the runs below load it from the cache and did not show that.
-- Each head's `[T, D]` rows go to the loops as a C-contiguous view (`np.ascontiguousarray` inside
-  the kernel is a no-op view when the rows are contiguous, which they are in a PreallocatedKVCache's
-  strided view): Numba compiled the strided ("A") layout without vectorising, 3.4x slower.
-- Paged: per sequence, each KV block `[BS, H_kv, D]` is read once in memory order for all H_kv heads
-  (head-major order read every block H_kv times with 4 KiB strides and ran at 0.32); the scores of
-  about 1024 positions of blocks are gathered before each rescale (with the cheap softmax step, spans
-  of 16 to 4096 positions all ran 0.67-0.70); V eight rows at a time. The K pass alone now reads at
-  about 0.85 of a probe over K's bytes, the V pass alone at 0.64-0.66 (contiguous: 0.8-0.95): V's
-  eight rows of one head lie H_kv * D elements (4 KiB) apart. Tried for V and no better or worse:
-  16, 6, 4, 2 or 1 rows per pass over acc, head-major order, memory order with one row per pass,
-  offset or padded scratch (4 KiB aliasing), prefetching as above, copying each V block into a
-  head-major scratch first (0.55). With blocks in table order instead of shuffled the paged kernel
-  ran 0.79 (K pass alone 0.89, V pass alone still 0.60): the jumps between blocks cost the K pass
-  about 0.05, and the V pass's strided rows are the rest of the gap.
-Before and after this module's current version, alternating the two in one session (`scripts/
-bench_kernels.py --shapes large --rounds 4 --repeats 5`, CPU-time medians, two runs each, load 5-6):
-fused contiguous 0.70 and 0.77 -> 0.85 and 0.90; paged (BS=16, shuffled) 0.52 and 0.55 -> 0.69 and
-0.73; NumPy path 0.71-0.77; probe 34-40 GB/s. Over all five runs of the current version (load 5-8):
-fused 0.75, 0.82, 0.85, 0.87, 0.90 (median 0.85), paged 0.67-0.73 (median 0.70). The issue's
-contiguous target (>= 0.9) is reached in some runs only; the paged target (>= 0.85) is not reached
-on this machine. Default shape (B=1..8, T=129, D=64): fused 0.006-0.026 ms, paged 0.004-0.022 ms,
-NumPy path 0.026-0.053 ms per step (CPU time), so both kernels stay 2-6x faster than NumPy there.
-A quiet machine should re-run the script.
+Three kernels, one result. `plain_decode_attention` is the readable one: one loop nest over
+(sequence, query head, position), a rescale per position, sums in float64; it is the reference the
+tuned kernels are tested against. `decode_attention` and `paged_decode_attention` are tuned: positions
+in chunks of `CONTIGUOUS_CHUNK` (scores of the whole chunk first, then one rescale, then V eight rows
+at a time), the chunk's max tracked while the scores are computed, a vectorised float32 exp, and K
+prefetched a few rows ahead. docs/kernels.md walks from the plain kernel to the tuned one and gives
+what each step bought, measured.
 
 Compile time: each kernel is compiled at its first call for the argument types it gets (dtype, and
 C-contiguous or strided layout) and cached on disk (`cache=True`). Numba writes the cache to
@@ -90,6 +51,7 @@ __all__ = [
     "decode_attention_into",
     "paged_decode_attention",
     "paged_decode_attention_into",
+    "plain_decode_attention",
     "prepare_decode_attention",
     "prepare_paged_decode_attention",
 ]
@@ -97,7 +59,7 @@ __all__ = [
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.integer[Any]]
 
-CONTIGUOUS_CHUNK = 1024  # positions per online-softmax rescale (module docstring)
+CONTIGUOUS_CHUNK = 1024  # positions per online-softmax rescale (docs/kernels.md)
 _DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 _COMPILE_SECONDS: dict[str, float] = {}
 
@@ -329,3 +291,30 @@ def prepare_paged_decode_attention(
 def compile_seconds() -> dict[str, float]:
     """Seconds each first `prepare_*` call took in this process (compile, or a disk-cache load), by name."""
     return dict(_COMPILE_SECONDS)
+
+
+def plain_decode_attention(
+    q: FloatArray, k: FloatArray, v: FloatArray, *, scale: float | None = None
+) -> FloatArray:
+    """The readable kernel (`_kernels_jit.plain_serial`): the same result as `decode_attention`.
+
+    One loop nest over (sequence, query head, position) with an online softmax, no tuning; kept as the
+    reference the tuned kernels are tested against and as the first step of docs/kernels.md.
+    q `[B, H, D]` or `[B, H, 1, D]`; k and v `[B, H_kv, T, D]`, T >= 1, H % H_kv == 0; all float32 or all
+    float64. scale defaults to 1 / sqrt(D). Returns a new array of q's shape and dtype (sums in float64).
+
+    Raises ValueError for a wrong rank or dtype, mismatched shapes, H not a multiple of H_kv, or T = 0.
+    """
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    q3 = _as_rows(q, "q")
+    _check_float("q", q3)
+    _check_float("k", k, q3.dtype)
+    _check_float("v", v, q3.dtype)
+    if k.ndim != 4 or k.shape != v.shape or k.shape[0] != q3.shape[0] or k.shape[3] != q3.shape[2]:
+        raise ValueError(f"k and v must be [B, H_kv, T, D] matching q {q.shape}, got {k.shape} and {v.shape}")
+    h, h_kv, t, d = q3.shape[1], k.shape[1], k.shape[2], q3.shape[2]
+    if h_kv == 0 or h % h_kv or t == 0 or d == 0:
+        raise ValueError(f"need H % H_kv == 0, T >= 1 and D >= 1; got q {q.shape} and k {k.shape}")
+    out = np.empty_like(q)
+    _jit.plain_serial(q3, k, v, _as_rows(out, "out"), _scale(scale, d))
+    return out
