@@ -227,7 +227,7 @@ class SaturationWithOneBatchSizeTest(OutputFlagTestCase):
 
 class SetupCardTest(unittest.TestCase):
     def test_impl_all_without_torch_names_torch_sdpa_as_skipped_and_not_as_run(self) -> None:
-        from attention_kv_caceh.cli.scan_output import setup_card
+        from attention_kv_caceh.cli.scan import setup_card
         from attention_kv_caceh.experiments.scan import ScanConfig
         from attention_kv_caceh.experiments.scan_impls import resolve_impls
         from attention_kv_caceh.timing import capture_environment

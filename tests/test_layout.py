@@ -127,6 +127,11 @@ class LayoutTest(unittest.TestCase):
                 if name.startswith((f"{ROOT}.experiments", f"{ROOT}.harness")):
                     self.assertFalse([m for m in imports if m.startswith(f"{ROOT}.report")])
 
+    def test_one_markdown_table_writer(self) -> None:
+        """Every Markdown table goes through `tables.markdown_table`: no other module writes a rule row."""
+        writers = [name for name in module_names() if "--- |" in source_of(name).read_text(encoding="utf-8")]
+        self.assertEqual(writers, [f"{ROOT}.tables"])
+
 
 if __name__ == "__main__":
     unittest.main()

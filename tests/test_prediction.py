@@ -14,32 +14,24 @@ from hypothesis import strategies as st
 from attention_kv_caceh.experiments.cache_growth_stats import CacheFit, CacheGrowthSummary
 from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step, calibrate
 from attention_kv_caceh.experiments.prediction import (
+    CachePrediction,
     ScanPrediction,
     UserPrediction,
-    check_user_prediction,
-    make_scan_prediction,
-    parse_saturation,
-)
-from attention_kv_caceh.experiments.prediction_cache import (
-    CachePrediction,
-    cache_bytes_per_position,
-    cache_outcome_markdown,
-    cache_outcome_text,
-    evaluate_cache,
-    make_cache_prediction,
-)
-from attention_kv_caceh.experiments.prediction_check import (
     Verdict,
+    cache_bytes_per_position,
+    check_user_prediction,
+    evaluate_cache,
     evaluate_scan,
     find_anomalies,
     fmt_ms,
     fmt_rate,
+    make_cache_prediction,
+    make_scan_prediction,
     outcome_json,
-)
-from attention_kv_caceh.experiments.prediction_text import (
+    outcome_markdown,
+    outcome_text,
+    parse_saturation,
     prediction_card,
-    scan_outcome_markdown,
-    scan_outcome_text,
 )
 from attention_kv_caceh.experiments.scan import (
     ScanConfig,
@@ -159,9 +151,9 @@ class VerdictTest(unittest.TestCase):
         self.assertEqual(outcome.measured_saturation, 8)
         held, text = self.verdict(outcome.verdicts, "user saturation")
         self.assertFalse(held)
-        self.assertIn("failed: measured B = 8, predicted B = 4", text)
-        self.assertIn("failed: measured B = 8, predicted B = 4", scan_outcome_text(outcome))
-        self.assertIn("FAILED", scan_outcome_markdown(outcome))
+        self.assertEqual(re.findall(r"B = (\d+)", text), ["8", "4"])  # measured, then predicted
+        self.assertIn(text, outcome_text(outcome))
+        self.assertIn(f"| user saturation | FAILED | {text} |", outcome_markdown(outcome))
         verdicts = json.loads(json.dumps(outcome_json(outcome.verdicts, outcome.anomalies)))["verdicts"]
         self.assertIn({"name": "user saturation", "held": False, "text": text}, verdicts)
         # The free text is recorded and shown, never judged.
@@ -214,7 +206,7 @@ class AnomalyTest(unittest.TestCase):
         self.assertEqual([(a.batch_size, a.repeat, a.elapsed_ms) for a in anomalies], [(4, 7, 10.0)])
         self.assertAlmostEqual(anomalies[0].group_p95_ms, EXPECTED_P50[4])
         outcome = evaluate_scan(prediction(), samples)
-        self.assertIn("B = 4, repeat 7: 10.0000 ms", scan_outcome_text(outcome))
+        self.assertIn("B = 4, repeat 7: 10.0000 ms", outcome_text(outcome))
         self.assertIn("without them no verdict changes", outcome.anomaly_note)
 
     def test_the_note_says_when_an_anomaly_changes_a_verdict(self) -> None:
@@ -260,7 +252,7 @@ class ExplanationTest(unittest.TestCase):
         rows = {r.batch_size: r for r in outcome.rows}
         self.assertIn(f"bandwidth term is {fmt_ms(rows[8].bandwidth_ms)} ms", text)
         # The same P50 digits appear in the printed table and in the paragraph.
-        printed = scan_outcome_text(outcome)
+        printed = outcome_text(outcome)
         for b in (1, 16):
             self.assertIn(fmt_ms(table[b]["p50_ms"]), text)
             self.assertRegex(
@@ -333,8 +325,8 @@ class CachePredictionTest(unittest.TestCase):
         self.assertTrue(texts["preallocated slope"][0])
         self.assertIn("measured 9.00x, predicted 3.00x", texts["dynamic / preallocated"][1])
         self.assertIn("from T = 640", bad.explanation)
-        self.assertIn("FAILED", cache_outcome_text(bad))
-        self.assertIn("| dynamic | 2.4576 | 7.3728 | 3.00 |", cache_outcome_markdown(bad))
+        self.assertIn("FAILED", outcome_text(bad))
+        self.assertIn("| dynamic | 2.4576 | 7.3728 | 3.00 |", outcome_markdown(bad))
 
 
 if __name__ == "__main__":

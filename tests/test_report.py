@@ -5,12 +5,16 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
+import re
 import tempfile
 import unittest
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 from unittest import mock
+
+import numpy as np
 
 from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
@@ -109,6 +113,36 @@ def write_cache(folder: Path) -> None:
     )
 
 
+def section(text: str, name: str) -> str:
+    """The report's section of the raw file `name` (from its `### ... `name`` heading to the next)."""
+    start = re.search(rf"^### .*`{re.escape(name)}`", text, re.MULTILINE).start()  # type: ignore[union-attr]
+    end = text.find("\n### ", start)
+    return text[start : end if end >= 0 else len(text)]
+
+
+def md_rows(text: str) -> list[list[str]]:
+    """Every row of every Markdown table in `text` (header rows included, `| --- |` rules left out)."""
+    rows = [
+        [c.strip() for c in line.strip()[1:-1].split(" | ")]
+        for line in text.splitlines()
+        if line.startswith("| ")
+    ]
+    return [r for r in rows if any(c.strip("- ") for c in r)]
+
+
+def md_table(text: str, first_header: str, having: str = "") -> list[dict[str, str]]:
+    """The rows of the first table in `text` whose header starts with `first_header` (and has a column
+    `having`, when given), as header -> cell."""
+    rows = md_rows(text)
+    i = next(i for i, r in enumerate(rows) if r[0] == first_header and (not having or having in r))
+    header, out = rows[i], []
+    for row in rows[i + 1 :]:
+        if len(row) != len(header) or row[0] == first_header:
+            break
+        out.append(dict(zip(header, row, strict=True)))
+    return out
+
+
 class HelpersTest(unittest.TestCase):
     def test_classify_header_by_columns_not_name(self) -> None:
         self.assertEqual(classify_header(list(reversed(SAMPLE_FIELDS))), "scan")
@@ -150,6 +184,7 @@ class ReportTest(unittest.TestCase):
 
     def report(self, plot: bool = False) -> tuple[str, list[FileProblem]]:
         result = build_report(self.folder, self.out, plot=plot)
+        self.sources = result.sources  # the raw files reported
         return result.markdown, result.problems
 
     def test_scan_percentiles_recomputed_from_raw_samples(self) -> None:
@@ -162,31 +197,46 @@ class ReportTest(unittest.TestCase):
         )
         text, problems = self.report()
         self.assertEqual(problems, [])
-        # | B | n | P50 | P95 | min | max | per-seq | ...
-        self.assertIn("| 1 | 20 | 10.5 | 19.05 | 1 | 20 | 10.5 |", text)
-        self.assertIn("| 2 | 20 | 21 | 38.1 | 2 | 40 | 10.5 |", text)
-        self.assertIn("| 4 | 20 | 1 | 5.95 | 1 | 100 | 0.25 |", text)
-        self.assertNotIn("777", text)
-        self.assertIn("`benchmark-summary.csv` (scan summary", text)
-        self.assertIn("B=4 repeat 19: 100 ms", text)  # flagged, and kept: max is 100
-        self.assertIn("Outliers (> 2 x the P95 of its batch size), kept in every statistic: 1:", text)
-        self.assertIn("**Saturation verdict:** Saturated at B = 1", text)
-        self.assertIn("each request waits 2.00x as long per token", text)  # B=2 step P50 21 vs 10.5
-        self.assertIn("| Test CPU |", text)
+        table = {int(r["B"]): r for r in md_table(section(text, "benchmark.csv"), "B")}
+        self.assertEqual(sorted(table), sorted(SCAN))
+        for b, values in SCAN.items():
+            p50, p95 = np.percentile(values, [50, 95])
+            expected = {"n": 20, "P50 ms": p50, "P95 ms": p95, "min ms": min(values), "max ms": max(values)}
+            expected |= {"per-seq ms": p50 / b, "positions/s": b * 128 / (p50 / 1000)}
+            for column, value in expected.items():
+                self.assertTrue(math.isclose(float(table[b][column]), value, rel_tol=1e-3), (b, column))
         # KV GB/s at B=1: 1e6 bytes / 10.5 ms = 0.09524 GB/s; probe 1e6 / 1 ms = 1 GB/s.
-        self.assertIn("| 0.09524 | 1 | 0.09524 |", text)
+        self.assertEqual(
+            [table[1][c] for c in ("KV GB/s", "probe GB/s", "KV / probe")], ["0.09524", "1", "0.09524"]
+        )
+        self.assertNotIn("777", text)
+        self.assertIn("`benchmark-summary.csv`", text.split("## Summary files not used")[1])
+        # the outlier is flagged with its B, repeat and time, and kept: max is 100
+        self.assertEqual(re.findall(r"B=(\d+) repeat (\d+): ([\d.]+) ms", text), [("4", "19", "100")])
+        self.assertEqual(re.findall(r"Saturated at B = (\d+)", text), ["1"])
+        # every request waits for the whole step: B = 2's step is 21 / 10.5 = 2x the B = 1 step
+        self.assertEqual(re.findall(r"waits ([\d.]+)x", text), ["2.00", "0.10"])
+        card = md_rows(text.split("## Environment")[1].split("## Results")[0])
+        self.assertIn(["CPU", "Test CPU"], card)
 
     def test_cache_run_fits_and_memory(self) -> None:
         write_cache(self.folder)
         text, problems = self.report()
         self.assertEqual(problems, [])
-        self.assertIn("| dynamic | 10 | 0.1 | 1 | 1 |", text)  # slope 10 us/position, exact line
-        self.assertIn("| preallocated | 2 | 0.1 | 1 | 1 |", text)
+        fits = {r["cache"]: r for r in md_table(text, "cache", having="slope us/position")}
+        for kind, slope in (("dynamic", 10.0), ("preallocated", 2.0)):  # exact lines: R^2 = 1
+            row = fits[kind]
+            self.assertEqual(
+                [float(row[c]) for c in ("slope us/position", "intercept ms", "R^2")], [slope, 0.1, 1]
+            )
         # totals: sum over T=1..64 of 0.1 + 0.01 T = 6.4 + 20.8 = 27.2 ms; 6.4 + 4.16 = 10.56 ms.
-        self.assertIn("**2.58x**", text)
+        self.assertEqual(re.findall(r"\*\*([\d.]+)x\*\*", text), [f"{27.2 / 10.56:.2f}"])
         self.assertIn("The Dynamic cache's slope is 5.0x", text)
         self.assertIn("from T = 17", text)
-        self.assertIn("| dynamic | 16 B | 1.00 KiB | 16 |", text)
+        memory = {r["cache"]: r for r in md_table(text, "cache", having="B/position (traced)")}
+        # append_peak_bytes = 16 T, new_buffer_bytes = 32 T (write_cache)
+        self.assertEqual(float(memory["dynamic"]["B/position (traced)"]), 16)
+        self.assertEqual(float(memory["dynamic"]["new buffers B/position"]), 32)
         self.assertIn("Outliers (> 2 x the P95 of its cache in windows of 1 positions): none.", text)
 
     def test_a_cache_pass_cut_part_way_is_named(self) -> None:
@@ -231,11 +281,10 @@ class ReportTest(unittest.TestCase):
         (self.folder / "serve.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
         text, problems = self.report()
         self.assertIn("4 request(s), 3 completed, failures: http_error: 1", text)
-        self.assertIn("| TTFT (first token - sent) | 3 | 20 |", text)
-        self.assertIn("| ITL | 6 | 2 |", text)
-        self.assertEqual(len(problems), 2)
-        self.assertIn("line 5: malformed JSON", problems[0].problem)
-        self.assertIn("line 6: not a per-request record", problems[1].problem)
+        metrics = {r["metric"]: r for r in md_table(text, "metric")}
+        self.assertEqual([metrics["TTFT (first token - sent)"][c] for c in ("n", "P50 ms")], ["3", "20"])
+        self.assertEqual([metrics["ITL"][c] for c in ("n", "P50 ms")], ["6", "2"])  # gaps 1, 3 ms x 3
+        self.assertEqual([re.match(r"line (\d+):", p.problem)[1] for p in problems], ["5", "6"])  # type: ignore[index]
 
     def test_bad_files_are_named_and_the_rest_reported(self) -> None:
         write_scan(self.folder, "good.csv")
@@ -253,17 +302,15 @@ class ReportTest(unittest.TestCase):
 
         text, problems = self.report()
         by_file = {Path(p.path).name: p.problem for p in problems}
-        self.assertIn("row 3: column 'sequence_length': '128x' is not an integer", by_file["bad.csv"])
-        self.assertIn("missing", by_file["nometa.csv.meta.json"])
-        self.assertIn("malformed JSON", by_file["good.csv.meta.json"])
-        self.assertIn("unrecognised header: x, y", by_file["unknown.csv"])
-        self.assertIn("unrecognised header: (empty)", by_file["empty.csv"])
-        self.assertIn("no rows", by_file["header-only.csv"])
-        self.assertIn("row 1: column 'elapsed_ms' is missing", by_file["ragged.csv"])
+        expected = ["bad.csv", "nometa.csv.meta.json", "good.csv.meta.json", "unknown.csv", "empty.csv"]
+        self.assertEqual(sorted(by_file), sorted([*expected, "header-only.csv", "ragged.csv"]))
+        # each problem names the row and column at fault where there is one
+        self.assertRegex(by_file["bad.csv"], r"\brow 3\b.*'sequence_length'.*'128x'")
+        self.assertRegex(by_file["ragged.csv"], r"\brow 1\b.*'elapsed_ms'")
         # The good files are still reported, and every problem is listed in the report itself.
-        self.assertIn("### Batch-size scan: `good.csv`", text)
-        self.assertIn("### Batch-size scan: `nometa.csv`", text)
-        self.assertNotIn("### Batch-size scan: `bad.csv`", text)
+        self.assertIn("good.csv", self.sources)
+        self.assertIn("nometa.csv", self.sources)
+        self.assertNotIn("bad.csv", self.sources)
         self.assertIn("## Problems with files", text)
         for name in by_file:
             self.assertIn(name, text.split("## Problems with files")[1])
@@ -278,9 +325,9 @@ class ReportTest(unittest.TestCase):
             [p.problem for p in problems],
             [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
         )
-        self.assertIn("### Batch-size scan: `cut.csv`", report)
-        self.assertIn(f"{rows - 1} raw samples", report)
-        self.assertIn("| 4 | 19 |", report)  # the B = 4 group lost its last sample
+        self.assertIn("cut.csv", self.sources)
+        counts = {r["B"]: int(r["n"]) for r in md_table(report, "B")}
+        self.assertEqual(counts, {"1": 20, "2": 20, "4": 19})  # the B = 4 group lost its last sample
         self.assertIn("truncated file?", report.split("## Problems with files")[1])
 
     def test_a_short_row_before_the_last_still_rejects_the_file(self) -> None:
@@ -288,10 +335,10 @@ class ReportTest(unittest.TestCase):
         lines = path.read_text(encoding="utf-8").splitlines()
         lines[5] = lines[5][: lines[5].rindex(",")]
         path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:10], encoding="utf-8")
-        report, problems = self.report()
+        _report, problems = self.report()
         self.assertEqual(len(problems), 1)
         self.assertIn("row 5: column", problems[0].problem)
-        self.assertNotIn("### Batch-size scan", report)
+        self.assertEqual(self.sources, [])
 
     def test_a_last_row_without_its_line_break_is_cut_even_when_it_parses(self) -> None:
         path = write_scan(self.folder, "cut.csv")
@@ -304,8 +351,7 @@ class ReportTest(unittest.TestCase):
             [p.problem for p in problems],
             [f"row {rows} is incomplete (truncated file?); {rows - 1} complete rows used"],
         )
-        self.assertIn(f"{rows - 1} raw samples", report)
-        self.assertIn("| 4 | 19 |", report)
+        self.assertEqual({r["B"]: int(r["n"]) for r in md_table(report, "B")}, {"1": 20, "2": 20, "4": 19})
 
     def test_out_of_range_values_reject_the_file_and_the_rest_is_reported(self) -> None:
         write_scan(self.folder, "good.csv")
@@ -336,7 +382,7 @@ class ReportTest(unittest.TestCase):
                 "growth.csv": "malformed cache CSV: row 2: column 'repeat': '-1' must be >= 0",
             },
         )
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertEqual(text.count("### Batch-size scan"), 1)
         with self.assertRaisesRegex(ValueError, "row 1: column 'head_dim': '0' must be >= 1"):
             parse_rows(Sample, [{**dataclasses.asdict(Sample(1, 1, 1.0, 0)), "head_dim": "0"}])
@@ -345,21 +391,21 @@ class ReportTest(unittest.TestCase):
         write_scan(self.folder, "a.csv")
         write_scan(self.folder, "b.csv")
         write_cache(self.folder)
-        real = report.scan_section
+        real = report.scan_run_markdown
 
-        def scan_section(name: str, *args: Any) -> Any:
+        def scan_run_markdown(name: str, *args: Any) -> Any:
             if name == "a.csv":
                 raise ZeroDivisionError("float division by zero")
             return real(name, *args)
 
-        def cache_section(*_: Any) -> Any:
+        def cache_run_markdown(*_: Any) -> Any:
             raise KeyError("dynamic")
 
         with (
-            mock.patch.object(report, "scan_section", scan_section),
-            mock.patch.object(report, "cache_section", cache_section),
+            mock.patch.object(report, "scan_run_markdown", scan_run_markdown),
+            mock.patch.object(report, "cache_run_markdown", cache_run_markdown),
         ):
-            text, problems = self.report()
+            _text, problems = self.report()
         self.assertEqual(
             [(Path(p.path).name, p.problem) for p in problems],
             [
@@ -367,15 +413,15 @@ class ReportTest(unittest.TestCase):
                 ("growth.csv", "cannot summarize the cache run: KeyError: 'dynamic'"),
             ],
         )
-        self.assertIn("### Batch-size scan: `b.csv`", text)
+        self.assertIn("b.csv", self.sources)
 
     def test_a_byte_order_mark_before_the_header_is_ignored(self) -> None:
         path = write_scan(self.folder, "excel.csv")
         path.write_text(path.read_text(encoding="utf-8"), encoding="utf-8-sig")
         self.assertTrue(path.read_bytes().startswith(b"\xef\xbb\xbf"))
-        text, problems = self.report()
+        _text, problems = self.report()
         self.assertEqual(problems, [])
-        self.assertIn("### Batch-size scan: `excel.csv`", text)
+        self.assertIn("excel.csv", self.sources)
         self.assertEqual([p.name for p in planned_plots(self.folder, self.out)], ["REPORT-excel.png"])
 
     def test_broken_links_and_folders_named_like_raw_files_are_listed(self) -> None:
@@ -392,7 +438,7 @@ class ReportTest(unittest.TestCase):
                 ("sub.csv", "skipped: a folder"),
             ],
         )
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertIn("sub.csv`: skipped: a folder", text)
 
     def test_serving_metadata_in_the_card(self) -> None:

@@ -10,10 +10,12 @@ import dataclasses
 import io
 import json
 import os
+import re
 import tempfile
 import threading
 import tracemalloc
 import unittest
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +24,11 @@ from unittest import mock
 from attention_kv_caceh import cli
 from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.experiments.calibration import Calibration
-from attention_kv_caceh.experiments.prediction import make_scan_prediction
-from attention_kv_caceh.experiments.prediction_cache import make_cache_prediction
-from attention_kv_caceh.experiments.prediction_text import VERDICT_MARK
+from attention_kv_caceh.experiments.prediction import (
+    VERDICT_MARK,
+    make_cache_prediction,
+    make_scan_prediction,
+)
 from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
@@ -66,6 +70,7 @@ class Folder(unittest.TestCase):
 
     def report(self) -> tuple[str, dict[str, str]]:
         result = build_report(self.folder, self.out, plot=False)
+        self.sources = result.sources  # the raw files reported
         return result.markdown, {Path(p.path).name: p.problem for p in result.problems}
 
     def rewrite_rows(
@@ -90,7 +95,7 @@ class SuffixAndFileKindTest(Folder):
         self.assertEqual(problems["B.CSV"], f"{lower} (.csv)")
         self.assertEqual(problems["serve.JSONL"], f"{lower} (.jsonl)")
         self.assertEqual(problems["good.csv.Meta.Json"], f"{lower} (.meta.json)")
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertNotIn("`B.CSV`", text.split("## Problems with files")[0])
         self.assertEqual([p.name for p in planned_plots(self.folder, self.out)], ["REPORT-good.png"])
 
@@ -109,11 +114,11 @@ class SuffixAndFileKindTest(Folder):
                 with contextlib.suppress(OSError):
                     os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
             self.fail("the report blocked on a FIFO")
-        text, problems = result[0]
+        _text, problems = result[0]
         self.assertEqual(problems["pipe.csv"], "skipped: a FIFO")
         self.assertEqual(problems["pipe.jsonl"], "skipped: a FIFO")
         self.assertEqual(problems["good.csv.meta.json"], "a FIFO, not a regular file: not read")
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
         self.assertEqual(planned_plots(self.folder, self.out), [self.out.with_name("REPORT-good.png")])
 
     def test_open_regular_refuses_a_fifo_without_opening_it(self) -> None:
@@ -129,20 +134,20 @@ class SuffixAndFileKindTest(Folder):
         cap = (self.folder / "small.csv").stat().st_size
         (self.folder / "big.csv").write_bytes((self.folder / "big.csv").read_bytes() + b"\n" * 10)
         with mock.patch.object(report_sources, "MAX_INPUT_BYTES", cap):
-            text, problems = self.report()
+            _text, problems = self.report()
         self.assertRegex(
             problems["big.csv"], r"MiB, above the report's cap of 0 MiB \(report\.sources\.MAX_INPUT"
         )
         self.assertIn("above the report's cap", problems["big.jsonl"])
-        self.assertIn("### Batch-size scan: `small.csv`", text)
+        self.assertIn("small.csv", self.sources)
 
     def test_running_out_of_memory_in_one_file_is_a_problem_not_a_traceback(self) -> None:
         write_scan(self.folder, "scan.csv")
         (self.folder / "serve.jsonl").write_text(json.dumps(ok_record(0)) + "\n", encoding="utf-8")
         with mock.patch("csv.reader", side_effect=MemoryError):
-            text, problems = self.report()
+            _text, problems = self.report()
         self.assertEqual(problems, {"scan.csv": "out of memory while reading it: not reported"})
-        self.assertIn("### Serving run: `serve.jsonl`", text)
+        self.assertIn("serve.jsonl", self.sources)
 
     def test_a_scan_csv_is_streamed_not_held_as_text_and_dicts(self) -> None:
         # About 1 MB of raw samples. Held as text plus a dict of strings per row it took ~22x its size
@@ -184,7 +189,7 @@ class OneRunPerFileTest(Folder):
         )
         self.assertIn("first rows 1, 61)", problems["mixed.csv"])
         self.assertNotIn("### Batch-size scan: `mixed.csv`", text)
-        self.assertIn("### Batch-size scan: `good.csv`", text)
+        self.assertIn("good.csv", self.sources)
 
     def test_a_cache_csv_mixing_batch_sizes_is_rejected(self) -> None:
         write_cache(self.folder)
@@ -254,6 +259,16 @@ class OneRunPerFileTest(Folder):
         )
         self.assertNotIn("ZeroDivisionError", text)
 
+    def test_an_elapsed_time_too_large_for_statistics_is_one_listed_problem(self) -> None:
+        path = write_scan(self.folder, "huge.csv")
+        self.rewrite_rows(path, lambda rows: [rows[0] | {"elapsed_ms": "1e308"}, *rows[1:]])
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a NumPy overflow warning fails the test
+            text, problems = self.report()
+        self.assertEqual(list(problems), ["huge.csv"])
+        self.assertIn("1e+308", problems["huge.csv"])
+        self.assertNotIn("### Batch-size scan: `huge.csv`", text)
+
     def test_two_memory_csvs_of_the_same_parameters_pair_by_the_metadata(self) -> None:
         write_cache(self.folder)
         memory = (self.folder / "growth-mem.csv").read_bytes()
@@ -294,14 +309,50 @@ class ServingRecordsTest(Folder):
             problems["serve.jsonl"],
             f"line 2: timestamps out of order: sent_ns < arrival_ns ({2 * MS} < {5 * MS}); line skipped",
         )
-        self.assertIn("2 request(s), 2 completed", text)
+        self.assertEqual(self.sources, ["serve.jsonl"])
+        self.assertEqual(re.findall(r"(\d+) request\(s\), (\d+) completed", text), [("2", "2")])
         self.assertIn("| client queue time | 2 | 1 |", text)
 
     def test_unknown_keys_are_ignored_and_a_repeated_request_id_is_skipped(self) -> None:
         self.write("serve.jsonl", [ok_record(0) | {"added_later": [1, 2]}, ok_record(0)])
         text, problems = self.report()
         self.assertEqual(problems["serve.jsonl"], "line 2: request_id 0 already on line 1; line skipped")
-        self.assertIn("1 request(s), 1 completed", text)
+        self.assertEqual(self.sources, ["serve.jsonl"])
+        self.assertEqual(re.findall(r"(\d+) request\(s\), (\d+) completed", text), [("1", "1")])
+
+    def test_a_negative_token_count_is_listed_not_summed_into_throughput(self) -> None:
+        for field, value in (("output_tokens", -3), ("prompt_tokens", -1), ("output_tokens", 2.5)):
+            with self.subTest(field=field, value=value):
+                self.write("serve.jsonl", [ok_record(0), ok_record(1) | {field: value}, ok_record(2)])
+                text, problems = self.report()
+                self.assertEqual(list(problems), ["serve.jsonl"])
+                self.assertRegex(problems["serve.jsonl"], rf"^line 2: {field} .*; line skipped$")
+                self.assertEqual(self.sources, ["serve.jsonl"])
+                self.assertEqual(re.findall(r"(\d+) request\(s\), (\d+) completed", text), [("2", "2")])
+
+    def test_the_label_goodput_and_server_block_of_the_metadata_are_shown(self) -> None:
+        # TTFT is 10 ms for every ok_record; an SLO of 5 ms passes none, one of 20 ms passes all three.
+        self.write("serve.jsonl", [ok_record(0), ok_record(1), ok_record(2)])
+        server = {"engine_config": {"max_num_seqs": 7}, "engine_steps": {"num_steps": 42}}
+        for ttft, good in ((5, 0), (20, 3)):
+            with self.subTest(ttft=ttft):
+                meta = {**ENV, "config": {"label": "nightly-A", "goodput": {"ttft": ttft}}, "server": server}
+                write_json_atomic(self.folder / "serve.jsonl.meta.json", meta)
+                text, problems = self.report()
+                self.assertEqual(problems, {})
+                section = text.split("### Serving run: `serve.jsonl`")[1]
+                self.assertTrue(section.startswith(" (nightly-A)"), section[:40])
+                self.assertRegex(section, rf"\({good} of 3 completed requests meet ttft <= {ttft} ms\)")
+                self.assertIn("| engine_config | max_num_seqs | 7 |", section)
+                self.assertIn("| engine_steps | num_steps | 42 |", section)
+
+    def test_a_malformed_goodput_in_the_metadata_is_listed_and_the_run_still_reported(self) -> None:
+        self.write("serve.jsonl", [ok_record(0)])
+        write_json_atomic(self.folder / "serve.jsonl.meta.json", {**ENV, "config": {"goodput": {"ttft": -1}}})
+        text, problems = self.report()
+        self.assertEqual(list(problems), ["serve.jsonl.meta.json"])
+        self.assertEqual(self.sources, ["serve.jsonl"])
+        self.assertEqual(re.findall(r"(\d+) request\(s\), (\d+) completed", text), [("1", "1")])
 
     def test_a_run_where_every_request_failed_says_so(self) -> None:
         failed = [
@@ -346,7 +397,7 @@ class PredictionTest(Folder):
                 text, problems = self.report()
                 self.assertIn("malformed 'prediction'", problems["scan.csv.meta.json"])
                 self.assertIn("prediction table left out", problems["scan.csv.meta.json"])
-                self.assertIn("### Batch-size scan: `scan.csv`", text)
+                self.assertIn("scan.csv", self.sources)
                 self.assertNotIn("#### Prediction against measurement", text)
 
     def test_a_cache_prediction_is_rebuilt_against_the_fitted_slopes(self) -> None:
@@ -365,7 +416,7 @@ class PredictionTest(Folder):
         write_json_atomic(self.folder / "growth.csv.meta.json", {**ENV, "prediction": {"probe_bytes": "x"}})
         text, problems = self.report()
         self.assertIn("malformed 'prediction'", problems["growth.csv.meta.json"])
-        self.assertIn("### KV-cache growth: `growth.csv`", text)
+        self.assertIn("growth.csv", self.sources)
 
 
 if __name__ == "__main__":
@@ -379,6 +430,10 @@ class PredictionFromTheCommandsTest(Folder):
         meta = json.loads(meta_file.read_text(encoding="utf-8"))
         text, problems = self.report()
         self.assertEqual(problems, {})
+        # The Markdown the command wrote beside its raw file is the report's section of that file.
+        written = meta_file.with_name(meta_file.name.replace(".csv.meta.json", ".md")).read_text("utf-8")
+        self.assertIn("Status: complete", written)
+        self.assertIn(re.sub(r"\nStatus: complete[.;][^\n]*\n", "", written), text)
         section = text.split("#### Prediction against measurement")[1]
         for v in meta["prediction_outcome"]["verdicts"]:
             mark = VERDICT_MARK[v["held"]]

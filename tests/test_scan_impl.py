@@ -110,7 +110,7 @@ class ScanImplCliTest(unittest.TestCase):
                 self.assertIn("contiguous/float32/C/threads=1", meta["kernel_compile_seconds"])
                 self.assertIn("fused step", meta["predictions"]["fused"]["calibration"]["overhead_shape"])
                 for impl in impls:
-                    self.assertRegex(out, rf"\n\s+4 {impl}\s+\d")  # one table row per impl at B = 4
+                    self.assertRegex(out, rf"\n\s*4\s+{impl}\s+\d")  # one table row per impl at B = 4
                     self.assertIn(f"Saturation ({impl}): ", out)
                 summary = json.loads(out.strip().splitlines()[-1])
                 self.assertEqual(list(summary["impls"]), list(impls))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.report import build_report
 
 # experiment -> (same_object, shares_memory, write_propagates, shape, strides, c_contiguous, held)
 EXPECTED = {
@@ -75,9 +76,14 @@ class ViewsCommandTest(unittest.TestCase):
             self.assertTrue(Path(str(csv_path) + ".meta.json").exists())
             self.assertEqual(md_path.read_text(encoding="utf-8"), views_markdown(run_views()))
             self.assertIn("| basic slice |", out.getvalue())
-            self.assertIn(f"wrote {csv_path}, {csv_path}.meta.json, {md_path}", out.getvalue())
+            beside = csv_path.with_suffix(".md")
+            self.assertTrue(out.getvalue().rstrip().endswith(f"{csv_path}.meta.json, {beside}, {md_path}"))
             meta = json.loads(Path(f"{csv_path}.meta.json").read_text(encoding="utf-8"))
             self.assertEqual(meta["status"], "complete")
+            # the run's Markdown beside its CSV is the report's section of that CSV
+            report = build_report(csv_path.parent, Path(tmp, "REPORT.md"), plot=False)
+            self.assertEqual(report.problems, [])
+            self.assertIn(beside.read_text(encoding="utf-8"), report.markdown)
 
     def test_unwritable_output_writes_nothing(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:

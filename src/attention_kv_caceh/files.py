@@ -40,6 +40,7 @@ __all__ = [
     "atomic_write_text",
     "check_output_path",
     "ignoring_sigint",
+    "markdown_path",
     "meta_path",
     "path_problem",
     "strict_json_value",
@@ -126,6 +127,12 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> Path:
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
     """Write `text` as UTF-8 to `path` atomically (see `atomic_write_bytes`)."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def markdown_path(path: str | os.PathLike[str]) -> Path:
+    """The Markdown a lab command writes beside its raw file: `results/benchmark.csv` ->
+    `results/benchmark.md` (`report` renders the same section from the raw file)."""
+    return Path(path).with_suffix(".md")
 
 
 def meta_path(path: str | os.PathLike[str]) -> Path:

@@ -104,7 +104,8 @@ def summarize_samples(samples_ms: Sequence[float]) -> dict[str, float]:
     Percentiles use NumPy's default linear interpolation (`np.percentile`, method "linear"), so
     P50 of [1, 1, 10] is 1 and of [1, 2] is 1.5. This is the one statistics function of the project.
 
-    Raises ValueError for an empty sequence or a non-finite sample.
+    Raises ValueError for an empty sequence, a non-finite sample, or samples so large that a
+    statistic overflows (a file's 1e308 ms).
     """
     values = np.asarray(samples_ms, dtype=np.float64)
     if values.ndim != 1 or values.size == 0:
@@ -112,11 +113,16 @@ def summarize_samples(samples_ms: Sequence[float]) -> dict[str, float]:
     if not np.all(np.isfinite(values)):
         bad = values[~np.isfinite(values)][:3].tolist()
         raise ValueError(f"samples must be finite, got {bad}")
-    p50, p90, p95, p99 = np.percentile(values, [50, 90, 95, 99]).tolist()
+    try:
+        with np.errstate(over="raise"):
+            p50, p90, p95, p99 = np.percentile(values, [50, 90, 95, 99]).tolist()
+            mean, stdev = float(values.mean()), float(values.std())
+    except FloatingPointError:
+        raise ValueError(f"samples too large for statistics (largest {values.max():g})") from None
     return {
         "count": float(values.size),
-        "mean_ms": float(values.mean()),
-        "stdev_ms": float(values.std()),
+        "mean_ms": mean,
+        "stdev_ms": stdev,
         "min_ms": float(values.min()),
         "p50_ms": float(p50),
         "p90_ms": float(p90),

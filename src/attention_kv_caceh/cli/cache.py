@@ -1,11 +1,10 @@
 """`attention-kv-caceh cache`: N decode steps over a Dynamic and a Preallocated KV cache.
 
-Flags, the config, the up-front checks (shape, memory, every output path), the setup lines, the
-prediction (the notes, 6.4: predicted slopes from the bytes each step moves per cached position and the
-read probe, `experiments.prediction_cache`; written to the metadata and printed before anything is
-timed), the run with its saves, the summary, and the prediction against the fitted slopes. The files
-a run writes, their checks and the setup lines are `cli/cache_output.py`. `experiments/cache_growth.py`
-stays a library that returns rows; the summary text and rows come from
+Flags, the config, the up-front checks (shape, memory, every output path and the files beside the raw
+CSV), the setup lines, the prediction (predicted slopes from the bytes each step moves per cached
+position and the read probe, `experiments.prediction`; written to the metadata and printed before
+anything is timed), the run with its saves, the summary, and the prediction against the fitted slopes.
+`experiments/cache_growth.py` stays a library that returns rows; the summary text and rows come from
 `experiments/cache_growth_stats.py`.
 """
 
@@ -14,19 +13,23 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.cli.cache_output import check_cache_outputs, kept_text, setup_lines
 from attention_kv_caceh.cli.common import (
     PROG,
     UsageError,
+    add_shape_arguments,
+    check_outputs,
+    check_side_files,
     int_at_least,
     nonnegative_int,
     output_file,
     positive_int,
-    preset_name,
+    shape_from_args,
     warn_if_blas_unpinned,
 )
 from attention_kv_caceh.experiments.cache_growth import (
@@ -46,20 +49,26 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     summary_rows,
 )
 from attention_kv_caceh.experiments.calibration import read_probe
-from attention_kv_caceh.experiments.prediction_cache import (
+from attention_kv_caceh.experiments.prediction import (
     CachePrediction,
     cache_bytes_per_position,
-    cache_outcome_text,
     cache_prediction_card,
     cache_probe_bytes,
     evaluate_cache,
     make_cache_prediction,
+    outcome_json,
+    outcome_text,
 )
-from attention_kv_caceh.experiments.prediction_check import outcome_json
-from attention_kv_caceh.files import ignoring_sigint, write_csv_atomic, write_json_atomic
-from attention_kv_caceh.memory import MemoryBudgetError, check_memory
+from attention_kv_caceh.files import (
+    atomic_write_text,
+    ignoring_sigint,
+    markdown_path,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
+from attention_kv_caceh.memory import MemoryBudgetError, check_memory, format_bytes
 from attention_kv_caceh.oracle import OracleMismatch
-from attention_kv_caceh.presets import MODEL_PRESETS, resolve_shape
 from attention_kv_caceh.timing import capture_environment
 
 __all__ = ["CACHE_DEFAULTS", "HELP", "add_arguments", "cache_config", "run"]
@@ -96,35 +105,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="B",
         help="sequences decoded together",
     )
-    parser.add_argument(
-        "--num-heads",
-        type=positive_int,
-        default=None,
-        metavar="H",
-        help=f"query heads (default: {d.num_heads}, or the model's)",
-    )
-    parser.add_argument(
-        "--num-kv-heads",
-        type=positive_int,
-        default=None,
-        metavar="H_KV",
-        help="KV heads (default: the model's, or H)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=positive_int,
-        default=None,
-        metavar="D",
-        help=f"head dim (default: {d.head_dim}, or the model's)",
-    )
-    parser.add_argument(
-        "--model",
-        type=preset_name,
-        default=None,
-        metavar="PRESET",
-        help=f"take H, H_kv and D from a preset (any case): {', '.join(MODEL_PRESETS)}; explicit flags win "
-        "(default: none)",
-    )
+    add_shape_arguments(parser, d)
     parser.add_argument("--dtype", choices=("float32", "float64"), default=d.dtype, help="element type")
     parser.add_argument(
         "--repeats", type=positive_int, default=d.repeats, metavar="N", help="timed passes per cache"
@@ -147,24 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def cache_config(args: argparse.Namespace) -> CacheGrowthConfig:
     """The validated config; the shape from `presets.resolve_shape` (explicit flags win).
 
-    Raises UsageError when H is not a multiple of H_kv, for fewer than 2 steps (the summary fits a line
-    over T), or any value the config rejects.
+    Raises UsageError when H is not a multiple of H_kv or for any value the config rejects (--steps
+    below 2 is refused by its argparse type).
     """
-    d = CACHE_DEFAULTS
-    shape = resolve_shape(
-        args.model,
-        args.num_heads,
-        args.num_kv_heads,
-        args.head_dim,
-        default_num_heads=d.num_heads,
-        default_head_dim=d.head_dim,
-    )
-    if shape.num_heads % shape.num_kv_heads:
-        raise UsageError(
-            f"--num-heads {shape.num_heads} must be a multiple of --num-kv-heads {shape.num_kv_heads}"
-        )
-    if args.steps < 2:
-        raise UsageError(f"--steps must be >= 2 ({STEPS_WHY}), got {args.steps}")
+    shape = shape_from_args(args, CACHE_DEFAULTS)
     try:
         return CacheGrowthConfig(
             steps=args.steps,
@@ -267,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         # by an earlier run never sits beside this run's raw files
         write_csv_atomic(side["summary"], (), SUMMARY_FIELDS)
         write_meta()
+        atomic_write_text(side["markdown"], _markdown(csv_path, samples, memory, meta))
 
     def write_meta() -> None:
         write_json_atomic(side["meta"], meta)
@@ -342,11 +310,11 @@ def run(args: argparse.Namespace) -> int:
             with ignoring_sigint():
                 write_meta()
             print()
-            print(cache_outcome_text(outcome))
+            print(outcome_text(outcome))
             print()
         print(
             f"wrote {csv_path} ({len(samples)} rows), {side['memory']} ({len(memory)} rows), "
-            f"{side['summary']}, {side['meta']}, {side['memory_meta']}"
+            f"{side['summary']}, {side['meta']}, {side['memory_meta']}, {side['markdown']}"
         )
         if plot_path is not None:
             from attention_kv_caceh.report.plots import plot_cache_growth
@@ -357,3 +325,86 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: interrupted after the run: {kept()}; the summary or plot is missing", file=sys.stderr)
         return 130
     return 0
+
+
+# ------------------------------------------------------------- the files beside the raw CSV, and text
+
+
+def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
+    """Files a `cache` run writes beside its raw CSV: memory rows, summary and metadata."""
+    p = Path(csv_path)
+    return {
+        "memory": p.with_name(f"{p.stem}-memory.csv"),
+        "summary": p.with_name(f"{p.stem}-summary.csv"),
+        "meta": meta_path(p),
+        "memory_meta": meta_path(p.with_name(f"{p.stem}-memory.csv")),
+        "markdown": markdown_path(p),
+    }
+
+
+def check_cache_outputs(csv_path: str, plot_path: str | None) -> dict[str, Path]:
+    """Check every file `cache` may write (the CSV, the files beside it, the plot); returns the side
+    paths. Raises UsageError naming the flag and the path."""
+    side = cache_side_paths(csv_path)
+    beside = f"--csv {csv_path!r}: the file beside it"
+    check_outputs(
+        [("--csv", csv_path, (".csv",)), ("--plot", plot_path, (".png",))]
+        + [(beside, path, ()) for path in side.values()]
+    )
+    check_side_files(
+        "--csv",
+        {
+            side["memory"]: tuple(CacheMemoryRow.__dataclass_fields__),
+            side["summary"]: SUMMARY_FIELDS,
+            side["meta"]: (),
+            side["memory_meta"]: (),
+            side["markdown"]: (),
+        },
+    )
+    return side
+
+
+def setup_lines(config: CacheGrowthConfig, card: Mapping[str, Any]) -> list[str]:
+    """The lines printed before the run: its parameters, then the KV sizes of `cache_growth.kv_size_card`
+    (`card`), all layers of the `--model` preset included when one is named."""
+    lines = [
+        f"cache growth: N={config.steps} steps, B={config.batch_size}, H={config.num_heads}, "
+        f"H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}"
+        + (f", model {config.model}" if config.model else "")
+        + f"; {config.warmup} warm-up + {config.repeats} timed passes per cache, seed {config.seed}",
+        f"KV bytes per token (one layer): {card['kv_bytes_per_token_one_layer']} B; per sequence at "
+        f"T={config.steps}: {format_bytes(card['kv_bytes_per_sequence_one_layer'])}; batch: "
+        f"{format_bytes(card['kv_bytes_batch_one_layer'])}",
+    ]
+    if config.model:
+        lines.append(
+            f"{config.model}, all {card['model_layers']} layers: {format_bytes(card['kv_bytes_per_token_all_layers'])}"
+            f" per token at {config.dtype} ({format_bytes(card['kv_bytes_per_token_all_layers_float16'])} at "
+            f"float16), {format_bytes(card['kv_bytes_per_sequence_all_layers'])} per sequence at T={config.steps}"
+        )
+    return lines
+
+
+def kept_text(
+    samples: Sequence[CacheStepSample], memory: Sequence[CacheMemoryRow], csv_path: str, memory_path: Path
+) -> str:
+    """What a cut-short run kept on disk: its row counts and files, and the passes cut part-way."""
+    cut = partial_passes(samples, memory)
+    return (
+        f"kept {len(samples)} timed samples in {csv_path} and {len(memory)} memory rows in "
+        f"{memory_path}" + (f" (cut part-way: {', '.join(cut)})" if cut else "")
+    )
+
+
+def _markdown(
+    csv_path: str, samples: list[CacheStepSample], memory: list[CacheMemoryRow], meta: dict[str, Any]
+) -> str:
+    """The run's Markdown (`report.predictions.cache_run_markdown`, as `report` renders it from the
+    raw files) with a status line once it is complete; before, the status alone."""
+    name = Path(csv_path).name
+    if meta["status"] != "complete":
+        return f"### KV-cache growth: `{name}`\n\nStatus: {meta['status']}; no summary yet.\n"
+    from attention_kv_caceh.report.predictions import cache_run_markdown
+
+    text = cache_run_markdown(name, samples, memory, meta, [])
+    return text.replace("\n\n", "\n\nStatus: complete.\n\n", 1)

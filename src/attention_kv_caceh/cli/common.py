@@ -3,6 +3,9 @@
 - `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
 - `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
   not be written); `main` prints one line and exits 1. Files already written stay complete.
+- `add_shape_arguments` / `shape_from_args`: the one shape-flag group (--model, --num-heads,
+  --num-kv-heads, --head-dim) of every command that takes an attention shape, defaults read from the
+  command's config dataclass.
 - flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
   argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
 - `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
@@ -25,9 +28,12 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 from attention_kv_caceh.files import check_output_path, meta_path, path_problem
+
+if TYPE_CHECKING:  # presets imports NumPy, which `main` loads only for the commands that need it
+    from attention_kv_caceh.presets import ResolvedShape
 
 __all__ = [
     "PROG",
@@ -35,6 +41,7 @@ __all__ = [
     "HelpFormatter",
     "OneLineParser",
     "UsageError",
+    "add_shape_arguments",
     "check_outputs",
     "check_side_files",
     "int_at_least",
@@ -44,6 +51,7 @@ __all__ = [
     "output_file",
     "positive_int",
     "preset_name",
+    "shape_from_args",
     "warn_if_blas_unpinned",
 ]
 
@@ -174,6 +182,78 @@ def preset_name(text: str) -> str:
         return get_preset(text).name
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ------------------------------------------------------------------------------------ shape flags
+
+
+class ShapeDefaults(Protocol):
+    """A config dataclass with a default shape (`ScanConfig()`, `CacheGrowthConfig()`)."""
+
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, defaults: ShapeDefaults) -> None:
+    """--num-heads H, --num-kv-heads H_KV, --head-dim D and --model PRESET, defaults from `defaults`.
+
+    The flags default to None so that `shape_from_args` can tell an explicit value from a preset's.
+    """
+    from attention_kv_caceh.presets import MODEL_PRESETS
+
+    parser.add_argument(
+        "--num-heads",
+        type=positive_int,
+        default=None,
+        metavar="H",
+        help=f"query heads (default: {defaults.num_heads}, or the model's)",
+    )
+    parser.add_argument(
+        "--num-kv-heads",
+        type=positive_int,
+        default=None,
+        metavar="H_KV",
+        help="KV heads (default: the model's, or H)",
+    )
+    parser.add_argument(
+        "--head-dim",
+        type=positive_int,
+        default=None,
+        metavar="D",
+        help=f"head dim (default: {defaults.head_dim}, or the model's)",
+    )
+    parser.add_argument(
+        "--model",
+        type=preset_name,
+        default=None,
+        metavar="PRESET",
+        help=f"take H, H_kv and D from a real model (any case): {', '.join(sorted(MODEL_PRESETS))}; "
+        "explicit flags win (default: none)",
+    )
+
+
+def shape_from_args(args: argparse.Namespace, defaults: ShapeDefaults) -> ResolvedShape:
+    """The shape of the flags of `add_shape_arguments` (`presets.resolve_shape`: explicit flags win).
+
+    Raises UsageError when H is not a multiple of H_kv.
+    """
+    from attention_kv_caceh.presets import resolve_shape
+
+    shape = resolve_shape(
+        args.model,
+        args.num_heads,
+        args.num_kv_heads,
+        args.head_dim,
+        default_num_heads=defaults.num_heads,
+        default_head_dim=defaults.head_dim,
+    )
+    if shape.num_heads % shape.num_kv_heads:
+        raise UsageError(
+            f"--num-heads {shape.num_heads} must be a multiple of --num-kv-heads {shape.num_kv_heads}"
+        )
+    return shape
 
 
 # ------------------------------------------------------------------------------------ output paths

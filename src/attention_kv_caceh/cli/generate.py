@@ -2,7 +2,7 @@
 
 All prompts are added to one `LLMEngine` up front (request ids "0", "1", ... in input order), then
 `step()` runs until none is left: continuous batching, chunked prefill, prefix caching and preemption,
-each visible in the per-step table (`generate_table.py`). Each prompt's continuation is printed after
+each visible in the per-step table (`StepTable`, below; its columns are `STEP_TABLE_HELP`). Each prompt's continuation is printed after
 the table; `--output` writes them as JSONL (one line per prompt, input order, written atomically at the
 end), `--trace` writes one JSONL line per engine step (each StepStats, flushed as the step ends).
 
@@ -24,9 +24,8 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
-from attention_kv_caceh.cli import generate_table
 from attention_kv_caceh.cli.common import (
     PROG,
     CommandFailed,
@@ -37,14 +36,22 @@ from attention_kv_caceh.cli.common import (
     positive_int,
 )
 from attention_kv_caceh.cli.engine_args import check_prompts_fit, engine_config_kwargs, plan_engine
-from attention_kv_caceh.cli.generate_table import StepTable
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.llm_engine import LLMEngine
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["HELP", "add_arguments", "read_prompts", "run"]
+__all__ = [
+    "ALWAYS_ROWS",
+    "EVERY",
+    "HELP",
+    "STEP_TABLE_HELP",
+    "StepTable",
+    "add_arguments",
+    "read_prompts",
+    "run",
+]
 
 HELP = "generate continuations of prompts with the engine, printing each step's batch (continuous batching)"
 
@@ -59,7 +66,7 @@ def _top_p(text: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `generate`: model, prompts, sampling, engine limits, KV cache size, outputs."""
-    parser.epilog = generate_table.__doc__
+    parser.epilog = STEP_TABLE_HELP
     parser.add_argument(
         "--model",
         required=True,
@@ -323,3 +330,101 @@ def _run_steps(
         )
         return 130
     return 0
+
+
+# ------------------------------------------------------------------------------ the per-step table
+
+STEP_TABLE_HELP = """The per-step table `generate` prints: one row per engine step, as the step ends.
+
+Columns (the numbers of `engine.llm_engine.StepStats`):
+    step      step index (0, 1, ...)
+    reqs      requests scheduled in the step (the batch's R)
+    tokens    tokens computed in the step (the flattened batch's N), = prefill + decode
+    prefill   tokens of prompt chunks (and of recomputation after a preemption)
+    decode    tokens of requests computing their newest sampled token (1 each)
+    run/wait  num_requests_running / num_requests_waiting after the step
+    free      free KV blocks after the step (kv% = used / total blocks)
+    preempt   requests preempted in the step (their blocks freed, recomputed later)
+    hit/query prompt tokens found in / looked up in the prefix cache at the step's admissions
+    ms        wall time of the step
+    batch     request:tokens of every scheduled request, in batch order; `*` marks a request that
+              finished in the step
+
+Rows: each of the first 50 steps (ALWAYS_ROWS); after that, only the steps where something changes (a prefill
+chunk or admission, a preemption, a finished request, a prefix-cache lookup, a different running or
+waiting count), every 25th step (EVERY), and the last step. A line says how many unchanged decode steps
+were left out between two rows; --trace of `generate` keeps every step.
+"""
+
+ALWAYS_ROWS = 50
+"""Steps printed unconditionally at the start."""
+EVERY = 25
+"""After ALWAYS_ROWS, an unchanged step is still printed when its index is a multiple of this."""
+_BATCH_WIDTH = 60
+
+_HEADER = (
+    f"{'step':>5} {'reqs':>4} {'tokens':>6} {'prefill':>7} {'decode':>6} {'run':>4} {'wait':>4} "
+    f"{'free':>6} {'kv%':>5} {'preempt':>7} {'hit/query':>11} {'ms':>8}  batch (request:tokens, *finished)"
+)
+
+
+class StepTable:
+    """Prints the header, then a row per StepStats under the row rule above, to `stream`."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+        self.skipped = 0
+        self.rows = 0
+        self._previous: tuple[int, int] | None = None
+
+    def header(self) -> None:
+        """The column names and a rule."""
+        print(_HEADER, file=self.stream)
+        print("-" * len(_HEADER), file=self.stream)
+
+    def _changed(self, stats: Any, finished: list[str]) -> bool:
+        counts = (stats.num_running, stats.num_waiting)
+        return bool(
+            stats.num_prefill_tokens
+            or stats.num_preemptions
+            or finished
+            or stats.prefix_cache_queries
+            or counts != self._previous
+        )
+
+    def row(self, stats: Any, finished: list[str], *, last: bool = False) -> bool:
+        """Print the row of one StepStats if the rule says so; return whether it was printed."""
+        changed = self._changed(stats, finished)
+        self._previous = (stats.num_running, stats.num_waiting)
+        index = int(stats.step_index)
+        if not (index < ALWAYS_ROWS or changed or index % EVERY == 0 or last):
+            self.skipped += 1
+            return False
+        self._flush_skipped()
+        done = set(finished)
+        batch = " ".join(
+            f"{rid}:{n}{'*' if rid in done else ''}" for rid, n in stats.num_scheduled_tokens.items()
+        )
+        if len(batch) > _BATCH_WIDTH:
+            batch = batch[: _BATCH_WIDTH - 3] + "..."
+        tokens = sum(stats.num_scheduled_tokens.values())
+        hits = f"{stats.prefix_cache_hits}/{stats.prefix_cache_queries}"
+        print(
+            f"{index:>5} {len(stats.num_scheduled_tokens):>4} {tokens:>6} {stats.num_prefill_tokens:>7} "
+            f"{stats.num_decode_tokens:>6} {stats.num_running:>4} {stats.num_waiting:>4} "
+            f"{stats.num_free_blocks:>6} {100 * stats.kv_cache_usage:>5.1f} {stats.num_preemptions:>7} "
+            f"{hits:>11} {stats.step_time_ms:>8.2f}  {batch}",
+            file=self.stream,
+        )
+        self.rows += 1
+        return True
+
+    def _flush_skipped(self) -> None:
+        if self.skipped:
+            print(f"{'':>5} ... {self.skipped} decode steps without change not shown", file=self.stream)
+            self.skipped = 0
+
+    def footer(self) -> None:
+        """The count of steps left out at the end (an interrupted run), then a rule."""
+        self._flush_skipped()
+        print("-" * len(_HEADER), file=self.stream)

@@ -21,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.memory import format_bytes
+from attention_kv_caceh.tables import text_table
 from attention_kv_caceh.timing import summarize_samples
 
 __all__ = [
@@ -311,22 +312,31 @@ def _memory_summary(memory: Sequence[CacheMemoryRow]) -> dict[str, dict[str, flo
 
 def format_cache_summary(summary: CacheGrowthSummary, steps: int) -> str:
     """Fixed-width text of a cache-growth summary (what `cache` prints)."""
-    lines = [f"{'T':>6} {'dynamic P50 ms':>15} {'prealloc P50 ms':>16} {'ratio':>7}"]
-    for c in summary.checkpoints:
-        lines.append(
-            f"{int(c['sequence_length']):>6} {c['dynamic_p50_ms']:>15.4f} "
-            f"{c['preallocated_p50_ms']:>16.4f} {c['ratio']:>7.2f}"
-        )
-    lines.append("")
-    lines.append(
-        f"{'cache':<13} {'slope us/pos':>12} {'intercept ms':>13} {'R^2':>6} {'R^2 raw':>8} {'N-step P50 ms':>14}"
-    )
-    for kind in CACHE_KINDS:
-        f = summary.fits[kind]
-        lines.append(
-            f"{kind:<13} {f.slope_ms_per_position * 1000:>12.4f} {f.intercept_ms:>13.4f} {f.r2:>6.3f} "
-            f"{f.r2_raw:>8.3f} {summary.totals[kind]['p50_ms']:>14.1f}"
-        )
+    checkpoints = [
+        [
+            str(int(c["sequence_length"])),
+            f"{c['dynamic_p50_ms']:.4f}",
+            f"{c['preallocated_p50_ms']:.4f}",
+            f"{c['ratio']:.2f}",
+        ]
+        for c in summary.checkpoints
+    ]
+    fits = [
+        [
+            kind,
+            f"{f.slope_ms_per_position * 1000:.4f}",
+            f"{f.intercept_ms:.4f}",
+            f"{f.r2:.3f}",
+            f"{f.r2_raw:.3f}",
+            f"{summary.totals[kind]['p50_ms']:.1f}",
+        ]
+        for kind, f in ((k, summary.fits[k]) for k in CACHE_KINDS)
+    ]
+    lines = [
+        text_table(["T", "dynamic P50 ms", "prealloc P50 ms", "ratio"], checkpoints),
+        "",
+        text_table(["cache", "slope us/pos", "intercept ms", "R^2", "R^2 raw", "N-step P50 ms"], fits),
+    ]
     lines.append(f"N-step total time ratio (dynamic / preallocated, N={steps}): {summary.total_ratio:.2f}x")
     visible, dominates = summary.copy_visible_from, summary.copy_dominates_from
     lines.append(

@@ -1,9 +1,8 @@
 """What the roofline prediction is built from, measured before an experiment times anything.
 
-Two figures (the notes, 6.4: predict before measuring): the fixed per-call cost of a decode step,
-taken at the smallest shape (B = 1, T = 1) with the implementation whose P50s are predicted (NumPy,
-the fused kernel and torch each have their own fixed cost), and the read bandwidth of the scan's
-probe (`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
+Two figures: the fixed per-call cost of a decode step, taken at the smallest shape (B = 1, T = 1)
+with the implementation whose P50s are predicted (NumPy, the fused kernel and torch each have their
+own fixed cost), and the read bandwidth of the scan's probe (`np.dot(buf, buf)`, one BLAS read stream). `bytes_moved_per_step` counts what one step moves, so
 `prediction` can state P50(B) = overhead + bytes / bandwidth before the first timed sample.
 
 Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached positions, D head dim.
@@ -11,8 +10,9 @@ Shape legend as in attention.py: B batch, H query heads, H_kv KV heads, T cached
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -34,8 +34,6 @@ def bytes_moved_per_step(config: ScanConfig, batch_size: int, seq_len: int | Non
     they are H / H_kv / D times smaller than the cache. T defaults to config.seq_len.
     """
     t = config.seq_len if seq_len is None else seq_len
-    if batch_size < 1 or t < 1:
-        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {t}")
     per_position = 2 * batch_size * config.num_kv_heads * config.head_dim * np.dtype(config.dtype).itemsize
     append = (2 * t + 1) if config.cache == "dynamic" else 1
     return per_position * (t + 1 + append)
@@ -81,6 +79,29 @@ class Calibration:
         """Fixed per-call cost: P50 of the smallest shape minus its bytes / bandwidth (never below 0)."""
         p50 = summarize_samples(self.overhead_samples_ms)["p50_ms"]
         return max(0.0, p50 - self.overhead_bytes / self.bandwidth_bytes_per_ms)
+
+    def to_json(self) -> dict[str, Any]:
+        """The raw samples and bytes, plus the derived figures (for readers of the file)."""
+        return {
+            "overhead_shape": self.overhead_shape,
+            "overhead_bytes": self.overhead_bytes,
+            "overhead_samples_ms": list(self.overhead_samples_ms),
+            "probe_bytes": self.probe_bytes,
+            "probe_samples_ms": list(self.probe_samples_ms),
+            "overhead_ms": self.overhead_ms,
+            "bandwidth_gb_s": self.bandwidth_gb_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Calibration:
+        """Rebuild from `to_json` output (derived figures are recomputed)."""
+        return cls(
+            overhead_shape=str(data["overhead_shape"]),
+            overhead_bytes=int(data["overhead_bytes"]),
+            overhead_samples_ms=tuple(float(x) for x in data["overhead_samples_ms"]),
+            probe_bytes=int(data["probe_bytes"]),
+            probe_samples_ms=tuple(float(x) for x in data["probe_samples_ms"]),
+        )
 
 
 def calibrate(

@@ -1,4 +1,4 @@
-"""The batch-size scan (exercise 9.2 of the notes): how B changes step latency and throughput.
+"""The batch-size scan: how the batch size B changes a decode step's latency and throughput.
 
 For each batch size B, one decode step is timed: append one position to a KV cache that holds T
 positions, then attend a `[B, H, 1, D]` query over the T+1 cached keys and values (`[B, H_kv, T+1, D]`).
@@ -37,6 +37,7 @@ __all__ = [
     "ScanConfig",
     "ScanInputs",
     "build_inputs",
+    "estimate_scan_bytes",
     "iter_scan",
     "kv_bytes_per_step",
     "prefilled_cache",
@@ -52,7 +53,7 @@ DTYPES = ("float32", "float64")
 
 @dataclass(frozen=True)
 class ScanConfig:
-    """One scan: the batch sizes and the attention shape every B shares. Defaults: the notes' M1 scan."""
+    """One scan: the batch sizes and the attention shape every B shares. Defaults: B = 1, 2, 4, 8 at T = 128, one head of D = 64."""
 
     batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
     seq_len: int = 128
@@ -129,6 +130,18 @@ def kv_bytes_per_step(config: ScanConfig, batch_size: int) -> int:
     """Bytes of K and V one decode step reads: 2 * B * H_kv * (T + 1) * D * itemsize."""
     itemsize = int(np.dtype(config.dtype).itemsize)
     return kv_cache_bytes(batch_size, config.num_kv_heads, config.seq_len + 1, config.head_dim, itemsize)
+
+
+def estimate_scan_bytes(config: ScanConfig, num_impls: int = 1) -> int:
+    """Memory a scan needs at its peak, roughly (bytes): q_t, the prefix and new K/V at the largest B;
+    the cache, the oracle's second cache, a concatenation's new arrays and the probe (4 x the K/V
+    bytes of a step); ~400 B per raw and probe sample row of every implementation (`num_impls`)."""
+    b = max(config.batch_sizes)
+    itemsize = 4 if config.dtype == "float32" else 8
+    kv = kv_bytes_per_step(config, b)
+    inputs = itemsize * b * (config.num_heads * config.head_dim) + kv
+    rows = config.repeats * (len(config.batch_sizes) + 1) * 2 * num_impls
+    return inputs + 4 * kv + rows * 400
 
 
 def build_inputs(config: ScanConfig) -> ScanInputs:

@@ -5,7 +5,8 @@ counts of a run's metadata), so the scan command, the report and the prediction 
 scan the same way: `scan_table` (one row per B, `summarize_samples` statistics, throughput and
 bandwidth), `scan_tables` (one table per implementation) and the saturation rule (`doubling_gains`,
 `saturation_verdict`, `saturation_point`: the first B whose doubling raises positions/s by less than
-SATURATION_GAIN). Running the scan (config, inputs, timed steps) is `scan.py`'s job.
+SATURATION_GAIN); `summary_rows` and `format_scan_table` give the summary CSV's rows and the table the
+scan prints. Running the scan (config, inputs, timed steps) is `scan.py`'s job.
 """
 
 from __future__ import annotations
@@ -13,18 +14,22 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from attention_kv_caceh.experiments.scan_impls import IMPLS
+from attention_kv_caceh.tables import text_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
     "SATURATION_GAIN",
     "SUMMARY_FIELDS",
     "doubling_gains",
+    "format_scan_table",
     "saturation_point",
     "saturation_verdict",
     "scan_table",
     "scan_tables",
+    "summary_rows",
 ]
 
 SUMMARY_FIELDS: tuple[str, ...] = (
@@ -172,3 +177,37 @@ def saturation_point(table: Sequence[Mapping[str, float]], gain: float = SATURAT
         if per_doubling < gain:
             return b1
     return None
+
+
+def summary_rows(tables: Mapping[str, Sequence[dict[str, float]]]) -> list[dict[str, object]]:
+    """The summary CSV's rows: per B (ascending), one row per implementation in `tables`' order."""
+    rows: list[tuple[int, int, dict[str, object]]] = [
+        (int(r["batch_size"]), i, {"impl": impl, **r})
+        for i, (impl, t) in enumerate(tables.items())
+        for r in t
+    ]
+    return [row for _, _, row in sorted(rows, key=lambda x: (x[0], x[1]))]
+
+
+def _fmt(value: float, digits: int = 3) -> str:
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
+def format_scan_table(tables: Mapping[str, Sequence[dict[str, float]]]) -> str:
+    """Fixed-width text table (`tables.text_table`) of `scan_tables` rows (impl -> `scan_table` rows).
+
+    One implementation: the plain table. Several: one row per implementation at each B, side by side
+    (an `impl` column after B), every ratio to the same B's probe.
+    """
+    several = len(tables) > 1
+    header = ["B", *(["impl"] if several else []), "P50 ms", "P95 ms", "min ms", "max ms", "ms/seq"]
+    header += ["positions/s", "speedup", "KV GB/s", "probe GB/s", "ratio"]
+    rows: list[list[str]] = []
+    for row in summary_rows(tables):
+        r: dict[str, Any] = row
+        cells = [str(int(r["batch_size"])), *([r["impl"]] if several else [])]
+        cells += [f"{r[k]:.4f}" for k in ("p50_ms", "p95_ms", "min_ms", "max_ms", "per_sequence_ms")]
+        cells += [f"{r['positions_per_s']:,.0f}", f"{r['speedup']:.2f}x"]
+        cells += [_fmt(r[k], 2) for k in ("kv_read_gb_s", "probe_read_gb_s", "bandwidth_ratio")]
+        rows.append(cells)
+    return text_table(header, rows)

@@ -1,4 +1,4 @@
-"""The P0 table of the user's notes (exercise 9.1): which operations share state, which copy it.
+"""The view/copy table: which Python and NumPy operations share state with the original, which copy it.
 
 Six experiments of a few lines each: list assignment, a shallow list copy, a NumPy basic slice, advanced
 (fancy) indexing, `swapaxes` and `np.concatenate`. Each declares its prediction in code *before* it runs
@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from attention_kv_caceh.tables import markdown_table
 
 __all__ = [
     "VIEW_TABLE_COLUMNS",
@@ -288,13 +290,20 @@ def views_markdown(rows: Sequence[ViewRow]) -> str:
     def pair(predicted: object, observed: object) -> str:
         return f"{predicted} / {observed}"
 
-    header = (
-        "| experiment | code | write | shares memory (pred / obs) | write propagates (pred / obs) "
-        "| shape | strides (bytes) | C_CONTIGUOUS (pred / obs) | prediction held | why |"
-    )
-    lines = [header, "|" + " --- |" * 10]
-    for r in rows:
-        cells = [
+    header = [
+        "experiment",
+        "code",
+        "write",
+        "shares memory (pred / obs)",
+        "write propagates (pred / obs)",
+        "shape",
+        "strides (bytes)",
+        "C_CONTIGUOUS (pred / obs)",
+        "prediction held",
+        "why",
+    ]
+    cells = [
+        [
             r.experiment,
             f"`{r.code}`",
             f"`{r.write}`",
@@ -304,7 +313,8 @@ def views_markdown(rows: Sequence[ViewRow]) -> str:
             r.strides,
             pair(r.predicted_c_contiguous, r.c_contiguous),
             "yes" if r.prediction_held else "**no**",
-            r.explanation.replace("|", "\\|"),
+            r.explanation,
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+        for r in rows
+    ]
+    return markdown_table(header, cells)

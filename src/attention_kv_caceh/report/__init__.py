@@ -21,10 +21,12 @@ file (a FIFO is never opened for reading), a suffix in another case (`B.CSV`), a
 A run's recorded `prediction` is rebuilt and checked against its raw rows. Plots go beside the report.
 
 Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; parse and check
-CSVs), `jsonl` (per-request records), `sections`
-(the Markdown of each lab kind, with the statistics it formats), `serving` (the serving run's section),
-`environment` (the environment card), `markdown` (the number format and table they share), `predictions` (prediction tables), `plots` (matplotlib, PNG out; the scan and cache commands draw with it too),
-`build` (`build_report`: one handler per file kind).
+CSVs), `jsonl` (per-request records), `sections` (the Markdown of each lab kind, with the statistics it
+formats), `predictions` (one lab run's Markdown: its section and its prediction against the
+measurement; the scan, `cache` and `views` commands write the same text beside their raw CSV),
+`serving` (the serving run's section), `environment` (the environment card), `plots` (matplotlib, PNG
+out; the scan and cache commands draw with it too), `build` (`build_report`: one handler per file
+kind). Tables go through `tables.markdown_table`, the project's one table writer.
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.report.environment import environment_card
 from attention_kv_caceh.report.jsonl import read_jsonl
-from attention_kv_caceh.report.predictions import cache_prediction_section, scan_prediction_section
+from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_markdown
 from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
-from attention_kv_caceh.report.sections import cache_section, scan_section, views_section
+from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
-from attention_kv_caceh.report.sources import FileProblem, ReportResult, int_keyed, read_header, read_meta
+from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -94,32 +94,15 @@ class _Build:
     )
 
 
-def _prediction(meta: dict[str, Any] | None) -> Any:
-    return None if meta is None else meta.get("prediction")
-
-
 def _scan(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
     samples: list[Sample] = rows
     unknown = sorted({s.impl for s in samples} - set(IMPLS))
     if unknown:
         raise ValueError(f"unknown impl {', '.join(map(repr, unknown))} (expected one of {', '.join(IMPLS)})")
-    meta_name = str(meta_path(path))  # problems name files as the folder walk does: by their path
-    probe = int_keyed(meta, "probe_samples_ms", meta_name, b.result.problems)
-    kv = int_keyed(meta, "kv_bytes_per_step", meta_name, b.result.problems)
-    text, table = scan_section(path.name, samples, probe, kv)
-    impls = list(dict.fromkeys(s.impl for s in samples))
-    by_impl = meta.get("predictions") if meta is not None and len(impls) > 1 else None
-    if isinstance(by_impl, dict):  # `--impl all`: one prediction per implementation, each on its rows
-        pairs = [(i, typing.cast("dict[str, Any]", by_impl).get(i)) for i in impls]
-    else:
-        pairs = [(impls[0], _prediction(meta))]
-    for impl, prediction in pairs:
-        if prediction is None:
-            continue
-        section, problem = scan_prediction_section(prediction, [s for s in samples if s.impl == impl])
-        text += (f"\n**{impl}**\n" if len(pairs) > 1 else "") + section
-        if problem:
-            b.result.problems.append(FileProblem(meta_name, problem))
+    problems: list[str] = []
+    text, table = scan_run_markdown(path.name, samples, meta, problems)
+    # problems name files as the folder walk does: by their path
+    b.result.problems += [FileProblem(str(meta_path(path)), p) for p in problems]
     if b.plot:
         from attention_kv_caceh.report.plots import plot_scan
 
@@ -159,9 +142,7 @@ def _not_regular(path: Path) -> str | None:
         return "a broken symbolic link" if path.is_symlink() else "gone while the folder was read"
     except OSError as exc:
         return f"cannot be examined ({exc.strerror or exc})"
-    if stat.S_ISREG(mode):
-        return None
-    return "a folder" if stat.S_ISDIR(mode) else ("a FIFO" if stat.S_ISFIFO(mode) else "not a regular file")
+    return None if stat.S_ISREG(mode) else kind_word(mode)
 
 
 def _read_csv_file(b: _Build, path: Path) -> None:
@@ -217,18 +198,20 @@ def _read_jsonl_file(b: _Build, path: Path) -> None:
     records = read_jsonl(path, problems)
     if records is None:
         return
+    # The harness writes `<jsonl>.meta.json`; older runs have none (noted in the card).
+    meta = read_meta(path, problems, required=False)
+    meta_problems: list[str] = []
     try:
-        text = serving_section(path.name, records)
+        text = serving_section(path.name, records, meta, meta_problems)
     except ValueError as exc:
         problems.append(FileProblem(str(path), f"cannot summarize: {exc}"))
         return
     except Exception as exc:
         problems.append(FileProblem(str(path), f"cannot summarize: {_describe(exc)}"))
         return
+    problems += [FileProblem(str(meta_path(path)), p) for p in meta_problems]
     b.buckets["serving"].append(text)
     b.result.sources.append(path.name)
-    # The harness may write `<jsonl>.meta.json`; older runs have none (noted in the card).
-    meta = read_meta(path, problems, required=False)
     if meta is not None:
         b.metas[path.name] = meta
     else:
@@ -264,12 +247,9 @@ def _pair_cache_runs(b: _Build) -> None:
     for name, samples, meta in b.cache_runs:
         memory = _memory_of(b, name, samples, meta)
         try:
-            text, summary = cache_section(name, samples, memory)
-            if (prediction := _prediction(meta)) is not None:
-                section, problem = cache_prediction_section(prediction, summary)
-                text += section
-                if problem:
-                    b.result.problems.append(FileProblem(str(meta_path(b.folder / name)), problem))
+            problems: list[str] = []
+            text = cache_run_markdown(name, samples, memory, meta, problems)
+            b.result.problems += [FileProblem(str(meta_path(b.folder / name)), p) for p in problems]
             if b.plot:
                 from attention_kv_caceh.report.plots import plot_cache_growth
 

@@ -11,7 +11,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attention_kv_caceh.report.markdown import markdown_table
+from attention_kv_caceh.tables import markdown_table
 
 __all__ = ["environment_card"]
 

@@ -1,7 +1,8 @@
 """Reading the serving harness's per-request JSONL for the report: one `RequestRecord` per line.
 
 A line is skipped, and named as a problem, when it is not JSON, not a record, a timestamp is not an
-integer, its timestamps run backwards (sent before arrival would be reported as a negative queue time),
+integer, a token count is not an integer >= 0 (a negative count would be summed into throughput), its
+timestamps run backwards (sent before arrival would be reported as a negative queue time),
 or it repeats a request id (a request counted twice). Keys the records do not have (derived
 latencies, fields a newer harness adds) are ignored. The file is streamed line by line through
 `readers.open_regular` (regular files up to its size cap only).
@@ -24,6 +25,7 @@ __all__ = ["check_timestamps", "read_jsonl"]
 
 _NAMES = frozenset(f.name for f in fields(RequestRecord))
 _TIMES = ("arrival_ns", "sent_ns", "first_token_ns", "finish_ns", "stream_end_ns")
+_COUNTS = ("output_tokens", "prompt_tokens", "requested_prompt_tokens")
 
 
 def _is_int(value: Any) -> bool:
@@ -33,7 +35,8 @@ def _is_int(value: Any) -> bool:
 def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
     """A harness RequestRecord from one JSON object (its raw timestamps; other keys are ignored).
 
-    Raises ValueError when a required key is missing or a timestamp is not an integer.
+    Raises ValueError when a required key is missing, a timestamp is not an integer or a token count
+    is not an integer >= 0.
     """
     try:
         record = RequestRecord(**{k: v for k, v in rec.items() if k in _NAMES})
@@ -46,6 +49,17 @@ def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
     times: Any = record.token_times_ns
     if not isinstance(times, list) or not all(_is_int(t) for t in typing.cast("list[Any]", times)):
         raise ValueError("token_times_ns is not a list of integers (ns)")
+    for name in _COUNTS:
+        count: Any = getattr(record, name)
+        if count is None and name != "output_tokens":
+            continue
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
+            raise ValueError(f"{name} {count!r} is not a token count (an integer >= 0)")
+    per_event: Any = record.tokens_per_event
+    if not isinstance(per_event, list) or not all(
+        _is_int(n) and n >= 0 for n in typing.cast("list[Any]", per_event)
+    ):
+        raise ValueError("tokens_per_event is not a list of token counts (integers >= 0)")
     return record
 
 

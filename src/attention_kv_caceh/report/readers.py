@@ -4,9 +4,7 @@ dataclasses that wrote them, check that a file holds one run and no row twice, a
 A file kind is told by its CSV header, never by its name (see `classify_header`). Files are opened
 through `sources.open_regular` (regular files up to `sources.MAX_INPUT_BYTES`). Rows are streamed: the
 csv reader walks the open file and each row becomes one slotted dataclass at once, repeated strings
-shared. The parsed rows hold about 5x the file's size and the report peaks near 6-7x (a 24 MB scan
-CSV: 144 MiB traced, 188 MiB RSS), where the whole text plus a dict of strings per row took 21x
-(485 MiB traced, 565 MiB RSS). Nothing here computes statistics or writes Markdown: `sections.py`
+shared, so the parsed rows stay a small multiple of the file's size. Nothing here computes statistics or writes Markdown: `sections.py`
 does, `build.py` puts it together; `sources.py` opens files and reads metadata, `jsonl.py` the
 harness's records.
 """

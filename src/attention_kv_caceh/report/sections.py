@@ -5,7 +5,7 @@ Each section recomputes its statistics from the raw rows it is given (`scan_stat
 reading the files, pairing them and listing what is wrong with them is the job of `readers.py` and
 `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under their
 section and kept in every statistic. The serving harness's section is `serving.py`, the environment
-card `environment.py`, the number format and table they all use `markdown.py`.
+card `environment.py`, the number format and table they all use `tables.py`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
 from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.experiments.views import ViewRow, views_markdown
 from attention_kv_caceh.memory import format_bytes
-from attention_kv_caceh.report.markdown import format_number, markdown_table
+from attention_kv_caceh.tables import format_number, markdown_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [

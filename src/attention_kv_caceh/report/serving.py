@@ -1,53 +1,114 @@
-"""The report's section of one serving-harness run (per-request JSONL).
+"""The report's section of one serving-harness run (per-request JSONL and its `.meta.json`).
 
 The records' raw timestamps are summarized by the harness's own `harness.summary.summarize_run`, so the
-report and the `harness` command state the same TTFT, ITL, TPOT and E2EL; reading and checking the
-file is `jsonl.py`'s job. The lab's sections (scan, cache growth, views) are `sections.py`.
+report and the `harness` command state the same TTFT, ITL, TPOT, E2EL and goodput; reading and checking
+the file is `jsonl.py`'s job. From the metadata the section takes the run's `label`, its goodput SLO
+(`config.goodput`, recomputed against the records) and the `server` block the harness records for an
+engine server it started. The lab's sections (scan, cache growth, views) are `sections.py`.
 """
 
 from __future__ import annotations
 
+import typing
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
+from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
-from attention_kv_caceh.report.markdown import markdown_table
+from attention_kv_caceh.tables import markdown_table
 
 __all__ = ["serving_section"]
 
 
-def serving_section(name: str, records: Sequence[RequestRecord]) -> str:
-    """The section of one serving-harness JSONL file, summarized by `harness.summary.summarize_run`
-    from the records' raw timestamps (at least one record; the duration runs from the first arrival
-    to the last stream end or finish). When no request completed it says so, with the failure kinds,
-    instead of a table of nothing.
+def _settings(meta: Mapping[str, Any] | None, problems: list[str]) -> tuple[str, GoodputSLO | None, Any]:
+    """The label, the goodput SLO and the server block of a run's metadata; a malformed one is noted
+    in `problems` and left out."""
+    if meta is None:
+        return "", None, None
+    config: Any = meta.get("config", {})
+    if not isinstance(config, dict):
+        problems.append("'config' is not an object: label and goodput left out")
+        config = {}
+    config = typing.cast("dict[str, Any]", config)
+    label = config.get("label") or ""
+    if not isinstance(label, str):
+        problems.append(f"'config.label' {label!r} is not text: left out")
+        label = ""
+    slo: GoodputSLO | None = None
+    goodput: Any = config.get("goodput") or {}
+    try:
+        items = typing.cast("dict[str, Any]", goodput).items()
+        slo = GoodputSLO(**{f"{k}_ms": float(v) for k, v in items})
+    except (AttributeError, TypeError, ValueError) as exc:
+        problems.append(f"'config.goodput' {goodput!r} is not an SLO in ms ({exc}): goodput left out")
+    server: Any = meta.get("server")
+    if server is not None and not isinstance(server, dict):
+        problems.append("'server' is not an object: left out")
+        server = None
+    return label, slo if slo is not None and not slo.empty else None, typing.cast("Any", server)
+
+
+def _server_table(server: Mapping[str, Any]) -> str:
+    """The harness's `server` block (the engine server it started) as one table: part, field, value."""
+    rows: list[list[object]] = []
+    for part, value in server.items():
+        if isinstance(value, dict):
+            rows += [[part, k, v] for k, v in typing.cast("dict[str, object]", value).items()]
+        else:
+            rows.append([part, "", value])
+    return "Server (as the harness recorded it):\n\n" + markdown_table(["part", "field", "value"], rows)
+
+
+def serving_section(
+    name: str,
+    records: Sequence[RequestRecord],
+    meta: Mapping[str, Any] | None = None,
+    problems: list[str] | None = None,
+) -> str:
+    """The section of one serving-harness JSONL file (at least one record), summarized by
+    `harness.summary.summarize_run` from the records' raw timestamps; the duration runs from the first
+    arrival to the last stream end or finish. When no request completed it says so, with the failure
+    kinds, instead of a table of nothing. `meta`: the run's `.meta.json` (label, goodput SLO, server
+    block); what is malformed in it is appended to `problems`.
 
     Raises ValueError when `summarize_run` cannot summarize the records.
     """
+    label, slo, server = _settings(meta, problems if problems is not None else [])
+    title = f"### Serving run: `{name}`" + (f" ({label})" if label else "") + "\n\n"
     if not any(r.ok for r in records):
         failures = Counter(r.status for r in records)
         return (
-            f"### Serving run: `{name}`\n\n{len(records)} request(s), **none completed** (failures: "
+            f"{title}{len(records)} request(s), **none completed** (failures: "
             + ", ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
             + "): there is no latency or throughput to report.\n"
         )
     start = min(r.arrival_ns for r in records)
     ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
     duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")
-    summary = summarize_run(records, duration_s)
+    summary = summarize_run(records, duration_s, slo=slo)
     rows: list[list[object]] = []
-    for metric, label in METRIC_NAMES.items():
+    for metric, metric_label in METRIC_NAMES.items():
         count = summary.get(f"count_{metric}") or 0
         if count:
-            row: list[object] = [label, int(count)]
+            row: list[object] = [metric_label, int(count)]
             row += [float(summary[f"{p}_{metric}_ms"]) for p in ("median", "p90", "p99", "mean", "max")]
             rows.append(row)
     failures = ", ".join(f"{k}: {v}" for k, v in summary["failures"].items()) or "none"
+    goodput = ""
+    if slo is not None:
+        objectives = ", ".join(f"{k} <= {v:g} ms" for k, v in slo.as_dict().items())
+        goodput = (
+            f" Goodput: {summary['request_goodput']:.3g} requests/s ({summary['good_requests']} of "
+            f"{summary['completed']} completed requests meet {objectives})."
+        )
     return (
-        f"### Serving run: `{name}`\n\n{summary['num_requests']} request(s), "
+        f"{title}{summary['num_requests']} request(s), "
         f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
-        f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s. "
-        "Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools every gap.\n\n"
+        f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s."
+        f"{goodput} Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools "
+        "every gap.\n\n"
         + markdown_table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
+        + ("\n" + _server_table(server) if server else "")
     )

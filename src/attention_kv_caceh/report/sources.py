@@ -26,14 +26,14 @@ __all__ = [
     "FileProblem",
     "ReportResult",
     "int_keyed",
+    "kind_word",
     "open_regular",
     "read_header",
     "read_meta",
 ]
 
-# The largest file the report reads (raw CSV, JSONL or metadata), in bytes. A default `cache` run writes
-# about 2 MB, a default scan far less; a file past the cap is listed, not read (the report peaks near
-# 7x a raw CSV's size in memory, see `readers`).
+# The largest file the report reads (raw CSV, JSONL or metadata), in bytes; far above what a default run
+# writes. A file past the cap is listed, not read (the parsed rows are a multiple of the file's size).
 MAX_INPUT_BYTES = 128 * 1024 * 1024
 
 
@@ -58,7 +58,8 @@ class ReportResult:
 # ------------------------------------------------------------------------------------ opening files
 
 
-def _kind_word(mode: int) -> str:
+def kind_word(mode: int) -> str:
+    """What a file that is not a regular file is: "a folder", "a FIFO", "a socket", ... (os.stat mode)."""
     for test, word in (
         (stat.S_ISDIR, "a folder"),
         (stat.S_ISFIFO, "a FIFO"),
@@ -85,12 +86,12 @@ def open_regular(path: Path, *, newline: str | None = "") -> tuple[IO[str], bool
     """
     mode = os.stat(path).st_mode
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{_kind_word(mode)}, not a regular file: not read")
+        raise ValueError(f"{kind_word(mode)}, not a regular file: not read")
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{_kind_word(info.st_mode)}, not a regular file: not read")
+            raise ValueError(f"{kind_word(info.st_mode)}, not a regular file: not read")
         if info.st_size > MAX_INPUT_BYTES:
             raise ValueError(
                 f"{info.st_size / 2**20:.1f} MiB, above the report's cap of {MAX_INPUT_BYTES / 2**20:.0f} MiB "
