@@ -61,14 +61,11 @@ from attention_kv_caceh.engine.protocol import (
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
     DEFAULT_MAX_LOGPROBS,
-    Choice,
     HTTPError,
     check_request_fields,
-    close_all,
     sampling_params_for,
-    stream_events,
-    whole_response,
 )
+from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = ["build_app"]
