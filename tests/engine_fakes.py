@@ -7,15 +7,21 @@ BLOCK TABLE and returns logits whose argmax is `next_token(context)`, a hash of 
 block allocation, prefix caching, slot mapping, chunking or preemption changes what is read, hence the
 tokens; `reference_generate` applies the same hash to each growing sequence directly (full recompute,
 one prompt at a time), so engine tokens == reference tokens is the end-to-end oracle.
+
+The text fakes at the end (CharTokenizer, GatedRunner, make_text_core, expected_text) put the same runner
+behind the server, AsyncLLM and CLI tests: a real EngineCore whose tokens are letters with a known oracle.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from attention_kv_caceh.engine.core import EngineCore
 from attention_kv_caceh.engine.kv_cache_manager import cdiv
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import SamplingParams
@@ -207,3 +213,118 @@ def make_engine(
     )
     runner = FakeModelRunner(num_blocks, block_size, vocab, logits_fn)
     return LLMEngine(config, runner, None, eos_token_id=EOS), runner
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Text fakes for the server, AsyncLLM and CLI tests: the real EngineCore over a runner whose tokens are
+# letters, a character tokenizer, and a gate that holds a step.
+# ---------------------------------------------------------------------------------------------------------
+
+TEXT_VOCAB = 96  # printable ASCII: id i is chr(32 + i)
+TEXT_EOS = 95  # chr(127), decodes to nothing
+
+
+class CharTokenizer:
+    """One token per printable ASCII character (id = code point - 32); TEXT_EOS decodes to nothing."""
+
+    eos_token_id: int | None = TEXT_EOS
+    vocab_size: int = TEXT_VOCAB
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [(ord(c) - 32) % TEXT_VOCAB for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)
+
+
+def letter_token(context: Sequence[int]) -> int:
+    """The text runner's next token after `context`: a lowercase letter's id, from the context's hash."""
+    return ord("a") - 32 + context_seed(context) % 26
+
+
+def letter_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    """Logits that pick letter_token(context) at any temperature the server accepts (the others get
+    probability exp(-1e4 / T), 0 in float64)."""
+    logits = np.zeros(vocab)
+    logits[letter_token(context)] = 1e4
+    return logits
+
+
+def expected_ids(prompt: Sequence[int], n: int) -> list[int]:
+    """The text runner's first n tokens after `prompt` (full recompute: the oracle)."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(letter_token(seq))
+    return seq[len(prompt) :]
+
+
+def expected_text(prompt: Sequence[int], n: int) -> str:
+    """The text of the first n tokens after `prompt`."""
+    return CharTokenizer().decode(expected_ids(prompt, n))
+
+
+class GatedRunner(FakeModelRunner):
+    """The letter runner with test controls: `gate` (set by default) holds every step while cleared
+    (`blocked` is True meanwhile), `fail_steps` makes the next steps raise, `eos_after` k makes the k-th
+    output token (counted from 0) EOS. `wait_for` waits, bounded, for a condition about it."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, eos_after: int | None = None) -> None:
+        super().__init__(num_blocks, block_size, TEXT_VOCAB, letter_logits)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.blocked = False
+        self.fail_steps = 0
+        self.eos_after = eos_after
+        self.steps = 0
+
+    def execute_model(self, so: SchedulerOutput) -> np.ndarray:
+        self.steps += 1
+        if not self.gate.is_set():
+            self.blocked = True
+            self.gate.wait()
+            self.blocked = False
+        if self.fail_steps > 0:
+            self.fail_steps -= 1
+            raise RuntimeError("injected step failure")
+        logits = super().execute_model(so)
+        if self.eos_after is not None:
+            for i, r in enumerate(so.scheduled_requests):
+                ignore = r.sampling_params.ignore_eos
+                if so.samples_token(r) and r.num_output_tokens == self.eos_after and not ignore:
+                    logits[i] = 0.0
+                    logits[i, TEXT_EOS] = 1e4
+        return logits
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+    """Poll `predicate` every 5 ms until it holds (True) or `timeout` seconds pass (False): a bound on a
+    wait for another thread's state, not a synchronisation by sleeping."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def make_text_core(
+    *,
+    max_num_seqs: int = 4,
+    num_blocks: int = 4096,
+    block_size: int = 16,
+    max_model_len: int = 256,
+    max_num_batched_tokens: int = 512,
+    eos_after: int | None = None,
+) -> tuple[EngineCore, GatedRunner]:
+    """A real EngineCore over the GatedRunner (no eos unless `eos_after`)."""
+    from attention_kv_caceh.engine.config import EngineConfig
+
+    config = EngineConfig(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,
+    )
+    runner = GatedRunner(num_blocks, block_size, eos_after=eos_after)
+    return EngineCore(config, runner, eos_token_id=TEXT_EOS), runner

@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from types import TracebackType
 
 import uvicorn
 from fastapi import FastAPI
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
+from attention_kv_caceh.engine.core import EngineCore, StepStats
 from attention_kv_caceh.engine.server import build_app
-from tests.fake_engine import FakeEngine, FakeTokenizer
+from tests.engine_fakes import CharTokenizer, GatedRunner, make_text_core, wait_for
 
 MODEL = "fake-model"
 
@@ -44,6 +46,42 @@ class ServerThread:
         self.sock.close()
 
 
+class ServedEngine:
+    """The core behind a test server, with the GatedRunner's controls."""
+
+    def __init__(self, core: EngineCore, runner: GatedRunner) -> None:
+        self.core = core
+        self.runner = runner
+        self.gate = runner.gate
+        self.total_blocks = core.scheduler.kv_cache_manager.num_blocks
+
+    @property
+    def blocked(self) -> bool:
+        return self.runner.blocked
+
+    @property
+    def fail_steps(self) -> int:
+        return self.runner.fail_steps
+
+    @fail_steps.setter
+    def fail_steps(self, n: int) -> None:
+        self.runner.fail_steps = n
+
+    @property
+    def step_stats(self) -> list[StepStats]:
+        return list(self.core.step_stats)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.core.scheduler.kv_cache_manager.num_free_blocks
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def wait_for(self, predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
+        return wait_for(predicate, timeout)
+
+
 def fake_server(
     max_num_seqs: int = 4,
     *,
@@ -51,9 +89,12 @@ def fake_server(
     api_key: str | None = None,
     max_queue: int | None = None,
     eos_at: int | None = None,
-) -> tuple[ServerThread, FakeEngine, AsyncLLM]:
-    engine = FakeEngine(max_num_seqs=max_num_seqs, eos_at=eos_at)
-    tokenizer = FakeTokenizer()
-    llm = AsyncLLM(engine, tokenizer)
-    app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue)
-    return ServerThread(app), engine, llm
+    max_request_bytes: int | None = None,
+) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
+    """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
+    core, runner = make_text_core(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_after=eos_at)
+    tokenizer = CharTokenizer()
+    llm = AsyncLLM.from_engine_core(core, tokenizer)
+    extra = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue, **extra)
+    return ServerThread(app), ServedEngine(core, runner), llm

@@ -1,4 +1,5 @@
-"""`serve`: flag checks before anything loads, and a SIGTERM that drains a running stream and exits 0."""
+"""`serve`: flag checks before anything loads, a SIGTERM that drains a running stream and exits 0, a drain
+that runs out of time ending the stream properly, and the engine-core process's life with its parent."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ import aiohttp
 
 from attention_kv_caceh.cli import serve
 from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
-from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
+from attention_kv_caceh.engine.tokenizer import Tokenizer
+from tests.engine_fakes import CharTokenizer, expected_text, make_text_core, wait_for
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -59,7 +62,7 @@ class ServeCliTest(unittest.TestCase):
         empty = tempfile.TemporaryDirectory()
         self.addCleanup(empty.cleanup)
         loader = mock.Mock(side_effect=AssertionError("loaded"))
-        with mock.patch("attention_kv_caceh.engine.async_llm.load_engine", loader):
+        with mock.patch.object(AsyncLLM, "from_checkpoint", loader):
             with self.assertRaisesRegex(UsageError, "config.json"):
                 serve.run(parse(["--model", empty.name]))
             with (
@@ -83,7 +86,7 @@ class ServeCliTest(unittest.TestCase):
             "--num-kv-blocks 1000000000000": ["--num-kv-blocks", str(10**12)],
             "--max-num-seqs": ["--max-num-seqs", "9", "--max-num-batched-tokens", "4"],
         }
-        with mock.patch("attention_kv_caceh.engine.async_llm.load_engine", loader):
+        with mock.patch.object(AsyncLLM, "from_checkpoint", loader):
             for names, flags in cases.items():
                 with self.subTest(flags=flags):
                     err = io.StringIO()
@@ -94,57 +97,127 @@ class ServeCliTest(unittest.TestCase):
                     self.assertIn(names, err.getvalue())
         loader.assert_not_called()
 
+    def test_an_engine_core_cpu_this_process_may_not_use_exits_2_before_loading(self) -> None:
+        loader = mock.Mock(side_effect=AssertionError("loaded"))
+        err = io.StringIO()
+        with (
+            mock.patch.object(AsyncLLM, "from_checkpoint", loader),
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+        ):
+            code = serve.main(["--model", str(self.model), "--port", "0", "--engine-core-cpu", "100000"])
+        self.assertEqual(code, 2, err.getvalue())
+        self.assertIn("--engine-core-cpu", err.getvalue())
+        loader.assert_not_called()
+
     def test_flags_become_the_engine_config(self) -> None:
         args = parse(["--model", "m", "--max-num-seqs", "3", "--num-kv-blocks", "64", "--no-prefix-caching"])
         config = serve.engine_config_kwargs(args)
         self.assertEqual(config["max_num_seqs"], 3)
         self.assertEqual(config["num_kv_blocks"], 64)
-        self.assertIsNone(config["kv_cache_memory"])
+        self.assertIsNone(config.get("kv_cache_memory"))
         self.assertIs(config["enable_prefix_caching"], False)
 
-    def test_sigterm_drains_the_running_stream_and_exits_0(self) -> None:
-        engine = FakeEngine(max_num_seqs=2)
-        engine.gate.clear()  # the request's first step waits until the SIGTERM was sent
+    def serve_with_client(
+        self, client: Any, flags: list[str], max_model_len: int = 256
+    ) -> tuple[int, dict[str, Any], Any]:
+        """serve.run with its engine core replaced by the text fake in a thread; `client(url, runner,
+        result)` runs against it from another thread. Returns (exit code, result, runner)."""
+        core, runner = make_text_core(max_num_seqs=2, max_model_len=max_model_len)
+        llm = AsyncLLM.from_engine_core(core, CharTokenizer())
         out = _Announce()
         result: dict[str, Any] = {}
-
-        async def client(url: str) -> None:
-            body = {"model": "fake", "prompt": "d", "max_tokens": 12, "stream": True}
-            async with aiohttp.ClientSession() as session:
-                async with session.get(url + "/health") as health:
-                    result["health"] = health.status
-                async with session.post(url + "/v1/completions", json=body) as resp:
-                    self.assertTrue(await asyncio.to_thread(engine.wait_for, lambda: engine.blocked))
-                    os.kill(os.getpid(), signal.SIGTERM)
-                    engine.gate.set()
-                    result["events"] = [line async for line in resp.content if line.startswith(b"data: ")]
 
         def drive() -> None:
             try:
                 if out.ready.wait(20):
-                    asyncio.run(client(out.url))
+                    asyncio.run(client(out.url, runner, result))
             except BaseException as exc:  # reported by the main thread
                 result["error"] = exc
                 os.kill(os.getpid(), signal.SIGTERM)
 
-        loaded = (engine, FakeTokenizer(), 256)
-        args = parse(["--model", str(self.model), "--port", "0", "--served-model-name", "fake"])
+        args = parse(["--model", str(self.model), "--port", "0", "--served-model-name", "fake", *flags])
         with (
-            mock.patch("attention_kv_caceh.engine.async_llm.load_engine", return_value=loaded),
+            mock.patch.object(AsyncLLM, "from_checkpoint", return_value=llm),
             contextlib.redirect_stdout(out),
         ):
             helper = threading.Thread(target=drive)
             helper.start()
             code = serve.run(args)
             helper.join(20)
+        return code, result, runner
+
+    def test_sigterm_drains_the_running_stream_and_exits_0(self) -> None:
+        async def client(url: str, runner: Any, result: dict[str, Any]) -> None:
+            runner.gate.clear()  # the request's first step waits until the SIGTERM was sent
+            body = {"model": "fake", "prompt": "d", "max_tokens": 12, "stream": True}
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/health") as health:
+                    result["health"] = health.status
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    self.assertTrue(await asyncio.to_thread(wait_for, lambda: runner.blocked))
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    runner.gate.set()
+                    result["events"] = [line async for line in resp.content if line.startswith(b"data: ")]
+
+        code, result, _runner = self.serve_with_client(client, [])
         self.assertNotIn("error", result)
         self.assertEqual(code, 0)
         self.assertEqual(result["health"], 200)
         events = result["events"]
         self.assertEqual(events[-1], b"data: [DONE]\n")
         chunks = [json.loads(e[6:]) for e in events[:-1]]
-        self.assertEqual("".join(c["choices"][0]["text"] for c in chunks), expected_text([100], 12))
+        prompt_ids = Tokenizer.load(self.model).encode("d")
+        self.assertEqual("".join(c["choices"][0]["text"] for c in chunks), expected_text(prompt_ids, 12))
         self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "length")
+
+    def test_a_drain_that_runs_out_of_time_ends_the_stream_with_abort_then_done(self) -> None:
+        """The step stays held until the stream ended, so the request cannot finish within the drain."""
+
+        async def client(url: str, runner: Any, result: dict[str, Any]) -> None:
+            runner.gate.clear()
+            body = {"model": "fake", "prompt": "d", "max_tokens": 100, "stream": True}
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url + "/v1/completions", json=body) as resp,
+            ):
+                self.assertTrue(await asyncio.to_thread(wait_for, lambda: runner.blocked))
+                os.kill(os.getpid(), signal.SIGTERM)
+                result["events"] = [line async for line in resp.content if line.startswith(b"data: ")]
+            runner.gate.set()
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code, result, _runner = self.serve_with_client(client, ["--drain-timeout", "0.5"])
+        self.assertNotIn("error", result)
+        self.assertEqual(code, 0)
+        events = result["events"]
+        self.assertEqual(events[-1], b"data: [DONE]\n")
+        last = json.loads(events[-2][6:])
+        self.assertEqual(last["choices"][0]["finish_reason"], "abort")
+        self.assertNotIn("CancelledError", err.getvalue())
+
+
+def _proc_stat(pid: int) -> tuple[str, str, int] | None:
+    """(comm, state, ppid) of a process from /proc (Linux), None when it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    state, ppid = text[text.rindex(")") + 2 :].split()[:2]
+    return comm, state, int(ppid)
+
+
+def _children(pid: int) -> dict[int, str]:
+    """{child pid: comm} of `pid` (Linux /proc)."""
+    found: dict[int, str] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            stat = _proc_stat(int(entry.name))
+            if stat is not None and stat[2] == pid:
+                found[int(entry.name)] = stat[0]
+    return found
 
 
 class ServeChildTest(unittest.TestCase):
@@ -183,6 +256,23 @@ class ServeChildTest(unittest.TestCase):
         self.assertNotIn("Traceback", err)
         self.assertNotIn("CancelledError", err)
 
+    @unittest.skipUnless(sys.platform.startswith("linux"), "reads /proc")
+    def test_the_engine_core_is_its_own_process_and_exits_when_serve_is_killed(self) -> None:
+        proc = self.start("--port", "0", "--num-kv-blocks", "64")
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        self.assertTrue(line.startswith("serving "), line)
+        cores = [pid for pid, comm in _children(proc.pid).items() if comm == "EngineCore"]
+        self.assertEqual(len(cores), 1)  # what `ps -o pid,ppid,comm` shows
+        proc.kill()  # SIGKILL: serve cannot tell the core anything
+        proc.communicate(timeout=30)
+
+        def gone() -> bool:
+            stat = _proc_stat(cores[0])
+            return stat is None or stat[1] == "Z"
+
+        self.assertTrue(wait_for(gone, 60))  # a bound on the wait, not a measured time
+
     def test_a_port_over_65535_is_a_usage_error_and_ipv6_is_bracketed(self) -> None:
         proc = self.start("--port", "70000")
         _, err = proc.communicate(timeout=60)
@@ -202,11 +292,11 @@ class ServeChildTest(unittest.TestCase):
         args = parse(["--model", str(self.model), "--host", "0.0.0.0", "--port", "0"])
         with (
             mock.patch.object(serve, "_DrainingServer") as server,
-            mock.patch("attention_kv_caceh.engine.async_llm.load_engine") as loader,
+            mock.patch.object(AsyncLLM, "from_checkpoint") as loader,
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
         ):
-            loader.return_value = (FakeEngine(max_num_seqs=2), FakeTokenizer(), 256)
+            loader.return_value = AsyncLLM.from_engine_core(make_text_core()[0], CharTokenizer())
             server.return_value.serve = mock.AsyncMock(return_value=None)
             self.assertEqual(serve.run(args), 0)
         self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())

@@ -21,6 +21,7 @@ import openai
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.core import EngineCore
 from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.request import SamplingParams
@@ -54,9 +55,19 @@ class _Checkpoint(unittest.TestCase):
         cls._tmp.cleanup()
 
     @classmethod
+    def config(cls, **fields: Any) -> EngineConfig:
+        return EngineConfig(
+            **{"num_kv_blocks": 64, "block_size": 4, "max_model_len": 96, "max_num_seqs": 8, **fields}
+        )
+
+    @classmethod
     def engine(cls, **fields: Any) -> LLMEngine:
-        config = {"num_kv_blocks": 64, "block_size": 4, "max_model_len": 96, "max_num_seqs": 8, **fields}
-        return LLMEngine.from_pretrained(str(cls.folder), EngineConfig(**config))
+        return LLMEngine.from_pretrained(str(cls.folder), cls.config(**fields))
+
+    @classmethod
+    def async_llm(cls, **fields: Any) -> tuple[EngineCore, AsyncLLM]:
+        core = EngineCore.from_pretrained(str(cls.folder), cls.config(**fields))
+        return core, AsyncLLM.from_engine_core(core, Tokenizer.load(cls.folder))
 
 
 def run(
@@ -121,9 +132,8 @@ class ServerFieldsTest(_Checkpoint):
     @classmethod
     def setUpClass(cls) -> None:
         super().setUpClass()
-        cls.eng = cls.engine()
+        cls.core, cls.llm = cls.async_llm()
         cls.tok = Tokenizer.load(cls.folder)
-        cls.llm = AsyncLLM(cls.eng, cls.tok)
         app = build_app(cls.llm, cls.tok, MODEL, 96, kv_capacity_tokens=64 * 4)
         cls.server = ServerThread(app)
         cls.server.__enter__()
@@ -188,11 +198,11 @@ class ServerFieldsTest(_Checkpoint):
             np.testing.assert_allclose(lps[i], logprobs.token_logprobs or [], atol=TOL)
 
     def test_children_share_the_prompts_kv_blocks(self) -> None:
-        pool = self.eng.scheduler.kv_cache_manager.block_pool
+        pool = self.core.scheduler.kv_cache_manager.block_pool
         most: list[int] = [0]
         hits: list[int] = [0]
 
-        def record(stats: IterationStats) -> None:  # runs in the engine thread after every step
+        def record(stats: IterationStats) -> None:  # runs in the output thread after every step
             most[0] = max(most[0], max(b.ref_cnt for b in pool.blocks))
             hits[0] += stats.prefix_cache_hits
 
@@ -400,9 +410,8 @@ class ServerFieldsTest(_Checkpoint):
 
 class KVPoolTooSmallTest(_Checkpoint):
     def test_a_request_that_can_never_fit_the_kv_pool_is_a_400_up_front(self) -> None:
-        engine = self.engine(num_kv_blocks=4)  # 16 positions
-        tok = Tokenizer.load(self.folder)
-        app = build_app(AsyncLLM(engine, tok), tok, MODEL, 96, kv_capacity_tokens=16)
+        _core, llm = self.async_llm(num_kv_blocks=4)  # 16 positions
+        app = build_app(llm, Tokenizer.load(self.folder), MODEL, 96, kv_capacity_tokens=16)
         with ServerThread(app) as server:
             body = {"prompt": [5] * 10, "max_tokens": 8, "stream": True}
             status, err = request("POST", server.base_url + "/v1/completions", json=body)

@@ -1,8 +1,9 @@
 """The OpenAI-compatible server end to end: a real uvicorn server over AsyncLLM and a fake engine.
 
-The fake engine's tokens follow a known rule (tests/fake_engine.py), so every text, usage count and
-metric value has an oracle. Synchronisation is by events (the fake's `changed` condition, response
-headers), never by sleeping.
+The server runs over the real EngineCore (its busy loop in a thread, behind the ZMQ sockets `serve` uses)
+with the letter runner of tests/engine_fakes.py, whose tokens follow a known rule, so every text, usage
+count and metric value has an oracle. Synchronisation is by bounded waits on state (the runner's gate,
+response headers), never by sleeping.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import METRIC_NAMES
 from attention_kv_caceh.engine.server import build_app
-from tests.fake_engine import FakeEngine, FakeTokenizer, expected_text
+from tests.engine_fakes import TEXT_VOCAB, CharTokenizer, expected_text, make_text_core
 from tests.serve_helpers import MODEL, ServerThread, fake_server
 
-TOK = FakeTokenizer()
+TOK = CharTokenizer()
 
 
 def client(base_url: str, api_key: str = "none") -> openai.OpenAI:
@@ -169,12 +170,13 @@ class StreamingTest(unittest.TestCase):
         )
         self.assertEqual(status, 200)
         self.assertEqual(
-            body, {"count": 3, "max_model_len": 256, "tokens": [97, 98, 99], "token_strs": ["a", "b", "c"]}
+            body,
+            {"count": 3, "max_model_len": 256, "tokens": TOK.encode("abc"), "token_strs": ["a", "b", "c"]},
         )
         messages = [{"role": "user", "content": "hi"}]
         status, body = request("POST", self.url + "/tokenize", json={"messages": messages})
         self.assertEqual(body["tokens"], chat_prompt_ids(messages))
-        status, body = request("POST", self.url + "/detokenize", json={"tokens": [104, 105]})
+        status, body = request("POST", self.url + "/detokenize", json={"tokens": TOK.encode("hi")})
         self.assertEqual((status, body), (200, {"prompt": "hi"}))
 
     def test_debug_step_stats_returns_the_engines_last_steps_and_refuses_a_bad_count(self) -> None:
@@ -222,8 +224,8 @@ class StreamingTest(unittest.TestCase):
                 "max_tokens",
             ),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": 5}}, 400, "prompt"),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, 0x110000]}}, 400, "prompt"),
-            ("/v1/completions", {"json": {"model": MODEL, "prompt": [97, -1]}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [65, TEXT_VOCAB]}}, 400, "prompt"),
+            ("/v1/completions", {"json": {"model": MODEL, "prompt": [65, -1]}}, 400, "prompt"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "n": 0}}, 400, "n"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "best_of": 2}}, 400, "best_of"),
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a", "top_p": 0}}, 400, "top_p"),
@@ -241,7 +243,7 @@ class StreamingTest(unittest.TestCase):
                     self.assertEqual(body["error"]["param"], param)
         self.assertEqual(request("GET", self.url + "/health")[0], 200)
         ok = self.oai.completions.create(model=MODEL, prompt="a", max_tokens=2)
-        self.assertEqual(ok.choices[0].text, expected_text([97], 2))
+        self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("a"), 2))
 
     def test_every_sampling_field_is_checked_at_the_boundary_with_its_param(self) -> None:
         """Non-finite floats, bools for ints, out-of-range values and unsupported options are 400s naming
@@ -288,7 +290,68 @@ class StreamingTest(unittest.TestCase):
         ok = self.oai.completions.create(
             model=MODEL, prompt="a", max_tokens=2, temperature=0, seed=0, extra_body={"top_k": -1}
         )
-        self.assertEqual(ok.choices[0].text, expected_text([97], 2))
+        self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("a"), 2))
+
+
+class BodySizeAndPrefixCacheTest(unittest.TestCase):
+    def test_a_body_over_max_request_bytes_is_413_before_parsing_and_the_server_keeps_serving(self) -> None:
+        thread, _engine, _llm = fake_server(max_request_bytes=1000)
+
+        async def chunked(url: str, size: int) -> tuple[int, Any]:
+            async def body():  # no Content-Length: the server counts the chunks as they come
+                yield b'{"prompt": "'
+                yield b"a" * size
+                yield b'", "max_tokens": 1}'
+
+            async with aiohttp.ClientSession() as session:
+                headers = {"Content-Type": "application/json"}
+                async with session.post(url + "/v1/completions", data=body(), headers=headers) as resp:
+                    return resp.status, await resp.json(content_type=None)
+
+        with thread:
+            big = {"prompt": "a" * 2000, "max_tokens": 1}
+            status, body = request("POST", thread.base_url + "/v1/completions", json=big)
+            # not JSON at all: a parser would have answered 400, the size check answers first
+            raw = request("POST", thread.base_url + "/v1/completions", data=b"{" * 5000)
+            stream_status, stream_body = asyncio.run(chunked(thread.base_url, 5000))
+            small_chunked = asyncio.run(chunked(thread.base_url, 10))[0]
+            ok = request("POST", thread.base_url + "/v1/completions", json={"prompt": "a", "max_tokens": 1})
+        self.assertEqual((status, body["error"]["code"]), (413, 413))
+        self.assertEqual(raw[0], 413)
+        self.assertEqual((stream_status, stream_body["error"]["code"]), (413, 413))
+        self.assertEqual(small_chunked, 200)
+        self.assertEqual(ok[0], 200)
+
+    def test_reset_prefix_cache_forgets_the_cache_when_idle_and_is_409_while_blocks_are_held(self) -> None:
+        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=60_000)
+        prompt = "a long prompt of several blocks " * 3
+        with thread, client(thread.base_url) as oai:
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            hits_before = sum(s.prefix_cache_hits for s in engine.step_stats)
+            status = request("POST", thread.base_url + "/reset_prefix_cache")[0]
+            oai.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+            hits_after = sum(s.prefix_cache_hits for s in engine.step_stats)
+
+            async def busy(url: str) -> int:
+                # 50 000 tokens: the request holds its blocks for far longer than the call takes
+                body = {"model": MODEL, "prompt": "b", "max_tokens": 50_000, "stream": True}
+                async with (
+                    aiohttp.ClientSession() as session,
+                    session.post(url + "/v1/completions", json=body) as resp,
+                ):
+                    await resp.content.readline()  # a first event: the request runs
+                    return (await fetch("POST", url + "/reset_prefix_cache"))[0]
+
+            refused = asyncio.run(busy(thread.base_url))
+            drained = engine.wait_for(
+                lambda: llm.num_unfinished == 0 and not engine.has_unfinished_requests()
+            )
+        self.assertGreater(hits_before, 0)  # the second request found the first one's blocks
+        self.assertEqual(status, 200)
+        self.assertEqual(hits_after, hits_before)  # after the reset the same prompt found nothing
+        self.assertEqual(refused, 409)
+        self.assertTrue(drained)
 
 
 class EosTest(unittest.TestCase):
@@ -299,11 +362,11 @@ class EosTest(unittest.TestCase):
             ignored = oai.completions.create(
                 model=MODEL, prompt="e", max_tokens=10, extra_body={"ignore_eos": True}
             )
-        self.assertEqual(stopped.choices[0].text, expected_text([101], 4))
+        self.assertEqual(stopped.choices[0].text, expected_text(TOK.encode("e"), 4))
         self.assertEqual(stopped.choices[0].finish_reason, "stop")
         assert stopped.usage is not None
         self.assertEqual(stopped.usage.completion_tokens, 5)  # the EOS token is generated and counted
-        self.assertEqual(ignored.choices[0].text, expected_text([101], 10))
+        self.assertEqual(ignored.choices[0].text, expected_text(TOK.encode("e"), 10))
         self.assertEqual(ignored.choices[0].finish_reason, "length")
 
 
@@ -331,14 +394,15 @@ class MetricsTest(unittest.TestCase):
         self.assertEqual(samples["vllm:kv_cache_usage_perc{}"], 0)
 
     def test_running_and_waiting_are_read_at_the_moment_of_the_scrape(self) -> None:
-        thread, engine, _llm = fake_server(max_num_seqs=1)
+        thread, engine, llm = fake_server(max_num_seqs=1)
         engine.gate.clear()  # the engine admits the first request, then its step waits
 
         async def go(url: str) -> dict[str, float]:
             body = {"model": MODEL, "prompt": "w", "max_tokens": 3, "stream": True}
             async with aiohttp.ClientSession() as session:
                 responses = [await session.post(url + "/v1/completions", json=body) for _ in range(3)]
-                self.assertTrue(engine.wait_for(lambda: engine.blocked))
+                # the core reports an admission before the step runs: wait (bounded) for the report
+                self.assertTrue(engine.wait_for(lambda: engine.blocked and llm.num_running == 1))
                 samples = await asyncio.to_thread(scrape, url)
                 engine.gate.set()
                 for resp in responses:
@@ -355,11 +419,11 @@ class MetricsTest(unittest.TestCase):
 class FaultTest(unittest.TestCase):
     def test_clients_that_disconnect_after_the_first_token_leave_nothing_running_or_allocated(self) -> None:
         # max_tokens far beyond what the test's lifetime allows: every request can only end by the abort
-        thread, engine, llm = fake_server(max_num_seqs=16, max_model_len=10**9)
+        thread, engine, llm = fake_server(max_num_seqs=16, max_model_len=60_000)
         total_blocks = engine.num_free_blocks
 
         async def one(session: aiohttp.ClientSession, url: str, i: int) -> str:
-            body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 10**8, "stream": True}
+            body = {"model": MODEL, "prompt": f"p{i}", "max_tokens": 50_000, "stream": True}
             async with session.post(url + "/v1/completions", json=body) as resp:
                 async for line in resp.content:
                     if line.startswith(b"data: {"):
@@ -387,11 +451,11 @@ class FaultTest(unittest.TestCase):
         self.assertLessEqual(max(s.num_running for s in engine.step_stats), 16)
 
     def test_a_client_that_leaves_a_whole_response_aborts_its_request(self) -> None:
-        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=10**9)
+        thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=60_000)
         engine.gate.clear()  # the request's first step waits: the client leaves meanwhile
 
         async def go(url: str) -> None:
-            body = {"model": MODEL, "prompt": "w", "max_tokens": 10**8}
+            body = {"model": MODEL, "prompt": "w", "max_tokens": 50_000}
             async with aiohttp.ClientSession() as session:
                 task = asyncio.ensure_future(session.post(url + "/v1/completions", json=body))
                 self.assertTrue(await asyncio.to_thread(engine.wait_for, lambda: engine.blocked))
@@ -410,14 +474,14 @@ class FaultTest(unittest.TestCase):
         self.assertEqual(samples["vllm:request_success_total{finished_reason=abort}"], 1)
 
     def test_an_unexpected_error_in_a_handler_is_a_500_with_an_error_body(self) -> None:
-        class Exploding(FakeTokenizer):
+        class Exploding(CharTokenizer):
             def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
                 if text == "boom":
                     raise RuntimeError("tokenizer bug")
                 return super().encode(text, add_special_tokens)
 
         tokenizer = Exploding()
-        app = build_app(AsyncLLM(FakeEngine(), tokenizer), tokenizer, MODEL, 256)
+        app = build_app(AsyncLLM.from_engine_core(make_text_core()[0], tokenizer), tokenizer, MODEL, 256)
         with ServerThread(app) as thread:
             with (
                 self.assertLogs("attention_kv_caceh.engine.server", "ERROR"),
@@ -443,7 +507,7 @@ class FaultTest(unittest.TestCase):
             self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
             with client(thread.base_url, api_key="sesame") as good:
                 ok = good.completions.create(model=MODEL, prompt="a", max_tokens=1)
-        self.assertEqual(ok.choices[0].text, expected_text([97], 1))
+        self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("a"), 1))
 
     def test_requests_beyond_max_queue_waiting_get_503(self) -> None:
         thread, engine, _llm = fake_server(max_num_seqs=1, max_queue=1)
@@ -474,7 +538,10 @@ class FaultTest(unittest.TestCase):
         thread, engine, llm = fake_server()
         engine.fail_steps = 1
         with thread, client(thread.base_url) as oai:
-            with self.assertLogs("attention_kv_caceh.engine.async_llm", "ERROR") as logs:
+            with (
+                self.assertLogs("attention_kv_caceh.engine.async_llm", "ERROR") as logs,
+                self.assertLogs("attention_kv_caceh.engine.core", "ERROR"),
+            ):
                 stream = oai.completions.create(model=MODEL, prompt="f", max_tokens=4, stream=True)
                 with self.assertRaises(openai.APIError):
                     list(stream)
@@ -487,7 +554,7 @@ class FaultTest(unittest.TestCase):
             self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
             ok = oai.completions.create(model=MODEL, prompt="f", max_tokens=4)
         self.assertEqual(len(logs.records), 1)
-        self.assertEqual(ok.choices[0].text, expected_text([102], 4))
+        self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("f"), 4))
         self.assertEqual(llm.num_failed_steps, 2)
         self.assertFalse(engine.has_unfinished_requests())
 

@@ -1,4 +1,5 @@
-"""Text deltas, stop strings, the incremental detokenizer, sampling checks and chat templates."""
+"""The OutputProcessor's text deltas and stop strings, the incremental detokenizer, sampling checks and
+chat templates."""
 
 from __future__ import annotations
 
@@ -14,16 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_kv_caceh.engine.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
-from attention_kv_caceh.engine.output_processor import RequestDelta, RequestStream
+from attention_kv_caceh.engine.core import EngineCoreOutput, EngineCoreOutputs
+from attention_kv_caceh.engine.output_processor import OutputProcessor, RequestDelta, RequestStream
 from attention_kv_caceh.engine.protocol import CompletionRequest
-from attention_kv_caceh.engine.serving import (
-    HTTPError,
-    IncrementalDetokenizer,
-    TextDelta,
-    sampling_params_for,
-    text_deltas,
-)
-from tests.fake_engine import FakeTokenizer
+from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.serving import HTTPError, sampling_params_for
+from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, TextDecoder
+from tests.engine_fakes import CharTokenizer
 
 
 class ByteTokenizer:
@@ -49,39 +47,40 @@ class _Aborts:
         self.aborted.append((request_id, finish_reason))
 
 
-def deltas_of(tokens: list[list[int]], finish: str = "length") -> list[RequestDelta]:
-    """One RequestDelta per step; the last one finishes with `finish`."""
+def deltas_of(tokens: list[list[int]]) -> list[RequestDelta]:
+    """One RequestDelta per step; the last one finishes with "length"."""
     out: list[RequestDelta] = []
     count = 0
     for i, ids in enumerate(tokens):
         count += len(ids)
         last = i == len(tokens) - 1
-        out.append(RequestDelta("r", tuple(ids), last, finish if last else None, 2, count))
+        out.append(RequestDelta("r", tuple(ids), "", last, "length" if last else None, 2, count))
     return out
 
 
 def run_deltas(
-    tokens: list[list[int]], stops: list[str], tokenizer: object, finish: str = "length", **options: Any
-) -> tuple[list[TextDelta], _Aborts]:
-    """Feed one delta per step through a RequestStream, each once the reader took the previous one."""
-
-    async def go() -> tuple[list[TextDelta], _Aborts]:
-        queue: asyncio.Queue[RequestDelta | BaseException] = asyncio.Queue()
-        llm = _Aborts()
-        stream = RequestStream("r", queue, llm.abort)
-
-        async def feed() -> None:
-            for delta in deltas_of(tokens, finish):
-                queue.put_nowait(delta)
-                while not queue.empty():
-                    await asyncio.sleep(0)  # yield to the reader until it took the delta
-
-        feeder = asyncio.ensure_future(feed())
-        result = [d async for d in text_deltas(stream, tokenizer, stops, **options)]  # type: ignore[arg-type]
-        feeder.cancel()
-        return result, llm
-
-    return asyncio.run(go())
+    tokens: list[list[int]],
+    stops: list[str],
+    tokenizer: TextDecoder,
+    finish: str = "length",
+    **fields: Any,
+) -> tuple[list[RequestDelta], list[str]]:
+    """Feed one core output per step (the last finishing with `finish`) through an OutputProcessor;
+    (the request's deltas until it finished, the requests it asked to abort). `fields`: more
+    SamplingParams fields."""
+    processor = OutputProcessor(tokenizer)
+    params = SamplingParams(max_tokens=10**6, stop=tuple(stops), **fields)
+    processor.add_request("r", 2, params, 0.0)
+    deltas: list[RequestDelta] = []
+    aborts: list[str] = []
+    for i, ids in enumerate(tokens):
+        reason = finish if i == len(tokens) - 1 else None
+        result = processor.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", ids, reason)]), 1.0)
+        aborts += result.reqs_to_abort
+        for _state, item in result.deliveries:
+            assert isinstance(item, RequestDelta)
+            deltas.append(item)
+    return deltas, aborts
 
 
 class RequestStreamTest(unittest.TestCase):
@@ -109,23 +108,23 @@ class RequestStreamTest(unittest.TestCase):
 
 class TextDeltaTest(unittest.TestCase):
     def test_min_tokens_include_stop_str_and_a_stop_token_kept_out_of_the_text(self) -> None:
-        steps = [[ord(c)] for c in "abcabcab"]
+        tok = CharTokenizer()
+        steps = [tok.encode(c) for c in "abcabcab"]
         cases: list[tuple[dict[str, Any], str]] = [
             ({}, "a"),  # the first "b" stops
             ({"min_tokens": 3}, "abca"),  # a stop string within the first 3 tokens does not count
-            ({"min_tokens": 3, "include_stop_str": True}, "abcab"),
+            ({"min_tokens": 3, "include_stop_str_in_output": True}, "abcab"),
             ({"min_tokens": 1}, "a"),  # the "b" is the 2nd token: it counts
         ]
-        for options, expected in cases:
-            with self.subTest(options=options):
-                got, aborts = run_deltas(steps, ["b"], FakeTokenizer(), **options)
-                self.assertEqual("".join(d.text for d in got), expected)
-                self.assertEqual(got[-1].finish_reason, "stop")
-                self.assertEqual(aborts.aborted, [("r", "stop")])
-        stopped, _ = run_deltas(steps, [], FakeTokenizer(), finish="stop")  # ended by a stop token id
+        for fields, expected in cases:
+            with self.subTest(fields=fields):
+                deltas, aborts = run_deltas(steps, ["b"], tok, **fields)
+                self.assertEqual("".join(d.text for d in deltas), expected)
+                self.assertEqual((deltas[-1].finish_reason, aborts), ("stop", ["r"]))
+        stopped, _ = run_deltas(steps, [], tok, finish="stop")  # ended by eos or a stop token id
         self.assertEqual("".join(d.text for d in stopped), "abcabca")
         self.assertEqual(stopped[-1].num_output_tokens, 8)  # still counted
-        kept, _ = run_deltas(steps, [], FakeTokenizer(), finish="stop", include_stop_str=True)
+        kept, _ = run_deltas(steps, [], tok, finish="stop", include_stop_str_in_output=True)
         self.assertEqual("".join(d.text for d in kept), "abcabcab")
 
     def test_every_step_yields_a_delta_even_when_its_token_completes_no_character(self) -> None:
@@ -137,20 +136,21 @@ class TextDeltaTest(unittest.TestCase):
         self.assertEqual([d.num_output_tokens for d in deltas], [1, 2, 3, 4])
 
     def test_stop_string_straddling_two_steps_is_never_streamed(self) -> None:
-        tok = FakeTokenizer()
+        tok = CharTokenizer()
         steps = [tok.encode(s) for s in ["hel", "lo wo", "rld", "!!"]]
-        deltas, llm = run_deltas(steps, ["o w"], tok)
+        deltas, aborts = run_deltas(steps, ["o w"], tok)
         self.assertEqual("".join(d.text for d in deltas), "hell")
         self.assertEqual(deltas[-1].finish_reason, "stop")
-        self.assertEqual(llm.aborted, [("r", "stop")])
+        self.assertEqual(len(deltas), 2)  # nothing of the request after the stop string
+        self.assertEqual(aborts, ["r"])  # the core is told to free its blocks
 
     def test_without_a_stop_every_character_arrives_and_the_finish_is_length(self) -> None:
-        tok = FakeTokenizer()
-        deltas, llm = run_deltas([tok.encode(s) for s in ["ab", "c", "de"]], [], tok)
+        tok = CharTokenizer()
+        deltas, aborts = run_deltas([tok.encode(s) for s in ["ab", "c", "de"]], [], tok)
         self.assertEqual([d.text for d in deltas], ["ab", "c", "de"])
         self.assertEqual(deltas[-1].finish_reason, "length")
         self.assertEqual(deltas[-1].num_output_tokens, 5)
-        self.assertEqual(llm.aborted, [])
+        self.assertEqual(aborts, [])
 
     @settings(max_examples=60, deadline=None)
     @given(

@@ -1,10 +1,11 @@
 """The notes' §9.3 as a test: the client's concurrency and the server's max_num_seqs are different limits.
 
-Setup: the real server (engine/server.py over the real AsyncLLM and LLMEngine on a `make-model` tiny
-checkpoint) runs in a thread of the test on a loopback port, as `serve --max-num-seqs N` would; the
-harness's own `run_harness` drives it (openai-completions, all requests at once, exact prompt lengths from
-the checkpoint's tokenizer). The server runs in-process so that the test reads the engine's own StepStats
-(`engine.step_stats`: num_running and num_waiting after every step) instead of sampling /metrics.
+Setup: the real server (engine/server.py over the real AsyncLLM and EngineCore on a `make-model` tiny
+checkpoint) runs in a thread of the test on a loopback port, as `serve --max-num-seqs N` would, with the
+core's busy loop in a thread behind the same sockets `serve` uses; the harness's own `run_harness` drives
+it (openai-completions, all requests at once, exact prompt lengths from the checkpoint's tokenizer). The
+core runs in-process so that the test reads its own StepStats (`core.step_stats`: num_running and
+num_waiting after every step) instead of sampling /metrics.
 
 Claims:
 1. concurrency 16 against max_num_seqs 4: the client had 16 in flight, the engine never ran more than 4
@@ -12,7 +13,7 @@ Claims:
 2. concurrency 4 against max_num_seqs 8: never more than 4 running although 8 were allowed.
 
 Why the claims are forced and not a matter of timing: the engine's first step is held until every
-request the client can have in flight (16, resp. 4) has reached AsyncLLM (`_GatedEngine`: an Event set
+request the client can have in flight (16, resp. 4) has reached AsyncLLM (`_GatedCore`: an Event set
 by the AsyncLLM's add_request, waited on with a bound; no sleep). Holding the first step stands for "a
 step longer than the arrival of the requests", the situation §9.3 describes; it changes no scheduling
 decision. Then: no request can finish before the gate opens, so the client has all 16 (resp. 4) in
@@ -28,16 +29,19 @@ import asyncio
 import tempfile
 import threading
 import unittest
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
+from attention_kv_caceh.engine.core import EngineCore, EngineCoreOutputs
+from attention_kv_caceh.engine.core_client import MPClient
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.server import build_app
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult, run_harness
 from tests.serve_helpers import ServerThread
@@ -47,25 +51,27 @@ PROMPT_LEN = 16
 GATE_TIMEOUT_S = 120.0  # a bound, not a synchronisation: the gate opens on an event
 
 
-class _GatedEngine(LLMEngine):
-    """LLMEngine whose first step waits (bounded) for `gate`; every later step is the engine's own."""
+class _GatedCore(EngineCore):
+    """EngineCore whose first step waits (bounded) for `gate`; every later step is the core's own."""
 
     gate: threading.Event
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_schedule: Callable[[], None] | None = None) -> EngineCoreOutputs:
         if not self.gate.wait(GATE_TIMEOUT_S):
             raise AssertionError("not every request reached the server")
-        return super().step()
+        return super().step(on_schedule)
 
 
 class _CountingAsyncLLM(AsyncLLM):
     """AsyncLLM that sets `gate` once `expected` requests were added."""
 
-    def __init__(self, engine: _GatedEngine, expected: int) -> None:
-        assert engine.tokenizer is not None
-        super().__init__(engine, engine.tokenizer)  # pyright: ignore[reportArgumentType]
+    def __init__(self, core: _GatedCore, tokenizer: Tokenizer, expected: int) -> None:
+        client = MPClient.launch_thread(core)
+        super().__init__(
+            client, tokenizer, max_num_seqs=core.config.max_num_seqs, max_model_len=core.max_model_len
+        )
         self.expected = expected
-        self.gate = engine.gate
+        self.gate = core.gate
 
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -88,14 +94,14 @@ class ServingConcurrencyTest(unittest.TestCase):
 
     def run_harness_against(
         self, max_num_seqs: int, concurrency: int, num_requests: int
-    ) -> tuple[_GatedEngine, RunResult]:
+    ) -> tuple[_GatedCore, RunResult]:
         config = EngineConfig(max_num_seqs=max_num_seqs, num_kv_blocks=256, block_size=16)
-        engine = _GatedEngine.from_pretrained(str(self.model), config)
-        assert isinstance(engine, _GatedEngine)
+        engine = _GatedCore.from_pretrained(str(self.model), config)
+        assert isinstance(engine, _GatedCore)
         engine.gate = threading.Event()
-        llm = _CountingAsyncLLM(engine, min(concurrency, num_requests))
-        max_model_len = engine.scheduler.max_model_len
-        app = build_app(llm, llm.tokenizer, "tiny", max_model_len)
+        tokenizer = Tokenizer.load(self.model)
+        llm = _CountingAsyncLLM(engine, tokenizer, min(concurrency, num_requests))
+        app = build_app(llm, tokenizer, "tiny", engine.max_model_len)
         with ServerThread(app) as server:
             harness = HarnessConfig(
                 backend="openai-completions",

@@ -54,6 +54,7 @@ SUBCOMMANDS: dict[str, str] = {
     "views": "views",
     "report": "report",
     "harness": "harness",
+    "sweep": "sweep",
     "overhead": "overhead",
     "make-model": "make_model",
     "generate": "generate",

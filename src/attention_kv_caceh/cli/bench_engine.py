@@ -27,6 +27,7 @@ from attention_kv_caceh.cli.common import (
     positive_int,
     warn_if_blas_unpinned,
 )
+from attention_kv_caceh.cli.engine_args import add_engine_arguments
 
 __all__ = ["HELP", "add_arguments", "format_rows", "run"]
 
@@ -44,7 +45,8 @@ def _at_least_two(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --dtype, --seed, --json."""
+    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --seed, --json, and
+    the engine flags --max-num-batched-tokens, --block-size, --dtype."""
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
     )
@@ -58,7 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-len", type=positive_int, default=128, help="prompt tokens per request")
     parser.add_argument("--output-len", type=_at_least_two, default=128, help="output tokens per request")
-    parser.add_argument("--dtype", choices=("float32", "float64"), default="float32", help="engine dtype")
+    add_engine_arguments(
+        parser.add_argument_group("engine (the KV pool is sized to the requests; prefix caching off)"),
+        only=("max_num_batched_tokens", "block_size", "dtype"),
+    )
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random prompts")
     parser.add_argument(
         "--json",
@@ -124,7 +129,16 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        result = run_engine_benchmark(model, sizes, args.prompt_len, args.output_len, args.dtype, args.seed)
+        result = run_engine_benchmark(
+            model,
+            sizes,
+            args.prompt_len,
+            args.output_len,
+            args.dtype,
+            args.seed,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+        )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None
     rows = [asdict(row) for row in result.rows]

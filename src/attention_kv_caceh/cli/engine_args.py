@@ -1,4 +1,8 @@
-"""The up-front checks `generate` and `serve` share before they load any weight.
+"""The engine flag group and the up-front checks `generate` and `serve` share before they load any weight.
+
+`add_engine_arguments` declares the engine flags once (vLLM's names, defaults read from the EngineConfig
+dataclass) for `generate`, `serve`, `bench-engine` (a subset: it sizes its own KV pool) and
+`harness --backend engine` (which passes the ones given on to `serve`).
 
 Both commands build an engine from a checkpoint folder and the same engine flags. Everything that can be
 refused from the flags, `config.json` and `tokenizer.json` alone is refused here, with the same exit code
@@ -21,39 +25,123 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import CommandFailed, UsageError
+from attention_kv_caceh.cli.common import CommandFailed, UsageError, positive_int
+from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, EngineConfig
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.config import EngineConfig
     from attention_kv_caceh.engine.model_config import ModelConfig
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["EnginePlan", "check_prompts_fit", "engine_config_kwargs", "plan_engine"]
+__all__ = [
+    "ENGINE_FLAGS",
+    "EnginePlan",
+    "add_engine_arguments",
+    "check_prompts_fit",
+    "engine_config_kwargs",
+    "engine_flags_given",
+    "plan_engine",
+]
 
-# EngineConfig field -> the flag that sets it, for messages
-_FLAGS = {
-    "max_num_batched_tokens": "--max-num-batched-tokens",
+# EngineConfig field -> the flag that sets it (also used to name fields in messages)
+ENGINE_FLAGS = {
     "max_num_seqs": "--max-num-seqs",
+    "max_num_batched_tokens": "--max-num-batched-tokens",
+    "block_size": "--block-size",
     "num_kv_blocks": "--num-kv-blocks",
     "kv_cache_memory": "--kv-cache-memory",
     "max_model_len": "--max-model-len",
-    "block_size": "--block-size",
+    "enable_prefix_caching": "--no-prefix-caching",
+    "dtype": "--dtype",
+}
+_FLAGS = {k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype")}
+
+_HELP = {
+    "max_num_seqs": "most requests running at once (one step's batch)",
+    "max_num_batched_tokens": "token budget of one step, prefill and decode together (>= --max-num-seqs)",
+    "block_size": "tokens per KV block",
+    "num_kv_blocks": "KV blocks in the pool (default: see --kv-cache-memory)",
+    "kv_cache_memory": "bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+    "max_model_len": "most tokens (prompt + output) per request; may only lower the checkpoint's "
+    "(default: its max_position_embeddings)",
+    "enable_prefix_caching": "turn prefix caching off (default: on)",
+    "dtype": "dtype of the weights, activations and KV cache",
 }
 
 
+def _dest(field: str) -> str:
+    return "no_prefix_caching" if field == "enable_prefix_caching" else field
+
+
+def add_engine_arguments(
+    group: argparse._ArgumentGroup,  # pyright: ignore[reportPrivateUsage]
+    *,
+    defaults: bool = True,
+    only: tuple[str, ...] | None = None,
+) -> None:
+    """Declare the engine flags on `group`, their defaults read from EngineConfig.
+
+    `defaults=False` leaves every default None (a caller can then tell which were given; the help says
+    which default the engine applies). `only`: the EngineConfig fields to declare (None: all).
+    """
+    config_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+
+    def wanted(field: str) -> bool:
+        return only is None or field in only
+
+    def kwargs(field: str) -> dict[str, object]:
+        value = config_defaults[field]
+        text = _HELP[field]
+        if value is not None and field != "enable_prefix_caching":
+            text = text if defaults else f"{text} (default: {value})"
+        return {"default": value if defaults else None, "help": text}
+
+    for field in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        if wanted(field):
+            group.add_argument(ENGINE_FLAGS[field], type=positive_int, metavar="N", **kwargs(field))  # pyright: ignore[reportArgumentType]
+    if wanted("kv_cache_memory") or wanted("num_kv_blocks"):
+        size = group.add_mutually_exclusive_group()
+        size.add_argument(
+            "--kv-cache-memory", type=positive_int, metavar="BYTES", help=_HELP["kv_cache_memory"]
+        )
+        size.add_argument("--num-kv-blocks", type=positive_int, metavar="N", help=_HELP["num_kv_blocks"])
+    if wanted("max_model_len"):
+        group.add_argument("--max-model-len", type=positive_int, metavar="N", help=_HELP["max_model_len"])
+    if wanted("dtype"):
+        group.add_argument("--dtype", choices=SUPPORTED_DTYPES, **kwargs("dtype"))  # pyright: ignore[reportArgumentType]
+    if wanted("enable_prefix_caching"):
+        group.add_argument(
+            "--no-prefix-caching",
+            action="store_true",
+            default=False if defaults else None,
+            help=_HELP["enable_prefix_caching"],
+        )
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The EngineConfig fields given by the engine flags (serve's `add_engine_arguments`, generate's)."""
-    return {
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_memory": args.kv_cache_memory,
-        "max_model_len": args.max_model_len,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "dtype": args.dtype,
-    }
+    """The EngineConfig fields the engine flags in `args` set (fields whose flag was not declared, or
+    was given no value under `defaults=False`, are left out: EngineConfig's default applies)."""
+    kwargs: dict[str, object] = {}
+    for field in ENGINE_FLAGS:
+        value = getattr(args, _dest(field), None)
+        if field == "enable_prefix_caching":
+            if value is not None:
+                kwargs[field] = not value
+        elif value is not None:
+            kwargs[field] = value
+    return kwargs
+
+
+def engine_flags_given(args: argparse.Namespace) -> list[str]:
+    """The engine flags given in `args` (declared with defaults=False) as argv, e.g. ["--max-num-seqs", "4"]."""
+    argv: list[str] = []
+    for field, flag in ENGINE_FLAGS.items():
+        value = getattr(args, _dest(field), None)
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
+    return argv
 
 
 def _flag_names(text: str) -> str:

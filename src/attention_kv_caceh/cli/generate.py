@@ -35,7 +35,12 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
-from attention_kv_caceh.cli.engine_args import check_prompts_fit, engine_config_kwargs, plan_engine
+from attention_kv_caceh.cli.engine_args import (
+    add_engine_arguments,
+    check_prompts_fit,
+    engine_config_kwargs,
+    plan_engine,
+)
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.llm_engine import LLMEngine
@@ -115,45 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--ignore-eos", action="store_true", help="keep generating after eos (default: stop at eos)"
     )
-    e = parser.add_argument_group("engine (vLLM's names)")
-    e.add_argument(
-        "--dtype", choices=("float32", "float64"), default="float32", help="model and KV cache dtype"
-    )
-    e.add_argument(
-        "--max-num-seqs", metavar="N", type=positive_int, default=8, help="most requests running at once"
-    )
-    e.add_argument(
-        "--max-num-batched-tokens",
-        metavar="N",
-        type=positive_int,
-        default=512,
-        help="token budget of one step, prefill and decode together (>= --max-num-seqs)",
-    )
-    e.add_argument("--block-size", metavar="N", type=positive_int, default=16, help="tokens per KV block")
-    size = e.add_mutually_exclusive_group()
-    size.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="KV blocks in the pool (default: see --kv-cache-memory)",
-    )
-    size.add_argument(
-        "--kv-cache-memory",
-        type=positive_int,
-        default=None,
-        metavar="BYTES",
-        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
-    )
-    e.add_argument(
-        "--max-model-len",
-        metavar="N",
-        type=positive_int,
-        default=None,
-        help="most tokens (prompt + output) per request; may only lower the checkpoint's "
-        "(default: max_position_embeddings)",
-    )
-    e.add_argument("--no-prefix-caching", action="store_true", help="turn prefix caching off (default: on)")
+    add_engine_arguments(parser.add_argument_group("engine (vLLM's names)"))
     o = parser.add_argument_group("outputs")
     o.add_argument(
         "--output",

@@ -48,6 +48,7 @@ from attention_kv_caceh.harness.run import (
     run_harness,
 )
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
+from attention_kv_caceh.harness.workloads import WORKLOADS, Workload
 
 __all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
 
@@ -57,9 +58,10 @@ HELP = (
 )
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:
     """Declare the harness's flags on `parser` (kebab-case; each help text shows its default, so any
-    formatter_class works)."""
+    formatter_class works). With `sweep`, `--concurrency` and `--request-rate` take several values (a
+    grid, cli/sweep.py) and the one-run outputs (--jsonl, --summary-json, --plot) are left out."""
     g = parser.add_argument_group("backend")
     g.add_argument(
         "--backend",
@@ -106,17 +108,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"measured requests, at most {MAX_REQUESTS}; a run whose requests would need more than half "
         "of the memory is refused (default: %(default)s)",
     )
+    grid = "+" if sweep else None
     g.add_argument(
         "--concurrency",
         type=int,
-        default=4,
-        help="client in-flight limit (the semaphore) (default: %(default)s)",
+        nargs=grid,
+        default=[4] if sweep else 4,
+        help="client in-flight limit (the semaphore)"
+        + ("; several values: a grid of points" if sweep else "")
+        + " (default: %(default)s)",
     )
     g.add_argument(
         "--request-rate",
         type=float,
-        default=math.inf,
-        help="arrivals per second (inf: all at once; else Poisson/gamma) (default: %(default)s)",
+        nargs=grid,
+        default=[math.inf] if sweep else math.inf,
+        help="arrivals per second (inf: all at once; else Poisson/gamma)"
+        + ("; several values: a grid of points" if sweep else "")
+        + " (default: %(default)s)",
     )
     g.add_argument(
         "--burstiness",
@@ -152,6 +161,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "are sent (default: synthetic prompts)",
     )
     g.add_argument(
+        "--workload",
+        choices=WORKLOADS,
+        default="random",
+        help="random: independent prompts; shared-prefix: one of --num-prefixes shared prefixes of "
+        "--prefix-len words, then --prompt-len words of its own; multi-turn: conversations of --turns "
+        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed) "
+        "(default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-prefixes", type=int, default=4, help="shared-prefix: how many prefixes (default: %(default)s)"
+    )
+    g.add_argument(
+        "--prefix-len",
+        type=int,
+        default=256,
+        help="shared-prefix: words (one token each with a tokenizer) per prefix (default: %(default)s)",
+    )
+    g.add_argument(
+        "--turns",
+        type=int,
+        default=4,
+        help="multi-turn: turns per conversation; --num-requests must be a multiple (default: %(default)s)",
+    )
+    g.add_argument(
         "--warmup-requests",
         type=int,
         default=0,
@@ -169,19 +202,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--per-token-ms", type=float, default=10.0, help="simulated inter-token time (default: %(default)s)"
     )
     g = parser.add_argument_group("outputs")
-    g.add_argument(
-        "--jsonl",
-        type=output_file(".jsonl"),
-        default=None,
-        help="per-request records, one JSON a line (default: not written)",
-    )
-    g.add_argument(
-        "--summary-json",
-        type=output_file(".json"),
-        default=None,
-        help="summary (vLLM key names) (default: not written)",
-    )
-    g.add_argument("--plot", type=output_file(".png"), default=None, help="timeline PNG (default: not drawn)")
+    if not sweep:
+        g.add_argument(
+            "--jsonl",
+            type=output_file(".jsonl"),
+            default=None,
+            help="per-request records, one JSON a line (default: not written)",
+        )
+        g.add_argument(
+            "--summary-json",
+            type=output_file(".json"),
+            default=None,
+            help="summary (vLLM key names) (default: not written)",
+        )
+        g.add_argument(
+            "--plot", type=output_file(".png"), default=None, help="timeline PNG (default: not drawn)"
+        )
     g.add_argument(
         "--goodput",
         nargs="+",
@@ -240,6 +276,7 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         label=args.label,
         tokenizer=args.tokenizer or (args.model if engine else None),
         dataset=args.dataset,
+        workload=Workload(args.workload, args.num_prefixes, args.prefix_len, args.turns),
     )
 
 

@@ -13,12 +13,14 @@ Ctrl-C or SIGTERM (both reach the harness as KeyboardInterrupt; see cli/__init__
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.cli.common import OneLineParser, UsageError
-from attention_kv_caceh.cli.serve import ENGINE_DEFAULTS, add_engine_arguments, engine_config_kwargs
+from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, engine_flags_given
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
+from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
 
 __all__ = [
@@ -42,20 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(group, defaults=False)
 
 
-def _dest(flag: str) -> str:
-    return flag.lstrip("-").replace("-", "_")
-
-
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The engine flags that were given, as `serve` argv (e.g. ["--max-num-seqs", "4"])."""
-    argv: list[str] = []
-    for flag in ENGINE_DEFAULTS:
-        value = getattr(args, _dest(flag))
-        if value is True:
-            argv.append(flag)
-        elif value is not None and value is not False:
-            argv += [flag, str(value)]
-    return argv
+    return engine_flags_given(args)
 
 
 def check_usage(args: argparse.Namespace) -> str:
@@ -89,7 +80,8 @@ def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[
     parser = OneLineParser(prog="serve", add_help=False)
     add_serve_arguments(parser)
     flags = engine_flags(args)
-    settings = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    given = engine_config_kwargs(parser.parse_args(["--model", str(args.model), *flags]))
+    settings = dataclasses.asdict(EngineConfig(**given))  # pyright: ignore[reportArgumentType]
     try:
         steps: dict[str, Any] = engine_step_summary(server.base_url, timeout_s=10.0)
     except (OSError, ValueError, KeyError) as exc:

@@ -13,6 +13,7 @@ from typing import Any
 
 from attention_kv_caceh.cli.common import PROG
 from attention_kv_caceh.cli.harness_engine import format_engine_steps
+from attention_kv_caceh.cli.workload_output import summary_extra_lines
 from attention_kv_caceh.files import JsonlWriter, meta_path, write_json_atomic
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult
@@ -66,7 +67,7 @@ def format_summary(summary: dict[str, Any]) -> str:
             for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
         ]
         lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
-    return "\n".join(lines)
+    return "\n".join(lines + summary_extra_lines(summary))
 
 
 def summary_document(

@@ -2,7 +2,8 @@
 
     attention-kv-caceh serve --model DIR [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
 
-Loads the checkpoint folder into the engine, then serves `/v1/completions`, `/v1/chat/completions`,
+Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
+step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (engine/server.py) with uvicorn. Prints
 one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
 system chose; an IPv6 host in brackets, `http://[::1]:8000`). The default host is 127.0.0.1 (loopback):
@@ -10,7 +11,9 @@ a non-loopback `--host` (0.0.0.0, a LAN address, a host name) is allowed, but wi
 prints a one-line warning on stderr, since anyone who reaches the port can then use the server. Ctrl-C or SIGTERM drains: no new connection is accepted, running requests get up to
 `--drain-timeout` seconds to finish, the rest are aborted, and the command exits 0. A second Ctrl-C or
 SIGTERM during the drain is ignored (`uv run` and `timeout` deliver the group's SIGTERM twice); the drain
-ends by itself within --drain-timeout. Also runnable as
+ends by itself within --drain-timeout: streams still running then end with a finish_reason "abort" chunk
+and `[DONE]`. The engine core stops with the server, and exits by itself when this process dies (even by
+SIGKILL). A dead engine core makes /health answer 503 and new requests 503. Also runnable as
 `python -m attention_kv_caceh.cli.serve ...` (what the harness's launcher starts).
 """
 
@@ -19,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import ipaddress
 import os
 import signal
@@ -29,6 +31,7 @@ import threading
 from collections.abc import Generator
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 import uvicorn
 
@@ -40,11 +43,14 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
-from attention_kv_caceh.cli.engine_args import engine_config_kwargs, plan_engine
+from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.async_llm import AsyncLLM
 
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
-
-_DTYPES = ("float32", "float64")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +70,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="address to listen on; a non-loopback one without --api-key-env prints a warning",
     )
     parser.add_argument("--port", type=port_number, default=8000, help="port in 0..65535 (0: any free port)")
-    add_engine_arguments(parser.add_argument_group("engine"))
+    engine = parser.add_argument_group("engine")
+    add_engine_arguments(engine)
+    engine.add_argument(
+        "--engine-core-cpu",
+        type=nonnegative_int,
+        metavar="CPU",
+        help="pin the engine-core process to this CPU (os.sched_setaffinity) and the API process to the "
+        "others (default: no pinning, the OS places both)",
+    )
     server = parser.add_argument_group("server")
     server.add_argument(
         "--api-key-env",
@@ -92,76 +106,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="seconds running requests get to finish at Ctrl-C / SIGTERM",
     )
-
-
-# (flag, default) of every engine flag; `harness --backend engine` passes the ones it was given to `serve`.
-ENGINE_DEFAULTS: dict[str, object] = {
-    "--max-num-seqs": 8,
-    "--max-num-batched-tokens": 512,
-    "--block-size": 16,
-    "--kv-cache-memory": None,
-    "--num-kv-blocks": None,
-    "--max-model-len": None,
-    "--dtype": "float32",
-    "--no-prefix-caching": False,
-}
-
-
-def add_engine_arguments(group: argparse._ArgumentGroup, *, defaults: bool = True) -> None:  # pyright: ignore[reportPrivateUsage]
-    """Declare the engine flags on `group`; `defaults=False` leaves every default None (so that a caller
-    can tell which were given) and says in the help that serve's default applies."""
-
-    def default(flag: str) -> object:
-        return ENGINE_DEFAULTS[flag] if defaults else None
-
-    def explain(flag: str, text: str) -> str:
-        return text if defaults else f"{text} (default: serve's, {ENGINE_DEFAULTS[flag]})"
-
-    group.add_argument(
-        "--max-num-seqs",
+    server.add_argument(
+        "--max-request-bytes",
         type=positive_int,
-        default=default("--max-num-seqs"),
-        help=explain("--max-num-seqs", "requests one step may run"),
-    )
-    group.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=default("--max-num-batched-tokens"),
-        help=explain("--max-num-batched-tokens", "tokens one step may compute"),
-    )
-    group.add_argument(
-        "--block-size",
-        type=positive_int,
-        default=default("--block-size"),
-        help=explain("--block-size", "tokens per KV block"),
-    )
-    size = group.add_mutually_exclusive_group()
-    size.add_argument(
-        "--kv-cache-memory",
-        type=positive_int,
-        metavar="BYTES",
-        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
-    )
-    size.add_argument(
-        "--num-kv-blocks",
-        type=positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
         metavar="N",
-        help="KV blocks in the pool (default: see --kv-cache-memory)",
-    )
-    group.add_argument(
-        "--max-model-len", type=positive_int, help="most tokens per request (default: the checkpoint's)"
-    )
-    group.add_argument(
-        "--dtype",
-        choices=_DTYPES,
-        default=default("--dtype"),
-        help=explain("--dtype", "weights, activations, KV cache"),
-    )
-    group.add_argument(
-        "--no-prefix-caching",
-        action="store_true",
-        default=default("--no-prefix-caching"),
-        help="turn prefix caching off (default: on)",
+        help="refuse a request body larger than N bytes with 413, before reading or parsing it",
     )
 
 
@@ -214,44 +164,50 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the engine and serve until Ctrl-C / SIGTERM; returns 0 after the drain.
+    """Start the engine core, serve until Ctrl-C / SIGTERM; returns 0 after the drain.
 
     Raises UsageError (bad folder, unset --api-key-env variable, the engine checks of
-    `engine_args.plan_engine` that generate makes too, a port in use) before loading anything,
-    CommandFailed when the checkpoint cannot be loaded.
+    `engine_args.plan_engine` that generate makes too, a port in use, an --engine-core-cpu this process
+    may not use) before loading anything, CommandFailed when the engine core cannot load the checkpoint.
     """
-    from attention_kv_caceh.engine.async_llm import AsyncLLM, load_engine
+    from attention_kv_caceh.engine.async_llm import AsyncLLM
     from attention_kv_caceh.engine.chat_utils import load_chat_template
+    from attention_kv_caceh.engine.core_client import EngineDeadError
     from attention_kv_caceh.engine.server import build_app
 
     model_dir = Path(args.model)
     api_key = _api_key(args.api_key_env)
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    cpu = _core_cpu(args.engine_core_cpu)
     name = args.served_model_name or model_dir.resolve().name
     sock = _listen(args.host, args.port)
+    llm: AsyncLLM | None = None
     try:
         try:
-            config = dataclasses.asdict(plan.engine_config)
-            engine, tokenizer, max_model_len = load_engine(str(model_dir), config)
             chat_template = load_chat_template(model_dir)
-        except (ValueError, OSError) as exc:
+            llm = AsyncLLM.from_checkpoint(
+                str(model_dir), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
+            )
+        except (ValueError, OSError, EngineDeadError) as exc:
             raise CommandFailed(f"cannot load {args.model}: {exc}") from None
-        llm = AsyncLLM(engine, tokenizer)
+        if cpu is not None:
+            others = os.sched_getaffinity(0) - {cpu}
+            if others:
+                os.sched_setaffinity(0, others)
         app = build_app(
             llm,
-            tokenizer,
+            plan.tokenizer,
             name,
-            max_model_len,
+            plan.max_model_len,
             api_key=api_key,
             max_queue=args.max_queue,
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
+            max_request_bytes=args.max_request_bytes,
             max_logprobs=args.max_logprobs,
-            kv_capacity_tokens=engine.scheduler.kv_cache_manager.num_blocks * engine.config.block_size,
+            kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
         )
-        config = uvicorn.Config(
-            app, log_level="warning", lifespan="on", timeout_graceful_shutdown=max(args.drain_timeout, 0.1)
-        )
+        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         port = sock.getsockname()[1]
         if not is_loopback(args.host) and api_key is None:
             print(
@@ -260,18 +216,48 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        server = _DrainingServer(config)
+        server = _DrainingServer(config, llm, args.drain_timeout)
         with server.draining_on_signals():  # before the announcement: a SIGTERM right after it drains
             print(f"serving {name} at {url_of(args.host, port)}", flush=True)
             asyncio.run(server.serve(sockets=[sock]))
     finally:
         sock.close()
+        if llm is not None:
+            llm.client.close()  # idempotent: the core is already stopped after a drain
     return 0
 
 
+def _core_cpu(cpu: int | None) -> int | None:
+    """--engine-core-cpu checked against the CPUs this process may use (UsageError otherwise)."""
+    if cpu is None:
+        return None
+    if not hasattr(os, "sched_getaffinity"):
+        raise UsageError("--engine-core-cpu: this platform cannot pin processes to CPUs")
+    allowed = sorted(os.sched_getaffinity(0))
+    if cpu not in allowed:
+        raise UsageError(f"--engine-core-cpu {cpu}: not one of the CPUs this process may use {allowed}")
+    return cpu
+
+
 class _DrainingServer(uvicorn.Server):
-    """uvicorn's Server whose Ctrl-C / SIGTERM handlers drain and return: uvicorn's own re-raise the
-    signal after the shutdown, which would end the process by the signal instead of with exit code 0."""
+    """uvicorn's Server that drains the engine before it closes the connections.
+
+    Ctrl-C / SIGTERM: stop accepting, drain AsyncLLM (running requests get `drain_timeout_s`, the rest end
+    with a finish_reason "abort" chunk and `[DONE]`), then uvicorn's own shutdown closes the connections
+    that are now complete (no stream is cancelled mid-write). Its signal handlers return instead of
+    re-raising the signal after the shutdown (which would end the process by the signal, not exit 0).
+    """
+
+    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, drain_timeout_s: float) -> None:
+        super().__init__(config)
+        self.llm = llm
+        self.drain_timeout_s = drain_timeout_s
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        for server in self.servers:
+            server.close()
+        await self.llm.shutdown(self.drain_timeout_s)
+        await super().shutdown(sockets)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None]:
@@ -286,8 +272,8 @@ class _DrainingServer(uvicorn.Server):
 
         def handle(signum: int, frame: FrameType | None) -> None:
             # A second signal during the drain is ignored: `uv run` and `timeout` forward a SIGTERM the
-            # process group already got, and uvicorn's force exit would skip the lifespan shutdown and
-            # leave it to be cancelled with a traceback. The drain is bounded by --drain-timeout anyway.
+            # process group already got, and uvicorn's force exit would skip the drain. The drain is
+            # bounded by --drain-timeout anyway.
             self.should_exit = True
 
         signals = (signal.SIGINT, signal.SIGTERM)

@@ -7,13 +7,18 @@ Modules, each named after the vLLM v1 file it corresponds to:
 - `block_pool` / `kv_cache_manager`: block ids, reference counts, the free queue and prefix caching.
 - `scheduler`: the token-budget loop with chunked prefill and preemption by recompute.
 - `sampler`: greedy, temperature, top-k and top-p sampling with per-request seeded generators.
-- `llm_engine`: LLMEngine.step(): schedule -> execute_model -> sample -> update_from_output -> outputs.
+- `core`: EngineCore.step(): schedule -> execute_model -> sample -> update_from_output -> outputs;
+  EngineCoreProc: its busy loop behind ZMQ sockets, with input and output IO threads.
+- `core_client`: InprocClient (the core in the caller's thread) and MPClient (the core in its own process,
+  or a thread, behind pyzmq + msgspec).
+- `llm_engine`: LLMEngine, the offline front end: an InprocClient and the OutputProcessor.
 - `benchmark`: run_engine_benchmark, vLLM's throughput benchmark plus each decode step's bytes against
   the lab's read probe.
 
 The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
-its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side
-(`async_llm`: the engine loop in a thread; `output_processor`: per-request state and streams; `stats` /
-`metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`: the
-OpenAI-compatible HTTP API) drives an LLMEngine from asyncio.
+its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side runs
+in the API process (`async_llm`: AsyncLLM, an MPClient to the engine-core process plus an output thread;
+`output_processor`: one incremental detokenizer per request, stop strings, per-request timestamps and
+streams; `stats` / `metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`:
+the OpenAI-compatible HTTP API).
 """

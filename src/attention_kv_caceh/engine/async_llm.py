@@ -1,22 +1,24 @@
-"""AsyncLLM: the engine's `step()` loop in a background thread, one asyncio stream per request.
+"""AsyncLLM: the API process's side of the engine: requests in, one asyncio stream per request out.
 
-Corresponds to vLLM v1's `vllm/v1/engine/async_llm.py` plus the per-request queues of its
-`output_processor.py`, at the size of this project: the engine runs in a thread of the server's process
-(not an engine-core process behind ZMQ), one request has one sequence (the server fans `n` out into requests), no LoRA.
+Corresponds to vLLM v1's `vllm/v1/engine/async_llm.py`. AsyncLLM holds an MPClient (core_client.py) that
+sends requests and aborts to the EngineCore, and an OutputProcessor (output_processor.py) that turns the
+core's token ids into text deltas (one incremental detokenizer per request), applies stop strings (and
+aborts the request in the core when one matches) and keeps the per-request timestamps the metrics read.
 
-Why a thread: a model step is seconds of NumPy work that releases the GIL in its matmuls; the asyncio event
-loop keeps accepting connections and writing streams beside it. One engine step serves every running
-request, and a stream waits for at most the step that produces its next token. Outputs cross into the event
-loop with `loop.call_soon_threadsafe(queue.put_nowait, ...)`; adds and aborts cross into the engine thread
-through a command list under a lock and are applied before the next step (so an abort frees the request's
-KV blocks at the next step).
+Where each piece runs:
 
-Per-request state and the conversion of a step's outputs into deltas and IterationStats live in
-output_processor.py (OutputProcessor); this module owns the thread, the command list and the delivery.
+- the event loop (uvicorn): `generate` / `add_request` (send the request), `abort`, reading the streams;
+- the output thread of this process: wait for the core's next message, decode it, `process_outputs`
+  (detokenize, stop strings), then hand every request's delta to the event loop in one
+  `loop.call_soon_threadsafe` and the IterationStats to the stat loggers; the event loop never
+  detokenizes;
+- the core: in its own process for `serve` (`from_checkpoint`), or in a thread of this process for
+  tests that hold a step or read the scheduler (`from_engine_core`): the same EngineCoreProc and sockets.
 
-After every step AsyncLLM hands an `IterationStats` (stats.py, which defines how each time is measured) to
-its stat loggers (the Prometheus metrics). Tests drive AsyncLLM with fakes of LLMEngine and Tokenizer
-that have the same attributes (tests/fake_engine.py).
+Faults: a core that dies (killed, out of memory, its loop failed) ends every open stream with
+EngineDeadError; from then on `add_request` raises EngineDeadError and `is_running` is False (the server
+answers 503 and /health 503). `shutdown(timeout_s)` drains: it refuses new requests, gives the running
+ones up to `timeout_s` seconds, ends the rest with finish_reason "abort", and stops the core.
 """
 
 from __future__ import annotations
@@ -26,107 +28,175 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Callable
+from typing import Protocol
 
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
+from attention_kv_caceh.engine.core import (
+    STEP_STATS_MAXLEN,
+    EngineCore,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    StepStats,
+)
+from attention_kv_caceh.engine.core_client import EngineDeadError, MPClient
 from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
-    EngineRequestError,
-    EngineStepError,
     OutputProcessor,
-    RequestDelta,
     RequestState,
     RequestStream,
     StreamItem,
 )
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.stats import IterationStats
-from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["AsyncLLM", "load_engine"]
+__all__ = ["AsyncLLM", "EngineDeadError", "TokenizerLike"]
 
 logger = logging.getLogger(__name__)
 
 
-def load_engine(model_dir: str, config_kwargs: dict[str, Any]) -> tuple[LLMEngine, Tokenizer, int]:
-    """Build the real engine from a checkpoint folder: (engine, tokenizer, max_model_len).
+class TokenizerLike(Protocol):
+    """What the API process needs from a tokenizer."""
 
-    `config_kwargs` are EngineConfig fields. Raises ValueError / OSError from the config or the loading.
-    """
-    engine = LLMEngine.from_pretrained(model_dir, EngineConfig(**config_kwargs))
-    tokenizer = engine.tokenizer
-    if not isinstance(tokenizer, Tokenizer):
-        raise ValueError(f"{model_dir}: the engine was built without a tokenizer")
-    return engine, tokenizer, engine.scheduler.max_model_len
+    @property
+    def vocab_size(self) -> int:
+        """Ids the tokenizer knows."""
+        ...
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`."""
+        ...
 
-# ---------------------------------------------------------------------------------------------------------
-# The engine loop.
-# ---------------------------------------------------------------------------------------------------------
+    def decode(self, ids: list[int], /) -> str:
+        """Text of the ids."""
+        ...
 
 
 class AsyncLLM:
-    """Run `engine.step()` in a background thread and stream each request's outputs to asyncio.
+    """Serve requests from asyncio through an engine core behind `client`.
 
-    Call `start()` from the event loop that will read the streams, then `add_request` / `generate`;
-    `await shutdown(timeout_s)` drains. The accessors (`num_running`, `num_waiting`, `kv_cache_usage`,
-    `num_unfinished`) read the scheduler at the moment they are called (not the last step's snapshot).
+    Build it with `from_checkpoint` (the core in a child process) or `from_engine_core` (the core in a
+    thread). Call `start()` from the event loop that reads the streams; `await shutdown(timeout_s)` drains.
+
+    Attributes:
+        step_stats: the core's StepStats as they arrived, the newest STEP_STATS_MAXLEN.
+        num_steps: steps reported by the core; num_failed_steps: steps that raised.
+        engine_core: the EngineCore when it runs in this process (tests read its scheduler), else None.
     """
 
-    def __init__(self, engine: LLMEngine, tokenizer: Tokenizer) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        client: MPClient,
+        tokenizer: TokenizerLike,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        engine_core: EngineCore | None = None,
+    ) -> None:
+        self.client = client
         self.tokenizer = tokenizer
-        self.output_processor = OutputProcessor()
-        self._cond = threading.Condition()
-        # (kind, request_id, prompt_token_ids, sampling_params, finish_reason of an abort)
-        self._commands: list[tuple[str, str, list[int], SamplingParams | None, str]] = []
-        self._num_pending_adds = 0
-        self._stop = False
-        self._draining = False
-        self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._idle: asyncio.Event | None = None
-        self._stat_loggers: list[Callable[[IterationStats], None]] = []
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.engine_core = engine_core
+        self.output_processor = OutputProcessor(tokenizer)
+        self.step_stats: deque[StepStats] = deque(maxlen=STEP_STATS_MAXLEN)
         self.num_steps = 0
         self.num_failed_steps = 0
+        self._num_running = 0
+        self._kv_cache_usage = 0.0
+        self._stat_loggers: list[Callable[[IterationStats], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._draining = False
+        self._stopped = False
+        self.errored: EngineDeadError | None = None
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        model_dir: str,
+        config: EngineConfig,
+        tokenizer: TokenizerLike,
+        max_model_len: int,
+        *,
+        cpu: int | None = None,
+    ) -> AsyncLLM:
+        """Start the engine core in a child process that loads `model_dir` (waits until it has).
+
+        Raises EngineDeadError when the core fails to load or exits during its start.
+        """
+        client = MPClient.launch_process(model_dir, config, cpu=cpu)
+        return cls(client, tokenizer, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len)
+
+    @classmethod
+    def from_engine_core(cls, core: EngineCore, tokenizer: TokenizerLike) -> AsyncLLM:
+        """Run `core` in a thread of this process behind the same sockets (tests)."""
+        client = MPClient.launch_thread(core)
+        return cls(
+            client,
+            tokenizer,
+            max_num_seqs=core.config.max_num_seqs,
+            max_model_len=core.max_model_len,
+            engine_core=core,
+        )
 
     # -- lifecycle -------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start the engine thread; call from the event loop that reads the streams."""
+        """Start the output thread; call from the event loop that reads the streams."""
         if self._thread is not None:
             raise RuntimeError("AsyncLLM already started")
         self._loop = asyncio.get_running_loop()
         self._idle = asyncio.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run_output_handler, name="output-handler", daemon=True)
         self._thread.start()
 
     @property
+    def is_started(self) -> bool:
+        """start() was called."""
+        return self._thread is not None
+
+    @property
     def is_running(self) -> bool:
-        """True while the engine thread is alive."""
-        return self._thread is not None and self._thread.is_alive()
+        """True while the core and the output thread are alive and no shutdown began."""
+        return (
+            self._thread is not None
+            and self._thread.is_alive()
+            and self.client.is_alive
+            and self.errored is None
+            and not self._stopped
+        )
+
+    @property
+    def is_draining(self) -> bool:
+        """shutdown() was called."""
+        return self._draining
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Stop admitting, let running requests finish for up to `timeout_s`, abort the rest, stop the thread."""
+        """Stop admitting, let running requests finish for up to `timeout_s`, end the rest with
+        finish_reason "abort", stop the core (idempotent)."""
         self._draining = True
-        if self._thread is None or self._idle is None:
+        if self._thread is None or self._idle is None or self._stopped:
+            if not self._stopped:
+                self._stopped = True
+                await asyncio.to_thread(self.client.close)
             return
         if self.num_unfinished > 0:
             self._idle.clear()
             if self.num_unfinished > 0:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._idle.wait(), timeout_s)
-        with self._cond:
-            for request_id in self.output_processor.request_ids():
-                self._commands.append(("abort", request_id, [], None, "abort"))
-            self._commands.append(("stop", "", [], None, ""))
-            self._cond.notify()
-        await asyncio.to_thread(self._thread.join, max(timeout_s, 1.0))
+        for request_id in self.output_processor.request_ids():
+            self.abort(request_id, "abort")
+        self._stopped = True
+        await asyncio.to_thread(self.client.shutdown, 5.0)
+        await asyncio.to_thread(self._thread.join, 10.0)
+        await asyncio.to_thread(self.client.close)
 
     def add_stat_logger(self, record: Callable[[IterationStats], None]) -> None:
-        """Call `record(stats)` after every step, from the engine thread."""
+        """Call `record(stats)` after every core message, from the output thread."""
         self._stat_loggers.append(record)
 
     # -- requests --------------------------------------------------------------------------------------
@@ -134,171 +204,123 @@ class AsyncLLM:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
     ) -> RequestStream:
-        """Queue a request for the engine's next step; returns its stream.
+        """Send a request to the core; returns its stream.
 
-        Raises EngineDrainingError while shutting down, ValueError for a request id already in use,
-        RuntimeError before `start()`.
+        Raises EngineDeadError when the core is gone, EngineDrainingError while shutting down, ValueError
+        for a request id already in use, RuntimeError before `start()`.
         """
         if self._loop is None:
             raise RuntimeError("AsyncLLM.start() was not called")
-        if self._draining or self._stop:
+        if self.errored is not None:
+            raise EngineDeadError(str(self.errored))
+        if self._draining:
             raise EngineDrainingError("the server is shutting down")
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
-        state = RequestState(queue, time.monotonic(), len(prompt_token_ids))
-        with self._cond:
-            self.output_processor.add_request(request_id, state)
-            self._commands.append(("add", request_id, list(prompt_token_ids), sampling_params, ""))
-            self._num_pending_adds += 1
-            self._cond.notify()
+        now = time.monotonic()
+        self.output_processor.add_request(request_id, len(prompt_token_ids), sampling_params, now, queue)
+        try:
+            self.client.add_request(EngineCoreRequest(request_id, prompt_token_ids, sampling_params, now))
+        except EngineDeadError:
+            self.output_processor.pop(request_id)
+            raise
         return RequestStream(request_id, queue, self.abort)
 
-    async def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
-    ) -> AsyncIterator[RequestDelta]:
-        """Add a request and yield its RequestDeltas; leaving the loop early aborts it."""
-        stream = self.add_request(request_id, prompt_token_ids, sampling_params)
-        try:
-            async for delta in stream:
-                yield delta
-        finally:
-            stream.close()
+    def generate(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str
+    ) -> RequestStream:
+        """vLLM's `generate`: add the request; iterate the returned stream (`async for delta in ...`) for
+        its RequestDeltas, and `close()` it to abort. Raises as add_request, at the call."""
+        return self.add_request(request_id, prompt_token_ids, sampling_params)
 
     def abort(self, request_id: str, finish_reason: str = "abort") -> None:
-        """Abort a request at the engine's next step (no-op for an unknown or finished one)."""
-        with self._cond:
-            self._commands.append(("abort", request_id, [], None, finish_reason))
-            self._cond.notify()
+        """End a request now with `finish_reason` and abort it in the core before its next step (no-op for
+        an unknown or finished one)."""
+        aborted = self.output_processor.abort_request(request_id, finish_reason, time.monotonic())
+        if aborted is None:
+            return
+        state, delta, stats = aborted
+        self._record(stats)
+        self._deliver([(state, delta)])
+        self.client.abort_requests([request_id])
+        self._signal_if_idle()
 
-    # -- accessors read at the moment of the call ------------------------------------------------------
+    async def reset_prefix_cache(self) -> bool:
+        """Forget the core's prefix cache (vLLM's POST /reset_prefix_cache); False when the core refused
+        because requests hold blocks. Raises EngineDeadError when the core is gone."""
+        future = self.client.call_utility("reset_prefix_cache")
+        return bool(await asyncio.wrap_future(future))
 
-    @property
-    def max_num_seqs(self) -> int:
-        """The engine's max_num_seqs (requests one step may run)."""
-        return self.engine.config.max_num_seqs
+    # -- what the gauges read --------------------------------------------------------------------------
 
     @property
     def num_running(self) -> int:
-        """Requests in the scheduler's running list now."""
-        return self.engine.scheduler.num_running
+        """Requests running in the core, as it last reported (it reports when a step admits or ends one)."""
+        return min(self._num_running, self.num_unfinished)
 
     @property
     def num_waiting(self) -> int:
-        """Requests waiting: in the scheduler's waiting queue plus added but not yet handed to the engine."""
-        with self._cond:
-            pending = self._num_pending_adds
-        return self.engine.scheduler.num_waiting + pending
+        """Requests not finished and not running: queued in the core or on their way to it."""
+        return max(self.num_unfinished - self.num_running, 0)
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use now (0..1)."""
-        return float(self.engine.scheduler.kv_cache_manager.usage)
+        """Fraction of KV blocks in use (0..1), as the core last reported."""
+        return self._kv_cache_usage
 
     @property
     def num_unfinished(self) -> int:
         """Requests added and not yet finished, aborted or failed."""
         return len(self.output_processor)
 
-    # -- engine thread ---------------------------------------------------------------------------------
+    # -- the output thread -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run_output_handler(self) -> None:
         try:
-            self._loop_forever()
-        except Exception as exc:  # a bug outside engine.step(): fail everyone, /health turns 503
-            logger.exception("the engine loop stopped")
-            with self._cond:
-                self._stop = True
-            self._fail(self.output_processor.request_ids(), exc)
-
-    def _loop_forever(self) -> None:
-        busy = False
-        while True:
-            with self._cond:
-                while not self._commands and not busy:
-                    self._cond.wait()
-                commands, self._commands = self._commands, []
-            for kind, request_id, prompt, params, reason in commands:
-                if kind == "stop":
-                    self._stop = True
-                    return
-                if kind == "add":
-                    assert params is not None
-                    self._apply_add(request_id, prompt, params)
-                else:
-                    self._apply_abort(request_id, reason)
-            # a step that scheduled nothing cannot be followed by one that does until an add or an abort
-            # changes the engine's state: wait for a command instead of spinning
-            busy = self.engine.has_unfinished_requests() and self._step()
-
-    def _apply_add(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params)
-        except ValueError as exc:  # the engine refused the request (e.g. larger than the whole KV pool)
-            state = self.output_processor.pop(request_id)
-            if state is not None:
-                self._deliver(state, EngineRequestError(str(exc)))
+            while True:
+                outputs = self.client.get_output()
+                assert outputs is not None
+                self._handle(outputs)
+        except EngineDeadError as exc:
+            if not self._stopped:
+                logger.error("%s; failing every open request", exc)
+                self.errored = exc
+            message = str(exc)
+            self._deliver(self.output_processor.fail_all(lambda: EngineDeadError(message)))
+            self._num_running = 0
             self._signal_if_idle()
-        except Exception as exc:
-            logger.exception("adding request %s failed", request_id)
-            self._fail([request_id], exc)
-        finally:
-            with self._cond:
-                self._num_pending_adds -= 1
+        except Exception as exc:  # a bug in this thread: nothing more can be served
+            logger.exception("the output handler stopped")
+            self.errored = EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}")
+            message = str(self.errored)
+            self._deliver(self.output_processor.fail_all(lambda: EngineDeadError(message)))
+            self._signal_if_idle()
 
-    def _apply_abort(self, request_id: str, reason: str) -> None:
-        aborted = self.output_processor.abort_request(request_id, reason, time.monotonic())
-        if aborted is None:
-            return
-        state, delta, stats = aborted
-        self._record(stats)
-        self._deliver(state, delta)
-        try:
-            self.engine.abort_request(request_id)  # frees its KV blocks before the next step
-        except Exception:
-            logger.exception("abort of request %s failed", request_id)
-        self._signal_if_idle()
-
-    def _step(self) -> bool:
-        """One engine step and its outputs; False when the step scheduled nothing."""
-        start = time.monotonic()
-        num_stats = self.engine.num_steps  # step_stats is bounded: its length stops growing
-        try:
-            outputs: Sequence[RequestOutput] = self.engine.step()
-        except Exception as exc:
+    def _handle(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        self._num_running = outputs.num_running
+        self._kv_cache_usage = outputs.kv_cache_usage
+        if outputs.step_stats is not None:
+            self.step_stats.append(outputs.step_stats)
+            self.num_steps += 1
+        if outputs.step_error is not None:
             self.num_failed_steps += 1
-            logger.exception("engine step failed; failing the requests it was running")
-            failed = [request.request_id for request in list(self.engine.scheduler.running)]
-            if not failed:
-                failed = self.output_processor.request_ids()
-            for request_id in failed:
-                with contextlib.suppress(Exception):  # the step's exception above is the one logged
-                    self.engine.abort_request(request_id)
-            self._fail(failed, exc)
-            return True
-        end = time.monotonic()
-        self.num_steps += 1
-        step_stats = self.engine.step_stats[-1] if self.engine.num_steps > num_stats else None
-        deliveries, stats = self.output_processor.process_outputs(outputs, step_stats, start, end)
-        for state, delta in deliveries:
-            self._deliver(state, delta)
-        self._record(stats)
-        if stats.finished_requests:
+            logger.error("engine step failed (%s); its requests were failed", outputs.step_error)
+        if not outputs.outputs and outputs.step_stats is None:
             self._signal_if_idle()
-        return bool(outputs) or step_stats is not None
-
-    def _fail(self, request_ids: list[str], exc: Exception) -> None:
-        for request_id in request_ids:
-            state = self.output_processor.pop(request_id)
-            if state is not None:
-                error = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
-                self._deliver(state, error)
+            return
+        processed = self.output_processor.process_outputs(outputs, now)
+        if processed.reqs_to_abort:
+            self.client.abort_requests(processed.reqs_to_abort)
+        self._deliver(processed.deliveries)
+        self._record(processed.stats)
         self._signal_if_idle()
 
-    def _deliver(self, state: RequestState, item: StreamItem) -> None:
+    def _deliver(self, deliveries: list[tuple[RequestState, StreamItem]]) -> None:
         loop = self._loop
-        if loop is None:
+        if loop is None or not deliveries:
             return
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is reading
-            loop.call_soon_threadsafe(state.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_put_all, deliveries)
 
     def _record(self, stats: IterationStats) -> None:
         for record in self._stat_loggers:
@@ -313,3 +335,10 @@ class AsyncLLM:
             return
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(idle.set)
+
+
+def _put_all(deliveries: list[tuple[RequestState, StreamItem]]) -> None:
+    """On the event loop: put each item on its request's queue."""
+    for state, item in deliveries:
+        if state.queue is not None:
+            state.queue.put_nowait(item)

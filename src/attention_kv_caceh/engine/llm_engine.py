@@ -1,10 +1,10 @@
-"""LLMEngine: add requests, call step() until done; each step is schedule -> execute -> sample -> update.
+"""LLMEngine: add requests, call step() until done; offline use (`generate`, `bench-engine`, the tests).
 
-Corresponds to vLLM v1's `vllm/v1/engine/llm_engine.py` + `core.py` (EngineCore.step) +
-`output_processor.py` / `detokenizer.py` (text deltas), folded into one synchronous class the way
-nano-vllm's `llm_engine.py` is. Left out: the engine-core process, async output, multiple engines, stop
-strings (the API process applies them). Every step records a StepStats, the per-step numbers vLLM's Prometheus metrics and
-its scheduler stats are made of.
+Corresponds to vLLM v1's `vllm/v1/engine/llm_engine.py`: an EngineCore reached through an InprocClient
+(core_client.py; the core runs in the caller's thread, one `step()` per call) and the front end's
+OutputProcessor (output_processor.py), the same one AsyncLLM uses, which turns each step's token ids into
+text deltas with one incremental detokenizer per request. Every step records a StepStats (core.py), the
+per-step numbers vLLM's Prometheus metrics and its scheduler stats are made of.
 
 The model side is reached through two small protocols so tests can inject a fake: a `ModelRunnerLike` with
 `execute_model(SchedulerOutput) -> logits [R, V]` (row i = logits after the last scheduled token of
@@ -13,36 +13,20 @@ scheduled_requests[i]) and, optionally, a `TokenizerLike` with `decode(ids) -> s
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
-
-import numpy as np
-import numpy.typing as npt
+from typing import Protocol
 
 from .config import EngineConfig
-from .model import Model
-from .model_runner import ModelRunner
-from .request import Request, RequestStatus, SamplingParams, TokenLogprobs
-from .sampler import sample
-from .scheduler import Scheduler, SchedulerOutput
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .core import STEP_STATS_MAXLEN, EngineCore, EngineCoreRequest, ModelRunnerLike, StepStats
+from .core_client import InprocClient
+from .output_processor import OutputProcessor, RequestDelta
+from .request import Request, SamplingParams, TokenLogprobs, decode_logprobs_payloads
+from .scheduler import Scheduler
+from .tokenizer import Tokenizer
 
 __all__ = ["STEP_STATS_MAXLEN", "LLMEngine", "ModelRunnerLike", "RequestOutput", "StepStats", "TokenizerLike"]
-
-# StepStats kept by an engine: the newest this many steps (about 10 minutes of 25 ms steps), so a
-# long-running server's memory stays bounded; a consumer that needs every step reads them as they come.
-STEP_STATS_MAXLEN = 25_000
-
-
-class ModelRunnerLike(Protocol):
-    """What the engine needs from a model runner."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
-        """Compute the scheduled tokens; return logits [R, V], row i for scheduled_requests[i]."""
-        ...
 
 
 class TokenizerLike(Protocol):
@@ -84,56 +68,22 @@ class RequestOutput:
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
-@dataclass(frozen=True)
-class StepStats:
-    """One step's scheduling and cache numbers (vLLM's SchedulerStats per step).
-
-    Attributes:
-        step_index: 0, 1, 2, ... over the engine's life.
-        num_scheduled_tokens: request_id -> tokens computed this step.
-        num_prefill_tokens, num_decode_tokens: split of the step's tokens (see SchedulerOutput).
-        num_running, num_waiting: queue sizes after the step (vLLM's num_requests_running / _waiting).
-        num_free_blocks: free KV blocks after the step.
-        kv_cache_usage: used / total blocks after the step, in [0, 1].
-        num_preemptions: requests preempted in this step.
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found at this step's admissions.
-        step_time_ms: wall time of the step (perf_counter), milliseconds.
-    """
-
-    step_index: int
-    num_scheduled_tokens: dict[str, int]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    step_time_ms: float
-
-
 class LLMEngine:
-    """A synchronous engine over a scheduler, a model runner and an optional tokenizer.
+    """A synchronous engine: an EngineCore in this thread and an OutputProcessor.
 
     Args:
         config: EngineConfig.
         model_runner: anything with execute_model(SchedulerOutput) -> logits [R, V].
         tokenizer: anything with decode(ids) and eos_token_id, or None (no text, eos from `eos_token_id`).
-        num_blocks: KV blocks the runner allocated; None takes config.num_kv_blocks.
-        max_model_len: most tokens per request; None takes config.max_model_len.
+        num_blocks, max_model_len, extra_eos_token_ids, max_step_stats: as EngineCore.
         eos_token_id: overrides the tokenizer's eos id.
-        extra_eos_token_ids: more end-of-sequence ids (a checkpoint may list several); like vLLM, they are
-            added to a request's stop_token_ids unless it sets ignore_eos.
-        max_step_stats: how many of the newest StepStats `step_stats` keeps.
 
     Raises:
         ValueError: num_blocks or max_model_len is neither given nor in the config, or max_step_stats < 1.
 
     Attributes:
-        step_stats: one StepStats per step that computed something, the newest STEP_STATS_MAXLEN
-            (older ones are dropped; StepStats.step_index keeps counting).
+        engine_core: the EngineCore (its scheduler, model runner and StepStats are also reachable here).
+        step_stats: one StepStats per step that computed something, the newest STEP_STATS_MAXLEN.
         num_steps: steps that computed something over the engine's life.
     """
 
@@ -149,163 +99,136 @@ class LLMEngine:
         extra_eos_token_ids: tuple[int, ...] = (),
         max_step_stats: int = STEP_STATS_MAXLEN,
     ) -> None:
-        blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
-        if blocks is None:
-            raise ValueError("num_blocks is required when config.num_kv_blocks is None")
-        model_len = max_model_len if max_model_len is not None else config.max_model_len
-        if model_len is None:
-            raise ValueError("max_model_len is required when config.max_model_len is None")
-        if max_step_stats < 1:
-            raise ValueError(f"max_step_stats must be >= 1, got {max_step_stats}")
-        self.config = config
-        self.model_runner = model_runner
-        self.tokenizer = tokenizer
-        self.eos_token_id = (
-            eos_token_id
-            if eos_token_id is not None
-            else (tokenizer.eos_token_id if tokenizer is not None else None)
+        eos = eos_token_id if eos_token_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+        core = EngineCore(
+            config,
+            model_runner,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            eos_token_id=eos,
+            extra_eos_token_ids=extra_eos_token_ids,
+            max_step_stats=max_step_stats,
         )
-        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != self.eos_token_id)
-        self.scheduler = Scheduler(config, blocks, model_len)
-        self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
-        self.num_steps = 0
+        self._init(core, tokenizer)
+
+    def _init(self, core: EngineCore, tokenizer: TokenizerLike | None) -> None:
+        self.engine_core = core
+        self.engine_core_client = InprocClient(core)
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
         self._num_generate_calls = 0
-        self._detokenizers: dict[str, IncrementalDetokenizer] = {}  # request_id -> its text deltas
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> LLMEngine:
         """Load a Hugging Face checkpoint folder (config.json, safetensors, tokenizer.json) into an engine.
 
-        Builds Model, Tokenizer and ModelRunner, sizing the KV cache with config.num_blocks_for.
-
         Raises:
             ValueError / OSError: from loading, or a max_model_len above the checkpoint's.
         """
-        cfg = config or EngineConfig()
-        model = Model.load(model_path, cfg.dtype)
-        tokenizer = Tokenizer.load(model_path)
-        max_model_len = cfg.resolve_max_model_len(model.config.max_position_embeddings)
-        bytes_per_block = ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype)
-        num_blocks = cfg.num_blocks_for(bytes_per_block)
-        runner = ModelRunner(model, cfg, num_blocks)
-        eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
-        eos = tokenizer.eos_token_id
-        if eos is None and eos_ids:
-            eos = eos_ids[0]
-        return cls(
-            cfg,
-            runner,
-            tokenizer,
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            eos_token_id=eos,
-            extra_eos_token_ids=eos_ids,
-        )
+        core = EngineCore.from_pretrained(model_path, config)
+        engine = cls.__new__(cls)
+        engine._init(core, Tokenizer.load(model_path))
+        return engine
+
+    # -- the core's parts, for callers that inspect them -------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        """The EngineConfig."""
+        return self.engine_core.config
+
+    @property
+    def scheduler(self) -> Scheduler:
+        """The core's scheduler (its queues and KV cache manager)."""
+        return self.engine_core.scheduler
+
+    @property
+    def model_runner(self) -> ModelRunnerLike:
+        """The core's model runner."""
+        return self.engine_core.model_runner
+
+    @property
+    def step_stats(self) -> deque[StepStats]:
+        """The core's newest StepStats."""
+        return self.engine_core.step_stats
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that computed something."""
+        return self.engine_core.num_steps
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The end-of-sequence id."""
+        return self.engine_core.eos_token_id
+
+    # -- requests ----------------------------------------------------------------------------------------
 
     def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        sampling_params: SamplingParams | None = None,
-        arrival_time: float | None = None,
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None
     ) -> Request:
-        """Queue a request; it runs from the next step.
+        """Queue a request; it runs from the next step. Returns the core's Request (its block table,
+        its tokens), for callers that inspect the scheduler.
 
         Raises:
             ValueError: empty prompt, negative ids, an id in use, a prompt over max_model_len, or a request
                 that cannot fit in the whole KV pool (see Scheduler.add_request).
         """
         params = sampling_params or SamplingParams()
-        extra = tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
-        if extra and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
-        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, arrival_time)
-        self.scheduler.add_request(request)
-        if self.tokenizer is not None:
-            self._detokenizers[request_id] = IncrementalDetokenizer(self.tokenizer)
-        return request
+        now = time.monotonic()
+        self.output_processor.add_request(request_id, len(prompt_token_ids), params, now)
+        try:
+            return self.engine_core_client.add_request(
+                EngineCoreRequest(request_id, list(prompt_token_ids), params, now)
+            )
+        except ValueError:
+            self.output_processor.pop(request_id)
+            raise
 
     def abort_request(self, request_ids: str | list[str]) -> None:
         """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
         ids = [request_ids] if isinstance(request_ids, str) else request_ids
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        self.engine_core_client.abort_requests(ids)
         for rid in ids:
-            self._detokenizers.pop(rid, None)
+            self.output_processor.pop(rid)
 
     def has_unfinished_requests(self) -> bool:
         """Any request waiting or running."""
-        return self.scheduler.has_unfinished_requests()
+        return self.engine_core.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step and return what it produced.
 
         Raises:
-            ValueError: the runner's logits are not [R, V].
+            ValueError: the runner's logits are not [R, V]; anything the runner raises.
         """
-        t0 = time.perf_counter()
-        kv = self.scheduler.kv_cache_manager
-        queries0, hits0 = kv.prefix_cache_queries, kv.prefix_cache_hits
-        scheduler_output = self.scheduler.schedule()
-        if scheduler_output.total_num_scheduled_tokens == 0:
+        outputs = self.engine_core_client.get_output()
+        if not outputs.outputs:
             return []
-        logits = self.model_runner.execute_model(scheduler_output)  # [R, V]
-        reqs = scheduler_output.scheduled_requests
-        if logits.ndim != 2 or logits.shape[0] != len(reqs):
-            raise ValueError(
-                f"execute_model returned logits of shape {logits.shape}, expected [{len(reqs)}, V]"
-            )
-        rows = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r)]
-        sampled = sample(logits[rows], [reqs[i] for i in rows])
-        updates = self.scheduler.update_from_output(
-            scheduler_output, {reqs[i].request_id: t for i, t in zip(rows, sampled, strict=True)}
-        )
-        outputs = [self._make_output(request, token) for request, token in updates]
-        self.step_stats.append(
-            StepStats(
-                step_index=self.num_steps,
-                num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-                num_prefill_tokens=scheduler_output.num_prefill_tokens,
-                num_decode_tokens=scheduler_output.num_decode_tokens,
-                num_running=self.scheduler.num_running,
-                num_waiting=self.scheduler.num_waiting,
-                num_free_blocks=kv.num_free_blocks,
-                kv_cache_usage=kv.usage,
-                num_preemptions=len(scheduler_output.preempted_request_ids),
-                prefix_cache_queries=kv.prefix_cache_queries - queries0,
-                prefix_cache_hits=kv.prefix_cache_hits - hits0,
-                step_time_ms=(time.perf_counter() - t0) * 1e3,
-            )
-        )
-        self.num_steps += 1
-        return outputs
+        processed = self.output_processor.process_outputs(outputs, time.monotonic())
+        if processed.reqs_to_abort:
+            self.engine_core_client.abort_requests(processed.reqs_to_abort)
+        results: list[RequestOutput] = []
+        for _state, item in processed.deliveries:
+            if isinstance(item, RequestDelta):
+                logprobs, prompt_logprobs = decode_logprobs_payloads(item.new_logprobs)
+                results.append(
+                    RequestOutput(
+                        request_id=item.request_id,
+                        new_token_ids=list(item.new_token_ids),
+                        text_delta=item.text,
+                        finished=item.finished,
+                        finish_reason=item.finish_reason,
+                        num_output_tokens=item.num_output_tokens,
+                        logprobs=tuple(logprobs),
+                        prompt_logprobs=prompt_logprobs,
+                    )
+                )
+        return results
 
-    def _make_output(self, request: Request, token: int) -> RequestOutput:
-        rid = request.request_id
-        delta = ""
-        detokenizer = self._detokenizers.get(rid)
-        if detokenizer is not None:  # feeds the window of new ids; holds back an incomplete UTF-8 character
-            delta = detokenizer.add(request.output_token_ids[len(detokenizer.token_ids) :])
-            if request.is_finished:
-                delta += detokenizer.flush()
-        if request.is_finished:
-            self._detokenizers.pop(rid, None)
-        params = request.sampling_params
-        logprobs: tuple[TokenLogprobs, ...] = ()
-        if params.logprobs is not None and len(request.output_logprobs) >= request.num_output_tokens:
-            logprobs = (request.output_logprobs[request.num_output_tokens - 1],)
-        prompt_logprobs = None
-        if params.prompt_logprobs is not None and request.num_output_tokens == 1:
-            prompt_logprobs = tuple(request.prompt_logprobs)
-        return RequestOutput(
-            request_id=rid,
-            new_token_ids=[token],
-            text_delta=delta,
-            finished=request.is_finished,
-            finish_reason=request.status.finish_reason,
-            num_output_tokens=request.num_output_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-        )
+    def reset_prefix_cache(self) -> bool:
+        """See EngineCore.reset_prefix_cache."""
+        return self.engine_core_client.reset_prefix_cache()
 
     def generate(
         self, prompts: list[list[int]], sampling_params: SamplingParams | None = None

@@ -19,37 +19,36 @@ A logprob of -inf (a masked token) is written as -9999.0, as vLLM does: JSON has
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from attention_kv_caceh.engine.request import TokenLogprobs
+from attention_kv_caceh.engine.tokenizer import TextDecoder, Tokenizer
 
-__all__ = ["LogprobTokenizer", "chat_logprobs", "completion_logprobs"]
+__all__ = ["chat_logprobs", "completion_logprobs"]
 
 _MIN_LOGPROB = -9999.0
-
-
-class LogprobTokenizer(Protocol):
-    """What the formatting needs: one token's text and its bytes."""
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """Text of the ids."""
-        ...
-
-    def token_bytes(self, token_id: int) -> bytes:
-        """The token's UTF-8 bytes."""
-        ...
 
 
 def _finite(logprob: float) -> float:
     return max(logprob, _MIN_LOGPROB)
 
 
-def _text(tokenizer: LogprobTokenizer, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+def _text(tokenizer: TextDecoder, token_id: int) -> str:
+    """Token `token_id` decoded alone, special tokens kept (when the tokenizer can keep them)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+    return tokenizer.decode([token_id])
+
+
+def _bytes(tokenizer: TextDecoder, token_id: int) -> bytes:
+    """The token's UTF-8 bytes (Tokenizer.token_bytes; another decoder: the bytes of its text)."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.token_bytes(token_id)
+    return _text(tokenizer, token_id).encode("utf-8", "surrogatepass")
 
 
 def completion_logprobs(
-    tokens: Sequence[tuple[int, TokenLogprobs | None]], tokenizer: LogprobTokenizer, text_offset: int
+    tokens: Sequence[tuple[int, TokenLogprobs | None]], tokenizer: TextDecoder, text_offset: int
 ) -> tuple[dict[str, Any], int]:
     """The completions `logprobs` object of `tokens` ((token id, its TokenLogprobs or None) in order) whose
     text starts at character `text_offset`; returns it and the offset after the last token."""
@@ -70,15 +69,15 @@ def completion_logprobs(
     return out, text_offset
 
 
-def _chat_entry(tokenizer: LogprobTokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _chat_entry(tokenizer: TextDecoder, token_id: int, logprob: float) -> dict[str, Any]:
     return {
         "token": _text(tokenizer, token_id),
         "logprob": _finite(logprob),
-        "bytes": list(tokenizer.token_bytes(token_id)),
+        "bytes": list(_bytes(tokenizer, token_id)),
     }
 
 
-def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: LogprobTokenizer) -> dict[str, Any]:
+def chat_logprobs(entries: Sequence[TokenLogprobs], tokenizer: TextDecoder) -> dict[str, Any]:
     """The chat `logprobs` object of the sampled tokens' `entries`."""
     content: list[dict[str, Any]] = []
     for entry in entries:

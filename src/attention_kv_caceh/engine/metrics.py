@@ -6,8 +6,10 @@ collide. Counters are declared without the `_total` suffix, as vLLM declares the
 `_total` to the exposed sample (`vllm:prompt_tokens_total`) and a `_created` sample beside it.
 
 The request gauges (`vllm:num_requests_running`, `vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc`)
-are read from the scheduler at the moment of the scrape (`Gauge.set_function`), not copied after a step,
-so a scrape between steps sees requests that have just arrived.
+are read from AsyncLLM at the moment of the scrape (`Gauge.set_function`): running and KV usage as the
+engine core last reported them (it reports when a step admits or ends a request, before the model runs),
+waiting as every unfinished request that is not running, so a scrape between steps sees requests that
+have just arrived.
 """
 
 from __future__ import annotations
@@ -125,7 +127,7 @@ class ServerMetrics:
         )
 
     def record(self, stats: IterationStats) -> None:
-        """Add one engine step's statistics (called from the engine thread)."""
+        """Add one engine step's statistics (called from AsyncLLM's output thread)."""
         self.num_preemptions.inc(stats.num_preemptions)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_generation_tokens)

@@ -47,6 +47,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    409: "ConflictError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }

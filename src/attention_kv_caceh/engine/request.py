@@ -8,20 +8,29 @@ Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting q
 FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
 they are recomputed with the prompt when it runs again (preemption by recompute).
 
-Timestamps are `time.monotonic()` seconds, the clock vLLM's request-level metrics use (TTFT = first_token_time
-- arrival_time, E2EL = finished_time - arrival_time, ITL = differences of token_times).
+The core's Request has no timestamps: the front end's OutputProcessor keeps them (output_processor.py),
+where the metrics read them, as vLLM v1 does.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["SAMPLING_EPS", "Request", "RequestStatus", "SamplingParams", "TokenLogprobs", "check_stop"]
+__all__ = [
+    "SAMPLING_EPS",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "TokenLogprobs",
+    "check_stop",
+    "decode_logprobs_payloads",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -61,6 +70,10 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_nonempty_str(value: object) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """The log-probability of one token and the most probable alternatives at its position.
@@ -79,6 +92,32 @@ class TokenLogprobs:
     rank: int
     top: tuple[tuple[int, float], ...] = ()
 
+    def to_wire(self) -> list[object]:
+        """A msgpack-able list `[token_id, logprob, rank, [[id, logprob], ...]]` (what the core sends)."""
+        return [self.token_id, self.logprob, self.rank, [list(pair) for pair in self.top]]
+
+    @classmethod
+    def from_wire(cls, obj: Sequence[Any]) -> TokenLogprobs:
+        """The inverse of `to_wire` (after a msgpack round trip)."""
+        token_id, logprob, rank, top = obj
+        return cls(int(token_id), float(logprob), int(rank), tuple((int(t), float(lp)) for t, lp in top))
+
+
+def decode_logprobs_payloads(
+    payloads: Sequence[Any] | None,
+) -> tuple[list[TokenLogprobs], tuple[TokenLogprobs, ...] | None]:
+    """The sampled tokens' TokenLogprobs and the prompt's (None when absent) from the core's
+    `new_logprobs` payloads, one `[sampled, prompt]` per step (core.py `_logprobs_payload`)."""
+    sampled: list[TokenLogprobs] = []
+    prompt: tuple[TokenLogprobs, ...] | None = None
+    for payload in payloads or []:
+        step_sampled, step_prompt = payload
+        if step_sampled is not None:
+            sampled.append(TokenLogprobs.from_wire(step_sampled))
+        if step_prompt is not None and prompt is None:
+            prompt = tuple(TokenLogprobs.from_wire(entry) for entry in step_prompt)
+    return sampled, prompt
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -94,6 +133,9 @@ class SamplingParams:
         seed: seed (>= 0) of the request's own np.random.Generator; None draws fresh entropy.
         ignore_eos: keep generating after the eos token.
         stop_token_ids: more token ids that end the request (always honored, unlike eos).
+        stop: strings that end the request; the text stops before the first one found (after it with
+            include_stop_str_in_output; applied by the front end's OutputProcessor, which aborts the
+            request in the core, and only in the text of the tokens after the first min_tokens).
         min_tokens: output tokens before eos or a stop token may end the request (the sampler masks
             them until then; the API process holds back stop strings the same way).
         frequency_penalty, presence_penalty: OpenAI's penalties over the generated tokens, in [-2, 2]:
@@ -104,6 +146,8 @@ class SamplingParams:
         logprobs: None, or k >= 0: each sampled token's TokenLogprobs with its top k alternatives.
         prompt_logprobs: None, or k >= 0: a TokenLogprobs for every prompt token after the first (the
             request then skips the prefix cache, as vLLM does, so every position is computed).
+        include_stop_str_in_output: keep the stop string, or the stop token's text, in the output.
+        skip_special_tokens: leave special tokens out of the text (the OutputProcessor's detokenizer).
 
     Raises:
         ValueError: a field is out of its range.
@@ -116,6 +160,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     min_tokens: int = 0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
@@ -123,6 +168,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -137,6 +184,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an int >= 0 or None, got {self.seed!r}")
         if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
+        if any(not _is_nonempty_str(s) for s in self.stop):
+            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
         for name in ("frequency_penalty", "presence_penalty"):
@@ -164,7 +213,7 @@ class SamplingParams:
 
 
 class Request:
-    """One request: its tokens, its place in the KV cache and its timestamps.
+    """One request: its tokens and its place in the KV cache.
 
     Attributes:
         request_id: unique id.
@@ -176,15 +225,14 @@ class Request:
         output_token_ids: sampled tokens so far.
         block_ids: the block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size).
         block_hashes: prefix-cache hashes of the full blocks of all_token_ids, extended as tokens come.
-        num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission.
-        num_preemptions: times this request was preempted.
+        num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission (sent
+            to the front end with each output; FinishedRequestStats carries it).
+        num_preemptions: times this request was preempted (sent likewise).
         output_logprobs: one TokenLogprobs per output token when sampling_params.logprobs is set.
         prompt_logprobs: one TokenLogprobs per prompt token after the first when
             sampling_params.prompt_logprobs is set, filled as prefill chunks are computed.
         generator: the request's own random generator (sampling with temperature > 0), seeded from
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
-        arrival_time, first_scheduled_time, first_token_time, finished_time: time.monotonic() seconds
-            (None until it happens); token_times: one entry per output token.
 
     Raises:
         ValueError: an empty prompt or a negative token id.
@@ -196,7 +244,6 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
-        arrival_time: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -216,11 +263,6 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.generator = np.random.default_rng(sampling_params.seed)
-        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.first_scheduled_time: float | None = None
-        self.first_token_time: float | None = None
-        self.token_times: list[float] = []
-        self.finished_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -254,13 +296,9 @@ class Request:
             max(max_model_len, self.num_prompt_tokens + 1),
         )
 
-    def append_output_token(self, token_id: int, now: float | None = None) -> None:
-        """Record a sampled token and its time."""
-        t = time.monotonic() if now is None else now
+    def append_output_token(self, token_id: int) -> None:
+        """Record a sampled token."""
         self.output_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = t
-        self.token_times.append(t)
 
     def __repr__(self) -> str:
         return (

@@ -24,7 +24,6 @@ tokens, checks stop conditions, frees finished requests, and registers newly ful
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -153,7 +152,6 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
-        request.finished_time = time.monotonic()
         del self.requests[request.request_id]
         self._finished_ids.append(request.request_id)
 
@@ -221,8 +219,6 @@ class Scheduler:
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             scheduled.append(request)
             num_tokens[request.request_id] = n
@@ -279,7 +275,6 @@ class Scheduler:
                 f"sampled_token_ids has ids {sorted(sampled_token_ids)}, expected exactly {sorted(expected)}"
             )
         kv = self.kv_cache_manager
-        now = time.monotonic()
         out: list[tuple[Request, int]] = []
         for request in scheduler_output.scheduled_requests:
             rid = request.request_id
@@ -290,7 +285,7 @@ class Scheduler:
             if rid not in sampled_token_ids:
                 continue
             token = sampled_token_ids[rid]
-            request.append_output_token(token, now)
+            request.append_output_token(token)
             out.append((request, token))
             if check_stop(request, self.max_model_len):
                 self.running.remove(request)

@@ -4,24 +4,35 @@ Corresponds to vLLM's `vllm/entrypoints/openai/api_server.py`, small: `POST /v1/
 `POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health`,
 `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /metrics` (Prometheus, vLLM's names; see
 metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
-StepStats (llm_engine.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
+StepStats (core.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
 record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
+
+`POST /reset_prefix_cache` (vLLM's) forgets the engine core's prefix cache: 200 when done, 409 while
+requests hold KV blocks.
 
 The request fields (protocol.py) and how they are served (serving.py): `prompt` in vLLM's four forms,
 `n` fanned out into one engine request per prompt and sample, `echo`, `logprobs`, `stop_token_ids`,
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
-Faults: a bad request (malformed JSON, a known field of the wrong type or out of range, a field this
-server does not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a
-prompt too long for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache)
-is a 400 naming the field as `param`, and an unknown model a 404, both with OpenAI's error body; with `api_key`
-set, `/v1/*`, `/tokenize` and `/detokenize` need `Authorization: Bearer <key>` (else 401; `/health` and
-`/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more than `max_queue`
-requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that disconnects
-mid-stream aborts its request (its KV blocks are freed at the next step). An engine step that raises fails
-the requests it was running: a stream gets an error event then `[DONE]`, a whole response a 500.
+Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
+request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
+serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
+for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
+naming the field as `param` and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
+`/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
+401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
+than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
+disconnects mid-stream aborts its request (its KV blocks are freed at the core's next step). An engine
+step that raises fails the requests it was running: a stream gets an error event then `[DONE]`, a whole
+response a 500. A dead engine core (EngineDeadError) ends every open stream with an error event then
+`[DONE]`; new requests get 503 and `/health` answers 503. A drain that runs out of time ends each cut
+stream with a chunk whose finish_reason is "abort", then `[DONE]`.
+
+Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
+tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
+deltas arrive already detokenized from AsyncLLM's output thread.
 """
 
 from __future__ import annotations
@@ -44,8 +55,9 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from attention_kv_caceh.engine.async_llm import AsyncLLM
+from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
+from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
@@ -66,9 +78,11 @@ from attention_kv_caceh.engine.serving import (
     sampling_params_for,
 )
 from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
-from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-__all__ = ["build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
+
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
+"""Largest request body the server reads by default (8 MiB); a larger one is a 413 before parsing."""
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +92,7 @@ _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
 def build_app(
     async_llm: AsyncLLM,
-    tokenizer: Tokenizer,
+    tokenizer: TokenizerLike,
     served_model_name: str,
     max_model_len: int,
     api_key: str | None = None,
@@ -86,20 +100,24 @@ def build_app(
     *,
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
-    requests get up to `drain_timeout_s` seconds). `chat_template` None uses chat_utils'
-    PLAIN_CHAT_TEMPLATE. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
+    see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
+    `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
-    Raises ValueError for max_model_len < 2, max_queue < 0 or max_logprobs < 0.
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_logprobs < 0:
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
     if max_queue is not None and max_queue < 0:
@@ -116,7 +134,7 @@ def build_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncGenerator[None]:
-        if not async_llm.is_running:
+        if not async_llm.is_started:
             async_llm.start()
         yield
         await async_llm.shutdown(drain_timeout_s)
@@ -145,6 +163,7 @@ def build_app(
 
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)  # outermost: before any parsing
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -219,6 +238,9 @@ def build_app(
         except EngineDrainingError as exc:
             close_all(choices)
             raise HTTPError(503, str(exc)) from exc
+        except EngineDeadError as exc:
+            close_all(choices)
+            raise HTTPError(503, f"EngineDeadError: {exc}") from exc
         return choices
 
     def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -276,12 +298,22 @@ def build_app(
     async def scrape() -> Response:  # pyright: ignore[reportUnusedFunction]
         return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:  # pyright: ignore[reportUnusedFunction]
+        try:
+            done = await async_llm.reset_prefix_cache()
+        except EngineDeadError as exc:
+            raise HTTPError(503, f"EngineDeadError: {exc}") from exc
+        if not done:
+            raise HTTPError(409, "the prefix cache was not reset: requests hold KV blocks; retry when idle")
+        return Response(status_code=200)
+
     @app.get("/debug/step_stats")
     async def step_stats(last: int = 1000) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         if not 1 <= last <= _MAX_STEP_STATS:
             raise HTTPError(400, f"last must be in [1, {_MAX_STEP_STATS}], got {last}", "last")
-        # list() of the bounded deque runs in C under the GIL: one consistent copy against the engine thread
-        recent = list(async_llm.engine.step_stats)[-last:]
+        # list() of the bounded deque runs in C under the GIL: one consistent copy against the output thread
+        recent = list(async_llm.step_stats)[-last:]
         return {"object": "list", "data": [dataclasses.asdict(s) for s in recent]}
 
     @app.get("/v1/models")
@@ -301,24 +333,34 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
-        if body.messages is not None:
-            tokens = chat_prompt(body.messages, body.add_generation_prompt)
-        elif body.prompt is not None:
-            tokens = [t for ids, _ in completion_prompts(body.prompt, body.add_special_tokens) for t in ids]
-        else:
-            raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-        strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+
+        def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
+            if body.messages is not None:
+                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+            elif body.prompt is not None:
+                pairs = completion_prompts(body.prompt, body.add_special_tokens)
+                tokens = [t for ids, _ in pairs for t in ids]
+            else:
+                raise HTTPError(400, "give `prompt` or `messages`", "prompt")
+            strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+            return {
+                "count": len(tokens),
+                "max_model_len": max_model_len,
+                "tokens": tokens,
+                "token_strs": strs,
+            }
+
+        return await asyncio.to_thread(work)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
-        lists = [ids for ids in body.tokens if isinstance(ids, list)]
-        flat = [t for t in body.tokens if isinstance(t, int)]
+        lists = [check_ids(ids, "tokens") for ids in body.tokens if isinstance(ids, list)]
+        flat = check_ids([t for t in body.tokens if isinstance(t, int)], "tokens")
         if lists:
-            return {"prompt": [tokenizer.decode(check_ids(ids, "tokens")) for ids in lists]}
-        return {"prompt": tokenizer.decode(check_ids(flat, "tokens"))}
+            return {"prompt": await asyncio.to_thread(lambda: [tokenizer.decode(ids) for ids in lists])}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, flat)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
@@ -326,7 +368,8 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        prompts = completion_prompts(body.prompt, with_text=body.echo)
+        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on
+        prompts = await asyncio.to_thread(completion_prompts, body.prompt, with_text=body.echo)
         choices = admit(response_id, prompts, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await respond(raw, response_id, choices, body)
 
@@ -336,7 +379,7 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = chat_prompt(body.messages, body.add_generation_prompt)
+        prompt_ids = await asyncio.to_thread(chat_prompt, body.messages, body.add_generation_prompt)
         choices = admit(response_id, [(prompt_ids, "")], body, None)
         return await respond(raw, response_id, choices, body)
 
@@ -355,6 +398,68 @@ def build_app(
     return app
 
 
+_KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
+
+
+class _BodySizeMiddleware:
+    """413 with OpenAI's error body for a request body over `max_bytes`: at once when Content-Length says
+    so, else as soon as the received chunks pass it; nothing of such a body is parsed (a plain ASGI
+    middleware, so streaming and disconnect detection are untouched)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = Headers(scope=scope).get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        if length is not None and length.isdigit():
+            await self.app(scope, receive, send)  # the server stops reading at Content-Length
+            return
+        # chunked: read the body here, bounded, then hand it on
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                await self.app(scope, _replay([], message, receive), send)
+                return
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        await self.app(scope, _replay(chunks, None, receive), send)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        await error_response(413, message)(scope, receive, send)
+
+
+def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
+    """A `receive` that gives the buffered body (or `first`) once, then the connection's own messages."""
+    pending: list[Any] = (
+        [first]
+        if first is not None
+        else [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+    )
+
+    async def replay() -> Any:
+        if pending:
+            return pending.pop()
+        return await receive()
+
+    return replay
+
+
 class _ApiKeyMiddleware:
     """401 for `/v1/*`, `/tokenize` and `/detokenize` without `Authorization: Bearer <api_key>` (a plain
     ASGI middleware: it leaves streaming and disconnect detection untouched)."""
@@ -365,7 +470,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and (path.startswith("/v1") or path in ("/tokenize", "/detokenize")):
+        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"

@@ -1,17 +1,10 @@
-"""One generation request from the HTTP side: sampling checks, stop strings, text deltas, OpenAI chunks.
+"""One generation request from the HTTP side: sampling checks and OpenAI's chunk shapes.
 
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
-size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error);
-`text_deltas` turns a request's token stream into text deltas, applying the `stop` strings: the text stops
-before the first occurrence of any of them (after it with `include_stop_str_in_output`), with
-finish_reason "stop", and the request is aborted in the engine at its next step. While stop strings are
-set, the last `max(len(stop)) - 1` characters are held back from the stream (a stop string may straddle
-two deltas), so the streamed deltas always concatenate to the non-streamed text. As in vLLM, a stop string
-only counts when it ends in the text of an output token after the first `min_tokens`, and a request the
-engine stopped with eos or a stop token id leaves that token out of the text (it is still counted in the
-usage and carries logprobs).
-
-The fan-out over prompts and `n` samples and the response shapes live in serving_response.py.
+size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error),
+`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
+chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
+response bodies are in serving_response.py.
 """
 
 from __future__ import annotations
@@ -19,35 +12,27 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
-from attention_kv_caceh.engine.output_processor import (
-    RequestStream,
-)
 from attention_kv_caceh.engine.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     refused_field,
 )
-from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs
-from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.engine.request import SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
     "DONE",
     "MAX_N",
     "HTTPError",
-    "IncrementalDetokenizer",
-    "TextDelta",
     "chat_chunk",
     "check_request_fields",
     "completion_chunk",
     "sampling_params_for",
     "sse",
-    "text_deltas",
     "usage",
 ]
 
@@ -219,136 +204,10 @@ def sampling_params_for(
         logit_bias=_logit_bias(body.logit_bias, vocab_size),
         logprobs=num_logprobs,
         prompt_logprobs=num_logprobs if echo else None,
+        stop=tuple(body.stop_strings),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list: decode(all ids) minus the text already returned.
-
-    A trailing U+FFFD (an incomplete UTF-8 sequence of a byte-level tokenizer) is held back until the next
-    token completes it; `flush()` returns whatever is left. Decodes the whole list each time (O(n^2) in the
-    output length; fine at this project's output lengths, and exactly equal to one decode of all ids).
-    """
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self._tokenizer = tokenizer
-        self._ids: list[int] = []
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """The text returned so far."""
-        return self._text
-
-    def add(self, new_ids: Sequence[int]) -> str:
-        """Append `new_ids`; return the new stable text."""
-        self._ids.extend(new_ids)
-        stable = self._tokenizer.decode(list(self._ids)).rstrip("\ufffd")
-        return self._advance(stable)
-
-    def flush(self) -> str:
-        """The text held back (at the end of the request)."""
-        return self._advance(self._tokenizer.decode(list(self._ids)))
-
-    def _advance(self, full: str) -> str:
-        if len(full) <= len(self._text) or not full.startswith(self._text):
-            return ""
-        delta = full[len(self._text) :]
-        self._text = full
-        return delta
-
-
-@dataclass(frozen=True)
-class TextDelta:
-    """New text of one request; `finish_reason` is set on the last one. Token counts are cumulative.
-
-    `token_ids` / `logprobs`: the tokens of this delta (the stop token included) and, when the request
-    asked for logprobs, their TokenLogprobs; `prompt_logprobs`: the prompt's, on the first delta only.
-    """
-
-    text: str
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_output_tokens: int
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprobs, ...] = ()
-    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
-
-
-class _Decoder:
-    """`tokenizer.decode` with the request's skip_special_tokens."""
-
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool) -> None:
-        self._tokenizer = tokenizer
-        self._skip = skip_special_tokens
-
-    def decode(self, token_ids: list[int], /) -> str:
-        if self._skip:
-            return self._tokenizer.decode(token_ids)
-        return self._tokenizer.decode(token_ids, skip_special_tokens=False)
-
-
-def _find_stop(text: str, stops: list[str], start: int, floor: int) -> tuple[int, str] | None:
-    """(index, stop) of the earliest stop string found at or after `start` that ends after `floor`."""
-    found: list[tuple[int, str]] = []
-    for stop in stops:
-        i = text.find(stop, max(start, floor - len(stop) + 1, 0))
-        if i >= 0:
-            found.append((i, stop))
-    return min(found, key=lambda f: f[0]) if found else None
-
-
-async def text_deltas(
-    stream: RequestStream,
-    tokenizer: Tokenizer,
-    stops: list[str],
-    *,
-    min_tokens: int = 0,
-    include_stop_str: bool = False,
-    skip_special_tokens: bool = True,
-) -> AsyncIterator[TextDelta]:
-    """The request's text deltas until it finishes (see the module docstring for stop strings).
-
-    Raises EngineStepError (from the stream) when the engine step serving the request failed.
-    """
-    detokenizer = IncrementalDetokenizer(_Decoder(tokenizer, skip_special_tokens))  # pyright: ignore[reportArgumentType]
-    holdback = max((len(s) for s in stops), default=1) - 1
-    text = ""
-    sent = 0
-    count = 0
-    floor: int | None = 0 if min_tokens == 0 else None  # a stop string must end after text[:floor]
-    async for delta in stream:
-        ids = list(delta.new_token_ids)
-        if delta.finished and delta.finish_reason == "stop" and not include_stop_str and ids:
-            ids.pop()  # eos or a stop token id: counted, not shown (as vLLM does)
-        if floor is None and count + len(ids) >= min_tokens:  # split at the min_tokens-th token
-            text += detokenizer.add(ids[: min_tokens - count])
-            floor = len(text)
-            text += detokenizer.add(ids[min_tokens - count :])
-        else:
-            text += detokenizer.add(ids)
-        count += len(delta.new_token_ids)
-        if delta.finished:
-            text += detokenizer.flush()
-        extra = (delta.new_token_ids, delta.logprobs, delta.prompt_logprobs)
-        counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-        if stops and floor is not None:
-            found = _find_stop(text, stops, max(0, sent - holdback), floor)
-            if found is not None:
-                index, stop = found
-                cut = index + len(stop) if include_stop_str else index
-                stream.close("stop")
-                yield TextDelta(text[sent:cut], "stop", *counts, *extra)
-                return
-        if delta.finished:
-            yield TextDelta(text[sent:], delta.finish_reason or "stop", *counts, *extra)
-            return
-        safe = len(text) - holdback
-        # A token whose text cannot be sent yet (half of a UTF-8 character, or held back for a stop
-        # string) still yields a delta, with empty text: the server sends it as a chunk whose usage
-        # counts the token (with continuous_usage_stats), as vLLM does, so a client times every token.
-        yield TextDelta(text[sent:safe] if safe > sent else "", None, *counts, *extra)
-        sent = max(sent, safe)
 
 
 def _stream_chunk(

@@ -21,11 +21,13 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 
+from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.logprobs import chat_logprobs, completion_logprobs
 from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
     EngineRequestError,
     EngineStepError,
+    RequestDelta,
     RequestStream,
 )
 from attention_kv_caceh.engine.protocol import (
@@ -35,17 +37,9 @@ from attention_kv_caceh.engine.protocol import (
     error_body,
     error_response,
 )
-from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs
-from attention_kv_caceh.engine.serving import (
-    DONE,
-    TextDelta,
-    chat_chunk,
-    completion_chunk,
-    sse,
-    text_deltas,
-    usage,
-)
-from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs, decode_logprobs_payloads
+from attention_kv_caceh.engine.serving import DONE, chat_chunk, completion_chunk, sse, usage
+from attention_kv_caceh.engine.tokenizer import TextDecoder
 
 __all__ = ["Choice", "close_all", "stream_events", "whole_response"]
 
@@ -117,25 +111,26 @@ def _prompt_logprob_tokens(
 
 
 def _apply_delta(
-    choice: Choice, delta: TextDelta, body: GenerationRequest, tokenizer: Tokenizer, *, chat: bool
+    choice: Choice, delta: RequestDelta, body: GenerationRequest, tokenizer: TextDecoder, *, chat: bool
 ) -> tuple[str, dict[str, Any] | None]:
     """Record `delta` in `choice`; return the text this delta adds to the choice and its logprobs object
     (None when the request asked for none, or the delta adds no token)."""
     text = delta.text
     tokens: list[tuple[int, TokenLogprobs | None]] = []
     want = body.num_logprobs is not None
+    sampled, prompt_logprobs = decode_logprobs_payloads(delta.new_logprobs) if want else ([], None)
     if not choice.started:
         choice.started = True
         if choice.echo_text or choice.echo_only:
             text = choice.echo_text + ("" if choice.echo_only else text)
             if want:
-                tokens.extend(_prompt_logprob_tokens(choice.prompt_token_ids, delta.prompt_logprobs))
+                tokens.extend(_prompt_logprob_tokens(choice.prompt_token_ids, prompt_logprobs))
     elif choice.echo_only:
         text = ""
     if not choice.echo_only:
         choice.num_output_tokens = delta.num_output_tokens
         if want:
-            tokens.extend(zip(delta.token_ids, delta.logprobs, strict=False))
+            tokens.extend(zip(delta.new_token_ids, sampled, strict=False))
     choice.parts.append(text)
     if not want or not tokens:
         return text, None
@@ -157,14 +152,14 @@ _END = object()
 
 
 async def _interleaved(
-    choices: Sequence[Choice], body: GenerationRequest, tokenizer: Tokenizer
-) -> AsyncIterator[tuple[Choice, TextDelta]]:
-    """Every choice's TextDeltas, in the order they come (one task per choice feeds one queue).
+    choices: Sequence[Choice], body: GenerationRequest, tokenizer: TextDecoder
+) -> AsyncIterator[tuple[Choice, RequestDelta]]:
+    """Every choice's RequestDeltas, in the order they come (one task per choice feeds one queue).
 
     Raises the first EngineStepError / EngineRequestError a choice's stream raises.
     """
 
-    async def deltas(choice: Choice) -> AsyncIterator[TextDelta]:
+    async def deltas(choice: Choice) -> AsyncIterator[RequestDelta]:
         if choice.leader is not None:
             await choice.leader.first_token.wait()
         if choice.closed:
@@ -174,21 +169,11 @@ async def _interleaved(
         except EngineDrainingError as exc:
             raise EngineStepError(f"the server is shutting down: {exc}") from exc
         try:
-            async for delta in _text_deltas(stream):
+            async for delta in stream:
                 choice.first_token.set()
                 yield delta
         finally:
             choice.first_token.set()  # also when the leader failed: the others start (and fail) on their own
-
-    def _text_deltas(stream: RequestStream) -> AsyncIterator[TextDelta]:
-        return text_deltas(
-            stream,
-            tokenizer,
-            body.stop_strings,
-            min_tokens=body.min_tokens,
-            include_stop_str=body.include_stop_str_in_output,
-            skip_special_tokens=body.skip_special_tokens,
-        )
 
     if len(choices) == 1:
         async for delta in deltas(choices[0]):
@@ -214,7 +199,7 @@ async def _interleaved(
                 remaining -= 1
             elif isinstance(item, Exception):
                 raise item
-            elif isinstance(item, TextDelta):
+            elif isinstance(item, RequestDelta):
                 yield choice, item
     finally:
         for task in tasks:
@@ -238,7 +223,7 @@ async def stream_events(
     response_id: str,
     choices: Sequence[Choice],
     body: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
+    tokenizer: TextDecoder,
     model: str,
 ) -> AsyncIterator[bytes]:
     """The choices as SSE events in OpenAI's shapes, interleaved as their tokens come.
@@ -307,6 +292,8 @@ async def stream_events(
         yield sse(error_body(400, str(exc)))
     except EngineStepError as exc:
         yield sse(error_body(500, str(exc)))
+    except EngineDeadError as exc:
+        yield sse(error_body(503, f"EngineDeadError: {exc}"))
     finally:
         close_all(choices)  # a client that left cancels this generator: abort its requests
     yield DONE
@@ -316,7 +303,7 @@ async def whole_response(
     response_id: str,
     choices: Sequence[Choice],
     body: CompletionRequest | ChatCompletionRequest,
-    tokenizer: Tokenizer,
+    tokenizer: TextDecoder,
     model: str,
 ) -> Response:
     """The choices gathered into one OpenAI response (choices sorted by index), or an error response."""
@@ -334,6 +321,8 @@ async def whole_response(
         return error_response(400, str(exc))
     except EngineStepError as exc:
         return error_response(500, str(exc))
+    except EngineDeadError as exc:
+        return error_response(503, f"EngineDeadError: {exc}")
     finally:
         close_all(choices)
     out: list[dict[str, Any]] = []

@@ -78,8 +78,12 @@ class Tokenizer:
         return cls(tok, config)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS)."""
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text`; add_special_tokens applies the tokenizer's post-processor (e.g. a BOS).
+
+        Goes through `encode_batch`, which releases the GIL while the Rust tokenizer works (`encode` does
+        not), so a server thread tokenizing a long prompt leaves the event loop running.
+        """
+        return list(self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""

@@ -24,6 +24,7 @@ __all__ = [
     "SATURATION_GAIN",
     "SUMMARY_FIELDS",
     "doubling_gains",
+    "doubling_gains_xy",
     "format_scan_table",
     "saturation_point",
     "saturation_verdict",
@@ -163,12 +164,18 @@ def doubling_gains(table: Sequence[Mapping[str, float]]) -> list[tuple[int, int,
     gain = (positions/s at B2 / positions/s at B1) ** (1 / log2(B2 / B1)) - 1, so a step of exactly one
     doubling gives the plain relative gain. Rows need `batch_size` and `positions_per_s`.
     """
-    rows = sorted(table, key=lambda r: r["batch_size"])
-    out: list[tuple[int, int, float]] = []
-    for lo, hi in itertools.pairwise(rows):
-        b1, b2 = int(lo["batch_size"]), int(hi["batch_size"])
-        out.append((b1, b2, (hi["positions_per_s"] / lo["positions_per_s"]) ** (1 / math.log2(b2 / b1)) - 1))
-    return out
+    points = [(r["batch_size"], r["positions_per_s"]) for r in table]
+    return [(int(b1), int(b2), gain) for b1, b2, gain in doubling_gains_xy(points)]
+
+
+def doubling_gains_xy(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
+    """(x1, x2, gain per doubling) for consecutive (x, y) points sorted by x (x > 0, y > 0): the rule of
+    `saturation_verdict` for any load axis (batch size, client concurrency, request rate) and any
+    throughput. gain = (y2 / y1) ** (1 / log2(x2 / x1)) - 1."""
+    rows = sorted(points)
+    return [
+        (x1, x2, (y2 / y1) ** (1 / math.log2(x2 / x1)) - 1) for (x1, y1), (x2, y2) in itertools.pairwise(rows)
+    ]
 
 
 def saturation_point(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> int | None:

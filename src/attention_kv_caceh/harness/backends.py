@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 
 import aiohttp
 
+from attention_kv_caceh.harness.answer_text import AnswerText
 from attention_kv_caceh.harness.client_errors import classify_client_error
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.harness.sse import (
@@ -47,7 +48,11 @@ class RequestSpec:
 
     `prompt_token_ids`: the prompt as token ids (sent as such to `/v1/completions`);
     `prompt_tokens_checked`: the prompt's length as a tokenizer counted it (None: not checked, the
-    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one.
+    prompt is approximate); `from_dataset`: a real prompt, not a synthetic one. `group` and `turn`:
+    the workload's group (shared-prefix: which prefix; multi-turn: which conversation) and the turn
+    within a conversation (from 0), None for the random workload; `messages`: the whole chat history
+    as (role, content) pairs, sent as `messages` to the chat endpoint (the completions endpoint gets
+    `prompt`, the history rendered as text).
     """
 
     request_id: int
@@ -57,6 +62,9 @@ class RequestSpec:
     prompt_token_ids: tuple[int, ...] | None = None
     prompt_tokens_checked: int | None = None
     from_dataset: bool = False
+    group: int | None = None
+    turn: int | None = None
+    messages: tuple[tuple[str, str], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -146,10 +154,13 @@ class SimulatedServer:
 
 
 class SimulatedBackend:
-    """Streams from a SimulatedServer; output tokens are exactly those asked for."""
+    """Streams from a SimulatedServer; output tokens are exactly those asked for. With `keep_answers`,
+    `answers[request_id]` is a made-up answer text of one word per output token."""
 
-    def __init__(self, server: SimulatedServer) -> None:
+    def __init__(self, server: SimulatedServer, *, keep_answers: bool = False) -> None:
         self.server = server
+        self.keep_answers = keep_answers
+        self.answers: dict[int, str] = {}
 
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Fill `record` with one event per token; status "ok" when the stream completes."""
@@ -160,6 +171,8 @@ class SimulatedBackend:
         record.prompt_tokens = spec.prompt_tokens
         record.tokens_per_event_source = "simulated"
         record.status = STATUS_OK
+        if self.keep_answers:
+            self.answers[spec.request_id] = " ".join(f"t{k}" for k in range(record.output_tokens))
 
 
 def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
@@ -176,7 +189,8 @@ class OpenAIBackend:
     Asks for `stream_options: {"include_usage": true, "continuous_usage_stats": true}` so that vLLM
     reports the tokens of every chunk. `timeout_s` bounds each whole request; `max_event_bytes` one SSE
     event (beyond it the request fails as `event_too_large`). The aiohttp session is
-    shared by all requests and owned by the caller.
+    shared by all requests and owned by the caller. With `keep_answers`, `answers[request_id]` is the
+    text each request streamed (`answer_text.AnswerText`), for a multi-turn workload's next turn.
     """
 
     def __init__(
@@ -190,6 +204,7 @@ class OpenAIBackend:
         timeout_s: float = 600.0,
         ignore_eos: bool = False,
         max_event_bytes: int = MAX_EVENT_BYTES,
+        keep_answers: bool = False,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
@@ -203,6 +218,8 @@ class OpenAIBackend:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.ignore_eos = ignore_eos
         self.max_event_bytes = max_event_bytes
+        self.keep_answers = keep_answers
+        self.answers: dict[int, str] = {}
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body of one streamed request."""
@@ -215,7 +232,8 @@ class OpenAIBackend:
             body["prompt"] = list(spec.prompt_token_ids) if spec.prompt_token_ids else spec.prompt
             body["max_tokens"] = spec.output_tokens
         else:
-            body["messages"] = [{"role": "user", "content": spec.prompt}]
+            pairs = spec.messages if spec.messages is not None else (("user", spec.prompt),)
+            body["messages"] = [{"role": role, "content": content} for role, content in pairs]
             body["max_completion_tokens"] = spec.output_tokens
         if self.ignore_eos:
             body["ignore_eos"] = True
@@ -224,6 +242,7 @@ class OpenAIBackend:
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
         """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
         decoder = OpenAIStreamDecoder(self.max_event_bytes)
+        answer = AnswerText() if self.keep_answers else None
         try:
             async with self.session.post(
                 self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
@@ -239,6 +258,8 @@ class OpenAIBackend:
                     return
                 async for chunk in response.content.iter_any():
                     now = perf_counter_ns()
+                    if answer is not None:
+                        answer.feed(chunk)
                     for count in decoder.feed(chunk):
                         record.add_token_event(now, count)
                     if decoder.failure is not None:
@@ -261,6 +282,8 @@ class OpenAIBackend:
         else:
             self._finish(decoder, record)
         finally:
+            if answer is not None:
+                self.answers[spec.request_id] = answer.text
             if decoder.prompt_tokens is not None:
                 record.prompt_tokens = decoder.prompt_tokens
             elif spec.prompt_tokens_checked is not None:

@@ -16,6 +16,7 @@ from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
+from attention_kv_caceh.harness.workloads import Workload, read_conversations
 from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
 
 __all__ = [
@@ -78,6 +79,7 @@ class HarnessConfig:
     label: str | None = None
     tokenizer: str | None = None
     dataset: str | None = None
+    workload: Workload = field(default_factory=Workload)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -132,7 +134,20 @@ class HarnessConfig:
             exists = Path(self.dataset).exists()
             what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
             raise ValueError(f"--dataset {self.dataset!r}: {what}")
-        if self.dataset is not None:  # its contents too, before any server is contacted
+        self.workload.check_requests(self.num_requests)
+        if self.dataset is not None and self.workload.kind == "shared-prefix":
+            raise ValueError(
+                f"--dataset {self.dataset!r}: --workload shared-prefix builds its own prompts "
+                "(a dataset goes with --workload random, or multi-turn for conversations)"
+            )
+        if self.dataset is not None and self.workload.kind == "multi-turn":
+            conversations = read_conversations(self.dataset)
+            if len(conversations) < self.num_requests // self.workload.turns:
+                raise ValueError(
+                    f"--dataset {self.dataset!r} has {len(conversations)} conversations, fewer than "
+                    f"--num-requests / --turns = {self.num_requests // self.workload.turns}"
+                )
+        elif self.dataset is not None:  # its contents too, before any server is contacted
             entries = read_dataset(self.dataset)
             if len(entries) < self.num_requests:
                 raise ValueError(
@@ -158,6 +173,8 @@ class HarnessConfig:
         for flag, length in (("--prompt-len", self.prompt_len), ("--output-len", self.output_len)):
             if length.high > MAX_TOKENS:
                 raise ValueError(f"{flag} must be <= {MAX_TOKENS} tokens, got {length}")
+        if self.workload.prefix_len > MAX_TOKENS:
+            raise ValueError(f"--prefix-len must be <= {MAX_TOKENS} tokens, got {self.workload.prefix_len}")
         requests = self.num_requests + self.warmup_requests
         parts = {
             "--num-requests": requests * _BYTES_PER_REQUEST,
@@ -195,6 +212,7 @@ class HarnessConfig:
         out["output_len"] = str(self.output_len)
         out["goodput"] = self.goodput.as_dict()
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
+        out["workload"] = self.workload.describe()
         return out
 
 

@@ -63,6 +63,8 @@ JSONL_KEYS = (
     "tpot_ms",
     "e2el_ms",
     "e2e_ms",
+    "workload_group",
+    "turn",
 )
 
 
@@ -86,6 +88,8 @@ class RequestRecord:
     usage (None: no change needed). `done_marker` is False for a stream that ended with a
     `finish_reason` and a clean close but no `data: [DONE]` (accepted as ok, as vLLM's and SGLang's
     clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
+    `group`, `turn`: the workload group and turn of the request (`RequestSpec`), None for the random
+    workload.
     """
 
     request_id: int
@@ -107,6 +111,8 @@ class RequestRecord:
     status: str = "pending"
     http_status: int | None = None
     error: str | None = None
+    group: int | None = None
+    turn: int | None = None
 
     def add_token_event(self, time_ns: int, num_tokens: int) -> None:
         """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
@@ -173,4 +179,6 @@ class RequestRecord:
             "tpot_ms": m.tpot_ms,
             "e2el_ms": m.e2el_ms,
             "e2e_ms": m.e2e_ms,
+            "workload_group": self.group,
+            "turn": self.turn,
         }

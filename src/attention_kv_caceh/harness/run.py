@@ -51,8 +51,17 @@ from attention_kv_caceh.harness.prompts import (
     probe_server_tokenizer,
 )
 from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.server_counters import CounterSnapshot, RunCounters, counter_warnings
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
+from attention_kv_caceh.harness.workloads import (
+    TaggingBackend,
+    implied_prefix_hits,
+    per_turn_summary,
+    plan_conversations,
+    run_rounds,
+    shared_prefix_specs,
+)
 
 __all__ = [
     "BACKENDS",
@@ -75,12 +84,19 @@ def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[Reques
     The measured specs and arrivals come from `seed` alone; warm-ups draw from their own stream
     (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts. With a
     `dataset`, the measured prompts are its first `num_requests` entries (their `output_len`, else the
-    drawn one; the requested prompt length is the word count until a tokenizer counts it). Raises
+    drawn one; the requested prompt length is the word count until a tokenizer counts it). A
+    shared-prefix workload's specs are `workloads.shared_prefix_specs`; a multi-turn workload's measured
+    requests are planned by `workloads.plan_conversations` instead (these specs are unused). Raises
     ValueError for a dataset that cannot be read or has fewer entries than `num_requests`.
     """
     rng = np.random.default_rng(config.seed)
-    specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
-    if config.dataset is not None:
+    if config.workload.kind == "shared-prefix":
+        specs = shared_prefix_specs(
+            config.workload, config.num_requests, config.prompt_len, config.output_len, rng, config.seed
+        )
+    else:
+        specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
+    if config.dataset is not None and config.workload.kind == "random":
         specs = _dataset_specs(config, specs)
     offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
     warm_rng = np.random.default_rng([config.seed, 1])
@@ -220,13 +236,31 @@ async def run_harness(
     smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
     warm_specs, specs, offsets = plan_requests(config)
     model_used: str | None = None
+    multi_turn = config.workload.kind == "multi-turn"
+    conversations = (
+        plan_conversations(
+            config.workload,
+            config.num_requests,
+            config.prompt_len,
+            config.output_len,
+            np.random.default_rng([config.seed, 3]),
+            config.dataset,
+        )
+        if multi_turn
+        else []
+    )
+    if multi_turn:  # one arrival per conversation, from the same seeded stream as a random run's
+        offsets = offsets[: len(conversations)]
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    counters = RunCounters(config.base_url, headers, enabled=config.backend != "simulated")
+    rounds: list[tuple[int, CounterSnapshot | None, CounterSnapshot | None]] = []
 
     session: aiohttp.ClientSession | None = None
     simulated: SimulatedServer | None = None
     backend: Backend | None = None
     if config.backend == "simulated":
         simulated = SimulatedServer(config.server_slots, config.prefill_ms, config.per_token_ms)
-        backend = SimulatedBackend(simulated)
+        backend = SimulatedBackend(simulated, keep_answers=multi_turn)
     else:
         # limit=0: the harness's semaphore, not aiohttp's default pool of 100, bounds concurrency.
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -241,6 +275,7 @@ async def run_harness(
                 api_key=config.api_key,
                 timeout_s=config.timeout_s,
                 ignore_eos=config.ignore_eos,
+                keep_answers=multi_turn,
             )
         assert backend is not None
         tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
@@ -262,23 +297,48 @@ async def run_harness(
                     config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
         tracker = InFlightTracker()
+        await counters.read_before()
         start_ns = perf_counter_ns()
         if poller is not None:
             poller.start()
         try:
-            records = await run_requests(
-                backend,
-                specs,
-                offsets,
-                config.concurrency,
-                tracker=tracker,
-                on_record=on_record,
-                start_ns=start_ns,
-            )
+            if multi_turn:
+                answers: dict[int, str] = getattr(backend, "answers", {})
+                round_before: list[CounterSnapshot | None] = [None]
+
+                async def before_round(turn: int) -> None:
+                    round_before[0] = await counters.snapshot() if turn else counters.before
+
+                async def after_round(turn: int) -> None:
+                    rounds.append((turn, round_before[0], await counters.snapshot()))
+
+                records = await run_rounds(
+                    backend,
+                    answers,
+                    conversations,
+                    offsets,
+                    config.concurrency,
+                    tracker=tracker,
+                    on_record=on_record,
+                    before_round=before_round,
+                    after_round=after_round,
+                )
+            else:
+                tagged = TaggingBackend(backend) if config.workload.kind != "random" else backend
+                records = await run_requests(
+                    tagged,
+                    specs,
+                    offsets,
+                    config.concurrency,
+                    tracker=tracker,
+                    on_record=on_record,
+                    start_ns=start_ns,
+                )
         finally:
             if poller is not None:
                 await poller.stop()
         end_ns = perf_counter_ns()
+        await counters.read_after(records)
     finally:
         if session is not None:
             await session.close()
@@ -312,6 +372,15 @@ async def run_harness(
                 else "the server reported no prompt token counts"
             ),
         )
+    summary["workload"] = config.workload.describe()
+    summary["server_counters"] = counters.delta(records)
+    summary["server_counters_error"] = counters.error or None
+    if multi_turn:
+        summary["per_turn"] = per_turn_summary(records, rounds)
+    if summary["server_counters"] is not None:
+        summary["warnings"] += counter_warnings(summary["server_counters"])
+    if config.workload.kind == "shared-prefix":
+        summary["implied_prefix_hit_tokens"] = implied_prefix_hits(config.workload, len(records), 1)
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
     if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:

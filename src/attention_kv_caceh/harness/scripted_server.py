@@ -29,6 +29,7 @@ from aiohttp import web
 
 __all__ = [
     "DONE",
+    "PrefixCacheModel",
     "Script",
     "ScriptedServer",
     "Step",
@@ -186,6 +187,40 @@ class _Counters:
     arrival_ns: list[int] = field(default_factory=lambda: list[int]())
     write_ns: list[list[int]] = field(default_factory=lambda: list[list[int]]())
     metrics_queries: list[str] = field(default_factory=lambda: [])
+    resets: int = 0
+
+
+class PrefixCacheModel:
+    """A prefix cache as vLLM's counts it, for the scripted server's counters: a prompt's full blocks of
+    `block_size` token ids are remembered (prompts only); a new prompt's hit is its longest run of
+    remembered leading blocks, capped at len - 1 tokens as vLLM v1 caps it (the last prompt token is
+    always computed). `queries` and `hits` count tokens; `enabled=False` never hits."""
+
+    def __init__(self, block_size: int = 4, *, enabled: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enabled = enabled
+        self.queries = 0
+        self.hits = 0
+        self._blocks: set[tuple[int, ...]] = set()
+
+    def admit(self, ids: list[int]) -> int:
+        """Count one prompt's lookup; remember its blocks; return its hit tokens."""
+        n, b = len(ids), self.block_size
+        hit = 0
+        if self.enabled:
+            while hit + b <= n - 1 and tuple(ids[: hit + b]) in self._blocks:
+                hit += b
+            for end in range(b, n + 1, b):
+                self._blocks.add(tuple(ids[:end]))
+        self.queries += n
+        self.hits += hit
+        return hit
+
+    def reset(self) -> None:
+        """Forget every block (POST /reset_prefix_cache); the counters keep counting."""
+        self._blocks.clear()
 
 
 class ScriptedServer:
@@ -195,6 +230,14 @@ class ScriptedServer:
     lines to the size of a real exposition), GET /v1/models with one model, and, with `tokenizer`,
     POST /tokenize and /detokenize with a WordTokenizer (as vLLM's API: `{"prompt", "add_special_tokens"}`
     in, `{"tokens", "count"}` out; `{"tokens"}` in, `{"prompt"}` out).
+
+    With `counters`, /metrics also carries vLLM's cumulative counters, kept as a server keeps them:
+    `vllm:prompt_tokens_total` (each request's prompt ids as the WordTokenizer counts them),
+    `vllm:generation_tokens_total` (`max_tokens` of each completed 200 stream: what `timed_token_script`
+    sends), `vllm:request_success_total{finished_reason="length"}`, `vllm:num_preemptions_total` (0) and
+    `vllm:prefix_cache_queries_total` / `_hits_total` from a PrefixCacheModel (`prefix_block_size`,
+    `prefix_caching`); POST /reset_prefix_cache empties that model and answers 200 (404 with
+    `reset_endpoint=False`).
 
     `async with ScriptedServer(...) as server:` starts it on a free port (`server.base_url`) and stops it.
     """
@@ -208,8 +251,19 @@ class ScriptedServer:
         live_metrics: bool = False,
         metrics_padding: int = 0,
         tokenizer: bool = False,
+        counters: bool = False,
+        prefix_block_size: int = 4,
+        prefix_caching: bool = True,
+        reset_endpoint: bool = True,
     ):
         self.script_for = script_for
+        self.counters_on = counters
+        self.prefix_cache = PrefixCacheModel(prefix_block_size, enabled=prefix_caching)
+        self.reset_endpoint = reset_endpoint
+        self._count_tokenizer = WordTokenizer()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.finished_length = 0
         self.tokenizer = WordTokenizer() if tokenizer else None
         self.live_metrics = live_metrics
         self.metrics_padding = metrics_padding
@@ -230,6 +284,10 @@ class ScriptedServer:
         writes: list[int] = []
         self.counters.write_ns.append(writes)
         script = self.script_for(payload, request.path)
+        if self.counters_on and script.status == 200:
+            ids = self.prompt_ids(payload)
+            self.prompt_tokens_total += len(ids)
+            self.prefix_cache.admit(ids)
         if script.status != 200:
             return web.Response(status=script.status, body=script.body, headers=dict(script.headers))
         response = web.StreamResponse(
@@ -250,11 +308,49 @@ class ScriptedServer:
                     request.transport.abort()
                 return response
             await response.write_eof()
+            self.generation_tokens_total += _max_tokens(payload)
+            self.finished_length += 1
         except ConnectionResetError:
             pass  # the client went away; nothing to answer
         finally:
             self.counters.in_flight -= 1
         return response
+
+    def prompt_ids(self, payload: dict[str, Any]) -> list[int]:
+        """A request's prompt as token ids: an id list as it is, a text or chat messages through the
+        WordTokenizer (the /tokenize one when there is one, so that ids from it match)."""
+        tokenizer = self.tokenizer or self._count_tokenizer
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list):
+            return [int(x) for x in cast("list[Any]", prompt)]
+        if prompt is None:
+            return tokenizer.encode_chat(cast("list[dict[str, Any]]", payload.get("messages") or []))
+        return tokenizer.encode(str(prompt))
+
+    def _counter_text(self) -> str:
+        if not self.counters_on:
+            return ""
+        rows = (
+            ("vllm:prompt_tokens", self.prompt_tokens_total),
+            ("vllm:generation_tokens", self.generation_tokens_total),
+            ("vllm:num_preemptions", 0),
+            ("vllm:prefix_cache_queries", self.prefix_cache.queries),
+            ("vllm:prefix_cache_hits", self.prefix_cache.hits),
+        )
+        text = "".join(
+            f'# TYPE {name} counter\n{name}_total{{model_name="scripted"}} {value}\n' for name, value in rows
+        )
+        return text + (
+            "# TYPE vllm:request_success counter\n"
+            f'vllm:request_success_total{{finished_reason="length",model_name="scripted"}} {self.finished_length}\n'
+        )
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.reset_endpoint:
+            return web.Response(status=404, text="not found")
+        self.counters.resets += 1
+        self.prefix_cache.reset()
+        return web.Response(status=200)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         self.counters.metrics_queries.append(request.query_string)
@@ -265,8 +361,10 @@ class ScriptedServer:
                 f'vllm:num_requests_running{{model_name="scripted"}} {self.counters.in_flight}\n'
                 "# TYPE vllm:num_requests_waiting gauge\n"
                 'vllm:num_requests_waiting{model_name="scripted"} 0\n'
-            )
+            ) + self._counter_text()
             return web.Response(text=text, content_type="text/plain")
+        if self.metrics_text is None and self.counters_on:
+            return web.Response(text=self._counter_text(), content_type="text/plain")
         if self.metrics_text is None:
             return web.Response(status=404, text="no metrics")
         return web.Response(text=self.metrics_text, content_type="text/plain")
@@ -301,6 +399,7 @@ class ScriptedServer:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/detokenize", self._detokenize)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -332,10 +431,18 @@ def _max_tokens(payload: dict[str, Any]) -> int:
 
 
 async def _serve(ttft_ms: float, itl_ms: float, port: int, metrics_padding: int = 0) -> None:
-    def script_for(payload: dict[str, Any], path: str) -> Script:
-        return timed_token_script(ttft_ms / 1000, itl_ms / 1000, _max_tokens(payload), chat="chat" in path)
+    server: ScriptedServer | None = None
 
-    server = ScriptedServer(script_for, port=port, live_metrics=True, metrics_padding=metrics_padding)
+    def script_for(payload: dict[str, Any], path: str) -> Script:
+        assert server is not None
+        prompt = len(server.prompt_ids(payload))
+        return timed_token_script(
+            ttft_ms / 1000, itl_ms / 1000, _max_tokens(payload), chat="chat" in path, prompt_tokens=prompt
+        )
+
+    server = ScriptedServer(
+        script_for, port=port, live_metrics=True, metrics_padding=metrics_padding, counters=True
+    )
     await server.start()
     print(f"PORT {server.port}", flush=True)
     stop = asyncio.Event()

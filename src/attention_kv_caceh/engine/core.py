@@ -1,0 +1,642 @@
+"""EngineCore: the scheduler, the KV cache and the model runner behind one `step()`; EngineCoreProc: its busy loop.
+
+Corresponds to vLLM v1's `vllm/v1/engine/core.py` (EngineCore, EngineCoreProc, run_busy_loop) and the
+message types of `vllm/v1/engine/__init__.py` (EngineCoreRequest, EngineCoreOutput, EngineCoreOutputs).
+Left out: data parallelism, pipeline-parallel batch queues, async scheduling (scheduling step N+1 while
+step N's outputs are processed: `_process_engine_step` is the place it would go), LoRA and multimodal
+inputs, and the ROUTER/DEALER handshake (one front end talks to one core over PUSH/PULL sockets).
+
+One step: `scheduler.schedule()` -> `model_runner.execute_model()` -> `sample()` ->
+`scheduler.update_from_output()` -> one EngineCoreOutput per request that got a token, plus the step's
+StepStats. The core knows token ids only: text, stop strings and per-request timestamps belong to the
+front end's OutputProcessor (output_processor.py).
+
+EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as vLLM does:
+
+    input thread:  socket -> decode -> input_queue          (serialisation off the busy loop)
+    busy loop:     drain input_queue (add / abort / utility) -> step() -> output_queue
+    output thread: output_queue -> encode -> socket
+
+An exception inside a step fails the requests that step was running (each gets an EngineCoreOutput with
+finish_reason "error"; their blocks are freed) and the loop goes on. Any other exception ends the loop:
+the core sends `engine_dead` and exits, and the front end fails every open request. In a process of its
+own, the core exits when its parent dies (PR_SET_PDEATHSIG on Linux, and a check of getppid() by the
+input thread on every platform), ignores SIGINT (Ctrl-C reaches the whole process group; the front end
+drains and then tells the core to stop) and names itself `EngineCore` for `ps -o comm`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import dataclasses
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import zmq
+
+from .config import EngineConfig
+from .request import Request, RequestStatus, SamplingParams
+from .sampler import sample
+from .scheduler import Scheduler, SchedulerOutput
+
+__all__ = [
+    "STEP_STATS_MAXLEN",
+    "EngineCore",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreProc",
+    "EngineCoreRequest",
+    "ModelRunnerLike",
+    "RequestType",
+    "StepStats",
+    "UtilityOutput",
+    "run_engine_core",
+]
+
+logger = logging.getLogger(__name__)
+
+# StepStats kept by a core: the newest this many steps (about 10 minutes of 25 ms steps), so a
+# long-running server's memory stays bounded; a consumer that needs every step reads them as they come.
+STEP_STATS_MAXLEN = 25_000
+
+# How often the input thread checks that the parent process is alive (seconds).
+_PARENT_POLL_S = 0.5
+
+
+class ModelRunnerLike(Protocol):
+    """What the core needs from a model runner."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
+        """Compute the scheduled tokens; return logits [R, V], row i for scheduled_requests[i]."""
+        ...
+
+
+class RequestType:
+    """The first frame of a message to the core (vLLM's EngineCoreRequestType)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x02"
+    SHUTDOWN = b"\x03"
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
+    """A request as the core receives it: token ids and SamplingParams (every field of the dataclass is
+    carried, so a new sampling field needs no change here). `arrival_time`: time.monotonic() seconds at
+    the front end."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+    """What one step produced for one request.
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens produced this step (one, in this engine; none for an error).
+        finish_reason: None while running; "stop" | "length" | "abort" when it ended this step;
+            "error" when the step failed (its blocks are freed), "rejected" when the core refused the
+            request when it was added (`error` says why).
+        error: the message of "error" / "rejected".
+        new_logprobs: `[sampled, prompt]` TokenLogprobs in wire form (`_logprobs_payload`); None when
+            the request asked for no logprobs.
+        num_cached_tokens: prompt tokens the prefix cache served at the request's latest admission.
+        num_preemptions: times the request was preempted so far.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None = None
+    error: str | None = None
+    new_logprobs: Any = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """The request ended with this output."""
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's scheduling and cache numbers (vLLM's SchedulerStats per step).
+
+    Attributes:
+        step_index: 0, 1, 2, ... over the core's life.
+        num_scheduled_tokens: request_id -> tokens computed this step.
+        num_prefill_tokens, num_decode_tokens: split of the step's tokens (see SchedulerOutput).
+        num_running, num_waiting: queue sizes after the step (vLLM's num_requests_running / _waiting).
+        num_free_blocks: free KV blocks after the step.
+        kv_cache_usage: used / total blocks after the step, in [0, 1].
+        num_preemptions: requests preempted in this step.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found at this step's admissions.
+        step_time_ms: wall time of the step (perf_counter), milliseconds.
+    """
+
+    step_index: int
+    num_scheduled_tokens: dict[str, int]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    step_time_ms: float
+
+
+class UtilityOutput(msgspec.Struct, array_like=True):
+    """The answer to a utility call (`reset_prefix_cache`): `call_id` as sent, `result` or `error`."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
+    """One message from the core.
+
+    Attributes:
+        outputs: one EngineCoreOutput per request that got a token or ended.
+        step_stats: the step's StepStats; None when no step ran (an answer to inputs alone).
+        step_start, step_end: time.monotonic() seconds around the step (0 when none ran).
+        num_running, num_waiting, kv_cache_usage: the scheduler after the step or the inputs, for the
+            gauges.
+        step_error: the exception of a step that failed ("Type: message"), else None.
+        utility_output: the answer to a utility call, else None.
+        engine_dead: set when the core's loop ended with an error (the last message it sends).
+        ready: set once, by a core that finished loading (the startup handshake).
+    """
+
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list[EngineCoreOutput])
+    step_stats: StepStats | None = None
+    step_start: float = 0.0
+    step_end: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    step_error: str | None = None
+    utility_output: UtilityOutput | None = None
+    engine_dead: str | None = None
+    ready: bool = False
+
+
+class EngineCore:
+    """The scheduler, the KV cache manager and the model runner; `step()` runs one engine step.
+
+    Args:
+        config: EngineConfig.
+        model_runner: anything with execute_model(SchedulerOutput) -> logits [R, V].
+        num_blocks: KV blocks the runner allocated; None takes config.num_kv_blocks.
+        max_model_len: most tokens per request; None takes config.max_model_len.
+        eos_token_id: the end-of-sequence id, or None.
+        extra_eos_token_ids: more end-of-sequence ids (a checkpoint may list several); like vLLM, they are
+            added to a request's stop_token_ids unless it sets ignore_eos.
+        max_step_stats: how many of the newest StepStats `step_stats` keeps.
+
+    Raises:
+        ValueError: num_blocks or max_model_len is neither given nor in the config, or max_step_stats < 1.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_runner: ModelRunnerLike,
+        *,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        eos_token_id: int | None = None,
+        extra_eos_token_ids: tuple[int, ...] = (),
+        max_step_stats: int = STEP_STATS_MAXLEN,
+    ) -> None:
+        blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
+        if blocks is None:
+            raise ValueError("num_blocks is required when config.num_kv_blocks is None")
+        model_len = max_model_len if max_model_len is not None else config.max_model_len
+        if model_len is None:
+            raise ValueError("max_model_len is required when config.max_model_len is None")
+        if max_step_stats < 1:
+            raise ValueError(f"max_step_stats must be >= 1, got {max_step_stats}")
+        self.config = config
+        self.model_runner = model_runner
+        self.eos_token_id = eos_token_id
+        self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
+        self.scheduler = Scheduler(config, blocks, model_len)
+        self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self.num_steps = 0
+
+    @classmethod
+    def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> EngineCore:
+        """Load a Hugging Face checkpoint folder's model into a core (the tokenizer stays with the front end).
+
+        Builds Model and ModelRunner, sizing the KV cache with config.num_blocks_for; the eos ids come
+        from tokenizer_config.json and config.json.
+
+        Raises:
+            ValueError / OSError: from loading, or a max_model_len above the checkpoint's.
+        """
+        from .model import Model
+        from .model_runner import ModelRunner
+        from .tokenizer import Tokenizer
+
+        cfg = config or EngineConfig()
+        model = Model.load(model_path, cfg.dtype)
+        max_model_len = cfg.resolve_max_model_len(model.config.max_position_embeddings)
+        bytes_per_block = ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype)
+        num_blocks = cfg.num_blocks_for(bytes_per_block)
+        runner = ModelRunner(model, cfg, num_blocks)
+        eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
+        eos = Tokenizer.load(model_path).eos_token_id
+        if eos is None and eos_ids:
+            eos = eos_ids[0]
+        return cls(
+            cfg,
+            runner,
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            eos_token_id=eos,
+            extra_eos_token_ids=eos_ids,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        """Most tokens (prompt + output) of one request."""
+        return self.scheduler.max_model_len
+
+    def add_request(self, request: EngineCoreRequest) -> Request:
+        """Queue a request; it runs from the next step.
+
+        Raises:
+            ValueError: empty prompt, negative ids, an id in use, a prompt over max_model_len, or a request
+                that cannot fit in the whole KV pool (see Scheduler.add_request).
+        """
+        params = request.sampling_params
+        extra = tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
+        if extra and not params.ignore_eos:
+            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+        engine_request = Request(request.request_id, request.prompt_token_ids, params, self.eos_token_id)
+        self.scheduler.add_request(engine_request)
+        return engine_request
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        """Any request waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix hash (vLLM's reset_prefix_cache); True when it was reset.
+
+        Refused (False, nothing changes) while any request holds blocks, as vLLM refuses it: the hashes
+        of blocks in use would be lost for requests that still extend them.
+        """
+        kv = self.scheduler.kv_cache_manager
+        if kv.num_free_blocks != kv.num_blocks:
+            return False
+        kv.block_pool.reset_prefix_cache()
+        return True
+
+    def snapshot(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        """`outputs` with the scheduler's queue sizes and KV usage filled in."""
+        outputs.num_running = self.scheduler.num_running
+        outputs.num_waiting = self.scheduler.num_waiting
+        outputs.kv_cache_usage = float(self.scheduler.kv_cache_manager.usage)
+        return outputs
+
+    def step(self, on_schedule: Callable[[], None] | None = None) -> EngineCoreOutputs:
+        """Run one engine step: schedule, execute, sample, update (empty outputs when nothing was scheduled).
+
+        `on_schedule` is called after scheduling, before the model runs (EngineCoreProc reports the new
+        queue sizes from there, so the gauges move when a request is admitted, not a step later).
+
+        Raises:
+            ValueError: the runner's logits are not [R, V]; anything the runner raises.
+        """
+        t0 = time.perf_counter()
+        start = time.monotonic()
+        kv = self.scheduler.kv_cache_manager
+        queries0, hits0 = kv.prefix_cache_queries, kv.prefix_cache_hits
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            return self.snapshot(EngineCoreOutputs())
+        if on_schedule is not None:
+            on_schedule()
+        logits = self.model_runner.execute_model(scheduler_output)  # [R, V]
+        reqs = scheduler_output.scheduled_requests
+        if logits.ndim != 2 or logits.shape[0] != len(reqs):
+            raise ValueError(
+                f"execute_model returned logits of shape {logits.shape}, expected [{len(reqs)}, V]"
+            )
+        rows = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r)]
+        sampled = sample(logits[rows], [reqs[i] for i in rows])
+        updates = self.scheduler.update_from_output(
+            scheduler_output, {reqs[i].request_id: t for i, t in zip(rows, sampled, strict=True)}
+        )
+        outputs = [
+            EngineCoreOutput(
+                request.request_id,
+                [token],
+                request.status.finish_reason,
+                new_logprobs=_logprobs_payload(request),
+                num_cached_tokens=request.num_cached_tokens,
+                num_preemptions=request.num_preemptions,
+            )
+            for request, token in updates
+        ]
+        stats = StepStats(
+            step_index=self.num_steps,
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=scheduler_output.num_decode_tokens,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=len(scheduler_output.preempted_request_ids),
+            prefix_cache_queries=kv.prefix_cache_queries - queries0,
+            prefix_cache_hits=kv.prefix_cache_hits - hits0,
+            step_time_ms=(time.perf_counter() - t0) * 1e3,
+        )
+        self.step_stats.append(stats)
+        self.num_steps += 1
+        result = EngineCoreOutputs(outputs, stats, start, time.monotonic())
+        return self.snapshot(result)
+
+    def fail_running(self, exc: BaseException) -> EngineCoreOutputs:
+        """After a step raised `exc`: abort the requests it was running (all unfinished ones when none
+        ran) and report each with finish_reason "error"."""
+        failed = [r.request_id for r in self.scheduler.running]
+        if not failed:
+            failed = list(self.scheduler.requests)
+        self.abort_requests(failed)
+        message = f"engine step failed: {type(exc).__name__}: {exc}"
+        outputs = [EngineCoreOutput(rid, [], "error", message) for rid in failed]
+        return self.snapshot(EngineCoreOutputs(outputs, step_error=f"{type(exc).__name__}: {exc}"))
+
+
+def _logprobs_payload(request: Request) -> list[Any] | None:
+    """The `new_logprobs` of a request's newest token: `[sampled, prompt]`, each TokenLogprobs.to_wire
+    lists or None: `sampled` when it asked for logprobs, `prompt` (every prompt token after the first)
+    with its first token when it asked for prompt logprobs. None when it asked for neither."""
+    params = request.sampling_params
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return None
+    n = request.num_output_tokens
+    sampled = None
+    if params.logprobs is not None and len(request.output_logprobs) >= n:
+        sampled = request.output_logprobs[n - 1].to_wire()
+    prompt = None
+    if params.prompt_logprobs is not None and n == 1:
+        prompt = [entry.to_wire() for entry in request.prompt_logprobs]
+    return [sampled, prompt]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The core behind sockets.
+# ---------------------------------------------------------------------------------------------------------
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_ids_decoder = msgspec.msgpack.Decoder(list[str])
+_utility_decoder = msgspec.msgpack.Decoder(tuple[int, str])
+
+_Input = tuple[bytes, Any]
+
+
+class EngineCoreProc:
+    """A core fed by an input thread and drained by an output thread; `run_busy_loop()` until shutdown.
+
+    Args:
+        core: the EngineCore.
+        input_address, output_address: ZMQ endpoints the front end bound (PUSH to the core's PULL,
+            PULL from the core's PUSH).
+        parent_pid: exit when the parent process is gone (None: no check, the core runs in a thread).
+    """
+
+    def __init__(
+        self, core: EngineCore, input_address: str, output_address: str, parent_pid: int | None = None
+    ) -> None:
+        self.core = core
+        self.parent_pid = parent_pid
+        self.input_queue: queue.Queue[_Input] = queue.Queue()
+        self.output_queue: queue.Queue[EngineCoreOutputs | None] = queue.Queue()
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        self._reported = (-1, -1)  # (num_running, num_waiting) of the last message
+        self._input_thread = threading.Thread(
+            target=self._process_input_socket, args=(input_address,), name="core-input", daemon=True
+        )
+        self._output_thread = threading.Thread(
+            target=self._process_output_socket, args=(output_address,), name="core-output", daemon=True
+        )
+
+    def run(self) -> None:
+        """Start the IO threads, announce readiness, run the busy loop; on a fatal error send engine_dead."""
+        self._input_thread.start()
+        self._output_thread.start()
+        self._push(EngineCoreOutputs(ready=True))
+        try:
+            self.run_busy_loop()
+        except BaseException as exc:
+            logger.exception("the engine core stopped")
+            self.output_queue.put_nowait(EngineCoreOutputs(engine_dead=f"{type(exc).__name__}: {exc}"))
+        finally:
+            self._stop.set()
+            self.output_queue.put_nowait(None)
+            self._output_thread.join(timeout=5)
+            self._input_thread.join(timeout=5)
+            self._ctx.term()
+
+    def run_busy_loop(self) -> None:
+        """vLLM's run_busy_loop: drain the inputs (blocking while idle), step, push the outputs."""
+        idle = True
+        while True:
+            if not self._process_input_queue(block=idle):
+                return
+            idle = not self._process_engine_step()
+
+    def _process_input_queue(self, block: bool) -> bool:
+        """Apply every waiting input; wait for one first when `block` (the last step scheduled nothing:
+        only an input can change that). False on shutdown."""
+        handled = False
+        while True:
+            try:
+                waiting = block and not handled
+                kind, payload = self.input_queue.get() if waiting else self.input_queue.get_nowait()
+            except queue.Empty:
+                break
+            if kind == RequestType.SHUTDOWN:
+                return False
+            self._handle_client_request(kind, payload)
+            handled = True
+        if handled and not self.core.has_unfinished_requests():
+            self._push(EngineCoreOutputs())  # the gauges go to 0
+        return True
+
+    def _push(self, outputs: EngineCoreOutputs) -> None:
+        """Queue a message for the output thread, with the scheduler's queue sizes."""
+        self.core.snapshot(outputs)
+        self._reported = (outputs.num_running, outputs.num_waiting)
+        self.output_queue.put_nowait(outputs)
+
+    def _report_schedule(self) -> None:
+        sched = self.core.scheduler
+        if (sched.num_running, sched.num_waiting) != self._reported:
+            self._push(EngineCoreOutputs())
+
+    def _handle_client_request(self, kind: bytes, payload: Any) -> None:
+        if kind == RequestType.ADD:
+            request: EngineCoreRequest = payload
+            try:
+                self.core.add_request(request)
+            except ValueError as exc:  # refused (e.g. larger than the whole KV pool): a client error
+                rejected = EngineCoreOutput(request.request_id, [], "rejected", str(exc))
+                self._push(EngineCoreOutputs([rejected]))
+        elif kind == RequestType.ABORT:
+            self.core.abort_requests(payload)
+        elif kind == RequestType.UTILITY:
+            call_id, method = payload
+            answer = UtilityOutput(call_id)
+            if method == "reset_prefix_cache":
+                answer.result = self.core.reset_prefix_cache()
+            else:
+                answer.error = f"unknown utility method {method!r}"
+            self._push(EngineCoreOutputs(utility_output=answer))
+
+    def _process_engine_step(self) -> bool:
+        """One step and its outputs; False when it scheduled nothing (the loop then waits for an input)."""
+        if not self.core.has_unfinished_requests():
+            return False
+        try:
+            outputs = self.core.step(self._report_schedule)
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests it was running")
+            self._push(self.core.fail_running(exc))
+            return True
+        if outputs.step_stats is None:
+            return False
+        self._push(outputs)
+        return True
+
+    # -- IO threads: serialisation off the busy loop ---------------------------------------------------
+
+    def _parent_alive(self) -> bool:
+        return self.parent_pid is None or os.getppid() == self.parent_pid
+
+    def _process_input_socket(self, address: str) -> None:
+        sock = self._ctx.socket(zmq.PULL)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        try:
+            while not self._stop.is_set():
+                if not sock.poll(int(_PARENT_POLL_S * 1000)):
+                    if not self._parent_alive():
+                        logger.error("the front-end process is gone; the engine core exits")
+                        os._exit(1)
+                    continue
+                kind, data = sock.recv_multipart(copy=False)
+                kind_bytes = bytes(kind.buffer)
+                if kind_bytes == RequestType.ADD:
+                    payload: Any = _request_decoder.decode(data.buffer)
+                elif kind_bytes == RequestType.ABORT:
+                    payload = _ids_decoder.decode(data.buffer)
+                elif kind_bytes == RequestType.UTILITY:
+                    payload = _utility_decoder.decode(data.buffer)
+                else:
+                    payload = None
+                self.input_queue.put_nowait((kind_bytes, payload))
+                if kind_bytes == RequestType.SHUTDOWN:
+                    return
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            sock.close(linger=0)
+
+    def _process_output_socket(self, address: str) -> None:
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)  # the last messages (engine_dead) get a second to leave
+        sock.connect(address)
+        buffer = bytearray()
+        try:
+            while True:
+                outputs = self.output_queue.get()
+                if outputs is None:
+                    return
+                _encoder.encode_into(outputs, buffer)
+                sock.send(buffer, copy=True)
+        finally:
+            sock.close()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The process entry.
+# ---------------------------------------------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Linux: SIGKILL this process when its parent exits (prctl PR_SET_PDEATHSIG); name it EngineCore."""
+    libc_name = ctypes.util.find_library("c")
+    if libc_name is not None:
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(libc_name, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            libc.prctl(_PR_SET_NAME, b"EngineCore", 0, 0, 0)
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def run_engine_core(
+    model_path: str,
+    config: EngineConfig,
+    input_address: str,
+    output_address: str,
+    parent_pid: int,
+    cpu: int | None = None,
+) -> None:
+    """The engine-core process: load the checkpoint, then serve the front end until it says stop or dies.
+
+    `cpu`: pin the process to this CPU (os.sched_setaffinity), None leaves it to the OS. A load failure
+    is sent as engine_dead (the front end reports it) and the process exits 1.
+    """
+    _die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C: the front end drains, then stops the core
+    if cpu is not None and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {cpu})
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s engine core: %(message)s")
+    try:
+        core = EngineCore.from_pretrained(model_path, config)
+    except Exception as exc:
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 2000)
+        sock.connect(output_address)
+        sock.send(_encoder.encode(EngineCoreOutputs(engine_dead=f"{type(exc).__name__}: {exc}")))
+        sock.close()
+        ctx.term()
+        os._exit(1)
+    EngineCoreProc(core, input_address, output_address, parent_pid).run()

@@ -1,0 +1,292 @@
+"""EngineCoreClient: how a front end reaches an EngineCore, in its own process or beside it.
+
+Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`. Two clients, as vLLM has:
+
+- `InprocClient`: the core in the caller's thread; `get_output()` runs one `step()`. LLMEngine (offline:
+  `generate`, `bench-engine`) uses it, as vLLM's LLMEngine does without multiprocessing.
+- `MPClient`: the core behind two ZMQ sockets (msgpack through msgspec, vLLM's transport): add / abort /
+  utility calls go out on a PUSH socket, EngineCoreOutputs come back on a PULL socket. `launch_process`
+  starts the core in a child process (serve, `harness --backend engine`); `launch_thread` runs the very
+  same EngineCoreProc in a thread of this process (tests that hold a step or read the scheduler).
+  Left out: vLLM's ROUTER/DEALER identities (one front end per core), data-parallel clients.
+
+The front end binds both sockets before the core starts (no connect race), on abstract-namespace IPC
+addresses (`ipc://@...`, Linux; nothing on disk to clean up after a SIGKILL) or TCP loopback elsewhere.
+`get_output()` waits on the output socket and on the core's liveness together: for a process, its
+sentinel fd is polled beside the socket, so a dead core is seen at once and raises EngineDeadError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import multiprocessing
+import os
+import sys
+import threading
+import uuid
+from concurrent.futures import Future
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import msgspec
+import zmq
+
+from .config import EngineConfig
+from .core import (
+    EngineCore,
+    EngineCoreOutputs,
+    EngineCoreProc,
+    EngineCoreRequest,
+    RequestType,
+    run_engine_core,
+)
+from .request import Request
+
+__all__ = ["EngineDeadError", "InprocClient", "MPClient"]
+
+# How long get_output() waits on the socket before checking a thread-run core is alive (ms).
+_POLL_MS = 100
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core is gone (killed, out of memory, or its loop failed); no request can be served
+    (vLLM's EngineDeadError)."""
+
+
+class InprocClient:
+    """The core in this thread: requests apply at once, `get_output()` runs one step."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def add_request(self, request: EngineCoreRequest) -> Request:
+        """Queue a request in the core; the core's Request. Raises ValueError when the core refuses it."""
+        return self.core.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests and free their blocks now."""
+        self.core.abort_requests(request_ids)
+
+    def get_output(self) -> EngineCoreOutputs:
+        """One engine step's outputs (empty when nothing was scheduled)."""
+        return self.core.step()
+
+    def reset_prefix_cache(self) -> bool:
+        """See EngineCore.reset_prefix_cache."""
+        return self.core.reset_prefix_cache()
+
+
+def _addresses() -> tuple[str, str]:
+    if sys.platform.startswith("linux"):
+        tag = f"attention-kv-caceh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return f"ipc://@{tag}-input", f"ipc://@{tag}-output"
+    return "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
+
+
+class MPClient:
+    """A core behind ZMQ sockets, started by `launch_process` or `launch_thread`.
+
+    Thread-safe senders (`add_request`, `abort_requests`, `call_utility`) and one reader: the thread that
+    calls `get_output()` (AsyncLLM's output thread). `call_utility` returns a Future that get_output()
+    resolves when the answer arrives.
+    """
+
+    def __init__(self) -> None:
+        self._ctx = zmq.Context()
+        self._input = self._ctx.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._output = self._ctx.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        input_address, output_address = _addresses()
+        self._input.bind(input_address)
+        self._output.bind(output_address)
+        self.input_address = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._send_lock = threading.Lock()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+        self._poller = zmq.Poller()
+        self._poller.register(self._output, zmq.POLLIN)
+        self._call_ids = itertools.count()
+        self._calls: dict[int, Future[Any]] = {}
+        self.process: BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        self.proc: EngineCoreProc | None = None
+        self.dead: str | None = None
+        self._closed = False
+
+    # -- starting the core -----------------------------------------------------------------------------
+
+    @classmethod
+    def launch_process(
+        cls,
+        model_path: str,
+        config: EngineConfig,
+        *,
+        cpu: int | None = None,
+        startup_timeout_s: float = 600.0,
+    ) -> MPClient:
+        """Start `run_engine_core` in a child process (spawned: a fresh interpreter) and wait until it has
+        loaded the checkpoint. Raises EngineDeadError when it fails to load or exits before."""
+        client = cls()
+        ctx = multiprocessing.get_context("spawn")
+        client.process = ctx.Process(
+            target=run_engine_core,
+            args=(model_path, config, client.input_address, client.output_address, os.getpid(), cpu),
+            name="EngineCore",
+            daemon=True,
+        )
+        client.process.start()
+        client._poller.register(client.process.sentinel, zmq.POLLIN)
+        client._wait_ready(startup_timeout_s)
+        return client
+
+    @classmethod
+    def launch_thread(cls, core: EngineCore) -> MPClient:
+        """Run `core` under an EngineCoreProc in a daemon thread of this process (same sockets, same loop)."""
+        client = cls()
+        client.proc = EngineCoreProc(core, client.input_address, client.output_address)
+        client.thread = threading.Thread(target=client.proc.run, name="engine-core", daemon=True)
+        client.thread.start()
+        client._wait_ready(60.0)
+        return client
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        try:
+            while True:
+                outputs = self.get_output(timeout_s)
+                if outputs is None:
+                    raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
+                if outputs.ready:
+                    return
+        except EngineDeadError:
+            self.close()
+            raise
+
+    # -- state -----------------------------------------------------------------------------------------
+
+    @property
+    def is_alive(self) -> bool:
+        """The core runs (its process or thread is alive) and never reported a fatal error."""
+        if self.dead is not None or self._closed:
+            return False
+        if self.process is not None:
+            return self.process.is_alive()
+        return self.thread is not None and self.thread.is_alive()
+
+    def _core_gone(self) -> str | None:
+        if self.process is not None and not self.process.is_alive():
+            return f"the engine core process exited (exit code {self.process.exitcode})"
+        if self.thread is not None and not self.thread.is_alive():
+            return "the engine core thread stopped"
+        return None
+
+    # -- sending ---------------------------------------------------------------------------------------
+
+    def _send(self, kind: bytes, payload: Any) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        data = self._encoder.encode(payload)
+        with self._send_lock:
+            if self._closed:
+                raise EngineDeadError("the engine core was shut down")
+            try:
+                self._input.send_multipart((kind, data), flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again as exc:  # the core stopped reading
+                raise EngineDeadError("the engine core does not accept input") from exc
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request to the core. Raises EngineDeadError when the core is gone."""
+        self._send(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Ask the core to abort requests (applied before its next step); no-op on a dead core."""
+        if request_ids and self.dead is None and not self._closed:
+            with contextlib.suppress(EngineDeadError):
+                self._send(RequestType.ABORT, request_ids)
+
+    def call_utility(self, method: str) -> Future[Any]:
+        """Call a core method by name (`reset_prefix_cache`); the Future holds its result, or
+        EngineDeadError / RuntimeError."""
+        future: Future[Any] = Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(RequestType.UTILITY, (call_id, method))
+        except EngineDeadError as exc:
+            self._calls.pop(call_id, None)
+            future.set_exception(exc)
+        return future
+
+    # -- receiving -------------------------------------------------------------------------------------
+
+    def get_output(self, timeout_s: float | None = None) -> EngineCoreOutputs | None:
+        """The core's next message, or None after `timeout_s` (None: wait for ever).
+
+        Utility answers are resolved here (and still returned). Raises EngineDeadError when the core is
+        gone or reported a fatal error; every pending utility call fails with it.
+        """
+        waited = 0.0
+        while True:
+            if self.dead is not None:
+                raise EngineDeadError(self.dead)
+            if self._closed and self._core_gone() is not None:
+                self._mark_dead("the engine core was shut down")
+                raise EngineDeadError(self.dead)
+            events = dict(self._poller.poll(_POLL_MS))
+            if self._output in events:
+                outputs = self._decoder.decode(self._output.recv(copy=False).buffer)
+                if outputs.utility_output is not None:
+                    answer = outputs.utility_output
+                    future = self._calls.pop(answer.call_id, None)
+                    if future is not None:
+                        if answer.error is not None:
+                            future.set_exception(RuntimeError(answer.error))
+                        else:
+                            future.set_result(answer.result)
+                if outputs.engine_dead is not None:
+                    self._mark_dead(f"the engine core failed: {outputs.engine_dead}")
+                    raise EngineDeadError(self.dead)
+                return outputs
+            gone = self._core_gone()
+            if gone is not None:
+                self._mark_dead(gone)
+                raise EngineDeadError(gone)
+            waited += _POLL_MS / 1000
+            if timeout_s is not None and waited >= timeout_s:
+                return None
+
+    def _mark_dead(self, reason: str) -> None:
+        self.dead = reason
+        calls, self._calls = self._calls, {}
+        for future in calls.values():
+            future.set_exception(EngineDeadError(reason))
+
+    # -- stopping --------------------------------------------------------------------------------------
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Tell the core to stop and wait up to `timeout_s` for it; kill a process that outlives that
+        (idempotent). The reader's get_output() then raises EngineDeadError; `close()` the sockets after
+        the reader has stopped."""
+        with self._send_lock:
+            if self._closed:
+                return
+            if self.dead is None:
+                with contextlib.suppress(zmq.ZMQError):
+                    self._input.send_multipart((RequestType.SHUTDOWN, b""), flags=zmq.NOBLOCK)
+            self._closed = True
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        if self.process is not None:
+            self.process.join(timeout_s)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(5)
+
+    def close(self) -> None:
+        """Close the sockets (after shutdown() and after the reader stopped)."""
+        self.shutdown(0.0)
+        self._input.close(linger=0)
+        self._output.close(linger=0)
+        self._ctx.term()
