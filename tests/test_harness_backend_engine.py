@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 from pathlib import Path
 from unittest import mock
@@ -34,6 +35,15 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` runs; a zombie (exited, not yet reaped by whoever adopted it) has stopped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return _alive(pid) if not Path("/proc").is_dir() else False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _kill_if_alive(pid: int) -> None:
@@ -139,9 +149,44 @@ class HarnessEngineProcessTest(unittest.TestCase):
                 self.assertEqual(proc.returncode, code, err)
                 self.assertFalse(_alive(pid))
 
+    @unittest.skipUnless(sys.platform.startswith("linux"), "PR_SET_PDEATHSIG is Linux's")
+    def test_a_sigkilled_harness_takes_its_server_with_it(self) -> None:
+        proc, pid = self.start(
+            *("--num-requests", "8", "--concurrency", "8", "--output-len", "1500", "--ignore-eos")
+        )
+        proc.kill()  # SIGKILL: the harness cannot stop its server itself
+        proc.wait(timeout=60)  # not communicate(): a surviving server would hold the stderr pipe open
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        deadline = time.monotonic() + 120  # the server's own SIGTERM shutdown, on a loaded machine
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.assertFalse(_running(pid), "the server outlived its killed harness")
+
+    def test_requests_beyond_the_models_context_are_refused_before_the_server_starts(self) -> None:
+        cases = {  # the tiny checkpoint's max_position_embeddings, or --max-model-len
+            "--prompt-len": ["--max-model-len", "16", "--prompt-len", "32", "--output-len", "4"],
+            "--output-len": ["--max-model-len", "16", "--prompt-len", "8", "--output-len", "9"],
+            "max_position_embeddings": ["--prompt-len", "100000"],
+        }
+        starter = mock.Mock(side_effect=AssertionError("a server was started"))
+        for expected, flags in cases.items():
+            with (
+                self.subTest(expected),
+                mock.patch("attention_kv_caceh.harness.engine_server.serve_process", starter),
+            ):
+                err = io.StringIO()
+                with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                    code = main(["harness", "--backend", "engine", "--model", str(self.model), *flags])
+                self.assertEqual(code, 2, err.getvalue())
+                self.assertIn(expected, err.getvalue())
+                self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
+        starter.assert_not_called()
+
     def test_a_failing_run_exits_1_and_stops_the_server(self) -> None:
-        # prompts longer than --max-model-len: the smoke test's request is refused (HTTP 400)
-        proc, pid = self.start(*("--max-model-len", "16", "--prompt-len", "32", "--output-len", "4"))
+        # a per-request timeout no request can meet: the smoke test (or model discovery) fails
+        proc, pid = self.start(*("--timeout", "0.001", "--prompt-len", "8", "--output-len", "4"))
         _, err = proc.communicate(timeout=120)
         self.assertEqual(proc.returncode, 1, err)
         self.assertIn("error", err)

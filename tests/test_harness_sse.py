@@ -94,6 +94,31 @@ class DecoderTest(unittest.TestCase):
         with self.assertRaises(MalformedSSEError):
             decode(b"data: \xff\xfe\n\n")
 
+    def test_chunks_of_the_wrong_shape_are_malformed_not_skipped(self) -> None:
+        bad = {
+            "choices a string": {"choices": "nope"},
+            "a null choice": {"choices": [None]},
+            "a number as text": {"choices": [{"text": 5}]},
+            "a list as delta": {"choices": [{"delta": [1]}]},
+            "a number as content": {"choices": [{"delta": {"content": 7}}]},
+            "an object as finish_reason": {"choices": [{"text": "a", "finish_reason": {}}]},
+        }
+        for name, obj in bad.items():
+            with self.subTest(name), self.assertRaises(MalformedSSEError):
+                decode(completion_chunk("a"), sse(obj), DONE)
+        with self.assertRaises(InvalidUsageError):
+            decode(completion_chunk("a"), sse({"choices": [], "usage": 5}), DONE)
+        # null fields and an absent or null `choices` stay what they were: no token, no failure
+        decoder, counts = decode(
+            sse({"choices": None}),
+            sse({"choices": [{"text": None, "finish_reason": None}]}),
+            completion_chunk("a"),
+            sse({"choices": [{"delta": None, "text": "b"}], "usage": None}),
+            DONE,
+        )
+        self.assertEqual(counts, [1, 1])
+        self.assertTrue(decoder.done)
+
     def test_events_before_an_error_in_the_same_read_are_kept(self) -> None:
         decoder = OpenAIStreamDecoder()
         counts = decoder.feed(completion_chunk("a") + b"data: {oops\n\n" + completion_chunk("b"))

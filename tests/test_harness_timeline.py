@@ -8,6 +8,7 @@ import unittest
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.lines import Line2D
+from matplotlib.patches import Rectangle
 
 from attention_kv_caceh.harness.backends import ServerSample
 from attention_kv_caceh.harness.load import arrival_offsets_s
@@ -53,6 +54,28 @@ class TimelineServerLinesTest(unittest.TestCase):
             assert legend is not None
             box, panel = legend.get_window_extent(), bottom.get_window_extent()
             self.assertGreaterEqual(box.x0, panel.x1)  # beside the panel, not over the curves
+        finally:
+            plt.close(fig)
+
+
+class TimelineRequestBarsTest(unittest.TestCase):
+    def test_lateness_and_queue_are_separate_bars(self) -> None:
+        r = RequestRecord(0, 0, 1, dispatch_ns=5 * MS, sent_ns=12 * MS)
+        r.add_token_event(20 * MS, 1)
+        r.add_token_event(30 * MS, 1)
+        r.status = "ok"
+        result = result_with_samples([])
+        result.records = [r]
+        fig = draw_timeline(result)
+        try:
+            spans = sorted(
+                (round(p.get_x(), 6), round(p.get_x() + p.get_width(), 6))
+                for p in fig.axes[0].patches
+                if isinstance(p, Rectangle)
+            )
+            # lateness 0-5, queue 5-12, TTFT 12-20, decoding 20-30; never one bar for 0-12
+            self.assertEqual(spans, [(0.0, 5.0), (5.0, 12.0), (12.0, 20.0), (20.0, 30.0)])
+            self.assertIn("lateness", fig.axes[0].get_title())
         finally:
             plt.close(fig)
 

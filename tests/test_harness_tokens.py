@@ -193,5 +193,30 @@ class NonTextDeltaTest(StreamTestCase):
         self.assertEqual(record.tokens_per_event, [1, 1])
 
 
+class MoreTokensThanAskedTest(unittest.IsolatedAsyncioTestCase):
+    async def test_a_server_streaming_past_max_tokens_is_warned_about(self) -> None:
+        from attention_kv_caceh.harness.load import LengthRange
+        from attention_kv_caceh.harness.run import HarnessConfig, run_harness
+        from attention_kv_caceh.harness.scripted_server import timed_token_script
+
+        async with ScriptedServer(lambda payload, path: timed_token_script(0, 0, 2000)) as server:
+            config = HarnessConfig(
+                backend="openai-completions",
+                base_url=server.base_url,
+                num_requests=3,
+                output_len=LengthRange(16, 16),
+                server_metrics_interval_s=0,
+            )
+            result = await run_harness(config)
+        self.assertEqual(result.summary["completed"], 3)  # well-formed streams: still ok
+        self.assertEqual(result.summary["num_over_requested_output"], 3)
+        for record in result.records:
+            line = record.to_json()
+            self.assertEqual((line["requested_output_tokens"], line["output_tokens"]), (16, 2000))
+        warnings = [w for w in result.summary["warnings"] if "max_tokens" in w]
+        self.assertEqual(len(warnings), 1, result.summary["warnings"])
+        self.assertIn("2000", warnings[0])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -42,6 +42,7 @@ from attention_kv_caceh.harness.run import (
     BACKENDS,
     MAX_REQUESTS,
     MAX_TOKENS,
+    ContextLengthError,
     HarnessConfig,
     ModelDiscoveryError,
     RunResult,
@@ -252,7 +253,7 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     key_env: str = args.api_key_env
     engine = args.backend == ENGINE_BACKEND
     base_url = harness_engine.check_usage(args)  # the engine's own URL replaces it once it serves
-    return HarnessConfig(
+    config = HarnessConfig(
         backend="openai-completions" if engine else args.backend,
         base_url=base_url,
         model="" if engine else args.model,
@@ -278,6 +279,9 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         dataset=args.dataset,
         workload=Workload(args.workload, args.num_prefixes, args.prefix_len, args.turns),
     )
+    if engine:
+        harness_engine.check_context(args, config)
+    return config
 
 
 def _check_outputs(args: argparse.Namespace) -> None:
@@ -318,8 +322,10 @@ async def _run_until_write_fails(
 def run(args: argparse.Namespace) -> int:
     """Run the harness from parsed `args`; print the table; write files. Returns the exit code:
     0 ok; 1 a runtime failure (server unreachable or not started, smoke test failed, a request failed,
-    an output could not be written), reported as one line on stderr; 130 interrupted. Raises UsageError
-    for bad input (before any file is created or any server started)."""
+    an output could not be written), reported as one line on stderr; 2 requests beyond the context the
+    server's GET /v1/models names (before any request); 130 interrupted. Raises UsageError for bad input
+    (before any file is created or any server started), a --prompt-len / --output-len beyond the
+    --backend engine checkpoint's context included."""
     config = config_from_args(args)
     _check_outputs(args)
     if args.backend != ENGINE_BACKEND:
@@ -384,6 +390,10 @@ def _run(
             progress.close()
             error(exc)
             return 1
+        except ContextLengthError as exc:  # bad input, known once the server named its context
+            progress.close()
+            error(exc)
+            return 2
         except KeyboardInterrupt:
             # A second Ctrl-C (a terminal sends one to `uv` too, which forwards it) must not cut short
             # the save of what the run finished: SIGINT is ignored from here to the end.

@@ -21,11 +21,14 @@ from attention_kv_caceh.cli.common import OneLineParser, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, engine_flags_given
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.harness.config import HarnessConfig
 from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
+from attention_kv_caceh.harness.run import context_problem
 
 __all__ = [
     "ENGINE_BACKEND",
     "add_arguments",
+    "check_context",
     "check_usage",
     "engine_flags",
     "format_engine_steps",
@@ -70,6 +73,27 @@ def check_usage(args: argparse.Namespace) -> str:
             "(use --backend openai-completions to reach a running one)"
         )
     return _DEFAULT_BASE_URL
+
+
+def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
+    """UsageError when `config`'s synthetic requests cannot fit the model's context, which the server
+    would refuse request by request (HTTP 400): a --prompt-len of max_model_len tokens or more, or
+    --prompt-len + --output-len above it. max_model_len is --max-model-len when given, else the
+    checkpoint's `max_position_embeddings`. A config.json the engine cannot read is left to `serve` to
+    report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
+    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.model_config import ModelConfig
+
+    try:
+        folder = Path(args.model)
+        checkpoint = ModelConfig.from_hf_config(read_config_json(folder), folder / "config.json")
+    except (CheckpointError, ValueError, OSError):
+        return
+    limit: int = args.max_model_len or checkpoint.max_position_embeddings
+    source = "--max-model-len" if args.max_model_len else "the checkpoint's max_position_embeddings"
+    message = context_problem(config, limit, f"max_model_len {limit} ({source})")
+    if message is not None:
+        raise UsageError(message)
 
 
 def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[str, Any]:

@@ -38,6 +38,18 @@ def _fmt(value: Any, width: int = 9) -> str:
     return f"{float(value):>{width}.2f}"
 
 
+def _server_peaks(summary: dict[str, Any]) -> str:
+    """The server's peaks, or why there are none (not polled, or too few /metrics samples)."""
+    samples = summary.get("server_metrics_samples")
+    running, waiting = summary.get("peak_server_running"), summary.get("peak_server_waiting")
+    if running is None and waiting is None and samples is not None:
+        return f"peak server running/waiting: not reported (only {samples} /metrics samples: too few)"
+    return (
+        f"peak server running: {_fmt(running, 0)}   peak server waiting: {_fmt(waiting, 0)}   "
+        f"(server: {summary.get('server_metrics_source') or 'not polled'})"
+    )
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width text table (ms), with throughput and server lines above it."""
     lines = [
@@ -46,10 +58,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",
-        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   "
-        f"peak server running: {_fmt(summary.get('peak_server_running'), 0)}   "
-        f"peak server waiting: {_fmt(summary.get('peak_server_waiting'), 0)}   "
-        f"(server: {summary.get('server_metrics_source') or 'not polled'})",
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   " + _server_peaks(summary),
     ]
     if summary.get("request_goodput") is not None:
         lines.append(

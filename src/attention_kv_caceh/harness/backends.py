@@ -13,6 +13,8 @@ the record, which is then written like any other (see `records.FAILURE_KINDS`).
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Literal, Protocol
@@ -220,6 +222,35 @@ class OpenAIBackend:
         self.max_event_bytes = max_event_bytes
         self.keep_answers = keep_answers
         self.answers: dict[int, str] = {}
+        self._bodies: dict[int, tuple[RequestSpec, bytes]] = {}  # request_id -> (spec, its JSON body)
+
+    def prepare(self, specs: Sequence[RequestSpec]) -> None:
+        """Encode the JSON bodies of `specs` now, so that sending one costs no encoding (a long
+        prompt's body takes a while to encode, and at a burst every encoding delays the next send)."""
+        self._bodies = {spec.request_id: (spec, self._body(spec)) for spec in specs}
+
+    def _body(self, spec: RequestSpec) -> bytes:
+        """The encoded body of `spec`: prepared (when `spec` itself was prepared), else encoded now."""
+        prepared = self._bodies.get(spec.request_id)
+        if prepared is not None and prepared[0] is spec:
+            return prepared[1]
+        return json.dumps(self.payload(spec)).encode()
+
+    async def open_connections(self, n: int) -> int:
+        """Open up to `n` keep-alive connections to the server now (concurrent `GET /v1/models`, each
+        answer read to its end), so that a burst of requests reuses them instead of connecting while
+        the clock runs. Returns how many answered; failures are left to the requests to meet."""
+        models = self.url.rsplit("/v1/", 1)[0] + "/v1/models"
+
+        async def one() -> bool:
+            try:
+                async with self.session.get(models, headers=self.headers, timeout=self.timeout) as response:
+                    await response.read()
+                    return True
+            except (aiohttp.ClientError, TimeoutError):
+                return False
+
+        return sum(await asyncio.gather(*(one() for _ in range(n))))
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
         """The JSON body of one streamed request."""
@@ -245,7 +276,7 @@ class OpenAIBackend:
         answer = AnswerText() if self.keep_answers else None
         try:
             async with self.session.post(
-                self.url, json=self.payload(spec), headers=self.headers, timeout=self.timeout
+                self.url, data=self._body(spec), headers=self.headers, timeout=self.timeout
             ) as response:
                 record.http_status = response.status
                 if response.status != 200:

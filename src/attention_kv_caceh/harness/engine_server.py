@@ -5,7 +5,8 @@
 share an interpreter with the load generator), reads the `serving NAME at URL` line it prints once the
 checkpoint is loaded and the socket listens, waits for `GET /health` to answer 200, and yields a
 ServerProcess (its base URL `http://127.0.0.1:PORT`, no `/v1`; its pid; its argv). On exit it sends SIGTERM (the server drains and exits 0), then
-SIGKILL if the child is still alive after `stop_timeout_s`. The child's stderr goes to the parent's unless
+SIGKILL if the child is still alive after `stop_timeout_s`. If the harness itself is killed (SIGKILL, a
+crash), the child gets SIGTERM from the kernel (`die_with_parent`, Linux), so no server is orphaned. The child's stderr goes to the parent's unless
 redirected. `engine_step_summary(base_url)` reads the server's `GET /debug/step_stats` (the engine's own
 StepStats) before the stop: the exact peaks of num_running / num_waiting and the engine's step times.
 """
@@ -13,7 +14,9 @@ StepStats) before the stop: the exact peaks of num_running / num_waiting and the
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -22,7 +25,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -32,6 +35,7 @@ from attention_kv_caceh.harness.summary import stats_with_vllm_names
 __all__ = [
     "ServerProcess",
     "ServerStartError",
+    "die_with_parent",
     "engine_step_summary",
     "serve_command",
     "serve_process",
@@ -67,6 +71,32 @@ def serve_command(model_dir: str | Path, engine_flags: Sequence[str] = ()) -> li
         "0",
         *engine_flags,
     ]
+
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that makes a child process get SIGTERM when this process dies, even by SIGKILL
+    (Linux `prctl(PR_SET_PDEATHSIG)`; the child's SIGTERM handler then stops it as usual). None where
+    prctl is not available (not Linux): there a killed parent's child must be stopped by hand.
+
+    The signal follows the *thread* that started the child: call Popen from the main thread. If this
+    process died between the fork and the prctl, the child stops itself at once."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # looked up here, not in the forked child
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the parent is already gone: no signal will come
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
 
 
 def _pump(stream: IO[str], lines: queue.Queue[str | None]) -> None:
@@ -122,7 +152,9 @@ def serve_process(
     SIGKILL after `stop_timeout_s`. `stderr`: where the child's stderr goes (None: the parent's).
     """
     command = serve_command(model_dir, engine_flags)
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=die_with_parent()
+    )
     assert proc.stdout is not None
     lines: queue.Queue[str | None] = queue.Queue()
     reader = threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True)

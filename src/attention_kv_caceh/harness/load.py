@@ -149,6 +149,7 @@ async def _one_request(
     if delay_s > 0:
         await asyncio.sleep(delay_s)
     record = RequestRecord(spec.request_id, arrival_ns, spec.prompt_tokens)
+    record.requested_output_tokens = spec.output_tokens
     record.dispatch_ns = perf_counter_ns()
     async with gate:
         record.sent_ns = perf_counter_ns()
@@ -222,6 +223,7 @@ async def smoke_test(backend: Backend, spec: RequestSpec, target: str) -> Reques
     Raises SmokeTestError with the failure kind, HTTP status and error text, naming `target`.
     """
     record = RequestRecord(spec.request_id, perf_counter_ns(), spec.prompt_tokens)
+    record.requested_output_tokens = spec.output_tokens
     record.sent_ns = record.arrival_ns
     await backend.generate(spec, record)
     if not record.ok:

@@ -8,7 +8,8 @@ order of preference: a local `--tokenizer DIR` (its `tokenizer.json`, read with 
 library), else the server's `POST /tokenize` and `POST /detokenize` (vLLM, SGLang). Without either,
 the prompt is N words, an approximation; the summary then says once how far the server's count was
 from it. For chat, the server's /tokenize counts the chat template too; a local tokenizer.json cannot
-(it has no template), so the server's count is recorded and a difference beyond 2 % is warned about.
+(it has no template), so chat prompts built with it are exact only where the server's usage confirms
+it (`run.py`): otherwise the run reports `prompt_lengths: "approximate"` and says why.
 """
 
 from __future__ import annotations
@@ -174,11 +175,13 @@ async def exact_prompts(
 ) -> list[RequestSpec]:
     """`specs` with prompts of exactly `prompt_tokens` tokens of `tokenizer` (as ids when `token_ids`),
     each with `prompt_tokens_checked` set to the count checked. Dataset prompts (`from_dataset`) keep
-    their text and get their count. Raises what the tokenizer raises."""
+    their text; their count becomes both the requested and the checked length (the requested length of
+    a dataset prompt was its word count, a guess). Raises what the tokenizer raises."""
     out: list[RequestSpec] = []
     for spec in specs:
         if spec.from_dataset:
-            out.append(replace(spec, prompt_tokens_checked=await tokenizer.count(spec.prompt)))
+            count = await tokenizer.count(spec.prompt)
+            out.append(replace(spec, prompt_tokens=max(1, count), prompt_tokens_checked=count))
         else:
             out.append(await _exact_spec(spec, tokenizer, token_ids))
         await asyncio.sleep(0)

@@ -48,6 +48,7 @@ JSONL_KEYS = (
     "stream_end_ns",
     "requested_prompt_tokens",
     "prompt_tokens",
+    "requested_output_tokens",
     "output_tokens",
     "output_tokens_source",
     "tokens_per_event_source",
@@ -80,7 +81,8 @@ class RequestRecord:
     `requested_prompt_tokens`: the length asked for (None in JSONL files from before it was recorded);
     `prompt_tokens`: the length actually sent, as the
     server's usage reported it, else as a tokenizer checked it, else None (unknown, e.g. a failed
-    request with an approximate prompt).
+    request with an approximate prompt). `requested_output_tokens`: the `max_tokens` asked for (None in
+    JSONL files from before it was recorded); a server that streams more is warned about in the summary.
     `output_tokens_source` says how `output_tokens` was obtained: "usage" (the server's usage
     statistics), "logprobs" (tokens listed per chunk), "chunks" (one per content-bearing chunk) or
     "simulated". `tokens_per_event_source` says how each event's tokens were derived ("usage",
@@ -113,6 +115,7 @@ class RequestRecord:
     error: str | None = None
     group: int | None = None
     turn: int | None = None
+    requested_output_tokens: int | None = None
 
     def add_token_event(self, time_ns: int, num_tokens: int) -> None:
         """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
@@ -164,6 +167,7 @@ class RequestRecord:
             "stream_end_ns": self.stream_end_ns,
             "requested_prompt_tokens": self.requested_prompt_tokens,
             "prompt_tokens": self.prompt_tokens,
+            "requested_output_tokens": self.requested_output_tokens,
             "output_tokens": self.output_tokens,
             "output_tokens_source": self.output_tokens_source,
             "tokens_per_event_source": self.tokens_per_event_source,

@@ -7,6 +7,8 @@ once and keep it if the run is interrupted.
 
 from __future__ import annotations
 
+import asyncio
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from time import perf_counter_ns
@@ -70,9 +72,12 @@ __all__ = [
     "MAX_TOKENS",
     "MIN_SERVER_SAMPLES",
     "BackendName",
+    "ContextLengthError",
     "HarnessConfig",
     "ModelDiscoveryError",
     "RunResult",
+    "context_problem",
+    "dataset_context_problem",
     "plan_requests",
     "run_harness",
 ]
@@ -145,11 +150,52 @@ async def _exact(
         return None, list(specs)
     ids = config.backend == "openai-completions"
     try:
-        return tokenizer, [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
+        groups = [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
     except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
         raise SmokeTestError(
             f"building prompts of exact length with {tokenizer.name} failed: {type(exc).__name__}: {exc}"
         ) from None
+    if _without_template(config, tokenizer):
+        # the local count leaves out the chat template: never record it as the length the server saw
+        groups = [[replace(spec, prompt_tokens_checked=None) for spec in group] for group in groups]
+    return tokenizer, groups
+
+
+def _without_template(config: HarnessConfig, tokenizer: PromptTokenizer | None) -> bool:
+    """True when chat prompts were counted by a local tokenizer.json, which has no chat template."""
+    return config.backend == "openai-chat" and isinstance(tokenizer, LocalTokenizer)
+
+
+def _prompt_lengths(
+    config: HarnessConfig,
+    tokenizer: PromptTokenizer | None,
+    records: list[RequestRecord],
+    off_pct: float | None,
+) -> tuple[str, str | None]:
+    """("exact" or "approximate", the warning saying why when approximate) for a run against a server.
+
+    Exact: prompts built with the server's /tokenize, or with a local tokenizer for `/v1/completions`;
+    chat prompts built with a local tokenizer only where the server's usage reported, for every
+    successful request, exactly the requested length (the template's tokens are not in the local count).
+    """
+    measured = (
+        f"the server counted {off_pct:+.1f} % against the requested tokens"
+        if off_pct is not None
+        else "the server reported no prompt token counts"
+    )
+    if tokenizer is None:
+        return "approximate", (
+            f"prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): {measured}"
+        )
+    if _without_template(config, tokenizer):
+        ok = [r for r in records if r.ok]
+        if ok and all(r.prompt_tokens == r.requested_prompt_tokens for r in ok):
+            return "exact", None  # the server's own counts confirm every prompt
+        return "approximate", (
+            f"prompt lengths are approximate: --tokenizer {tokenizer.name} has no chat template, and the "
+            f"server counts the template's tokens of /v1/chat/completions too: {measured}"
+        )
+    return "exact", None
 
 
 @dataclass
@@ -221,16 +267,100 @@ async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout
     raise ModelDiscoveryError(f"no --model given and {url} lists no model; pass --model")
 
 
+async def _first_sample(poller: ServerMetricsPoller, limit_s: float = 2.0) -> None:
+    """Wait (up to `limit_s`) until the poller's first scrape is done. Its thread holds the GIL while
+    it sets up its HTTP client and parses the answer; begun at the clock's start, that held the event
+    loop off the first requests of a burst for 5-10 ms. The next scrape comes an interval later."""
+    deadline = perf_counter_ns() + int(limit_s * 1e9)
+    while not (poller.samples or poller.errors) and perf_counter_ns() < deadline:
+        await asyncio.sleep(0.001)
+
+
+def _freeze_heap() -> bool:
+    """Collect garbage now and move every object that exists to the collector's permanent generation
+    (`gc.freeze`), so that the collections that run during the measured load traverse only what the
+    load itself allocates. Without it, a full collection over the run's prompts, bodies and modules
+    stopped the event loop for tens of milliseconds in the middle of a burst, and every request after
+    it started that much later. Returns True when this call froze (the caller unfreezes after the run);
+    False when objects were already frozen by someone else (their freeze is left alone)."""
+    if gc.get_freeze_count():
+        return False
+    gc.collect()
+    gc.freeze()
+    return True
+
+
+class ContextLengthError(ValueError):
+    """The requests asked for cannot fit the model's context (max_model_len): bad input, found before
+    any request is sent."""
+
+
+def context_problem(config: HarnessConfig, limit: int, what: str) -> str | None:
+    """Why `config`'s synthetic requests cannot fit a context of `limit` tokens (`what` names the limit
+    and its source in the message), or None. A server refuses a prompt of `limit` tokens or more (no
+    room for an output token) and a prompt + max_tokens above `limit` (vLLM's HTTP 400). Dataset prompts
+    are checked once counted (`dataset_context_problem`)."""
+    if config.dataset is not None:
+        return None
+    prompt, output = config.prompt_len.high, config.output_len.high
+    if prompt >= limit:
+        return (
+            f"--prompt-len {config.prompt_len}: a prompt of {prompt} tokens does not fit the model's "
+            f"context, {what}, with room for an output token"
+        )
+    if prompt + output > limit:
+        return (
+            f"--prompt-len {config.prompt_len} + --output-len {config.output_len}: up to {prompt + output} "
+            f"tokens per request, more than the model's context, {what}"
+        )
+    return None
+
+
+def dataset_context_problem(config: HarnessConfig, specs: list[RequestSpec], limit: int) -> str | None:
+    """Why a counted dataset prompt (with its output length) cannot fit `limit` tokens, or None."""
+    for spec in specs:
+        n = spec.prompt_tokens_checked
+        if spec.from_dataset and n is not None and (n >= limit or n + spec.output_tokens > limit):
+            return (
+                f"--dataset {config.dataset}: entry {spec.request_id + 1} has a prompt of {n} tokens and "
+                f"an output of {spec.output_tokens}, more than the model's context, max_model_len {limit}"
+            )
+    return None
+
+
+async def _served_context(
+    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
+) -> int | None:
+    """The `max_model_len` of `model` in the server's GET /v1/models (vLLM and `serve` list it), or None
+    when the server does not say (then the server itself refuses what does not fit)."""
+    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=min(timeout_s, 30.0))) as response:
+            body: Any = await response.json(content_type=None) if response.status == 200 else None
+    except (aiohttp.ClientError, TimeoutError, ValueError):
+        return None
+    data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
+    for card in cast("list[Any]", data) if isinstance(data, list) else []:
+        if isinstance(card, dict) and cast("dict[str, Any]", card).get("id") == model:
+            limit: object = cast("dict[str, Any]", card).get("max_model_len")
+            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+                return limit
+    return None
+
+
 async def run_harness(
     config: HarnessConfig,
     *,
     on_record: Callable[[RequestRecord], None] | None = None,
 ) -> RunResult:
-    """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load.
+    """Run `config`: smoke test (fails fast), warm-up (discarded), then the measured load. Before the
+    clock starts, the bodies of the first `concurrency` requests are encoded and as many connections
+    are opened (`OpenAIBackend.prepare`, `open_connections`), so a burst costs the client no connects.
 
     Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
-    ModelDiscoveryError when no model can be found, ValueError for an unreadable --tokenizer or
-    --dataset.
+    ModelDiscoveryError when no model can be found, ContextLengthError (before the smoke test) when
+    the server's GET /v1/models gives a max_model_len the requests cannot fit, ValueError for an
+    unreadable --tokenizer or --dataset.
     Each measured record is passed to `on_record` as its request finishes.
     """
     smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
@@ -279,6 +409,15 @@ async def run_harness(
             )
         assert backend is not None
         tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
+        if session is not None and model_used is not None:
+            limit = await _served_context(session, config.base_url, model_used, config.timeout_s)
+            if limit is not None:
+                what = f"max_model_len {limit} (GET /v1/models)"
+                problem = context_problem(config, limit, what) or dataset_context_problem(
+                    config, specs, limit
+                )
+                if problem is not None:
+                    raise ContextLengthError(problem)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
@@ -286,6 +425,10 @@ async def run_harness(
             await run_requests(backend, warm_specs, [0.0] * len(warm_specs), config.concurrency)
         if simulated is not None:
             simulated.reset_stats()
+        if isinstance(backend, OpenAIBackend):  # the client's own work, done before the clock starts
+            first = specs[: config.concurrency]  # those that can go out at once (memory: one body each)
+            backend.prepare(first)
+            await backend.open_connections(len(first))
 
         poller: ServerMetricsPoller | None = None
         if config.server_metrics_interval_s > 0:
@@ -298,10 +441,13 @@ async def run_harness(
                 )
         tracker = InFlightTracker()
         await counters.read_before()
-        start_ns = perf_counter_ns()
-        if poller is not None:
-            poller.start()
+        frozen = False
         try:
+            if poller is not None:
+                poller.start()
+                await _first_sample(poller)
+            frozen = _freeze_heap()
+            start_ns = perf_counter_ns()
             if multi_turn:
                 answers: dict[int, str] = getattr(backend, "answers", {})
                 round_before: list[CounterSnapshot | None] = [None]
@@ -335,6 +481,8 @@ async def run_harness(
                     start_ns=start_ns,
                 )
         finally:
+            if frozen:
+                gc.unfreeze()
             if poller is not None:
                 await poller.stop()
         end_ns = perf_counter_ns()
@@ -348,30 +496,30 @@ async def run_harness(
         "label": config.label,
         "model_id": model_used,
         "tokenizer_id": tokenizer.name if tokenizer is not None else None,
-        "prompt_lengths": "exact" if tokenizer is not None or simulated is not None else "approximate",
+        "prompt_lengths": None,  # set below, from the records
     }
     summary |= summarize_run(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
+    lengths, why = (
+        ("exact", None)
+        if simulated is not None
+        else _prompt_lengths(config, tokenizer, records, summary["prompt_tokens_off_pct"])
+    )
+    summary["prompt_lengths"] = lengths
+    if why is not None:
+        summary["warnings"].insert(0, why)
     server_samples = poller.samples if poller is not None else []
     server_exact = list(simulated.samples) if simulated is not None else []
     peaks_from = server_exact or server_samples
     summary["server_metrics_source"] = (
         "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
     )
+    too_few = poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES
+    if too_few:  # a peak of a few samples is a guess (often 0 at idle moments): none is reported
+        peaks_from = []
     summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
-    if summary["prompt_lengths"] == "approximate":
-        off = summary["prompt_tokens_off_pct"]
-        summary["warnings"].insert(
-            0,
-            "prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): "
-            + (
-                f"the server counted {off:+.1f} % against the requested tokens"
-                if off is not None
-                else "the server reported no prompt token counts"
-            ),
-        )
     summary["workload"] = config.workload.describe()
     summary["server_counters"] = counters.delta(records)
     summary["server_counters_error"] = counters.error or None
@@ -383,10 +531,10 @@ async def run_harness(
         summary["implied_prefix_hit_tokens"] = implied_prefix_hits(config.workload, len(records), 1)
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
     summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
-    if poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES:
+    if too_few:
         summary["warnings"].append(
-            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): the server "
-            "peaks may miss what happened; use a longer run or a shorter --server-metrics-interval"
+            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): too few for the "
+            "server's peaks, which are not reported; use a longer run or a shorter --server-metrics-interval"
         )
     return RunResult(
         config=used,

@@ -19,7 +19,10 @@ decides what is a token-bearing event, the point common tools get wrong:
   below) what was counted is reconciled onto the last event(s), never as an invented event, and the
   record says so (`reconciled_counts`);
 - every usage count is checked (a non-negative integer; `completion_tokens` never decreases), else the
-  request fails as `invalid_usage`; one event may hold at most MAX_EVENT_BYTES, else `event_too_large`.
+  request fails as `invalid_usage`; one event may hold at most MAX_EVENT_BYTES, else `event_too_large`;
+- every chunk's shape is checked: `choices` a list of objects, their `text`, `finish_reason` and
+  `delta` fields strings (`delta` an object), `usage` an object; anything else (`{"choices": "nope"}`,
+  `{"choices": [null]}`, `{"choices": [{"text": 5}]}`) fails the request as `malformed_sse`.
 """
 
 from __future__ import annotations
@@ -153,7 +156,8 @@ class StreamErrorEvent(Exception):
 
 
 class MalformedSSEError(Exception):
-    """A `data:` payload that is neither `[DONE]` nor a JSON object."""
+    """A `data:` payload that is neither `[DONE]` nor a JSON object, or an object whose `choices` are not
+    a list of objects with string `text` / `finish_reason` / `delta` fields."""
 
 
 class EventTooLargeError(MalformedSSEError):
@@ -207,6 +211,50 @@ def _carries_tokens(choice: dict[str, Any]) -> bool:
     delta = _as_dict(choice.get("delta")) or {}
     keys = ("content", "reasoning_content", "reasoning", "refusal")
     return any(_nonempty_str(delta.get(key)) for key in keys) or _tool_call_args(delta)
+
+
+# Fields of a choice (and of a chat delta) that are text when present: a number or an object there is a
+# malformed chunk, never a silently skipped one.
+_TEXT_FIELDS = ("text", "finish_reason")
+_DELTA_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal", "role")
+
+
+def _checked_choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    """`obj["choices"]` checked: absent or null is no choice; else a list of objects whose `text`,
+    `finish_reason` and `delta` fields (when present and not null) have the OpenAI API's types.
+    Raises MalformedSSEError naming the field otherwise."""
+    raw = obj.get("choices")
+    if raw is None:
+        return []
+    choices = _as_list(raw)
+    if choices is None:
+        raise MalformedSSEError(f"choices is {_short(raw)}, not a list")
+    checked: list[dict[str, Any]] = []
+    for i, item in enumerate(choices):
+        choice = _as_dict(item)
+        if choice is None:
+            raise MalformedSSEError(f"choices[{i}] is {_short(item)}, not an object")
+        for key in _TEXT_FIELDS:
+            value = choice.get(key)
+            if value is not None and not isinstance(value, str):
+                raise MalformedSSEError(f"choices[{i}].{key} is {_short(value)}, not a string")
+        delta_raw = choice.get("delta")
+        if delta_raw is not None:
+            delta = _as_dict(delta_raw)
+            if delta is None:
+                raise MalformedSSEError(f"choices[{i}].delta is {_short(delta_raw)}, not an object")
+            for key in _DELTA_TEXT_FIELDS:
+                value = delta.get(key)
+                if value is not None and not isinstance(value, str):
+                    raise MalformedSSEError(f"choices[{i}].delta.{key} is {_short(value)}, not a string")
+        checked.append(choice)
+    return checked
+
+
+def _short(value: object) -> str:
+    """`value` as JSON-ish text of at most 60 characters, for messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _usage_count(usage: dict[str, Any], key: str) -> int | None:
@@ -286,10 +334,10 @@ class OpenAIStreamDecoder:
             message = detail.get("message") if detail is not None else error
             raise StreamErrorEvent(str(message or obj.get("message") or data[:500]))
         completion = self._usage(obj)
-        choices = _as_list(obj.get("choices")) or []
-        choice = _as_dict(choices[0]) if choices else None
-        if choice is None:
+        choices = _checked_choices(obj)
+        if not choices:
             return None  # usage-only (or empty) chunk: not a token
+        choice = choices[0]
         reason = choice.get("finish_reason")
         if _nonempty_str(reason):
             self.finish_reason = str(reason)
@@ -325,9 +373,12 @@ class OpenAIStreamDecoder:
 
     def _usage(self, obj: dict[str, Any]) -> int | None:
         """Check and store a chunk's usage; return its completion tokens (None without usage)."""
-        usage = _as_dict(obj.get("usage"))
-        if usage is None:
+        raw = obj.get("usage")
+        if raw is None:
             return None
+        usage = _as_dict(raw)
+        if usage is None:
+            raise InvalidUsageError(f"usage is {_short(raw)}, not an object")
         prompt = _usage_count(usage, "prompt_tokens")
         if prompt is not None:
             self.prompt_tokens = prompt

@@ -10,7 +10,9 @@ over requests with a defined TPOT. Metrics with no sample are None (null), never
 successful request's send to the last one's finish) is cut into one-second buckets; a request is active
 in every bucket from its send to its finish, and each token event adds its tokens to its bucket; the
 maxima over buckets are reported. The client's own peak of in-flight requests is `max_client_in_flight`.
-`warnings` lists what makes the run's numbers doubtful (client lateness P99 above LATENESS_WARN_MS).
+`warnings` lists what makes the run's numbers doubtful: client lateness P99 above LATENESS_WARN_MS,
+prompts off their requested length, requests that got more output tokens than their `max_tokens`
+(`num_over_requested_output`).
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ def second_bucket_peaks(records: Sequence[RequestRecord]) -> tuple[int, float]:
     return max(active), float(max(tokens))
 
 
+def _lateness_warning(records: Sequence[RequestRecord], lateness_p99: float) -> str:
+    """What a client lateness P99 above LATENESS_WARN_MS means for this run: at a burst (every request
+    arriving at once, `--request-rate inf`) one client loop starts the requests one after another, so
+    lateness is the time it took to start them all; at a finite rate the client fell behind the
+    schedule."""
+    head = f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms)"
+    dispatched = [r.dispatch_ns for r in records if r.dispatch_ns is not None]
+    if len(records) > 1 and len({r.arrival_ns for r in records}) == 1 and len(dispatched) > 1:
+        spread_ms = (max(dispatched) - min(dispatched)) / 1e6
+        return (
+            f"{head}: all {len(records)} requests arrived at once (--request-rate inf) and the client's "
+            f"one event loop started them one after another, the last {spread_ms:.1f} ms after the first "
+            f"({spread_ms / (len(dispatched) - 1):.3f} ms each); TTFT and E2EL count from each request's "
+            "send and leave this out, TTFT from arrival and E2E include it"
+        )
+    return (
+        f"{head}: the client started requests later than their scheduled arrivals, so the load was "
+        "lighter than asked; lower --request-rate, or run the client on a less busy machine"
+    )
+
+
 def summarize_run(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -171,16 +194,24 @@ def summarize_run(
     warnings: list[str] = []
     lateness_p99 = summary["p99_lateness_ms"]
     if lateness_p99 is not None and lateness_p99 > LATENESS_WARN_MS:
-        warnings.append(
-            f"client lateness P99 is {lateness_p99:.2f} ms (> {LATENESS_WARN_MS:g} ms): the client "
-            "started requests late, so the load was lighter than asked; use fewer requests per second "
-            "or a faster client machine"
-        )
+        warnings.append(_lateness_warning(records, lateness_p99))
     off = summary["prompt_tokens_off_pct"]
     if off is not None and abs(off) > PROMPT_OFF_WARN_PCT:
         warnings.append(
             f"prompts had {actual} tokens where {requested} were requested ({off:+.1f} %, more than "
             f"{PROMPT_OFF_WARN_PCT:g} % off)"
+        )
+    over = [
+        r for r in ok if r.requested_output_tokens is not None and r.output_tokens > r.requested_output_tokens
+    ]
+    summary["num_over_requested_output"] = len(over)
+    if over:
+        worst = max(over, key=lambda r: r.output_tokens - (r.requested_output_tokens or 0))
+        warnings.append(
+            f"{len(over)} of {len(ok)} successful requests got more output tokens than asked for (request "
+            f"{worst.request_id}: {worst.output_tokens} for max_tokens {worst.requested_output_tokens}): "
+            "the server did not honour max_tokens, so throughput, TPOT and E2EL are of longer outputs "
+            "than the run asked for"
         )
     summary["warnings"] = warnings
     return summary

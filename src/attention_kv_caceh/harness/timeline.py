@@ -1,7 +1,8 @@
 """Draw a run as a per-request timeline over client in-flight and server running/waiting counts.
 
-Top panel: one row per request, time in ms from the run's start: client queue (arrival -> sent), waiting
-for the first token (sent -> first token: TTFT, which includes waiting in the server's queue), decoding
+Top panel: one row per request, time in ms from the run's start: client lateness (arrival -> dispatch,
+the client's own delay in starting the request), client queue (dispatch -> sent, waiting for a slot of
+the concurrency semaphore), waiting for the first token (sent -> first token: TTFT, which includes waiting in the server's queue), decoding
 (first token -> finish) with a tick per token event; a failed request ends in a red cross. Bottom panel:
 the client's in-flight requests (the semaphore) beside the server's running and waiting requests, to
 show that client concurrency is not the server's batch. Server values are steps drawn at the times the
@@ -26,6 +27,8 @@ from attention_kv_caceh.harness.run import RunResult
 
 __all__ = ["draw_timeline", "plot_timeline"]
 
+_LATENESS = "tab:red"  # arrival -> dispatch: the client's loop started the request late
+_QUEUE = "0.75"  # dispatch -> sent: waiting for a slot of the client's concurrency semaphore
 _MAX_TICKS = 20_000  # beyond this many token events, ticks would be ink, not information
 
 
@@ -45,7 +48,10 @@ def draw_timeline(result: RunResult) -> Figure:
     draw_ticks = sum(len(r.token_times_ns) for r in records) <= _MAX_TICKS
     for row, r in enumerate(records):
         sent = r.sent_ns if r.sent_ns is not None else r.arrival_ns
-        top.barh(row, ms(sent) - ms(r.arrival_ns), left=ms(r.arrival_ns), color="0.75", height=0.7)
+        dispatch = r.dispatch_ns if r.dispatch_ns is not None else r.arrival_ns
+        # client lateness (arrival -> dispatch), then client queue (dispatch -> sent: the semaphore)
+        top.barh(row, ms(dispatch) - ms(r.arrival_ns), left=ms(r.arrival_ns), color=_LATENESS, height=0.7)
+        top.barh(row, ms(sent) - ms(dispatch), left=ms(dispatch), color=_QUEUE, height=0.7)
         if r.first_token_ns is not None:
             top.barh(row, ms(r.first_token_ns) - ms(sent), left=ms(sent), color="tab:orange")
             finish = r.finish_ns if r.finish_ns is not None else r.first_token_ns
@@ -59,7 +65,11 @@ def draw_timeline(result: RunResult) -> Figure:
     top.set_ylabel("request (by arrival)")
     top.set_ylim(-0.8, max(n, 1) - 0.2)
     top.invert_yaxis()
-    top.set_title("queue (grey), waiting for first token = TTFT (orange), decoding (blue, | = token event)")
+    top.set_title(
+        "client lateness (red), client queue (grey), waiting for first token = TTFT (orange), "
+        "decoding (blue, | = token event)",
+        fontsize="small",
+    )
 
     in_flight = [(0.0, 0)] + [(ms(t), c) for t, c in result.in_flight]
     bottom.step(
