@@ -4,7 +4,7 @@ torch is importable, torch's SDPA, against the scan's read probe, on the scan's 
     uv run python scripts/bench_kernels.py            # large shape, then the scan's default shape
     uv run python scripts/bench_kernels.py --rounds 3 --repeats 5   # quicker
 
-Shapes: "large" is B=4, H=H_kv=8, T=4096, D=128, float32 with a preallocated cache (issue 12); "default"
+Shapes: "large" is B=4, H=H_kv=8, T=4096, D=128, float32 with a preallocated cache; "default"
 is the scan's default (B = 1, 2, 4, 8; H=H_kv=1; T=128; D=64; float32; dynamic cache). Inputs and caches
 are built exactly as experiments/scan.py builds them; every step is checked against the NumPy step
 before anything is timed. Methods are timed in alternating rounds (round-robin, `--repeats` calls each

@@ -1,7 +1,7 @@
 """Hugging Face transformers as a reference for the engine (run in a scratch environment, never in CI).
 
-The project does not depend on torch or transformers. This script is for the by-hand checks that the
-engine's issue asks for, in an environment that has both (e.g. `pip install torch transformers`):
+The project does not depend on torch or transformers. This script is for the by-hand checks of the
+engine against transformers, in an environment that has both (e.g. `pip install torch transformers`):
 
     # 1. let transformers itself write a random checkpoint (float32 or bfloat16), reusing the tokenizer
     #    files of a folder written by `attention-kv-caceh make-model`

@@ -303,7 +303,7 @@ class AttentionEdgeCaseTest(unittest.TestCase):
 
 
 class DecodeStepTest(unittest.TestCase):
-    """The notes' single-head decode_step (Dynamic Cache by np.concatenate)."""
+    """The lab's first single-head decode_step (Dynamic Cache by np.concatenate)."""
 
     def setUp(self) -> None:
         rng = np.random.default_rng(RNG_SEED)

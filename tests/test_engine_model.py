@@ -26,13 +26,14 @@ from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, resolve_gemm_path
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.kernels import paged_decode_attention
 from attention_kv_caceh.oracle import reference_paged_decode_attention
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
 
-# The runner reads only these attributes of a request and of a scheduler output (the engine contract);
+# The runner reads only these attributes of a request (sampling_params: whether it asks for prompt logprobs) and of a scheduler output (the engine contract);
 # the fakes keep these tests independent of how the scheduler constructs its own types.
 @dataclass
 class FakeRequest:
@@ -40,6 +41,7 @@ class FakeRequest:
     all_token_ids: list[int]
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list[int])
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)  # read for prompt_logprobs
 
 
 @dataclass

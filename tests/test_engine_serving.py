@@ -9,6 +9,7 @@ import json
 import tempfile
 import unittest
 from pathlib import Path
+from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,16 +59,22 @@ def deltas_of(tokens: list[list[int]]) -> list[RequestDelta]:
 
 
 def run_deltas(
-    tokens: list[list[int]], stops: list[str], tokenizer: TextDecoder
+    tokens: list[list[int]],
+    stops: list[str],
+    tokenizer: TextDecoder,
+    finish: str = "length",
+    **fields: Any,
 ) -> tuple[list[RequestDelta], list[str]]:
-    """Feed one core output per step (the last finishing with "length") through an OutputProcessor;
-    (the request's deltas until it finished, the requests it asked to abort)."""
+    """Feed one core output per step (the last finishing with `finish`) through an OutputProcessor;
+    (the request's deltas until it finished, the requests it asked to abort). `fields`: more
+    SamplingParams fields."""
     processor = OutputProcessor(tokenizer)
-    processor.add_request("r", 2, SamplingParams(max_tokens=10**6, stop=tuple(stops)), 0.0)
+    params = SamplingParams(max_tokens=10**6, stop=tuple(stops), **fields)
+    processor.add_request("r", 2, params, 0.0)
     deltas: list[RequestDelta] = []
     aborts: list[str] = []
     for i, ids in enumerate(tokens):
-        reason = "length" if i == len(tokens) - 1 else None
+        reason = finish if i == len(tokens) - 1 else None
         result = processor.process_outputs(EngineCoreOutputs([EngineCoreOutput("r", ids, reason)]), 1.0)
         aborts += result.reqs_to_abort
         for _state, item in result.deliveries:
@@ -100,6 +107,26 @@ class RequestStreamTest(unittest.TestCase):
 
 
 class TextDeltaTest(unittest.TestCase):
+    def test_min_tokens_include_stop_str_and_a_stop_token_kept_out_of_the_text(self) -> None:
+        tok = CharTokenizer()
+        steps = [tok.encode(c) for c in "abcabcab"]
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({}, "a"),  # the first "b" stops
+            ({"min_tokens": 3}, "abca"),  # a stop string within the first 3 tokens does not count
+            ({"min_tokens": 3, "include_stop_str_in_output": True}, "abcab"),
+            ({"min_tokens": 1}, "a"),  # the "b" is the 2nd token: it counts
+        ]
+        for fields, expected in cases:
+            with self.subTest(fields=fields):
+                deltas, aborts = run_deltas(steps, ["b"], tok, **fields)
+                self.assertEqual("".join(d.text for d in deltas), expected)
+                self.assertEqual((deltas[-1].finish_reason, aborts), ("stop", ["r"]))
+        stopped, _ = run_deltas(steps, [], tok, finish="stop")  # ended by eos or a stop token id
+        self.assertEqual("".join(d.text for d in stopped), "abcabca")
+        self.assertEqual(stopped[-1].num_output_tokens, 8)  # still counted
+        kept, _ = run_deltas(steps, [], tok, finish="stop", include_stop_str_in_output=True)
+        self.assertEqual("".join(d.text for d in kept), "abcabcab")
+
     def test_every_step_yields_a_delta_even_when_its_token_completes_no_character(self) -> None:
         # "é" is two UTF-8 bytes, so its first byte-token has no text yet. vLLM still sends a chunk
         # (empty text, usage one higher) so a client can time that token; so must we.

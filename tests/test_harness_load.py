@@ -15,7 +15,7 @@
      only the bounds above are checked there;
    - the semaphore: the k-th request sent (k >= concurrency) left only after k - concurrency + 1
      requests had finished, and the second wave's queue time is at least one scripted E2EL.
-2. The user's notes' acceptance, on the simulated backend: concurrency 4 with 8 server slots never has
+2. Client concurrency against server slots, on the simulated backend: concurrency 4 with 8 server slots never has
    more than 4 requests in flight at either end; concurrency 16 with 4 slots has 16 in flight at the
    client but never more than 4 running at the server, and the wait shows up as TTFT, not queue time.
 3. Ctrl-C (cancellation) keeps every finished record.

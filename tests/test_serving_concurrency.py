@@ -1,4 +1,4 @@
-"""The notes' §9.3 as a test: the client's concurrency and the server's max_num_seqs are different limits.
+"""Client concurrency is not the server's batch, as a test: the client's concurrency and the server's max_num_seqs are different limits.
 
 Setup: the real server (engine/server.py over the real AsyncLLM and EngineCore on a `make-model` tiny
 checkpoint) runs in a thread of the test on a loopback port, as `serve --max-num-seqs N` would, with the
@@ -15,7 +15,7 @@ Claims:
 Why the claims are forced and not a matter of timing: the engine's first step is held until every
 request the client can have in flight (16, resp. 4) has reached AsyncLLM (`_GatedCore`: an Event set
 by the AsyncLLM's add_request, waited on with a bound; no sleep). Holding the first step stands for "a
-step longer than the arrival of the requests", the situation §9.3 describes; it changes no scheduling
+step longer than the arrival of the requests", the situation this test is about; it changes no scheduling
 decision. Then: no request can finish before the gate opens, so the client has all 16 (resp. 4) in
 flight at once; the step after the gate admits all pending adds, and the scheduler runs min(16, 4) = 4
 and leaves 12 waiting (resp. runs 4 of 4 with 8 allowed). Every request needs OUTPUT_LEN = 8 > 2 steps

@@ -236,7 +236,7 @@ def decode_step(
     k_cache: FloatArray,
     v_cache: FloatArray,
 ) -> tuple[FloatArray, FloatArray, FloatArray, FloatArray]:
-    """One single-head decode step with the Dynamic Cache path of the user's notes.
+    """One single-head decode step with the Dynamic Cache path (np.concatenate per step).
 
     x_t `[B, 1, D_model]`, w_q and w_k `[D_model, D_k]`, w_v `[D_model, D_v]`, k_cache `[B, T, D_k]`,
     v_cache `[B, T, D_v]` with T >= 0. Projects x_t, appends the new key and value with

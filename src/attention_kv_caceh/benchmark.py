@@ -1,7 +1,7 @@
-"""The entry point the user's notes name (`attention_kv_caceh.benchmark:main`): re-exports `cli.main`.
+"""The console entry point (`attention_kv_caceh.benchmark:main`, the `attention-kv-caceh` command): re-exports `cli.main`.
 
 The command itself (the batch-size scan and the subcommands) lives in `attention_kv_caceh.cli`.
-`measure`, `summarize_samples` and `Sample` (the notes import them from here) are re-exported lazily,
+`measure`, `summarize_samples` and `Sample` (the lab's first scripts import them from here) are re-exported lazily,
 so starting the command imports nothing heavy before `main` can catch a Ctrl-C.
 """
 

@@ -1,8 +1,8 @@
 """Timing primitives: raw samples, one statistics function, and the environment that produced them.
 
 Every figure this project reports is computed by `summarize_samples` from raw samples that are also
-written to disk, so any number in a table can be recomputed from the raw file. `measure` follows the
-order of the user's notes: warm-up calls that are not recorded, then `repeats` timed calls with only
+written to disk, so any number in a table can be recomputed from the raw file. `measure` follows one
+order: warm-up calls that are not recorded, then `repeats` timed calls with only
 the call itself between the two `perf_counter_ns` reads.
 """
 
@@ -43,8 +43,8 @@ class Sample:
     """One timed call of the batch-size scan: one row of the raw CSV.
 
     `elapsed_ms` is wall time in milliseconds from `perf_counter_ns`; `impl` names the decode step that
-    was timed (`experiments.scan_impls.IMPLS`; files written before the column existed are all numpy). Frozen is shallow (see the notes,
-    2.3): every field here is an immutable scalar, so a Sample really cannot change.
+    was timed (`experiments.scan_impls.IMPLS`; files written before the column existed are all numpy). Frozen is shallow
+    (it only forbids rebinding a field): every field here is an immutable scalar, so a Sample really cannot change.
     """
 
     batch_size: int

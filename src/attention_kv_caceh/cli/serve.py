@@ -93,6 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 503 when more than N requests would wait (default: no limit)",
     )
     server.add_argument(
+        "--max-logprobs",
+        type=nonnegative_int,
+        default=20,
+        metavar="K",
+        help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
+    )
+    server.add_argument(
         "--drain-timeout",
         type=nonnegative_float,
         default=30.0,
@@ -197,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_logprobs=args.max_logprobs,
+            kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
         )
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         port = sock.getsockname()[1]

@@ -114,7 +114,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             "error" when the step failed (its blocks are freed), "rejected" when the core refused the
             request when it was added (`error` says why).
         error: the message of "error" / "rejected".
-        new_logprobs: room for a per-token logprobs payload (any msgpack value); None when not asked.
+        new_logprobs: `[sampled, prompt]` TokenLogprobs in wire form (`_logprobs_payload`); None when
+            the request asked for no logprobs.
         num_cached_tokens: prompt tokens the prefix cache served at the request's latest admission.
         num_preemptions: times the request was preempted so far.
     """
@@ -357,6 +358,7 @@ class EngineCore:
                 request.request_id,
                 [token],
                 request.status.finish_reason,
+                new_logprobs=_logprobs_payload(request),
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
             )
@@ -391,6 +393,23 @@ class EngineCore:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         outputs = [EngineCoreOutput(rid, [], "error", message) for rid in failed]
         return self.snapshot(EngineCoreOutputs(outputs, step_error=f"{type(exc).__name__}: {exc}"))
+
+
+def _logprobs_payload(request: Request) -> list[Any] | None:
+    """The `new_logprobs` of a request's newest token: `[sampled, prompt]`, each TokenLogprobs.to_wire
+    lists or None: `sampled` when it asked for logprobs, `prompt` (every prompt token after the first)
+    with its first token when it asked for prompt logprobs. None when it asked for neither."""
+    params = request.sampling_params
+    if params.logprobs is None and params.prompt_logprobs is None:
+        return None
+    n = request.num_output_tokens
+    sampled = None
+    if params.logprobs is not None and len(request.output_logprobs) >= n:
+        sampled = request.output_logprobs[n - 1].to_wire()
+    prompt = None
+    if params.prompt_logprobs is not None and n == 1:
+        prompt = [entry.to_wire() for entry in request.prompt_logprobs]
+    return [sampled, prompt]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -86,12 +86,12 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request in full blocks, and its length in tokens.
 
-        Returns ([], 0) with prefix caching off. Never covers the request's last token. Does not take the
+        Returns ([], 0) with prefix caching off, and for a request that asks for prompt logprobs. Never covers the request's last token. Does not take the
         blocks (allocate_slots does) and does not count queries (record_prefix_cache_lookup does, at
         admission, so a request that waits several steps is counted once).
         """
-        if not self.enable_prefix_caching:
-            return [], 0
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

@@ -22,7 +22,7 @@ from .config import EngineConfig
 from .core import STEP_STATS_MAXLEN, EngineCore, EngineCoreRequest, ModelRunnerLike, StepStats
 from .core_client import InprocClient
 from .output_processor import OutputProcessor, RequestDelta
-from .request import Request, SamplingParams
+from .request import Request, SamplingParams, TokenLogprobs, decode_logprobs_payloads
 from .scheduler import Scheduler
 from .tokenizer import Tokenizer
 
@@ -53,6 +53,9 @@ class RequestOutput:
         finished: the request ended this step.
         finish_reason: "stop" | "length" when finished, else None.
         num_output_tokens: output tokens so far.
+        logprobs: TokenLogprobs of new_token_ids (empty unless sampling_params.logprobs is set).
+        prompt_logprobs: with the request's first output only, when sampling_params.prompt_logprobs is
+            set: one TokenLogprobs per prompt token after the first; else None.
     """
 
     request_id: str
@@ -61,6 +64,8 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     num_output_tokens: int
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 class LLMEngine:
@@ -206,6 +211,7 @@ class LLMEngine:
         results: list[RequestOutput] = []
         for _state, item in processed.deliveries:
             if isinstance(item, RequestDelta):
+                logprobs, prompt_logprobs = decode_logprobs_payloads(item.new_logprobs)
                 results.append(
                     RequestOutput(
                         request_id=item.request_id,
@@ -214,6 +220,8 @@ class LLMEngine:
                         finished=item.finished,
                         finish_reason=item.finish_reason,
                         num_output_tokens=item.num_output_tokens,
+                        logprobs=tuple(logprobs),
+                        prompt_logprobs=prompt_logprobs,
                     )
                 )
         return results

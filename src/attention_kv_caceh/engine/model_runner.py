@@ -3,7 +3,8 @@
 What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`) at nano-vllm's
 size: lay the scheduled requests' new tokens out as one flattened batch, compute each token's position
 and KV slot from its request's block table, run the model once, and return the logits of each request's
-last scheduled token. Left out: persistent input buffers, CUDA graphs, speculative decoding, sampling
+last scheduled token; a request that asks for prompt logprobs also gets those of its prompt positions
+(vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`. Left out: persistent input buffers, CUDA graphs, speculative decoding, sampling
 (the engine's sampler does that), pipeline/tensor parallelism.
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
@@ -20,6 +21,7 @@ import numpy.typing as npt
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata
+from attention_kv_caceh.engine.sampler import token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.kernels import prepare_paged_decode_attention
 
@@ -150,4 +152,25 @@ class ModelRunner:
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
         )  # [N, D_model]
         last = inputs.metadata.query_start_loc[1:] - 1  # [R], row of each request's last token
+        self._record_prompt_logprobs(scheduler_output, hidden, inputs.metadata.query_start_loc)
         return self.model.compute_logits(hidden[last])  # [R, V]
+
+    def _record_prompt_logprobs(
+        self, scheduler_output: SchedulerOutput, hidden: FloatArray, query_start_loc: npt.NDArray[np.int64]
+    ) -> None:
+        """Append to `request.prompt_logprobs` the entries this step's prompt positions give (vLLM's
+        prompt logprobs, computed in prefill): the logits at position p score prompt token p + 1. A
+        position already recorded (recomputed after a preemption) is skipped."""
+        for i, r in enumerate(scheduler_output.scheduled_requests):
+            k = r.sampling_params.prompt_logprobs
+            if k is None:
+                continue
+            c = r.num_computed_tokens
+            end = min(c + scheduler_output.num_scheduled_tokens[r.request_id], r.num_prompt_tokens - 1)
+            start = max(c, len(r.prompt_logprobs))
+            if start >= end:
+                continue
+            rows = np.arange(start - c, end - c) + query_start_loc[i]  # [n_p]
+            logits = self.model.compute_logits(hidden[rows])  # [n_p, V]
+            for j, p in enumerate(range(start, end)):
+                r.prompt_logprobs.append(token_logprobs(logits[j], r.prompt_token_ids[p + 1], k))

@@ -29,7 +29,7 @@ from typing import Any
 from attention_kv_caceh.engine.core import EngineCoreOutputs
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.stats import FinishedRequestStats, IterationStats
-from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, TextDecoder
+from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, TextDecoder, Tokenizer
 
 __all__ = [
     "EngineDrainingError",
@@ -107,9 +107,11 @@ class RequestState:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     holdback: int = field(init=False)
+    floor: int | None = field(init=False)  # a stop string must end after text[:floor]; None: not yet
 
     def __post_init__(self) -> None:
         self.holdback = max((len(s) for s in self.params.stop), default=1) - 1
+        self.floor = 0 if self.params.min_tokens == 0 else None
 
     def record_tokens(self, n: int, now: float) -> tuple[float | None, float | None]:
         """Note n new tokens received at `now`: (TTFT, ITL), each None when it does not apply (TTFT on
@@ -137,24 +139,45 @@ class RequestState:
             num_preemptions=self.num_preemptions,
         )
 
-    def text_delta(self, new_ids: list[int], finished: bool) -> tuple[str, bool]:
-        """The sendable text after `new_ids`, and whether a stop string ended the request."""
+    def text_delta(self, new_ids: list[int], finished: bool, stop_token: bool = False) -> tuple[str, bool]:
+        """The sendable text after `new_ids`, and whether a stop string ended the request.
+
+        `stop_token`: the last id is eos or a stop token id that ended the request; its text is left out
+        unless include_stop_str_in_output (as vLLM does). A stop string counts only when it ends in the
+        text of a token after the first min_tokens (`floor`); with include_stop_str_in_output the text
+        keeps it."""
         detok = self.detokenizer
         if detok is None:
             return "", False
-        new = detok.add(new_ids)
+        params = self.params
+        ids = list(new_ids)
+        if stop_token and ids and not params.include_stop_str_in_output:
+            ids.pop()
+        before = self.num_output_tokens - len(new_ids)  # record_tokens counted new_ids already
+        if self.floor is None and before + len(ids) >= params.min_tokens:
+            first = detok.add(ids[: params.min_tokens - before])
+            self.floor = len(self.text) + len(first)
+            new = first + detok.add(ids[params.min_tokens - before :])
+        else:
+            new = detok.add(ids)
         if finished:
             new += detok.flush()
-        stops = self.params.stop
+        stops = params.stop
         if not stops:
             return new, False
         self.text += new
-        start = max(0, self.sent - self.holdback)
-        found = [i for i in (self.text.find(s, start) for s in stops) if i >= 0]
+        found: list[tuple[int, str]] = []
+        if self.floor is not None:
+            start = max(0, self.sent - self.holdback)
+            for stop in stops:
+                i = self.text.find(stop, max(start, self.floor - len(stop) + 1))
+                if i >= 0:
+                    found.append((i, stop))
         if found:
-            index = min(found)
-            delta = self.text[self.sent : index]
-            self.sent = index
+            index, stop = min(found, key=lambda f: f[0])
+            end = index + len(stop) if params.include_stop_str_in_output else index
+            delta = self.text[self.sent : end]
+            self.sent = end
             return delta, True
         end = len(self.text) if finished else len(self.text) - self.holdback
         if end <= self.sent:
@@ -172,6 +195,18 @@ class OutputProcessorOutput:
     deliveries: list[tuple[RequestState, StreamItem]]
     stats: IterationStats
     reqs_to_abort: list[str]
+
+
+class _KeepSpecialTokens:
+    """A decoder that keeps special tokens (skip_special_tokens=False) when the tokenizer can."""
+
+    def __init__(self, tokenizer: TextDecoder) -> None:
+        self._tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int], /) -> str:
+        if isinstance(self._tokenizer, Tokenizer):
+            return self._tokenizer.decode(token_ids, skip_special_tokens=False)
+        return self._tokenizer.decode(token_ids)
 
 
 class OutputProcessor:
@@ -203,7 +238,10 @@ class OutputProcessor:
         queue: asyncio.Queue[StreamItem] | None = None,
     ) -> RequestState:
         """Track a new request. Raises ValueError for an id already in use."""
-        detokenizer = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer)
+        detokenizer = None
+        if self.tokenizer is not None:
+            decoder = self.tokenizer if params.skip_special_tokens else _KeepSpecialTokens(self.tokenizer)
+            detokenizer = IncrementalDetokenizer(decoder)
         state = RequestState(request_id, num_prompt_tokens, params, arrival_time, detokenizer, queue)
         with self._lock:
             if request_id in self._states:
@@ -275,7 +313,7 @@ class OutputProcessor:
                 if itl is not None:
                     itls.append(itl)
                 generation_tokens += len(new_ids)
-            text, stopped = state.text_delta(new_ids, reason is not None)
+            text, stopped = state.text_delta(new_ids, reason is not None, reason == "stop")
             if stopped:
                 reason = "stop"
                 to_abort.append(output.request_id)

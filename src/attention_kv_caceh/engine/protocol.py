@@ -1,14 +1,24 @@
 """Request and error shapes of the OpenAI-compatible server (pydantic models).
 
 Corresponds to vLLM's `vllm/entrypoints/openai/protocol.py`, reduced to the fields this server honours:
-sampling (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `stop` strings,
-`ignore_eos`), `n = 1`, streaming with `stream_options` (`include_usage`, `continuous_usage_stats`), and
-vLLM's `/tokenize` and `/detokenize` bodies. Unknown fields are ignored (as vLLM does); a known field of the
-wrong type is a 400: integer fields are strict (a bool or a float such as `true` or `5.0` is refused, not read
-as 1 or 5), float fields refuse bools, NaN and +-Infinity (Python's json module accepts those literals).
-`logprobs`, `top_logprobs` and `echo` are parsed only so that asking for them is a 400 "not supported"
-instead of being silently ignored. Chat `messages` must be non-empty with roles from OpenAI's set. Errors use OpenAI's body: `{"error": {"message", "type", "param", "code"}}`, with the
-`type` names the openai client gives its exceptions and the HTTP status as `code` (as vLLM does).
+sampling (`max_tokens` / `max_completion_tokens`, `temperature`, `top_p`, `top_k`, `seed`, `n`, `stop`
+strings, `stop_token_ids`, `min_tokens`, `ignore_eos`, the frequency / presence / repetition penalties,
+`logit_bias`), output (`logprobs`, chat's `top_logprobs`, completions' `echo`,
+`include_stop_str_in_output`, `skip_special_tokens`), streaming with `stream_options` (`include_usage`,
+`continuous_usage_stats`), and vLLM's `/tokenize` and `/detokenize` bodies. `prompt` takes vLLM's four
+forms: a string, a list of strings, a list of token ids, a list of token-id lists.
+
+Fields other servers accept and this one does not serve (`best_of`, `suffix`, `response_format`, `tools`,
+`tool_choice`, a request-level `chat_template`) are parsed so that setting them is a 400 naming the field
+(`refused_field`), not silently ignored. Any other unknown top-level field is kept in `model_extra`: the
+server logs one warning naming them, as vLLM does, and serves the request.
+
+Types are strict: an integer field refuses a bool or a float such as `true` or `5.0`, a float field refuses
+bools, NaN and +-Infinity (Python's json module accepts those literals), and a string must be encodable as
+UTF-8 (a lone UTF-16 surrogate such as "\ud800" is refused). `validation_error` turns pydantic's errors into
+one plain sentence naming the field and its accepted forms. Errors use OpenAI's body:
+`{"error": {"message", "type", "param", "code"}}`, with the `type` names the openai client gives its
+exceptions and the HTTP status as `code` (as vLLM does).
 """
 
 from __future__ import annotations
@@ -17,7 +27,7 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
 
 __all__ = [
     "ChatCompletionRequest",
@@ -29,6 +39,7 @@ __all__ = [
     "TokenizeRequest",
     "error_body",
     "error_response",
+    "refused_field",
     "validation_error",
 ]
 
@@ -60,27 +71,97 @@ FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
 ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
+# What each field accepts, in plain words (the message of a 400 for a value of the wrong type).
+_FIELD_FORMS = {
+    "model": "a string",
+    "prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+    "messages": "a non-empty list of messages, each {role, content} with role one of system, developer, "
+    "user, assistant, tool, function and content a string or a list of text parts",
+    "max_tokens": "an integer",
+    "max_completion_tokens": "an integer",
+    "temperature": "a finite number",
+    "top_p": "a finite number",
+    "top_k": "an integer",
+    "seed": "an integer",
+    "n": "an integer",
+    "stop": "a string or a list of strings",
+    "stop_token_ids": "a list of integer token ids",
+    "min_tokens": "an integer",
+    "frequency_penalty": "a finite number",
+    "presence_penalty": "a finite number",
+    "repetition_penalty": "a finite number",
+    "logit_bias": "an object mapping token ids to finite numbers",
+    "logprobs": "an integer (completions) or true / false (chat)",
+    "top_logprobs": "an integer",
+    "echo": "true or false",
+    "ignore_eos": "true or false",
+    "include_stop_str_in_output": "true or false",
+    "skip_special_tokens": "true or false",
+    "stream": "true or false",
+    "stream_options": "an object {include_usage, continuous_usage_stats} of booleans",
+    "add_generation_prompt": "true or false",
+    "add_special_tokens": "true or false",
+    "return_token_strs": "true or false",
+    "tokens": "a list of token ids",
+}
+
+
 def validation_error(errors: Sequence[Any]) -> tuple[int, str, str | None]:
     """(status, message, param) of FastAPI's request-validation `errors` (pydantic's error dicts).
 
-    `param` is the top-level body field at fault, or None when no field is (a body that is not JSON: its
-    `loc` holds a character offset, which the message gives instead).
+    The message names the top-level body field at fault and what it accepts (`param` is that field), or
+    says the body is not JSON (its `loc` holds a character offset, which the message gives; `param`
+    None). A value our own checks refused (a string that is not valid Unicode) keeps that check's words.
     """
     first: dict[str, Any] = dict(errors[0]) if errors else {}
     loc: list[Any] = [part for part in first.get("loc", ()) if part != "body"]
     message = str(first.get("msg", "invalid request"))
+    ctx: dict[str, Any] = dict(first.get("ctx") or {})
     if first.get("type") == "json_invalid":
-        ctx: dict[str, Any] = dict(first.get("ctx") or {})
         where = f" at character {loc[0]}" if loc and isinstance(loc[0], int) else ""
         return 400, f"the body is not valid JSON: {ctx.get('error', message)}{where}", None
-    if loc:
-        message = f"{'.'.join(str(part) for part in loc)}: {message}"
     param = loc[0] if loc and isinstance(loc[0], str) else None
-    return 400, message, param
+    if param is None:
+        return 400, "the body must be a JSON object", None
+    if first.get("type") == "missing":
+        return 400, f"`{param}` is required: {_FIELD_FORMS.get(param, 'a value')}", param
+    if first.get("type") == "value_error" and "error" in ctx:
+        return 400, f"`{param}`: {ctx['error']}", param
+    forms = _FIELD_FORMS.get(param)
+    if forms is None:
+        return 400, f"`{param}` has a value of the wrong type", param
+    return 400, f"`{param}` must be {forms}", param
+
+
+def _encodable(text: str) -> str:
+    """`text`, unless it cannot be encoded as UTF-8 (a lone surrogate such as "\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = text[exc.start : exc.end]
+        raise ValueError(
+            f"the text holds {bad!r} at character {exc.start}, which is not valid Unicode (a lone surrogate)"
+        ) from None
+    return text
+
+
+# A string that can be encoded as UTF-8 (JSON's "\ud800" escape gives a lone surrogate, which cannot).
+Text = Annotated[str, AfterValidator(_encodable)]
 
 
 class _Base(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+
+class _TopLevel(BaseModel):
+    """A request body: unknown fields are kept in `model_extra` so the server can warn about them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        """The body's fields this server does not know, sorted."""
+        return sorted(self.model_extra or {})
 
 
 class StreamOptions(_Base):
@@ -91,8 +172,30 @@ class StreamOptions(_Base):
     continuous_usage_stats: bool = False
 
 
-class GenerationRequest(_Base):
-    """The fields completions and chat share (model, sampling, streaming)."""
+# Fields other servers accept that this one does not serve, and the values that ask for nothing
+# (those pass; any other value is a 400 naming the field).
+_REFUSED: dict[str, tuple[object, ...]] = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "chat_template": (None,),
+}
+
+
+def refused_field(body: BaseModel) -> str | None:
+    """The first field of `_REFUSED` that `body` sets to a value asking for something, or None."""
+    extra: dict[str, Any] = dict(body.model_extra or {})
+    for name, neutral in _REFUSED.items():
+        value = getattr(body, name, extra.get(name))
+        if value not in neutral:
+            return name
+    return None
+
+
+class GenerationRequest(_TopLevel):
+    """The fields completions and chat share (model, sampling, streaming, output options)."""
 
     model: str | None = None
     max_tokens: StrictInt | None = None
@@ -101,15 +204,26 @@ class GenerationRequest(_Base):
     top_p: FiniteFloat | None = None
     top_k: StrictInt | None = None
     seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    ignore_eos: bool = False
     n: StrictInt = 1
-    # not supported: parsed so that a request for them is refused (sampling_params_for), not ignored
-    logprobs: StrictBool | StrictInt | None = None
-    top_logprobs: StrictInt | None = None
-    echo: bool = False
-    stream: bool = False
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[StrictInt] | None = None
+    min_tokens: StrictInt = 0
+    ignore_eos: StrictBool = False
+    frequency_penalty: FiniteFloat | None = None
+    presence_penalty: FiniteFloat | None = None
+    repetition_penalty: FiniteFloat | None = None
+    logit_bias: dict[str, FiniteFloat] | None = None
+    include_stop_str_in_output: StrictBool = False
+    skip_special_tokens: StrictBool = True
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    # refused unless neutral (refused_field)
+    best_of: Any = None
+    suffix: Any = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    chat_template: Any = None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -119,23 +233,39 @@ class GenerationRequest(_Base):
         stops = [self.stop] if isinstance(self.stop, str) else self.stop
         return [s for s in stops if s]
 
+    @property
+    def num_logprobs(self) -> int | None:
+        """How many top alternatives each token's logprobs carry, or None when logprobs are off."""
+        return None
+
+
+# A prompt in vLLM's four forms.
+Prompt = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+
 
 class CompletionRequest(GenerationRequest):
-    """POST /v1/completions: `prompt` is a text or a list of token ids."""
+    """POST /v1/completions. `logprobs`: k top alternatives per token (0 gives the chosen token's
+    logprob alone); `echo`: the prompt's text (and with logprobs, its tokens' logprobs) before each choice."""
 
-    prompt: str | list[int]
+    prompt: Prompt
+    logprobs: StrictInt | None = None
+    echo: StrictBool = False
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class _TextPart(_Base):
     type: Literal["text"] = "text"
-    text: str
+    text: Text
 
 
 class ChatMessage(_Base):
     """One chat message; `content` is a string or a list of text parts (joined)."""
 
     role: ChatRole
-    content: str | list[_TextPart] | None = None
+    content: Text | list[_TextPart] | None = None
 
     def text(self) -> str:
         """The message's text."""
@@ -147,26 +277,34 @@ class ChatMessage(_Base):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions. `logprobs: true` gives each token's logprob; `top_logprobs: k` (with
+    `logprobs: true`) adds the k most probable alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    add_generation_prompt: bool = True
+    add_generation_prompt: StrictBool = True
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = None
+    echo: StrictBool = False  # vLLM's chat echo (the last message repeated) is refused when true
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class TokenizeRequest(_Base):
-    """POST /tokenize: vLLM's completion form (`prompt`, with `add_special_tokens`) or chat form
-    (`messages`: the chat template writes the special tokens itself)."""
+class TokenizeRequest(_TopLevel):
+    """POST /tokenize: vLLM's completion form (`prompt` in any form /v1/completions accepts, with
+    `add_special_tokens`) or chat form (`messages`: the chat template writes the special tokens itself)."""
 
     model: str | None = None
-    prompt: str | None = None
+    prompt: Prompt | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
+    add_generation_prompt: StrictBool = True
+    add_special_tokens: StrictBool = True
+    return_token_strs: StrictBool = False
 
 
-class DetokenizeRequest(_Base):
-    """POST /detokenize."""
+class DetokenizeRequest(_TopLevel):
+    """POST /detokenize: `tokens` is a list of token ids (or, like `prompt`, a list of token-id lists)."""
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt] | list[list[StrictInt]]

@@ -2,7 +2,7 @@
 
 Corresponds to vLLM v1's `vllm/v1/request.py` (Request, RequestStatus), `vllm/sampling_params.py` (the
 fields used here) and `check_stop` in `vllm/v1/core/sched/utils.py`. Left out: multimodal inputs, LoRA,
-logprobs, stop strings, min_tokens, penalties, structured output.
+stop strings (the API process applies them), min_p, bad words, structured output.
 
 Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting queue -> RUNNING)* ->
 FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-__all__ = ["SAMPLING_EPS", "Request", "RequestStatus", "SamplingParams", "check_stop"]
+__all__ = [
+    "SAMPLING_EPS",
+    "Request",
+    "RequestStatus",
+    "SamplingParams",
+    "TokenLogprobs",
+    "check_stop",
+    "decode_logprobs_payloads",
+]
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +75,51 @@ def _is_nonempty_str(value: object) -> bool:
 
 
 @dataclass(frozen=True)
+class TokenLogprobs:
+    """The log-probability of one token and the most probable alternatives at its position.
+
+    Attributes:
+        token_id: the token (sampled, or the prompt's token at this position).
+        logprob: natural-log probability of `token_id` under the model's raw logits (log-softmax in
+            float64 of the logits row in the engine dtype, before penalties and temperature, as vLLM's
+            default `raw_logprobs` mode).
+        rank: 1 + the number of tokens with a strictly larger logit (1 for the greedy token).
+        top: (token id, logprob) of the k most probable tokens, most probable first, ties by token id.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: tuple[tuple[int, float], ...] = ()
+
+    def to_wire(self) -> list[object]:
+        """A msgpack-able list `[token_id, logprob, rank, [[id, logprob], ...]]` (what the core sends)."""
+        return [self.token_id, self.logprob, self.rank, [list(pair) for pair in self.top]]
+
+    @classmethod
+    def from_wire(cls, obj: Sequence[Any]) -> TokenLogprobs:
+        """The inverse of `to_wire` (after a msgpack round trip)."""
+        token_id, logprob, rank, top = obj
+        return cls(int(token_id), float(logprob), int(rank), tuple((int(t), float(lp)) for t, lp in top))
+
+
+def decode_logprobs_payloads(
+    payloads: Sequence[Any] | None,
+) -> tuple[list[TokenLogprobs], tuple[TokenLogprobs, ...] | None]:
+    """The sampled tokens' TokenLogprobs and the prompt's (None when absent) from the core's
+    `new_logprobs` payloads, one `[sampled, prompt]` per step (core.py `_logprobs_payload`)."""
+    sampled: list[TokenLogprobs] = []
+    prompt: tuple[TokenLogprobs, ...] | None = None
+    for payload in payloads or []:
+        step_sampled, step_prompt = payload
+        if step_sampled is not None:
+            sampled.append(TokenLogprobs.from_wire(step_sampled))
+        if step_prompt is not None and prompt is None:
+            prompt = tuple(TokenLogprobs.from_wire(entry) for entry in step_prompt)
+    return sampled, prompt
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick the next token and when to stop (a subset of vLLM's SamplingParams).
 
@@ -78,8 +133,21 @@ class SamplingParams:
         seed: seed (>= 0) of the request's own np.random.Generator; None draws fresh entropy.
         ignore_eos: keep generating after the eos token.
         stop_token_ids: more token ids that end the request (always honored, unlike eos).
-        stop: strings that end the request; the text stops before the first one found (applied by the
-            front end's OutputProcessor, which aborts the request in the core).
+        stop: strings that end the request; the text stops before the first one found (after it with
+            include_stop_str_in_output; applied by the front end's OutputProcessor, which aborts the
+            request in the core, and only in the text of the tokens after the first min_tokens).
+        min_tokens: output tokens before eos or a stop token may end the request (the sampler masks
+            them until then; the API process holds back stop strings the same way).
+        frequency_penalty, presence_penalty: OpenAI's penalties over the generated tokens, in [-2, 2]:
+            logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0).
+        repetition_penalty: > 0; 1 disables. A token in the prompt or the output has its logit divided
+            by it when positive, multiplied by it otherwise (Keskar et al. 2019; vLLM, transformers).
+        logit_bias: (token id, bias) pairs added to the logits before sampling.
+        logprobs: None, or k >= 0: each sampled token's TokenLogprobs with its top k alternatives.
+        prompt_logprobs: None, or k >= 0: a TokenLogprobs for every prompt token after the first (the
+            request then skips the prefix cache, as vLLM does, so every position is computed).
+        include_stop_str_in_output: keep the stop string, or the stop token's text, in the output.
+        skip_special_tokens: leave special tokens out of the text (the OutputProcessor's detokenizer).
 
     Raises:
         ValueError: a field is out of its range.
@@ -93,6 +161,15 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -109,6 +186,25 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be ints >= 0, got {self.stop_token_ids!r}")
         if any(not _is_nonempty_str(s) for s in self.stop):
             raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens], got {self.min_tokens!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
+        if any(not _is_int(t) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
+            raise ValueError(f"logit_bias must map ids >= 0 to finite biases, got {self.logit_bias!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+
+    @property
+    def has_penalties(self) -> bool:
+        """Any of the three penalties differs from its neutral value."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def is_greedy(self) -> bool:
@@ -132,6 +228,9 @@ class Request:
         num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission (sent
             to the front end with each output; FinishedRequestStats carries it).
         num_preemptions: times this request was preempted (sent likewise).
+        output_logprobs: one TokenLogprobs per output token when sampling_params.logprobs is set.
+        prompt_logprobs: one TokenLogprobs per prompt token after the first when
+            sampling_params.prompt_logprobs is set, filled as prefill chunks are computed.
         generator: the request's own random generator (sampling with temperature > 0), seeded from
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
 
@@ -161,6 +260,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = 0
         self.num_preemptions = 0
+        self.output_logprobs: list[TokenLogprobs] = []
+        self.prompt_logprobs: list[TokenLogprobs] = []
         self.generator = np.random.default_rng(sampling_params.seed)
 
     @property
@@ -211,14 +312,16 @@ def check_stop(request: Request, max_model_len: int) -> bool:
 
     Order (vLLM v1's `check_stop` checks length first; here a natural stop wins over a simultaneous length
     cap so an eos on the last allowed token reports "stop", as OpenAI's API does):
-    1. the last token is eos (unless ignore_eos) or in stop_token_ids -> FINISHED_STOPPED;
+    1. the last token is eos (unless ignore_eos) or in stop_token_ids, and at least min_tokens tokens
+       exist -> FINISHED_STOPPED;
     2. num_output_tokens >= max_tokens or num_tokens >= max_model_len -> FINISHED_LENGTH_CAPPED.
     """
     if not request.output_token_ids:
         return False
     params = request.sampling_params
     last = request.output_token_ids[-1]
-    if (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids:
+    is_stop = (not params.ignore_eos and last == request.eos_token_id) or last in params.stop_token_ids
+    if is_stop and request.num_output_tokens >= params.min_tokens:
         request.status = RequestStatus.FINISHED_STOPPED
         return True
     if request.num_output_tokens >= params.max_tokens or request.num_tokens >= max_model_len:

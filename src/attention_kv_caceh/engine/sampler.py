@@ -1,9 +1,16 @@
-"""Sampler: the next token of each request from its logits row.
+"""Sampler: the next token of each request from its logits row, and the log-probabilities asked for.
 
-Corresponds to vLLM v1's `vllm/v1/sample/sampler.py` and `ops/topk_topp_sampler.py`, one request at a time.
-Left out: logprobs, penalties, min_p, logit bias, bad words, batched vectorized kernels.
+Corresponds to vLLM v1's `vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`, `ops/penalties.py`, the
+logit-bias and min-tokens logits processors and `vllm/model_executor/layers/utils.py` (apply_penalties),
+one request (one row of the batch) at a time, each with its own SamplingParams. Left out: min_p, bad words,
+allowed token ids, vectorized kernels over the whole batch.
 
-Per row, in vLLM's order: temperature below SAMPLING_EPS = 1e-5 (0 included) -> argmax (greedy, no random
+Per row, in vLLM's order: the logprobs are taken first, from the raw logits (vLLM's default
+`raw_logprobs`); then the logit bias is added; eos and the stop token ids are masked (-inf) while the
+request has fewer than `min_tokens` output tokens; then the penalties:
+repetition_penalty over the prompt and output tokens (logit / p where the logit is > 0, logit * p
+otherwise; Keskar et al. 2019, as vLLM and transformers apply it), then OpenAI's
+`logit -= frequency_penalty * count + presence_penalty * (count > 0)` over the output tokens. Then temperature below SAMPLING_EPS = 1e-5 (0 included) -> argmax (greedy, no random
 draw; as vLLM does, since a tinier temperature overflows the division or samples rounding noise). Otherwise divide the logits by
 the temperature, keep the top_k largest (top_k > 0), keep the smallest set of most probable tokens whose
 probability sums to >= top_p (the "nucleus", Holtzman et al. 2020, always at least the most probable token),
@@ -23,9 +30,59 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from .request import Request, SamplingParams
+from .request import Request, SamplingParams, TokenLogprobs
 
-__all__ = ["sample", "sample_row"]
+__all__ = ["apply_logits_processors", "sample", "sample_row", "token_logprobs"]
+
+
+def apply_logits_processors(
+    logits: npt.NDArray[np.floating[Any]], request: Request
+) -> npt.NDArray[np.float64]:
+    """The request's logits row `[V]` after logit bias, the min_tokens mask and the penalties (float64 copy).
+
+    Bias ids outside `[0, V)` are ignored here (the server refuses them before).
+    """
+    params = request.sampling_params
+    row = logits.astype(np.float64)  # [V]
+    vocab = row.shape[0]
+    for token_id, bias in params.logit_bias:
+        if 0 <= token_id < vocab:
+            row[token_id] += bias
+    if request.num_output_tokens < params.min_tokens:
+        stops = list(params.stop_token_ids)
+        if not params.ignore_eos and request.eos_token_id is not None:
+            stops.append(request.eos_token_id)
+        stop_ids = np.array([t for t in stops if 0 <= t < vocab], dtype=np.int64)
+        row[stop_ids] = -np.inf
+    if not params.has_penalties:
+        return row
+    output = np.asarray(request.output_token_ids, dtype=np.int64)
+    if params.repetition_penalty != 1.0:
+        seen = np.zeros(vocab, dtype=bool)  # [V]
+        prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
+        seen[prompt[prompt < vocab]] = True
+        seen[output[output < vocab]] = True
+        p = params.repetition_penalty
+        row = np.where(seen, np.where(row > 0, row / p, row * p), row)
+    counts = np.bincount(output[output < vocab], minlength=vocab).astype(np.float64)  # [V]
+    row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return row
+
+
+def token_logprobs(logits: npt.NDArray[np.floating[Any]], token_id: int, k: int) -> TokenLogprobs:
+    """TokenLogprobs of `token_id` under a logits row `[V]`: log-softmax in float64, rank, top k.
+
+    log_softmax(x)_t = x_t - max(x) - log(sum(exp(x - max(x)))).
+    """
+    row = logits.astype(np.float64)  # [V]
+    shifted = row - row.max()
+    logprobs = shifted - np.log(np.exp(shifted).sum())  # [V]
+    rank = 1 + int(np.count_nonzero(row > row[token_id]))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        order = np.argsort(-row, kind="stable")[:k]  # [k], most probable first, ties by token id
+        top = tuple((int(t), float(logprobs[t])) for t in order)
+    return TokenLogprobs(int(token_id), float(logprobs[token_id]), rank, top)
 
 
 def sample_row(
@@ -55,6 +112,9 @@ def sample_row(
 def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -> list[int]:
     """Next token of each request: row i of `logits` `[R, V]` belongs to requests[i].
 
+    A request with `sampling_params.logprobs` set gets the sampled token's TokenLogprobs appended to its
+    `output_logprobs` (computed from the raw row).
+
     Raises:
         ValueError: logits is not 2-D with one row per request, or holds a NaN.
     """
@@ -62,4 +122,13 @@ def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -
         raise ValueError(f"logits must be [R={len(requests)}, V], got shape {logits.shape}")
     if np.isnan(logits).any():
         raise ValueError("logits contain NaN")
-    return [sample_row(logits[i], r.sampling_params, r.generator) for i, r in enumerate(requests)]
+    tokens: list[int] = []
+    for i, request in enumerate(requests):
+        params = request.sampling_params
+        plain = not params.logit_bias and not params.has_penalties and params.min_tokens == 0
+        row = logits[i] if plain else apply_logits_processors(logits[i], request)
+        token = sample_row(row, params, request.generator)
+        if params.logprobs is not None:
+            request.output_logprobs.append(token_logprobs(logits[i], token, params.logprobs))
+        tokens.append(token)
+    return tokens

@@ -11,9 +11,16 @@ deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices
 `POST /reset_prefix_cache` (vLLM's) forgets the engine core's prefix cache: 200 when done, 409 while
 requests hold KV blocks.
 
+The request fields (protocol.py) and how they are served (serving.py): `prompt` in vLLM's four forms,
+`n` fanned out into one engine request per prompt and sample, `echo`, `logprobs`, `stop_token_ids`,
+`min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
+are logged in one warning line naming them, and the request is served, as vLLM does.
+
 Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
-request (malformed JSON, a known field of the wrong type, max_tokens <= 0, a prompt too long for
-`max_model_len`) is a 400 and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
+request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
+serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
+for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
+naming the field as `param` and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
 `/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
 401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
 than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
@@ -52,32 +59,25 @@ from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.metrics import ServerMetrics
-from attention_kv_caceh.engine.output_processor import (
-    EngineDrainingError,
-    EngineRequestError,
-    EngineStepError,
-    RequestStream,
-)
+from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
-    GenerationRequest,
+    Prompt,
     TokenizeRequest,
-    error_body,
     error_response,
     validation_error,
 )
+from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
-    DONE,
+    DEFAULT_MAX_LOGPROBS,
     HTTPError,
-    chat_chunk,
-    completion_chunk,
+    check_request_fields,
     sampling_params_for,
-    sse,
-    usage,
 )
+from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
 
@@ -101,20 +101,27 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    kv_capacity_tokens: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
     requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
-    see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. Raises ValueError for
-    max_model_len < 2, max_queue < 0 or max_request_bytes < 1.
+    see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
+    `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
+    whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
-    if max_queue is not None and max_queue < 0:
-        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if max_logprobs < 0:
+        raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+    if max_queue is not None and max_queue < 0:
+        raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     template = chat_template if chat_template is not None else ChatTemplate()
     metrics = ServerMetrics(
         served_model_name,
@@ -162,20 +169,81 @@ def build_app(
         if model is not None and model != served_model_name:
             raise HTTPError(404, f"The model `{model}` does not exist.", "model")
 
+    def warn_ignored(
+        body: CompletionRequest | ChatCompletionRequest | TokenizeRequest | DetokenizeRequest,
+    ) -> None:
+        ignored = body.ignored_fields
+        if ignored:  # as vLLM does: one line naming them, and the request is served
+            logger.warning("The following fields were present in the request but ignored: %s", ignored)
+
+    def check_kv_capacity(num_prompt_tokens: int, params: SamplingParams) -> None:
+        if kv_capacity_tokens is None:
+            return
+        # the last sampled token is never computed: the cache holds at most prompt + max_tokens - 1 positions
+        positions = min(num_prompt_tokens + params.max_tokens, max_model_len) - 1
+        if positions > kv_capacity_tokens:
+            param = "prompt" if num_prompt_tokens > kv_capacity_tokens else "max_tokens"
+            raise HTTPError(
+                400,
+                f"the prompt ({num_prompt_tokens} tokens) and max_tokens ({params.max_tokens}) need "
+                f"{positions} KV cache positions; the server's KV cache holds {kv_capacity_tokens}",
+                param,
+            )
+
     def admit(
-        request_id: str, prompt_ids: list[int], body: GenerationRequest, default: int | None
-    ) -> RequestStream:
-        params = sampling_params_for(body, len(prompt_ids), max_model_len, default)
-        if max_queue is not None and async_llm.num_unfinished >= async_llm.max_num_seqs + max_queue:
+        response_id: str,
+        prompts: list[tuple[list[int], str]],
+        body: CompletionRequest | ChatCompletionRequest,
+        default: int | None,
+    ) -> list[Choice]:
+        """Validate every child first, then add them all (or none)."""
+        echo = isinstance(body, CompletionRequest) and body.echo
+        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        echo_only = echo and given == 0
+        choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
+        for p, (prompt_ids, text) in enumerate(prompts):
+            base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
+            for i in range(body.n):
+                params = sampling_params_for(
+                    body,
+                    len(prompt_ids),
+                    max_model_len,
+                    default,
+                    vocab_size=tokenizer.vocab_size,
+                    max_logprobs=max_logprobs,
+                    index=i,
+                )
+                check_kv_capacity(len(prompt_ids), params)
+                choice = Choice(
+                    len(choices),
+                    base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
+                    prompt_ids,
+                    params,
+                    async_llm.add_request,
+                    leader=None if i == 0 else choices[len(choices) - i],
+                    echo_text=text if echo else "",
+                    echo_only=echo_only,
+                    first_prompt=i == 0,
+                )
+                choices.append(choice)
+        if (
+            max_queue is not None
+            and async_llm.num_unfinished + len(choices) > async_llm.max_num_seqs + max_queue
+        ):
             raise HTTPError(503, f"the server's queue is full ({max_queue} requests waiting); retry later")
         try:
-            return async_llm.generate(prompt_ids, params, request_id)
+            for choice in choices:
+                if choice.leader is None:
+                    choice.start()
         except EngineDrainingError as exc:
+            close_all(choices)
             raise HTTPError(503, str(exc)) from exc
         except EngineDeadError as exc:
+            close_all(choices)
             raise HTTPError(503, f"EngineDeadError: {exc}") from exc
+        return choices
 
-    def render_chat(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
@@ -185,23 +253,50 @@ def build_app(
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
 
-    async def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        return await asyncio.to_thread(render_chat, messages, add_generation_prompt)
-
-    async def completion_prompt(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return await asyncio.to_thread(tokenizer.encode, prompt)
+    def check_ids(ids: list[int], param: str) -> list[int]:
         # an id the model has no embedding row for would fail the whole engine step, not just this request
-        bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise HTTPError(
-                400, f"prompt token ids must be in [0, {tokenizer.vocab_size}), got {bad[0]}", "prompt"
-            )
-        return list(prompt)
+        for t in ids:
+            if not 0 <= t < tokenizer.vocab_size:
+                raise HTTPError(
+                    400, f"{param} token ids must be in [0, {tokenizer.vocab_size}), got {t}", param
+                )
+        return list(ids)
+
+    def prompt_list(prompt: Prompt) -> list[str | list[int]]:
+        """vLLM's four prompt forms as a list of prompts (a text or token ids each)."""
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise HTTPError(400, "the prompt is empty", "prompt")
+        first = prompt[0]
+        if isinstance(first, int):
+            return [[t for t in prompt if isinstance(t, int)]]
+        out: list[str | list[int]] = []
+        for item in prompt:
+            if isinstance(item, (str, list)):
+                out.append(item)
+        return out
+
+    def completion_prompts(
+        prompt: Prompt, add_special_tokens: bool = True, with_text: bool = False
+    ) -> list[tuple[list[int], str]]:
+        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`."""
+        out: list[tuple[list[int], str]] = []
+        for item in prompt_list(prompt):
+            if isinstance(item, str):
+                out.append((tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+            else:
+                ids = check_ids(item, "prompt")
+                out.append((ids, tokenizer.decode(ids) if with_text else ""))
+        return out
 
     @app.get("/health")
     async def health() -> Response:  # pyright: ignore[reportUnusedFunction]
         return Response(status_code=200 if async_llm.is_running else 503)
+
+    @app.get("/metrics")
+    async def scrape() -> Response:  # pyright: ignore[reportUnusedFunction]
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:  # pyright: ignore[reportUnusedFunction]
@@ -212,10 +307,6 @@ def build_app(
         if not done:
             raise HTTPError(409, "the prefix cache was not reset: requests hold KV blocks; retry when idle")
         return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def scrape() -> Response:  # pyright: ignore[reportUnusedFunction]
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/debug/step_stats")
     async def step_stats(last: int = 1000) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
@@ -241,45 +332,68 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        if body.messages is not None:
-            tokens = await chat_prompt(body.messages, body.add_generation_prompt)
-        elif body.prompt is not None:
-            tokens = await asyncio.to_thread(
-                tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
-            )
-        else:
-            raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-        strs = None
-        if body.return_token_strs:
-            strs = await asyncio.to_thread(lambda: [tokenizer.decode([t]) for t in tokens])
-        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens, "token_strs": strs}
+        warn_ignored(body)
+
+        def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
+            if body.messages is not None:
+                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+            elif body.prompt is not None:
+                pairs = completion_prompts(body.prompt, body.add_special_tokens)
+                tokens = [t for ids, _ in pairs for t in ids]
+            else:
+                raise HTTPError(400, "give `prompt` or `messages`", "prompt")
+            strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
+            return {
+                "count": len(tokens),
+                "max_model_len": max_model_len,
+                "tokens": tokens,
+                "token_strs": strs,
+            }
+
+        return await asyncio.to_thread(work)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        if any(not 0 <= t < tokenizer.vocab_size for t in body.tokens):
-            raise HTTPError(400, f"token ids must be in [0, {tokenizer.vocab_size})", "tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+        warn_ignored(body)
+        lists = [check_ids(ids, "tokens") for ids in body.tokens if isinstance(ids, list)]
+        flat = check_ids([t for t in body.tokens if isinstance(t, int)], "tokens")
+        if lists:
+            return {"prompt": await asyncio.to_thread(lambda: [tokenizer.decode(ids) for ids in lists])}
+        return {"prompt": await asyncio.to_thread(tokenizer.decode, flat)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        prompt_ids = await completion_prompt(body.prompt)
-        stream = admit(request_id, prompt_ids, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
-        if body.stream:
-            return _sse_response(_stream_events(stream, body, served_model_name, chat=False))
-        return await _unless_disconnected(raw, _whole(stream, served_model_name, chat=False))
+        warn_ignored(body)
+        check_request_fields(body, max_logprobs)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on
+        prompts = await asyncio.to_thread(completion_prompts, body.prompt, with_text=body.echo)
+        choices = admit(response_id, prompts, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
+        return await respond(raw, response_id, choices, body)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await chat_prompt(body.messages, body.add_generation_prompt)
-        stream = admit(request_id, prompt_ids, body, None)
+        warn_ignored(body)
+        check_request_fields(body, max_logprobs)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        prompt_ids = await asyncio.to_thread(chat_prompt, body.messages, body.add_generation_prompt)
+        choices = admit(response_id, [(prompt_ids, "")], body, None)
+        return await respond(raw, response_id, choices, body)
+
+    async def respond(
+        raw: Request, response_id: str, choices: list[Choice], body: CompletionRequest | ChatCompletionRequest
+    ) -> Response:
         if body.stream:
-            return _sse_response(_stream_events(stream, body, served_model_name, chat=True))
-        return await _unless_disconnected(raw, _whole(stream, served_model_name, chat=True))
+            return _sse_response(stream_events(response_id, choices, body, tokenizer, served_model_name))
+        try:
+            return await _unless_disconnected(
+                raw, whole_response(response_id, choices, body, tokenizer, served_model_name)
+            )
+        finally:
+            close_all(choices)  # also when the work was cancelled before it started
 
     return app
 
@@ -389,99 +503,3 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Respo
 
 def _sse_response(events: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-
-
-def _stream_flags(body: GenerationRequest) -> tuple[bool, bool]:
-    options = body.stream_options
-    if options is None:
-        return False, False
-    return options.include_usage, options.continuous_usage_stats
-
-
-async def _stream_events(
-    stream: RequestStream,
-    body: CompletionRequest | ChatCompletionRequest,
-    model: str,
-    *,
-    chat: bool,
-) -> AsyncIterator[bytes]:
-    """One streamed request as SSE events in OpenAI's shapes.
-
-    Chat: a role-only first chunk, then `delta.content` chunks; completions: `text` chunks. Then a chunk
-    with the finish_reason, a usage-only chunk (`choices: []`) with `stream_options.include_usage`, and
-    `data: [DONE]`. With `continuous_usage_stats` every chunk carries the usage so far, and a token whose
-    text is not complete yet still gets a chunk (empty text) so a client can time it (see
-    output_processor.py). An engine error ends the stream with an error event (400 for a request the
-    engine refused, 500 for a failed step, 503 for a dead engine core), then `data: [DONE]`.
-    """
-    include_usage, continuous = _stream_flags(body)
-    created = int(time.time())
-    rid = stream.request_id
-
-    def chunk(
-        text: str | None, finish_reason: str | None = None, usage_obj: dict[str, int] | None = None
-    ) -> bytes:
-        """text None: the usage-only chunk; "" with a finish_reason: the finish chunk."""
-        if not chat:
-            return sse(completion_chunk(rid, model, created, text, finish_reason, usage_obj))
-        delta = None if text is None else {} if finish_reason is not None and not text else {"content": text}
-        return sse(chat_chunk(rid, model, created, delta, finish_reason, usage_obj))
-
-    counts = (0, 0)
-    try:
-        if chat:
-            yield sse(chat_chunk(rid, model, created, {"role": "assistant"}))
-        async for delta in stream:
-            counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-            per_chunk = usage(*counts) if continuous else None
-            if delta.text or (continuous and delta.finish_reason is None):
-                yield chunk(delta.text, None, per_chunk)
-            if delta.finish_reason is not None:
-                yield chunk("", delta.finish_reason, per_chunk)
-        if include_usage:
-            yield chunk(None, usage_obj=usage(*counts))
-    except EngineRequestError as exc:
-        yield sse(error_body(400, str(exc)))
-    except EngineStepError as exc:
-        yield sse(error_body(500, str(exc)))
-    except EngineDeadError as exc:
-        yield sse(error_body(503, f"EngineDeadError: {exc}"))
-    finally:
-        stream.close()  # a client that left cancels this generator: abort its request
-    yield DONE
-
-
-async def _whole(stream: RequestStream, model: str, *, chat: bool) -> Response:
-    parts: list[str] = []
-    finish_reason = "stop"
-    counts = (0, 0)
-    try:
-        async for delta in stream:
-            parts.append(delta.text)
-            counts = (delta.num_prompt_tokens, delta.num_output_tokens)
-            if delta.finish_reason is not None:
-                finish_reason = delta.finish_reason
-    except EngineRequestError as exc:
-        return error_response(400, str(exc))
-    except EngineStepError as exc:
-        return error_response(500, str(exc))
-    except EngineDeadError as exc:
-        return error_response(503, f"EngineDeadError: {exc}")
-    finally:
-        stream.close()
-    text = "".join(parts)
-    choice: dict[str, Any]
-    if chat:
-        message = {"role": "assistant", "content": text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    obj = {
-        "id": stream.request_id,
-        "object": "chat.completion" if chat else "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": usage(*counts),
-    }
-    return JSONResponse(obj)

@@ -3,7 +3,8 @@
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
 size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error),
 `stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
-chunk builders give OpenAI's stream shapes.
+chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
+response bodies are in serving_response.py.
 """
 
 from __future__ import annotations
@@ -11,15 +12,24 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from attention_kv_caceh.engine.protocol import GenerationRequest
+from attention_kv_caceh.engine.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    refused_field,
+)
 from attention_kv_caceh.engine.request import SamplingParams
 
 __all__ = [
+    "DEFAULT_MAX_LOGPROBS",
     "DONE",
+    "MAX_N",
     "HTTPError",
     "chat_chunk",
+    "check_request_fields",
     "completion_chunk",
     "sampling_params_for",
     "sse",
@@ -27,6 +37,9 @@ __all__ = [
 ]
 
 DONE = b"data: [DONE]\n\n"
+DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
+MAX_N = 128  # most samples per prompt (each is an engine request)
+_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
 class HTTPError(Exception):
@@ -53,28 +66,75 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
+def _check_token_ids(ids: Sequence[int], vocab_size: int | None, param: str) -> None:
+    for t in ids:
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            upper = "" if vocab_size is None else f", {vocab_size}"
+            raise HTTPError(400, f"{param} must hold token ids in [0{upper}), got {t}", param)
+
+
+def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    if not raw:
+        return ()
+    pairs: list[tuple[int, float]] = []
+    for key, bias in raw.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        _check_token_ids([token_id], vocab_size, "logit_bias")
+        if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+            raise HTTPError(400, f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
+        pairs.append((token_id, bias))
+    return tuple(pairs)
+
+
+def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
+    """The checks that do not depend on the prompt: refused fields, `n`, echo in chat, the logprobs
+    counts. Raises HTTPError(400) naming the field."""
+    refused = refused_field(body)
+    if refused is not None:
+        raise HTTPError(400, f"`{refused}` is not supported by this server", refused)
+    if not 1 <= body.n <= MAX_N:
+        raise HTTPError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
+    if isinstance(body, ChatCompletionRequest):
+        if body.echo:
+            raise HTTPError(400, "echo is not supported for chat completions", "echo")
+        if body.top_logprobs is not None and not 0 <= body.top_logprobs <= max_logprobs:
+            raise HTTPError(
+                400, f"top_logprobs must be in [0, {max_logprobs}], got {body.top_logprobs}", "top_logprobs"
+            )
+        if body.top_logprobs and not body.logprobs:
+            raise HTTPError(400, "top_logprobs needs logprobs set to true", "top_logprobs")
+    logprobs = body.logprobs if isinstance(body, CompletionRequest) else None
+    if logprobs is not None and not 0 <= logprobs <= max_logprobs:
+        raise HTTPError(400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", "logprobs")
+
+
 def sampling_params_for(
-    body: GenerationRequest, num_prompt_tokens: int, max_model_len: int, default_max_tokens: int | None
+    body: GenerationRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    *,
+    vocab_size: int | None = None,
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    index: int = 0,
 ) -> SamplingParams:
-    """SamplingParams for a request whose prompt has `num_prompt_tokens` tokens.
+    """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
-    rest of the context) capped to the rest of the context. `temperature` defaults to 1.0 as in OpenAI's
-    API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for n != 1,
-    `logprobs` / `top_logprobs` / `echo` asked for (not supported), an empty prompt, a prompt of
-    `max_model_len` tokens or more, max_tokens <= 0, a total over `max_model_len`, or a sampling value out
-    of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0). The request
-    models (protocol.py) already refuse bools for numbers and NaN / Infinity; the finiteness checks here
-    repeat that for bodies built in code.
+    rest of the context) capped to the rest of the context. `max_tokens: 0` is accepted with `echo` only
+    (the engine then runs one token, which the response drops). `temperature` defaults to 1.0 as in
+    OpenAI's API; `top_k` of 0 or -1 disables it; the seed of sample `index` is `seed + index`. Raises
+    HTTPError(400), naming the field as `param`, for the checks of `check_request_fields`, an empty prompt,
+    a prompt of `max_model_len` tokens or more, max_tokens <= 0 (without echo), a total over
+    `max_model_len`, a sampling value out of range (temperature not finite or < 0, top_p not in (0, 1],
+    top_k < -1, seed < 0, min_tokens not in [0, max_tokens], a penalty out of range, a logit_bias value
+    outside [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
     """
-    if body.n != 1:
-        raise HTTPError(400, f"only n = 1 is supported, got n = {body.n}", "n")
-    if body.logprobs not in (None, False, 0) or body.logprobs is True:
-        raise HTTPError(400, "logprobs are not supported by this server", "logprobs")
-    if body.top_logprobs not in (None, 0):
-        raise HTTPError(400, "top_logprobs is not supported by this server", "top_logprobs")
-    if body.echo:
-        raise HTTPError(400, "echo is not supported by this server", "echo")
+    check_request_fields(body, max_logprobs)
+    echo = isinstance(body, CompletionRequest) and body.echo
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
@@ -89,14 +149,16 @@ def sampling_params_for(
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+    if max_tokens == 0 and echo:
+        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
     if max_tokens <= 0:
-        raise HTTPError(400, f"{param} must be at least 1, got {max_tokens}", param)
+        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
     if num_prompt_tokens + max_tokens > max_model_len:
         raise HTTPError(
             400,
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {max_tokens} "
-            "in the completion).",
+            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {param} = "
+            f"{max_tokens} in the completion).",
             param,
         )
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -110,14 +172,41 @@ def sampling_params_for(
         raise HTTPError(400, f"top_k must be >= 0 (or -1 to disable), got {body.top_k}", "top_k")
     if body.seed is not None and body.seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {body.seed}", "seed")
+    if not 0 <= body.min_tokens <= max_tokens:
+        raise HTTPError(
+            400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}", "min_tokens"
+        )
+    stop_ids = list(body.stop_token_ids or [])
+    _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+    penalties = {
+        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+    }
+    for name, value in penalties.items():
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not (math.isfinite(repetition) and repetition > 0):
+        raise HTTPError(400, f"repetition_penalty must be > 0, got {repetition}", "repetition_penalty")
+    num_logprobs = body.num_logprobs
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seed=body.seed,
+        seed=None if body.seed is None else body.seed + index,
         ignore_eos=body.ignore_eos,
+        stop_token_ids=tuple(dict.fromkeys(stop_ids)),
+        min_tokens=body.min_tokens,
+        frequency_penalty=penalties["frequency_penalty"],
+        presence_penalty=penalties["presence_penalty"],
+        repetition_penalty=repetition,
+        logit_bias=_logit_bias(body.logit_bias, vocab_size),
+        logprobs=num_logprobs,
+        prompt_logprobs=num_logprobs if echo else None,
         stop=tuple(body.stop_strings),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
     )
 
 
@@ -135,7 +224,7 @@ def _stream_chunk(
         "object": obj,
         "created": created,
         "model": model,
-        "choices": [] if choice is None else [{"index": 0, **choice}],
+        "choices": [] if choice is None else [choice],
     }
     if usage_obj is not None:
         chunk["usage"] = usage_obj
@@ -149,9 +238,14 @@ def completion_chunk(
     text: str | None,
     finish_reason: str | None = None,
     usage_obj: dict[str, int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A /v1/completions stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
-    choice = None if text is None else {"text": text, "logprobs": None, "finish_reason": finish_reason}
+    """A /v1/completions stream chunk for choice `index`; `text=None` gives a usage-only chunk (`choices: []`)."""
+    choice = None
+    if text is not None:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     return _stream_chunk("text_completion", request_id, model, created, choice, usage_obj)
 
 
@@ -162,9 +256,14 @@ def chat_chunk(
     delta: dict[str, str] | None,
     finish_reason: str | None = None,
     usage_obj: dict[str, int] | None = None,
+    *,
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A /v1/chat/completions stream chunk; `delta=None` gives a usage-only chunk (`choices: []`)."""
-    choice = None if delta is None else {"delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    """A /v1/chat/completions stream chunk for choice `index`; `delta=None` gives a usage-only chunk."""
+    choice = None
+    if delta is not None:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     return _stream_chunk("chat.completion.chunk", request_id, model, created, choice, usage_obj)
 
 

@@ -10,6 +10,7 @@ first output token).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,6 +88,36 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The UTF-8 bytes token `token_id` stands for (what chat logprobs' `bytes` carry).
+
+        A byte-level BPE token (GPT-2's alphabet: each byte written as one printable character) maps back
+        to its raw bytes, so half of a multi-byte character gives its bytes, not U+FFFD. Any other token
+        gives the UTF-8 of its decoded text. An id the tokenizer does not know gives b"".
+        """
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_level_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+@functools.cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-character table inverted (character -> byte): printable Latin-1 bytes stand for
+    themselves, the other 68 bytes for U+0100 onwards (`bytes_to_unicode` in GPT-2's encoder.py)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars = list(keep)
+    extra = 0
+    for b in range(256):
+        if b not in keep:
+            keep.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(keep, chars, strict=True)}
 
 
 class TextDecoder(Protocol):

@@ -3,7 +3,7 @@
 Both caches decode the same N steps from the same inputs (built once, seeded). The Dynamic cache copies
 its T old positions into a new array every step (`np.concatenate`), so its per-step time should grow
 like a + b_dyn * T with b_dyn above the Preallocated cache's slope, which only pays for attention
-reading T positions. The experiment, in the order of the user's notes (6.4):
+reading T positions. The experiment, in order:
 
 1. oracle: both caches run in lockstep; every step's output and weights must agree (tolerance from the
    dtype, `oracle.tolerance_for`), and at a few steps both are checked against the float64 reference

@@ -6,7 +6,7 @@ Projections are not part of the step: q_t, k_t and v_t are inputs built once, so
 attention over the cache and the cache's own append cost (the copy of a Dynamic cache, the slice write
 of a Preallocated one).
 
-Order (notes, 6.4): inputs built once from the seed and shared by every B (the first B sequences of one
+Order: inputs built once from the seed and shared by every B (the first B sequences of one
 `[B_max, ...]` set) -> per implementation (`scan_impls`: numpy, fused, torch-sdpa, in that order)
 the step's output checked against a float64 per-sequence reference -> warm-up -> timed raw samples
 (the cache is rewound to T outside the timed region before every call) -> after the last

@@ -11,7 +11,8 @@ Definitions (times in nanoseconds in, milliseconds out):
 - TPOT = (finish - first token) / (output tokens - tokens in the first event), vLLM's `tpot` generalised
   to a first event carrying several tokens; undefined (None, never 0) when the denominator is 0 or
   every event arrived in the same read (finish = first token);
-- E2EL = finish - sent, vLLM's `e2el` (its `latency`); E2E = finish - arrival, the user's notes' figure.
+- E2EL = finish - sent, vLLM's `e2el` (its `latency`); E2E = finish - arrival, what the user waited
+  from the scheduled arrival (client lateness and queue included).
 
 `finish` is the last token-bearing event, so a trailing usage-only chunk or `[DONE]` never moves it, and
 for every successful request E2EL = TTFT + sum(ITL) holds exactly in nanoseconds.

@@ -35,7 +35,7 @@ FAILURE_KINDS = (
     "timeout",  # the request exceeded `--timeout`
 )
 
-# Keys of one JSONL line, in order (the list plus `stream_end_ns`, the end of the stream).
+# Keys of one JSONL line, in order (every timestamp and count of a request, then its metrics).
 JSONL_KEYS = (
     "request_id",
     "arrival_ns",
