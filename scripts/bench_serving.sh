@@ -9,7 +9,7 @@
 # folder), OUTPUT_LEN (128), OUTPUT_LEN_C1 (output tokens at concurrency 1, where the 4 requests run one
 # after another; default 128, lower it on a slow machine), PROMPT_LEN (128). num_requests = max(4, concurrency); --max-num-seqs 32.
 set -euo pipefail
-MODEL=${MODEL:-results/small}
+MODEL=${MODEL:-models/small-llama}
 OUT=${OUT:-results/serving}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
 OUTPUT_LEN_C1=${OUTPUT_LEN_C1:-128}

@@ -12,7 +12,7 @@
 # folder), PROMPT_LEN (128), OUTPUT_LEN (128), OUTPUT_LEN_C1 (output tokens per request at
 # concurrency 1, 4 requests one after another; default 64).
 set -euo pipefail
-MODEL=${MODEL:-results/small}
+MODEL=${MODEL:-models/small-llama}
 OUT=${OUT:-results/serving-vs-engine}
 PROMPT_LEN=${PROMPT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-128}
