@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from attention_kv_caceh.engine.request import SAMPLING_EPS, Request, SamplingParams
-from attention_kv_caceh.engine.sampler import sample, sample_row
+from attention_kv_caceh.engine.sampler import _top_k_ids, sample, sample_row
 from tests.engine_fakes import make_engine, random_logits, run_workload
 
 _LOGITS = np.log(np.array([0.5, 0.3, 0.2]))
@@ -25,6 +25,19 @@ def _frequencies(params: SamplingParams, n: int = 40_000) -> np.ndarray:
     gen = np.random.default_rng(123)
     draws = [sample_row(_LOGITS, params, gen) for _ in range(n)]
     return np.bincount(draws, minlength=3) / n
+
+
+class TopKIdsTest(unittest.TestCase):
+    @settings(max_examples=200, deadline=None)
+    @given(
+        row=hnp.arrays(np.float64, st.integers(2, 40), elements=st.integers(-3, 3).map(float)),
+        data=st.data(),
+    )
+    def test_the_k_largest_with_ties_to_the_lower_ids_as_a_stable_sort_gives(self, row, data) -> None:
+        """Oracle: the first k ids of a stable descending sort (ties are frequent with integer logits)."""
+        k = data.draw(st.integers(1, row.size - 1))
+        expected = np.argsort(-row, kind="stable")[:k]
+        self.assertEqual(sorted(_top_k_ids(row, k).tolist()), sorted(expected.tolist()))
 
 
 class SampleRowTest(unittest.TestCase):

@@ -15,7 +15,10 @@ draw; as vLLM does, since a tinier temperature overflows the division or samples
 the temperature, keep the top_k largest (top_k > 0), keep the smallest set of most probable tokens whose
 probability sums to >= top_p (the "nucleus", Holtzman et al. 2020, always at least the most probable token),
 renormalize the softmax over the kept tokens and draw one token by inverse CDF with ONE uniform number from
-the request's own `np.random.Generator` (seeded from SamplingParams.seed). A request's draws therefore depend
+the request's own `np.random.Generator` (seeded from SamplingParams.seed). The kept tokens are ordered
+most probable first when top_k or top_p restricts them (top_k alone: np.partition, then a sort of k ids;
+top_p: a sort of the vocabulary); with neither, the CDF runs over the whole vocabulary in token-id order,
+the same distribution without sorting V logits per token. A request's draws therefore depend
 only on its own seed and its own logits, never on which other requests share the batch.
 
 Ties are broken toward the lower token id everywhere (np.argmax and a stable sort), so top_k=1 and a tiny
@@ -85,6 +88,15 @@ def token_logprobs(logits: npt.NDArray[np.floating[Any]], token_id: int, k: int)
     return TokenLogprobs(int(token_id), float(logprobs[token_id]), rank, top)
 
 
+def _top_k_ids(scaled: npt.NDArray[np.float64], k: int) -> npt.NDArray[np.intp]:
+    """Ids of the k largest entries of `scaled` `[V]` (0 < k < V), ties at the boundary to the lower ids;
+    np.partition finds the k-th largest value in O(V), so no full sort of the vocabulary is needed."""
+    kth = np.partition(scaled, scaled.size - k)[scaled.size - k]  # the k-th largest value
+    above = np.flatnonzero(scaled > kth)
+    tied = np.flatnonzero(scaled == kth)[: k - above.size]
+    return np.concatenate([above, tied])
+
+
 def sample_row(
     logits: npt.NDArray[np.floating[Any]], params: SamplingParams, generator: np.random.Generator
 ) -> int:
@@ -92,11 +104,12 @@ def sample_row(
     if params.is_greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature  # [V]
-    order = np.argsort(-scaled, kind="stable")  # [V], most probable first, ties by token id
-    sorted_logits = scaled[order]
-    if params.top_k > 0:
-        sorted_logits = sorted_logits[: params.top_k]  # [k]
-    probs = np.exp(sorted_logits - sorted_logits[0])
+    order: npt.NDArray[np.intp] | None = None  # None: the whole vocabulary in token-id order
+    if params.top_k > 0 or params.top_p < 1.0:
+        ids = _top_k_ids(scaled, params.top_k) if 0 < params.top_k < scaled.size else np.arange(scaled.size)
+        order = ids[np.lexsort((ids, -scaled[ids]))]  # most probable first, ties by token id
+    values = scaled if order is None else scaled[order]
+    probs = np.exp(values - values.max())
     probs /= probs.sum()
     if params.top_p < 1.0:
         # Keep token j while the probability mass BEFORE it is < top_p, so the first token always stays.
@@ -106,7 +119,7 @@ def sample_row(
     cdf = np.cumsum(probs)
     u = generator.random() * float(cdf[-1])
     j = min(int(np.searchsorted(cdf, u, side="right")), len(cdf) - 1)
-    return int(order[j])
+    return j if order is None else int(order[j])
 
 
 def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -> list[int]:
