@@ -86,7 +86,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _axis(args: argparse.Namespace) -> Axis:
     concurrency: list[int] = args.concurrency
     rates: list[float] = args.request_rate
-    for flag, values in (("--concurrency", concurrency), ("--request-rate", rates)):
+    grids: tuple[tuple[str, list[float]], ...] = (
+        ("--concurrency", [float(c) for c in concurrency]),
+        ("--request-rate", rates),
+    )
+    for flag, values in grids:
         repeated = sorted({v for v in values if values.count(v) > 1})
         if repeated:
             raise UsageError(
