@@ -193,6 +193,7 @@ class UsageErrorTest(EngineCommandCase):
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),
             ([*gen, "--model", m, "--prompts-file", f"{o}/none.txt"], "cannot read it"),
             ([*gen, "--model", m, "--prompt", ""], "prompt 0 (--prompt, counted from 0) is empty"),
+            ([*gen, "--model", m, "--prompt", "a", "--prompt", "caf\udce9"], "prompt 1 (--prompt"),
             ([*gen, "--model", m, "--prompt", "a", "--max-tokens", "0"], "--max-tokens"),
             ([*gen, "--model", m, "--prompt", "a", "--top-p", "1.5"], "--top-p"),
             ([*gen, "--model", m, "--prompt", "a", "--temperature", "nan"], "--temperature"),
@@ -209,6 +210,8 @@ class UsageErrorTest(EngineCommandCase):
             (["make-model", "--out", str(self.prompts_file)], "not a folder"),
             (["make-model", "--out", f"{self.prompts_file}/sub"], "cannot create"),
             (["make-model", "--out", f"{o}/new", "--arch", "gpt2"], "--arch"),
+            (["make-model", "--out", "/proc/m"], "--out '/proc/m'"),
+            (["make-model", "--out", "/proc/self/m"], "--out '/proc/self/m'"),
         ]  # fmt: skip
         for argv, names in cases:
             self.assert_usage_error(argv, names)
