@@ -168,6 +168,25 @@ class TraceTest(EngineCommandCase):
         self.assertEqual(len(read_jsonl(trace)), 9)
 
 
+class ReportOfGenerateFilesTest(EngineCommandCase):
+    def test_report_lists_generate_output_and_trace_once_with_no_problem(self) -> None:
+        from attention_kv_caceh.report.build import build_report
+
+        results = self.out / "results"
+        code, _, err = self.generate(
+            *("--prompt", "a", "--prompt", "b c", "--max-tokens", "3"),
+            *("--output", str(results / "generate.jsonl"), "--trace", str(results / "steps.jsonl")),
+        )
+        self.assertEqual(code, 0, err)
+        report = build_report(results, self.out / "report.md", plot=False)
+        self.assertEqual(report.problems, [])
+        self.assertEqual(report.sources, [])
+        for name in ("generate.jsonl", "steps.jsonl"):
+            self.assertEqual(report.markdown.count(f"`{name}`"), 1, report.markdown)
+        code, _, err = quietly(["report", "--results", str(results), "--out", str(self.out / "r.md")])
+        self.assertEqual((code, err.count("problem:")), (0, 0), err)
+
+
 class UsageErrorTest(EngineCommandCase):
     def assert_usage_error(self, argv: list[str], names: str) -> None:
         with self.subTest(argv=argv):
