@@ -209,6 +209,42 @@ class ScanCliTest(unittest.TestCase):
         meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
         self.assertEqual(meta["status"], "interrupted")
 
+    def test_interrupt_mid_batch_keeps_the_samples_of_that_batch_size(self) -> None:
+        real = scan.measure
+        timed_steps = 0
+
+        def cut_at_third_call(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal timed_steps
+            if fn is np.dot:
+                return real(fn, *args, **kwargs)
+            timed_steps += 1
+            if timed_steps < 2:  # B = 1 runs whole; B = 2 is cut after its second timed call
+                return real(fn, *args, **kwargs)
+            calls = 0
+
+            def step(*a):  # type: ignore[no-untyped-def]
+                nonlocal calls
+                calls += 1
+                if calls == 3:
+                    raise KeyboardInterrupt
+                return fn(*a)
+
+            return real(step, *args, **kwargs)
+
+        with mock.patch.object(scan, "measure", cut_at_third_call):
+            code, _, err = run_cli(
+                "--csv", str(self.csv), "--batch-sizes", "1,2", "--repeats", "5", "--warmup", "0"
+            )
+        self.assertEqual(code, 130)
+        self.assertIn("7 samples kept", err)
+        rows = read_csv(self.csv)
+        self.assertEqual([r["batch_size"] for r in rows], ["1"] * 5 + ["2"] * 2)
+        self.assertEqual([r["repeat"] for r in rows[5:]], ["0", "1"])
+        meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
+        self.assertEqual(meta["incomplete_batch"], {"batch_size": 2, "samples": 2})
+        summary = read_csv(self.csv.parent / "benchmark-summary.csv")
+        self.assertEqual([r["batch_size"] for r in summary], ["1"])  # the incomplete B is not summarised
+
 
 class SigtermTest(unittest.TestCase):
     def test_sigterm_saves_like_ctrl_c_and_exits_143(self) -> None:

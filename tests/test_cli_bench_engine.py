@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import unittest
+from unittest import mock
 
 from tests.test_cli_engine import EngineCommandCase, quietly
 
@@ -57,6 +58,27 @@ class BenchEngineCommandTest(EngineCommandCase):
                 last = json.loads(out.strip().splitlines()[-1])
                 self.assertEqual(last["max_num_seqs"], [2])
 
+    def test_token_budget_is_used_as_given_with_a_longer_prompt_prefilled_in_chunks(self) -> None:
+        from attention_kv_caceh.engine import benchmark
+
+        budgets: list[int] = []
+        real = benchmark.EngineConfig
+
+        def recording(**kwargs):  # type: ignore[no-untyped-def]
+            budgets.append(kwargs["max_num_batched_tokens"])
+            return real(**kwargs)
+
+        with mock.patch.object(benchmark, "EngineConfig", recording):
+            code, out, err = quietly(
+                [
+                    *("bench-engine", "--model", str(self.model), "--max-num-seqs", "2"),
+                    *("--prompt-len", "9", "--output-len", "3", "--max-num-batched-tokens", "4"),
+                ]
+            )
+        self.assertEqual(code, 0, err)
+        self.assertEqual(budgets, [4])  # not raised to prompt + output length (12)
+        self.assertEqual(json.loads(out.strip().splitlines()[-1])["max_num_seqs"], [2])
+
     def test_usage_errors_exit_2_with_one_line_and_write_nothing(self) -> None:
         out_json = self.out / "b.json"
         cases = {
@@ -65,6 +87,10 @@ class BenchEngineCommandTest(EngineCommandCase):
             "one output token": ["--model", str(self.model), "--output-len", "1"],
             "zero seqs": ["--model", str(self.model), "--max-num-seqs", "0"],
             "packed float64": ["--model", str(self.model), "--gemm", "packed", "--dtype", "float64"],
+            "default budget below a max_num_seqs": ["--model", str(self.model), "--max-num-seqs", "1", "600"],
+            "budget below max_num_seqs": [
+                *("--model", str(self.model), "--max-num-seqs", "4", "--max-num-batched-tokens", "2"),
+            ],
         }
         for name, flags in cases.items():
             with self.subTest(name):

@@ -168,6 +168,25 @@ class TraceTest(EngineCommandCase):
         self.assertEqual(len(read_jsonl(trace)), 9)
 
 
+class ReportOfGenerateFilesTest(EngineCommandCase):
+    def test_report_lists_generate_output_and_trace_once_with_no_problem(self) -> None:
+        from attention_kv_caceh.report.build import build_report
+
+        results = self.out / "results"
+        code, _, err = self.generate(
+            *("--prompt", "a", "--prompt", "b c", "--max-tokens", "3"),
+            *("--output", str(results / "generate.jsonl"), "--trace", str(results / "steps.jsonl")),
+        )
+        self.assertEqual(code, 0, err)
+        report = build_report(results, self.out / "report.md", plot=False)
+        self.assertEqual(report.problems, [])
+        self.assertEqual(report.sources, [])
+        for name in ("generate.jsonl", "steps.jsonl"):
+            self.assertEqual(report.markdown.count(f"`{name}`"), 1, report.markdown)
+        code, _, err = quietly(["report", "--results", str(results), "--out", str(self.out / "r.md")])
+        self.assertEqual((code, err.count("problem:")), (0, 0), err)
+
+
 class UsageErrorTest(EngineCommandCase):
     def assert_usage_error(self, argv: list[str], names: str) -> None:
         with self.subTest(argv=argv):
@@ -193,6 +212,7 @@ class UsageErrorTest(EngineCommandCase):
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),
             ([*gen, "--model", m, "--prompts-file", f"{o}/none.txt"], "cannot read it"),
             ([*gen, "--model", m, "--prompt", ""], "prompt 0 (--prompt, counted from 0) is empty"),
+            ([*gen, "--model", m, "--prompt", "a", "--prompt", "caf\udce9"], "prompt 1 (--prompt"),
             ([*gen, "--model", m, "--prompt", "a", "--max-tokens", "0"], "--max-tokens"),
             ([*gen, "--model", m, "--prompt", "a", "--top-p", "1.5"], "--top-p"),
             ([*gen, "--model", m, "--prompt", "a", "--temperature", "nan"], "--temperature"),
@@ -209,6 +229,8 @@ class UsageErrorTest(EngineCommandCase):
             (["make-model", "--out", str(self.prompts_file)], "not a folder"),
             (["make-model", "--out", f"{self.prompts_file}/sub"], "cannot create"),
             (["make-model", "--out", f"{o}/new", "--arch", "gpt2"], "--arch"),
+            (["make-model", "--out", "/proc/m"], "--out '/proc/m'"),
+            (["make-model", "--out", "/proc/self/m"], "--out '/proc/self/m'"),
         ]  # fmt: skip
         for argv, names in cases:
             self.assert_usage_error(argv, names)

@@ -194,6 +194,29 @@ class AsyncLLMTest(unittest.TestCase):
         self.assertEqual(sum(s.prefix_cache_hits for s in core.step_stats), 0)
         self.assertGreater(sum(s.prefix_cache_queries for s in core.step_stats), 0)
 
+    def test_a_request_that_fails_on_its_way_to_the_core_is_not_left_counted(self) -> None:
+        """msgspec cannot carry a seed past 2**64 - 1: the send raises after the OutputProcessor tracked
+        the request, which must then be untracked (the gauges and the drain read that count)."""
+        core, _runner = make_text_core(max_num_seqs=2)
+
+        async def go() -> tuple[type[BaseException] | None, int, int, list[int]]:
+            llm = AsyncLLM.from_engine_core(core, CharTokenizer())
+            llm.start()
+            raised: type[BaseException] | None = None
+            try:
+                llm.add_request("r", [65], SamplingParams(max_tokens=2, seed=2**64, ignore_eos=True))
+            except Exception as exc:
+                raised = type(exc)
+            counts = (llm.num_unfinished, llm.num_waiting)
+            tokens = [t for d in await collect(llm, "r", [65], 2) for t in d.new_token_ids]  # the id is free
+            await llm.shutdown(5)
+            return raised, *counts, tokens
+
+        raised, unfinished, waiting, tokens = asyncio.run(go())
+        self.assertIs(raised, OverflowError)
+        self.assertEqual((unfinished, waiting), (0, 0))
+        self.assertEqual(tokens, expected_ids([65], 2))
+
 
 if __name__ == "__main__":
     unittest.main()

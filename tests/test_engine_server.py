@@ -18,11 +18,15 @@ from typing import Any
 import aiohttp
 import openai
 from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import METRIC_NAMES
 from attention_kv_caceh.engine.server import build_app
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 from tests.engine_fakes import TEXT_VOCAB, CharTokenizer, expected_text, make_text_core
 from tests.serve_helpers import MODEL, ServerThread, fake_server
 
@@ -561,3 +565,148 @@ class FaultTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+def bos_tokenizer() -> Tokenizer:
+    """A real Tokenizer over the letter runner's ids (id i is chr(32 + i)) whose encode puts a
+    `<|begin_of_text|>` (id 94, 17 characters when kept) first, as Llama 3's does; id 95 ends the text."""
+    vocab = {chr(32 + i): i for i in range(TEXT_VOCAB - 2)}
+    vocab |= {"<|begin_of_text|>": TEXT_VOCAB - 2, "<|end_of_text|>": TEXT_VOCAB - 1}
+    hf = HFTokenizer(WordLevel(vocab, unk_token="?"))
+    hf.add_special_tokens(["<|begin_of_text|>", "<|end_of_text|>"])
+    hf.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    hf.decoder = decoders.Fuse()
+    hf.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", TEXT_VOCAB - 2)]
+    )
+    return Tokenizer(hf, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"})
+
+
+class BoundaryTest(unittest.TestCase):
+    """Integers out of range, query parameters, stream_options and content types at the boundary."""
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.thread, cls.engine, cls.llm = fake_server(max_num_seqs=4)
+        cls.thread.__enter__()
+        cls.url = cls.thread.base_url
+
+    @classmethod
+    def tearDownClass(cls) -> None:
+        cls.thread.__exit__(None, None, None)
+
+    def post(
+        self, path: str, body: dict[str, Any], content_type: str = "application/json"
+    ) -> tuple[int, Any]:
+        data = json.dumps(body).encode()
+        return request("POST", self.url + path, data=data, headers={"Content-Type": content_type})
+
+    def test_integers_past_64_bits_are_400s_naming_the_field_and_leave_nothing_counted(self) -> None:
+        huge = 99999999999999999999999
+        chat = {"messages": [{"role": "user", "content": "a"}]}
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("/v1/completions", {"prompt": "a", "seed": huge}, "seed"),
+            ("/v1/completions", {"prompt": "a", "seed": 2**64}, "seed"),
+            ("/v1/completions", {"prompt": "a", "top_k": 2**64}, "top_k"),
+            ("/v1/completions", {"prompt": "a", "top_k": -(2**64)}, "top_k"),
+            ("/v1/completions", {"prompt": "a", "max_tokens": 2**64}, "max_tokens"),
+            ("/v1/completions", {"prompt": "a", "min_tokens": huge}, "min_tokens"),
+            ("/v1/completions", {"prompt": "a", "n": huge}, "n"),
+            ("/v1/completions", {"prompt": "a", "logprobs": huge}, "logprobs"),
+            ("/v1/completions", {"prompt": [65, huge]}, "prompt"),
+            ("/v1/completions", {"prompt": [[65], [2**64]]}, "prompt"),
+            ("/v1/completions", {"prompt": "a", "stop_token_ids": [2**64]}, "stop_token_ids"),
+            ("/v1/completions", {"prompt": "a", "logit_bias": {str(huge): 1}}, "logit_bias"),
+            ("/v1/completions", {"prompt": "a", "logit_bias": {" 5": 1}}, "logit_bias"),
+            ("/v1/chat/completions", {**chat, "max_completion_tokens": huge}, "max_completion_tokens"),
+            ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": huge}, "top_logprobs"),
+            ("/v1/chat/completions", {**chat, "seed": 2**64}, "seed"),
+            ("/detokenize", {"tokens": [huge]}, "tokens"),
+            ("/tokenize", {"prompt": [huge]}, "prompt"),
+        ]
+        for path, body, param in cases:
+            with self.subTest(path=path, body=body):
+                status, got = self.post(path, body)
+                self.assertEqual(status, 400, got)
+                self.assertEqual(got["error"]["param"], param)
+        self.assertEqual(self.llm.num_unfinished, 0)
+        samples = scrape(self.url)
+        self.assertEqual(samples["vllm:num_requests_waiting{}"], 0)
+        self.assertEqual(samples["vllm:num_requests_running{}"], 0)
+        # the largest seed vLLM takes is served, every sample's seed (seed + i) included
+        status, got = self.post(
+            "/v1/completions", {"prompt": "a", "max_tokens": 2, "seed": 2**63 - 1, "n": 2}
+        )
+        self.assertEqual(status, 200, got)
+        self.assertEqual([c["text"] for c in got["choices"]], [expected_text(TOK.encode("a"), 2)] * 2)
+
+    def test_a_bad_query_parameter_is_named_as_param(self) -> None:
+        for bad in ("abc", "1.5", str(2**64)):
+            status, body = request("GET", self.url + f"/debug/step_stats?last={bad}")
+            self.assertEqual(status, 400, body)
+            self.assertEqual(body["error"]["param"], "last")
+
+    def test_stream_options_without_stream_is_a_400_naming_it(self) -> None:
+        options = {"include_usage": True}
+        chat = {"messages": [{"role": "user", "content": "a"}]}
+        for path, body in (
+            ("/v1/completions", {"prompt": "a", "max_tokens": 2, "stream_options": options}),
+            ("/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": False, "stream_options": options}),
+            ("/v1/chat/completions", {**chat, "max_tokens": 2, "stream_options": options}),
+        ):
+            with self.subTest(path=path, body=body):
+                status, got = self.post(path, body)
+                self.assertEqual(status, 400, got)
+                self.assertEqual(got["error"]["param"], "stream_options")
+        status, got = self.post(
+            "/v1/completions", {"prompt": "a", "max_tokens": 2, "stream": True, "stream_options": options}
+        )
+        self.assertEqual(status, 200)
+
+    def test_a_json_body_sent_as_text_plain_is_a_415_about_the_content_type(self) -> None:
+        body = {"prompt": "a", "max_tokens": 2}
+        status, got = self.post("/v1/completions", body, "text/plain")
+        self.assertEqual(status, 415, got)
+        self.assertEqual(got["error"]["code"], 415)
+        self.assertIn("text/plain", got["error"]["message"])
+        for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+            with self.subTest(content_type=content_type):
+                status, got = self.post("/v1/completions", body, content_type)
+                self.assertEqual(status, 200, got)
+        status, got = self.post("/v1/completions", {"prompt": 5}, "application/json")
+        self.assertEqual((status, got["error"]["param"]), (400, "prompt"))  # a JSON body keeps its 400
+
+
+class EchoOffsetTest(unittest.TestCase):
+    def test_echo_text_offsets_index_the_returned_text_not_the_skipped_bos(self) -> None:
+        tokenizer = bos_tokenizer()
+        core, _runner = make_text_core(max_num_seqs=2)
+        llm = AsyncLLM.from_engine_core(core, tokenizer)
+        app = build_app(llm, tokenizer, MODEL, 256)
+        prompt = "to be"
+        with ServerThread(app) as thread:
+            for stream in (False, True):
+                with self.subTest(stream=stream):
+                    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "stream": stream}
+                    status, got = request("POST", thread.base_url + "/v1/completions", json=body)
+                    self.assertEqual(status, 200, got)
+                    if stream:
+                        events = [json.loads(line[6:]) for line in got.split("\n") if line[6:7] == "{"]
+                        chunks = [e["choices"][0] for e in events if e["choices"]]
+                        text = "".join(c["text"] for c in chunks)
+                        logprobs = [c["logprobs"] for c in chunks if c["logprobs"]]
+                        tokens = [t for lp in logprobs for t in lp["tokens"]]
+                        offsets = [o for lp in logprobs for o in lp["text_offset"]]
+                    else:
+                        choice = got["choices"][0]
+                        text, tokens = choice["text"], choice["logprobs"]["tokens"]
+                        offsets = choice["logprobs"]["text_offset"]
+                    ids = tokenizer.encode(prompt)
+                    self.assertEqual(ids[0], tokenizer.bos_token_id)
+                    self.assertTrue(text.startswith(prompt))
+                    self.assertEqual(len(tokens), len(ids) + 3)
+                    self.assertEqual(tokens[0], "<|begin_of_text|>")
+                    # the BOS is not in the text: it starts at 0 and takes no characters
+                    self.assertEqual(offsets, [0, *range(len(text))])
+                    for token, offset in zip(tokens[1:], offsets[1:], strict=True):
+                        self.assertEqual(text[offset : offset + len(token)], token)

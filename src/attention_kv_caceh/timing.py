@@ -68,12 +68,15 @@ def measure(
     warmup: int = 3,
     repeats: int = 30,
     setup: Callable[[], object] | None = None,
+    out: list[float] | None = None,
 ) -> list[float]:
     """Time `fn(*args)`: `warmup` unrecorded calls, then `repeats` timed calls; returns milliseconds.
 
     Only the call sits between the two `perf_counter_ns` reads. `setup`, if given, runs before every
     call (warm-up and timed) outside the timed region, e.g. to rewind a KV cache to the same length so
     that every sample times the same step. Wall time includes Python dispatch, allocation and BLAS.
+    `out`, if given, receives each sample as it is taken and is the list returned, so a caller keeps
+    the samples taken before a KeyboardInterrupt cut the calls short.
 
     Raises ValueError if `warmup < 0` or `repeats < 1`.
     """
@@ -85,7 +88,7 @@ def measure(
         if setup is not None:
             setup()
         fn(*args)
-    samples_ms: list[float] = []
+    samples_ms: list[float] = [] if out is None else out
     for _ in range(repeats):
         if setup is not None:
             setup()

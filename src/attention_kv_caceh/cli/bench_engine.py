@@ -127,6 +127,11 @@ def run(args: argparse.Namespace) -> int:
         config = ModelConfig.from_hf_config(read_config_json(model), model / "config.json")
     except CheckpointError as exc:
         raise CommandFailed(str(exc)) from None
+    if args.max_num_batched_tokens < max(args.max_num_seqs):
+        raise UsageError(
+            f"--max-num-batched-tokens {args.max_num_batched_tokens} must be >= every --max-num-seqs "
+            f"(largest {max(args.max_num_seqs)}) so every running request can decode in one step"
+        )
     if args.gemm == "packed" and args.dtype != "float32":
         raise UsageError(f"--gemm packed needs --dtype float32, got --dtype {args.dtype}")
     if args.prompt_len + args.output_len > config.max_position_embeddings:

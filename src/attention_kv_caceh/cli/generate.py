@@ -136,8 +136,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts from --prompt or --prompts-file; UsageError for an unreadable file, no prompt, or an
-    empty one."""
+    """The prompts from --prompt or --prompts-file; UsageError for an unreadable file, no prompt, an
+    empty one, or a --prompt that is not valid UTF-8."""
     if args.prompts_file is not None:
         try:
             text = Path(args.prompts_file).read_text(encoding="utf-8")
@@ -151,6 +151,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     for i, p in enumerate(prompts):
         if not p:
             raise UsageError(f"prompt {i} (--prompt, counted from 0) is empty")
+        try:
+            p.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes the shell passed that are not UTF-8 (surrogate-escaped)
+            raise UsageError(
+                f"prompt {i} (--prompt, counted from 0) is not valid UTF-8 "
+                f"(byte 0x{ord(p[exc.start]) & 0xFF:02x} at character {exc.start})"
+            ) from None
     return prompts
 
 

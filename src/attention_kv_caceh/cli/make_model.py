@@ -79,9 +79,19 @@ def _check_out(out: Path, force: bool) -> bool:
             f"--out {str(out)!r} is a non-empty folder; choose a new one or pass --force to replace "
             "the checkpoint files there"
         )
-    target = out if out.exists() else next((p for p in out.absolute().parents if p.exists()), None)
-    if target is None or not target.is_dir() or not os.access(target, os.W_OK):
-        raise UsageError(f"--out {str(out)!r}: cannot create or write a folder there")
+    # The checkpoint is staged in a folder beside --out, then moved into it: both places must take a
+    # new folder. Tested by creating and removing one (root passes os.access everywhere, even in /proc).
+    places = [out.absolute().parent] + ([out] if out.is_dir() else [])
+    for place in places:
+        target = next((p for p in [place, *place.parents] if p.exists()), None)
+        if target is None or not target.is_dir():
+            raise UsageError(f"--out {str(out)!r}: cannot create or write a folder there")
+        try:
+            os.rmdir(tempfile.mkdtemp(prefix=".write-test.", dir=target))
+        except OSError as exc:
+            raise UsageError(
+                f"--out {str(out)!r}: cannot create or write a folder there ({exc.strerror or exc})"
+            ) from None
     return nonempty
 
 

@@ -63,6 +63,7 @@ from attention_kv_caceh.experiments.prediction import (
 )
 from attention_kv_caceh.experiments.scan import (
     SAMPLE_FIELDS,
+    BatchInterrupted,
     BatchResult,
     ScanConfig,
     ScanInputs,
@@ -311,10 +312,11 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
     }
     results: list[BatchResult] = []
     alive = list(impls)  # an implementation whose oracle fails is not timed again
+    partial: list[Sample] = []  # the samples of a B cut short by Ctrl-C: raw rows, not summarised
 
     def flush(status: str) -> None:
         samples = [s for r in results for s in r.samples]
-        write_csv_atomic(csv_path, (asdict(s) for s in samples), SAMPLE_FIELDS)
+        write_csv_atomic(csv_path, (asdict(s) for s in [*samples, *partial]), SAMPLE_FIELDS)
         if "fused" in impls:
             from attention_kv_caceh.kernels import compile_seconds
 
@@ -326,7 +328,7 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
         # by an earlier run never sits beside this run's raw file and metadata.
         rows = summary_rows(_tables(results)) if results else []
         write_csv_atomic(summary_path(csv_path), rows, SUMMARY_FIELDS)
-        atomic_write_text(markdown_path(csv_path), _markdown(csv_path.name, samples, meta))
+        atomic_write_text(markdown_path(csv_path), _markdown(csv_path.name, samples, meta, len(partial)))
 
     from tqdm import tqdm
 
@@ -368,9 +370,12 @@ def _scan(config: ScanConfig, args: argparse.Namespace, csv_path: Path, user: Us
                 flush("running")
     except (KeyboardInterrupt, MemoryError) as exc:
         interrupted = isinstance(exc, KeyboardInterrupt)
+        if isinstance(exc, BatchInterrupted) and exc.samples:
+            partial[:] = exc.samples
+            meta["incomplete_batch"] = {"batch_size": exc.samples[0].batch_size, "samples": len(partial)}
         with ignoring_sigint():  # a second Ctrl-C must not cut the save short
             flush("interrupted" if interrupted else "out-of-memory")
-        done = sum(len(r.samples) for r in results)
+        done = sum(len(r.samples) for r in results) + len(partial)
         what = "interrupted" if interrupted else "error: out of memory"
         print(f"{PROG}: {what}; {done} samples kept in {csv_path}", file=sys.stderr)
         return 130 if interrupted else 1
@@ -536,10 +541,17 @@ def _outcome_lines(outcome: ScanOutcome, impl: str, *, full: bool) -> str:
 # ---------------------------------------------------------------------------- text of the scan
 
 
-def _markdown(name: str, samples: list[Sample], meta: dict[str, Any]) -> str:
+def _markdown(name: str, samples: list[Sample], meta: dict[str, Any], partial: int = 0) -> str:
     """The run's Markdown (`report.predictions.scan_run_markdown`, as `report` renders it from the raw
-    file), with its status; a line saying so before the first B has finished."""
+    file), with its status; a line saying so before the first B has finished. `partial` samples of a
+    B cut short by Ctrl-C are in the raw file but not in the tables (the status line says so)."""
     status = f"Status: {meta['status']}.\n\n"
+    if partial:
+        b = meta["incomplete_batch"]["batch_size"]
+        status = (
+            f"Status: {meta['status']}; B = {b} incomplete: its {partial} samples are in the raw CSV, "
+            "not in this summary or the verdicts.\n\n"
+        )
     if not samples:
         return f"### Batch-size scan: `{name}`\n\n{status}No batch size has finished.\n"
     from attention_kv_caceh.report.predictions import scan_run_markdown

@@ -207,7 +207,9 @@ class AsyncLLM:
         """Send a request to the core; returns its stream.
 
         Raises EngineDeadError when the core is gone, EngineDrainingError while shutting down, ValueError
-        for a request id already in use, RuntimeError before `start()`.
+        for a request id already in use, RuntimeError before `start()`; any error on the way to the core
+        (such as msgspec's OverflowError for an integer outside 64 bits) after the request was tracked
+        untracks it before it propagates, so `num_unfinished` and the drain never count it.
         """
         if self._loop is None:
             raise RuntimeError("AsyncLLM.start() was not called")
@@ -220,8 +222,11 @@ class AsyncLLM:
         self.output_processor.add_request(request_id, len(prompt_token_ids), sampling_params, now, queue)
         try:
             self.client.add_request(EngineCoreRequest(request_id, prompt_token_ids, sampling_params, now))
-        except EngineDeadError:
+        except BaseException:
+            # whatever failed on the way to the core (dead core, a value the wire format cannot carry),
+            # the request was never served: untrack it so the gauges and the drain do not wait for it
             self.output_processor.pop(request_id)
+            self._signal_if_idle()
             raise
         return RequestStream(request_id, queue, self.abort)
 

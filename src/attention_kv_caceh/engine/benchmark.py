@@ -283,7 +283,8 @@ def run_engine_benchmark(
 
     Raises:
         ValueError: an empty or non-positive max_num_seqs_list, prompt_len < 1, output_len < 2 (no
-            decode step), oracle_tokens outside 1 .. output_len, probe_every < 1, or
+            decode step), max_num_batched_tokens below a max_num_seqs (it is used as given: a prompt
+            longer than it is prefilled in chunks), oracle_tokens outside 1 .. output_len, probe_every < 1, or
             prompt_len + output_len beyond the model's max_position_embeddings, a gemm `Model`
             refuses; CheckpointError from loading.
         OracleMismatch: request 0's first tokens in a batched run differ from its solo run.
@@ -293,6 +294,11 @@ def run_engine_benchmark(
         raise ValueError(f"max_num_seqs_list must hold positive counts, got {seqs}")
     if prompt_len < 1 or output_len < 2:
         raise ValueError(f"need prompt_len >= 1 and output_len >= 2, got {prompt_len}, {output_len}")
+    if max_num_batched_tokens < max(seqs):
+        raise ValueError(
+            f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= every max_num_seqs "
+            f"(largest {max(seqs)}) so every running request can decode in one step"
+        )
     if oracle_tokens is None:
         oracle_tokens = min(4, output_len)
     if not 1 <= oracle_tokens <= output_len or probe_every < 1:
@@ -313,7 +319,7 @@ def run_engine_benchmark(
     for num_seqs in seqs:
         config = EngineConfig(
             max_num_seqs=num_seqs,
-            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len),
+            max_num_batched_tokens=max_num_batched_tokens,  # a longer prompt is prefilled in chunks
             block_size=block_size,
             num_kv_blocks=blocks_per_request * num_seqs,
             max_model_len=max_model_len,

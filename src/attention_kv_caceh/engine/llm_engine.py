@@ -181,7 +181,7 @@ class LLMEngine:
             return self.engine_core_client.add_request(
                 EngineCoreRequest(request_id, list(prompt_token_ids), params, now)
             )
-        except ValueError:
+        except BaseException:  # refused or failed on its way: never left tracked
             self.output_processor.pop(request_id)
             raise
 

@@ -6,7 +6,10 @@ Corresponds to `_create_completion_logprobs` in vLLM's `serving_completion.py` a
 - completions (`logprobs: k`): `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, one entry per
   token. `tokens[i]` is token i decoded alone (special tokens kept), `top_logprobs[i]` maps the k most
   probable tokens' texts, and the chosen token's, to their logprobs; `text_offset[i]` is where token i's
-  text starts, counting the texts of the tokens before it (from 0, or after the echoed prompt). With
+  text starts in the returned `text`: a special token the text leaves out (the prompt's BOS, which the
+  echoed prompt never holds; an output's special tokens under `skip_special_tokens`) takes no characters
+  there, so the offsets index the text itself. (vLLM advances by `tokens[i]` even for a BOS it does not
+  echo, so its offsets run 17 characters past the text of a Llama-3 prompt.) With
   `echo`, the prompt's tokens come first and the first of them has `null` logprob and top_logprobs (no
   context predicts it).
 - chat (`logprobs: true`, `top_logprobs: k`): `{"content": [{"token", "logprob", "bytes", "top_logprobs":
@@ -47,17 +50,30 @@ def _bytes(tokenizer: TextDecoder, token_id: int) -> bytes:
     return _text(tokenizer, token_id).encode("utf-8", "surrogatepass")
 
 
+def _shown(tokenizer: TextDecoder, token_id: int, skip_special_tokens: bool) -> str:
+    """Token `token_id`'s text as the returned text holds it (a skipped special token: "")."""
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer.decode([token_id], skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode([token_id])
+
+
 def completion_logprobs(
-    tokens: Sequence[tuple[int, TokenLogprobs | None]], tokenizer: TextDecoder, text_offset: int
+    tokens: Sequence[tuple[int, TokenLogprobs | None]],
+    tokenizer: TextDecoder,
+    text_offset: int,
+    *,
+    skip_special_tokens: bool = True,
 ) -> tuple[dict[str, Any], int]:
     """The completions `logprobs` object of `tokens` ((token id, its TokenLogprobs or None) in order) whose
-    text starts at character `text_offset`; returns it and the offset after the last token."""
+    text starts at character `text_offset`; returns it and the offset after the last token. A token
+    advances the offset by its text as the returned text holds it (`skip_special_tokens`: special tokens
+    take no characters)."""
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for token_id, entry in tokens:
         text = _text(tokenizer, token_id)
         out["tokens"].append(text)
         out["text_offset"].append(text_offset)
-        text_offset += len(text)
+        text_offset += len(_shown(tokenizer, token_id, skip_special_tokens))
         if entry is None:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)

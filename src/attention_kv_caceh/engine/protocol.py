@@ -13,7 +13,9 @@ Fields other servers accept and this one does not serve (`best_of`, `suffix`, `r
 (`refused_field`), not silently ignored. Any other unknown top-level field is kept in `model_extra`: the
 server logs one warning naming them, as vLLM does, and serves the request.
 
-Types are strict: an integer field refuses a bool or a float such as `true` or `5.0`, a float field refuses
+Types are strict: an integer field (token ids included) refuses a bool, a float such as `true` or `5.0`,
+and a value outside the signed 64-bit range [-2**63, 2**63 - 1] (vLLM's range for `seed`; the engine's
+msgpack wire format carries no more; serving.py then checks each field's own range), a float field refuses
 bools, NaN and +-Infinity (Python's json module accepts those literals), and a string must be encodable as
 UTF-8 (a lone UTF-16 surrogate such as "\ud800" is refused). `validation_error` turns pydantic's errors into
 one plain sentence naming the field and its accepted forms. Errors use OpenAI's body:
@@ -27,14 +29,17 @@ from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool, StrictInt
+from pydantic import AfterValidator, AllowInfNan, BaseModel, ConfigDict, Field, Strict, StrictBool
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
     "ChatCompletionRequest",
     "ChatMessage",
     "CompletionRequest",
     "DetokenizeRequest",
     "GenerationRequest",
+    "Int",
     "StreamOptions",
     "TokenizeRequest",
     "error_body",
@@ -63,6 +68,13 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
     """A JSON response carrying `error_body(status, message, param)`."""
     return JSONResponse(error_body(status, message, param), status_code=status)
 
+
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+
+# A JSON integer (not a bool, not 5.0) in the signed 64-bit range (vLLM's range for `seed`; every integer
+# field is held to it, so a value the engine's wire format cannot carry is a 400 naming the field).
+Int = Annotated[int, Strict(), Field(ge=INT64_MIN, le=INT64_MAX)]
 
 # A JSON number that is finite and not a bool (JSON ints are accepted as floats).
 FiniteFloat = Annotated[float, Strict(), AllowInfNan(False)]
@@ -103,18 +115,22 @@ _FIELD_FORMS = {
     "add_special_tokens": "true or false",
     "return_token_strs": "true or false",
     "tokens": "a list of token ids",
+    "last": "an integer",
 }
 
 
 def validation_error(errors: Sequence[Any]) -> tuple[int, str, str | None]:
     """(status, message, param) of FastAPI's request-validation `errors` (pydantic's error dicts).
 
-    The message names the top-level body field at fault and what it accepts (`param` is that field), or
+    The message names the top-level body field (or query parameter) at fault and what it accepts
+    (`param` is that field; an integer outside the signed 64-bit range says so), or
     says the body is not JSON (its `loc` holds a character offset, which the message gives; `param`
     None). A value our own checks refused (a string that is not valid Unicode) keeps that check's words.
     """
     first: dict[str, Any] = dict(errors[0]) if errors else {}
-    loc: list[Any] = [part for part in first.get("loc", ()) if part != "body"]
+    loc: list[Any] = list(first.get("loc", ()))
+    if loc and loc[0] in ("body", "query", "path", "header"):
+        loc = loc[1:]  # where FastAPI found it; `param` is the field (or query parameter) itself
     message = str(first.get("msg", "invalid request"))
     ctx: dict[str, Any] = dict(first.get("ctx") or {})
     if first.get("type") == "json_invalid":
@@ -125,6 +141,9 @@ def validation_error(errors: Sequence[Any]) -> tuple[int, str, str | None]:
         return 400, "the body must be a JSON object", None
     if first.get("type") == "missing":
         return 400, f"`{param}` is required: {_FIELD_FORMS.get(param, 'a value')}", param
+    if first.get("type") in ("greater_than_equal", "less_than_equal"):
+        got = first.get("input")
+        return 400, f"`{param}` must hold integers in [{INT64_MIN}, {INT64_MAX}] (64-bit), got {got}", param
     if first.get("type") == "value_error" and "error" in ctx:
         return 400, f"`{param}`: {ctx['error']}", param
     forms = _FIELD_FORMS.get(param)
@@ -198,16 +217,16 @@ class GenerationRequest(_TopLevel):
     """The fields completions and chat share (model, sampling, streaming, output options)."""
 
     model: str | None = None
-    max_tokens: StrictInt | None = None
-    max_completion_tokens: StrictInt | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     temperature: FiniteFloat | None = None
     top_p: FiniteFloat | None = None
-    top_k: StrictInt | None = None
-    seed: StrictInt | None = None
-    n: StrictInt = 1
+    top_k: Int | None = None
+    seed: Int | None = None
+    n: Int = 1
     stop: Text | list[Text] | None = None
-    stop_token_ids: list[StrictInt] | None = None
-    min_tokens: StrictInt = 0
+    stop_token_ids: list[Int] | None = None
+    min_tokens: Int = 0
     ignore_eos: StrictBool = False
     frequency_penalty: FiniteFloat | None = None
     presence_penalty: FiniteFloat | None = None
@@ -240,7 +259,7 @@ class GenerationRequest(_TopLevel):
 
 
 # A prompt in vLLM's four forms.
-Prompt = Text | list[Text] | list[StrictInt] | list[list[StrictInt]]
+Prompt = Text | list[Text] | list[Int] | list[list[Int]]
 
 
 class CompletionRequest(GenerationRequest):
@@ -248,7 +267,7 @@ class CompletionRequest(GenerationRequest):
     logprob alone); `echo`: the prompt's text (and with logprobs, its tokens' logprobs) before each choice."""
 
     prompt: Prompt
-    logprobs: StrictInt | None = None
+    logprobs: Int | None = None
     echo: StrictBool = False
 
     @property
@@ -283,7 +302,7 @@ class ChatCompletionRequest(GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
     logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = None
+    top_logprobs: Int | None = None
     echo: StrictBool = False  # vLLM's chat echo (the last message repeated) is refused when true
 
     @property
@@ -307,4 +326,4 @@ class DetokenizeRequest(_TopLevel):
     """POST /detokenize: `tokens` is a list of token ids (or, like `prompt`, a list of token-id lists)."""
 
     model: str | None = None
-    tokens: list[StrictInt] | list[list[StrictInt]]
+    tokens: list[Int] | list[list[Int]]

@@ -20,7 +20,9 @@ Faults: a body larger than `max_request_bytes` is a 413 before it is read furthe
 request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
 serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
 for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
-naming the field as `param` and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
+naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
+with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
+as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
 `/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
 401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
 than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
@@ -40,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import email.message
 import logging
 import secrets
 import time
@@ -143,8 +146,15 @@ def build_app(
     app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_request(_request: Request, exc: RequestValidationError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
-        status, message, param = validation_error(list(exc.errors()))
+    async def _bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
+        errors = list(exc.errors())
+        content_type = request.headers.get("content-type")
+        body_errors = [e for e in errors if tuple(e.get("loc", ()))[:1] == ("body",)]
+        if body_errors and content_type is not None and not _is_json_type(content_type):
+            # FastAPI parses a body as JSON only when it is sent as JSON (or with no Content-Type)
+            message = f"the body was sent as Content-Type: {content_type}; send it as application/json"
+            return error_response(415, message)
+        status, message, param = validation_error(errors)
         return error_response(status, message, param)
 
     @app.exception_handler(StarletteHTTPException)
@@ -241,6 +251,9 @@ def build_app(
         except EngineDeadError as exc:
             close_all(choices)
             raise HTTPError(503, f"EngineDeadError: {exc}") from exc
+        except BaseException:
+            close_all(choices)  # the choices already added must not stay counted
+            raise
         return choices
 
     def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
@@ -396,6 +409,16 @@ def build_app(
             close_all(choices)  # also when the work was cancelled before it started
 
     return app
+
+
+def _is_json_type(content_type: str) -> bool:
+    """Whether FastAPI reads a body of `content_type` as JSON (application/json or application/*+json)."""
+    message = email.message.Message()
+    message["content-type"] = content_type
+    subtype = message.get_content_subtype()
+    return message.get_content_maintype() == "application" and (
+        subtype == "json" or subtype.endswith("+json")
+    )
 
 
 _KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -78,10 +79,9 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[t
         return ()
     pairs: list[tuple[int, float]] = []
     for key, bias in raw.items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+        if re.fullmatch(r"-?[0-9]{1,20}", key) is None:  # int() would also take " 5", "1_0" and 5000 digits
+            raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        token_id = int(key)
         _check_token_ids([token_id], vocab_size, "logit_bias")
         if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
             raise HTTPError(400, f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
@@ -90,11 +90,14 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[t
 
 
 def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MAX_LOGPROBS) -> None:
-    """The checks that do not depend on the prompt: refused fields, `n`, echo in chat, the logprobs
-    counts. Raises HTTPError(400) naming the field."""
+    """The checks that do not depend on the prompt: refused fields, `stream_options` without `stream`
+    (a 400, as vLLM answers), `n`, echo in chat, the logprobs counts. Raises HTTPError(400) naming the
+    field."""
     refused = refused_field(body)
     if refused is not None:
         raise HTTPError(400, f"`{refused}` is not supported by this server", refused)
+    if body.stream_options is not None and not body.stream:
+        raise HTTPError(400, "Stream options can only be defined when `stream=True`.", "stream_options")
     if not 1 <= body.n <= MAX_N:
         raise HTTPError(400, f"n must be in [1, {MAX_N}], got {body.n}", "n")
     if isinstance(body, ChatCompletionRequest):

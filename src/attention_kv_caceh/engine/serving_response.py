@@ -76,6 +76,7 @@ class Choice:
     first_prompt: bool = True
     # filled while the response is written
     text_offset: int = 0
+    num_echo_tokens: int = 0  # prompt tokens at the head of logprob_tokens
     started: bool = False
     finished: bool = False
     num_output_tokens: int = 0
@@ -125,6 +126,7 @@ def _apply_delta(
             text = choice.echo_text + ("" if choice.echo_only else text)
             if want:
                 tokens.extend(_prompt_logprob_tokens(choice.prompt_token_ids, prompt_logprobs))
+                choice.num_echo_tokens = len(tokens)
     elif choice.echo_only:
         text = ""
     if not choice.echo_only:
@@ -138,9 +140,25 @@ def _apply_delta(
         entries = [e for _, e in tokens if e is not None]
         choice.chat_entries.extend(entries)
         return text, chat_logprobs(entries, tokenizer)
+    head = len(choice.logprob_tokens)
     choice.logprob_tokens.extend(tokens)
-    obj, choice.text_offset = completion_logprobs(tokens, tokenizer, choice.text_offset)
+    obj, choice.text_offset = _completion_logprobs(choice, tokenizer, head, choice.text_offset)
     return text, obj
+
+
+def _completion_logprobs(
+    choice: Choice, tokenizer: TextDecoder, start: int, text_offset: int
+) -> tuple[dict[str, Any], int]:
+    """The logprobs object of `choice.logprob_tokens[start:]` from `text_offset`: the echoed prompt's
+    tokens count as the echo text holds them (no special tokens: a text prompt's BOS is not in it), the
+    output's as `skip_special_tokens` leaves them."""
+    tokens = choice.logprob_tokens[start:]
+    split = max(choice.num_echo_tokens - start, 0)
+    head, offset = completion_logprobs(tokens[:split], tokenizer, text_offset)
+    tail, offset = completion_logprobs(
+        tokens[split:], tokenizer, offset, skip_special_tokens=choice.params.skip_special_tokens
+    )
+    return {key: head[key] + tail[key] for key in head}, offset
 
 
 def _usage_of(choices: Sequence[Choice]) -> dict[str, int]:
@@ -334,7 +352,7 @@ async def whole_response(
             if chat:
                 logprobs = chat_logprobs(choice.chat_entries, tokenizer)
             else:
-                logprobs = completion_logprobs(choice.logprob_tokens, tokenizer, 0)[0]
+                logprobs = _completion_logprobs(choice, tokenizer, 0, 0)[0]
         if chat:
             message = {"role": "assistant", "content": text}
             out.append(

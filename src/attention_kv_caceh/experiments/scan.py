@@ -33,6 +33,7 @@ from attention_kv_caceh.timing import Sample, measure
 
 __all__ = [
     "SAMPLE_FIELDS",
+    "BatchInterrupted",
     "BatchResult",
     "ScanConfig",
     "ScanInputs",
@@ -187,10 +188,20 @@ def prefilled_cache(
     return cache
 
 
+class BatchInterrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt inside `run_batch`; `samples` holds every sample taken at that B before it
+    (the batch size is incomplete: some implementation or the read probe has fewer than `repeats`)."""
+
+    def __init__(self, samples: Sequence[Sample]) -> None:
+        super().__init__()
+        self.samples: tuple[Sample, ...] = tuple(samples)
+
+
 def _time_impl(
-    config: ScanConfig, inputs: ScanInputs, batch_size: int, impl: str
+    config: ScanConfig, inputs: ScanInputs, batch_size: int, impl: str, out: list[float]
 ) -> tuple[list[float], float]:
     """Oracle, then the timed samples (ms) of one implementation at one B; (samples, max |error|).
+    Each sample is appended to `out` as it is taken (kept when a KeyboardInterrupt cuts the timing).
 
     Raises OracleMismatch (nothing timed) when `scan_impls.check_step` fails.
     """
@@ -209,7 +220,7 @@ def _time_impl(
         cache.truncate(t)  # O(1): back to T cached positions, so every sample times the same step
 
     samples_ms = measure(
-        step.fn, q_t, k_t, v_t, cache, warmup=config.warmup, repeats=config.repeats, setup=rewind
+        step.fn, q_t, k_t, v_t, cache, warmup=config.warmup, repeats=config.repeats, setup=rewind, out=out
     )
     return samples_ms, max_err
 
@@ -222,46 +233,36 @@ def run_batch(
     The implementations (`scan_impls.IMPLS`) run one after another in the given order, each checked
     by its oracle (`scan_impls.check_step`) before it is timed; one that fails is not timed and is
     listed in `oracle_failures`. Raises OracleMismatch (an AssertionError) when every implementation
-    failed (nothing was timed, not even the probe); ValueError for no or unknown implementations.
+    failed (nothing was timed, not even the probe); ValueError for no or unknown implementations;
+    BatchInterrupted (a KeyboardInterrupt) with every sample taken so far at this B on a Ctrl-C.
     """
     if not impls or any(i not in IMPLS for i in impls):
         raise ValueError(f"impls must be a non-empty subset of {IMPLS}, got {list(impls)}")
-    b, t = batch_size, config.seq_len
+    b = batch_size
     samples: list[Sample] = []
     errors: list[tuple[str, float]] = []
     failures: list[tuple[str, str]] = []
     for impl in impls:
+        taken: list[float] = []
         try:
-            samples_ms, max_err = _time_impl(config, inputs, b, impl)
+            _, max_err = _time_impl(config, inputs, b, impl, taken)
         except OracleMismatch as exc:
             failures.append((impl, str(exc)))
             continue
+        except KeyboardInterrupt:
+            raise BatchInterrupted(samples + _samples(config, b, impl, taken)) from None
         errors.append((impl, max_err))
-        samples += [
-            Sample(
-                batch_size=b,
-                sequence_length=t,
-                elapsed_ms=ms,
-                repeat=i,
-                num_heads=config.num_heads,
-                num_kv_heads=config.num_kv_heads,
-                head_dim=config.head_dim,
-                dtype=config.dtype,
-                cache=config.cache,
-                model=config.model,
-                seed=config.seed,
-                warmup=config.warmup,
-                impl=impl,
-            )
-            for i, ms in enumerate(samples_ms)
-        ]
+        samples += _samples(config, b, impl, taken)
     if not errors:
         raise OracleMismatch("; ".join(message for _, message in failures))
 
     nbytes = kv_bytes_per_step(config, b)
     probe = np.ones(nbytes // np.dtype(config.dtype).itemsize, dtype=config.dtype)
     # A BLAS dot product streams the buffer once: the fastest plain read we found on this machine.
-    probe_ms = measure(np.dot, probe, probe, warmup=config.warmup, repeats=config.repeats)
+    try:
+        probe_ms = measure(np.dot, probe, probe, warmup=config.warmup, repeats=config.repeats)
+    except KeyboardInterrupt:
+        raise BatchInterrupted(samples) from None
     return BatchResult(
         b,
         tuple(samples),
@@ -271,6 +272,28 @@ def run_batch(
         tuple(errors),
         tuple(failures),
     )
+
+
+def _samples(config: ScanConfig, b: int, impl: str, samples_ms: Sequence[float]) -> list[Sample]:
+    """The raw rows of one implementation's timed calls at B = b."""
+    return [
+        Sample(
+            batch_size=b,
+            sequence_length=config.seq_len,
+            elapsed_ms=ms,
+            repeat=i,
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            dtype=config.dtype,
+            cache=config.cache,
+            model=config.model,
+            seed=config.seed,
+            warmup=config.warmup,
+            impl=impl,
+        )
+        for i, ms in enumerate(samples_ms)
+    ]
 
 
 def iter_scan(config: ScanConfig, inputs: ScanInputs | None = None) -> Iterator[BatchResult]:

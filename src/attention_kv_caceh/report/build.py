@@ -21,7 +21,7 @@ from attention_kv_caceh.experiments.scan_impls import IMPLS
 from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.report.environment import environment_card
-from attention_kv_caceh.report.jsonl import read_jsonl
+from attention_kv_caceh.report.jsonl import generate_output_kind, read_jsonl
 from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_markdown
 from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
 from attention_kv_caceh.report.sections import views_section
@@ -86,6 +86,7 @@ class _Build:
         default_factory=lambda: {"scan": [], "cache": [], "views": [], "sweep": [], "serving": []}
     )
     skipped: list[str] = field(default_factory=lambda: list[str]())
+    not_read: list[str] = field(default_factory=lambda: list[str]())  # other commands' files, by design
     no_meta: list[str] = field(default_factory=lambda: list[str]())  # raw files used without metadata
     cache_runs: list[tuple[str, list[CacheStepSample], dict[str, Any] | None]] = field(
         default_factory=lambda: list[tuple[str, list[CacheStepSample], dict[str, Any] | None]]()
@@ -210,6 +211,11 @@ def _read_csv_file(b: _Build, path: Path) -> None:
 
 def _read_jsonl_file(b: _Build, path: Path) -> None:
     problems = b.result.problems
+    generated = generate_output_kind(path)
+    if generated is not None:  # `generate` prints its own summary; its files hold no timing to recompute
+        what = "continuations" if generated == "--output" else "per-step engine trace"
+        b.not_read.append(f"`{path.name}` (`generate {generated}`: {what})")
+        return
     records = read_jsonl(path, problems)
     if records is None:
         return
@@ -336,6 +342,12 @@ def build_report(
     ]
     if b.skipped:
         parts += ["## Summary files not used\n", *(f"- {s}" for s in b.skipped), ""]
+    if b.not_read:
+        parts += [
+            "## Files of other commands, not a kind report reads\n",
+            *(f"- {s}" for s in b.not_read),
+            "",
+        ]
     if problems:
         parts += [
             "## Problems with files\n",

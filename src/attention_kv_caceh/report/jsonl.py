@@ -21,7 +21,7 @@ from typing import Any
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.report.sources import FileProblem, open_regular
 
-__all__ = ["check_timestamps", "read_jsonl"]
+__all__ = ["check_timestamps", "generate_output_kind", "read_jsonl"]
 
 _NAMES = frozenset(f.name for f in fields(RequestRecord))
 _TIMES = ("arrival_ns", "sent_ns", "first_token_ns", "finish_ns", "stream_end_ns")
@@ -84,6 +84,37 @@ def check_timestamps(record: RequestRecord) -> str | None:
         and record.stream_end_ns < record.sent_ns
     ):
         return f"stream_end_ns < sent_ns ({record.stream_end_ns} < {record.sent_ns})"
+    return None
+
+
+# Keys every line of `generate`'s --output has, and every line of its --trace (StepStats and the ids
+# of the requests that finished in the step).
+_GENERATE_OUTPUT_KEYS = frozenset(
+    {"index", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"}
+)
+_GENERATE_TRACE_KEYS = frozenset(
+    {"step_index", "num_scheduled_tokens", "num_prefill_tokens", "finished_request_ids"}
+)
+
+
+def generate_output_kind(path: Path) -> str | None:
+    """ "--output" or "--trace" when the first non-blank line of `path` is a line of that `generate`
+    output (a JSON object with all its keys), else None (also when the file cannot be read: the
+    per-request reader then names the problem)."""
+    try:
+        f, _ = open_regular(path, newline=None)
+        with f:
+            line = next((ln for ln in f if ln.strip()), "")
+        raw = json.loads(line)
+    except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        return None
+    if not isinstance(raw, dict):
+        return None
+    keys = set(typing.cast("dict[str, Any]", raw))
+    if keys >= _GENERATE_OUTPUT_KEYS:
+        return "--output"
+    if keys >= _GENERATE_TRACE_KEYS:
+        return "--trace"
     return None
 
 
