@@ -137,6 +137,29 @@ class HarnessEngineProcessTest(unittest.TestCase):
         self.assertEqual(summary["completed"], 4)
         self.assertEqual(summary["prompt_lengths"], "exact")  # the checkpoint's own tokenizer
 
+    def test_a_closed_stdout_after_the_run_keeps_every_file_and_stops_the_server(self) -> None:
+        # `harness ... | head -2`: the reader leaves; printing the summary raises BrokenPipeError
+        class ClosedAtSummary(io.StringIO):
+            def write(self, s: str) -> int:
+                if "duration:" in s or getattr(self, "tripped", False):
+                    self.tripped = True
+                    raise BrokenPipeError
+                return super().write(s)
+
+        out = Path(self.dir.name) / "pipe"
+        out.mkdir()
+        stdout, err = ClosedAtSummary(), io.StringIO()
+        argv = ["harness", "--backend", "engine", "--model", str(self.model), "--num-requests", "6"]
+        argv += ["--output-len", "8", "--prompt-len", "8", "--jsonl", str(out / "r.jsonl")]
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+            code = main(argv)
+        self.assertEqual((code, err.getvalue()), (1, ""))
+        self.assertEqual(len((out / "r.jsonl").read_text().splitlines()), 6)
+        meta = json.loads((out / "r.jsonl.meta.json").read_text())
+        self.assertEqual((meta["status"], meta["records"]), ("complete", 6))
+        pid = int(re.findall(r"serve \(pid (\d+)\)", stdout.getvalue())[0])
+        self.assertFalse(_alive(pid))
+
     def test_sigterm_or_ctrl_c_mid_run_stops_the_server_too(self) -> None:
         for sig, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):
             with self.subTest(signal=sig.name):

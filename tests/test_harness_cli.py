@@ -471,5 +471,66 @@ class OverheadCommandTest(unittest.TestCase):
         self.assertIn("--waves", proc.stderr)
 
 
+class ClosedStdout(io.StringIO):
+    """A stdout that raises `exc` at the first write containing `marker` (and, for a closed pipe, at
+    every write after it): a reader of `| head` that left, or a Ctrl-C arriving while it prints."""
+
+    def __init__(self, marker: str, exc: type[BaseException], *, once: bool = False) -> None:
+        super().__init__()
+        self.marker, self.exc, self.once, self.tripped = marker, exc, once, 0
+
+    def write(self, s: str) -> int:
+        if (self.tripped and not self.once) or (not self.tripped and self.marker in s):
+            self.tripped += 1
+            raise self.exc
+        return super().write(s)
+
+
+class FilesBeforePrintingTest(unittest.TestCase):
+    """The files of a run are written before its summary is printed: a closed stdout or a Ctrl-C while
+    printing loses none of them."""
+
+    def run_with(self, stdout: ClosedStdout, out: Path, *extra: str) -> tuple[int, str]:
+        argv = ["harness", *FAST, "--num-requests", "5", "--jsonl", str(out / "r.jsonl")]
+        argv += ["--summary-json", str(out / "s.json"), *extra]
+        err = io.StringIO()
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+        return code, err.getvalue()
+
+    def assert_files(self, out: Path, status: str) -> None:
+        self.assertEqual(len((out / "r.jsonl").read_text().splitlines()), 5)
+        meta = json.loads((out / "r.jsonl.meta.json").read_text())
+        self.assertEqual((meta["status"], meta["records"]), (status, 5))
+        self.assertEqual(json.loads((out / "s.json").read_text())["completed"], 5)
+
+    def test_ctrl_c_while_the_summary_prints_keeps_every_file(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            code, _ = self.run_with(ClosedStdout("duration:", KeyboardInterrupt, once=True), Path(d))
+            self.assertEqual(code, 130)
+            self.assert_files(Path(d), "complete")
+
+    def test_closed_stdout_keeps_every_file_and_exits_1_quietly(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            stdout = ClosedStdout("duration:", BrokenPipeError)
+            code, err = self.run_with(stdout, Path(d), "--plot", str(Path(d) / "t.png"))
+            self.assertEqual((code, err), (1, ""))
+            self.assert_files(Path(d), "complete")
+            self.assertGreater((Path(d) / "t.png").stat().st_size, 0)
+            self.assertGreater(stdout.tripped, 0)
+
+
+class MultiTurnPromptLengthsTest(unittest.TestCase):
+    def test_multi_turn_prompt_lengths_are_not_called_exact(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            summary = Path(d) / "s.json"
+            argv = [*FAST, "--workload", "multi-turn", "--turns", "2", "--num-requests", "4"]
+            code, out, _ = quietly([*argv, "--summary-json", str(summary)])
+            self.assertEqual(code, 0, out)
+            doc = json.loads(summary.read_text())
+            self.assertEqual(doc["completed"], 4)
+            self.assertEqual(doc["prompt_lengths"], "not requested")
+
+
 if __name__ == "__main__":
     unittest.main()

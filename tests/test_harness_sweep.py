@@ -185,12 +185,42 @@ class SweepCommandTest(unittest.TestCase):
             ["--repeats", "0"],
             ["--slo", "ttft:100", "--repeats", "2"],
             ["--workload", "multi-turn", "--turns", "4", "--num-requests", "6"],
+            ["--concurrency", "1", "2", "1"],  # a point given twice: its runs would share file names
+            ["--request-rate", "1", "1"],
+            ["--slo", "ttft:100", "--request-rate", "5", "1"],  # LOW HIGH with LOW > HIGH
+            ["--slo", "ttft:100", "--request-rate", "2", "2"],
         ):
             with self.subTest(argv=argv):
                 code, _, err = quietly([*argv, "--out-dir", str(self.out)])
                 self.assertEqual(code, 2)
                 self.assertEqual(len(err.strip().splitlines()), 1)
                 self.assertFalse(self.out.exists())
+
+    def test_empty_out_dir_is_a_usage_error(self) -> None:
+        sweep = mock.Mock(side_effect=AssertionError("the sweep started"))
+        with mock.patch("attention_kv_caceh.cli.sweep._sweep", sweep):
+            code, _, err = quietly([*FAST, "--out-dir", ""])
+        self.assertEqual(code, 2)
+        self.assertEqual(len(err.strip().splitlines()), 1)
+        sweep.assert_not_called()
+
+    def test_closed_stdout_stops_quietly_and_keeps_the_finished_points(self) -> None:
+        class ClosedAfterFirstPoint(io.StringIO):
+            def write(self, s: str) -> int:
+                if "c2-r0" in s or getattr(self, "tripped", False):
+                    self.tripped = True
+                    raise BrokenPipeError
+                return super().write(s)
+
+        err = io.StringIO()
+        with contextlib.redirect_stdout(ClosedAfterFirstPoint()), contextlib.redirect_stderr(err):
+            code = cli.main(["sweep", *FAST, "--concurrency", "1", "2", "4", "--out-dir", str(self.out)])
+        self.assertEqual((code, err.getvalue()), (1, ""))
+        self.assertEqual([r["value"] for r in self.read_csv()], ["1", "2"])
+        self.assertEqual(
+            [r["value"] for r in json.loads((self.out / "sweep.json").read_text())["rows"]], [1, 2]
+        )
+        self.assertFalse((self.out / "c4-r0.jsonl").exists())
 
     def test_slo_search_on_the_simulated_server(self) -> None:
         # 2 slots of 5 + 3 * 1 ms a request: ~250 req/s at most; a TTFT objective of 15 ms fails when queues grow

@@ -22,7 +22,8 @@ Exit codes, mapped here and nowhere else: 0 done; 1 a failure after work started
 `OSError` from a file, an oracle mismatch), one line on stderr; 2 bad usage (`UsageError`), one line on
 stderr, no file touched; 130 Ctrl-C, 143 SIGTERM (treated like Ctrl-C: one line, every file complete,
 metadata `status: interrupted`). Any other exception is a bug: one line saying so, then its traceback,
-exit 1.
+exit 1. A closed stdout (`| head`) exits 1 quietly (stdout pointed at os.devnull, as CPython's
+documentation of SIGPIPE recommends); the commands write their files before printing their results.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from attention_kv_caceh.cli.common import (
     HelpFormatter,
     OneLineParser,
     UsageError,
+    stdout_closed,
 )
 
 __all__ = ["SUBCOMMANDS", "build_parser", "main"]
@@ -135,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             previous_sigint = signal.signal(signal.SIGINT, _sigint_ignored_at_start)
     try:
         code = _run(args)
+        sys.stdout.flush()  # a closed pipe is found here, not in the interpreter's exit
         return _EXIT_SIGTERM if terminated.seen and code == 130 else code
+    except BrokenPipeError:  # stdout's reader left (`| head`); the command wrote its files before printing
+        stdout_closed()
+        return 1
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2

@@ -53,9 +53,11 @@ __all__ = [
     "nonnegative_float",
     "nonnegative_int",
     "output_file",
+    "output_folder",
     "positive_int",
     "preset_name",
     "shape_from_args",
+    "stdout_closed",
     "warn_if_blas_unpinned",
 ]
 
@@ -279,6 +281,30 @@ def output_file(*suffixes: str) -> Callable[[str], Path]:
 
     parse.__name__ = "output file"  # argparse's fallback message names the type
     return parse
+
+
+def output_folder(text: str) -> Path:
+    """argparse type of an output folder flag (`--out-dir`): refuses "" ("empty path", which would
+    silently mean the current folder) with argparse.ArgumentTypeError (exit 2, naming the flag)."""
+    problem = path_problem(text)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
+    return Path(text)
+
+
+output_folder.__name__ = "output folder"  # argparse's fallback message names the type
+
+
+def stdout_closed() -> None:
+    """After a BrokenPipeError on stdout (its reader, e.g. `| head`, has gone): point stdout at
+    os.devnull so that later prints and the interpreter's final flush neither fail nor print a
+    traceback, as the CPython documentation of SIGPIPE recommends."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no file descriptor behind stdout (a test's StringIO)
+        pass
 
 
 def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:

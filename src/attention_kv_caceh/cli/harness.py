@@ -140,7 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     g.add_argument(
         "--prompt-len",
         default="32",
-        help=f"prompt tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
+        help=f"prompt tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS}; with --workload "
+        "shared-prefix: words after the prefix (one token each with a tokenizer); multi-turn: words of each "
+        "new user message, sent after the whole history (default: %(default)s)",
     )
     g.add_argument(
         "--output-len",

@@ -14,7 +14,7 @@ from typing import Any
 from attention_kv_caceh.cli.common import PROG
 from attention_kv_caceh.cli.harness_engine import format_engine_steps
 from attention_kv_caceh.cli.workload_output import summary_extra_lines
-from attention_kv_caceh.files import JsonlWriter, meta_path, write_json_atomic
+from attention_kv_caceh.files import JsonlWriter, ignoring_sigint, meta_path, write_json_atomic
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
@@ -193,8 +193,9 @@ def report_and_save(
     interrupted: bool,
     describe_server: Callable[[], dict[str, Any]] | None = None,
 ) -> int:
-    """After a harness run: print the summary (and the engine's step line when `describe_server` is
-    given), write the JSONL's metadata, the summary JSON and the timeline; returns the exit code (0, 1
+    """After a harness run: write the JSONL's metadata, the summary JSON and the timeline (SIGINT
+    ignored meanwhile), then print the summary (and the engine's step line when `describe_server` is
+    given) and what was written; returns the exit code (0, 1
     after a failure reported on stderr, 130 interrupted)."""
     if sink.error is not None:
         error(
@@ -218,12 +219,39 @@ def report_and_save(
         partial = finished_run(config, finished, summary)
     else:
         return 130
-    print(format_summary(summary))
     server = describe_server() if describe_server is not None else None
+    written: list[str] = []
+    with ignoring_sigint():  # the files first, whole: a Ctrl-C or a closed stdout cannot cut them short
+        failed = _save(args, config, sink, result, partial, summary, server, written)
+    print(format_summary(summary))
     if server is not None:
         print(format_engine_steps(server))
+    if written:
+        print("wrote: " + ", ".join(written))
+    if failed is not None:
+        error(f"could not write an output file: {failed}")
+        return 1
+    if result is None:
+        return 130
+    failures = failure_line(result.records)
+    if failures is not None:
+        error(failures)
+        return 1
+    return 0
 
-    written: list[str] = []
+
+def _save(
+    args: argparse.Namespace,
+    config: HarnessConfig,
+    sink: JsonlSink,
+    result: RunResult | None,
+    partial: RunResult | None,
+    summary: dict[str, Any],
+    server: dict[str, Any] | None,
+    written: list[str],
+) -> OSError | None:
+    """Write the JSONL's metadata, the summary JSON and the timeline, adding each path to `written`;
+    returns the OSError that stopped it, or None."""
     environment: dict[str, Any] | None = None
     try:
         if sink.opened:
@@ -251,16 +279,5 @@ def report_and_save(
 
             written.append(str(plot_timeline(timeline, args.plot)))
     except OSError as exc:
-        if written:
-            print("wrote: " + ", ".join(written))
-        error(f"could not write an output file: {exc}")
-        return 1
-    if written:
-        print("wrote: " + ", ".join(written))
-    if result is None:
-        return 130
-    failures = failure_line(result.records)
-    if failures is not None:
-        error(failures)
-        return 1
-    return 0
+        return exc
+    return None

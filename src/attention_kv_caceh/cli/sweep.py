@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.cli import harness, harness_engine
-from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs
+from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs, output_folder, stdout_closed
 from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import JsonlSink, error, summary_document
 from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sweep")
     g.add_argument(
         "--out-dir",
-        type=Path,
+        type=output_folder,
         required=True,
         metavar="DIR",
         help="folder for every run's JSONL and summary, sweep.csv, sweep.png, sweep.json (created; files "
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="METRIC:MS",
         help="search the highest request rate at which >= 99 %% of requests meet these objectives "
         "(--goodput's meaning, e.g. ttft:2000 tpot:200); --request-rate is then the start (one value, "
-        "default 1) or LOW HIGH (default: no search)",
+        "default 1) or LOW HIGH with LOW < HIGH, finite and > 0 (default: no search)",
     )
     g.add_argument(
         "--max-runs", type=int, default=8, help="runs the SLO search may use in all (default: %(default)s)"
@@ -86,6 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _axis(args: argparse.Namespace) -> Axis:
     concurrency: list[int] = args.concurrency
     rates: list[float] = args.request_rate
+    grids: tuple[tuple[str, list[float]], ...] = (
+        ("--concurrency", [float(c) for c in concurrency]),
+        ("--request-rate", rates),
+    )
+    for flag, values in grids:
+        repeated = sorted({v for v in values if values.count(v) > 1})
+        if repeated:
+            raise UsageError(
+                f"{flag} {' '.join(f'{v:g}' for v in values)}: {repeated[0]:g} is given twice; each point "
+                "runs once (use --repeats for more runs of a point)"
+            )
     if args.slo:
         if len(concurrency) != 1:
             raise UsageError(f"--concurrency {concurrency}: the SLO search varies the rate; give one value")
@@ -268,6 +279,8 @@ def run(args: argparse.Namespace) -> int:
         rates: list[float] = args.request_rate
         if any(not (math.isfinite(r) and r > 0) for r in rates) and rates != [math.inf]:
             raise UsageError(f"--request-rate {rates}: the SLO search needs finite rates > 0")
+        if len(rates) == 2 and not rates[0] < rates[1]:
+            raise UsageError(f"--request-rate {rates[0]:g} {rates[1]:g}: with --slo expected LOW < HIGH")
     points = [(c, r) for c in args.concurrency for r in args.request_rate]
     if args.slo:
         points = [(args.concurrency[0], r if math.isfinite(r) else 1.0) for r in args.request_rate]
@@ -328,6 +341,9 @@ def _sweep(
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted; {len(sweep.rows)} finished runs kept in {sweep.out}", file=sys.stderr)
         code = 130
+    except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, keep what finished
+        stdout_closed()
+        code = 1
     except (SmokeTestError, ModelDiscoveryError, RuntimeError, ValueError, OSError) as exc:
         error(exc)
         code = 1
@@ -386,16 +402,17 @@ def _finish(
     describe: Callable[[], dict[str, Any]] | None,
     code: int,
 ) -> int:
-    print(format_table(sweep.rows, sweep.axis))
+    """Write sweep.png and sweep.json, then print the table, the knee and what was written (files
+    first: a closed stdout cannot lose them); returns the exit code."""
     written = [str(sweep.out / "sweep.csv")]
     doc["rows"] = sweep.rows
     doc["prefix_cache_reset"] = sorted({str(r["prefix_cache_reset"]) for r in sweep.rows})
-    if sweep.failed_requests:
-        print(f"warning: {sweep.failed_requests} requests failed across the sweep (see each run's JSONL)")
+    verdict: str | None = None
+    failed: OSError | None = None
     try:
         if not args.slo:
             knee = find_knee(sweep.rows, sweep.axis)
-            print(knee.verdict)
+            verdict = knee.verdict
             doc["knee"] = {"value": knee.value, "verdict": knee.verdict, "gains_per_doubling": knee.gains}
             from attention_kv_caceh.harness.sweep_plot import plot_sweep
 
@@ -412,7 +429,14 @@ def _finish(
             doc["interrupted"] = True
         written.append(str(write_json_atomic(sweep.out / "sweep.json", doc)))
     except OSError as exc:
-        error(f"could not write an output file: {exc}")
+        failed = exc
+    print(format_table(sweep.rows, sweep.axis))
+    if sweep.failed_requests:
+        print(f"warning: {sweep.failed_requests} requests failed across the sweep (see each run's JSONL)")
+    if verdict is not None:
+        print(verdict)
+    if failed is not None:
+        error(f"could not write an output file: {failed}")
         return 1
     print("wrote: " + ", ".join(written) + f" and {len(sweep.rows)} runs' JSONL and summary files")
     return code

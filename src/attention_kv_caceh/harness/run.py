@@ -502,7 +502,10 @@ async def run_harness(
         records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
     )
     lengths, why = (
-        ("exact", None)
+        # a multi-turn prompt is the whole history plus --prompt-len words: no token length was asked for
+        ("not requested", None)
+        if multi_turn
+        else ("exact", None)
         if simulated is not None
         else _prompt_lengths(config, tokenizer, records, summary["prompt_tokens_off_pct"])
     )
