@@ -8,10 +8,29 @@ front, when the flags are validated, without importing the HTTP client.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
 
-__all__ = ["read_dataset"]
+__all__ = ["dataset_objects", "read_dataset"]
+
+
+def dataset_objects(path: str | Path) -> Iterator[tuple[str, object]]:
+    """(where, parsed JSON value) of each non-blank line of the JSONL file `path`; `where` names the
+    flag, the file and the line for error messages. Raises ValueError for an unreadable file or a line
+    that is not JSON."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--dataset {str(path)!r}: cannot read it: {exc}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--dataset {str(path)!r} line {number}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
 
 
 def read_dataset(path: str | Path) -> list[tuple[str, int | None]]:
@@ -20,20 +39,8 @@ def read_dataset(path: str | Path) -> list[tuple[str, int | None]]:
     Raises ValueError naming the file and line for a missing file, bad JSON, an empty or non-string
     prompt, or an output_len that is not an integer >= 1; and for a file without entries.
     """
-    file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--dataset {str(path)!r}: cannot read it: {exc}") from None
     entries: list[tuple[str, int | None]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--dataset {str(path)!r} line {number}"
-        try:
-            obj: object = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+    for where, obj in dataset_objects(path):
         if not isinstance(obj, dict):
             raise ValueError(f"{where}: expected a JSON object")
         row = cast("dict[str, Any]", obj)

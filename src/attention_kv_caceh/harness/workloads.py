@@ -27,7 +27,6 @@ Every request records its workload group and turn (`RequestRecord.group`, `.turn
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -37,6 +36,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from attention_kv_caceh.harness.backends import Backend, RequestSpec
+from attention_kv_caceh.harness.dataset import dataset_objects
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
     LengthRange,
@@ -168,20 +168,8 @@ def read_conversations(path: str | Path) -> list[tuple[str | None, tuple[str, ..
     answers). Raises ValueError naming the file and line for unreadable JSON, a missing or empty
     conversation, an unknown role, a message that is not a string, or a conversation without a user
     message; and for a file without entries."""
-    file = Path(path)
-    try:
-        lines = file.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--dataset {str(path)!r}: cannot read it: {exc}") from None
     out: list[tuple[str | None, tuple[str, ...]]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--dataset {str(path)!r} line {number}"
-        try:
-            obj: object = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{where}: not JSON ({exc.msg})") from None
+    for where, obj in dataset_objects(path):
         messages: object = cast("dict[str, Any]", obj).get("conversation") if isinstance(obj, dict) else None
         if not isinstance(messages, list) or not messages:
             raise ValueError(f'{where}: expected an object with a non-empty "conversation" list')
