@@ -332,19 +332,12 @@ def run(args: argparse.Namespace) -> int:
     _check_outputs(args)
     if args.backend != ENGINE_BACKEND:
         return _run(args, config, None)
-    from attention_kv_caceh.harness.engine_server import ServerStartError, serve_process
+    from attention_kv_caceh.harness.engine_server import ServerStartError
 
-    flags = harness_engine.engine_flags(args)
-    print(f"harness: starting serve --model {args.model} {' '.join(flags)}".rstrip(), flush=True)
     try:
-        with serve_process(args.model, flags) as server:
-            print(f"harness: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
-            running = server
-
-            def describe() -> dict[str, Any]:
-                return harness_engine.server_description(running, args)
-
-            return _run(args, replace(config, base_url=server.base_url), describe)
+        return harness_engine.run_against_engine(
+            args, "harness", lambda url, describe: _run(args, replace(config, base_url=url), describe)
+        )
     except ServerStartError as exc:
         error(f"serve --model {args.model}: {exc}")
         return 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ __all__ = [
     "check_usage",
     "engine_flags",
     "format_engine_steps",
+    "run_against_engine",
     "server_description",
 ]
 
@@ -117,6 +119,22 @@ def server_description(server: ServerProcess, args: argparse.Namespace) -> dict[
         "base_url": server.base_url,
         "engine_steps": steps,
     }
+
+
+def run_against_engine(
+    args: argparse.Namespace, command: str, run: Callable[[str, Callable[[], dict[str, Any]]], int]
+) -> int:
+    """`--backend engine`: start `serve` on `args.model` with the engine flags given, call
+    `run(base_url, describe)` while it is healthy (`describe()`: the server's description for the outputs,
+    to be asked for while it still runs), then stop it; returns run's exit code. `command` prefixes the two
+    lines printed. Raises harness.engine_server.ServerStartError when serve does not become healthy."""
+    from attention_kv_caceh.harness.engine_server import serve_process
+
+    flags = engine_flags(args)
+    print(f"{command}: starting serve --model {args.model} {' '.join(flags)}".rstrip(), flush=True)
+    with serve_process(args.model, flags) as server:
+        print(f"{command}: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
+        return run(server.base_url, lambda: server_description(server, args))
 
 
 def format_engine_steps(server: dict[str, Any]) -> str:

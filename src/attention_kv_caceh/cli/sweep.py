@@ -292,19 +292,14 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.backend != ENGINE_BACKEND:
         return _sweep(args, axis, configs[0], None)
-    from attention_kv_caceh.harness.engine_server import ServerStartError, serve_process
+    from attention_kv_caceh.harness.engine_server import ServerStartError
 
-    flags = harness_engine.engine_flags(args)
-    print(f"sweep: starting serve --model {args.model} {' '.join(flags)}".rstrip(), flush=True)
     try:
-        with serve_process(args.model, flags) as server:
-            print(f"sweep: serve (pid {server.pid}) is healthy at {server.base_url}", flush=True)
-            running = server
-
-            def describe() -> dict[str, Any]:
-                return harness_engine.server_description(running, args)
-
-            return _sweep(args, axis, replace(configs[0], base_url=server.base_url), describe)
+        return harness_engine.run_against_engine(
+            args,
+            "sweep",
+            lambda url, describe: _sweep(args, axis, replace(configs[0], base_url=url), describe),
+        )
     except ServerStartError as exc:
         error(f"serve --model {args.model}: {exc}")
         return 1
