@@ -40,11 +40,16 @@ uv run attention-kv-caceh harness --backend engine --model "$MODEL" --max-num-se
 uv run python - "$OUT" "${rows[@]}" <<'PY'
 import json, sys
 out, sizes = sys.argv[1], sys.argv[2:]
-print(f"{'N':>4} {'bench-engine tok/s':>19} {'serve tok/s':>12} {'serve / engine':>15}")
+print(f"{'N':>4} {'bench-engine tok/s':>19} {'serve tok/s':>12} {'serve / engine':>15}"
+      f"  decode step P50 wall / CPU ms (bench-engine; serve core)")
 for n in sizes:
     engine = json.loads(open(f"{out}/bench-engine-{n}.last").read())["output_tokens_per_s"][0]
-    serve = json.load(open(f"{out}/serve-{n}.json"))["output_throughput"]
-    print(f"{n:>4} {engine:>19.1f} {serve:>12.1f} {serve / engine:>15.3f}")
+    row = json.load(open(f"{out}/bench-engine-{n}.json"))["rows"][0]
+    summary = json.load(open(f"{out}/serve-{n}.json"))
+    serve, steps = summary["output_throughput"], summary["server"]["engine_steps"]
+    print(f"{n:>4} {engine:>19.1f} {serve:>12.1f} {serve / engine:>15.3f}"
+          f"  {row['decode_step_ms_p50']:.2f} / {row['core_step_cpu_ms_p50']:.2f};"
+          f" {steps['median_decode_step_time_ms']:.2f} / {steps['median_decode_step_cpu_time_ms']:.2f}")
 c1 = json.load(open(f"{out}/serve-c1.json"))
 itl = c1["median_itl_ms"]
 step = c1["server"]["engine_steps"]["median_decode_step_time_ms"]

@@ -28,6 +28,7 @@ class BenchEngineCommandTest(EngineCommandCase):
             self.assertAlmostEqual(r["linear_share"], r["linear_ms"] / r["decode_step_ms_p50"])
             self.assertAlmostEqual(r["fma_ratio"], r["linear_gflop_per_s"] / r["fma_gflop_per_s"])
             self.assertIn(r["gemm_path"], ("packed", "numpy"))
+            self.assertGreater(r["core_step_cpu_ms_p50"], 0)
         gain = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
         self.assertIn(f"batching gain: {gain:.2f}x", out)
         last = json.loads(out.strip().splitlines()[-1])

@@ -69,6 +69,9 @@ class EngineBenchRow:
         decode_step_cpu_ms_p50: median CPU time of the benchmark's thread over those steps (the engine
             steps in it), ms: unlike the wall time, it leaves out the time a shared machine's other
             processes held the core, so its ratios between rows stay comparable under changing load.
+        core_step_cpu_ms_p50: median of those steps' StepStats.step_cpu_ms: the core's step alone,
+            without the output processing decode_step_cpu_ms_p50 holds; what a server's engine steps
+            report as median_decode_step_cpu_time_ms.
         mean_num_seqs: mean requests per pure-decode step.
         mean_context_len: mean context length (positions attended) of a request in those steps.
         weight_bytes_per_decode_step: `decode_weight_bytes` at mean_num_seqs.
@@ -103,6 +106,7 @@ class EngineBenchRow:
     decode_step_ms_p50: float
     decode_step_ms_p95: float
     decode_step_cpu_ms_p50: float
+    core_step_cpu_ms_p50: float
     mean_num_seqs: float
     mean_context_len: float
     weight_bytes_per_decode_step: int
@@ -388,6 +392,7 @@ def run_engine_benchmark(
                 decode_step_ms_p50=summary["p50_ms"],
                 decode_step_ms_p95=summary["p95_ms"],
                 decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
+                core_step_cpu_ms_p50=summarize_samples([s.step_cpu_ms for s in stats])["p50_ms"],
                 mean_num_seqs=mean_seqs,
                 mean_context_len=mean_positions / mean_seqs,
                 weight_bytes_per_decode_step=round(weight_bytes),
