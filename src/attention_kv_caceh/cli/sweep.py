@@ -313,7 +313,8 @@ def _sweep(
     print(
         f"sweep: backend={args.backend} axis={axis} concurrency={args.concurrency} "
         f"request_rate={args.request_rate} repeats={args.repeats} num_requests={base.num_requests} "
-        f"workload={base.workload.kind} seed={base.seed} out_dir={sweep.out}",
+        f"workload={base.workload.kind} seed={base.seed} out_dir={sweep.out}"
+        + "".join(f" {k}={v}" for k, v in base.sampling.body_fields().items()),
         flush=True,
     )
     doc: dict[str, Any] = {"kind": "serving-sweep", "axis": axis, "config": base.describe()}
