@@ -248,9 +248,11 @@ async def stream_events(
 
     Chat: a role-only first chunk per choice, then `delta.content` chunks; completions: `text` chunks (the
     first one carries the echo). Then a chunk with each choice's finish_reason (once per index), a
-    usage-only chunk (`choices: []`) with `stream_options.include_usage`, and `data: [DONE]`. With
-    `continuous_usage_stats` every chunk carries the usage so far, and a token whose text is not complete
-    yet still gets a chunk (empty text) so a client can time it (see `text_deltas`). An engine error
+    usage-only chunk (`choices: []`) with `stream_options.include_usage`, and `data: [DONE]`. Every delta
+    that brings tokens gets a chunk, with empty text when its text is not complete yet (a UTF-8 character
+    cut, or text held back for a stop string), so a client can time every token, as vLLM's
+    `completion_stream_generator` does. With `continuous_usage_stats` every chunk carries the usage so
+    far. An engine error
     ends the stream with an error event (400 for a request the engine refused, 500 for a failed step).
     """
     chat = isinstance(body, ChatCompletionRequest)
@@ -295,7 +297,7 @@ async def stream_events(
                 continue
             text, logprobs = _apply_delta(choice, delta, body, tokenizer, chat=chat)
             per_chunk = _usage_of(choices) if continuous else None
-            if text or logprobs is not None or (continuous and delta.finish_reason is None):
+            if text or logprobs is not None or (delta.new_token_ids and delta.finish_reason is None):
                 yield chunk(choice, text, None, logprobs, per_chunk)
             if delta.finish_reason is not None:
                 choice.finished = True
