@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import os
 import signal
@@ -207,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
         )
+        # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
+        # server, so the collector's oldest generation need not traverse it; a full collection stops
+        # every stream on the event loop for as long as it traverses
+        gc.collect()
+        gc.freeze()
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         port = sock.getsockname()[1]
         if not is_loopback(args.host) and api_key is None:
