@@ -479,10 +479,12 @@ class FaultTest(unittest.TestCase):
 
     def test_an_unexpected_error_in_a_handler_is_a_500_with_an_error_body(self) -> None:
         class Exploding(CharTokenizer):
-            def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            def encode(
+                self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+            ) -> list[int]:
                 if text == "boom":
                     raise RuntimeError("tokenizer bug")
-                return super().encode(text, add_special_tokens)
+                return super().encode(text, add_special_tokens, max_length)
 
         tokenizer = Exploding()
         app = build_app(AsyncLLM.from_engine_core(make_text_core()[0], tokenizer), tokenizer, MODEL, 256)

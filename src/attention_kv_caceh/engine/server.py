@@ -259,12 +259,16 @@ def build_app(
             raise
         return choices
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(
+        messages: list[ChatMessage], add_generation_prompt: bool, max_length: int | None = None
+    ) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
             return tokenizer.encode(
-                template.render(rendered, add_generation_prompt), add_special_tokens=False
+                template.render(rendered, add_generation_prompt),
+                add_special_tokens=False,
+                max_length=max_length,
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
@@ -294,13 +298,18 @@ def build_app(
         return out
 
     def completion_prompts(
-        prompt: Prompt, add_special_tokens: bool = True, with_text: bool = False
+        prompt: Prompt,
+        add_special_tokens: bool = True,
+        with_text: bool = False,
+        max_length: int | None = None,
     ) -> list[tuple[list[int], str]]:
-        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`."""
+        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`; a text
+        prompt's ids are cut at `max_length`."""
         out: list[tuple[list[int], str]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                out.append((tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+                ids = tokenizer.encode(item, add_special_tokens=add_special_tokens, max_length=max_length)
+                out.append((ids, item))
             else:
                 ids = check_ids(item, "prompt")
                 out.append((ids, tokenizer.decode(ids) if with_text else ""))
@@ -384,8 +393,12 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on
-        prompts = await asyncio.to_thread(completion_prompts, body.prompt, with_text=body.echo)
+        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
+        # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
+        # keeps the ids built for a huge one, with the GIL held, to a bounded number
+        prompts = await asyncio.to_thread(
+            completion_prompts, body.prompt, with_text=body.echo, max_length=max_model_len
+        )
         choices = admit(response_id, prompts, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await respond(raw, response_id, choices, body)
 
@@ -395,7 +408,9 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await asyncio.to_thread(chat_prompt, body.messages, body.add_generation_prompt)
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt, body.messages, body.add_generation_prompt, max_model_len
+        )
         choices = admit(response_id, [(prompt_ids, "")], body, None)
         return await respond(raw, response_id, choices, body)
 
