@@ -8,7 +8,8 @@ the server's resident memory. This probe measures both, from outside, on a runni
 1. a neighbour request streams greedily (`/v1/completions`, `ignore_eos`) and its tokens are timed;
 2. once it runs, a big prompt (`--size-bytes` of text) goes to `/v1/completions`, then (with a new
    neighbour) to `/v1/chat/completions`;
-3. for each: the neighbour's largest inter-token gap while the big request was in flight, against its own
+3. for each: the neighbour's largest inter-token gap while the big request was in flight and for
+   `--tail-s` after its answer (what the server frees or collects afterwards counts too), against its own
    median gap before it and against the engine's decode-step P50 and the longest engine step in that
    window (`GET /debug/step_stats`), and against the largest gap of a control window as long, just
    before the big request (what the machine's own jitter gives), and the resident memory (VmRSS) of the API process and of the engine
@@ -37,7 +38,6 @@ import contextlib
 import itertools
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -167,8 +167,8 @@ async def probe_one(
             big_request(session, url, path, body, args.accept), args.timeout_s
         )
         t_done = time.perf_counter()
-        n_at_done = len(neighbour.times)
-        await neighbour.wait_tokens(n_at_done + 3, timeout_s=args.timeout_s)  # the gap that spans t_done
+        # what the server does after answering (freeing, collecting) can still hold up the neighbour
+        await asyncio.sleep(args.tail_s)
         stop.set()
         await sampler
     finally:
@@ -178,9 +178,10 @@ async def probe_one(
     times = neighbour.times
     gaps = list(itertools.pairwise(times))
     base = [b - a for a, b in gaps if b <= t_send]
-    during = [b - a for a, b in gaps if b > t_send and a < t_done]
-    # control: the largest gap in a window as long as the big request's, just before it
-    control = [b - a for a, b in gaps if t_send - (t_done - t_send) < b <= t_send]
+    t_end = t_done + args.tail_s
+    during = [b - a for a, b in gaps if b > t_send and a < t_end]
+    # control: the largest gap in a window as long, just before the big request
+    control = [b - a for a, b in gaps if t_send - (t_end - t_send) < b <= t_send]
     async with session.get(f"{url}/debug/step_stats", params={"last": "100000"}) as resp:
         steps: list[dict[str, Any]] = (await resp.json())["data"]
     decode = [s["step_time_ms"] for s in steps if s["num_prefill_tokens"] == 0]
@@ -191,11 +192,11 @@ async def probe_one(
         "status": status,
         "answer_bytes": answer_bytes,
         "request_s": round(t_done - t_send, 3),
-        "neighbour_tokens_during": sum(1 for t in times if t_send < t <= t_done),
+        "neighbour_tokens_during": sum(1 for t in times if t_send < t <= t_end),
         "neighbour_median_gap_ms": round(1e3 * statistics.median(base), 2),
         "neighbour_max_gap_ms": round(1e3 * max(during, default=0.0), 2),
         "control_max_gap_ms": round(1e3 * max(control, default=0.0), 2),
-        "control_window_s": round(min(t_done - t_send, t_send - times[0]), 3),
+        "control_window_s": round(min(t_end - t_send, t_send - times[0]), 3),
         "decode_step_p50_ms": round(statistics.median(decode), 2),
         "longest_step_ms": round(max(s["step_time_ms"] for s in steps[-len(during) - 20 :]), 2),
         "api_rss_mb": [round(before[0], 1), round(peaks[0], 1), round(after[0], 1)],
@@ -208,11 +209,15 @@ async def probe_one(
 
 @contextlib.contextmanager
 def long_context_copy(model_dir: str, max_len: int) -> Iterator[str]:
-    """A temporary copy of `model_dir` whose config.json allows `max_len` positions."""
+    """A temporary folder of links to `model_dir`'s files but a config.json that allows `max_len` positions."""
     with tempfile.TemporaryDirectory(prefix="long-context-") as tmp:
-        dest = Path(tmp) / Path(model_dir).resolve().name
-        shutil.copytree(model_dir, dest)
-        config = json.loads((dest / "config.json").read_text())
+        source = Path(model_dir).resolve()
+        dest = Path(tmp) / source.name
+        dest.mkdir()
+        for file in source.iterdir():  # the weights are linked, not copied
+            (dest / file.name).symlink_to(file)
+        (dest / "config.json").unlink()
+        config = json.loads((source / "config.json").read_text())
         config["max_position_embeddings"] = max_len
         (dest / "config.json").write_text(json.dumps(config))
         yield str(dest)
@@ -273,6 +278,9 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=1, help="rounds over --paths")
     parser.add_argument(
         "--baseline-s", type=float, default=3.0, help="neighbour streams this long before the big request"
+    )
+    parser.add_argument(
+        "--tail-s", type=float, default=1.0, help="the window goes on this long after the big answer"
     )
     parser.add_argument("--settle-s", type=float, default=2.0, help="wait before reading RSS 'after'")
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each wait")
