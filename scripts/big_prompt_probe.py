@@ -125,12 +125,11 @@ async def sample_rss(pids: list[int], peaks: list[float], stop: asyncio.Event) -
 async def big_request(
     session: aiohttp.ClientSession, url: str, path: str, body: bytes, accepted: bool
 ) -> tuple[int, int]:
-    """POST the pre-encoded `body`; returns (status, length of the answer in bytes). With `accepted`, stop
-    reading (and disconnect) once a 200 response has started."""
+    """POST the pre-encoded `body`; returns (status, length of the answer in bytes). With `accepted`,
+    disconnect as soon as a 200 stream has started: the request was admitted, and leaving aborts it."""
     headers = {"Content-Type": "application/json"}
     async with session.post(url + path, data=body, headers=headers) as resp:
         if accepted and resp.status == 200:
-            await resp.content.readany()  # the first chunk: the request is admitted; leaving aborts it
             resp.close()
             return resp.status, 0
         return resp.status, len(await resp.read())
@@ -292,9 +291,9 @@ def main() -> int:
     else:
         flags = list(args.serve_arg)
         with contextlib.ExitStack() as stack:
-            # room for a neighbour that outlasts the big request; with --accept, about one token per
-            # byte (a byte-level tokenizer) for the prompt too
-            max_len = 2 * args.size_bytes + 4096 if args.accept else args.context
+            # room for a neighbour that outlasts the big request; with --accept, for the prompt too (a
+            # byte-level tokenizer gives at most about one token per byte)
+            max_len = args.size_bytes + 4096 if args.accept else args.context
             model = stack.enter_context(long_context_copy(args.model, max_len))
             flags += ["--num-kv-blocks", str(max_len // 16 + 16)]
             server = stack.enter_context(serve_process(model, flags))

@@ -34,7 +34,10 @@ stream with a chunk whose finish_reason is "abort", then `[DONE]`.
 
 Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
 tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
-deltas arrive already detokenized from AsyncLLM's output thread.
+deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
+tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
+the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
+more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (see `_release_freed_memory`).
 """
 
 from __future__ import annotations
