@@ -86,6 +86,9 @@ class Neighbour:
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
+            # a chunk for every token, also one whose text ends inside a UTF-8 character (a random
+            # checkpoint writes many): without it such tokens send nothing and look like a stall
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
         self.task = asyncio.ensure_future(self._run(session, f"{url}/v1/completions", body))
 
