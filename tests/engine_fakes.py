@@ -230,8 +230,8 @@ class CharTokenizer:
     eos_token_id: int | None = TEXT_EOS
     vocab_size: int = TEXT_VOCAB
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [(ord(c) - 32) % TEXT_VOCAB for c in text]
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        return [(ord(c) - 32) % TEXT_VOCAB for c in text[:max_length]]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import io
 import json
 import os
@@ -154,6 +155,7 @@ class ServeCliTest(unittest.TestCase):
             async with aiohttp.ClientSession() as session:
                 async with session.get(url + "/health") as health:
                     result["health"] = health.status
+                result["frozen"] = gc.get_freeze_count()
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     self.assertTrue(await asyncio.to_thread(wait_for, lambda: runner.blocked))
                     os.kill(os.getpid(), signal.SIGTERM)
@@ -164,6 +166,9 @@ class ServeCliTest(unittest.TestCase):
         self.assertNotIn("error", result)
         self.assertEqual(code, 0)
         self.assertEqual(result["health"], 200)
+        # the startup heap is frozen out of the collector while serving, and unfrozen after
+        self.assertGreater(result["frozen"], 0)
+        self.assertEqual(gc.get_freeze_count(), 0)
         events = result["events"]
         self.assertEqual(events[-1], b"data: [DONE]\n")
         chunks = [json.loads(e[6:]) for e in events[:-1]]

@@ -326,6 +326,38 @@ class BodySizeAndPrefixCacheTest(unittest.TestCase):
         self.assertEqual(small_chunked, 200)
         self.assertEqual(ok[0], 200)
 
+    def test_a_prompt_far_past_max_model_len_is_a_short_400_and_the_server_keeps_serving(self) -> None:
+        # 300 kB of prompt: past the size after which the server hands freed memory back to the OS
+        calls: list[int | None] = []
+
+        class Recording(CharTokenizer):
+            def encode(
+                self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+            ) -> list[int]:
+                calls.append(max_length)
+                return super().encode(text, add_special_tokens, max_length)
+
+        core, _runner = make_text_core(max_num_seqs=2, max_model_len=256)
+        tokenizer = Recording()
+        llm = AsyncLLM.from_engine_core(core, tokenizer)
+        prompt = "abcd" * 75_000
+        with ServerThread(build_app(llm, tokenizer, MODEL, 256)) as thread:
+            url = thread.base_url
+            completion = request("POST", url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            messages = [{"role": "user", "content": prompt}]
+            chat = request("POST", url + "/v1/chat/completions", json={"messages": messages, "max_tokens": 1})
+            generation_calls = list(calls)
+            counted = request("POST", url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False})
+            ok = request("POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
+        for status, body in (completion, chat):
+            self.assertEqual((status, body["error"]["code"], body["error"]["param"]), (400, 400, "prompt"))
+            self.assertNotIn("abcd" * 100, body["error"]["message"])  # the prompt is not echoed back
+        # a generation request tokenizes no further than max_model_len: enough to refuse it
+        self.assertEqual(generation_calls, [256, 256])
+        self.assertEqual(counted[1]["count"], len(prompt))  # /tokenize still counts the whole prompt
+        self.assertEqual(ok[0], 200)
+        self.assertEqual(ok[1]["usage"]["completion_tokens"], 2)
+
     def test_reset_prefix_cache_forgets_the_cache_when_idle_and_is_409_while_blocks_are_held(self) -> None:
         thread, engine, llm = fake_server(max_num_seqs=2, max_model_len=60_000)
         prompt = "a long prompt of several blocks " * 3
@@ -479,10 +511,12 @@ class FaultTest(unittest.TestCase):
 
     def test_an_unexpected_error_in_a_handler_is_a_500_with_an_error_body(self) -> None:
         class Exploding(CharTokenizer):
-            def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            def encode(
+                self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+            ) -> list[int]:
                 if text == "boom":
                     raise RuntimeError("tokenizer bug")
-                return super().encode(text, add_special_tokens)
+                return super().encode(text, add_special_tokens, max_length)
 
         tokenizer = Exploding()
         app = build_app(AsyncLLM.from_engine_core(make_text_core()[0], tokenizer), tokenizer, MODEL, 256)

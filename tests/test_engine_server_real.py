@@ -33,8 +33,8 @@ class CharTokenizer:
     eos_token_id: int | None = 0
     vocab_size: int = VOCAB
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [(ord(c) - 65) % VOCAB for c in text]
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        return [(ord(c) - 65) % VOCAB for c in text[:max_length]]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(65 + i) for i in ids)

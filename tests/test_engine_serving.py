@@ -30,8 +30,8 @@ class ByteTokenizer:
     eos_token_id: int | None = None
     vocab_size: int = 256
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(text.encode())
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        return list(text.encode()[:max_length])
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode(errors="replace")

@@ -36,6 +36,18 @@ class TestTokenizer(unittest.TestCase):
                 len("the lighthouse keeper"),
             )
 
+    def test_max_length_gives_the_first_ids_of_the_whole_encoding(self) -> None:
+        long_text = TEXT * 40
+        for folder in (self.llama, self.qwen):
+            tok = Tokenizer.load(folder)
+            whole = tok.encode(long_text)
+            for n in (1, 7, len(whole) - 1, len(whole), len(whole) + 5):
+                self.assertEqual(tok.encode(long_text, max_length=n), whole[:n])
+            chat = tok.encode(long_text, add_special_tokens=False)
+            self.assertEqual(tok.encode(long_text, add_special_tokens=False, max_length=9), chat[:9])
+            with self.assertRaises(ValueError):
+                tok.encode(long_text, max_length=0)
+
     def test_special_tokens_match_config_json(self) -> None:
         for folder in (self.llama, self.qwen):
             tok = Tokenizer.load(folder)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import ipaddress
 import os
 import signal
@@ -207,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
         )
+        # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
+        # server, so the collector's oldest generation need not traverse it; a full collection stops
+        # every stream on the event loop for as long as it traverses (unfrozen when serving ends)
+        gc.collect()
+        gc.freeze()
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         port = sock.getsockname()[1]
         if not is_loopback(args.host) and api_key is None:
@@ -221,6 +227,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"serving {name} at {url_of(args.host, port)}", flush=True)
             asyncio.run(server.serve(sockets=[sock]))
     finally:
+        gc.unfreeze()  # a caller in the same process (a test) is not left with a frozen heap
         sock.close()
         if llm is not None:
             llm.client.close()  # idempotent: the core is already stopped after a drain

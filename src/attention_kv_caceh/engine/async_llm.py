@@ -64,8 +64,8 @@ class TokenizerLike(Protocol):
         """Ids the tokenizer knows."""
         ...
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`."""
+    def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
+        """Token ids of `text`; with `max_length`, only its first `max_length` tokens."""
         ...
 
     def decode(self, ids: list[int], /) -> str:

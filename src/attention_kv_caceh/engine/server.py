@@ -34,20 +34,25 @@ stream with a chunk whose finish_reason is "abort", then `[DONE]`.
 
 Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
 tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
-deltas arrive already detokenized from AsyncLLM's output thread.
+deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
+tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
+the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
+more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (see `_release_freed_memory`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import email.message
 import logging
 import secrets
+import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -89,6 +94,7 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 
 logger = logging.getLogger(__name__)
 
+_RELEASE_AFTER_BYTES = 256 * 1024  # after a request body this large, hand the freed heap back to the OS
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
@@ -256,12 +262,16 @@ def build_app(
             raise
         return choices
 
-    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    def chat_prompt(
+        messages: list[ChatMessage], add_generation_prompt: bool, max_length: int | None = None
+    ) -> list[int]:
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
             return tokenizer.encode(
-                template.render(rendered, add_generation_prompt), add_special_tokens=False
+                template.render(rendered, add_generation_prompt),
+                add_special_tokens=False,
+                max_length=max_length,
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
@@ -291,13 +301,18 @@ def build_app(
         return out
 
     def completion_prompts(
-        prompt: Prompt, add_special_tokens: bool = True, with_text: bool = False
+        prompt: Prompt,
+        add_special_tokens: bool = True,
+        with_text: bool = False,
+        max_length: int | None = None,
     ) -> list[tuple[list[int], str]]:
-        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`."""
+        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`; a text
+        prompt's ids are cut at `max_length`."""
         out: list[tuple[list[int], str]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                out.append((tokenizer.encode(item, add_special_tokens=add_special_tokens), item))
+                ids = tokenizer.encode(item, add_special_tokens=add_special_tokens, max_length=max_length)
+                out.append((ids, item))
             else:
                 ids = check_ids(item, "prompt")
                 out.append((ids, tokenizer.decode(ids) if with_text else ""))
@@ -381,8 +396,12 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on
-        prompts = await asyncio.to_thread(completion_prompts, body.prompt, with_text=body.echo)
+        # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
+        # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
+        # keeps the ids built for a huge one, with the GIL held, to a bounded number
+        prompts = await asyncio.to_thread(
+            completion_prompts, body.prompt, with_text=body.echo, max_length=max_model_len
+        )
         choices = admit(response_id, prompts, body, _COMPLETIONS_DEFAULT_MAX_TOKENS)
         return await respond(raw, response_id, choices, body)
 
@@ -392,7 +411,9 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await asyncio.to_thread(chat_prompt, body.messages, body.add_generation_prompt)
+        prompt_ids = await asyncio.to_thread(
+            chat_prompt, body.messages, body.add_generation_prompt, max_model_len
+        )
         choices = admit(response_id, [(prompt_ids, "")], body, None)
         return await respond(raw, response_id, choices, body)
 
@@ -409,6 +430,32 @@ def build_app(
             close_all(choices)  # also when the work was cancelled before it started
 
     return app
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS (glibc's `malloc_trim(0)`; elsewhere a no-op).
+
+    glibc keeps the memory a request freed in the malloc arena of the thread that allocated it (the
+    tokenizer's thread for a prompt's token lists), so without this the process's resident size stays at
+    its peak after one big request.
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # glibc only (musl has no malloc_trim)
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -442,7 +489,7 @@ class _BodySizeMiddleware:
             await self._refuse(scope, receive, send)
             return
         if length is not None and length.isdigit():
-            await self.app(scope, receive, send)  # the server stops reading at Content-Length
+            await self._serve(scope, receive, send, int(length))  # the server stops at Content-Length
             return
         # chunked: read the body here, bounded, then hand it on
         chunks: list[bytes] = []
@@ -460,7 +507,14 @@ class _BodySizeMiddleware:
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
-        await self.app(scope, _replay(chunks, None, receive), send)
+        await self._serve(scope, _replay(chunks, None, receive), send, size)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            if size >= _RELEASE_AFTER_BYTES:  # a big body's prompt and token lists are garbage now
+                await asyncio.to_thread(_release_freed_memory)
 
     async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"

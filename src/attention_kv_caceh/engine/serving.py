@@ -143,8 +143,8 @@ def sampling_params_for(
     if num_prompt_tokens >= max_model_len:
         raise HTTPError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{num_prompt_tokens} tokens and leaves no room for a completion.",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt is "
+            f"{max_model_len} tokens or longer and leaves no room for a completion.",
             "prompt",
         )
     room = max_model_len - num_prompt_tokens
