@@ -1,7 +1,7 @@
 """BlockPool: KV block ids, their reference counts, the free queue and the prefix-cache hash map.
 
 Corresponds to vLLM v1's `vllm/v1/core/block_pool.py` (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock) and
-`hash_block_tokens` in `vllm/v1/core/kv_cache_utils.py`. Only ids live here: the K/V buffers themselves,
+`hash_block_tokens` and `get_request_block_hasher` in `vllm/v1/core/kv_cache_utils.py`. Only ids live here: the K/V buffers themselves,
 `[num_blocks, block_size, H_kv, D]` per layer, are allocated by the model runner, as vLLM's worker does;
 block i of this pool is row i of those buffers.
 
@@ -13,6 +13,11 @@ removal from the middle (a prefix hit on a free block); an insertion-ordered dic
 Block hash. hash(block) = sha256(hash(previous block) || token ids of the block as int64), over FULL blocks
 only. The chain makes a block's hash depend on the whole prefix, so equal token blocks after different
 prefixes do not match; sha256 makes it deterministic across processes (Python's `hash` is salted).
+Left out: vLLM's choice of hash function and the extra keys (LoRA, multimodal, cache salt) mixed into it.
+
+Who hashes. A request's hashes are computed when the request is built, by the block hasher it is given
+(`get_request_block_hasher`), and extended as its output tokens fill blocks, as vLLM's Request does.
+The multiprocess core builds requests in its input thread, so a long prompt is hashed off the busy loop.
 """
 
 from __future__ import annotations
@@ -20,10 +25,14 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-__all__ = ["BlockHash", "BlockPool", "KVCacheBlock", "hash_block_tokens"]
+if TYPE_CHECKING:
+    from .request import BlockHasher, Request
+
+__all__ = ["BlockHash", "BlockPool", "KVCacheBlock", "get_request_block_hasher", "hash_block_tokens"]
 
 BlockHash = bytes
 
@@ -33,6 +42,40 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
     h = hashlib.sha256(parent_hash or b"")
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     return h.digest()
+
+
+def get_request_block_hasher(block_size: int) -> BlockHasher:
+    """A BlockHasher for blocks of `block_size` tokens (vLLM's get_request_block_hasher).
+
+    The returned function takes a Request and returns the hashes of the full blocks of its
+    all_token_ids after the request.block_hashes it already has (chained to the last of them), so
+    calling it after every appended token hashes each block once, when it fills; [] when no new block
+    is full.
+
+    Raises:
+        ValueError: block_size < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+
+    def request_block_hasher(request: Request) -> list[BlockHash]:
+        start = len(request.block_hashes)
+        num_full = request.num_tokens // block_size
+        if num_full <= start:
+            return []
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        # Only the tokens of the new blocks, without copying the whole sequence each time a block fills.
+        lo, hi = start * block_size, num_full * block_size
+        n = len(prompt)
+        tokens = prompt[lo:hi] if hi <= n else prompt[lo:] + output[max(lo - n, 0) : hi - n]
+        parent = request.block_hashes[-1] if start > 0 else None
+        hashes: list[BlockHash] = []
+        for i in range(0, len(tokens), block_size):
+            parent = hash_block_tokens(parent, tokens[i : i + block_size])
+            hashes.append(parent)
+        return hashes
+
+    return request_block_hasher
 
 
 @dataclass(eq=False)

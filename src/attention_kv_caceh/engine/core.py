@@ -2,7 +2,9 @@
 
 Corresponds to vLLM v1's `vllm/v1/engine/core.py` (EngineCore, EngineCoreProc, run_busy_loop) and the
 message types of `vllm/v1/engine/__init__.py` (EngineCoreRequest, EngineCoreOutput, EngineCoreOutputs).
-Left out: data parallelism, pipeline-parallel batch queues, async scheduling (scheduling step N+1 while
+A request enters in two parts, as in vLLM: `preprocess_add_request` builds the Request and hashes its
+prompt blocks for the prefix cache (the input thread runs it, off the busy loop), then `add_request`
+queues it in the scheduler (the busy loop). Left out: data parallelism, pipeline-parallel batch queues, async scheduling (scheduling step N+1 while
 step N's outputs are processed: `_process_engine_step` is the place it would go), LoRA and multimodal
 inputs, and the ROUTER/DEALER handshake (one front end talks to one core over PUSH/PULL sockets).
 
@@ -13,7 +15,7 @@ front end's OutputProcessor (output_processor.py).
 
 EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as vLLM does:
 
-    input thread:  socket -> decode -> input_queue          (serialisation off the busy loop)
+    input thread:  socket -> decode -> build the Request (hash its prompt blocks) -> input_queue
     busy loop:     drain input_queue (add / abort / utility) -> step() -> output_queue
     output thread: output_queue -> encode -> socket
 
@@ -47,6 +49,7 @@ import numpy as np
 import numpy.typing as npt
 import zmq
 
+from .block_pool import get_request_block_hasher
 from .config import EngineConfig
 from .request import Request, RequestStatus, SamplingParams
 from .sampler import sample
@@ -245,6 +248,10 @@ class EngineCore:
         self.eos_token_id = eos_token_id
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
         self.scheduler = Scheduler(config, blocks, model_len)
+        # Requests that skip the prefix cache entirely (caching off) are not hashed, as in vLLM.
+        self._block_hasher = (
+            get_request_block_hasher(config.block_size) if config.enable_prefix_caching else None
+        )
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
         self.num_steps = 0
 
@@ -286,20 +293,32 @@ class EngineCore:
         """Most tokens (prompt + output) of one request."""
         return self.scheduler.max_model_len
 
-    def add_request(self, request: EngineCoreRequest) -> Request:
-        """Queue a request; it runs from the next step.
+    def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
+        """Build the core's Request from an EngineCoreRequest (vLLM's preprocess_add_request).
+
+        Adds the checkpoint's extra eos ids to the stop ids and, with prefix caching on, gives the
+        Request its block hasher, which hashes every full block of the prompt here. Touches no scheduler
+        state, so EngineCoreProc runs it in its input thread, off the busy loop.
 
         Raises:
-            ValueError: empty prompt, negative ids, an id in use, a prompt over max_model_len, or a request
-                that cannot fit in the whole KV pool (see Scheduler.add_request).
+            ValueError: an empty prompt or a negative token id.
         """
         params = request.sampling_params
         extra = tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
         if extra and not params.ignore_eos:
             params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
-        engine_request = Request(request.request_id, request.prompt_token_ids, params, self.eos_token_id)
-        self.scheduler.add_request(engine_request)
-        return engine_request
+        return Request(
+            request.request_id, request.prompt_token_ids, params, self.eos_token_id, self._block_hasher
+        )
+
+    def add_request(self, request: Request) -> None:
+        """Queue a Request built by preprocess_add_request; it runs from the next step.
+
+        Raises:
+            ValueError: an id in use, a prompt over max_model_len, or a request that cannot fit in the
+                whole KV pool (see Scheduler.add_request).
+        """
+        self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Stop requests now and free their blocks (unknown or finished ids are ignored)."""
@@ -515,7 +534,10 @@ class EngineCoreProc:
 
     def _handle_client_request(self, kind: bytes, payload: Any) -> None:
         if kind == RequestType.ADD:
-            request: EngineCoreRequest = payload
+            if isinstance(payload, EngineCoreOutput):  # the input thread refused it
+                self._push(EngineCoreOutputs([payload]))
+                return
+            request: Request = payload
             try:
                 self.core.add_request(request)
             except ValueError as exc:  # refused (e.g. larger than the whole KV pool): a client error
@@ -566,7 +588,7 @@ class EngineCoreProc:
                 kind, data = sock.recv_multipart(copy=False)
                 kind_bytes = bytes(kind.buffer)
                 if kind_bytes == RequestType.ADD:
-                    payload: Any = _request_decoder.decode(data.buffer)
+                    payload: Any = self._preprocess_add_request(_request_decoder.decode(data.buffer))
                 elif kind_bytes == RequestType.ABORT:
                     payload = _ids_decoder.decode(data.buffer)
                 elif kind_bytes == RequestType.UTILITY:
@@ -580,6 +602,13 @@ class EngineCoreProc:
             pass
         finally:
             sock.close(linger=0)
+
+    def _preprocess_add_request(self, request: EngineCoreRequest) -> Request | EngineCoreOutput:
+        """In the input thread: the core's Request (its prompt blocks hashed), or the rejection to send."""
+        try:
+            return self.core.preprocess_add_request(request)
+        except ValueError as exc:
+            return EngineCoreOutput(request.request_id, [], "rejected", str(exc))
 
     def _process_output_socket(self, address: str) -> None:
         sock = self._ctx.socket(zmq.PUSH)

@@ -2,7 +2,8 @@
 
 Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`. Two clients, as vLLM has:
 
-- `InprocClient`: the core in the caller's thread; `get_output()` runs one `step()`. LLMEngine (offline:
+- `InprocClient`: the core in the caller's thread; `add_request` builds the Request (hashing its prompt
+  blocks) and queues it at once, `get_output()` runs one `step()`. LLMEngine (offline:
   `generate`, `bench-engine`) uses it, as vLLM's LLMEngine does without multiprocessing.
 - `MPClient`: the core behind two ZMQ sockets (msgpack through msgspec, vLLM's transport): add / abort /
   utility calls go out on a PUSH socket, EngineCoreOutputs come back on a PULL socket. `launch_process`
@@ -61,8 +62,12 @@ class InprocClient:
         self.core = core
 
     def add_request(self, request: EngineCoreRequest) -> Request:
-        """Queue a request in the core; the core's Request. Raises ValueError when the core refuses it."""
-        return self.core.add_request(request)
+        """Build the core's Request (hashing its prompt blocks) and queue it; the Request.
+
+        Raises ValueError when the core refuses it."""
+        engine_request = self.core.preprocess_add_request(request)
+        self.core.add_request(engine_request)
+        return engine_request
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort requests and free their blocks now."""

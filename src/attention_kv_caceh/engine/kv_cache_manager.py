@@ -10,7 +10,9 @@ model runner owns the K/V buffers.
 
 Prefix caching. A full block is registered under its chained hash (see block_pool) once its K/V have been
 computed (`cache_full_blocks`, called after each step). At admission, `get_computed_blocks` walks the
-request's full-block hashes and returns the longest run found in the pool. The hit never covers the last
+request's full-block hashes and returns the longest run found in the pool. The hashes are the request's
+own (`request.block_hashes`, computed when the core built it, see block_pool.get_request_block_hasher);
+this module hashes only requests built without a block hasher. The hit never covers the last
 token of the request: that token must still be computed to produce the logits of the next one, so at most
 (num_tokens - 1) // block_size blocks can hit.
 """
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .block_pool import BlockPool, KVCacheBlock, hash_block_tokens
+from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
 from .request import Request
 
 __all__ = ["KVCacheManager", "cdiv"]
@@ -51,7 +53,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
-        self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already hashed
+        self._num_cached_blocks: dict[str, int] = {}  # request_id -> leading blocks already registered
+        self._block_hasher = get_request_block_hasher(block_size)
 
     @property
     def num_blocks(self) -> int:
@@ -73,20 +76,19 @@ class KVCacheManager:
         return cdiv(num_tokens, self.block_size)
 
     def _update_block_hashes(self, request: Request) -> None:
-        """Extend request.block_hashes to cover every full block of its current tokens."""
-        bs = self.block_size
-        num_full = request.num_tokens // bs
-        if len(request.block_hashes) >= num_full:
-            return
-        tokens = request.all_token_ids
-        for i in range(len(request.block_hashes), num_full):
-            parent = request.block_hashes[i - 1] if i > 0 else None
-            request.block_hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs]))
+        """Make request.block_hashes cover every full block of its tokens.
+
+        A request built with a block hasher (as EngineCore builds them) is already covered: this is a
+        length check. One built without (a Request made directly) is hashed here, once per block.
+        """
+        if len(request.block_hashes) < request.num_tokens // self.block_size:
+            request.block_hashes.extend(self._block_hasher(request))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request in full blocks, and its length in tokens.
 
-        Returns ([], 0) with prefix caching off, and for a request that asks for prompt logprobs. Never covers the request's last token. Does not take the
+        Returns ([], 0) with prefix caching off, and for a request that asks for prompt logprobs. Never
+        covers the request's last token. Does not take the
         blocks (allocate_slots does) and does not count queries (record_prefix_cache_lookup does, at
         admission, so a request that waits several steps is counted once).
         """

@@ -16,14 +16,19 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+# A request's block hasher (see block_pool.get_request_block_hasher): the hashes of the full blocks of
+# request.all_token_ids that request.block_hashes does not cover yet.
+BlockHasher = Callable[["Request"], list[bytes]]
+
 __all__ = [
     "SAMPLING_EPS",
+    "BlockHasher",
     "Request",
     "RequestStatus",
     "SamplingParams",
@@ -224,7 +229,11 @@ class Request:
         num_computed_tokens: tokens of `all_token_ids` whose K/V are in the cache.
         output_token_ids: sampled tokens so far.
         block_ids: the block table: block_ids[i] holds positions [i*block_size, (i+1)*block_size).
-        block_hashes: prefix-cache hashes of the full blocks of all_token_ids, extended as tokens come.
+        block_hashes: prefix-cache hashes of the full blocks of all_token_ids. With a block_hasher they
+            cover every full block of the prompt from construction on and are extended by
+            append_output_token as each block fills (vLLM's Request does the same); without one they
+            stay empty until the KV cache manager fills them.
+        block_hasher: the BlockHasher given at construction, or None (prefix caching off).
         num_cached_tokens: prompt tokens served by a prefix-cache hit at the latest admission (sent
             to the front end with each output; FinishedRequestStats carries it).
         num_preemptions: times this request was preempted (sent likewise).
@@ -244,6 +253,7 @@ class Request:
         prompt_token_ids: list[int],
         sampling_params: SamplingParams,
         eos_token_id: int | None = None,
+        block_hasher: BlockHasher | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
@@ -263,6 +273,9 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.generator = np.random.default_rng(sampling_params.seed)
+        self.block_hasher = block_hasher
+        if block_hasher is not None:
+            self.block_hashes.extend(block_hasher(self))
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -297,8 +310,10 @@ class Request:
         )
 
     def append_output_token(self, token_id: int) -> None:
-        """Record a sampled token."""
+        """Record a sampled token; with a block_hasher, hash the block it completes."""
         self.output_token_ids.append(token_id)
+        if self.block_hasher is not None:
+            self.block_hashes.extend(self.block_hasher(self))
 
     def __repr__(self) -> str:
         return (
