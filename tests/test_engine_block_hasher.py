@@ -1,26 +1,35 @@
 """A request's prefix-cache block hashes are computed when the request is built, not inside step().
 
 Oracle: the chained hash recomputed over the request's current tokens (`_recompute`), block by block with
-`hash_block_tokens`. Calls to `hash_block_tokens` are counted (and their threads recorded) by patching it
-in block_pool, where the block hasher looks it up.
+the formula block_pool documents (sha256 of the parent hash and the block's int64 token ids), and checked
+against `hash_block_tokens`. Calls to `hash_block_bytes` are counted (and their threads recorded) by
+patching it in block_pool, where the block hasher looks it up.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import unittest
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from unittest import mock
 
+import numpy as np
+
 from attention_kv_caceh.engine import block_pool
-from attention_kv_caceh.engine.block_pool import BlockHash, get_request_block_hasher, hash_block_tokens
+from attention_kv_caceh.engine.block_pool import (
+    BlockHash,
+    get_request_block_hasher,
+    hash_block_bytes,
+    hash_block_tokens,
+)
 from attention_kv_caceh.engine.core import EngineCoreRequest
 from attention_kv_caceh.engine.core_client import MPClient
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from tests.engine_fakes import assert_all_blocks_free, make_engine, make_text_core, reference_generate
 
-_real_hash = hash_block_tokens
+_real_hash_bytes = hash_block_bytes
 
 
 def _recompute(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
@@ -28,23 +37,25 @@ def _recompute(token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
     hashes: list[BlockHash] = []
     parent: BlockHash | None = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = _real_hash(parent, token_ids[start : start + block_size])
+        h = hashlib.sha256(parent or b"")  # the documented formula, written out
+        h.update(np.asarray(token_ids[start : start + block_size], dtype=np.int64).tobytes())
+        parent = h.digest()
         hashes.append(parent)
     return hashes
 
 
 @contextmanager
 def _counting_hash() -> Iterator[list[str]]:
-    """Patch block_pool.hash_block_tokens; yields the names of the threads that called it, one per call."""
+    """Patch block_pool.hash_block_bytes; yields the names of the threads that called it, one per call."""
     calls: list[str] = []
     lock = threading.Lock()
 
-    def counted(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    def counted(parent: BlockHash | None, token_bytes: bytes | memoryview) -> BlockHash:
         with lock:
             calls.append(threading.current_thread().name)
-        return _real_hash(parent, token_ids)
+        return _real_hash_bytes(parent, token_bytes)
 
-    with mock.patch.object(block_pool, "hash_block_tokens", counted):
+    with mock.patch.object(block_pool, "hash_block_bytes", counted):
         yield calls
 
 
@@ -73,6 +84,12 @@ class RequestBlockHasherTest(unittest.TestCase):
             req = Request("r", list(range(1, 20)), SamplingParams())
             req.append_output_token(3)
         self.assertEqual((req.block_hashes, calls), ([], []))
+
+    def test_oracle_agrees_with_hash_block_tokens(self) -> None:
+        tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5]
+        want = [hash_block_tokens(None, tokens[:4])]
+        want.append(hash_block_tokens(want[0], tokens[4:8]))
+        self.assertEqual(_recompute(tokens, 4), want)
 
     def test_block_size_below_one_is_refused(self) -> None:
         with self.assertRaises(ValueError):

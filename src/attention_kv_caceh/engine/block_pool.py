@@ -32,15 +32,27 @@ import numpy as np
 if TYPE_CHECKING:
     from .request import BlockHasher, Request
 
-__all__ = ["BlockHash", "BlockPool", "KVCacheBlock", "get_request_block_hasher", "hash_block_tokens"]
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "KVCacheBlock",
+    "get_request_block_hasher",
+    "hash_block_bytes",
+    "hash_block_tokens",
+]
 
 BlockHash = bytes
 
 
 def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
     """sha256 digest (32 bytes) of the parent block's hash (empty for the first block) and the token ids."""
+    return hash_block_bytes(parent_hash, np.asarray(token_ids, dtype=np.int64).tobytes())
+
+
+def hash_block_bytes(parent_hash: BlockHash | None, token_bytes: bytes | memoryview) -> BlockHash:
+    """hash_block_tokens over the block's token ids already laid out as int64 bytes (native order)."""
     h = hashlib.sha256(parent_hash or b"")
-    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(token_bytes)
     return h.digest()
 
 
@@ -68,10 +80,14 @@ def get_request_block_hasher(block_size: int) -> BlockHasher:
         lo, hi = start * block_size, num_full * block_size
         n = len(prompt)
         tokens = prompt[lo:hi] if hi <= n else prompt[lo:] + output[max(lo - n, 0) : hi - n]
+        # One int64 conversion for all new blocks, then one sha256 per block over its slice of the bytes
+        # (a conversion per block costs more than its hash, and a long prompt has tens of thousands).
+        data = memoryview(np.asarray(tokens, dtype=np.int64).tobytes())
+        stride = block_size * 8
         parent = request.block_hashes[-1] if start > 0 else None
         hashes: list[BlockHash] = []
-        for i in range(0, len(tokens), block_size):
-            parent = hash_block_tokens(parent, tokens[i : i + block_size])
+        for offset in range(0, len(data), stride):
+            parent = hash_block_bytes(parent, data[offset : offset + stride])
             hashes.append(parent)
         return hashes
 
