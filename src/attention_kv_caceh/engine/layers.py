@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -214,10 +214,10 @@ def compiled_rotary(src: FloatArray, start: int, heads: int, cos: FloatArray, si
     return out
 
 
-def prepare_compiled_layers(dtype: Any) -> float:
+def prepare_compiled_layers(dtype: np.dtype[Any]) -> float:
     """Compile (or load from Numba's disk cache) the compiled layers for `dtype` now; returns seconds."""
     start = time.perf_counter()
-    x: FloatArray = np.ones((1, 4), dtype=dtype)  # [1, C]
+    x = cast(FloatArray, np.ones((1, 4), dtype=dtype))  # [1, C]
     compiled_rms_norm(x, x[0], 1e-6)
     compiled_silu_and_mul(x)
     compiled_rotary(x, 0, 1, x, x)
