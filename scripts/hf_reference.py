@@ -16,6 +16,11 @@ engine against transformers, in an environment that has both (e.g. `pip install 
     python scripts/hf_reference.py bench --model DIR --batch-sizes 1,4,16,32 --prompt-len 128 --max-tokens 128
 
 Compare the token ids of step 2 with `attention-kv-caceh generate --model DIR --output OUT.jsonl`.
+All of it at once, for 3 architectures x 2 checkpoint dtypes x 4 prompts (the engine run through
+`uv run attention-kv-caceh generate` in this repository; prints each disagreement and "N of 24 equal",
+exit status 1 when any differ):
+
+    python scripts/hf_reference.py agree --tokenizer-from models/small-llama --work /tmp/hf-agree
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -133,6 +139,85 @@ def bench(args: argparse.Namespace) -> None:
         sys.stdout.flush()
 
 
+AGREE_PROMPTS = ("the cache", "attention over a KV cache is", "Once upon a time", "1 2 3 4")
+
+
+def agree(args: argparse.Namespace) -> None:
+    """transformers' greedy tokens against the engine's, per architecture and checkpoint dtype."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    prompts = work / "prompts.txt"
+    prompts.write_text("\n".join(AGREE_PROMPTS) + "\n")
+    repo = Path(__file__).resolve().parent.parent
+    equal = total = 0
+    for arch in sorted(ARCHS):
+        for dtype in ("float32", "bfloat16"):
+            ckpt = work / f"{arch}-{dtype}"
+            if not (ckpt / "config.json").exists():
+                write(
+                    argparse.Namespace(
+                        out=ckpt, arch=arch, dtype=dtype, tokenizer_from=args.tokenizer_from, seed=0, std=0.1
+                    )
+                )
+            hf_out, engine_out = work / f"{arch}-{dtype}.hf.jsonl", work / f"{arch}-{dtype}.engine.jsonl"
+            generate(
+                argparse.Namespace(
+                    model=str(ckpt),
+                    prompt=None,
+                    prompts_file=str(prompts),
+                    max_tokens=args.max_tokens,
+                    ignore_eos=True,
+                    out=hf_out,
+                )
+            )
+            engine = subprocess.run(
+                [
+                    "uv",
+                    "run",
+                    "attention-kv-caceh",
+                    "generate",
+                    "--model",
+                    str(ckpt),
+                    "--prompts-file",
+                    str(prompts),
+                    "--max-tokens",
+                    str(args.max_tokens),
+                    "--ignore-eos",
+                    "--output",
+                    str(engine_out),
+                    *args.engine_arg,
+                ],
+                cwd=repo,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            path = next(
+                (
+                    line
+                    for line in (engine.stdout + engine.stderr).splitlines()
+                    if line.startswith("GEMM path")
+                ),
+                "",
+            )
+            for a, b in zip(_read_jsonl(hf_out), _read_jsonl(engine_out), strict=True):
+                total += 1
+                same = a["prompt_token_ids"] == b["prompt_token_ids"] and a["token_ids"] == b["token_ids"]
+                equal += same
+                if not same:
+                    print(
+                        f"{arch} {dtype} prompt {a['index']}: transformers {a['token_ids']} "
+                        f"engine {b['token_ids']}"
+                    )
+            print(f"{arch} {dtype}: engine {path or '(no GEMM path line)'}")
+    print(f"{equal} of {total} equal")
+    sys.exit(0 if equal == total else 1)
+
+
+def _read_jsonl(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -156,8 +241,15 @@ def main() -> None:
     b.add_argument("--prompt-len", type=int, default=128)
     b.add_argument("--max-tokens", type=int, default=128)
     b.add_argument("--threads", type=int, default=1)
+    a = sub.add_parser("agree")
+    a.add_argument("--tokenizer-from", required=True)
+    a.add_argument("--work", required=True)
+    a.add_argument("--max-tokens", type=int, default=16)
+    a.add_argument(
+        "--engine-arg", action="append", default=[], help="extra argument for the engine's generate"
+    )
     args = p.parse_args()
-    {"write": write, "generate": generate, "bench": bench}[args.cmd](args)
+    {"write": write, "generate": generate, "bench": bench, "agree": agree}[args.cmd](args)
 
 
 if __name__ == "__main__":
