@@ -280,6 +280,9 @@ class TestCompiledLayers(unittest.TestCase):
                 want = silu_and_mul(gate_up.astype(np.float64))
                 self.assertEqual((got.shape, got.dtype), ((n, 40), np.dtype(dtype)))
                 np.testing.assert_allclose(got, want, rtol=4 * rtol, atol=rtol)
+                padded = np.zeros((n, 2 * 40 + 16), dtype=dtype)  # as `linear` returns a padded output
+                padded[:, :80] = gate_up
+                np.testing.assert_array_equal(compiled_silu_and_mul(padded[:, :80]), got)
                 # q and k heads inside a fused [N, (H + 2 H_kv) D] qkv row, as the model passes them.
                 h, h_kv, d = 3, 1, 8
                 qkv = rng.standard_normal((n, (h + 2 * h_kv) * d)).astype(dtype)

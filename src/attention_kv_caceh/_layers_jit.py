@@ -32,7 +32,7 @@ _JIT = {
 
 @numba.njit(**_JIT)
 def rms_norm_rows(x, weight, eps, out):
-    """out[n] = x[n] / sqrt(mean(x[n]^2) + eps) * weight: x, out `[N, C]` C-contiguous, weight `[C]`.
+    """out[n] = x[n] / sqrt(mean(x[n]^2) + eps) * weight: x, out `[N, C]`, weight `[C]`.
 
     The mean of squares and 1 / sqrt are float64 (rounded once into out's dtype).
     """
@@ -50,7 +50,7 @@ def rms_norm_rows(x, weight, eps, out):
 
 @numba.njit(**_JIT)
 def silu_and_mul_rows(gate_up, out):
-    """out = silu(gate) * up for gate_up = [gate | up] `[N, 2I]` -> out `[N, I]`, both C-contiguous.
+    """out = silu(gate) * up for gate_up = [gate | up] `[N, 2I]` -> out `[N, I]`.
 
     silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, where
     e = exp(-|g|) <= 1, so no exp overflows (float32: `_kernels_jit._exp_f32`, about 1 ulp).

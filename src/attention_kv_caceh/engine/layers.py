@@ -180,7 +180,8 @@ def silu_and_mul(gate_up: FloatArray) -> FloatArray:
 
 
 def compiled_rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
-    """`rms_norm` for a C-contiguous x `[N, C]` (float32 or float64), one compiled pass per row.
+    """`rms_norm` for x `[N, C]` (float32 or float64; any strides, C-contiguous rows vectorise), one
+    compiled pass per row.
 
     The mean of squares and the reciprocal square root are taken in float64, then each output is
     rounded once to x's dtype, so it agrees with `rms_norm` to about one unit in the last place.
@@ -191,7 +192,8 @@ def compiled_rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArr
 
 
 def compiled_silu_and_mul(gate_up: FloatArray) -> FloatArray:
-    """`silu_and_mul` for a C-contiguous gate_up `[N, 2I]` -> `[N, I]`, one compiled pass per row.
+    """`silu_and_mul` for gate_up `[N, 2I]` (any strides, as `linear` may return a view) -> `[N, I]`,
+    one compiled pass per row.
 
     sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows); float32
     uses a vectorised exp of about one ulp (`_kernels_jit._exp_f32`), so it agrees with `silu_and_mul`
@@ -203,8 +205,8 @@ def compiled_silu_and_mul(gate_up: FloatArray) -> FloatArray:
 
 
 def compiled_rotary(src: FloatArray, start: int, heads: int, cos: FloatArray, sin: FloatArray) -> FloatArray:
-    """`apply_rotary` of the heads stored in columns start .. start + heads D of a C-contiguous
-    src `[N, W]` (q or k inside the fused qkv projection's output), into a new C-contiguous `[N, heads, D]`.
+    """`apply_rotary` of the heads stored in columns start .. start + heads D of src `[N, W]` (q or k
+    inside the fused qkv projection's output; any strides), into a new C-contiguous `[N, heads, D]`.
 
     cos and sin `[N, D]` as `rope_cos_sin` gives them. The same products and sums as `apply_rotary`.
     """
