@@ -29,6 +29,7 @@ class BenchEngineCommandTest(EngineCommandCase):
             self.assertAlmostEqual(r["attention_share"], r["attention_ms"] / r["decode_step_ms_p50"])
             self.assertAlmostEqual(r["fma_ratio"], r["linear_gflop_per_s"] / r["fma_gflop_per_s"])
             self.assertIn(r["gemm_path"], ("packed", "numpy"))
+            self.assertGreater(r["core_step_cpu_ms_p50"], 0)
         gain = rows[1]["output_tokens_per_s"] / rows[0]["output_tokens_per_s"]
         self.assertIn(f"batching gain: {gain:.2f}x", out)
         last = json.loads(out.strip().splitlines()[-1])
@@ -103,3 +104,43 @@ class BenchEngineCommandTest(EngineCommandCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class BenchEngineSamplingTest(EngineCommandCase):
+    def outputs(self, *flags: str) -> tuple[list[list[list[int]]], str]:
+        """Every (solo, batched) run's output token ids of one bench-engine command, and its stdout."""
+        from attention_kv_caceh.engine import benchmark
+
+        runs: list[list[list[int]]] = []
+        real = benchmark._run  # pyright: ignore[reportPrivateUsage]
+
+        def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+            result = real(*args, **kwargs)
+            runs.append(result[0])
+            return result
+
+        with mock.patch.object(benchmark, "_run", recording):
+            code, out, err = quietly(
+                [
+                    *("bench-engine", "--model", str(self.model), "--max-num-seqs", "3"),
+                    *("--prompt-len", "5", "--output-len", "12", *flags),
+                ]
+            )
+        self.assertEqual(code, 0, err)
+        return runs, out
+
+    def test_a_seeded_temperature_run_is_reproducible_and_differs_from_greedy(self) -> None:
+        first, out = self.outputs("--temperature", "1.5", "--seed", "7")
+        self.assertIn("temperature 1.5, seed 7", out.splitlines()[0])
+        again, _ = self.outputs("--temperature", "1.5", "--seed", "7")
+        self.assertEqual(first, again)  # same seed, same prompts and draws: same tokens
+        greedy, out = self.outputs("--seed", "7")  # the same prompts, argmax
+        self.assertIn("greedy (temperature 0), seed 7", out.splitlines()[0])
+        self.assertNotEqual(first[1], greedy[1])  # the batched run sampled
+        self.assertEqual([len(o) for o in first[1]], [12, 12, 12])
+
+    def test_a_negative_temperature_exits_2_naming_it(self) -> None:
+        code, out, err = quietly(["bench-engine", "--model", str(self.model), "--temperature", "-1"])
+        self.assertEqual((code, out), (2, ""))
+        self.assertEqual(len(err.splitlines()), 1, err)
+        self.assertIn("--temperature", err)

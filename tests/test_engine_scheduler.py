@@ -347,6 +347,8 @@ class StepStatsTest(unittest.TestCase):
         self.assertAlmostEqual(s[0].kv_cache_usage, 0.2)
         self.assertEqual(s[-1].num_free_blocks, 10)
         self.assertTrue(all(x.step_time_ms >= 0 for x in s))
+        # one thread's CPU time cannot exceed the wall time around it (1 us of clock granularity)
+        self.assertTrue(all(0 <= x.step_cpu_ms <= x.step_time_ms + 1e-3 for x in s), s)
 
     def test_step_stats_keep_only_the_newest_max_step_stats_with_indices_counting_on(self) -> None:
         engine, runner = make_engine(num_blocks=10)

@@ -134,6 +134,8 @@ class HarnessEngineProcessTest(unittest.TestCase):
             steps = server["engine_steps"]  # the engine's own StepStats, read before the stop
             self.assertIn(steps["max_num_running"], (1, 2))  # never above max_num_seqs
             self.assertGreater(steps["count_decode_step_time"], 0)
+            self.assertEqual(steps["count_decode_step_cpu_time"], steps["count_decode_step_time"])
+            self.assertGreater(steps["median_decode_step_cpu_time_ms"], 0)  # a step does work
         self.assertEqual(summary["completed"], 4)
         self.assertEqual(summary["prompt_lengths"], "exact")  # the checkpoint's own tokenizer
 
@@ -150,7 +152,16 @@ class HarnessEngineProcessTest(unittest.TestCase):
         out.mkdir()
         stdout, err = ClosedAtSummary(), io.StringIO()
         argv = ["harness", "--backend", "engine", "--model", str(self.model), "--num-requests", "6"]
-        argv += ["--output-len", "8", "--prompt-len", "8", "--jsonl", str(out / "r.jsonl")]
+        argv += [
+            "--output-len",
+            "8",
+            "--prompt-len",
+            "8",
+            "--jsonl",
+            str(out / "r.jsonl"),
+            "--temperature",
+            "0",
+        ]
         with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(err):
             code = main(argv)
         self.assertEqual((code, err.getvalue()), (1, ""))

@@ -32,6 +32,7 @@ from attention_kv_caceh.harness.scripted_server import scripted_server_process
 from attention_kv_caceh.memory import memory_budget_bytes
 
 FAST = ["--prefill-ms", "5", "--per-token-ms", "2", "--output-len", "4"]
+GREEDY = ["--temperature", "0"]  # an HTTP run without it prints a warning line first
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -244,6 +245,7 @@ class CliTest(unittest.TestCase):
                 "m",
                 "--num-requests",
                 "3",
+                *GREEDY,
             ]
         )
         self.assertEqual(code, 1)
@@ -260,7 +262,16 @@ class CliTest(unittest.TestCase):
         for model in (["--model", "m"], []):  # smoke test; model discovery (GET /v1/models)
             with self.subTest(model=model):
                 code, _, err = quietly(
-                    ["--backend", "openai-completions", "--base-url", url, *model, "--jsonl", str(jsonl)]
+                    [
+                        "--backend",
+                        "openai-completions",
+                        "--base-url",
+                        url,
+                        *model,
+                        "--jsonl",
+                        str(jsonl),
+                        *GREEDY,
+                    ]
                 )
                 self.assertEqual(code, 1)
                 self.assertEqual(len(err.splitlines()), 1, err)
@@ -288,7 +299,7 @@ class CliTest(unittest.TestCase):
         thread.start()
         try:
             url = f"http://127.0.0.1:{server.server_address[1]}"
-            code, _, err = quietly(["--backend", "openai-chat", "--base-url", url])
+            code, _, err = quietly(["--backend", "openai-chat", "--base-url", url, *GREEDY])
         finally:
             server.shutdown()
             server.server_close()

@@ -336,7 +336,7 @@ class ContextLengthCliTest(unittest.TestCase):
                 "100",
             ]
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-                code = cli.main([*argv, "--server-metrics-interval", "0"])
+                code = cli.main([*argv, "--server-metrics-interval", "0", "--temperature", "0"])
         finally:
             loop, done = stop[0]
             loop.call_soon_threadsafe(done.set)

@@ -1,7 +1,8 @@
 """`attention-kv-caceh bench-engine`: output tokens/s and decode step time of the engine at several max_num_seqs.
 
-Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, greedy, ignore_eos, all requests
-submitted at once, as vLLM's offline throughput benchmark does) and prints one row per max_num_seqs:
+Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, ignore_eos, all requests
+submitted at once, as vLLM's offline throughput benchmark does; greedy unless --temperature is above 0,
+then every request samples with its own generator seeded with --seed) and prints one row per max_num_seqs:
 output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what a shared machine's
 other processes do not change), the bytes one decode step reads (every weight once plus
 the KV cache of every running request) and that rate against the same run's read probe, then the
@@ -10,7 +11,7 @@ FMA probe, and the GEMM path they took (the line above the table says why). The 
 batching gain: output tokens/s at the largest max_num_seqs over the smallest. Then one more line,
 a JSON object for scripts (they read it; keep its shape): `{"max_num_seqs": [...],
 "output_tokens_per_s": [...]}`, one value per row in the table's order. Before anything is timed,
-request 0 run alone must give the same greedy tokens as in the batch (its first min(4, --output-len)
+request 0 run alone must give the same tokens as in the batch (its first min(4, --output-len)
 tokens; exit 1 otherwise).
 """
 
@@ -26,6 +27,7 @@ from attention_kv_caceh.cli.common import (
     CommandFailed,
     UsageError,
     check_outputs,
+    nonnegative_float,
     nonnegative_int,
     positive_int,
     warn_if_blas_unpinned,
@@ -48,7 +50,8 @@ def _at_least_two(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --gemm, --seed, --json,
+    """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --gemm, --temperature,
+    --seed, --json,
     and the engine flags --max-num-batched-tokens, --block-size, --dtype."""
     parser.add_argument(
         "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
@@ -74,7 +77,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="linear layers: auto (packed for float32 on a CPU with AVX-512F, else numpy), packed "
         "(compiled kernel over weights packed at load, float32 only) or numpy (x @ W.T)",
     )
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random prompts")
+    parser.add_argument(
+        "--temperature",
+        metavar="T",
+        type=nonnegative_float,
+        default=0.0,
+        help="sampling temperature of every request; 0 is greedy (a serve request without temperature "
+        "samples at 1.0)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=nonnegative_int,
+        default=0,
+        help="seed of the random prompts and of every request's sampling generator",
+    )
     parser.add_argument(
         "--json",
         default=None,
@@ -146,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
     sizes = sorted(set(args.max_num_seqs))
     print(
         f"engine benchmark: {args.model}, {args.prompt_len} prompt + {args.output_len} output tokens "
-        f"per request, max_num_seqs {sizes}, {args.dtype}",
+        f"per request, max_num_seqs {sizes}, {args.dtype}, "
+        + ("greedy (temperature 0)" if args.temperature == 0 else f"temperature {args.temperature}")
+        + f", seed {args.seed}",
         flush=True,
     )
     print(resolve_gemm_path(args.gemm, args.dtype)[1], flush=True)
@@ -161,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             gemm=args.gemm,
+            temperature=args.temperature,
         )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None

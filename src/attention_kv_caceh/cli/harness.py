@@ -48,10 +48,19 @@ from attention_kv_caceh.harness.run import (
     RunResult,
     run_harness,
 )
+from attention_kv_caceh.harness.sampling import SamplingOptions
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
 from attention_kv_caceh.harness.workloads import WORKLOADS, Workload
 
-__all__ = ["HELP", "add_arguments", "config_from_args", "format_summary", "run"]
+__all__ = [
+    "HELP",
+    "add_arguments",
+    "add_sampling_arguments",
+    "config_from_args",
+    "format_summary",
+    "run",
+    "warn_server_temperature",
+]
 
 HELP = (
     "streaming serving harness: TTFT, ITL, TPOT, E2EL per request "
@@ -194,6 +203,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         help=f"unrecorded requests before the run (same concurrency limit), at most {MAX_REQUESTS} "
         "(default: %(default)s)",
     )
+    add_sampling_arguments(parser)
     g = parser.add_argument_group("simulated backend")
     g.add_argument(
         "--server-slots", type=int, default=8, help="simulated server batch slots (default: %(default)s)"
@@ -243,6 +253,33 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     harness_engine.add_arguments(parser)
 
 
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare the sampling flags (vLLM's `bench serve` names; None when not given, and then not sent)."""
+    g = parser.add_argument_group(
+        "sampling (HTTP backends: each field is sent in every request body only when given; the server's "
+        "defaults decide the rest, temperature 1.0 on vLLM and on serve)"
+    )
+    not_sent = "(default: not sent)"
+    g.add_argument("--temperature", type=float, default=None, help=f"0 is greedy; >= 0 {not_sent}")
+    g.add_argument("--top-p", type=float, default=None, help=f"nucleus mass in (0, 1] {not_sent}")
+    g.add_argument(
+        "--top-k", type=int, default=None, help=f"keep the k most probable; -1 or 0: off {not_sent}"
+    )
+    g.add_argument("--frequency-penalty", type=float, default=None, help=f"OpenAI's, in [-2, 2] {not_sent}")
+    g.add_argument("--presence-penalty", type=float, default=None, help=f"OpenAI's, in [-2, 2] {not_sent}")
+    g.add_argument("--repetition-penalty", type=float, default=None, help=f"vLLM's, > 0 (1: off) {not_sent}")
+
+
+def warn_server_temperature(config: HarnessConfig) -> None:
+    """One line on stderr, as vLLM's `bench serve` prints, when an HTTP run gives no --temperature."""
+    if config.backend != "simulated" and config.sampling.temperature is None:
+        print(
+            "warning: no --temperature given: the server's default decides (1.0 on vLLM and serve, a random "
+            "draw per token); pass --temperature 0 for greedy",
+            file=sys.stderr,
+        )
+
+
 def config_from_args(args: argparse.Namespace) -> HarnessConfig:
     """Build and validate the HarnessConfig. Raises UsageError naming the offending value."""
     try:
@@ -280,6 +317,14 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         tokenizer=args.tokenizer or (args.model if engine else None),
         dataset=args.dataset,
         workload=Workload(args.workload, args.num_prefixes, args.prefix_len, args.turns),
+        sampling=SamplingOptions(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            frequency_penalty=args.frequency_penalty,
+            presence_penalty=args.presence_penalty,
+            repetition_penalty=args.repetition_penalty,
+        ),
     )
     if engine:
         harness_engine.check_context(args, config)
@@ -330,6 +375,7 @@ def run(args: argparse.Namespace) -> int:
     --backend engine checkpoint's context included."""
     config = config_from_args(args)
     _check_outputs(args)
+    warn_server_temperature(config)
     if args.backend != ENGINE_BACKEND:
         return _run(args, config, None)
     from attention_kv_caceh.harness.engine_server import ServerStartError
@@ -359,7 +405,8 @@ def _run(
         )
         + f"num_requests={config.num_requests} concurrency={config.concurrency} "
         f"request_rate={config.request_rate} prompt_len={config.prompt_len} "
-        f"output_len={config.output_len}",
+        f"output_len={config.output_len}"
+        + "".join(f" {k}={v}" for k, v in config.sampling.body_fields().items()),
         flush=True,
     )
     finished: list[RequestRecord] = []

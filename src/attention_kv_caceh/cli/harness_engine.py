@@ -151,4 +151,5 @@ def format_engine_steps(server: dict[str, Any]) -> str:
         f"engine steps: {steps['num_steps']}   max running: {steps['max_num_running']}   "
         f"max waiting: {steps['max_num_waiting']}   preemptions: {steps['num_preemptions']}   "
         f"step time P50: {ms('median_step_time_ms')}   decode step P50: {ms('median_decode_step_time_ms')}"
+        f" (CPU {ms('median_decode_step_cpu_time_ms')})"
     )

@@ -285,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     if args.slo:
         points = [(args.concurrency[0], r if math.isfinite(r) else 1.0) for r in args.request_rate]
     configs = [_config_at(args, c, r) for c, r in points]  # every point checked before anything starts
+    harness.warn_server_temperature(configs[0])
     out: Path = args.out_dir
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out}: exists and is not a folder")
@@ -312,7 +313,8 @@ def _sweep(
     print(
         f"sweep: backend={args.backend} axis={axis} concurrency={args.concurrency} "
         f"request_rate={args.request_rate} repeats={args.repeats} num_requests={base.num_requests} "
-        f"workload={base.workload.kind} seed={base.seed} out_dir={sweep.out}",
+        f"workload={base.workload.kind} seed={base.seed} out_dir={sweep.out}"
+        + "".join(f" {k}={v}" for k, v in base.sampling.body_fields().items()),
         flush=True,
     )
     doc: dict[str, Any] = {"kind": "serving-sweep", "axis": axis, "config": base.describe()}

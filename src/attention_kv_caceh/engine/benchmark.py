@@ -13,8 +13,8 @@ latest decode step's block tables and context lengths) to give its share. All
 probes are timed between decode steps of the same run, so on a shared machine they see the same load
 as the steps. Nothing here prints; a CLI formats the rows.
 
-Before anything is timed, an oracle: the first request run alone (greedy) must produce the same first
-tokens as in the batched run; otherwise `OracleMismatch` is raised and nothing is reported.
+Before anything is timed, an oracle: the first request run alone (greedy, or sampled with the same seed)
+must produce the same first tokens as in the batched run; otherwise `OracleMismatch` is raised and nothing is reported.
 
 Shape legend: R requests in a decode step, L layers, H_kv KV heads, D head dim, D_model hidden size.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +73,9 @@ class EngineBenchRow:
         decode_step_cpu_ms_p50: median CPU time of the benchmark's thread over those steps (the engine
             steps in it), ms: unlike the wall time, it leaves out the time a shared machine's other
             processes held the core, so its ratios between rows stay comparable under changing load.
+        core_step_cpu_ms_p50: median of those steps' StepStats.step_cpu_ms: the core's step alone,
+            without the output processing decode_step_cpu_ms_p50 holds; what a server's engine steps
+            report as median_decode_step_cpu_time_ms.
         mean_num_seqs: mean requests per pure-decode step.
         mean_context_len: mean context length (positions attended) of a request in those steps.
         weight_bytes_per_decode_step: `decode_weight_bytes` at mean_num_seqs.
@@ -112,6 +115,7 @@ class EngineBenchRow:
     decode_step_ms_p50: float
     decode_step_ms_p95: float
     decode_step_cpu_ms_p50: float
+    core_step_cpu_ms_p50: float
     mean_num_seqs: float
     mean_context_len: float
     weight_bytes_per_decode_step: int
@@ -312,24 +316,27 @@ def run_engine_benchmark(
     probe_every: int = 1,
     detokenize: bool = True,
     gemm: str = "auto",
+    temperature: float = 0.0,
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 
     Each run: a KV pool of exactly the blocks the requests need (no preemption), prefix caching off
     (random prompts share nothing, and the oracle's solo run must not leave request 0 cached); the
-    solo run of request 0 (oracle_tokens greedy tokens, None: min(4, output_len); the solo run also warms
+    solo run of request 0 (oracle_tokens tokens, None: min(4, output_len); the solo run also warms
     the engine up); then all
-    requests (random token ids of prompt_len drawn from `seed`, greedy, ignore_eos,
-    max_tokens=output_len) stepped to completion, with the read probe, the linear-layer replay and the
+    requests (random token ids of prompt_len drawn from `seed`, ignore_eos, max_tokens=output_len,
+    sampled at `temperature` (0: greedy) by each request's own generator seeded with `seed`) stepped to completion, with the read probe, the linear-layer replay and the
     FMA probe timed after every probe_every-th pure-decode step (not counted in the step times or the
     wall time; every step by default, so probes and steps sample the same moments of a shared
     machine's load). With detokenize, requests stream text through the tokenizer as a server's would.
-    gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy").
+    gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"). The oracle holds
+    at any temperature: request 0's generator draws the same numbers alone as in the batch.
 
     Raises:
         ValueError: an empty or non-positive max_num_seqs_list, prompt_len < 1, output_len < 2 (no
             decode step), max_num_batched_tokens below a max_num_seqs (it is used as given: a prompt
-            longer than it is prefilled in chunks), oracle_tokens outside 1 .. output_len, probe_every < 1, or
+            longer than it is prefilled in chunks), oracle_tokens outside 1 .. output_len, probe_every < 1,
+            a temperature SamplingParams refuses (not finite or < 0), or
             prompt_len + output_len beyond the model's max_position_embeddings, a gemm `Model`
             refuses; CheckpointError from loading.
         OracleMismatch: request 0's first tokens in a batched run differ from its solo run.
@@ -350,6 +357,7 @@ def run_engine_benchmark(
         raise ValueError(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
+    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed)
     model = Model.load(model_dir, dtype, gemm)
     max_model_len = prompt_len + output_len
     if max_model_len > model.config.max_position_embeddings:
@@ -373,7 +381,7 @@ def run_engine_benchmark(
         )
         prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, prompt_len)).tolist()
         engine = _engine(model, tokenizer, config)
-        solo, _, _ = _run(engine, prompts[:1], SamplingParams(max_tokens=oracle_tokens, ignore_eos=True))
+        solo, _, _ = _run(engine, prompts[:1], replace(sampling, max_tokens=oracle_tokens))
         stats_start = engine.num_steps
         runner = engine.model_runner
         assert isinstance(runner, _RecordingRunner)
@@ -389,9 +397,7 @@ def run_engine_benchmark(
         replay = _linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
         replay()  # the same: first touches outside any timing
         probes = _Probes(probe, replay, _attention_replay(model, runner.runner, seed))
-        outputs, total_s, cpu_ms = _run(
-            engine, prompts, SamplingParams(max_tokens=output_len, ignore_eos=True), probes, probe_every
-        )
+        outputs, total_s, cpu_ms = _run(engine, prompts, sampling, probes, probe_every)
         if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
             probes()
         probe_bytes = probe.nbytes
@@ -432,6 +438,7 @@ def run_engine_benchmark(
                 decode_step_ms_p50=summary["p50_ms"],
                 decode_step_ms_p95=summary["p95_ms"],
                 decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
+                core_step_cpu_ms_p50=summarize_samples([s.step_cpu_ms for s in stats])["p50_ms"],
                 mean_num_seqs=mean_seqs,
                 mean_context_len=mean_positions / mean_seqs,
                 weight_bytes_per_decode_step=round(weight_bytes),
@@ -458,5 +465,7 @@ def run_engine_benchmark(
         "architecture": model.config.architecture,
         "gemm_path": model.gemm_path,
         "gemm_note": model.gemm_note,
+        "temperature": temperature,
+        "seed": seed,
     }
     return EngineBenchResult(tuple(rows), environment)

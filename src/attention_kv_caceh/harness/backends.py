@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
 from typing import Any, Literal, Protocol
@@ -193,6 +193,8 @@ class OpenAIBackend:
     event (beyond it the request fails as `event_too_large`). The aiohttp session is
     shared by all requests and owned by the caller. With `keep_answers`, `answers[request_id]` is the
     text each request streamed (`answer_text.AnswerText`), for a multi-turn workload's next turn.
+    `sampling`: fields added to every body as given (e.g. {"temperature": 0.0}; `sampling.SamplingOptions`
+    checks them); none by default, so the server's defaults decide.
     """
 
     def __init__(
@@ -207,6 +209,7 @@ class OpenAIBackend:
         ignore_eos: bool = False,
         max_event_bytes: int = MAX_EVENT_BYTES,
         keep_answers: bool = False,
+        sampling: Mapping[str, Any] | None = None,
     ) -> None:
         if not timeout_s > 0:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
@@ -221,6 +224,7 @@ class OpenAIBackend:
         self.ignore_eos = ignore_eos
         self.max_event_bytes = max_event_bytes
         self.keep_answers = keep_answers
+        self.sampling = dict(sampling or {})
         self.answers: dict[int, str] = {}
         self._bodies: dict[int, tuple[RequestSpec, bytes]] = {}  # request_id -> (spec, its JSON body)
 
@@ -253,7 +257,8 @@ class OpenAIBackend:
         return sum(await asyncio.gather(*(one() for _ in range(n))))
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
-        """The JSON body of one streamed request."""
+        """The JSON body of one streamed request: the prompt or messages, the output length, the
+        sampling fields given (`sampling`) and `ignore_eos` when asked for."""
         body: dict[str, Any] = {
             "model": self.model,
             "stream": True,
@@ -266,6 +271,7 @@ class OpenAIBackend:
             pairs = spec.messages if spec.messages is not None else (("user", spec.prompt),)
             body["messages"] = [{"role": role, "content": content} for role, content in pairs]
             body["max_completion_tokens"] = spec.output_tokens
+        body.update(self.sampling)
         if self.ignore_eos:
             body["ignore_eos"] = True
         return body

@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.sampling import SamplingOptions
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
 from attention_kv_caceh.harness.workloads import Workload, read_conversations
 from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
@@ -80,12 +81,18 @@ class HarnessConfig:
     tokenizer: str | None = None
     dataset: str | None = None
     workload: Workload = field(default_factory=Workload)
+    sampling: SamplingOptions = field(default_factory=SamplingOptions)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend {self.backend!r}: expected one of {', '.join(BACKENDS)}")
         if self.backend != "simulated":
             _check_base_url(self.base_url)
+        elif self.sampling.body_fields():
+            raise ValueError(
+                f"{self.sampling.given_flags()[0]}: the simulated backend has no server that samples; "
+                "sampling flags need an HTTP backend (openai-completions, openai-chat or engine)"
+            )
         checks: list[tuple[bool, str]] = [
             (self.num_requests >= 1, f"--num-requests must be >= 1, got {self.num_requests}"),
             (self.concurrency >= 1, f"--concurrency must be >= 1, got {self.concurrency}"),
@@ -198,13 +205,14 @@ class HarnessConfig:
         """The config as JSON-ready values, only what the backend uses: the API key left out; the
         simulated server's `server_slots`, `prefill_ms`, `per_token_ms` only for the simulated backend,
         and the HTTP settings (`base_url`, `model`, `timeout_s`, `ignore_eos`, `tokenizer`) only for
-        the others."""
+        the others, with `sampling`: the sampling fields sent in every request body ({}: none, the
+        server's defaults)."""
         out = asdict(self)
         out.pop("api_key")
         unused = (
             ("server_slots", "prefill_ms", "per_token_ms")
             if self.backend != "simulated"
-            else ("base_url", "model", "timeout_s", "ignore_eos", "tokenizer")
+            else ("base_url", "model", "timeout_s", "ignore_eos", "tokenizer", "sampling")
         )
         for key in unused:
             out.pop(key)
@@ -213,6 +221,8 @@ class HarnessConfig:
         out["goodput"] = self.goodput.as_dict()
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         out["workload"] = self.workload.describe()
+        if self.backend != "simulated":
+            out["sampling"] = self.sampling.body_fields()
         return out
 
 

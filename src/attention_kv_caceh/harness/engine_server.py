@@ -182,13 +182,17 @@ def engine_step_summary(base_url: str, timeout_s: float = 30.0) -> dict[str, Any
 
     Returns `num_steps`, `max_num_running`, `max_num_waiting`, `num_preemptions`, and vLLM-style stats
     (`median_..._ms`, `p99_..._ms`, ...) of `step_time_ms` over every step and over decode-only steps
-    (no prefill token: the step time an inter-token latency is made of). Raises OSError / ValueError
+    (no prefill token: the step time an inter-token latency is made of), and of the decode-only steps'
+    `step_cpu_ms` (`decode_step_cpu_time`: the core thread's own CPU time, which waiting for a CPU or
+    the GIL does not change; absent from a server whose StepStats lack it). Raises OSError / ValueError
     when the endpoint cannot be read or parsed.
     """
     url = f"{base_url}/debug/step_stats?last={MAX_STEP_STATS}"
     with urllib.request.urlopen(url, timeout=timeout_s) as resp:
         steps: list[dict[str, Any]] = json.loads(resp.read())["data"]
-    decode = [float(s["step_time_ms"]) for s in steps if int(s["num_prefill_tokens"]) == 0]
+    decode_steps = [s for s in steps if int(s["num_prefill_tokens"]) == 0]
+    decode = [float(s["step_time_ms"]) for s in decode_steps]
+    decode_cpu = [float(s["step_cpu_ms"]) for s in decode_steps if "step_cpu_ms" in s]
     return {
         "num_steps": len(steps),
         "max_num_running": max((int(s["num_running"]) for s in steps), default=0),
@@ -196,4 +200,5 @@ def engine_step_summary(base_url: str, timeout_s: float = 30.0) -> dict[str, Any
         "num_preemptions": sum(int(s["num_preemptions"]) for s in steps),
         **stats_with_vllm_names("step_time", [float(s["step_time_ms"]) for s in steps]),
         **stats_with_vllm_names("decode_step_time", decode),
+        **(stats_with_vllm_names("decode_step_cpu_time", decode_cpu) if decode_cpu else {}),
     }

@@ -406,6 +406,7 @@ async def run_harness(
                 timeout_s=config.timeout_s,
                 ignore_eos=config.ignore_eos,
                 keep_answers=multi_turn,
+                sampling=config.sampling.body_fields(),
             )
         assert backend is not None
         tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)

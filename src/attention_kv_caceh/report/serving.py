@@ -22,11 +22,26 @@ from attention_kv_caceh.tables import markdown_table
 __all__ = ["serving_section"]
 
 
-def _settings(meta: Mapping[str, Any] | None, problems: list[str]) -> tuple[str, GoodputSLO | None, Any]:
-    """The label, the goodput SLO and the server block of a run's metadata; a malformed one is noted
-    in `problems` and left out."""
+def _sampling_sentence(config: Mapping[str, Any], problems: list[str]) -> str:
+    """What the run sent as sampling fields (`config.sampling`), as a sentence; "" for a run that does
+    not record it (the simulated backend, an older file)."""
+    sampling: Any = config.get("sampling")
+    if sampling is None:
+        return ""
+    if not isinstance(sampling, dict):
+        problems.append(f"'config.sampling' {sampling!r} is not an object: left out")
+        return ""
+    fields = typing.cast("dict[str, Any]", sampling)
+    if not fields:
+        return " Sampling: no field sent (the server's defaults)."
+    return " Sampling sent: " + ", ".join(f"`{k}` {v}" for k, v in fields.items()) + "."
+
+
+def _settings(meta: Mapping[str, Any] | None, problems: list[str]) -> tuple[str, GoodputSLO | None, Any, str]:
+    """The label, the goodput SLO, the server block and the sampling sentence of a run's metadata; a
+    malformed one is noted in `problems` and left out."""
     if meta is None:
-        return "", None, None
+        return "", None, None, ""
     config: Any = meta.get("config", {})
     if not isinstance(config, dict):
         problems.append("'config' is not an object: label and goodput left out")
@@ -47,7 +62,8 @@ def _settings(meta: Mapping[str, Any] | None, problems: list[str]) -> tuple[str,
     if server is not None and not isinstance(server, dict):
         problems.append("'server' is not an object: left out")
         server = None
-    return label, slo if slo is not None and not slo.empty else None, typing.cast("Any", server)
+    sampling = _sampling_sentence(config, problems)
+    return label, slo if slo is not None and not slo.empty else None, typing.cast("Any", server), sampling
 
 
 def _server_table(server: Mapping[str, Any]) -> str:
@@ -71,11 +87,11 @@ def serving_section(
     `harness.summary.summarize_run` from the records' raw timestamps; the duration runs from the first
     arrival to the last stream end or finish. When no request completed it says so, with the failure
     kinds, instead of a table of nothing. `meta`: the run's `.meta.json` (label, goodput SLO, server
-    block); what is malformed in it is appended to `problems`.
+    block, the sampling fields sent); what is malformed in it is appended to `problems`.
 
     Raises ValueError when `summarize_run` cannot summarize the records.
     """
-    label, slo, server = _settings(meta, problems if problems is not None else [])
+    label, slo, server, sampling = _settings(meta, problems if problems is not None else [])
     title = f"### Serving run: `{name}`" + (f" ({label})" if label else "") + "\n\n"
     if not any(r.ok for r in records):
         failures = Counter(r.status for r in records)
@@ -107,7 +123,7 @@ def serving_section(
         f"{title}{summary['num_requests']} request(s), "
         f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
         f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s."
-        f"{goodput} Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools "
+        f"{goodput}{sampling} Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools "
         "every gap.\n\n"
         + markdown_table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
         + ("\n" + _server_table(server) if server else "")

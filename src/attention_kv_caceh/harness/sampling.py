@@ -1,0 +1,66 @@
+"""The sampling fields a harness run sends with every request, as vLLM's `vllm bench serve` does.
+
+`--temperature --top-p --top-k --frequency-penalty --presence-penalty --repetition-penalty`: each is
+None unless given, and only the given ones go into the request body (`body_fields`), so a run that gives
+none leaves every choice to the server (vLLM and this project's `serve` then sample at temperature 1.0).
+The ranges are those the project's `serve` accepts (`engine/serving.py:sampling_params_for`), checked
+here so a bad value is a usage error before any request is sent. vLLM's `--min-p` is left out: the
+project's engine does not sample with min_p, and its server would ignore the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["SamplingOptions", "flag_of"]
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """The sampling fields to send (None: not sent). Raises ValueError naming the flag for a value the
+    server would refuse: temperature not finite or < 0; top_p not in (0, 1]; top_k not an integer >= -1
+    (-1 and 0 disable it); a frequency or presence penalty outside [-2, 2]; repetition_penalty not
+    finite or <= 0."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+
+    def __post_init__(self) -> None:
+        def bad(name: str, expected: str, value: object) -> ValueError:
+            return ValueError(f"{flag_of(name)} must be {expected}, got {value}")
+
+        t = self.temperature
+        if t is not None and not (math.isfinite(t) and t >= 0):
+            raise bad("temperature", "a finite number >= 0", t)
+        p = self.top_p
+        if p is not None and not (math.isfinite(p) and 0 < p <= 1):
+            raise bad("top_p", "in (0, 1]", p)
+        k = self.top_k
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < -1):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise bad("top_k", "an integer >= -1 (-1 or 0: off)", k)
+        for name in ("frequency_penalty", "presence_penalty"):
+            value: float | None = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
+                raise bad(name, "in [-2, 2]", value)
+        r = self.repetition_penalty
+        if r is not None and not (math.isfinite(r) and r > 0):
+            raise bad("repetition_penalty", "a finite number > 0", r)
+
+    def body_fields(self) -> dict[str, Any]:
+        """The given fields under their OpenAI names, in declaration order; {} when none is given."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def given_flags(self) -> list[str]:
+        """The flags that were given, e.g. ["--temperature", "--top-k"]."""
+        return [flag_of(name) for name in self.body_fields()]
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of field `name` ("top_p" -> "--top-p")."""
+    return "--" + name.replace("_", "-")
