@@ -23,6 +23,9 @@ from attention_kv_caceh.experiments import scan, scan_impls
 from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
 from attention_kv_caceh.timing import Sample
+from tests import ctrl_c_as_in_a_terminal
+
+ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:

@@ -26,6 +26,7 @@ class BenchEngineCommandTest(EngineCommandCase):
             self.assertAlmostEqual(r["output_tokens_per_s"], r["num_output_tokens"] / r["total_time_s"])
             self.assertAlmostEqual(r["probe_ratio"], r["decode_gb_per_s"] / r["probe_gb_per_s"])
             self.assertAlmostEqual(r["linear_share"], r["linear_ms"] / r["decode_step_ms_p50"])
+            self.assertAlmostEqual(r["attention_share"], r["attention_ms"] / r["decode_step_ms_p50"])
             self.assertAlmostEqual(r["fma_ratio"], r["linear_gflop_per_s"] / r["fma_gflop_per_s"])
             self.assertIn(r["gemm_path"], ("packed", "numpy"))
             self.assertGreater(r["core_step_cpu_ms_p50"], 0)

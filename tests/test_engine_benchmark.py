@@ -104,6 +104,8 @@ class TestEngineBenchmark(unittest.TestCase):
                     self.assertAlmostEqual(row.linear_gflop_per_s, flops / (row.linear_ms * 1e6))
                     self.assertAlmostEqual(row.fma_ratio, row.linear_gflop_per_s / row.fma_gflop_per_s)
                     self.assertAlmostEqual(row.linear_share, row.linear_ms / row.decode_step_ms_p50)
+                    self.assertGreater(row.attention_ms, 0.0)  # a pure-decode step preceded every probe
+                    self.assertAlmostEqual(row.attention_share, row.attention_ms / row.decode_step_ms_p50)
                     self.assertEqual(row.gemm_path, result.environment["gemm_path"])
                     self.assertAlmostEqual(row.output_tokens_per_s * row.total_time_s, r * OUT)
                     self.assertAlmostEqual(row.decode_tokens_per_s * row.decode_time_s, r * (OUT - 1))

@@ -21,7 +21,18 @@ from safetensors.numpy import load_file
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.layers import LinearWeight, linear
+from attention_kv_caceh.engine.layers import (
+    LinearWeight,
+    apply_rotary,
+    compiled_rms_norm,
+    compiled_rotary,
+    compiled_silu_and_mul,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+    silu_and_mul,
+)
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, resolve_gemm_path
 from attention_kv_caceh.engine.model_runner import ModelRunner
@@ -247,6 +258,41 @@ class TestPagedAttention(unittest.TestCase):
         self, cached: list[int], bs: int, seed: int
     ) -> None:
         self.check_plan([(c, 1) for c in cached], bs, seed)
+
+
+class TestCompiledLayers(unittest.TestCase):
+    """The compiled small layers against their NumPy formulas evaluated in float64."""
+
+    def test_compiled_layers_equal_the_numpy_formulas_in_float64(self) -> None:
+        rng = np.random.default_rng(5)
+        for dtype, rtol in ((np.float32, 2e-6), (np.float64, 1e-13)):
+            for n in (1, 3, 8):
+                x = (rng.standard_normal((n, 48)) * 3).astype(dtype)  # [N, C]
+                w = rng.standard_normal(48).astype(dtype)
+                got = compiled_rms_norm(x, w, 1e-5)
+                want = rms_norm(x.astype(np.float64), w.astype(np.float64), 1e-5)
+                self.assertEqual(got.dtype, np.dtype(dtype))
+                np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
+                # Gates far in both tails (where exp(-g) would overflow) and exactly zero.
+                gate_up = (rng.standard_normal((n, 2 * 40)) * 4).astype(dtype)  # [N, 2I]
+                gate_up[0, :4] = [-200.0, 200.0, 0.0, -0.0]
+                got = compiled_silu_and_mul(gate_up)
+                want = silu_and_mul(gate_up.astype(np.float64))
+                self.assertEqual((got.shape, got.dtype), ((n, 40), np.dtype(dtype)))
+                np.testing.assert_allclose(got, want, rtol=4 * rtol, atol=rtol)
+                padded = np.zeros((n, 2 * 40 + 16), dtype=dtype)  # as `linear` returns a padded output
+                padded[:, :80] = gate_up
+                np.testing.assert_array_equal(compiled_silu_and_mul(padded[:, :80]), got)
+                # q and k heads inside a fused [N, (H + 2 H_kv) D] qkv row, as the model passes them.
+                h, h_kv, d = 3, 1, 8
+                qkv = rng.standard_normal((n, (h + 2 * h_kv) * d)).astype(dtype)
+                cos, sin = rope_cos_sin(np.arange(7, 7 + n), rope_inv_freq(d, 10000.0), dtype)  # [N, D]
+                for start, heads in ((0, h), (h * d, h_kv)):
+                    got = compiled_rotary(qkv, start, heads, cos, sin)
+                    x64 = qkv[:, start : start + heads * d].reshape(n, heads, d).astype(np.float64)
+                    want = apply_rotary(x64, cos.astype(np.float64), sin.astype(np.float64))
+                    self.assertTrue(got.flags.c_contiguous)
+                    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol)
 
 
 class TestLinear(unittest.TestCase):

@@ -24,6 +24,9 @@ from unittest import mock
 
 from attention_kv_caceh.cli import main
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from tests import ctrl_c_as_in_a_terminal
+
+ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)
 
 _HEALTHY = re.compile(r"^harness: serve \(pid (\d+)\) is healthy at (http://127\.0\.0\.1:\d+)$")
 _COMMAND = [sys.executable, "-c", "import sys; from attention_kv_caceh.cli import main; sys.exit(main())"]

@@ -30,6 +30,9 @@ from attention_kv_caceh.harness.records import JSONL_KEYS
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
 from attention_kv_caceh.harness.scripted_server import scripted_server_process
 from attention_kv_caceh.memory import memory_budget_bytes
+from tests import ctrl_c_as_in_a_terminal
+
+ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)
 
 FAST = ["--prefill-ms", "5", "--per-token-ms", "2", "--output-len", "4"]
 GREEDY = ["--temperature", "0"]  # an HTTP run without it prints a warning line first

@@ -91,7 +91,7 @@ _HALF, _ONE = np.float32(0.5), np.float32(1.0)
 def _exp_f32(x):
     """exp(x) for float32 x <= 0, vectorisable; x below -87 gives exp(-87) (< 2e-38), not 0."""
     x = max(x, _EXP_LOWEST)
-    n = math.floor(x * _LOG2E + _HALF)
+    n = np.floor(x * _LOG2E + _HALF)  # float32 (math.floor gives an int, which promotes to float64)
     r = (x - n * _LN2_HI) - n * _LN2_LO
     p = ((((_EXP_P[0] * r + _EXP_P[1]) * r + _EXP_P[2]) * r + _EXP_P[3]) * r + _EXP_P4) * r + _EXP_P5
     y = p * r * r + r + _ONE

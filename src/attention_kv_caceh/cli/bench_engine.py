@@ -104,7 +104,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     header = (
         f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
         f"{'cpu p50 ms':>11}{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
-        f"{'linear %':>9}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}{'gemm':>8}"
+        f"{'linear %':>9}{'attn %':>7}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}{'gemm':>8}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -113,7 +113,7 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}{r['decode_step_cpu_ms_p50']:>11.2f}"
             f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['decode_gb_per_s']:>7.2f}"
             f"{r['probe_gb_per_s']:>11.2f}{r['probe_ratio']:>7.2f}"
-            f"{100 * r['linear_share']:>9.0f}{r['linear_gflop_per_s']:>9.1f}{r['fma_gflop_per_s']:>12.1f}"
+            f"{100 * r['linear_share']:>9.0f}{100 * r['attention_share']:>7.0f}{r['linear_gflop_per_s']:>9.1f}{r['fma_gflop_per_s']:>12.1f}"
             f"{r['fma_ratio']:>7.2f}{r['gemm_path']:>8}"
         )
     if len(rows) > 1:

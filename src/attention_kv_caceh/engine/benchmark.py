@@ -7,7 +7,9 @@ reading those bytes; the ratio to `np.dot` over a buffer of the same size (the l
 `experiments.calibration.read_probe` times it) says how close the step comes to that bound. A step of
 many requests is bounded by arithmetic instead: its linear layers do 2 flops per weight per request,
 so the run also replays the step's linear layers alone (same weights, same rows) to give their share
-of the step and their FLOP/s, against an FMA probe (`gemm.fma_probe`: float32 FMAs in registers). All
+of the step and their FLOP/s, against an FMA probe (`gemm.fma_probe`: float32 FMAs in registers), and
+the step's paged decode attention alone (every layer's kernel call over the engine's KV caches, with the
+latest decode step's block tables and context lengths) to give its share. All
 probes are timed between decode steps of the same run, so on a shared machine they see the same load
 as the steps. Nothing here prints; a CLI formats the rows.
 
@@ -19,6 +21,7 @@ Shape legend: R requests in a decode step, L layers, H_kv KV heads, D head dim, 
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -37,6 +40,7 @@ from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.gemm import fma_probe
+from attention_kv_caceh.kernels import paged_decode_attention_into
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment, summarize_samples
 
@@ -86,6 +90,11 @@ class EngineBenchRow:
             gate_up and down projections and the LM head, random inputs), median of the replays timed
             between this run's decode steps; milliseconds.
         linear_share: linear_ms / decode_step_ms_p50.
+        attention_ms: the latest decode step's paged attention replayed alone (`kernels.
+            paged_decode_attention_into` for every layer, over the engine's KV caches with that step's
+            block tables and context lengths, random queries), median of the replays timed between
+            this run's decode steps; milliseconds (NaN when no pure-decode step preceded a probe).
+        attention_share: attention_ms / decode_step_ms_p50.
         linear_gflop_per_s: 2 * max_num_seqs * `linear_parameters` / linear_ms, in 1e9 flops per second.
         fma_gflop_per_s: `gemm.fma_probe` (float32 FMAs in registers, one thread), median of the probes
             timed between this run's decode steps; 1e9 flops per second.
@@ -117,6 +126,8 @@ class EngineBenchRow:
     probe_ratio: float
     linear_ms: float
     linear_share: float
+    attention_ms: float
+    attention_share: float
     linear_gflop_per_s: float
     fma_gflop_per_s: float
     fma_ratio: float
@@ -171,17 +182,48 @@ def _linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Cal
     return replay
 
 
+def _attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[[], bool]:
+    """A call that runs the latest step's paged decode attention alone, as `Model.forward` calls it
+    (one `paged_decode_attention_into` per layer, over the runner's KV caches with that step's block
+    tables and context lengths) on random queries `[R, H, D]`; False, doing nothing, when the latest
+    step was not a pure decode step."""
+    c = model.config
+    scale = 1.0 / math.sqrt(c.head_dim)
+    rng = np.random.default_rng(seed)
+    queries: dict[int, npt.NDArray[np.floating[Any]]] = {}  # R -> q [R, H, D], made once per R
+
+    def replay() -> bool:
+        inputs = runner.last_inputs
+        if inputs is None or not inputs.metadata.is_pure_decode:
+            return False
+        meta = inputs.metadata
+        r = meta.context_lens.shape[0]
+        if r not in queries:
+            queries[r] = rng.standard_normal((r, c.num_attention_heads, c.head_dim)).astype(model.dtype)
+        q = queries[r]
+        out = np.empty_like(q)  # [R, H, D]
+        context_lens = meta.context_lens.astype(np.int32)  # [R]
+        for k_cache, v_cache in runner.kv_caches:
+            paged_decode_attention_into(q, k_cache, v_cache, meta.block_tables, context_lens, out, scale)
+        return True
+
+    return replay
+
+
 @dataclass
 class _Probes:
     """What is timed between decode steps, one sample each per call: np.dot over `buffer` (the read
-    probe, ms), the linear-layer `replay` (ms) and `gemm.fma_probe` (flop/s) for as long as the replay
-    took, so that on a shared machine both get the same share of the CPU."""
+    probe, ms), the linear-layer `replay` (ms), `gemm.fma_probe` (flop/s) for as long as the replay
+    took, so that on a shared machine both get the same share of the CPU, and the `attention` replay
+    (ms, when it ran)."""
 
     buffer: npt.NDArray[np.floating[Any]]
     replay: Callable[[], None]
+    attention: Callable[[], bool]
     read_ms: list[float] = field(default_factory=list[float])
     linear_ms: list[float] = field(default_factory=list[float])
     fma_flops: list[float] = field(default_factory=list[float])
+    attention_ms: list[float] = field(default_factory=list[float])
 
     def __call__(self) -> None:
         start = time.perf_counter()
@@ -191,6 +233,9 @@ class _Probes:
         self.replay()
         self.linear_ms.append((time.perf_counter() - start) * 1e3)
         self.fma_flops.append(fma_probe(self.linear_ms[-1] / 1e3))
+        start = time.perf_counter()
+        if self.attention():
+            self.attention_ms.append((time.perf_counter() - start) * 1e3)
 
 
 def decode_kv_bytes(model: Model, num_positions: float) -> float:
@@ -351,13 +396,14 @@ def run_engine_benchmark(
         np.dot(probe, probe)  # touch the pages once, outside any timing
         replay = _linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
         replay()  # the same: first touches outside any timing
-        probes = _Probes(probe, replay)
+        probes = _Probes(probe, replay, _attention_replay(model, runner.runner, seed))
         outputs, total_s, cpu_ms = _run(engine, prompts, sampling, probes, probe_every)
         if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
             probes()
         probe_bytes = probe.nbytes
         read_ms, lin_ms = float(np.median(probes.read_ms)), float(np.median(probes.linear_ms))
         fma_gflops = float(np.median(probes.fma_flops)) / 1e9
+        attn_ms = float(np.median(probes.attention_ms)) if probes.attention_ms else math.nan
         del probe, probes  # the buffer: as large as a decode step's bytes
         if outputs[0][:oracle_tokens] != solo[0]:
             raise OracleMismatch(
@@ -403,6 +449,8 @@ def run_engine_benchmark(
                 probe_ratio=decode_gbps / probe_gbps,
                 linear_ms=lin_ms,
                 linear_share=lin_ms / summary["p50_ms"],
+                attention_ms=attn_ms,
+                attention_share=attn_ms / summary["p50_ms"],
                 linear_gflop_per_s=lin_gflops,
                 fma_gflop_per_s=fma_gflops,
                 fma_ratio=lin_gflops / fma_gflops,

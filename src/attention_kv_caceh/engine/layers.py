@@ -1,9 +1,13 @@
 """The small layers of a Llama-family decoder in NumPy: RMSNorm, rotary position embedding, SwiGLU, linear.
 
 What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py, and the
-unquantised GEMM of linear.py), without fused kernels: each function is the formula, written on one or
-two array expressions; the linear layer's weights are packed once at load for the compiled kernel of
-`attention_kv_caceh.gemm` (vLLM's CPU backend likewise packs weights for oneDNN at load).
+unquantised GEMM of linear.py): each function is the formula, written on one or two array expressions;
+the linear layer's weights are packed once at load for the compiled kernel of `attention_kv_caceh.gemm`
+(vLLM's CPU backend likewise packs weights for oneDNN at load). `compiled_rms_norm`,
+`compiled_silu_and_mul` and `compiled_rotary` are the same formulas as one compiled pass over each row
+(`_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
+passes with temporaries, which at a decode batch costs more than the arithmetic. The NumPy functions
+are their oracles.
 
 Shape legend (as in `attention_kv_caceh.attention`): N tokens of a flattened batch, H query heads,
 H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
@@ -12,19 +16,25 @@ H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh import _layers_jit as _jit
 from attention_kv_caceh.gemm import PackedWeight, pack_weight, packed_linear_into, unpack_weight
 
 __all__ = [
     "GEMM_PATHS",
     "LinearWeight",
     "apply_rotary",
+    "compiled_rms_norm",
+    "compiled_rotary",
+    "compiled_silu_and_mul",
     "linear",
+    "prepare_compiled_layers",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
@@ -167,3 +177,50 @@ def silu_and_mul(gate_up: FloatArray) -> FloatArray:
     gate, up = gate_up[..., :inter], gate_up[..., inter:]  # [N, I] each
     half = gate.dtype.type(0.5)
     return gate * (half + half * np.tanh(half * gate)) * up  # [N, I]
+
+
+def compiled_rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
+    """`rms_norm` for x `[N, C]` (float32 or float64; any strides, C-contiguous rows vectorise), one
+    compiled pass per row.
+
+    The mean of squares and the reciprocal square root are taken in float64, then each output is
+    rounded once to x's dtype, so it agrees with `rms_norm` to about one unit in the last place.
+    """
+    out = np.empty_like(x)  # [N, C]
+    _jit.rms_norm_rows(x, weight, eps, out)
+    return out
+
+
+def compiled_silu_and_mul(gate_up: FloatArray) -> FloatArray:
+    """`silu_and_mul` for gate_up `[N, 2I]` (any strides, as `linear` may return a view) -> `[N, I]`,
+    one compiled pass per row.
+
+    sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows); float32
+    uses a vectorised exp of about one ulp (`_kernels_jit._exp_f32`), so it agrees with `silu_and_mul`
+    (which uses tanh) to a few units in the last place.
+    """
+    out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)  # [N, I]
+    _jit.silu_and_mul_rows(gate_up, out)
+    return out
+
+
+def compiled_rotary(src: FloatArray, start: int, heads: int, cos: FloatArray, sin: FloatArray) -> FloatArray:
+    """`apply_rotary` of the heads stored in columns start .. start + heads D of src `[N, W]` (q or k
+    inside the fused qkv projection's output; any strides), into a new C-contiguous `[N, heads, D]`.
+
+    cos and sin `[N, D]` as `rope_cos_sin` gives them. The same products and sums as `apply_rotary`.
+    """
+    d = cos.shape[1]
+    out = np.empty((src.shape[0], heads, d), dtype=src.dtype)  # [N, heads, D]
+    _jit.rotary_rows(src, start, cos, sin, out)
+    return out
+
+
+def prepare_compiled_layers(dtype: np.dtype[Any]) -> float:
+    """Compile (or load from Numba's disk cache) the compiled layers for `dtype` now; returns seconds."""
+    start = time.perf_counter()
+    x = cast(FloatArray, np.ones((1, 4), dtype=dtype))  # [1, C]
+    compiled_rms_norm(x, x[0], 1e-6)
+    compiled_silu_and_mul(x)
+    compiled_rotary(x, 0, 1, x, x)
+    return time.perf_counter() - start

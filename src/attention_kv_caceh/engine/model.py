@@ -14,7 +14,9 @@ for the compiled kernel of `attention_kv_caceh.gemm`, which reads each weight on
 step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face layout `[out,
 in]` and the product is `x @ W.T`, the packed path's oracle. q/k/v and gate/up are fused row-wise (one
 matmul each). A tied LM head shares the embedding array on the numpy path and is a packed copy of it
-on the packed path. A step whose requests all decode uses the compiled
+on the packed path. The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
+passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
+RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
 `kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
 read in place through its block table, no gather); the test-only NumPy reference
 `oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
@@ -39,7 +41,11 @@ from attention_kv_caceh.engine.layers import (
     GEMM_PATHS,
     LinearWeight,
     apply_rotary,
+    compiled_rms_norm,
+    compiled_rotary,
+    compiled_silu_and_mul,
     linear,
+    prepare_compiled_layers,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -97,7 +103,8 @@ class Model:
     Build with `Model.load(folder, dtype, gemm)`. `forward` runs the decoder stack over a flattened batch
     and writes the new K/V into the paged caches; `compute_logits` applies the LM head to chosen rows.
     gemm_path is the GEMM path its linear layers take and gemm_note a one-line note saying so (for the
-    CLI to print); gemm_compile_s the seconds the packed kernel's compile (or disk-cache load) took here.
+    CLI to print); gemm_compile_s the seconds the compile (or disk-cache load) of the packed path's
+    kernels (the GEMM and the compiled small layers) took here.
     """
 
     def __init__(
@@ -171,7 +178,9 @@ class Model:
         else:
             self.lm_head = lin(get("lm_head.weight", (c.vocab_size, hidden)))  # [V, D_model]
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
-        self.gemm_compile_s = prepare_packed_linear() if self.gemm_path == "packed" else 0.0
+        self.gemm_compile_s = 0.0
+        if self.gemm_path == "packed":
+            self.gemm_compile_s = prepare_packed_linear() + prepare_compiled_layers(self.dtype)
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", gemm: str = "auto") -> Model:
@@ -214,6 +223,9 @@ class Model:
         n = input_ids.shape[0]
         h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         eps = c.rms_norm_eps
+        compiled = self.gemm_path == "packed"  # float32: the compiled small layers too
+        norm = compiled_rms_norm if compiled else rms_norm
+        silu_mul = compiled_silu_and_mul if compiled else silu_and_mul
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
         x = self.embed_tokens[input_ids]  # [N, D_model]
         decode = metadata.is_pure_decode
@@ -223,15 +235,18 @@ class Model:
         decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
         scale = 1.0 / math.sqrt(d)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            qkv = linear(rms_norm(x, layer.input_layernorm, eps), layer.qkv_proj)  # [N, (H + 2 H_kv) D]
+            qkv = linear(norm(x, layer.input_layernorm, eps), layer.qkv_proj)  # [N, (H + 2 H_kv) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
-            q = qkv[:, : h * d].reshape(n, h, d)  # [N, H, D]
-            k = qkv[:, h * d : (h + h_kv) * d].reshape(n, h_kv, d)  # [N, H_kv, D]
             v = qkv[:, (h + h_kv) * d :].reshape(n, h_kv, d)  # [N, H_kv, D]
-            if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: RMSNorm over each head
-                q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
+            if compiled and layer.q_norm is None:  # rotated straight out of qkv, into contiguous q and k
+                q, k = compiled_rotary(qkv, 0, h, cos, sin), compiled_rotary(qkv, h * d, h_kv, cos, sin)
+            else:
+                q = qkv[:, : h * d].reshape(n, h, d)  # [N, H, D]
+                k = qkv[:, h * d : (h + h_kv) * d].reshape(n, h_kv, d)  # [N, H_kv, D]
+                if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: RMSNorm over each head
+                    q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
             if decode:  # one query per request: [R, H, D] with R == N
                 q = np.ascontiguousarray(q)  # [R, H, D]
@@ -242,9 +257,9 @@ class Model:
                 attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
             out = linear(attn.reshape(n, h * d), layer.o_proj)  # [N, D_model]
             x = x + (out if layer.o_bias is None else out + layer.o_bias)
-            gate_up = linear(rms_norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj)  # [N, 2 I]
-            x = x + linear(silu_and_mul(gate_up), layer.down_proj)  # [N, I] -> [N, D_model]
-        return rms_norm(x, self.norm, eps)  # [N, D_model]
+            gate_up = linear(norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj)  # [N, 2 I]
+            x = x + linear(silu_mul(gate_up), layer.down_proj)  # [N, I] -> [N, D_model]
+        return norm(x, self.norm, eps)  # [N, D_model]
 
     def compute_logits(self, hidden: FloatArray) -> FloatArray:
         """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype."""

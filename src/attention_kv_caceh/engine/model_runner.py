@@ -46,6 +46,8 @@ class ModelRunner:
     zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
     lists b as its i-th block. warmup_s: seconds the paged decode kernel's compile (or Numba disk-cache
     load) took at construction (0-ish when this process had it already), so no step time includes it.
+    last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
+    `bench-engine` reads to replay a decode step's attention alone.
     """
 
     def __init__(self, model: Model, config: EngineConfig, num_blocks: int) -> None:
@@ -65,6 +67,7 @@ class ModelRunner:
             (np.zeros(shape, dtype=model.dtype), np.zeros(shape, dtype=model.dtype))
             for _ in range(c.num_hidden_layers)
         ]
+        self.last_inputs: ModelInputs | None = None
         self.warmup_s = self._warm_up()
 
     def _warm_up(self) -> float:
@@ -148,6 +151,7 @@ class ModelRunner:
         into `kv_caches`. Raises ValueError as `prepare_inputs` does, before touching the caches.
         """
         inputs = self.prepare_inputs(scheduler_output)
+        self.last_inputs = inputs
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
         )  # [N, D_model]
