@@ -180,6 +180,21 @@ class CoreProcHashesInInputThreadTest(unittest.TestCase):
         self.assertEqual(len(calls), 12)
         self.assertNotIn("core-input", calls[10:])  # output tokens' blocks: hashed where they are appended
 
+    def test_a_prompt_the_input_thread_refuses_is_reported_rejected(self) -> None:
+        core, _ = make_text_core(block_size=4)
+        client = MPClient.launch_thread(core)
+        try:
+            client.add_request(EngineCoreRequest("bad", [3, -1, 4], SamplingParams()))
+            outputs = client.get_output(60.0)
+            assert outputs is not None
+            self.assertEqual(
+                [(o.request_id, o.finish_reason) for o in outputs.outputs], [("bad", "rejected")]
+            )
+            self.assertFalse(core.has_unfinished_requests())
+        finally:
+            client.shutdown()
+            client.close()
+
 
 if __name__ == "__main__":
     unittest.main()

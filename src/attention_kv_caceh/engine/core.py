@@ -4,9 +4,10 @@ Corresponds to vLLM v1's `vllm/v1/engine/core.py` (EngineCore, EngineCoreProc, r
 message types of `vllm/v1/engine/__init__.py` (EngineCoreRequest, EngineCoreOutput, EngineCoreOutputs).
 A request enters in two parts, as in vLLM: `preprocess_add_request` builds the Request and hashes its
 prompt blocks for the prefix cache (the input thread runs it, off the busy loop), then `add_request`
-queues it in the scheduler (the busy loop). Left out: data parallelism, pipeline-parallel batch queues, async scheduling (scheduling step N+1 while
-step N's outputs are processed: `_process_engine_step` is the place it would go), LoRA and multimodal
-inputs, and the ROUTER/DEALER handshake (one front end talks to one core over PUSH/PULL sockets).
+queues it in the scheduler (the busy loop). Left out: data parallelism, pipeline-parallel batch queues,
+async scheduling (scheduling step N+1 while step N's outputs are processed: `_process_engine_step` is
+the place it would go), LoRA and multimodal inputs, and the ROUTER/DEALER handshake (one front end talks
+to one core over PUSH/PULL sockets).
 
 One step: `scheduler.schedule()` -> `model_runner.execute_model()` -> `sample()` ->
 `scheduler.update_from_output()` -> one EngineCoreOutput per request that got a token, plus the step's

@@ -8,6 +8,10 @@ Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting q
 FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
 they are recomputed with the prompt when it runs again (preemption by recompute).
 
+Like vLLM's Request, it is given a block hasher when prefix caching is on and keeps its own
+`block_hashes`: the prompt's full blocks are hashed when it is built, each later block when the output
+token that fills it is appended (a preempted request keeps them: its tokens are the same).
+
 The core's Request has no timestamps: the front end's OutputProcessor keeps them (output_processor.py),
 where the metrics read them, as vLLM v1 does.
 """
