@@ -186,6 +186,14 @@ class DetokenizerTest(unittest.TestCase):
 
 
 class SamplingParamsTest(unittest.TestCase):
+    def test_a_prompt_past_max_model_len_names_its_length_when_it_is_known(self) -> None:
+        body = CompletionRequest(prompt="x")
+        for num_tokens, shown in ((3000, "3000"), (100, "100 tokens or longer")):  # 100: a cut tokenization
+            with self.assertRaises(HTTPError) as caught:
+                sampling_params_for(body, num_tokens, 100, 16)
+            self.assertEqual((caught.exception.status, caught.exception.param), (400, "prompt"))
+            self.assertIn(f"the prompt is {shown}", caught.exception.message)
+
     def test_defaults_and_limits(self) -> None:
         body = CompletionRequest(prompt="x")
         self.assertEqual(sampling_params_for(body, 4, 100, 16).max_tokens, 16)

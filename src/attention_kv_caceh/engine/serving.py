@@ -141,10 +141,16 @@ def sampling_params_for(
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
+        # a text prompt is tokenized only up to max_model_len ids (enough to refuse it); token ids are counted
+        length = (
+            f"{num_prompt_tokens} tokens"
+            if num_prompt_tokens > max_model_len
+            else f"{max_model_len} tokens or longer"
+        )
         raise HTTPError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt is "
-            f"{max_model_len} tokens or longer and leaves no room for a completion.",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt is {length} "
+            "and leaves no room for a completion.",
             "prompt",
         )
     room = max_model_len - num_prompt_tokens
