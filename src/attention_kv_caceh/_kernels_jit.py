@@ -19,7 +19,8 @@ The chunk's max is tracked while the scores are computed (a separate max loop do
 without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM vectorises, where
 `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS` rows ahead
 (`_prefetch`, LLVM's prefetch intrinsic; across a block boundary in the paged layout, into the next
-block of the table). Why this order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the
+block of the table). The paged K pass also prefetches the V rows of the same positions: its V pass
+runs after the span's scores, and without the prefetch each V block is a wait on memory. Why this order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the
 same attention as one readable loop nest, the reference the tuned kernels are tested against.
 """
 
@@ -220,7 +221,9 @@ def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_blocks, n_ctx, m, z, 
 
     Per block [BS, H_kv, D], rows are read in memory order (row t's H_kv heads, then row t + 1's); the
     scores of all blocks of the span go to s [H, (i1 - i0) * BS] before one rescale, then V is read.
-    The K pass prefetches _PREFETCH_ROWS rows [D] ahead, into the table's next block at a block's end.
+    The K pass prefetches _PREFETCH_ROWS rows [D] ahead, into the table's next block at a block's end,
+    and the V rows at the same positions, so that the V pass that follows the span's rescale reads
+    from cache rather than waiting on memory for each block.
     """
     h_count, d_count = qs.shape
     block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
@@ -236,10 +239,9 @@ def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_blocks, n_ctx, m, z, 
         for t in range(min(block_size, n_ctx - i * block_size)):
             for j in range(h_kv):
                 ahead = t * h_kv + j + _PREFETCH_ROWS
-                if ahead < rows:
-                    _prefetch_row(k_cache, block * rows + ahead, d_count)
-                else:
-                    _prefetch_row(k_cache, after * rows + ahead - rows, d_count)
+                row = block * rows + ahead if ahead < rows else after * rows + ahead - rows
+                _prefetch_row(k_cache, row, d_count)
+                _prefetch_row(v_cache, row, d_count)  # V is read after the span's scores, from cache
                 for g in range(j * g_count, (j + 1) * g_count):
                     dot = qs[g, 0] * np.float32(0.0)
                     for d in range(d_count):
