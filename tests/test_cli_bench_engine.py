@@ -144,3 +144,10 @@ class BenchEngineSamplingTest(EngineCommandCase):
         self.assertEqual((code, out), (2, ""))
         self.assertEqual(len(err.splitlines()), 1, err)
         self.assertIn("--temperature", err)
+
+    def test_a_seed_past_64_bits_exits_2_naming_it_as_serve_refuses_it(self) -> None:
+        for seed in (str(2**63), "-1"):
+            code, out, err = quietly(["bench-engine", "--model", str(self.model), "--seed", seed])
+            self.assertEqual((code, out), (2, ""))
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertIn("--seed", err)

@@ -28,8 +28,8 @@ from attention_kv_caceh.cli.common import (
     UsageError,
     check_outputs,
     nonnegative_float,
-    nonnegative_int,
     positive_int,
+    seed_int,
     warn_if_blas_unpinned,
 )
 from attention_kv_caceh.cli.engine_args import add_engine_arguments
@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--seed",
-        type=nonnegative_int,
+        type=seed_int,
         default=0,
         help="seed of the random prompts and of every request's sampling generator",
     )

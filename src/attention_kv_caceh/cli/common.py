@@ -148,6 +148,15 @@ def nonnegative_int(text: str) -> int:
     return value
 
 
+def seed_int(text: str) -> int:
+    """argparse type: an engine request's seed, an integer in [0, 2**63 - 1] (what `serve` accepts for
+    `seed`, vLLM's signed 64-bit range without its negative half)."""
+    value = nonnegative_int(text)
+    if value > 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"must be <= {2**63 - 1} (64-bit), got {value}")
+    return value
+
+
 def _finite_float(text: str) -> float:
     try:
         value = float(text)

@@ -34,6 +34,7 @@ from attention_kv_caceh.cli.common import (
     nonnegative_float,
     nonnegative_int,
     positive_int,
+    seed_int,
 )
 from attention_kv_caceh.cli.engine_args import (
     add_engine_arguments,
@@ -113,7 +114,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument(
         "--seed",
         metavar="N",
-        type=nonnegative_int,
+        type=seed_int,
         default=None,
         help="seed of every request's own generator, so equal prompts sample equally (default: fresh entropy)",
     )
