@@ -20,8 +20,9 @@ without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM vecto
 `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS` rows ahead
 (`_prefetch`, LLVM's prefetch intrinsic; across a block boundary in the paged layout, into the next
 block of the table). The paged K pass also prefetches the V rows of the same positions: its V pass
-runs after the span's scores, and without the prefetch each V block is a wait on memory. Why this order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the
-same attention as one readable loop nest, the reference the tuned kernels are tested against.
+runs after the span's scores, and without the prefetch each V block is a wait on memory. Why this
+order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the same attention as one
+readable loop nest, the reference the tuned kernels are tested against.
 """
 
 # pyright: basic
