@@ -81,13 +81,17 @@ def run(num_seqs: int, context_len: int, layers: int, repeats: int, seed: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--context-len", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[8, 32], help="sequences per decode step")
+    parser.add_argument("--context-len", type=int, default=192, help="positions each sequence attends")
+    parser.add_argument("--layers", type=int, default=12, help="layers (one KV cache each) per step")
+    parser.add_argument("--repeats", type=int, default=30, help="timed steps after the oracle check")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the inputs and the block tables, >= 0")
     args = parser.parse_args()
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
     for n in args.num_seqs:
         if n < 1 or args.context_len < 1 or args.layers < 1 or args.repeats < 1:
             parser.error("--num-seqs, --context-len, --layers and --repeats must be >= 1")

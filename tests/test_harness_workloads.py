@@ -203,10 +203,6 @@ class MultiTurnRunTest(unittest.IsolatedAsyncioTestCase):
         )
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 class EngineSharedPrefixTest(unittest.TestCase):
     """Against the project's own `serve` (a tiny random checkpoint, block size 16): the server's own
     counters find exactly what the workload implies."""
@@ -233,3 +229,31 @@ class EngineSharedPrefixTest(unittest.TestCase):
         self.assertEqual(counters["prefix_cache_hits"], implied_prefix_hits(workload, 6, 16))  # 4 x 32
         self.assertEqual(counters["prefix_cache_queries"], 6 * 44)
         self.assertEqual((counters["prompt_tokens_diff"], counters["generation_tokens_diff"]), (0, 0))
+
+
+class ExactSharedPrefixTest(unittest.TestCase):
+    def test_exact_prompts_keep_each_suffix_when_a_word_is_several_tokens(self) -> None:
+        import asyncio
+
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.harness.prompts import LocalTokenizer, exact_prompts
+
+        workload = Workload("shared-prefix", num_prefixes=2, prefix_len=40)
+        specs = shared_prefix_specs(
+            workload, 6, LengthRange(4, 4), LengthRange(2, 2), np.random.default_rng(5), 5
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer = LocalTokenizer(write_random_checkpoint(Path(tmp) / "tiny", "llama", "tiny", seed=0))
+            exact = asyncio.run(exact_prompts(specs, tokenizer, token_ids=True))
+            # the tiny checkpoint's byte-level BPE splits these words into several tokens each
+            self.assertGreater(len(asyncio.run(tokenizer.encode(specs[0].prefix))), 40)
+        ids = [spec.prompt_token_ids for spec in exact]
+        for spec, prompt in zip(exact, ids, strict=True):
+            assert prompt is not None
+            self.assertEqual(len(prompt), 44)
+            self.assertEqual(prompt[:40], ids[spec.request_id % 2][:40])  # the group's prefix, exactly
+        self.assertEqual(len(set(ids)), 6)  # and every request its own suffix
+
+
+if __name__ == "__main__":
+    unittest.main()

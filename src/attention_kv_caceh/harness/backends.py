@@ -54,7 +54,10 @@ class RequestSpec:
     the workload's group (shared-prefix: which prefix; multi-turn: which conversation) and the turn
     within a conversation (from 0), None for the random workload; `messages`: the whole chat history
     as (role, content) pairs, sent as `messages` to the chat endpoint (the completions endpoint gets
-    `prompt`, the history rendered as text).
+    `prompt`, the history rendered as text). `prefix` and `prefix_tokens`: a shared-prefix workload's
+    group prefix (the start of `prompt`) and its length in tokens; an exact prompt is then the
+    prefix's first `prefix_tokens` tokens followed by the rest of `prompt` cut to the remaining length,
+    so that a tokenizer of several tokens a word cannot cut a request's own suffix away.
     """
 
     request_id: int
@@ -67,6 +70,8 @@ class RequestSpec:
     group: int | None = None
     turn: int | None = None
     messages: tuple[tuple[str, str], ...] | None = None
+    prefix: str = ""
+    prefix_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:

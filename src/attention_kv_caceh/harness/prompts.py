@@ -150,11 +150,22 @@ async def probe_server_tokenizer(tokenizer: ServerTokenizer) -> bool:
     return bool(ids)
 
 
+async def _exact_ids(text: str, n: int, tokenizer: PromptTokenizer) -> list[int]:
+    """The first `n` ids of `text`, repeated when it is shorter (rare: a word is at least one token)."""
+    ids = await tokenizer.encode(text)
+    while len(ids) < n:
+        ids += await tokenizer.encode(" " + text)
+    return ids[:n]
+
+
 async def _exact_spec(spec: RequestSpec, tokenizer: PromptTokenizer, token_ids: bool) -> RequestSpec:
     n = spec.prompt_tokens
-    ids = await tokenizer.encode(spec.prompt)
-    while len(ids) < n:  # a text shorter than N tokens (rare: a word is at least one token)
-        ids += await tokenizer.encode(" " + spec.prompt)
+    if spec.prefix_tokens:  # a shared prefix of exactly prefix_tokens ids, then this request's own suffix
+        suffix = spec.prompt[len(spec.prefix) :]
+        ids = await _exact_ids(spec.prefix, spec.prefix_tokens, tokenizer)
+        ids += await _exact_ids(suffix, n - spec.prefix_tokens, tokenizer)
+    else:
+        ids = await _exact_ids(spec.prompt, n, tokenizer)
     if token_ids:
         return replace(spec, prompt_token_ids=tuple(ids[:n]), prompt_tokens_checked=n)
     specials = await tokenizer.count("") if n > 1 else 0

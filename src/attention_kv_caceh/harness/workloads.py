@@ -4,8 +4,9 @@
 - `shared-prefix` (SGLang's `generated-shared-prefix`, guidellm's and AIPerf's prefix options):
   `num_prefixes` G shared "system prompts" of `prefix_len` P words each; request i is prefix
   i mod G followed by its own random suffix of `--prompt-len` words. Its workload group is i mod G.
-  Each prefix is a run of seeded random words, so with a tokenizer of one token per word (the
-  harness's words are) the prompts of a group share exactly P tokens. A server whose prefix cache
+  Each prefix is a run of seeded random words. With a tokenizer (exact prompts) the prefix is cut to
+  exactly P tokens and each suffix to its own length, so the prompts of a group share exactly P tokens
+  and then differ whatever the tokenizer; without one, a word stands for a token. A server whose prefix cache
   keeps every block computes each prefix once, so the run implies
   `(N - G) * floor(P / block_size) * block_size` hit tokens of its queries (`implied_prefix_hits`), when
   every group's first request is prefilled before the group's next one is admitted (concurrency 1,
@@ -134,6 +135,8 @@ def shared_prefix_specs(
             spec,
             prompt=prefixes[spec.request_id % workload.num_prefixes] + " " + spec.prompt,
             prompt_tokens=workload.prefix_len + spec.prompt_tokens,
+            prefix=prefixes[spec.request_id % workload.num_prefixes],
+            prefix_tokens=workload.prefix_len,
             group=spec.request_id % workload.num_prefixes,
         )
         for spec in suffixes
