@@ -182,20 +182,22 @@ def _linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Cal
     return replay
 
 
-def _attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[[], bool]:
-    """A call that runs the latest step's paged decode attention alone, as `Model.forward` calls it
-    (one `paged_decode_attention_into` per layer, over the runner's KV caches with that step's block
-    tables and context lengths) on random queries `[R, H, D]`; False, doing nothing, when the latest
-    step was not a pure decode step."""
+def _attention_replay(
+    model: Model, runner: ModelRunner, seed: int
+) -> Callable[[], Callable[[], None] | None]:
+    """A call that prepares the latest step's paged decode attention alone and returns it, to be timed
+    with nothing else inside: one `paged_decode_attention_into` per layer, as `Model.forward` calls it,
+    over the runner's KV caches with that step's block tables and context lengths, on random queries
+    `[R, H, D]`. Returns None when the latest step was not a pure decode step."""
     c = model.config
     scale = 1.0 / math.sqrt(c.head_dim)
     rng = np.random.default_rng(seed)
     queries: dict[int, npt.NDArray[np.floating[Any]]] = {}  # R -> q [R, H, D], made once per R
 
-    def replay() -> bool:
+    def prepare() -> Callable[[], None] | None:
         inputs = runner.last_inputs
         if inputs is None or not inputs.metadata.is_pure_decode:
-            return False
+            return None
         meta = inputs.metadata
         r = meta.context_lens.shape[0]
         if r not in queries:
@@ -203,11 +205,14 @@ def _attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[
         q = queries[r]
         out = np.empty_like(q)  # [R, H, D]
         context_lens = meta.context_lens.astype(np.int32)  # [R]
-        for k_cache, v_cache in runner.kv_caches:
-            paged_decode_attention_into(q, k_cache, v_cache, meta.block_tables, context_lens, out, scale)
-        return True
 
-    return replay
+        def replay() -> None:
+            for k_cache, v_cache in runner.kv_caches:
+                paged_decode_attention_into(q, k_cache, v_cache, meta.block_tables, context_lens, out, scale)
+
+        return replay
+
+    return prepare
 
 
 @dataclass
@@ -219,7 +224,7 @@ class _Probes:
 
     buffer: npt.NDArray[np.floating[Any]]
     replay: Callable[[], None]
-    attention: Callable[[], bool]
+    attention: Callable[[], Callable[[], None] | None]
     read_ms: list[float] = field(default_factory=list[float])
     linear_ms: list[float] = field(default_factory=list[float])
     fma_flops: list[float] = field(default_factory=list[float])
@@ -233,8 +238,10 @@ class _Probes:
         self.replay()
         self.linear_ms.append((time.perf_counter() - start) * 1e3)
         self.fma_flops.append(fma_probe(self.linear_ms[-1] / 1e3))
-        start = time.perf_counter()
-        if self.attention():
+        attention = self.attention()
+        if attention is not None:
+            start = time.perf_counter()
+            attention()
             self.attention_ms.append((time.perf_counter() - start) * 1e3)
 
 
