@@ -179,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     model_dir = Path(args.model)
     api_key = _api_key(args.api_key_env)
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    spec = plan.engine_config.speculative_config
     cpu = _core_cpu(args.engine_core_cpu)
     name = args.served_model_name or model_dir.resolve().name
     sock = _listen(args.host, args.port)
@@ -207,6 +208,7 @@ def run(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             max_logprobs=args.max_logprobs,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
         # server, so the collector's oldest generation need not traverse it; a full collection stops
