@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.core import EngineCore, StepStats
 from attention_kv_caceh.engine.server import build_app
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from tests.engine_fakes import CharTokenizer, GatedRunner, make_text_core, wait_for
 
 MODEL = "fake-model"
@@ -90,11 +91,19 @@ def fake_server(
     max_queue: int | None = None,
     eos_at: int | None = None,
     max_request_bytes: int | None = None,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
-    core, runner = make_text_core(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_after=eos_at)
+    core, runner = make_text_core(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        eos_after=eos_at,
+        speculative_config=speculative_config,
+    )
     tokenizer = CharTokenizer()
     llm = AsyncLLM.from_engine_core(core, tokenizer)
-    extra = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    extra: dict[str, int] = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    if speculative_config is not None:
+        extra["num_speculative_tokens"] = speculative_config.num_speculative_tokens
     app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue, **extra)
     return ServerThread(app), ServedEngine(core, runner), llm

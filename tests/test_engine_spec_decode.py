@@ -54,9 +54,13 @@ class TestSpeculativeConfig(unittest.TestCase):
     def test_defaults_and_lookup_bounds_as_vllm_sets_them(self) -> None:
         c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
         self.assertEqual((c.prompt_lookup_min, c.prompt_lookup_max), (5, 5))
-        c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 7})
+        c = SpeculativeConfig.from_dict(
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 7}
+        )
         self.assertEqual((c.prompt_lookup_min, c.prompt_lookup_max), (7, 7))
-        c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2})
+        c = SpeculativeConfig.from_dict(
+            {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+        )
         self.assertEqual((c.prompt_lookup_min, c.prompt_lookup_max), (2, 2))
         c = SpeculativeConfig.from_dict({"model": "[ngram]", "num-speculative-tokens": 2})
         self.assertEqual((c.method, c.num_speculative_tokens), ("ngram", 2))
@@ -67,21 +71,43 @@ class TestSpeculativeConfig(unittest.TestCase):
             ({"method": "ngram"}, "num_speculative_tokens must be provided"),
             ({"method": "ngram", "num_speculative_tokens": 0}, "greater than zero (0)"),
             ({"method": "ngram", "num_speculative_tokens": True}, "valid integer"),
-            ({"num_speculative_tokens": 4}, "num_speculative_tokens was provided but without speculative model."),
+            (
+                {"num_speculative_tokens": 4},
+                "num_speculative_tokens was provided but without speculative model.",
+            ),
             ({"method": "eagle", "num_speculative_tokens": 4}, "'eagle' is not available"),
             ({"method": "lookahead", "num_speculative_tokens": 4}, "'lookahead' is not one of vLLM's"),
             (
-                {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+                {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "prompt_lookup_min": 4,
+                    "prompt_lookup_max": 2,
+                },
                 "prompt_lookup_min=4 must be <= prompt_lookup_max=2",
             ),
-            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "greater than or equal to 1"),
-            ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size"),
             (
-                {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[2, 4, 1]]},
+                {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
+                "greater than or equal to 1",
+            ),
+            (
+                {"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1},
+                "draft_tensor_parallel_size",
+            ),
+            (
+                {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[2, 4, 1]],
+                },
                 "must start at 1",
             ),
             (
-                {"method": "ngram", "num_speculative_tokens": 2, "num_speculative_tokens_per_batch_size": [[1, 4, 1], [3, 5, 0]]},
+                {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "num_speculative_tokens_per_batch_size": [[1, 4, 1], [3, 5, 0]],
+                },
                 "non-overlapping",
             ),
         ]
@@ -246,7 +272,9 @@ class TestGreedyEquality(unittest.TestCase):
         tokens, reasons = run_workload(engine, arrivals)
         for batch in arrivals.values():
             for rid, prompt, sp in batch:
-                self.assertEqual((tokens[rid], reasons[rid]), argmax_reference(prompt, sp, 64, copy_logits, self.VOCAB))
+                self.assertEqual(
+                    (tokens[rid], reasons[rid]), argmax_reference(prompt, sp, 64, copy_logits, self.VOCAB)
+                )
         totals = spec_totals(engine)
         self.assertGreater(totals.num_accepted_tokens, 0)
         self.assertLess(totals.num_accepted_tokens, totals.num_draft_tokens)
@@ -261,7 +289,9 @@ class TestGreedyEquality(unittest.TestCase):
                 speculative_config=spec(4, 1, 2),
             )  # fmt: skip
             engine.add_request("a", [1, 2, 3, 4, 5, 1, 2], SamplingParams(max_tokens=8, ignore_eos=True))
-            while engine.has_unfinished_requests() and not any(o.scheduled_spec_decode_tokens for o in runner.outputs):
+            while engine.has_unfinished_requests() and not any(
+                o.scheduled_spec_decode_tokens for o in runner.outputs
+            ):
                 engine.step()
             drafted = next(o for o in runner.outputs if o.scheduled_spec_decode_tokens)
             self.assertEqual(drafted.scheduled_spec_decode_tokens["a"], expected, (budget, max_model_len))
@@ -292,7 +322,9 @@ class TestGreedyEquality(unittest.TestCase):
         while engine.has_unfinished_requests():
             tokens += [t for out in engine.step() for t in out.new_token_ids]
         self.assertEqual(engine.scheduler.num_preemptions, 0)  # 12 positions fit 3 blocks, drafts did not
-        expected, _ = argmax_reference(prompt, SamplingParams(max_tokens=6, ignore_eos=True), 64, copy_logits, self.VOCAB)
+        expected, _ = argmax_reference(
+            prompt, SamplingParams(max_tokens=6, ignore_eos=True), 64, copy_logits, self.VOCAB
+        )
         self.assertEqual(tokens, expected)
 
 

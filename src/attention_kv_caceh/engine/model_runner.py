@@ -136,7 +136,9 @@ class ModelRunner:
                     f"request {r.request_id!r}: {n} scheduled tokens after {c} computed, of {len(tokens)} tokens"
                 )
             if drafts and (c + n != len(tokens) or n < 1 + len(drafts)):
-                raise ValueError(f"request {r.request_id!r}: its {len(drafts)} draft tokens must end the step")
+                raise ValueError(
+                    f"request {r.request_id!r}: its {len(drafts)} draft tokens must end the step"
+                )
             num_logits[i] = 1 + len(drafts)
             if len(r.block_ids) * bs < c + n or any(not 0 <= b < self.num_blocks for b in r.block_ids):
                 raise ValueError(

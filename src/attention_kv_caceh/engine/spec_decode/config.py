@@ -73,7 +73,9 @@ def _schedule(value: object) -> tuple[tuple[int, int, int], ...]:
     """vLLM's validate_and_normalize_dynamic_sd_schedule: sorted inclusive ranges from 1, no overlap."""
     name = "num_speculative_tokens_per_batch_size"
     if not isinstance(value, list | tuple) or not value:
-        raise ValueError(f"{name} must be a non-empty list of (range_start, range_end, num_speculative_tokens) entries.")
+        raise ValueError(
+            f"{name} must be a non-empty list of (range_start, range_end, num_speculative_tokens) entries."
+        )
     entries: list[tuple[int, int, int]] = []
     for entry in cast("list[object]", list(value)):  # pyright: ignore[reportUnknownArgumentType]
         if not isinstance(entry, list | tuple) or len(entry) != 3:  # pyright: ignore[reportUnknownArgumentType]
@@ -152,7 +154,9 @@ class SpeculativeConfig:
             raise ValueError(_method_error(self.method))
         if self.num_speculative_tokens_per_batch_size is not None:
             object.__setattr__(
-                self, "num_speculative_tokens_per_batch_size", _schedule(self.num_speculative_tokens_per_batch_size)
+                self,
+                "num_speculative_tokens_per_batch_size",
+                _schedule(self.num_speculative_tokens_per_batch_size),
             )
 
     @classmethod
@@ -222,7 +226,9 @@ class SpeculativeConfig:
             "prompt_lookup_max": self.prompt_lookup_max,
         }
         if self.num_speculative_tokens_per_batch_size is not None:
-            out["num_speculative_tokens_per_batch_size"] = [list(e) for e in self.num_speculative_tokens_per_batch_size]
+            out["num_speculative_tokens_per_batch_size"] = [
+                list(e) for e in self.num_speculative_tokens_per_batch_size
+            ]
         return out
 
     def to_json(self) -> str:

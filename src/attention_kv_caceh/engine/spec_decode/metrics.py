@@ -76,5 +76,7 @@ def acceptance_summary(stats: Iterable[SpecDecodingStats | None], num_spec_token
         "num_accepted_tokens_per_pos": list(total.num_accepted_tokens_per_pos),
         "acceptance_rate": accepted / drafted if drafted else math.nan,
         "acceptance_length": 1 + accepted / drafts if drafts else math.nan,
-        "per_position_acceptance_rates": [n / drafts if drafts else math.nan for n in total.num_accepted_tokens_per_pos],
+        "per_position_acceptance_rates": [
+            n / drafts if drafts else math.nan for n in total.num_accepted_tokens_per_pos
+        ],
     }
