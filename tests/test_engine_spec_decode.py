@@ -492,11 +492,12 @@ class TestAcceptanceSummary(unittest.TestCase):
         with self.assertRaises(ValueError):
             b.observe_draft(2, 3)
         s = acceptance_summary([a, None, b], 3)
-        self.assertEqual((s["num_drafts"], s["num_draft_tokens"], s["num_accepted_tokens"]), (3, 8, 5))
-        self.assertEqual(s["num_accepted_tokens_per_pos"], [2, 2, 1])
-        self.assertAlmostEqual(s["acceptance_rate"], 5 / 8)  # type: ignore[arg-type]
-        self.assertAlmostEqual(s["acceptance_length"], 1 + 5 / 3)  # type: ignore[arg-type]
-        self.assertTrue(math.isnan(acceptance_summary([], 2)["acceptance_rate"]))  # type: ignore[arg-type]
+        self.assertEqual((s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens), (3, 8, 5))
+        self.assertEqual(s.num_accepted_tokens_per_pos, (2, 2, 1))
+        self.assertAlmostEqual(s.acceptance_rate, 5 / 8)
+        self.assertAlmostEqual(s.acceptance_length, 1 + 5 / 3)
+        self.assertEqual(s.per_position_acceptance_rates, (2 / 3, 2 / 3, 1 / 3))
+        self.assertTrue(math.isnan(acceptance_summary([], 2).acceptance_rate))
 
 
 if __name__ == "__main__":

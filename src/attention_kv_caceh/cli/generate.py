@@ -328,13 +328,13 @@ def _acceptance_line(steps: list[Any], num_spec_tokens: int) -> str:
     from attention_kv_caceh.engine.spec_decode.metrics import acceptance_summary
 
     s = acceptance_summary(steps, num_spec_tokens)
-    if not s["num_drafts"]:
+    if not s.num_drafts:
         return "speculative decoding: no draft was proposed (no n-gram of the prompt recurred)"
-    per_pos = ", ".join(f"{r:.2f}" for r in s["per_position_acceptance_rates"])  # type: ignore[union-attr]
+    per_pos = ", ".join(f"{r:.2f}" for r in s.per_position_acceptance_rates)
     return (
-        f"speculative decoding: {s['num_drafts']} drafts, {s['num_draft_tokens']} draft tokens, "
-        f"{s['num_accepted_tokens']} accepted: acceptance rate {100 * s['acceptance_rate']:.1f} %, "  # type: ignore[operator]
-        f"mean acceptance length {s['acceptance_length']:.2f}, per position {per_pos}"
+        f"speculative decoding: {s.num_drafts} drafts, {s.num_draft_tokens} draft tokens, "
+        f"{s.num_accepted_tokens} accepted: acceptance rate {100 * s.acceptance_rate:.1f} %, "
+        f"mean acceptance length {s.acceptance_length:.2f}, per position {per_pos}"
     )
 
 

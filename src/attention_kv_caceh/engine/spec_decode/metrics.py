@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-__all__ = ["SpecDecodingStats", "acceptance_summary"]
+__all__ = ["AcceptanceSummary", "SpecDecodingStats", "acceptance_summary"]
 
 
 @dataclass
@@ -60,23 +60,36 @@ class SpecDecodingStats:
             self.num_accepted_tokens_per_pos[i] += n
 
 
-def acceptance_summary(stats: Iterable[SpecDecodingStats | None], num_spec_tokens: int) -> dict[str, object]:
-    """The sums over `stats` (None entries skipped) and vLLM's derived figures: acceptance_rate
-    (accepted / draft tokens, NaN without drafts), acceptance_length (1 + accepted / drafts, NaN without
-    drafts) and per_position_acceptance_rates (accepted_per_pos[i] / drafts)."""
+@dataclass(frozen=True)
+class AcceptanceSummary:
+    """Sums over several steps and vLLM's derived figures (module docstring): acceptance_rate
+    (accepted / draft tokens), acceptance_length (1 + accepted / drafts) and
+    per_position_acceptance_rates (accepted_per_pos[i] / drafts); NaN without drafts."""
+
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_accepted_tokens_per_pos: tuple[int, ...]
+    acceptance_rate: float
+    acceptance_length: float
+    per_position_acceptance_rates: tuple[float, ...]
+
+
+def acceptance_summary(stats: Iterable[SpecDecodingStats | None], num_spec_tokens: int) -> AcceptanceSummary:
+    """The AcceptanceSummary of `stats` (None entries, steps without speculation, skipped)."""
     total = SpecDecodingStats(num_spec_tokens)
     for s in stats:
         if s is not None:
             total.add(s)
     drafts, drafted, accepted = total.num_drafts, total.num_draft_tokens, total.num_accepted_tokens
-    return {
-        "num_drafts": drafts,
-        "num_draft_tokens": drafted,
-        "num_accepted_tokens": accepted,
-        "num_accepted_tokens_per_pos": list(total.num_accepted_tokens_per_pos),
-        "acceptance_rate": accepted / drafted if drafted else math.nan,
-        "acceptance_length": 1 + accepted / drafts if drafts else math.nan,
-        "per_position_acceptance_rates": [
+    return AcceptanceSummary(
+        num_drafts=drafts,
+        num_draft_tokens=drafted,
+        num_accepted_tokens=accepted,
+        num_accepted_tokens_per_pos=tuple(total.num_accepted_tokens_per_pos),
+        acceptance_rate=accepted / drafted if drafted else math.nan,
+        acceptance_length=1 + accepted / drafts if drafts else math.nan,
+        per_position_acceptance_rates=tuple(
             n / drafts if drafts else math.nan for n in total.num_accepted_tokens_per_pos
-        ],
-    }
+        ),
+    )
