@@ -20,8 +20,8 @@ n-gram drafts (`--pairs` alternating pairs, medians), one row each: output token
 their ratios, the decode step without drafts and the step that verifies them (rows, time, their ratio:
 the cost of verification), then vLLM's acceptance rate and mean acceptance length; a line per row gives
 the per-position acceptance rates. `--workload copy` takes copy-heavy prompts
-(`harness.copy_workload`, "repeat this passage with one change") instead of random token ids; their
-length is the passage's, not --prompt-len. The tokens with drafts must equal those without (exit 1
+(`harness.copy_workload`, "repeat this passage with one change") instead of random token ids: a
+passage of at least --prompt-len words and the instruction around it. The tokens with drafts must equal those without (exit 1
 otherwise). The JSON line then also holds the values without speculation, TPOT and acceptance.
 """
 
@@ -268,7 +268,7 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
     sizes = sorted(set(args.max_num_seqs))
     if args.workload == "copy":
         tokenizer = Tokenizer.load(model)
-        prompts = [tokenizer.encode(text) for text in copy_prompts(max(sizes), args.seed)]
+        prompts = [tokenizer.encode(text) for text in copy_prompts(max(sizes), args.seed, args.prompt_len)]
     else:
         rng = np.random.default_rng(args.seed)
         prompts = rng.integers(0, config.vocab_size, size=(max(sizes), args.prompt_len)).tolist()

@@ -1,7 +1,8 @@
 """The copy-heavy workload: "repeat this passage with one change", where n-gram drafts should pay.
 
-Each prompt holds a passage of `sentences` plain English sentences (drawn with a seeded generator from a
-fixed bank, so a run repeats) and asks for it back with one word changed:
+Each prompt holds a passage of plain English sentences, drawn without repetition from a fixed bank with
+a seeded generator until it has at least the asked number of words (so a run repeats), and asks for it
+back with one word changed:
 
     Repeat the passage below word for word, but write "<new>" instead of "<old>".
 
@@ -21,9 +22,14 @@ one user message) ask the same thing.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
-__all__ = ["COPY_SENTENCES", "copy_prompt", "copy_prompts"]
+from attention_kv_caceh.harness.backends import RequestSpec
+from attention_kv_caceh.harness.load import LengthRange, make_request_specs
+
+__all__ = ["COPY_SENTENCES", "copy_prompt", "copy_prompts", "copy_specs"]
 
 COPY_SENTENCES = (
     "The cache keeps the keys and values of every token the model has already read.",
@@ -58,24 +64,45 @@ _CHANGES = (
 )  # fmt: skip
 
 
-def copy_prompt(rng: np.random.Generator, sentences: int = 6) -> str:
-    """One copy prompt of `sentences` sentences drawn from COPY_SENTENCES (module docstring); the change
-    names a word of the passage when one of the listed words occurs in it. Raises ValueError for
-    sentences < 1."""
-    if sentences < 1:
-        raise ValueError(f"sentences must be >= 1, got {sentences}")
-    picks = rng.choice(len(COPY_SENTENCES), size=min(sentences, len(COPY_SENTENCES)), replace=False)
-    passage = " ".join(COPY_SENTENCES[int(i)] for i in picks)
-    present = [(old, new) for old, new in _CHANGES if f" {old} " in f" {passage} "]
-    old, new = present[int(rng.integers(len(present)))] if present else _CHANGES[0]
+def copy_prompt(rng: np.random.Generator, passage_words: int = 100) -> str:
+    """One copy prompt (module docstring) whose passage has at least `passage_words` words (or the whole
+    bank, about 400 words) and one of the words the change may name. Raises ValueError for
+    passage_words < 1."""
+    if passage_words < 1:
+        raise ValueError(f"passage_words must be >= 1, got {passage_words}")
+    order = rng.permutation(len(COPY_SENTENCES))
+    picked: list[str] = []
+    present: list[tuple[str, str]] = []
+    for i in order:  # sentences until the passage is long enough and holds a word to change
+        picked.append(COPY_SENTENCES[int(i)])
+        present = [(old, new) for old, new in _CHANGES if f" {old} " in f" {' '.join(picked)} "]
+        if present and sum(len(p.split()) for p in picked) >= passage_words:
+            break
+    passage = " ".join(picked)
+    old, new = present[int(rng.integers(len(present)))]
     return (
         f'Repeat the passage below word for word, but write "{new}" instead of "{old}".\n\n'
         f"Passage:\n{passage}\n\nRepeated passage:\n"
     )
 
 
-def copy_prompts(num_prompts: int, seed: int, sentences: int = 6) -> list[str]:
-    """`num_prompts` copy prompts from `np.random.default_rng([seed, 3])` (independent of other draws
-    seeded with `seed`)."""
+def copy_prompts(num_prompts: int, seed: int, passage_words: int = 100) -> list[str]:
+    """`num_prompts` copy prompts from `np.random.default_rng([seed, 3])` (independent of the other
+    draws seeded with `seed`)."""
     rng = np.random.default_rng([seed, 3])
-    return [copy_prompt(rng, sentences) for _ in range(num_prompts)]
+    return [copy_prompt(rng, passage_words) for _ in range(num_prompts)]
+
+
+def copy_specs(
+    num_requests: int, prompt_len: LengthRange, output_len: LengthRange, rng: np.random.Generator, seed: int
+) -> list[RequestSpec]:
+    """The harness's `--workload copy` specs: output lengths drawn from `output_len` as for `random`,
+    prompts `copy_prompt`s whose passages have at least the `prompt_len` drawn for them in words. The
+    text is sent as it is (`from_dataset`): its token count is the server's."""
+    drawn = make_request_specs(num_requests, prompt_len, output_len, rng)
+    copy_rng = np.random.default_rng([seed, 3])
+    out: list[RequestSpec] = []
+    for spec in drawn:
+        text = copy_prompt(copy_rng, spec.prompt_tokens)
+        out.append(replace(spec, prompt=text, prompt_tokens=len(text.split()), from_dataset=True))
+    return out
