@@ -32,7 +32,7 @@ def exposition(drafts: int, drafted: int, accepted: int, per_pos: list[int]) -> 
     lines = [
         "# TYPE vllm:spec_decode_num_drafts counter",
         f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}.0',
-        f'vllm:spec_decode_num_drafts_created{{engine="0",model_name="m"}} 1.7e9',
+        'vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9',
         "# TYPE vllm:spec_decode_num_draft_tokens counter",
         f'vllm:spec_decode_num_draft_tokens_total{{engine="0",model_name="m"}} {drafted}.0',
         "# TYPE vllm:spec_decode_num_accepted_tokens counter",

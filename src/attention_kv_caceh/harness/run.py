@@ -35,6 +35,7 @@ from attention_kv_caceh.harness.config import (
     BackendName,
     HarnessConfig,
 )
+from attention_kv_caceh.harness.copy_workload import copy_specs
 from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
@@ -53,7 +54,6 @@ from attention_kv_caceh.harness.prompts import (
     probe_server_tokenizer,
 )
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.copy_workload import copy_specs
 from attention_kv_caceh.harness.server_counters import (
     CounterSnapshot,
     RunCounters,
