@@ -393,7 +393,7 @@ def chi2_critical(df: int, alpha: float) -> float:
 
 
 class TestOutputDistribution(unittest.TestCase):
-    """At temperature 1 the outputs with speculation follow the target model's distribution.
+    """At temperature 1 the outputs with speculation follow the model's distribution.
 
     The fake model: 3 tokens, logits drawn from the context's hash (`random_logits`), so each context has
     its own distribution. The prompt [0 1 2 0 1] ends with an n-gram seen before, so drafts are

@@ -4,7 +4,7 @@ rejection_sampler.py`, `vllm/config/speculative.py`).
 - `config`: SpeculativeConfig, the `--speculative-config` JSON with vLLM's defaults and errors, and the
   draft schedule that stops proposing where a step is compute-bound.
 - `ngram_proposer`: the draft tokens, from the longest recurring suffix of a request's own tokens.
-- `rejection_sampler`: which draft tokens the target model keeps, and the token after them.
+- `rejection_sampler`: which draft tokens the model keeps, and the token after them.
 - `metrics`: SpecDecodingStats, vLLM's draft and acceptance counts.
 
 The scheduler schedules drafts (`Request.spec_token_ids`) in the token budget, the model runner computes

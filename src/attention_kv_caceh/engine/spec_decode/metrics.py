@@ -5,7 +5,7 @@ logger and `vllm bench serve` print). Per step, over the requests that verified 
 
 - num_drafts: requests that had draft tokens scheduled (one draft each);
 - num_draft_tokens: draft tokens scheduled;
-- num_accepted_tokens: draft tokens the target model agreed with (counted before a stop condition
+- num_accepted_tokens: draft tokens the model agreed with (counted before a stop condition
   trims the step's tokens, as vLLM counts them);
 - num_accepted_tokens_per_pos[i]: drafts whose token at position i was accepted (so every earlier one
   was too).

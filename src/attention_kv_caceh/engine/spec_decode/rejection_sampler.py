@@ -1,10 +1,10 @@
-"""Verification of a draft: which of a request's draft tokens the target model keeps, and the token after.
+"""Verification of a draft: which of a request's draft tokens the model keeps, and the token after.
 
 Corresponds to vLLM v1's `vllm/v1/sample/rejection_sampler.py` for drafts without a draft distribution
 (n-gram drafts: vLLM treats them as one-hot). One request at a time, with its own SamplingParams and
 generator, like `engine/sampler.py`.
 
-The runner gives the target model's logits at the draft's k + 1 positions: row j follows the request's
+The runner gives the model's logits at the draft's k + 1 positions: row j follows the request's
 tokens and draft[:j] (row 0 follows its last accepted token). For j = 0, 1, ...: row j goes through the
 request's logits processors as if draft[:j] were already output tokens (so min_tokens, the penalties and
 the logprobs mean at each position what they mean without speculation), then one token t_j is taken
@@ -13,7 +13,7 @@ request's generator). If j < k and t_j == draft[j], the draft token is accepted 
 otherwise t_j is the step's last token: the correction of a rejected draft token, or the bonus token
 after a fully accepted draft. So a step yields between 1 and k + 1 tokens.
 
-Why the output distribution is the target model's. Each emitted token t_j is a sample of the target
+Why the output distribution is the model's. Each emitted token t_j is a sample of the model's
 distribution p_j given everything emitted before it, since row j's context is exactly the tokens
 emitted so far (they equal draft[:j]). So the emitted sequence is sampled as plain decoding samples it,
 one token from p_j at a time, and at temperature 0 it is plain greedy decoding token for token.
@@ -45,7 +45,7 @@ def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft:
     """The tokens one verification step yields for `request` (see the module docstring).
 
     logits `[k + 1, V]` (k = len(draft)): row j after the request's tokens and draft[:j]. Returns
-    1 .. k + 1 token ids: the accepted draft prefix, then the target's own next token. With
+    1 .. k + 1 token ids: the accepted draft prefix, then the model's own next token. With
     `sampling_params.logprobs` set, each returned token's TokenLogprobs (from its raw row) is appended to
     `request.output_logprobs`, as `sampler.sample` does.
 
