@@ -144,7 +144,7 @@ def _open(file: Path) -> GGUFReader:
     try:
         return _reader(str(file), stat.st_size, stat.st_mtime_ns)
     except ValueError as err:
-        unknown = re.match(r"(\d+) is not a valid GGMLQuantizationType", str(err))
+        unknown = re.match(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGMLQuantizationType", str(err))
         if unknown:
             raise CheckpointError(
                 f"{file}: a tensor has GGML type {unknown.group(1)}, which gguf "

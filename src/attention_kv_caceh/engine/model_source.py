@@ -100,9 +100,12 @@ def resolve_model(value: str | Path) -> ModelSource:
 
 def gguf_file_of(value: str | Path) -> Path | None:
     """The GGUF file `value` names (resolve_model), or None when it names anything else: a Hugging
-    Face folder, or nothing (the caller's own checks then report it). Raises CheckpointError only for a
-    model name whose package lacks the file, or a folder with several .gguf files."""
+    Face folder, a file that is neither named `.gguf` nor starts with GGUF's magic (a tokenizer.json),
+    or nothing (the caller's own checks then report it). Raises CheckpointError only for a model name
+    whose package lacks the file, or a folder with several .gguf files."""
     path = Path(value)
+    if path.is_file():
+        return path if path.suffix == ".gguf" or _starts_with_gguf_magic(path) else None
     if path.is_dir() and (path / "config.json").is_file():
         return None
     if not path.exists() and str(value) not in MODELS:
@@ -111,6 +114,14 @@ def gguf_file_of(value: str | Path) -> Path | None:
         return None
     source = resolve_model(value)
     return source.path if source.format == "gguf" else None
+
+
+def _starts_with_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
