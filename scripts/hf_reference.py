@@ -343,7 +343,7 @@ def agree_gguf(args: argparse.Namespace) -> None:
         failed |= equal < len(prompts)
         print(
             f"{label}: prompt ids {equal_prompts} of {len(prompts)} equal; greedy tokens {equal} of {len(prompts)} equal "
-            f"({len(GGUF_PLAIN)} plain + {len(chats)} chat prompts, {args.max_tokens} tokens each)",
+            f"({len(GGUF_PLAIN)} plain + {len(chats)} chat prompts, at most {args.max_tokens} tokens each, stopping at the end-of-turn token)",
             flush=True,
         )
     sys.exit(1 if failed else 0)
