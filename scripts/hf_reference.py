@@ -303,7 +303,7 @@ def agree_gguf(args: argparse.Namespace) -> None:
     failed = False
     for label, flags in GGUF_ENGINE_RUNS:
         out = work / f"engine-{len(flags)}-{flags[1]}.jsonl"
-        subprocess.run(
+        run = subprocess.run(
             [
                 "uv",
                 "run",
@@ -326,6 +326,8 @@ def agree_gguf(args: argparse.Namespace) -> None:
             text=True,
             check=True,
         )
+        summary = [line for line in run.stdout.splitlines() if "preemptions" in line]
+        print(f"{label}: engine {summary[-1] if summary else '(no summary line)'}")
         equal_prompts = equal = 0
         for i, ((want_prompt, want), row) in enumerate(zip(reference, _read_jsonl(out), strict=True)):
             equal_prompts += row["prompt_token_ids"] == want_prompt
