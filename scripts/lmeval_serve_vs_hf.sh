@@ -28,7 +28,7 @@ p = Path(sys.argv[1]); AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name)
 
 uv run attention-kv-caceh serve --model smollm2 --port "$PORT" --dtype "$SERVE_DTYPE" > "$OUT/serve.log" 2>&1 &
 SERVE=$!
-trap 'kill "$SERVE" 2>/dev/null; wait "$SERVE" 2>/dev/null || true' EXIT
+trap 'kill "$SERVE" 2>/dev/null || true; wait "$SERVE" 2>/dev/null || true' EXIT
 for _ in $(seq 120); do
     curl -sf "http://127.0.0.1:$PORT/health" > /dev/null && break
     kill -0 "$SERVE" 2>/dev/null || { cat "$OUT/serve.log"; exit 1; }
