@@ -221,6 +221,22 @@ class ConvertedCheckpointTest(unittest.TestCase):
                     self.assertEqual(gguf.shape(name), hf.shape(name), name)
                     np.testing.assert_array_equal(gguf.get(name, np.float32), hf.get(name, np.float32), name)
 
+    def test_quantized_blocks_come_out_in_hugging_face_row_order(self) -> None:
+        from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint
+
+        q8 = GGUFCheckpoint(gguf_from_checkpoint(self.folders["llama"], self.root / "llama-q8.gguf", T.Q8_0))
+        hf = SafetensorsCheckpoint(self.folders["llama"])
+        for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight"):
+            with self.subTest(name=name):
+                raw = q8.quantized(name)
+                self.assertEqual(
+                    (raw.ggml_type, raw.shape, raw.data.dtype), ("Q8_0", hf.shape(name), np.uint8)
+                )
+                blocks = reference_dequantize(raw.data.reshape(-1, raw.type_size), T.Q8_0).reshape(raw.shape)
+                np.testing.assert_allclose(q8.get(name, np.float64), blocks, rtol=1e-6)
+                want = hf.get(name, np.float64)
+                self.assertLess(np.abs(blocks - want).max(), np.abs(want).max() / 127)  # Q8_0's resolution
+
     def test_greedy_tokens_equal_the_folders(self) -> None:
         from attention_kv_caceh.engine.config import EngineConfig
         from attention_kv_caceh.engine.llm_engine import LLMEngine

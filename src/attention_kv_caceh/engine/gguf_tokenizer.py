@@ -1,5 +1,8 @@
 """The tokenizer and chat template a GGUF file carries in its metadata, built with the `tokenizers` library.
 
+vLLM hands a GGUF file's tokenizer to transformers (`AutoTokenizer.from_pretrained(..., gguf_file=...)`,
+`vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. Left out:
+SentencePiece vocabularies (`tokenizer.ggml.model` "llama", Llama 2's), WordPiece and Unigram ones.
 A GGUF file has no `tokenizer.json`; llama.cpp stores the vocabulary under `tokenizer.ggml.*`:
 
     tokenizer.ggml.model         "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM); nothing else is built
