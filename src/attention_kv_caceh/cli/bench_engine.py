@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,10 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def format_load(environment: dict[str, Any], path: Path) -> str:
-    """One line: how long loading took, the resident memory before and after it, the weights' bytes in
-    memory (engine dtype) and on disk (the GGUF file, or the folder's safetensors files)."""
+def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
+    """One line: how long opening the checkpoint (`open_s`: its config; a GGUF file's metadata and tensor
+    table) and loading its weights took, the resident memory before and after the load, the weights'
+    bytes in memory (engine dtype) and on disk (the GGUF file, or the folder's safetensors files)."""
     from attention_kv_caceh.memory import format_bytes
 
     files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
@@ -140,7 +142,8 @@ def format_load(environment: dict[str, Any], path: Path) -> str:
     before, after = environment.get("rss_before_load_bytes"), environment.get("rss_after_load_bytes")
     rss = "-" if before is None or after is None else f"{format_bytes(before)} -> {format_bytes(after)}"
     return (
-        f"loaded in {environment['load_s']:.2f} s (read, dequantize, pack); resident memory {rss}; "
+        f"checkpoint opened in {open_s:.2f} s, weights loaded in {environment['load_s']:.2f} s (read, "
+        f"dequantize, pack); resident memory {rss}; "
         f"weights read per decode step {format_bytes(environment['weight_bytes'])} as {environment['dtype']} "
         f"({format_bytes(on_disk)} on disk)"
     )
@@ -157,10 +160,12 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
 
+    opened = time.perf_counter()
     try:
-        _, config = load_model_config(source.path)
+        _, config = load_model_config(source.path)  # parses a GGUF file once; Model.load reuses it
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
+    open_s = time.perf_counter() - opened
     model = source.path
     if args.max_num_batched_tokens < max(args.max_num_seqs):
         raise UsageError(
@@ -203,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None
     rows = [asdict(row) for row in result.rows]
-    print(format_load(result.environment, source.path))
+    print(format_load(result.environment, source.path, open_s))
     print(format_rows(rows))
     if args.json:
         try:
