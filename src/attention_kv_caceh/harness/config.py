@@ -137,7 +137,9 @@ class HarnessConfig:
             from attention_kv_caceh.engine.model_source import gguf_file_of
 
             path = Path(self.tokenizer)
-            tokenizer_json = (path / "tokenizer.json").is_file() or (path.is_file() and path.suffix == ".json")
+            tokenizer_json = (path / "tokenizer.json").is_file() or (
+                path.is_file() and path.suffix == ".json"
+            )
             if not tokenizer_json and gguf_file_of(path) is None:
                 raise ValueError(
                     f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json, a .gguf file or "
