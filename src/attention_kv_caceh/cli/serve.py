@@ -1,6 +1,6 @@
 """`attention-kv-caceh serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's `vllm serve`).
 
-    attention-kv-caceh serve --model DIR [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
+    attention-kv-caceh serve --model MODEL [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
 
 Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
 step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
@@ -30,7 +30,6 @@ import socket
 import sys
 import threading
 from collections.abc import Generator
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -44,7 +43,13 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
-from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
+from attention_kv_caceh.cli.engine_args import (
+    MODEL_HELP,
+    MODEL_METAVAR,
+    add_engine_arguments,
+    engine_config_kwargs,
+    plan_engine,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
 
@@ -59,11 +64,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        metavar="DIR",
-        help="checkpoint folder (config.json, ...) (default: none, required)",
+        metavar=MODEL_METAVAR,
+        help=MODEL_HELP,
     )
     parser.add_argument(
-        "--served-model-name", metavar="NAME", help="model name clients send (default: the folder's name)"
+        "--served-model-name",
+        metavar="NAME",
+        help="model name clients send (default: the model's name, the .gguf file's stem or the folder's name)",
     )
     parser.add_argument(
         "--host",
@@ -176,19 +183,19 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.core_client import EngineDeadError
     from attention_kv_caceh.engine.server import build_app
 
-    model_dir = Path(args.model)
     api_key = _api_key(args.api_key_env)
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     spec = plan.engine_config.speculative_config
+    model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
-    name = args.served_model_name or model_dir.resolve().name
+    name = args.served_model_name or plan.source.name
     sock = _listen(args.host, args.port)
     llm: AsyncLLM | None = None
     try:
         try:
-            chat_template = load_chat_template(model_dir)
+            chat_template = load_chat_template(model_path)
             llm = AsyncLLM.from_checkpoint(
-                str(model_dir), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
+                str(model_path), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
             )
         except (ValueError, OSError, EngineDeadError) as exc:
             raise CommandFailed(f"cannot load {args.model}: {exc}") from None

@@ -1,4 +1,5 @@
-"""Tokenizer: a Hugging Face `tokenizer.json` (through the `tokenizers` library) plus `tokenizer_config.json`.
+"""Tokenizer: a Hugging Face `tokenizer.json` (through the `tokenizers` library) plus `tokenizer_config.json`,
+or the one a GGUF file's metadata describes (`gguf_tokenizer.py`).
 
 What vLLM's `transformers_utils/tokenizer.py` and `v1/engine/detokenizer.py` do, for one local folder:
 encode/decode with the fast tokenizer, read the eos/bos tokens and the chat template string from
@@ -55,9 +56,21 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         """Read `path/tokenizer.json` and, when present, `path/tokenizer_config.json`.
 
+        `path` may also name a GGUF file (a `.gguf` file, a folder holding one, or a model name of
+        `model_source.MODELS`): the tokenizer is then built from the file's metadata
+        (`gguf_tokenizer.tokenizer_from_gguf`).
+
         Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
-        file cannot be parsed.
+        file cannot be parsed, or naming the key of a GGUF tokenizer that cannot be built.
         """
+        from attention_kv_caceh.engine.model_source import gguf_file_of
+
+        gguf = gguf_file_of(path)
+        if gguf is not None:
+            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+
+            return cls(*tokenizer_from_gguf(GGUFCheckpoint(gguf)))
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
