@@ -17,7 +17,8 @@ tokens; exit 1 otherwise).
 With `--speculative-config`, the run compares speculative decoding instead
 (`engine.spec_benchmark.run_spec_benchmark`): per max_num_seqs, the same requests without and with
 n-gram drafts (`--pairs` alternating pairs, medians), one row each: output tokens/s and TPOT of both and
-their ratios, the decode step without drafts and the step that verifies them (rows, time, their ratio:
+their ratios (and the ratio of output tokens per CPU second of the engine steps, which a shared
+machine's load moves less), the decode step without drafts and the step that verifies them (rows, time, their ratio:
 the cost of verification), then vLLM's acceptance rate and mean acceptance length; a line per row gives
 the per-position acceptance rates. `--workload copy` takes copy-heavy prompts
 (`harness.copy_workload`, "repeat this passage with one change") instead of random token ids: a
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -256,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
 def format_spec_rows(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of `SpecBenchRow`s (as dicts), one line of per-position acceptance after each."""
     header = (
-        f"{'max_num_seqs':>12}{'prompt':>7}{'tok/s off':>10}{'tok/s on':>9}{'ratio':>6}"
+        f"{'max_num_seqs':>12}{'prompt':>7}{'tok/s off':>10}{'tok/s on':>9}{'ratio':>6}{'cpu':>6}"
         f"{'TPOT off ms':>12}{'TPOT on ms':>11}{'ratio':>6}{'decode ms':>10}{'verify ms':>10}{'rows':>6}"
         f"{'cost':>6}{'drafts %':>9}{'accept %':>9}{'accept len':>11}"
     )
@@ -264,7 +266,8 @@ def format_spec_rows(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append(
             f"{r['max_num_seqs']:>12}{r['mean_prompt_len']:>7.0f}{r['output_tokens_per_s_off']:>10.1f}"
-            f"{r['output_tokens_per_s_on']:>9.1f}{r['tok_s_ratio']:>6.2f}{r['tpot_ms_off']:>12.2f}"
+            f"{r['output_tokens_per_s_on']:>9.1f}{r['tok_s_ratio']:>6.2f}{r['cpu_tok_s_ratio']:>6.2f}"
+            f"{r['tpot_ms_off']:>12.2f}"
             f"{r['tpot_ms_on']:>11.2f}{r['tpot_ratio']:>6.2f}{r['decode_step_ms_p50']:>10.2f}"
             f"{r['verify_step_ms_p50']:>10.2f}{r['verify_rows_mean']:>6.1f}{r['verify_cost']:>6.2f}"
             f"{100 * r['draft_step_share']:>9.0f}{100 * r['acceptance_rate']:>9.1f}{r['acceptance_length']:>11.2f}"
@@ -345,5 +348,12 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
         "acceptance_rate": [r["acceptance_rate"] for r in dicts],
         "acceptance_length": [r["acceptance_length"] for r in dicts],
     }
-    print(json.dumps(summary))
+    print(json.dumps(summary_json(summary)))
     return 0
+
+
+def summary_json(summary: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """`summary` with NaN (no draft, no acceptance) as null, so the line is strict JSON."""
+    return {
+        k: [None if isinstance(v, float) and math.isnan(v) else v for v in vs] for k, vs in summary.items()
+    }

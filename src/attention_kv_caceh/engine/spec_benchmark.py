@@ -91,6 +91,9 @@ class SpecBenchRow:
         workload: "random" (random token ids) or "copy" (harness.copy_workload prompts).
         mean_prompt_len, output_len: tokens per request.
         output_tokens_per_s_off, output_tokens_per_s_on: without / with speculation; `tok_s_ratio` on / off.
+        cpu_tok_s_ratio: the same ratio of output tokens per second of the engine steps' CPU time
+            (StepStats.step_cpu_ms summed over a run): the work of each run, without the time a shared
+            machine's other processes held the core, so it moves less than the wall-clock ratio.
         tpot_ms_off, tpot_ms_on: mean TPOT (module docstring), ms; `tpot_ratio` on / off.
         decode_step_ms_p50: median decode step without speculation (steps without prefill tokens).
         verify_step_ms_p50: median decode step with speculation among those that verified drafts (NaN
@@ -110,6 +113,7 @@ class SpecBenchRow:
     output_tokens_per_s_off: float
     output_tokens_per_s_on: float
     tok_s_ratio: float
+    cpu_tok_s_ratio: float
     tpot_ms_off: float
     tpot_ms_on: float
     tpot_ratio: float
@@ -125,6 +129,10 @@ class SpecBenchRow:
     acceptance_length: float
     per_position_acceptance_rates: tuple[float, ...]
     pairs: int
+
+
+def _tokens_per_cpu_s(run: RunTimes) -> float:
+    return sum(len(o) for o in run.outputs) / (sum(s.step_cpu_ms for s in run.engine.step_stats) / 1e3)
 
 
 def _check(label: str, off: list[list[int]], on: list[list[int]]) -> None:
@@ -232,6 +240,8 @@ def run_spec_benchmark(
             statistics.fmean([sum(s.num_scheduled_tokens.values()) for s in verify]) if verify else 0.0
         )
         acc = acceptance_summary((s.spec_decoding for s in on_runs[0].engine.step_stats), k)
+        cpu_off = statistics.median(_tokens_per_cpu_s(r) for r in off_runs)
+        cpu_on = statistics.median(_tokens_per_cpu_s(r) for r in on_runs)
         tok_off = statistics.median(r.output_tokens_per_s for r in off_runs)
         tok_on = statistics.median(r.output_tokens_per_s for r in on_runs)
         tpot_off = statistics.median(r.mean_tpot_ms for r in off_runs)
@@ -245,6 +255,7 @@ def run_spec_benchmark(
                 output_tokens_per_s_off=tok_off,
                 output_tokens_per_s_on=tok_on,
                 tok_s_ratio=tok_on / tok_off,
+                cpu_tok_s_ratio=cpu_on / cpu_off,
                 tpot_ms_off=tpot_off,
                 tpot_ms_on=tpot_on,
                 tpot_ratio=tpot_on / tpot_off,
