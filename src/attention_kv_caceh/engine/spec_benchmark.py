@@ -11,8 +11,8 @@ speculation, plus the two numbers that explain the difference:
   rows) over the median decode step of the run without drafts (B rows). Speculation pays when the mean
   acceptance length (tokens per verified request-step) exceeds it.
 
-Each max_num_seqs value runs `pairs` alternating pairs (without, then with speculation) on fresh
-engines over the same prompts (prefix caching off, so neither run finds the other's blocks); tok/s and
+Each max_num_seqs value runs `pairs` pairs of runs (without, then with speculation; the next pair in
+the other order) on fresh engines over the same prompts (prefix caching off, so neither run finds the other's blocks); tok/s and
 TPOT are medians over the pairs. Before anything is timed, an oracle: request 0 alone, without and
 with drafts, must produce the same tokens (greedy, or the same seeded draws: speculation changes no
 token, see spec_decode/rejection_sampler.py), and so must every request of every timed pair;
@@ -21,6 +21,7 @@ otherwise OracleMismatch is raised and nothing is reported. Nothing here prints.
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.core import StepStats
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
@@ -45,12 +47,12 @@ __all__ = ["RunTimes", "SpecBenchRow", "run_spec_benchmark", "time_requests"]
 @dataclass(frozen=True)
 class RunTimes:
     """One run of `time_requests`: output ids per prompt, wall seconds from the first step to the last,
-    mean TPOT (ms), and the engine (its StepStats)."""
+    mean TPOT (ms), and the engine's StepStats (the engine itself, its KV cache, is let go)."""
 
     outputs: list[list[int]]
     wall_s: float
     mean_tpot_ms: float
-    engine: LLMEngine
+    step_stats: list[StepStats]
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -77,8 +79,9 @@ def time_requests(engine: LLMEngine, prompts: Sequence[list[int]], params: Sampl
                 last[out.request_id] = now
     wall = time.perf_counter() - start
     tpots = [(last[r] - first[r]) / (len(outputs[r]) - 1) * 1e3 for r in ids if len(outputs[r]) > 1]
+    stats = list(engine.step_stats)
     return RunTimes(
-        [outputs[r] for r in ids], wall, statistics.fmean(tpots) if tpots else float("nan"), engine
+        [outputs[r] for r in ids], wall, statistics.fmean(tpots) if tpots else float("nan"), stats
     )
 
 
@@ -104,6 +107,8 @@ class SpecBenchRow:
             per_position_acceptance_rates: vLLM's figures over one run with speculation
             (`spec_decode.metrics.acceptance_summary`).
         pairs: timed pairs.
+        runs_tok_s_off, runs_tok_s_on, runs_tpot_ms_off, runs_tpot_ms_on: every timed run's output tok/s
+            and mean TPOT, in run order (the raw samples behind the medians).
     """
 
     max_num_seqs: int
@@ -129,10 +134,14 @@ class SpecBenchRow:
     acceptance_length: float
     per_position_acceptance_rates: tuple[float, ...]
     pairs: int
+    runs_tok_s_off: tuple[float, ...] = ()
+    runs_tok_s_on: tuple[float, ...] = ()
+    runs_tpot_ms_off: tuple[float, ...] = ()
+    runs_tpot_ms_on: tuple[float, ...] = ()
 
 
 def _tokens_per_cpu_s(run: RunTimes) -> float:
-    return sum(len(o) for o in run.outputs) / (sum(s.step_cpu_ms for s in run.engine.step_stats) / 1e3)
+    return sum(len(o) for o in run.outputs) / (sum(s.step_cpu_ms for s in run.step_stats) / 1e3)
 
 
 def _check(label: str, off: list[list[int]], on: list[list[int]]) -> None:
@@ -225,21 +234,21 @@ def run_spec_benchmark(
         batch = [list(p) for p in prompts[:b]]
         off_runs: list[RunTimes] = []
         on_runs: list[RunTimes] = []
-        for _ in range(pairs):
-            off_runs.append(time_requests(engine(b, None), batch, params))
-            on_runs.append(time_requests(engine(b, speculative_config), batch, params))
+        for pair in range(pairs):  # the order alternates, so that neither side is always the second
+            for spec in (None, speculative_config) if pair % 2 == 0 else (speculative_config, None):
+                gc.collect()  # the previous run's engine and KV cache go before this one is built
+                run = time_requests(engine(b, spec), batch, params)
+                (off_runs if spec is None else on_runs).append(run)
             _check(f"max_num_seqs={b}", off_runs[-1].outputs, on_runs[-1].outputs)
-        decode_off = [
-            s.step_time_ms for r in off_runs for s in r.engine.step_stats if s.num_prefill_tokens == 0
-        ]
-        on_steps = [s for r in on_runs for s in r.engine.step_stats if s.num_prefill_tokens == 0]
+        decode_off = [s.step_time_ms for r in off_runs for s in r.step_stats if s.num_prefill_tokens == 0]
+        on_steps = [s for r in on_runs for s in r.step_stats if s.num_prefill_tokens == 0]
         verify = [s for s in on_steps if s.spec_decoding is not None and s.spec_decoding.num_drafts > 0]
         decode_ms = statistics.median(decode_off)
         verify_ms = statistics.median([s.step_time_ms for s in verify]) if verify else float("nan")
         rows_mean = (
             statistics.fmean([sum(s.num_scheduled_tokens.values()) for s in verify]) if verify else 0.0
         )
-        acc = acceptance_summary((s.spec_decoding for s in on_runs[0].engine.step_stats), k)
+        acc = acceptance_summary((s.spec_decoding for s in on_runs[0].step_stats), k)
         cpu_off = statistics.median(_tokens_per_cpu_s(r) for r in off_runs)
         cpu_on = statistics.median(_tokens_per_cpu_s(r) for r in on_runs)
         tok_off = statistics.median(r.output_tokens_per_s for r in off_runs)
@@ -271,6 +280,10 @@ def run_spec_benchmark(
                 acceptance_length=acc.acceptance_length,
                 per_position_acceptance_rates=acc.per_position_acceptance_rates,
                 pairs=pairs,
+                runs_tok_s_off=tuple(r.output_tokens_per_s for r in off_runs),
+                runs_tok_s_on=tuple(r.output_tokens_per_s for r in on_runs),
+                runs_tpot_ms_off=tuple(r.mean_tpot_ms for r in off_runs),
+                runs_tpot_ms_on=tuple(r.mean_tpot_ms for r in on_runs),
             )
         )
     environment = capture_environment() | {
