@@ -44,7 +44,7 @@ DEFAULT_PROMPT_LOOKUP = 5
 DEFAULT_VERIFY_ROWS = 8
 """Rows (tokens) of a step up to which the step costs about what one row costs on the development machine
 (AVX-512, float32, one thread): the packed linear layers stream each weight once for up to 8 rows
-(docs/engine.md, "Speculative decoding: when verification is free"). The default schedule keeps a
+(docs/engine.md, "When verification is free, and when it is not"). The default schedule keeps a
 step's decode and draft tokens within this many rows."""
 
 VLLM_METHODS = (
