@@ -282,6 +282,24 @@ def letter_logits(context: Sequence[int], vocab: int) -> np.ndarray:
     return logits
 
 
+def copy_letter_token(context: Sequence[int]) -> int:
+    """A letter model that copies: the letter that followed the last token's most recent earlier
+    occurrence, else `letter_token` (so n-gram drafts on a repetitive prompt are accepted)."""
+    last = context[-1]
+    for i in range(len(context) - 2, -1, -1):
+        if context[i] == last:
+            nxt = int(context[i + 1])
+            return nxt if ord("a") - 32 <= nxt <= ord("z") - 32 else letter_token(context)
+    return letter_token(context)
+
+
+def copy_letter_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    """letter_logits of copy_letter_token."""
+    logits = np.zeros(vocab)
+    logits[copy_letter_token(context)] = 1e4
+    return logits
+
+
 def expected_ids(prompt: Sequence[int], n: int) -> list[int]:
     """The text runner's first n tokens after `prompt` (full recompute: the oracle)."""
     seq = list(prompt)
@@ -300,8 +318,15 @@ class GatedRunner(FakeModelRunner):
     (`blocked` is True meanwhile), `fail_steps` makes the next steps raise, `eos_after` k makes the k-th
     output token (counted from 0) EOS. `wait_for` waits, bounded, for a condition about it."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, eos_after: int | None = None) -> None:
-        super().__init__(num_blocks, block_size, TEXT_VOCAB, letter_logits)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eos_after: int | None = None,
+        logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
+    ) -> None:
+        super().__init__(num_blocks, block_size, TEXT_VOCAB, logits_fn)
         self.gate = threading.Event()
         self.gate.set()
         self.blocked = False
@@ -350,6 +375,7 @@ def make_text_core(
     max_num_batched_tokens: int = 512,
     eos_after: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
 ) -> tuple[EngineCore, GatedRunner]:
     """A real EngineCore over the GatedRunner (no eos unless `eos_after`)."""
     from attention_kv_caceh.engine.config import EngineConfig
@@ -362,5 +388,5 @@ def make_text_core(
         max_model_len=max_model_len,
         speculative_config=speculative_config,
     )
-    runner = GatedRunner(num_blocks, block_size, eos_after=eos_after)
+    runner = GatedRunner(num_blocks, block_size, eos_after=eos_after, logits_fn=logits_fn)
     return EngineCore(config, runner, eos_token_id=TEXT_EOS), runner

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
@@ -18,7 +19,7 @@ from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.core import EngineCore, StepStats
 from attention_kv_caceh.engine.server import build_app
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
-from tests.engine_fakes import CharTokenizer, GatedRunner, make_text_core, wait_for
+from tests.engine_fakes import CharTokenizer, GatedRunner, letter_logits, make_text_core, wait_for
 
 MODEL = "fake-model"
 
@@ -92,6 +93,7 @@ def fake_server(
     eos_at: int | None = None,
     max_request_bytes: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
     core, runner = make_text_core(
@@ -99,6 +101,7 @@ def fake_server(
         max_model_len=max_model_len,
         eos_after=eos_at,
         speculative_config=speculative_config,
+        logits_fn=logits_fn,
     )
     tokenizer = CharTokenizer()
     llm = AsyncLLM.from_engine_core(core, tokenizer)

@@ -32,7 +32,7 @@ from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.engine.spec_decode.metrics import SpecDecodingStats
-from tests.engine_fakes import CharTokenizer, expected_text
+from tests.engine_fakes import CharTokenizer, copy_letter_logits, expected_text
 from tests.serve_helpers import MODEL, fake_server
 from tests.test_engine_server import scrape
 
@@ -169,6 +169,32 @@ class TestServer(unittest.TestCase):
             name = f"vllm:spec_decode_num_accepted_tokens_per_pos_total{{position={pos}}}"
             self.assertEqual(delta(name), total.num_accepted_tokens_per_pos[pos])
         self.assertEqual(delta("vllm:generation_tokens_total{}"), 30 * len(prompts))
+
+    def test_n_and_stop_strings_keep_their_meaning(self) -> None:
+        """A copying letter model: the drafts are accepted, so the stop string "fg" is completed inside a
+        multi-token step and the tokens after it must go, as with one token per step."""
+        thread, engine, _llm = fake_server(
+            max_num_seqs=4, speculative_config=spec(4, 1, 2), logits_fn=copy_letter_logits
+        )
+        prompt = "abcdefghabcdefgh"
+        with thread, openai.OpenAI(base_url=thread.base_url + "/v1", api_key="x", max_retries=0) as oai:
+            answer = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=40, n=2, stop=["fg"])
+            streamed = "".join(
+                chunk.choices[0].text
+                for chunk in oai.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=40, stop=["fg"], stream=True
+                )
+                if chunk.choices
+            )
+            full = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        self.assertEqual(full.choices[0].text, "abcdefghabcdefghabcd")  # the model copies
+        self.assertEqual([c.text for c in answer.choices], ["abcde", "abcde"])
+        self.assertEqual([c.finish_reason for c in answer.choices], ["stop", "stop"])
+        assert answer.usage is not None
+        self.assertEqual(answer.usage.completion_tokens, 2 * len("abcdefg"))  # up to the stop's last token
+        self.assertEqual(streamed, "abcde")
+        accepted = sum(s.spec_decoding.num_accepted_tokens for s in engine.step_stats if s.spec_decoding)
+        self.assertGreater(accepted, 0)
 
     def test_no_spec_decode_metrics_without_speculation(self) -> None:
         thread, _engine, _llm = fake_server(max_num_seqs=1)
