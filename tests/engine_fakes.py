@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from attention_kv_caceh.engine.core import EngineCore
+from attention_kv_caceh.engine.core import EngineCore, EngineCoreRequest
 from attention_kv_caceh.engine.kv_cache_manager import cdiv
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 
 VOCAB = 40
@@ -294,6 +294,22 @@ class GatedRunner(FakeModelRunner):
                     logits[i] = 0.0
                     logits[i, TEXT_EOS] = 1e4
         return logits
+
+
+def hold_input(core: EngineCore) -> threading.Event:
+    """Make the core's input thread stop reading its socket while the returned event is cleared (it is
+    cleared here): `preprocess_add_request`, which that thread runs for every request it receives, waits
+    for the event. Frames the front end sends meanwhile pile up in ZMQ's queues, as they do behind a slow
+    core."""
+    reading = threading.Event()
+    preprocess = core.preprocess_add_request
+
+    def held(request: EngineCoreRequest) -> Request:
+        reading.wait()
+        return preprocess(request)
+
+    core.preprocess_add_request = held  # type: ignore[method-assign]
+    return reading
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
