@@ -81,7 +81,9 @@ from attention_kv_caceh.engine.protocol import (
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
     DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
     HTTPError,
+    check_fan_out,
     check_request_fields,
     sampling_params_for,
 )
@@ -112,6 +114,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
@@ -121,7 +124,10 @@ def build_app(
     `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
-    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
+    `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
+    above it a 400 names the count and the limit).
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0 or
+    max_seqs_per_request < 1.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -131,6 +137,8 @@ def build_app(
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     template = chat_template if chat_template is not None else ChatTemplate()
     metrics = ServerMetrics(
         served_model_name,
@@ -395,6 +403,7 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(_num_prompts(body.prompt), body.n, max_seqs_per_request)  # before any tokenizing
         response_id = f"cmpl-{uuid.uuid4().hex}"
         # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
         # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
@@ -410,6 +419,7 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(1, body.n, max_seqs_per_request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         prompt_ids = await asyncio.to_thread(
             chat_prompt, body.messages, body.add_generation_prompt, max_model_len
@@ -430,6 +440,13 @@ def build_app(
             close_all(choices)  # also when the work was cancelled before it started
 
     return app
+
+
+def _num_prompts(prompt: Prompt) -> int:
+    """How many prompts `prompt` holds in vLLM's four forms (an empty list counts 1: it is refused later)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def _release_freed_memory() -> None:

@@ -26,10 +26,12 @@ from attention_kv_caceh.engine.request import SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
+    "DEFAULT_MAX_SEQS_PER_REQUEST",
     "DONE",
     "MAX_N",
     "HTTPError",
     "chat_chunk",
+    "check_fan_out",
     "check_request_fields",
     "completion_chunk",
     "sampling_params_for",
@@ -40,6 +42,7 @@ __all__ = [
 DONE = b"data: [DONE]\n\n"
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 MAX_N = 128  # most samples per prompt (each is an engine request)
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # most engine requests (prompts x n) one HTTP request may fan out to
 _MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
@@ -112,6 +115,21 @@ def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MA
     logprobs = body.logprobs if isinstance(body, CompletionRequest) else None
     if logprobs is not None and not 0 <= logprobs <= max_logprobs:
         raise HTTPError(400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", "logprobs")
+
+
+def check_fan_out(num_prompts: int, n: int, max_seqs_per_request: int) -> None:
+    """Refuse a request that fans out to more than `max_seqs_per_request` engine requests (`num_prompts`
+    prompts times `n` samples; the server's --max-seqs-per-request): HTTPError(400) naming the count and
+    the limit, `param` "prompt" when the prompts alone are too many, else "n"."""
+    count = num_prompts * n
+    if count > max_seqs_per_request:
+        param = "prompt" if num_prompts > max_seqs_per_request else "n"
+        raise HTTPError(
+            400,
+            f"the request fans out to {count} sequences ({num_prompts} prompts x n = {n}); this server "
+            f"serves at most {max_seqs_per_request} per request (--max-seqs-per-request)",
+            param,
+        )
 
 
 def sampling_params_for(

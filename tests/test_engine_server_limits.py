@@ -1,0 +1,96 @@
+"""The server under requests that push its limits: a request that fans out to thousands of engine
+requests, with neighbours that must get their answers, and the refusal above the fan-out limit.
+
+The server runs over the real EngineCore with the letter runner (tests/engine_fakes.py), so every text
+has an oracle (`expected_text`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import unittest
+from typing import Any
+
+import aiohttp
+
+from tests.engine_fakes import CharTokenizer, expected_text, hold_input
+from tests.serve_helpers import MODEL, fake_server
+
+TOK = CharTokenizer()
+
+
+async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        return resp.status, await resp.json(content_type=None)
+
+
+class FanOutTest(unittest.TestCase):
+    def test_3000_prompts_are_served_while_the_core_lags_and_five_neighbours_all_get_200(self) -> None:
+        """The core's input thread reads nothing while a 3,000-prompt request is admitted (more frames
+        than ZMQ's default high-water marks hold) and five ordinary requests come after it: every one is
+        served, each choice with its own prompt's text, and the engine never looked dead."""
+        thread, engine, llm = fake_server(max_num_seqs=64)
+        reading = hold_input(engine.core)
+        prompts = [chr(33 + i % 90) + chr(33 + i // 90) for i in range(3000)]
+
+        async def go(url: str) -> tuple[tuple[int, Any], list[tuple[int, Any]], bool]:
+            timeout = aiohttp.ClientTimeout(total=120)
+            async with aiohttp.ClientSession(timeout=timeout) as session:
+                big = asyncio.ensure_future(
+                    post(session, url, {"model": MODEL, "prompt": prompts, "max_tokens": 2, "temperature": 0})
+                )
+                # admitted, or answered at once (as a core that looks dead would have it)
+                await asyncio.to_thread(engine.wait_for, lambda: llm.num_unfinished == 3000 or big.done())
+                admitted = not big.done()
+                if not admitted:
+                    reading.set()
+                    return await big, [], admitted
+                neighbours = [
+                    asyncio.ensure_future(
+                        post(session, url, {"model": MODEL, "prompt": f"n{i}", "max_tokens": 3})
+                    )
+                    for i in range(5)
+                ]
+                await asyncio.to_thread(engine.wait_for, lambda: llm.num_unfinished == 3005)
+                reading.set()
+                return await big, list(await asyncio.gather(*neighbours)), admitted
+
+        with thread:
+            (status, body), neighbours, admitted = asyncio.run(go(thread.base_url))
+            alive = llm.is_running
+        self.assertEqual(status, 200, body)
+        self.assertTrue(admitted)
+        self.assertEqual(len(body["choices"]), 3000)
+        for prompt, choice in zip(prompts, body["choices"], strict=True):
+            self.assertEqual(choice["text"], expected_text(TOK.encode(prompt), 2))
+        self.assertEqual([s for s, _ in neighbours], [200] * 5)
+        for i, (_status, answer) in enumerate(neighbours):
+            self.assertEqual(answer["choices"][0]["text"], expected_text(TOK.encode(f"n{i}"), 3))
+        self.assertTrue(alive)
+
+    def test_a_fan_out_over_the_limit_is_a_400_naming_the_count_and_the_limit(self) -> None:
+        thread, _engine, _llm = fake_server(max_seqs_per_request=10)
+
+        async def go(url: str) -> list[tuple[int, Any]]:
+            async with aiohttp.ClientSession() as session:
+                return [
+                    await post(session, url, {"prompt": ["a"] * 11, "max_tokens": 1}),
+                    await post(session, url, {"prompt": ["a", "b", "c"], "n": 4, "max_tokens": 1}),
+                    await post(session, url, {"prompt": ["a"] * 5, "n": 2, "max_tokens": 1}),
+                    await post(session, url, {"prompt": [1, 2, 3] * 20, "n": 10, "max_tokens": 1}),
+                ]
+
+        with thread:
+            prompts, samples, at_limit, ids = asyncio.run(go(thread.base_url))
+        self.assertEqual((prompts[0], prompts[1]["error"]["param"]), (400, "prompt"))
+        self.assertIn("11", prompts[1]["error"]["message"])
+        self.assertIn("10", prompts[1]["error"]["message"])
+        self.assertEqual((samples[0], samples[1]["error"]["param"]), (400, "n"))
+        self.assertIn("12", samples[1]["error"]["message"])
+        self.assertEqual(at_limit[0], 200)
+        self.assertEqual(len(at_limit[1]["choices"]), 10)
+        self.assertEqual(ids[0], 200)  # one prompt of token ids is one prompt
+
+
+if __name__ == "__main__":
+    unittest.main()
