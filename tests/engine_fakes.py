@@ -233,6 +233,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return [(ord(c) - 32) % TEXT_VOCAB for c in text[:max_length]]
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        return self.encode(text, add_special_tokens, max_length), len(text)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)
 

@@ -1,5 +1,6 @@
 """The server under requests that push its limits: a request that fans out to thousands of engine
-requests, with neighbours that must get their answers, and the refusal above the fan-out limit.
+requests, with neighbours that must get their answers, the refusal above the fan-out limit, and prompts
+at the context's boundary.
 
 The server runs over the real EngineCore with the letter runner (tests/engine_fakes.py), so every text
 has an oracle (`expected_text`).
@@ -13,10 +14,15 @@ from typing import Any
 
 import aiohttp
 
+from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from tests.engine_fakes import CharTokenizer, expected_text, hold_input
 from tests.serve_helpers import MODEL, fake_server
 
 TOK = CharTokenizer()
+
+
+def chat_prompt_ids(messages: list[dict[str, str]]) -> list[int]:
+    return TOK.encode(ChatTemplate().render(messages, True))
 
 
 async def post(session: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[int, Any]:
@@ -90,6 +96,49 @@ class FanOutTest(unittest.TestCase):
         self.assertEqual(at_limit[0], 200)
         self.assertEqual(len(at_limit[1]["choices"]), 10)
         self.assertEqual(ids[0], 200)  # one prompt of token ids is one prompt
+
+
+class ContextBoundaryTest(unittest.TestCase):
+    def test_prompts_of_254_to_257_tokens_in_a_256_token_context_are_answered_as_vllm_answers(self) -> None:
+        """max_tokens 1 and 100 after prompts of 254..257 tokens (text, token ids, chat), as vLLM 0.32
+        answers them: 200 with max_tokens capped to the context left (finish_reason "length"), a prompt
+        of 256 tokens or more a 400 that gives the prompt's exact length."""
+        thread, _engine, _llm = fake_server(max_model_len=256)
+        template_tokens = len(chat_prompt_ids([{"role": "user", "content": ""}]))
+
+        def bodies(num_tokens: int, max_tokens: int) -> list[tuple[str, dict[str, Any]]]:
+            text = "q" * num_tokens  # one token per character
+            chat = [{"role": "user", "content": "q" * (num_tokens - template_tokens)}]
+            return [
+                ("/v1/completions", {"prompt": text, "max_tokens": max_tokens}),
+                ("/v1/completions", {"prompt": TOK.encode(text), "max_tokens": max_tokens}),
+                ("/v1/chat/completions", {"messages": chat, "max_tokens": max_tokens}),
+            ]
+
+        async def go(url: str) -> list[tuple[int, int, tuple[int, Any]]]:
+            out: list[tuple[int, int, tuple[int, Any]]] = []
+            async with aiohttp.ClientSession() as session:
+                for num_tokens in (254, 255, 256, 257):
+                    for max_tokens in (1, 100):
+                        for path, body in bodies(num_tokens, max_tokens):
+                            async with session.post(url + path, json=body) as resp:
+                                answer = (resp.status, await resp.json(content_type=None))
+                            out.append((num_tokens, max_tokens, answer))
+            return out
+
+        with thread:
+            answers = asyncio.run(go(thread.base_url))
+        self.assertEqual(len(answers), 24)
+        for num_tokens, max_tokens, (status, body) in answers:
+            with self.subTest(num_tokens=num_tokens, max_tokens=max_tokens):
+                if num_tokens >= 256:
+                    self.assertEqual((status, body["error"]["param"]), (400, "prompt"))
+                    self.assertIn(f"the prompt is {num_tokens} tokens", body["error"]["message"])
+                    continue
+                self.assertEqual(status, 200, body)
+                self.assertEqual(body["usage"]["prompt_tokens"], num_tokens)
+                self.assertEqual(body["usage"]["completion_tokens"], min(max_tokens, 256 - num_tokens))
+                self.assertEqual(body["choices"][0]["finish_reason"], "length")
 
 
 if __name__ == "__main__":

@@ -216,28 +216,29 @@ def build_app(
 
     def admit(
         response_id: str,
-        prompts: list[tuple[list[int], str]],
+        prompts: list[tuple[list[int], str, int]],
         body: CompletionRequest | ChatCompletionRequest,
         default: int | None,
     ) -> list[Choice]:
-        """Validate every child first, then add them all (or none)."""
+        """Validate every child first, then add them all (or none). `prompts`: (token ids, text, the
+        prompt's exact token count; the ids of a prompt past the context are cut, and it is refused)."""
         echo = isinstance(body, CompletionRequest) and body.echo
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo_only = echo and given == 0
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
-        for p, (prompt_ids, text) in enumerate(prompts):
+        for p, (prompt_ids, text, num_prompt_tokens) in enumerate(prompts):
             base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             for i in range(body.n):
                 params = sampling_params_for(
                     body,
-                    len(prompt_ids),
+                    num_prompt_tokens,
                     max_model_len,
                     default,
                     vocab_size=tokenizer.vocab_size,
                     max_logprobs=max_logprobs,
                     index=i,
                 )
-                check_kv_capacity(len(prompt_ids), params)
+                check_kv_capacity(num_prompt_tokens, params)
                 choice = Choice(
                     len(choices),
                     base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
@@ -272,11 +273,12 @@ def build_app(
 
     def chat_prompt(
         messages: list[ChatMessage], add_generation_prompt: bool, max_length: int | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
+        """The rendered conversation's token ids (cut at `max_length`) and its exact token count."""
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
-            return tokenizer.encode(
+            return tokenizer.encode_counted(
                 template.render(rendered, add_generation_prompt),
                 add_special_tokens=False,
                 max_length=max_length,
@@ -313,17 +315,18 @@ def build_app(
         add_special_tokens: bool = True,
         with_text: bool = False,
         max_length: int | None = None,
-    ) -> list[tuple[list[int], str]]:
-        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`; a text
-        prompt's ids are cut at `max_length`."""
-        out: list[tuple[list[int], str]] = []
+    ) -> list[tuple[list[int], str, int]]:
+        """(token ids, text, exact token count) of each prompt; the text of token ids is decoded only when
+        `with_text`; a text prompt is counted whole but its ids are cut at `max_length` (the Python list
+        built with the GIL held stays bounded by the context, whatever the body's size)."""
+        out: list[tuple[list[int], str, int]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                ids = tokenizer.encode(item, add_special_tokens=add_special_tokens, max_length=max_length)
-                out.append((ids, item))
+                ids, count = tokenizer.encode_counted(item, add_special_tokens, max_length)
+                out.append((ids, item, count))
             else:
                 ids = check_ids(item, "prompt")
-                out.append((ids, tokenizer.decode(ids) if with_text else ""))
+                out.append((ids, tokenizer.decode(ids) if with_text else "", len(ids)))
         return out
 
     @app.get("/health")
@@ -372,10 +375,10 @@ def build_app(
 
         def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
             if body.messages is not None:
-                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+                tokens = chat_prompt(body.messages, body.add_generation_prompt)[0]
             elif body.prompt is not None:
                 pairs = completion_prompts(body.prompt, body.add_special_tokens)
-                tokens = [t for ids, _ in pairs for t in ids]
+                tokens = [t for ids, _, _ in pairs for t in ids]
             else:
                 raise HTTPError(400, "give `prompt` or `messages`", "prompt")
             strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
@@ -406,8 +409,8 @@ def build_app(
         check_fan_out(_num_prompts(body.prompt), body.n, max_seqs_per_request)  # before any tokenizing
         response_id = f"cmpl-{uuid.uuid4().hex}"
         # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
-        # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
-        # keeps the ids built for a huge one, with the GIL held, to a bounded number
+        # prompt is counted whole (its 400 gives its exact length) but its ids are cut at max_model_len,
+        # which keeps the list built for a huge one, with the GIL held, to a bounded size
         prompts = await asyncio.to_thread(
             completion_prompts, body.prompt, with_text=body.echo, max_length=max_model_len
         )
@@ -421,10 +424,10 @@ def build_app(
         check_request_fields(body, max_logprobs)
         check_fan_out(1, body.n, max_seqs_per_request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await asyncio.to_thread(
+        prompt_ids, num_prompt_tokens = await asyncio.to_thread(
             chat_prompt, body.messages, body.add_generation_prompt, max_model_len
         )
-        choices = admit(response_id, [(prompt_ids, "")], body, None)
+        choices = admit(response_id, [(prompt_ids, "", num_prompt_tokens)], body, None)
         return await respond(raw, response_id, choices, body)
 
     async def respond(

@@ -145,49 +145,46 @@ def sampling_params_for(
     """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
-    rest of the context) capped to the rest of the context. `max_tokens: 0` is accepted with `echo` only
-    (the engine then runs one token, which the response drops). `temperature` defaults to 1.0 as in
-    OpenAI's API; `top_k` of 0 or -1 disables it; the seed of sample `index` is `seed + index`. Raises
-    HTTPError(400), naming the field as `param`, for the checks of `check_request_fields`, an empty prompt,
-    a prompt of `max_model_len` tokens or more, max_tokens <= 0 (without echo), a total over
-    `max_model_len`, a sampling value out of range (temperature not finite or < 0, top_p not in (0, 1],
-    top_k < -1, seed < 0, min_tokens not in [0, max_tokens], a penalty out of range, a logit_bias value
-    outside [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
+    rest of the context). Either way max_tokens is then capped to the rest of the context,
+    `max_model_len - num_prompt_tokens`, as vLLM's `get_max_tokens` caps it: a request whose prompt and
+    max_tokens pass the context is served with fewer tokens (finish_reason "length"), not refused.
+    `max_tokens: 0` is accepted with `echo` only (the engine then runs one token, which the response
+    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it; the seed of
+    sample `index` is `seed + index`. Raises HTTPError(400), naming the field as `param`, for the checks
+    of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
+    gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
+    out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
+    not in [0, max_tokens] after the cap, a penalty out of range, a logit_bias value outside
+    [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
     """
     check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
-        # a text prompt is tokenized only up to max_model_len ids (enough to refuse it); token ids are counted
-        length = (
-            f"{num_prompt_tokens} tokens"
-            if num_prompt_tokens > max_model_len
-            else f"{max_model_len} tokens or longer"
-        )
         raise HTTPError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt is {length} "
-            "and leaves no room for a completion.",
+            f"This model's maximum context length is {max_model_len} tokens; the prompt is "
+            f"{num_prompt_tokens} tokens and leaves no room for a completion.",
             "prompt",
         )
     room = max_model_len - num_prompt_tokens
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        max_tokens = room if default_max_tokens is None else default_max_tokens
     if max_tokens == 0 and echo:
         max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
     if max_tokens <= 0:
         raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
-    if num_prompt_tokens + max_tokens > max_model_len:
+    if max_tokens > max_model_len:
         raise HTTPError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {param} = "
-            f"{max_tokens} in the completion).",
+            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
+            "tokens",
             param,
         )
+    max_tokens = min(max_tokens, room)
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise HTTPError(400, f"temperature must be finite and >= 0, got {temperature}", "temperature")
@@ -200,8 +197,11 @@ def sampling_params_for(
     if body.seed is not None and body.seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {body.seed}", "seed")
     if not 0 <= body.min_tokens <= max_tokens:
+        capped = "" if max_tokens == room else " (capped to the context left after the prompt)"
         raise HTTPError(
-            400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}", "min_tokens"
+            400,
+            f"min_tokens must be in [0, max_tokens = {max_tokens}]{capped}, got {body.min_tokens}",
+            "min_tokens",
         )
     stop_ids = list(body.stop_token_ids or [])
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
