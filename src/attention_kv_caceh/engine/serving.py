@@ -22,7 +22,7 @@ from attention_kv_caceh.engine.protocol import (
     GenerationRequest,
     refused_field,
 )
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
@@ -43,7 +43,6 @@ DONE = b"data: [DONE]\n\n"
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 MAX_N = 128  # most samples per prompt (each is an engine request)
 DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # most engine requests (prompts x n) one HTTP request may fan out to
-_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
 
 
 class HTTPError(Exception):
@@ -86,7 +85,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[t
             raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         token_id = int(key)
         _check_token_ids([token_id], vocab_size, "logit_bias")
-        if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise HTTPError(400, f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
         pairs.append((token_id, bias))
     return tuple(pairs)
@@ -154,8 +153,10 @@ def sampling_params_for(
     of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
     gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
     out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
-    not in [0, max_tokens] after the cap, a penalty out of range, a logit_bias value outside
-    [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
+    not in [0, max_tokens] after the cap, a frequency or presence penalty outside [-2, 2], a
+    repetition_penalty outside [1e-100, 1e100], a logit_bias value outside [-100, 100]), a token id
+    (stop_token_ids, logit_bias) outside [0, vocab_size), or min_tokens with stop_token_ids that list
+    every token id (nothing could be sampled).
     """
     check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
@@ -213,8 +214,16 @@ def sampling_params_for(
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):
             raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise HTTPError(400, f"repetition_penalty must be > 0, got {repetition}", "repetition_penalty")
+    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
+        raise HTTPError(
+            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
+        )
+    if body.min_tokens > 0 and vocab_size is not None and len(set(stop_ids)) >= vocab_size:
+        raise HTTPError(
+            400,
+            f"stop_token_ids list every token id, so min_tokens = {body.min_tokens} leaves nothing to sample",
+            "stop_token_ids",
+        )
     num_logprobs = body.num_logprobs
     return SamplingParams(
         max_tokens=max_tokens,
