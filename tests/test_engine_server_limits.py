@@ -1,6 +1,6 @@
 """The server under requests that push its limits: a request that fans out to thousands of engine
-requests, with neighbours that must get their answers, the refusal above the fan-out limit, and prompts
-at the context's boundary.
+requests, with neighbours that must get their answers, the refusal above the fan-out limit, prompts
+at the context's boundary, and a body over the size limit from a client that reads only after writing.
 
 The server runs over the real EngineCore with the letter runner (tests/engine_fakes.py), so every text
 has an oracle (`expected_text`).
@@ -9,7 +9,11 @@ has an oracle (`expected_text`).
 from __future__ import annotations
 
 import asyncio
+import json
 import unittest
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import aiohttp
@@ -139,6 +143,39 @@ class ContextBoundaryTest(unittest.TestCase):
                 self.assertEqual(body["usage"]["prompt_tokens"], num_tokens)
                 self.assertEqual(body["usage"]["completion_tokens"], min(max_tokens, 256 - num_tokens))
                 self.assertEqual(body["choices"][0]["finish_reason"], "length")
+
+
+class BodyLimitTest(unittest.TestCase):
+    def test_urllib_sending_a_body_over_the_limit_sees_the_413_not_a_broken_pipe(self) -> None:
+        """urllib writes the whole body before it reads: a server that answers and closes without reading
+        the body resets the connection under it. 24 MiB (more than loopback sockets buffer) against a
+        4 MiB limit, with Content-Length and chunked, then an ordinary request on the same server."""
+        limit = 4 << 20
+        thread, _engine, _llm = fake_server(max_request_bytes=limit)
+        body = json.dumps({"prompt": "a" * (24 << 20), "max_tokens": 1}).encode()
+
+        def chunks() -> Iterator[bytes]:
+            for i in range(0, len(body), 1 << 20):
+                yield body[i : i + (1 << 20)]
+
+        def send(data: bytes | Iterable[bytes]) -> tuple[int, Any]:
+            req = urllib.request.Request(
+                thread.base_url + "/v1/completions", data, {"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        with thread:
+            sized = send(body)
+            chunked = send(chunks())
+            ok = send(json.dumps({"prompt": "a", "max_tokens": 1}).encode())
+        for status, answer in (sized, chunked):
+            self.assertEqual((status, answer["error"]["code"]), (413, 413))
+            self.assertIn(str(limit), answer["error"]["message"])
+        self.assertEqual(ok[0], 200)
 
 
 if __name__ == "__main__":

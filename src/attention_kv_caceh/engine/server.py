@@ -97,6 +97,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 logger = logging.getLogger(__name__)
 
 _RELEASE_AFTER_BYTES = 256 * 1024  # after a request body this large, hand the freed heap back to the OS
+_DRAIN_FACTOR = 8  # a refused body up to this many times --max-request-bytes is read (and dropped) first
+_DRAIN_TIMEOUT_S = 10.0  # ... for at most this long
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
@@ -506,7 +508,7 @@ class _BodySizeMiddleware:
             return
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, int(length))
             return
         if length is not None and length.isdigit():
             await self._serve(scope, receive, send, int(length))  # the server stops at Content-Length
@@ -522,7 +524,7 @@ class _BodySizeMiddleware:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, None, size if message.get("more_body") else None)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -536,9 +538,27 @@ class _BodySizeMiddleware:
             if size >= _RELEASE_AFTER_BYTES:  # a big body's prompt and token lists are garbage now
                 await asyncio.to_thread(_release_freed_memory)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
-        await error_response(413, message)(scope, receive, send)
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, declared: int | None, received: int | None = 0
+    ) -> None:
+        """Answer 413. First read and drop the rest of the body (`declared` bytes by Content-Length, or
+        chunks after the `received` so far; None: nothing left) while it stays within _DRAIN_FACTOR times
+        the limit and _DRAIN_TIMEOUT_S: a client that writes its whole body before it reads (Python's
+        urllib, http.client) otherwise has the connection reset under it (a socket closed with unread
+        data sends RST) and sees a BrokenPipe instead of the 413. A larger body is refused at once."""
+        limit = _DRAIN_FACTOR * self.max_bytes
+        if received is not None and (declared is None or declared <= limit):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    while received <= limit:
+                        message = await receive()
+                        if message["type"] != "http.request":
+                            break  # the client left
+                        received += len(message.get("body", b""))
+                        if not message.get("more_body", False):
+                            break
+        text = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        await error_response(413, text)(scope, receive, send)
 
 
 def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
