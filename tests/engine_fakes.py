@@ -336,6 +336,7 @@ def make_text_core(
     max_model_len: int = 256,
     max_num_batched_tokens: int = 512,
     eos_after: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> tuple[EngineCore, GatedRunner]:
     """A real EngineCore over the GatedRunner (no eos unless `eos_after`)."""
     from attention_kv_caceh.engine.config import EngineConfig
@@ -346,6 +347,7 @@ def make_text_core(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     )
     runner = GatedRunner(num_blocks, block_size, eos_after=eos_after)
     return EngineCore(config, runner, eos_token_id=TEXT_EOS), runner

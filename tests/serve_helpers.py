@@ -91,9 +91,15 @@ def fake_server(
     eos_at: int | None = None,
     max_request_bytes: int | None = None,
     max_seqs_per_request: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
-    core, runner = make_text_core(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_after=eos_at)
+    core, runner = make_text_core(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        eos_after=eos_at,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     tokenizer = CharTokenizer()
     llm = AsyncLLM.from_engine_core(core, tokenizer)
     extra: dict[str, int] = {}

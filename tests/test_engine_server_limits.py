@@ -17,12 +17,36 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from tests.engine_fakes import CharTokenizer, expected_text, hold_input
 from tests.serve_helpers import MODEL, fake_server
 
 TOK = CharTokenizer()
+
+
+def request_json(base_url: str, body: dict[str, Any]) -> tuple[int, Any]:
+    req = urllib.request.Request(
+        base_url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def scrape(base_url: str) -> dict[str, float]:
+    """{sample name: value} of /metrics (the samples of this one model), parsed by prometheus_client."""
+    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if not s.labels.keys() - {"model_name"}
+    }
 
 
 def chat_prompt_ids(messages: list[dict[str, str]]) -> list[int]:
@@ -176,6 +200,26 @@ class BodyLimitTest(unittest.TestCase):
             self.assertEqual((status, answer["error"]["code"]), (413, 413))
             self.assertIn(str(limit), answer["error"]["message"])
         self.assertEqual(ok[0], 200)
+
+
+class PrefixCountersTest(unittest.TestCase):
+    def test_with_prefix_caching_off_the_prefix_cache_counters_stay_at_zero(self) -> None:
+        """vLLM v1 counts a prefix-cache query only for a request that looked the cache up; with caching
+        off none does. The same requests on a server with caching on count every prompt token (the
+        oracle: the prompts' lengths) and hit the repeated prompt's full blocks."""
+        prompt = "a prompt of several blocks, " * 3  # 84 tokens: 5 full blocks of 16
+        counted: dict[bool, dict[str, float]] = {}
+        for caching in (False, True):
+            thread, _engine, _llm = fake_server(enable_prefix_caching=caching)
+            with thread:
+                for _ in range(2):
+                    status, _body = request_json(thread.base_url, {"prompt": prompt, "max_tokens": 1})
+                    self.assertEqual(status, 200)
+                counted[caching] = scrape(thread.base_url)
+        self.assertEqual(counted[False]["vllm:prefix_cache_queries_total"], 0)
+        self.assertEqual(counted[False]["vllm:prefix_cache_hits_total"], 0)
+        self.assertEqual(counted[True]["vllm:prefix_cache_queries_total"], 2 * len(prompt))
+        self.assertEqual(counted[True]["vllm:prefix_cache_hits_total"], 5 * 16)
 
 
 if __name__ == "__main__":
