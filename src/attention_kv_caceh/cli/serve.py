@@ -182,8 +182,12 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
     from attention_kv_caceh.engine.chat_utils import load_chat_template
     from attention_kv_caceh.engine.core_client import EngineDeadError
+    from attention_kv_caceh.engine.malloc import fix_mmap_threshold
     from attention_kv_caceh.engine.server import build_app
 
+    # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
+    # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
+    fix_mmap_threshold()
     model_dir = Path(args.model)
     api_key = _api_key(args.api_key_env)
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read

@@ -37,22 +37,20 @@ tokenizer releases the GIL while it encodes), so a long prompt never stalls the 
 deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
 tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
 the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
-more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (see `_release_freed_memory`).
+more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import email.message
 import logging
 import secrets
-import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -66,6 +64,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
+from attention_kv_caceh.engine.malloc import release_freed_memory
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
@@ -454,32 +453,6 @@ def _num_prompts(prompt: Prompt) -> int:
     return len(prompt)
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's `malloc_trim(0)`; elsewhere a no-op).
-
-    glibc keeps the memory a request freed in the malloc arena of the thread that allocated it (the
-    tokenizer's thread for a prompt's token lists), so without this the process's resident size stays at
-    its peak after one big request.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # glibc only (musl has no malloc_trim)
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
-
-
-_MALLOC_TRIM = _malloc_trim()
-
-
 def _is_json_type(content_type: str) -> bool:
     """Whether FastAPI reads a body of `content_type` as JSON (application/json or application/*+json)."""
     message = email.message.Message()
@@ -536,7 +509,7 @@ class _BodySizeMiddleware:
             await self.app(scope, receive, send)
         finally:
             if size >= _RELEASE_AFTER_BYTES:  # a big body's prompt and token lists are garbage now
-                await asyncio.to_thread(_release_freed_memory)
+                await asyncio.to_thread(release_freed_memory)
 
     async def _refuse(
         self, scope: Scope, receive: Receive, send: Send, declared: int | None, received: int | None = 0
