@@ -16,10 +16,13 @@ The request fields (protocol.py) and how they are served (serving.py): `prompt` 
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
-Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
-request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
-serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
-for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
+Faults: a body larger than `max_request_bytes` is a 413 before it is parsed (a body up to 8 times the
+limit is read and dropped first, so a client that reads only after writing its whole body sees the 413);
+a bad request (malformed JSON, a known field of the wrong type or out of range, a field this server does
+not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0 or above
+`max_model_len`, a prompt of `max_model_len` tokens or more (the message gives its exact length), a
+request that fans out to more than `max_seqs_per_request` engine requests, a request whose prompt and
+max_tokens could never fit in the KV cache) is a 400
 naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
 with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
 as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
@@ -35,8 +38,9 @@ stream with a chunk whose finish_reason is "abort", then `[DONE]`.
 Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
 tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
 deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
-tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
-the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
+counted whole but its list of ids is built only up to `max_model_len`, so what is built with the GIL held
+is bounded by the context, not by the body. A core slow to read its input makes the sends queue (see
+core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
 more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
 """
 
