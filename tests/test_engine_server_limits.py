@@ -126,6 +126,23 @@ class FanOutTest(unittest.TestCase):
         self.assertEqual(ids[0], 200)  # one prompt of token ids is one prompt
 
 
+class EmptyPromptTest(unittest.TestCase):
+    def test_an_empty_text_prompt_is_a_400_as_vllm_answers_and_tokenize_still_counts_it(self) -> None:
+        thread, _engine, _llm = fake_server()
+        with thread:
+            alone = request_json(thread.base_url, {"prompt": "", "max_tokens": 1})
+            listed = request_json(thread.base_url, {"prompt": ["a", ""], "max_tokens": 1})
+            ids = request_json(thread.base_url, {"prompt": [[65], []], "max_tokens": 1})
+            req = urllib.request.Request(
+                thread.base_url + "/tokenize", b'{"prompt": ""}', {"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                counted = json.loads(resp.read())
+        for status, body in (alone, listed, ids):
+            self.assertEqual((status, body["error"]["param"]), (400, "prompt"))
+        self.assertEqual(counted["count"], 0)  # the character tokenizer adds no BOS
+
+
 class ContextBoundaryTest(unittest.TestCase):
     def test_prompts_of_254_to_257_tokens_in_a_256_token_context_are_answered_as_vllm_answers(self) -> None:
         """max_tokens 1 and 100 after prompts of 254..257 tokens (text, token ids, chat), as vLLM 0.32

@@ -412,6 +412,7 @@ def build_app(
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
         check_fan_out(_num_prompts(body.prompt), body.n, max_seqs_per_request)  # before any tokenizing
+        _check_no_empty_text(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
         # prompt is counted whole (its 400 gives its exact length) but its ids are cut at max_model_len,
@@ -448,6 +449,16 @@ def build_app(
             close_all(choices)  # also when the work was cancelled before it started
 
     return app
+
+
+def _check_no_empty_text(prompt: Prompt) -> None:
+    """A generation request's text prompt must not be empty (HTTPError 400 naming `prompt`), as vLLM
+    refuses `"prompt": ""`; its tokenizer's BOS alone would otherwise be served as a prompt."""
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+    if any(not text for text in texts):
+        raise HTTPError(
+            400, "the prompt is empty" if isinstance(prompt, str) else "a prompt is empty", "prompt"
+        )
 
 
 def _num_prompts(prompt: Prompt) -> int:
