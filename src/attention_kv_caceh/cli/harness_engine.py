@@ -83,10 +83,11 @@ def check_usage(args: argparse.Namespace) -> str:
 
 
 def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
-    """UsageError when `config`'s synthetic requests cannot fit the model's context, which the server
-    would refuse request by request (HTTP 400): a --prompt-len of max_model_len tokens or more, or
-    --prompt-len + --output-len above it. max_model_len is --max-model-len when given, else the
-    checkpoint's `max_position_embeddings`. A config the engine cannot read is left to `serve` to
+    """UsageError when `config`'s synthetic requests cannot fit the model's context: a --prompt-len of
+    max_model_len tokens or more (the server refuses it, HTTP 400), or --prompt-len + --output-len above
+    it (the server caps max_tokens to the context left, so the outputs would be shorter than asked).
+    max_model_len is --max-model-len when given, else the checkpoint's `max_position_embeddings`. A
+    config the engine cannot read is left to `serve` to
     report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
     try:
         _, checkpoint = load_model_config(model_source(args.model).path)

@@ -52,6 +52,7 @@ from attention_kv_caceh.cli.engine_args import (
 )
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # engine/serving.py's default
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
@@ -106,6 +107,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=20,
         metavar="K",
         help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
+    )
+    server.add_argument(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=DEFAULT_MAX_SEQS_PER_REQUEST,
+        metavar="N",
+        help="most engine requests one request may fan out to (its prompts times `n`; above it: 400)",
     )
     server.add_argument(
         "--drain-timeout",
@@ -181,8 +189,12 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
     from attention_kv_caceh.engine.chat_utils import load_chat_template
     from attention_kv_caceh.engine.core_client import EngineDeadError
+    from attention_kv_caceh.engine.malloc import fix_mmap_threshold
     from attention_kv_caceh.engine.server import build_app
 
+    # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
+    # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
+    fix_mmap_threshold()
     api_key = _api_key(args.api_key_env)
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     model_path = plan.source.path  # the folder or GGUF file --model names
@@ -213,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
             max_logprobs=args.max_logprobs,
+            max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the

@@ -101,12 +101,25 @@ class Tokenizer:
         context from holding up the event loop. `_fast` skips the character offsets nothing here reads,
         which leaves less to free with the GIL held. Raises ValueError for max_length < 1.
         """
+        return self.encode_counted(text, add_special_tokens, max_length)[0]
+
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        """The ids of `text` (only the first `max_length` with it) and how many ids the whole text has.
+
+        The count is exact: the Rust tokenizer encodes the whole text (with the GIL released, as `encode`)
+        and the length of its Encoding is read before the cut, so only the Python list of at most
+        `max_length` ids is built with the GIL held. What the server uses to refuse a prompt past the
+        context with its exact length. Raises ValueError for max_length < 1.
+        """
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         encoding = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
-        if max_length is not None and len(encoding) > max_length:
+        count = len(encoding)
+        if max_length is not None and count > max_length:
             encoding.truncate(max_length)
-        return encoding.ids
+        return encoding.ids, count
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""
