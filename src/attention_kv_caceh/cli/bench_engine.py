@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     model = Path(args.model)
     if not (model / "config.json").is_file():
         raise UsageError(f"--model {args.model}: no config.json there (make-model writes a checkpoint)")
-    check_outputs([("--json", args.json, (".json",))])
+    check_outputs([("--json", args.json, (".json",))], [("--model", args.model)])
 
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
