@@ -57,7 +57,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def check_usage(args: argparse.Namespace) -> str:
     """Check the backend/flag combination; returns the base URL the run should use until a server's is
     known. Raises UsageError: --backend engine without --model, with a --model folder lacking
-    config.json, or with --base-url; an engine flag with another backend."""
+    config.json (or tokenizer.json, when no --tokenizer is given), or with --base-url; an engine flag
+    with another backend."""
     given = engine_flags(args)
     if args.backend != ENGINE_BACKEND:
         if given:
@@ -74,6 +75,9 @@ def check_usage(args: argparse.Namespace) -> str:
             f"--base-url {args.base_url}: --backend {ENGINE_BACKEND} starts its own server "
             "(use --backend openai-completions to reach a running one)"
         )
+    if args.tokenizer is None and not (Path(args.model) / "tokenizer.json").is_file():
+        # the checkpoint's tokenizer serves and builds the prompts: name the flag that was given
+        raise UsageError(f"--model {args.model}: no tokenizer.json in that folder")
     return _DEFAULT_BASE_URL
 
 

@@ -22,9 +22,9 @@ serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <
 for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
 naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
 with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
-as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
-`/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
-401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
+as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set, every path
+needs `Authorization: Bearer <key>` (else 401) except OPEN_PATHS (`/health`, `/metrics` and the API
+docs, vLLM's public endpoints); with `max_queue` set, a request that would make more
 than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
 disconnects mid-stream aborts its request (its KV blocks are freed at the core's next step). An engine
 step that raises fails the requests it was running: a stream gets an error event then `[DONE]`, a whole
@@ -87,7 +87,7 @@ from attention_kv_caceh.engine.serving import (
 )
 from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "build_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request body the server reads by default (8 MiB); a larger one is a 413 before parsing."""
@@ -148,7 +148,9 @@ def build_app(
         yield
         await async_llm.shutdown(drain_timeout_s)
 
-    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan)
+    # strict_content_type=False: a body sent with no Content-Type is read as JSON (FastAPI's strict default
+    # would refuse it as "not a JSON object"); a non-JSON type still gets the 415 below
+    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan, strict_content_type=False)
     app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
@@ -468,7 +470,10 @@ def _is_json_type(content_type: str) -> bool:
     )
 
 
-_KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
+# With an API key, every path needs it except these: health probes, metrics scraping and the API's own
+# docs, the public endpoints of vLLM's AuthenticationMiddleware that this server has. None of them names
+# a request (/debug/step_stats, which lists request ids, needs the key).
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class _BodySizeMiddleware:
@@ -538,8 +543,9 @@ def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
 
 
 class _ApiKeyMiddleware:
-    """401 for `/v1/*`, `/tokenize` and `/detokenize` without `Authorization: Bearer <api_key>` (a plain
-    ASGI middleware: it leaves streaming and disconnect detection untouched)."""
+    """401 for every path but OPEN_PATHS without `Authorization: Bearer <api_key>`: fail closed, so a
+    route added later is keyed too (a plain ASGI middleware: it leaves streaming and disconnect
+    detection untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -547,7 +553,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
+        if scope["type"] == "http" and path.rstrip("/") not in OPEN_PATHS:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"
