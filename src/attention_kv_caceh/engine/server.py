@@ -52,7 +52,7 @@ import secrets
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -64,6 +64,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.body_budget import BodyBudgetMiddleware
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.metrics import ServerMetrics
@@ -86,6 +87,7 @@ from attention_kv_caceh.engine.serving import (
     sampling_params_for,
 )
 from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
+from attention_kv_caceh.engine.serving_tokenization import encode_pieces, tokenize_json
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "build_app"]
 
@@ -110,6 +112,7 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes_in_flight: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
 ) -> FastAPI:
@@ -118,10 +121,12 @@ def build_app(
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
     requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
     see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
-    `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    `max_request_bytes` is a 413; large bodies served at once may total `max_request_bytes_in_flight`
+    bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
-    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0 or
+    max_request_bytes_in_flight < max_request_bytes.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -129,6 +134,11 @@ def build_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_logprobs < 0:
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+    if max_request_bytes_in_flight is not None and max_request_bytes_in_flight < max_request_bytes:
+        raise ValueError(
+            f"max_request_bytes_in_flight must be >= max_request_bytes ({max_request_bytes}), "
+            f"got {max_request_bytes_in_flight}"
+        )
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     template = chat_template if chat_template is not None else ChatTemplate()
@@ -181,7 +191,11 @@ def build_app(
 
     if api_key is not None:
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)  # outermost: before any parsing
+    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)
+    in_flight = 4 * max_request_bytes if max_request_bytes_in_flight is None else max_request_bytes_in_flight
+    app.add_middleware(  # outermost: before any byte of a body is buffered or parsed
+        BodyBudgetMiddleware, max_bytes_in_flight=in_flight, max_request_bytes=max_request_bytes
+    )
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -360,27 +374,33 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
+    async def tokenize(body: TokenizeRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
 
-        def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
+        def pieces() -> Iterator[list[int]]:
+            """Every prompt's ids, piece by piece (serving_tokenization.py: the answer costs its size)."""
             if body.messages is not None:
-                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+                rendered = [{"role": m.role, "content": m.text()} for m in body.messages]
+                try:
+                    text = template.render(rendered, body.add_generation_prompt)
+                except ValueError as exc:
+                    raise HTTPError(400, str(exc), "messages") from exc
+                yield from encode_pieces(tokenizer, text, False)  # the template writes the specials
             elif body.prompt is not None:
-                pairs = completion_prompts(body.prompt, body.add_special_tokens)
-                tokens = [t for ids, _ in pairs for t in ids]
+                for item in prompt_list(body.prompt):
+                    if isinstance(item, str):
+                        yield from encode_pieces(tokenizer, item, body.add_special_tokens)
+                    else:
+                        yield check_ids(item, "prompt")
             else:
                 raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-            strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-            return {
-                "count": len(tokens),
-                "max_model_len": max_model_len,
-                "tokens": tokens,
-                "token_strs": strs,
-            }
 
-        return await asyncio.to_thread(work)
+        def work() -> bytes:  # in a worker thread: a long text never stalls the other streams
+            decode = tokenizer.decode if body.return_token_strs else None
+            return tokenize_json(pieces(), max_model_len, decode)
+
+        return Response(await asyncio.to_thread(work), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]

@@ -1,0 +1,126 @@
+"""A budget on the large request bodies served at once: past it, 503 with Retry-After, never more memory.
+
+The API process holds a request body several times while it serves it: the bytes received, the parsed
+JSON, the validated request, the prompt's text and tokens (about 5 times the body for a prompt of
+`/v1/completions`, about 9 times for `/tokenize`, whose answer lists every token; measured in
+docs/results.md). `--max-request-bytes` bounds one body; this bounds how many are served together. Every
+body of `LARGE_BODY_BYTES` or more reserves its size from a budget of `max_bytes_in_flight` for as long as
+its request is served (a stream: until it ends). A body the budget cannot take is refused at once, before
+it is read, with 503 and `Retry-After: 1` in OpenAI's error shape (vLLM answers an overloaded server with
+503 too). A body of unknown length (chunked) reserves as its chunks arrive, and is refused when the next
+chunk does not fit. Smaller bodies are not counted: they cost little, and a budget on them would refuse
+ordinary traffic.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from attention_kv_caceh.engine.protocol import error_body
+
+__all__ = ["LARGE_BODY_BYTES", "BodyBudgetMiddleware"]
+
+LARGE_BODY_BYTES = 256 * 1024
+"""A body this large or larger counts against the budget (256 KiB)."""
+
+RETRY_AFTER_S = 1
+
+
+class _OverBudget(Exception):
+    """A chunk of a body of unknown length did not fit the budget."""
+
+
+class BodyBudgetMiddleware:
+    """Reserve each large body's bytes from `max_bytes_in_flight` while its request is served; refuse
+    with 503 + Retry-After a body that does not fit. A body whose Content-Length is over
+    `max_request_bytes` is left to the 413 of the size check (never refused as 503). A plain ASGI
+    middleware: streaming and disconnect detection are untouched.
+
+    Attributes:
+        in_flight: bytes reserved now; refused: bodies refused so far.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes_in_flight: int, max_request_bytes: int) -> None:
+        if max_bytes_in_flight < max_request_bytes:
+            raise ValueError(
+                f"max_bytes_in_flight ({max_bytes_in_flight}) must be >= max_request_bytes "
+                f"({max_request_bytes}), or a body of the largest size would never be served"
+            )
+        self.app = app
+        self.max_bytes_in_flight = max_bytes_in_flight
+        self.max_request_bytes = max_request_bytes
+        self.in_flight = 0
+        self.refused = 0
+
+    def _take(self, n: int) -> bool:
+        # one event loop runs every request: no lock is needed between the check and the add
+        if self.in_flight + n > self.max_bytes_in_flight:
+            return False
+        self.in_flight += n
+        return True
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = Headers(scope=scope)
+        length = headers.get("content-length")
+        if length is not None and length.isdigit():
+            size = int(length)
+            if size < LARGE_BODY_BYTES or size > self.max_request_bytes:
+                await self.app(scope, receive, send)
+                return
+            if not self._take(size):
+                await self._refuse(scope, receive, send, size)
+                return
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                self.in_flight -= size
+            return
+        await self._serve_unknown_length(scope, receive, send)
+
+    async def _serve_unknown_length(self, scope: Scope, receive: Receive, send: Send) -> None:
+        received = 0
+        reserved = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal received, reserved
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received >= LARGE_BODY_BYTES and received > reserved:
+                    if not self._take(received - reserved):
+                        raise _OverBudget
+                    reserved = received
+            return message
+
+        async def watching_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, watching_send)
+        except _OverBudget:
+            if started:
+                raise
+            await self._refuse(scope, receive, send, received)
+        finally:
+            self.in_flight -= reserved
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, size: int) -> None:
+        self.refused += 1
+        message = (
+            f"the server is serving {self.in_flight} bytes of large request bodies, and this one "
+            f"({size} bytes) would pass its limit of {self.max_bytes_in_flight} "
+            f"(--max-request-bytes-in-flight); retry in {RETRY_AFTER_S} s"
+        )
+        body: dict[str, Any] = error_body(503, message)
+        response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        await response(scope, receive, send)
