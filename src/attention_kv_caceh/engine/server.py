@@ -16,7 +16,8 @@ The request fields (protocol.py) and how they are served (serving.py): `prompt` 
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
-Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
+Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed, and a large
+body past the budget of large bodies in flight a 503 with Retry-After (body_budget.py); a bad
 request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
 serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
 for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
