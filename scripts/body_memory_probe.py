@@ -2,7 +2,8 @@
 
 Starts `serve --model DIR` on 127.0.0.1 (a free port), samples the resident memory (VmRSS) of its API
 process every 10 ms, sends `--concurrent` requests at once to `--path` (`/v1/completions` or `/tokenize`),
-each with a text prompt of `--bytes` bytes ("hello world " repeated), and prints the peak above the
+each with a text prompt of about `--bytes` bytes (`--text`: "hello world " repeated, one word
+without a space, or Japanese text without a space), and prints the peak above the
 start, per request, the memory at the end and 5 s later, and how many answers had each HTTP status (a
 prompt past the context gets 400; a body past `--max-request-bytes-in-flight`, 503 with Retry-After).
 Extra flags after `--` go to `serve`. A development tool: not part of the package and not run in CI.
@@ -39,6 +40,9 @@ def main() -> int:
     parser.add_argument("--path", default="/v1/completions", choices=("/v1/completions", "/tokenize"))
     parser.add_argument("--concurrent", type=int, default=4, help="requests sent at once")
     parser.add_argument("--bytes", type=int, default=8_300_000, help="prompt size in bytes")
+    parser.add_argument(
+        "--text", choices=("words", "no-spaces", "cjk"), default="words", help="what the prompt holds"
+    )
     parser.add_argument("serve_flags", nargs="*", help="after --: more flags for serve")
     args = parser.parse_args()
     command = [sys.executable, "-m", "attention_kv_caceh.benchmark", "serve", "--model", args.model]
@@ -61,9 +65,10 @@ def main() -> int:
             return 1
         stdout = proc.stdout
         threading.Thread(target=lambda: collections.deque(stdout, maxlen=0), daemon=True).start()
-        text = ("hello world " * (args.bytes // 12 + 1))[: args.bytes]
+        unit = {"words": "hello world ", "no-spaces": "x", "cjk": "\u65e5\u672c\u8a9e\u306e\u6587"}[args.text]
+        text = unit * (args.bytes // len(unit.encode()))  # about --bytes of UTF-8
         fields = {"prompt": text} if args.path == "/tokenize" else {"prompt": text, "max_tokens": 4}
-        body = json.dumps(fields).encode()
+        body = json.dumps(fields, ensure_ascii=False).encode()
         start = _rss_mb(proc.pid)
         peak = [start]
         done = threading.Event()

@@ -99,5 +99,54 @@ class BodyBudgetTest(unittest.TestCase):
         self.assertEqual(got["chunked_after"][0], 200)
 
 
+class TokenizeWeightTest(unittest.TestCase):
+    def test_a_tokenize_body_counts_four_times_its_size_and_one_is_always_served(self) -> None:
+        """The middleware alone over an app that holds every request until released."""
+        from attention_kv_caceh.engine.body_budget import TOKENIZE_WEIGHT, BodyBudgetMiddleware
+
+        size = LARGE_BODY_BYTES
+        release = asyncio.Event()
+
+        async def app(scope: Any, receive: Any, send: Any) -> None:
+            await release.wait()
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+        async def call(budget: BodyBudgetMiddleware, path: str) -> int:
+            scope = {"type": "http", "path": path, "headers": [(b"content-length", str(size).encode())]}
+            statuses: list[int] = []
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": b"x" * size, "more_body": False}
+
+            async def send(message: dict[str, Any]) -> None:
+                if message["type"] == "http.response.start":
+                    statuses.append(message["status"])
+
+            await budget(scope, receive, send)
+            return statuses[0]
+
+        async def go() -> tuple[list[int], list[int], list[int], int]:
+            budget = BodyBudgetMiddleware(
+                app, max_bytes_in_flight=2 * size * TOKENIZE_WEIGHT - 1, max_request_bytes=size
+            )
+            completions = [asyncio.ensure_future(call(budget, "/v1/completions")) for _ in range(2)]
+            tokenize = [asyncio.ensure_future(call(budget, "/tokenize")) for _ in range(2)]
+            await asyncio.sleep(0.05)
+            refused = [t.result() for t in tokenize if t.done()]
+            release.set()
+            first = await asyncio.gather(*completions)
+            rest = [await t for t in tokenize]
+            small = BodyBudgetMiddleware(app, max_bytes_in_flight=size, max_request_bytes=size)
+            alone = await call(small, "/tokenize")  # weighted past the whole budget: still served alone
+            return refused, first, rest, alone
+
+        refused, completions, tokenize, alone = asyncio.run(go())
+        self.assertEqual(refused, [503])  # the second /tokenize did not fit beside two bodies and the first
+        self.assertEqual(completions, [200, 200])
+        self.assertEqual(sorted(tokenize), [200, 503])
+        self.assertEqual(alone, 200)
+
+
 if __name__ == "__main__":
     unittest.main()

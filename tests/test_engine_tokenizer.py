@@ -165,6 +165,40 @@ class PiecesTest(unittest.TestCase):
 
         check()
 
+    def test_no_token_covers_more_characters_than_the_bound(self) -> None:
+        """The bound `encode(max_length=...)` relies on to stop reading a long text: every text has at
+        least len(text) / max_token_chars tokens; a text past max_length of them is cut to its head."""
+        from hypothesis import given, settings
+        from hypothesis import strategies as st
+
+        folder = write_random_checkpoint(Path(self._tmp()) / "m", "llama", "tiny")
+        tok = Tokenizer.load(folder)
+        bound = tok.max_token_chars
+        assert bound is not None
+        runs = st.sampled_from(["a" * 40, "the ", "  ", "日本語", "é", "\n", "12345", "....", "x"])
+        texts = st.lists(runs, min_size=1, max_size=80).map("".join)
+
+        @settings(max_examples=200, deadline=None)
+        @given(texts)
+        def check(text: str) -> None:
+            ids = tok._tok.encode(text, add_special_tokens=False).ids  # pyright: ignore[reportPrivateUsage]
+            self.assertGreaterEqual(len(ids) * bound, len(text))
+            n = max(1, len(text) // bound - 1)
+            if len(text) > n * bound:  # the head is read, and it has n tokens or more
+                self.assertEqual(len(tok.encode(text, max_length=n)), n)
+
+        check()
+        self.assertIsNone(_pipeline("whitespace").max_token_chars)  # WordPiece's unknown word: no bound
+
+    def test_composition_merges_at_most_max_composed_characters(self) -> None:
+        import sys
+        import unicodedata
+
+        from attention_kv_caceh.engine.tokenizer import MAX_COMPOSED
+
+        longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(sys.maxunicode + 1))
+        self.assertEqual(longest, MAX_COMPOSED)
+
     def test_a_pipeline_a_cut_would_change_is_encoded_whole(self) -> None:
         tok = _pipeline("prepend")  # " b" alone becomes "▁▁b": a piece would differ from the text's ids
         self.assertIsNone(tok._specials)  # pyright: ignore[reportPrivateUsage]
@@ -185,10 +219,12 @@ from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.engine.serving_tokenization import tokenize_json
 tok = Tokenizer.load({str(folder)!r})
 text = ("hello world " * 700000)[:8_300_000]
+word = "x" * 8_300_000  # no space anywhere: no piece to cut, but a head long enough to refuse
 gc.collect()
 peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 base = peak()
 ids = tok.encode(text, max_length=2048)
+assert len(tok.encode(word, max_length=2048)) == 2048
 cut = peak() - base
 answer = tokenize_json(tok.encode_pieces(text), 2048, None)
 print(len(ids), cut, peak() - base, len(answer))

@@ -9,7 +9,10 @@ its request is served (a stream: until it ends). A body the budget cannot take i
 it is read, with 503 and `Retry-After: 1` in OpenAI's error shape (vLLM answers an overloaded server with
 503 too). A body of unknown length (chunked) reserves as its chunks arrive, and is refused when the next
 chunk does not fit. Smaller bodies are not counted: they cost little, and a budget on them would refuse
-ordinary traffic.
+ordinary traffic. A `/tokenize` body counts `TOKENIZE_WEIGHT` times its size (at most the whole budget,
+so one is always served alone): it must count every token, and a text with no space to cut it at is
+tokenized whole, about 150 bytes per character while the `tokenizers` library works (generation
+requests read only the head of such a text; engine/tokenizer.py).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from attention_kv_caceh.engine.protocol import error_body
 
-__all__ = ["LARGE_BODY_BYTES", "BodyBudgetMiddleware"]
+__all__ = ["LARGE_BODY_BYTES", "TOKENIZE_WEIGHT", "BodyBudgetMiddleware"]
 
 LARGE_BODY_BYTES = 256 * 1024
 """A body this large or larger counts against the budget (256 KiB)."""
 
 RETRY_AFTER_S = 1
+TOKENIZE_WEIGHT = 4
 
 
 class _OverBudget(Exception):
@@ -74,15 +78,21 @@ class BodyBudgetMiddleware:
             if size < LARGE_BODY_BYTES or size > self.max_request_bytes:
                 await self.app(scope, receive, send)
                 return
-            if not self._take(size):
+            cost = self._cost(scope, size)
+            if not self._take(cost):
                 await self._refuse(scope, receive, send, size)
                 return
             try:
                 await self.app(scope, receive, send)
             finally:
-                self.in_flight -= size
+                self.in_flight -= cost
             return
         await self._serve_unknown_length(scope, receive, send)
+
+    def _cost(self, scope: Scope, size: int) -> int:
+        """What a body of `size` bytes reserves: its size, TOKENIZE_WEIGHT times that for /tokenize."""
+        weight = TOKENIZE_WEIGHT if str(scope.get("path", "")).rstrip("/") == "/tokenize" else 1
+        return min(size * weight, self.max_bytes_in_flight)
 
     async def _serve_unknown_length(self, scope: Scope, receive: Receive, send: Send) -> None:
         received = 0
@@ -94,10 +104,11 @@ class BodyBudgetMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received >= LARGE_BODY_BYTES and received > reserved:
-                    if not self._take(received - reserved):
+                cost = self._cost(scope, received)
+                if received >= LARGE_BODY_BYTES and cost > reserved:
+                    if not self._take(cost - reserved):
                         raise _OverBudget
-                    reserved = received
+                    reserved = cost
             return message
 
         async def watching_send(message: Message) -> None:

@@ -41,6 +41,11 @@ _WORD_SPLITTERS = {
 }  # end a word at a space
 _SAFE_PRE_TOKENIZERS = _WORD_SPLITTERS | {"ByteLevel-no-regex", "Punctuation", "Digits"}  # beside one
 
+_BOUNDED_NORMALIZERS = {"NFC", "NFD", "NFKC", "NFKD", "Lowercase"}
+MAX_COMPOSED = 4
+"""The most characters Unicode composition turns into one: the longest canonical decomposition (U+1F82
+is alpha and three marks); a test checks it against `unicodedata`."""
+
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
 
 
@@ -71,6 +76,7 @@ class Tokenizer:
         self.chat_template: str | None = template if isinstance(template, str) else None
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._specials = _cuts_at_spaces(tokenizer)  # None: long texts are encoded whole
+        self.max_token_chars = _chars_per_token(tokenizer)
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -108,9 +114,18 @@ class Tokenizer:
         `max_length` bounds it, which is how the server keeps a prompt far longer than the model's
         context from holding up the event loop. `_fast` skips the character offsets nothing here reads,
         which leaves less to free with the GIL held. Raises ValueError for max_length < 1.
+
+        A text longer than `max_length * max_token_chars` characters (where that bound exists, see
+        `_chars_per_token`) has at least `max_length` tokens, since no token covers more characters:
+        only that many leading characters are encoded, so a text of any length, one without a space
+        included, costs what its head costs. The ids are then those of that head, which may differ from
+        the whole text's in the last few (a word cut at its end); the text is known to be too long.
         """
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
+        bound = self.max_token_chars
+        if max_length is not None and bound is not None and len(text) > max_length * bound:
+            text = text[: max_length * bound]
         if self._specials is not None and len(text) > _PIECE_CHARS:
             ids: list[int] = []
             for part in self.encode_pieces(text, add_special_tokens):
@@ -175,6 +190,56 @@ def _pieces(text: str, size: int) -> list[str]:
         start = cut
     out.append(text[start:])
     return out
+
+
+def _chars_per_token(tok: HFTokenizer) -> int | None:
+    """The most characters of a text one token can cover, when there is such a bound; else None.
+
+    A BPE model's token covers the characters of its vocabulary entry (a byte-level entry writes one
+    character per byte, and a character is at least one byte), so the longest entry bounds it, added
+    tokens included, as long as nothing removes characters before the model: no normalizer, or one that
+    decomposes or lower-cases (neither ever shortens a text) or composes (NFC, NFKC: at most
+    MAX_COMPOSED characters become one, so the bound is that many times larger), and no pre-tokenizer
+    that drops text
+    (Whitespace drops the spaces, a Split may remove its matches). WordPiece's and Unigram's unknown
+    token can stand for a whole word: no bound there.
+    """
+    spec: dict[str, Any] = json.loads(tok.to_str())
+    model: dict[str, Any] = spec.get("model", {})
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and model.get("unk_token") is not None):
+        return None  # fuse_unk: one unknown token for a run of unknown characters
+
+    def types(part: Any, key: str) -> list[dict[str, Any]] | None:
+        if part is None:
+            return []
+        if not isinstance(part, dict):
+            return None
+        node: dict[str, Any] = part  # pyright: ignore[reportUnknownVariableType]
+        if node.get("type") == "Sequence":
+            out: list[dict[str, Any]] = []
+            for child in node.get(key, []):
+                sub = types(child, key)
+                if sub is None:
+                    return None
+                out += sub
+            return out
+        return [node]
+
+    normalizers = types(spec.get("normalizer"), "normalizers")
+    if normalizers is None or any(n.get("type") not in _BOUNDED_NORMALIZERS for n in normalizers):
+        return None
+    # composing (NFC, NFKC) merges at most MAX_COMPOSED characters into one (Greek with three marks)
+    shrink = MAX_COMPOSED if any(n.get("type") in {"NFC", "NFKC"} for n in normalizers) else 1
+    pre = types(spec.get("pre_tokenizer"), "pretokenizers")
+    if pre is None:
+        return None
+    for node in pre:
+        kind = node.get("type")
+        if kind not in {"ByteLevel", "Metaspace", "Split", "Digits", "Punctuation"}:
+            return None
+        if kind == "Split" and node.get("behavior") == "Removed":
+            return None
+    return shrink * max((len(t) for t in tok.get_vocab(with_added_tokens=True)), default=1)
 
 
 def _cuts_at_spaces(tok: HFTokenizer) -> tuple[list[int], list[int]] | None:
