@@ -3,7 +3,7 @@
 Starts `serve --model DIR` on 127.0.0.1 (a free port), samples the resident memory (VmRSS) of its API
 process every 10 ms, sends `--concurrent` requests at once to `--path` (`/v1/completions` or `/tokenize`),
 each with a text prompt of about `--bytes` bytes (`--text`: "hello world " repeated, one word
-without a space, or Japanese text without a space), and prints the peak above the
+without a space, Japanese text without a space, or a list of token ids), and prints the peak above the
 start, per request, the memory at the end and 5 s later, and how many answers had each HTTP status (a
 prompt past the context gets 400; a body past `--max-request-bytes-in-flight`, 503 with Retry-After).
 Extra flags after `--` go to `serve`. A development tool: not part of the package and not run in CI.
@@ -41,7 +41,10 @@ def main() -> int:
     parser.add_argument("--concurrent", type=int, default=4, help="requests sent at once")
     parser.add_argument("--bytes", type=int, default=8_300_000, help="prompt size in bytes")
     parser.add_argument(
-        "--text", choices=("words", "no-spaces", "cjk"), default="words", help="what the prompt holds"
+        "--text",
+        choices=("words", "no-spaces", "cjk", "ids", "big-ids"),
+        default="words",
+        help="what the prompt holds: text, or token ids 5 (ids) or 300 (big-ids)",
     )
     parser.add_argument("serve_flags", nargs="*", help="after --: more flags for serve")
     args = parser.parse_args()
@@ -65,10 +68,17 @@ def main() -> int:
             return 1
         stdout = proc.stdout
         threading.Thread(target=lambda: collections.deque(stdout, maxlen=0), daemon=True).start()
-        unit = {"words": "hello world ", "no-spaces": "x", "cjk": "\u65e5\u672c\u8a9e\u306e\u6587"}[args.text]
-        text = unit * (args.bytes // len(unit.encode()))  # about --bytes of UTF-8
-        fields = {"prompt": text} if args.path == "/tokenize" else {"prompt": text, "max_tokens": 4}
-        body = json.dumps(fields, ensure_ascii=False).encode()
+        prompt: str | list[int]
+        if args.text in ("ids", "big-ids"):
+            token = 5 if args.text == "ids" else 300
+            prompt = [token] * (args.bytes // len(f"{token},"))
+        else:
+            unit = {"words": "hello world ", "no-spaces": "x", "cjk": "\u65e5\u672c\u8a9e\u306e\u6587"}[
+                args.text
+            ]
+            prompt = unit * (args.bytes // len(unit.encode()))  # about --bytes of UTF-8
+        fields = {"prompt": prompt} if args.path == "/tokenize" else {"prompt": prompt, "max_tokens": 4}
+        body = json.dumps(fields, ensure_ascii=False, separators=(",", ":")).encode()
         start = _rss_mb(proc.pid)
         peak = [start]
         done = threading.Event()

@@ -150,3 +150,43 @@ class TokenizeWeightTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class PromptFormMemoryTest(unittest.TestCase):
+    def test_a_long_token_id_prompt_is_validated_as_ids_only(self) -> None:
+        """Validating `prompt` as a union tried each form; a failed form kept one error per item, so an
+        8 MB list of 4 M ids cost about 1 GB in errors (as a list of strings) before it was refused.
+        Peak RSS of a fresh process around the validation: a small multiple of the body; and each form
+        still validates, a wrong one still names `prompt`."""
+        import subprocess
+        import sys
+
+        script = """
+import gc, json, resource
+from attention_kv_caceh.engine.protocol import CompletionRequest, DetokenizeRequest
+body = json.dumps({"prompt": [5] * 4_000_000}, separators=(",", ":")).encode()
+data = json.loads(body)
+tokens = json.loads(json.dumps({"tokens": [[5] * 1000] * 2000}))
+gc.collect()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+request = CompletionRequest.model_validate(data)
+DetokenizeRequest.model_validate(tokens)
+print(len(body), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base, len(request.prompt))
+"""
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        size, grew, n = (int(x) for x in out.stdout.split())
+        self.assertEqual(n, 4_000_000)
+        self.assertLess(grew, 10 * size)  # the validated copies of the lists: 8 bytes a slot (was 131 x)
+
+        from pydantic import ValidationError
+
+        from attention_kv_caceh.engine.protocol import CompletionRequest, validation_error
+
+        for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]], []):
+            self.assertEqual(CompletionRequest.model_validate({"prompt": prompt}).prompt, prompt)
+        for bad in (5, [1, "a"], ["a", 1], [[1], "a"], [True], {"a": 1}, [1.5]):
+            with self.subTest(bad=bad), self.assertRaises(ValidationError) as caught:
+                CompletionRequest.model_validate({"prompt": bad})
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in caught.exception.errors()]
+            self.assertEqual(validation_error(errors)[2], "prompt")

@@ -54,7 +54,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Iterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -300,7 +300,7 @@ def build_app(
                 raise HTTPError(
                     400, f"{param} token ids must be in [0, {tokenizer.vocab_size}), got {t}", param
                 )
-        return list(ids)
+        return ids  # the validated request's own list: a copy of millions of ids would cost as much again
 
     def prompt_list(prompt: Prompt) -> list[str | list[int]]:
         """vLLM's four prompt forms as a list of prompts (a text or token ids each)."""
@@ -310,7 +310,7 @@ def build_app(
             raise HTTPError(400, "the prompt is empty", "prompt")
         first = prompt[0]
         if isinstance(first, int):
-            return [[t for t in prompt if isinstance(t, int)]]
+            return [cast("list[int]", prompt)]  # one form per list (protocol.py validated it)
         out: list[str | list[int]] = []
         for item in prompt:
             if isinstance(item, (str, list)):
