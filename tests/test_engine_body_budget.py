@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import unittest
 from collections.abc import AsyncIterator
 from typing import Any
@@ -76,10 +77,14 @@ class BodyBudgetTest(unittest.TestCase):
                     if got["after"][0] != 503:
                         break
                     await asyncio.sleep(float(got["after"][1]) / 10)
-                async with session.post(
-                    url + "/v1/completions", data=chunked(), headers={"Content-Type": "application/json"}
-                ) as resp:
-                    got["chunked_after"] = await status_of(resp)
+                for _ in range(30):  # again: the request before returns its bytes just after its answer
+                    async with session.post(
+                        url + "/v1/completions", data=chunked(), headers={"Content-Type": "application/json"}
+                    ) as resp:
+                        got["chunked_after"] = await status_of(resp)
+                    if got["chunked_after"][0] != 503:
+                        break
+                    await asyncio.sleep(0.1)
             return got
 
         with thread, self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):  # `padding` ignored
@@ -97,6 +102,59 @@ class BodyBudgetTest(unittest.TestCase):
         self.assertIn("[DONE]", got["held_text"])
         self.assertEqual(got["after"][0], 200)
         self.assertEqual(got["chunked_after"][0], 200)
+
+
+class StalledBodyTest(unittest.TestCase):
+    def test_a_large_body_that_stops_arriving_gets_408_and_gives_its_budget_back(self) -> None:
+        """A client declares a large body (or sends part of a chunked one) and then sends nothing: after
+        BODY_TIMEOUT_S it gets 408 with OpenAI's error body, and a body of the whole budget's size is
+        served next, so the stalled one held nothing."""
+        import socket
+        from unittest import mock
+        from urllib.parse import urlsplit
+
+        limit = LARGE_BODY_BYTES * 2
+        thread, _engine, _llm = fake_server(max_request_bytes=limit, max_request_bytes_in_flight=limit)
+
+        def stalled(head: bytes, first: bytes) -> tuple[int, bytes]:
+            parts = urlsplit(thread.base_url)
+            with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+                sock.sendall(head + first)
+                data = b""
+                while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+            status = int(data.split(b" ", 2)[1]) if data else 0
+            return status, data
+
+        start = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        declared = start + f"Content-Length: {LARGE_BODY_BYTES + 10}\r\n\r\n".encode()
+        piece = b"x" * (LARGE_BODY_BYTES + 10)
+        chunked = start + b"Transfer-Encoding: chunked\r\n\r\n"
+        with thread, mock.patch("attention_kv_caceh.engine.body_budget.BODY_TIMEOUT_S", 0.5):
+            declared_status, declared_reply = stalled(declared, b'{"prompt": "')
+            for _ in range(30):  # the first one's bytes return just after its answer left
+                chunked_status, _ = stalled(chunked, f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+                if chunked_status != 503:
+                    break
+                time.sleep(0.1)
+            with self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+                status, _retry, body = asyncio.run(self.one_big(thread.base_url, limit - 1000))
+        self.assertEqual(declared_status, 408, declared_reply)
+        self.assertIn(b'"code":408', declared_reply)
+        self.assertEqual(chunked_status, 408)
+        self.assertEqual(status, 200, body)
+
+    @staticmethod
+    async def one_big(url: str, size: int) -> tuple[int, str | None, Any]:
+        body = {"model": MODEL, "prompt": "a", "max_tokens": 2, "padding": "x" * size}
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(url + "/v1/completions", json=body) as resp,
+        ):
+            return await status_of(resp)
 
 
 class TokenizeWeightTest(unittest.TestCase):

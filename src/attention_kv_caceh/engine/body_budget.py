@@ -17,15 +17,17 @@ requests read only the head of such a text; engine/tokenizer.py).
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from attention_kv_caceh.engine.protocol import error_body
+from attention_kv_caceh.engine.protocol import error_body, error_response
 
-__all__ = ["LARGE_BODY_BYTES", "TOKENIZE_WEIGHT", "BodyBudgetMiddleware"]
+__all__ = ["BODY_TIMEOUT_S", "LARGE_BODY_BYTES", "TOKENIZE_WEIGHT", "BodyBudgetMiddleware"]
 
 LARGE_BODY_BYTES = 256 * 1024
 """A body this large or larger counts against the budget (256 KiB)."""
@@ -34,8 +36,21 @@ RETRY_AFTER_S = 1
 TOKENIZE_WEIGHT = 4
 
 
+BODY_TIMEOUT_S = 60.0
+"""A large body must have arrived whole this many seconds after its request began, or it gets 408 and its
+bytes go back to the budget: a client that declares 8 MB and sends nothing holds none for long."""
+
+
 class _OverBudget(Exception):
     """A chunk of a body of unknown length did not fit the budget."""
+
+
+class _Stalled(StarletteHTTPException):
+    """A large body did not arrive in time (an HTTPException: FastAPI answers it when it is reading the
+    body, this middleware when the size check was)."""
+
+    def __init__(self) -> None:
+        super().__init__(408, f"the request body did not arrive within {BODY_TIMEOUT_S:.0f} s")
 
 
 class BodyBudgetMiddleware:
@@ -83,11 +98,27 @@ class BodyBudgetMiddleware:
                 await self._refuse(scope, receive, send, size)
                 return
             try:
-                await self.app(scope, receive, send)
+                await self._serve(scope, _deadline(receive), send)
             finally:
                 self.in_flight -= cost
             return
         await self._serve_unknown_length(scope, receive, send)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app, with a 408 when the body stalls before anything was answered."""
+        started = False
+
+        async def watching_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watching_send)
+        except _Stalled as exc:
+            if started:
+                raise
+            await error_response(408, str(exc.detail))(scope, receive, send)
 
     def _cost(self, scope: Scope, size: int) -> int:
         """What a body of `size` bytes reserves: its size, TOKENIZE_WEIGHT times that for /tokenize."""
@@ -98,10 +129,11 @@ class BodyBudgetMiddleware:
         received = 0
         reserved = 0
         started = False
+        timed = _deadline(receive)
 
         async def counting_receive() -> Message:
             nonlocal received, reserved
-            message = await receive()
+            message = await timed()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 cost = self._cost(scope, received)
@@ -122,6 +154,10 @@ class BodyBudgetMiddleware:
             if started:
                 raise
             await self._refuse(scope, receive, send, received)
+        except _Stalled as exc:
+            if started:
+                raise
+            await error_response(408, str(exc.detail))(scope, receive, send)
         finally:
             self.in_flight -= reserved
 
@@ -135,3 +171,25 @@ class BodyBudgetMiddleware:
         body: dict[str, Any] = error_body(503, message)
         response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         await response(scope, receive, send)
+
+
+def _deadline(receive: Receive) -> Receive:
+    """`receive`, raising _Stalled when the body is not whole BODY_TIMEOUT_S after the first call; the
+    messages after the body (a disconnect the server waits for) are not timed."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + BODY_TIMEOUT_S
+    whole = False
+
+    async def timed() -> Message:
+        nonlocal whole
+        if whole:
+            return await receive()
+        try:
+            message = await asyncio.wait_for(receive(), max(deadline - loop.time(), 0.0))
+        except TimeoutError:
+            raise _Stalled from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            whole = True
+        return message
+
+    return timed

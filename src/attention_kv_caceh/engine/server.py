@@ -190,13 +190,13 @@ def build_app(
         logger.exception("request failed", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    if api_key is not None:
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
     app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)
     in_flight = 4 * max_request_bytes if max_request_bytes_in_flight is None else max_request_bytes_in_flight
-    app.add_middleware(  # outermost: before any byte of a body is buffered or parsed
+    app.add_middleware(  # before any byte of a body is buffered or parsed
         BodyBudgetMiddleware, max_bytes_in_flight=in_flight, max_request_bytes=max_request_bytes
     )
+    if api_key is not None:  # outermost: a client without the key holds nothing of the budget
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
