@@ -235,8 +235,8 @@ class CharTokenizer:
 
     def encode_counted(
         self, text: str, add_special_tokens: bool = True, max_length: int | None = None
-    ) -> tuple[list[int], int]:
-        return self.encode(text, add_special_tokens, max_length), len(text)
+    ) -> tuple[list[int], int, bool]:
+        return self.encode(text, add_special_tokens, max_length), len(text), True
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)

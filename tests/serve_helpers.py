@@ -92,6 +92,7 @@ def fake_server(
     max_request_bytes: int | None = None,
     max_seqs_per_request: int | None = None,
     enable_prefix_caching: bool = True,
+    max_request_bytes_in_flight: int | None = None,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
     core, runner = make_text_core(
@@ -107,5 +108,7 @@ def fake_server(
         extra["max_request_bytes"] = max_request_bytes
     if max_seqs_per_request is not None:
         extra["max_seqs_per_request"] = max_seqs_per_request
+    if max_request_bytes_in_flight is not None:
+        extra["max_request_bytes_in_flight"] = max_request_bytes_in_flight
     app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue, **extra)
     return ServerThread(app), ServedEngine(core, runner), llm

@@ -129,6 +129,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="refuse a request body larger than N bytes with 413, before reading or parsing it",
     )
+    server.add_argument(
+        "--max-request-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="bodies of 256 KiB or more served at once may total N bytes; one past it gets 503 with "
+        "Retry-After (default: 4 x --max-request-bytes; at least --max-request-bytes)",
+    )
 
 
 def port_number(text: str) -> int:
@@ -196,6 +204,12 @@ def run(args: argparse.Namespace) -> int:
     # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
     fix_mmap_threshold()
     api_key = _api_key(args.api_key_env)
+    in_flight: int = args.max_request_bytes_in_flight or 4 * args.max_request_bytes
+    if in_flight < args.max_request_bytes:
+        raise UsageError(
+            f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
+            f"{args.max_request_bytes}, a body of the largest size could never be served"
+        )
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
@@ -224,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_request_bytes_in_flight=in_flight,
             max_logprobs=args.max_logprobs,
             max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
