@@ -309,7 +309,7 @@ def build_app(
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
         if not exact:
-            raise prompt_too_long(max_model_len, count, exact, "messages")
+            raise prompt_too_long(max_model_len, count, exact)
         return ids, count
 
     def check_ids(ids: list[int], param: str) -> list[int]:
