@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     cannot read included), run the benchmark, print the table; CommandFailed on a checkpoint whose weights
     cannot be read, a failed oracle or an unwritable --json."""
     source = model_source(args.model)
-    check_outputs([("--json", args.json, (".json",))])
+    check_outputs([("--json", args.json, (".json",))], [("--model", str(source.path))])
 
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError

@@ -183,7 +183,10 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; see the module docstring for the checks and exit codes."""
-    check_outputs([("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))])
+    check_outputs(
+        [("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))],
+        [("--model", args.model), ("--prompts-file", args.prompts_file)],
+    )
     prompts = read_prompts(args)
     params = _sampling_params(args)
     plan = plan_engine(args.model, engine_config_kwargs(args))

@@ -333,8 +333,19 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     return config
 
 
+def input_paths(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """Every file or folder a harness run reads, as (flag, path): no output may replace one of them."""
+    engine = args.backend == ENGINE_BACKEND
+    return [
+        ("--dataset", args.dataset),
+        ("--tokenizer", args.tokenizer),
+        ("--model", args.model if engine else None),  # the checkpoint folder `serve` and the prompts read
+    ]
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Every file the run may write, checked up front; raises UsageError naming the flag."""
+    """Every file the run may write, checked up front (none may be an input); raises UsageError naming
+    the flag."""
     jsonl: Path | None = args.jsonl
     check_outputs(
         [
@@ -342,7 +353,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             ("--jsonl", None if jsonl is None else meta_path(jsonl), ()),  # its metadata beside it
             ("--summary-json", args.summary_json, (".json",)),
             ("--plot", args.plot, (".png",)),
-        ]
+        ],
+        input_paths(args),
     )
 
 

@@ -62,7 +62,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def check_usage(args: argparse.Namespace) -> str:
     """Check the backend/flag combination; returns the base URL the run should use until a server's is
     known. Raises UsageError: --backend engine without --model, with a --model that names no checkpoint
-    (`engine.model_source.resolve_model`), or with --base-url; an engine flag with another backend."""
+    (`engine.model_source.resolve_model`) or a folder lacking tokenizer.json when no --tokenizer is given,
+    or with --base-url; an engine flag with another backend."""
     given = engine_flags(args)
     if args.backend != ENGINE_BACKEND:
         if given:
@@ -73,20 +74,24 @@ def check_usage(args: argparse.Namespace) -> str:
             f"--backend {ENGINE_BACKEND} needs --model MODEL (a model name such as smollm2, a .gguf file, "
             "or a checkpoint folder, see make-model)"
         )
-    model_source(args.model)  # UsageError naming the value when it names no checkpoint
+    source = model_source(args.model)  # UsageError naming the value when it names no checkpoint
     if args.base_url is not None:
         raise UsageError(
             f"--base-url {args.base_url}: --backend {ENGINE_BACKEND} starts its own server "
             "(use --backend openai-completions to reach a running one)"
         )
+    if args.tokenizer is None and source.format == "hf" and not (source.path / "tokenizer.json").is_file():
+        # the checkpoint's tokenizer serves and builds the prompts: name the flag that was given
+        raise UsageError(f"--model {args.model}: no tokenizer.json in that folder")
     return _DEFAULT_BASE_URL
 
 
 def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
-    """UsageError when `config`'s synthetic requests cannot fit the model's context, which the server
-    would refuse request by request (HTTP 400): a --prompt-len of max_model_len tokens or more, or
-    --prompt-len + --output-len above it. max_model_len is --max-model-len when given, else the
-    checkpoint's `max_position_embeddings`. A config the engine cannot read is left to `serve` to
+    """UsageError when `config`'s synthetic requests cannot fit the model's context: a --prompt-len of
+    max_model_len tokens or more (the server refuses it, HTTP 400), or --prompt-len + --output-len above
+    it (the server caps max_tokens to the context left, so the outputs would be shorter than asked).
+    max_model_len is --max-model-len when given, else the checkpoint's `max_position_embeddings`. A
+    config the engine cannot read is left to `serve` to
     report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
     try:
         _, checkpoint = load_model_config(model_source(args.model).path)

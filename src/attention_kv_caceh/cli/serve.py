@@ -52,6 +52,7 @@ from attention_kv_caceh.cli.engine_args import (
 )
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # engine/serving.py's default
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
@@ -108,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
     )
     server.add_argument(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=DEFAULT_MAX_SEQS_PER_REQUEST,
+        metavar="N",
+        help="most engine requests one request may fan out to (its prompts times `n`; above it: 400)",
+    )
+    server.add_argument(
         "--drain-timeout",
         type=nonnegative_float,
         default=30.0,
@@ -120,6 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         metavar="N",
         help="refuse a request body larger than N bytes with 413, before reading or parsing it",
+    )
+    server.add_argument(
+        "--max-request-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="bodies of 256 KiB or more served at once may total N bytes; one past it gets 503 with "
+        "Retry-After (default: 4 x --max-request-bytes; at least --max-request-bytes)",
     )
 
 
@@ -181,9 +197,19 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
     from attention_kv_caceh.engine.chat_utils import load_chat_template
     from attention_kv_caceh.engine.core_client import EngineDeadError
+    from attention_kv_caceh.engine.malloc import fix_mmap_threshold
     from attention_kv_caceh.engine.server import build_app
 
+    # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
+    # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
+    fix_mmap_threshold()
     api_key = _api_key(args.api_key_env)
+    in_flight: int = args.max_request_bytes_in_flight or 4 * args.max_request_bytes
+    if in_flight < args.max_request_bytes:
+        raise UsageError(
+            f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
+            f"{args.max_request_bytes}, a body of the largest size could never be served"
+        )
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
@@ -213,7 +239,9 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_request_bytes_in_flight=in_flight,
             max_logprobs=args.max_logprobs,
+            max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )

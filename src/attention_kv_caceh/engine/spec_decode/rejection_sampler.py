@@ -40,6 +40,8 @@ from attention_kv_caceh.engine.sampler import apply_logits_processors, sample_ro
 
 __all__ = ["verify_draft"]
 
+_MAX_LOGIT = float(np.finfo(np.float32).max)  # as sampler.sample: the penalties' bounds assume it
+
 
 def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft: Sequence[int]) -> list[int]:
     """The tokens one verification step yields for `request` (see the module docstring).
@@ -50,12 +52,13 @@ def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft:
     `request.output_logprobs`, as `sampler.sample` does.
 
     Raises:
-        ValueError: logits is not `[len(draft) + 1, V]`, or holds a NaN.
+        ValueError: logits is not `[len(draft) + 1, V]`, or holds a NaN, an infinity or a value past
+            float32's range (as `sampler.sample` refuses them).
     """
     if logits.ndim != 2 or logits.shape[0] != len(draft) + 1:
         raise ValueError(f"logits must be [k + 1 = {len(draft) + 1}, V], got shape {logits.shape}")
-    if np.isnan(logits).any():
-        raise ValueError("logits contain NaN")
+    if not -_MAX_LOGIT <= logits.min() <= logits.max() <= _MAX_LOGIT:  # NaN fails too
+        raise ValueError(f"logits contain NaN, an infinity or a value past +-{_MAX_LOGIT:.4g}")
     params = request.sampling_params
     plain = not params.logit_bias and not params.has_penalties and params.min_tokens == 0
     tokens: list[int] = []
