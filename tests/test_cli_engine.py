@@ -207,6 +207,11 @@ class UsageErrorTest(EngineCommandCase):
         cases = [
             ([*gen, "--model", f"{o}/missing", "--prompt", "a"], "no such file or folder"),
             ([*gen, "--model", o, "--prompt", "a"], "neither config.json"),
+            ([*gen, "--model", "", "--prompt", "a"], "--model '': an empty name"),
+            (["bench-engine", "--model", " "], "--model ' ': an empty name"),
+            (["serve", "--model", "", "--port", "0"], "--model '': an empty name"),
+            (["serve", "--model", m, "--port", "0", "--served-model-name", ""], "--served-model-name"),
+            (["serve", "--model", m, "--port", "0", "--served-model-name", " \t"], "--served-model-name"),
             ([*gen, "--model", m], "one of the arguments --prompt --prompts-file is required"),
             ([*gen, "--model", m, "--prompt", "a", "--prompts-file", str(self.prompts_file)], "not allowed"),
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),
