@@ -115,6 +115,18 @@ class LinksAndPathsTest(unittest.TestCase):
                 self.assertEqual(pattern.findall(path.read_text(encoding="utf-8")), [])
 
 
+class ReadmeFiguresTest(unittest.TestCase):
+    def test_the_throughput_section_quotes_the_scan_table_above_it(self) -> None:
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+        table = text[text.index("B  P50 ms") : text.index("Saturation:")]
+        rows = {r.split()[0]: r.split() for r in table.splitlines()[2:] if r.strip()}
+        first, last = rows["1"], rows[max(rows, key=int)]  # columns: B, P50, P95, min, max, ms/seq, ...
+        section = text[text.index("## Throughput is not latency") : text.index("## Layout")]
+        quoted = re.findall(r"\d+\.\d+", section.split("\n\n")[1])
+        self.assertEqual(quoted[:4], [last[1], first[1], first[5], last[5]])
+        self.assertEqual(quoted[4] + "x", last[7])  # positions/s rise by the speedup column
+
+
 class RequestWalkTest(unittest.TestCase):
     def test_every_path_function_of_the_request_walk_resolves(self) -> None:
         text = (ROOT / "docs" / "engine.md").read_text(encoding="utf-8")
