@@ -14,6 +14,7 @@ import os
 import shutil
 import tempfile
 import unittest
+from unittest import mock
 import unittest.mock
 from pathlib import Path
 from typing import Any
@@ -166,6 +167,22 @@ class TraceTest(EngineCommandCase):
         )
         self.assertEqual([r["index"] for r in read_jsonl(output)], [0, 1])
         self.assertEqual(len(read_jsonl(trace)), 9)
+
+
+class LoadLineTest(EngineCommandCase):
+    def test_the_first_line_counts_the_kernels_the_load_compiled_and_loaded_from_the_cache(self) -> None:
+        from attention_kv_caceh.engine import warmup
+
+        for counts, says in (
+            ([(4, 1), (7, 3)], "3 kernel signatures compiled, 2 loaded from Numba's disk cache"),
+            ([(4, 1), (4, 6)], "0 kernel signatures compiled, 5 loaded from Numba's disk cache"),
+            ([(4, 1), (4, 1)], "every kernel already compiled in this process"),
+        ):
+            with self.subTest(says=says), mock.patch.object(warmup, "numba_compile_counts", side_effect=counts):
+                code, out, err = self.generate("--prompt", "a", "--max-tokens", "2")
+                self.assertEqual(code, 0, err)
+                self.assertIn(says, out.splitlines()[0])
+                self.assertNotIn("compile included", out)
 
 
 class ReportOfGenerateFilesTest(EngineCommandCase):
