@@ -109,10 +109,18 @@ class LinksAndPathsTest(unittest.TestCase):
                     self.assertTrue(any(c.exists() for c in candidates))
 
     def test_no_planning_words(self) -> None:
-        pattern = re.compile(r"previous round|this round|the issue|target|notes' ?§|exercise 9", re.I)
+        pattern = re.compile(
+            r"previous round|this round|the issue|target|notes' ?§|exercise 9|user's notes|original brief", re.I
+        )
         for path in DOCS:
             with self.subTest(file=path.name):
                 self.assertEqual(pattern.findall(path.read_text(encoding="utf-8")), [])
+
+
+    def test_no_path_of_one_machine_outside_the_repository(self) -> None:
+        for path in DOCS:  # /tmp/... is a place any reader can make; /work/, /home/... are someone's machine
+            with self.subTest(file=path.name):
+                self.assertEqual(re.findall(r"(?<![\w.])/(?:work|home|Users|root)/\S*", path.read_text(encoding="utf-8")), [])
 
 
 class ReadmeFiguresTest(unittest.TestCase):
