@@ -14,7 +14,6 @@ import os
 import shutil
 import tempfile
 import unittest
-from unittest import mock
 import unittest.mock
 from pathlib import Path
 from typing import Any
@@ -178,7 +177,10 @@ class LoadLineTest(EngineCommandCase):
             ([(4, 1), (4, 6)], "0 kernel signatures compiled, 5 loaded from Numba's disk cache"),
             ([(4, 1), (4, 1)], "every kernel already compiled in this process"),
         ):
-            with self.subTest(says=says), mock.patch.object(warmup, "numba_compile_counts", side_effect=counts):
+            with (
+                self.subTest(says=says),
+                unittest.mock.patch.object(warmup, "numba_compile_counts", side_effect=counts),
+            ):
                 code, out, err = self.generate("--prompt", "a", "--max-tokens", "2")
                 self.assertEqual(code, 0, err)
                 self.assertIn(says, out.splitlines()[0])

@@ -110,17 +110,20 @@ class LinksAndPathsTest(unittest.TestCase):
 
     def test_no_planning_words(self) -> None:
         pattern = re.compile(
-            r"previous round|this round|the issue|target|notes' ?§|exercise 9|user's notes|original brief", re.I
+            r"previous round|this round|the issue|target|notes' ?§|exercise 9|user's notes|original brief",
+            re.I,
         )
         for path in DOCS:
             with self.subTest(file=path.name):
                 self.assertEqual(pattern.findall(path.read_text(encoding="utf-8")), [])
 
-
     def test_no_path_of_one_machine_outside_the_repository(self) -> None:
-        for path in DOCS:  # /tmp/... is a place any reader can make; /work/, /home/... are someone's machine
+        for path in DOCS:  # a /tmp path is one any reader can make; a home or workspace folder is not
             with self.subTest(file=path.name):
-                self.assertEqual(re.findall(r"(?<![\w.])/(?:work|home|Users|root)/\S*", path.read_text(encoding="utf-8")), [])
+                self.assertEqual(
+                    re.findall(r"(?<![\w.])/(?:work|home|Users|root)/\S*", path.read_text(encoding="utf-8")),
+                    [],
+                )
 
 
 class ReadmeFiguresTest(unittest.TestCase):

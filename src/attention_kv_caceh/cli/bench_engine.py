@@ -159,7 +159,6 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
-
     from attention_kv_caceh.engine.tokenizer import Tokenizer
 
     opened = time.perf_counter()
