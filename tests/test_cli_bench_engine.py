@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import unittest
 from unittest import mock
 
@@ -83,8 +84,12 @@ class BenchEngineCommandTest(EngineCommandCase):
 
     def test_usage_errors_exit_2_with_one_line_and_write_nothing(self) -> None:
         out_json = self.out / "b.json"
+        no_tokenizer = self.out / "no-tokenizer"
+        shutil.copytree(self.model, no_tokenizer)
+        (no_tokenizer / "tokenizer.json").unlink()
         cases = {
             "no config": ["--model", str(self.out)],
+            "no tokenizer.json": ["--model", str(no_tokenizer)],
             "too long": ["--model", str(self.model), "--prompt-len", "2048", "--output-len", "8"],
             "one output token": ["--model", str(self.model), "--output-len", "1"],
             "zero seqs": ["--model", str(self.model), "--max-num-seqs", "0"],
@@ -96,8 +101,8 @@ class BenchEngineCommandTest(EngineCommandCase):
         }
         for name, flags in cases.items():
             with self.subTest(name):
-                code, _, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
-                self.assertEqual(code, 2, err)
+                code, out, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
+                self.assertEqual((code, out), (2, ""), err)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
                 self.assertFalse(out_json.exists())
 

@@ -179,8 +179,8 @@ def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check flags and outputs (UsageError, a --model naming no checkpoint or one whose config the engine
-    cannot read included), run the benchmark, print the table; CommandFailed on a checkpoint whose weights
+    """Check flags and outputs (UsageError, a --model naming no checkpoint or one whose config or
+    tokenizer the engine cannot read included), before printing anything; run the benchmark, print the table; CommandFailed on a checkpoint whose weights
     cannot be read, a failed oracle or an unwritable --json."""
     source = model_source(args.model)
     check_outputs([("--json", args.json, (".json",))], [("--model", str(source.path))])
@@ -188,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
 
     opened = time.perf_counter()
     try:
@@ -195,6 +196,10 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     open_s = time.perf_counter() - opened
+    try:  # the requests stream text as a server's do: a tokenizer is checked before any weight is read
+        tokenizer = Tokenizer.load(source.path)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
     model = source.path
     if args.max_num_batched_tokens < max(args.max_num_seqs):
         raise UsageError(
@@ -236,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
             args.seed,
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            tokenizer=tokenizer,
             gemm=args.gemm,
             temperature=args.temperature,
         )

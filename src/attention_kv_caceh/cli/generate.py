@@ -12,7 +12,9 @@ checks `serve` makes too: --model names a checkpoint, its config and tokenizer a
 (exit 2, no weights loaded); the prompts are tokenized and a prompt longer than max_model_len, or whose
 prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
 engine cannot load is one line naming the file and key (exit 1). The first line printed says how long
-loading took, the one-time kernel compile (warm-up) included, so no step time holds it. Ctrl-C: one line, exit 130, the
+loading took and, of that, the warm-up (`engine/warmup.py`: a dummy forward pass that compiles, or loads
+from Numba's disk cache, every kernel a step calls, so no step time holds a compile) with how many
+kernel signatures it compiled and how many it loaded from the cache. Ctrl-C: one line, exit 130, the
 prompts that finished are written to --output and the trace holds every step that ran.
 """
 
@@ -194,19 +196,42 @@ def run(args: argparse.Namespace) -> int:
     check_prompts_fit(plan, prompt_ids, params)
 
     from attention_kv_caceh.engine.llm_engine import LLMEngine
+    from attention_kv_caceh.engine.warmup import numba_compile_counts
 
     t0 = time.perf_counter()
+    before = numba_compile_counts()
     try:
         engine = LLMEngine.from_pretrained(str(plan.source.path), plan.engine_config)
     except ValueError as exc:  # CheckpointError (naming the file and key) is a ValueError
         raise CommandFailed(str(exc)) from None
+    after = numba_compile_counts()
     load_s = time.perf_counter() - t0
+    load_note = f"{load_s:.2f} s" + _warm_up_note(engine, after[0] - before[0], after[1] - before[1])
     try:
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), ids, params)
     except ValueError as exc:
         raise CommandFailed(f"the engine refused a prompt (request id = prompt index): {exc}") from None
-    return _run_steps(args, engine, plan.tokenizer, prompts, prompt_ids, load_s)
+    return _run_steps(args, engine, plan.tokenizer, prompts, prompt_ids, load_note)
+
+
+def _warm_up_note(engine: LLMEngine, compiled: int, loaded: int) -> str:
+    """What the load spent warming up: `(of which S s warm-up: C kernel signatures compiled, L loaded
+    from Numba's disk cache)`; the seconds are the model's kernel preparation and the runner's warm-up
+    forward passes (`Model.gemm_compile_s`, `ModelRunner.warmup_s`), the counts `numba_compile_counts`
+    taken around the load."""
+    from attention_kv_caceh.engine.model_runner import ModelRunner
+
+    runner = engine.model_runner
+    if not isinstance(runner, ModelRunner):
+        return ""
+    seconds = runner.model.gemm_compile_s + runner.warmup_s
+    if compiled == loaded == 0:
+        return f" (of which {seconds:.2f} s warm-up, every kernel already compiled in this process)"
+    return (
+        f" (of which {seconds:.2f} s warm-up: {compiled} kernel signature{'s' * (compiled != 1)} compiled, "
+        f"{loaded} loaded from Numba's disk cache)"
+    )
 
 
 def _run_steps(
@@ -215,7 +240,7 @@ def _run_steps(
     tokenizer: Tokenizer,
     prompts: list[str],
     prompt_ids: list[list[int]],
-    load_s: float,
+    load_note: str,
 ) -> int:
     """step() until done, printing the table and writing the trace; then the continuations and --output."""
     from attention_kv_caceh.engine.model_runner import ModelRunner
@@ -227,7 +252,7 @@ def _run_steps(
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
         f"{num_blocks} KV blocks of {args.block_size} tokens, max_model_len {engine.scheduler.max_model_len}, "
         f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}, "
-        f"speculative decoding {_spec_text(engine)}; loaded in {load_s:.2f} s (kernel compile included)"
+        f"speculative decoding {_spec_text(engine)}; loaded in {load_note}"
     )
     runner = engine.model_runner
     if isinstance(runner, ModelRunner):

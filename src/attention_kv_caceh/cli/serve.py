@@ -60,6 +60,13 @@ if TYPE_CHECKING:
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
 
+def _served_model_name(text: str) -> str:
+    """A --served-model-name: any non-blank string (a blank one would silently mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name the model, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `serve`."""
     parser.add_argument(
@@ -70,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        type=_served_model_name,
         metavar="NAME",
         help="model name clients send (default: the model's name, the .gguf file's stem or the folder's name)",
     )
@@ -214,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
     spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
-    name = args.served_model_name or plan.source.name
+    name = plan.source.name if args.served_model_name is None else args.served_model_name
     sock = _listen(args.host, args.port)
     llm: AsyncLLM | None = None
     try:

@@ -32,7 +32,7 @@ from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata
 from attention_kv_caceh.engine.sampler import token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
-from attention_kv_caceh.kernels import prepare_paged_decode_attention
+from attention_kv_caceh.engine.warmup import warm_up
 
 __all__ = ["ModelInputs", "ModelRunner"]
 
@@ -58,8 +58,9 @@ class ModelRunner:
 
     kv_caches: one (K, V) pair per layer, each `[num_blocks, block_size, H_kv, D]` in config.dtype,
     zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
-    lists b as its i-th block. warmup_s: seconds the paged decode kernel's compile (or Numba disk-cache
-    load) took at construction (0-ish when this process had it already), so no step time includes it.
+    lists b as its i-th block. warmup_s: seconds the warm-up run at construction took (a dummy forward
+    pass that compiles, or loads from Numba's disk cache, every kernel a step calls), so no step time
+    includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone.
     """
@@ -85,18 +86,11 @@ class ModelRunner:
         self.warmup_s = self._warm_up()
 
     def _warm_up(self) -> float:
-        """Compile (or load from Numba's disk cache) the paged decode kernel for this dtype now, so that
-        the first decode step does not pay for it (seconds on a fresh clone). One call on a one-row query
-        over block 0 with context length 1, with the argument types the model passes (C-contiguous q and
-        out `[1, H, D]`, int32 block table and lengths); it reads the cache and writes nothing in it.
-        Returns the seconds the first such call in this process took (`kernels.compile_seconds`)."""
-        c = self.model.config
-        k_cache, v_cache = self.kv_caches[0]
-        q = np.zeros((1, c.num_attention_heads, c.head_dim), dtype=self.model.dtype)  # [1, H, D]
-        out = np.empty_like(q)
-        block_tables = np.zeros((1, 1), dtype=np.int32)  # [1, 1]
-        context_lens = np.ones(1, dtype=np.int32)  # [1]
-        return prepare_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out)
+        """Run the model once on dummy tokens (`engine/warmup.py:warm_up`), so that its first real step
+        compiles nothing: every Numba kernel a step calls is compiled (or loaded from Numba's disk cache)
+        here for the argument types the model passes, its own weights and KV buffers included. The KV
+        buffers are left zero-filled. Returns the seconds it took."""
+        return warm_up(self.model, self.kv_caches)
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
