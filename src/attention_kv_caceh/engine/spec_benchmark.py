@@ -13,7 +13,7 @@ speculation, plus the two numbers that explain the difference:
 
 Each max_num_seqs value runs `pairs` pairs of runs (without, then with speculation; the next pair in
 the other order) on fresh engines over the same prompts (prefix caching off, so neither run finds the other's blocks); tok/s and
-TPOT are medians over the pairs. Before anything is timed, an oracle: request 0 alone, without and
+TPOT are medians over the runs, and their ratios medians of each pair's ratio. Before anything is timed, an oracle: request 0 alone, without and
 with drafts, must produce the same tokens (greedy, or the same seeded draws: speculation changes no
 token, see spec_decode/rejection_sampler.py), and so must every request of every timed pair;
 otherwise OracleMismatch is raised and nothing is reported. Nothing here prints.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -93,11 +93,13 @@ class SpecBenchRow:
         max_num_seqs: requests submitted at once (and the engine's limit).
         workload: "random" (random token ids) or "copy" (harness.copy_workload prompts).
         mean_prompt_len, output_len: tokens per request.
-        output_tokens_per_s_off, output_tokens_per_s_on: without / with speculation; `tok_s_ratio` on / off.
+        output_tokens_per_s_off, output_tokens_per_s_on: without / with speculation (medians);
+            `tok_s_ratio`: the median over the pairs of on / off (each pair ran back to back).
         cpu_tok_s_ratio: the same ratio of output tokens per second of the engine steps' CPU time
             (StepStats.step_cpu_ms summed over a run): the work of each run, without the time a shared
             machine's other processes held the core, so it moves less than the wall-clock ratio.
-        tpot_ms_off, tpot_ms_on: mean TPOT (module docstring), ms; `tpot_ratio` on / off.
+        tpot_ms_off, tpot_ms_on: mean TPOT (module docstring), ms (medians); `tpot_ratio`: the median over
+            the pairs of on / off.
         decode_step_ms_p50: median decode step without speculation (steps without prefill tokens).
         verify_step_ms_p50: median decode step with speculation among those that verified drafts (NaN
             when none did); `verify_rows_mean`: their mean tokens (rows); `verify_cost`: the ratio of
@@ -138,6 +140,12 @@ class SpecBenchRow:
     runs_tok_s_on: tuple[float, ...] = ()
     runs_tpot_ms_off: tuple[float, ...] = ()
     runs_tpot_ms_on: tuple[float, ...] = ()
+
+
+def _pair_ratio(on: list[RunTimes], off: list[RunTimes], value: Callable[[RunTimes], float]) -> float:
+    """The median over the pairs of value(with drafts) / value(without): the two runs of a pair ran
+    back to back, so a load that drifts over the whole benchmark divides out of each ratio."""
+    return statistics.median(value(a) / value(b) for a, b in zip(on, off, strict=True))
 
 
 def _tokens_per_cpu_s(run: RunTimes) -> float:
@@ -249,8 +257,6 @@ def run_spec_benchmark(
             statistics.fmean([sum(s.num_scheduled_tokens.values()) for s in verify]) if verify else 0.0
         )
         acc = acceptance_summary((s.spec_decoding for s in on_runs[0].step_stats), k)
-        cpu_off = statistics.median(_tokens_per_cpu_s(r) for r in off_runs)
-        cpu_on = statistics.median(_tokens_per_cpu_s(r) for r in on_runs)
         tok_off = statistics.median(r.output_tokens_per_s for r in off_runs)
         tok_on = statistics.median(r.output_tokens_per_s for r in on_runs)
         tpot_off = statistics.median(r.mean_tpot_ms for r in off_runs)
@@ -263,11 +269,11 @@ def run_spec_benchmark(
                 output_len=output_len,
                 output_tokens_per_s_off=tok_off,
                 output_tokens_per_s_on=tok_on,
-                tok_s_ratio=tok_on / tok_off,
-                cpu_tok_s_ratio=cpu_on / cpu_off,
+                tok_s_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.output_tokens_per_s),
+                cpu_tok_s_ratio=_pair_ratio(on_runs, off_runs, _tokens_per_cpu_s),
                 tpot_ms_off=tpot_off,
                 tpot_ms_on=tpot_on,
-                tpot_ratio=tpot_on / tpot_off,
+                tpot_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.mean_tpot_ms),
                 decode_step_ms_p50=decode_ms,
                 verify_step_ms_p50=verify_ms,
                 verify_rows_mean=rows_mean,
