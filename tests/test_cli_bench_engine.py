@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import statistics
 import shutil
+import statistics
 import unittest
 from unittest import mock
 
