@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import statistics
 import unittest
 from unittest import mock
 
@@ -156,3 +157,51 @@ class BenchEngineSamplingTest(EngineCommandCase):
             self.assertEqual((code, out), (2, ""))
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertIn("--seed", err)
+
+
+class BenchEngineSpeculativeTest(EngineCommandCase):
+    SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+
+    def test_with_and_without_speculation_in_one_run(self) -> None:
+        out_json = self.out / "spec.json"
+        for workload in ("random", "copy"):
+            with self.subTest(workload=workload):
+                code, out, err = quietly(
+                    [
+                        *("bench-engine", "--model", str(self.model), "--max-num-seqs", "2", "1"),
+                        *("--prompt-len", "6", "--output-len", "12", "--speculative-config", self.SPEC),
+                        *("--workload", workload, "--pairs", "2", "--json", str(out_json)),
+                    ]
+                )
+                self.assertEqual(code, 0, err)
+                rows = json.loads(out_json.read_text(encoding="utf-8"))["rows"]
+                self.assertEqual([r["max_num_seqs"] for r in rows], [1, 2])
+                for r in rows:
+                    for ratio, on, off, median in (
+                        ("tok_s_ratio", "runs_tok_s_on", "runs_tok_s_off", "output_tokens_per_s_on"),
+                        ("tpot_ratio", "runs_tpot_ms_on", "runs_tpot_ms_off", "tpot_ms_on"),
+                    ):
+                        pairs = [a / b for a, b in zip(r[on], r[off], strict=True)]
+                        self.assertAlmostEqual(
+                            r[ratio], statistics.median(pairs)
+                        )  # a pair's runs side by side
+                        self.assertAlmostEqual(r[median], statistics.median(r[on]))
+                        self.assertEqual(len(r[on]), 2)
+                    self.assertLessEqual(r["num_accepted_tokens"], r["num_draft_tokens"])
+                    self.assertEqual(r["pairs"], 2)
+                    if r["num_drafts"]:
+                        self.assertAlmostEqual(
+                            r["acceptance_length"], 1 + r["num_accepted_tokens"] / r["num_drafts"]
+                        )
+                        self.assertGreater(r["verify_rows_mean"], r["max_num_seqs"] - 1)
+                last = json.loads(out.strip().splitlines()[-1])
+                self.assertEqual(last["max_num_seqs"], [1, 2])
+                self.assertEqual(last["tpot_ms"], [r["tpot_ms_on"] for r in rows])
+                self.assertIn("accept len", out)
+
+    def test_workload_and_pairs_need_a_speculative_config(self) -> None:
+        for extra in (["--workload", "copy"], ["--pairs", "3"]):
+            with self.subTest(extra=extra):
+                code, _, err = quietly(["bench-engine", "--model", str(self.model), *extra])
+                self.assertEqual(code, 2)
+                self.assertIn("needs --speculative-config", err)

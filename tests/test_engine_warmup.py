@@ -3,7 +3,7 @@
 Checked in a fresh process (Numba's dispatchers are per process): right after `LLMEngine.from_pretrained`,
 every Numba function of the package must already hold every signature the steps then use, for a Hugging
 Face folder and for a GGUF file (whose float32 norm weights are read-only views of the file: Numba types a
-read-only array apart from a writable one), on the packed float32 path and in float64.
+read-only array apart from a writable one), on the packed float32 path, in float64, and with n-gram speculative decoding (steps that verify\nk + 1 tokens of one request).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from numba.core.dispatcher import Dispatcher
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.engine.warmup import numba_compile_counts
 
 
@@ -38,14 +39,21 @@ def signatures():
 
 at_start = numba_compile_counts()
 for path in sys.argv[1:]:
-    for dtype in ("float32", "float64"):
-        engine = LLMEngine.from_pretrained(path, EngineConfig(num_kv_blocks=8, block_size=4, dtype=dtype))
+    for dtype, spec in (("float32", None), ("float64", None), ("float32", SpeculativeConfig(3, 1, 2))):
+        config = EngineConfig(num_kv_blocks=40, block_size=16, dtype=dtype, speculative_config=spec)
+        engine = LLMEngine.from_pretrained(path, config)
         caches = engine.model_runner.kv_caches
         assert all(not k.any() and not v.any() for k, v in caches), "the warm-up left K/V in the cache"
         after_init = signatures()
-        engine.add_request(dtype, [1, 2, 3, 4, 5, 6], SamplingParams(max_tokens=3, ignore_eos=True))
+        # With drafts on, the prompt holds every token id once: whatever token comes out, the n-gram
+        # proposer finds it and drafts, so the steps verify k + 1 tokens of one request.
+        prompt = [1, 2, 3, 4, 5, 6] if spec is None else list(range(engine.model_runner.model.config.vocab_size))
+        engine.add_request(dtype, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
+        if spec is not None:
+            drafted = sum(s.spec_decoding.num_draft_tokens for s in engine.step_stats if s.spec_decoding)
+            assert drafted > 0, "no draft was verified"
         new = {key: sigs - after_init.get(key, set()) for key, sigs in signatures().items()}
         new = {key: sigs for key, sigs in new.items() if sigs}
         assert not new, f"{path} {dtype}: the steps compiled {new}"

@@ -179,8 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         default="random",
         help="random: independent prompts; shared-prefix: one of --num-prefixes shared prefixes of "
         "--prefix-len words, then --prompt-len words of its own; multi-turn: conversations of --turns "
-        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed) "
-        "(default: %(default)s)",
+        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed); copy: "
+        "repeat a passage of at least --prompt-len words with one change (copy-heavy, where speculative "
+        "decoding pays) (default: %(default)s)",
     )
     g.add_argument(
         "--num-prefixes", type=int, default=4, help="shared-prefix: how many prefixes (default: %(default)s)"

@@ -219,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
             f"{args.max_request_bytes}, a body of the largest size could never be served"
         )
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
     name = plan.source.name if args.served_model_name is None else args.served_model_name
@@ -250,6 +251,7 @@ def run(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
         # server, so the collector's oldest generation need not traverse it; a full collection stops

@@ -126,6 +126,7 @@ def build_app(
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    num_speculative_tokens: int = 0,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
@@ -136,6 +137,7 @@ def build_app(
     bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
     `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
     above it a 400 names the count and the limit).
     Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0,
@@ -162,6 +164,7 @@ def build_app(
         running=lambda: async_llm.num_running,
         waiting=lambda: async_llm.num_waiting,
         kv_usage=lambda: async_llm.kv_cache_usage,
+        num_speculative_tokens=num_speculative_tokens,
     )
     async_llm.add_stat_logger(metrics.record)
     created = int(time.time())
