@@ -93,6 +93,88 @@ class HarnessEngineUsageTest(unittest.TestCase):
             starter.assert_not_called()
             self.assertFalse(jsonl.exists())
 
+    def test_an_unreadable_tokenizer_or_config_exits_2_before_any_server(self) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            good = write_random_checkpoint(Path(d) / "good", "llama", "tiny")
+            bad_config = Path(d) / "bad_config"
+            bad_config.mkdir()
+            (bad_config / "config.json").write_text("{}")
+            (bad_config / "tokenizer.json").write_bytes((good / "tokenizer.json").read_bytes())
+            broken = Path(d) / "broken"
+            broken.mkdir()
+            (broken / "tokenizer.json").write_text('{"version": "1.0", "model": {')
+            garbage = Path(d) / "garbage.gguf"
+            garbage.write_bytes(bytes(range(256)) * 8)
+            cases = {
+                "broken tokenizer.json": (
+                    ["--backend", "engine", "--model", str(good), "--tokenizer", str(broken)],
+                    str(broken),
+                ),
+                "not a GGUF tokenizer": (
+                    ["--backend", "engine", "--model", str(good), "--tokenizer", str(garbage)],
+                    str(garbage),
+                ),
+                "a config serve cannot read": (
+                    ["--backend", "engine", "--model", str(bad_config)],
+                    str(bad_config),
+                ),
+                "a tokenizer the simulated backend ignores": (
+                    ["--backend", "simulated", "--tokenizer", str(good)],
+                    "--tokenizer",
+                ),
+                "an unreadable tokenizer for a server": (
+                    ["--backend", "openai-completions", "--model", "m", "--tokenizer", str(garbage)],
+                    str(garbage),
+                ),
+            }
+            starter = mock.Mock(side_effect=AssertionError("a server was started"))
+            for name, (argv, named) in cases.items():
+                with (
+                    self.subTest(name),
+                    mock.patch("attention_kv_caceh.harness.engine_server.serve_process", starter),
+                ):
+                    err = io.StringIO()
+                    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                        code = main(["harness", *argv, "--num-requests", "1"])
+                    self.assertEqual(code, 2, err.getvalue())
+                    self.assertIn(named, err.getvalue())
+                    self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
+            starter.assert_not_called()
+
+    def test_serve_refusing_its_arguments_makes_the_harness_and_sweep_exit_2(self) -> None:
+        from attention_kv_caceh.harness.engine_server import ServerStartError
+
+        with tempfile.TemporaryDirectory() as d:
+            good = write_random_checkpoint(Path(d) / "good", "llama", "tiny")
+            for returncode, expected in ((2, 2), (1, 1), (None, 1)):
+                failure = ServerStartError("the server exited before serving", returncode)
+                for argv in (
+                    ["harness", "--backend", "engine", "--model", str(good), "--num-requests", "1"],
+                    [
+                        "sweep",
+                        "--backend",
+                        "engine",
+                        "--model",
+                        str(good),
+                        "--out-dir",
+                        str(Path(d) / "s"),
+                        "--concurrency",
+                        "1",
+                        "--num-requests",
+                        "1",
+                    ],
+                ):
+                    with (
+                        self.subTest(argv[0], returncode=returncode),
+                        mock.patch(
+                            "attention_kv_caceh.cli.harness_engine.run_against_engine", side_effect=failure
+                        ),
+                    ):
+                        err = io.StringIO()
+                        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                            code = main(argv)
+                        self.assertEqual(code, expected, err.getvalue())
+
 
 class HarnessEngineProcessTest(unittest.TestCase):
     @classmethod

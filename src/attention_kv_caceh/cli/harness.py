@@ -330,7 +330,36 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     )
     if engine:
         harness_engine.check_context(args, config)
+    _check_tokenizer(args, config)
     return config
+
+
+def _check_tokenizer(args: argparse.Namespace, config: HarnessConfig) -> None:
+    """Build the run's local tokenizer now, so an unreadable one is a UsageError before any server
+    starts (the run then reuses it: `harness.prompts.local_tokenizer`). The simulated backend counts
+    words and has no tokenizer: a --tokenizer for it is refused, not ignored."""
+    if config.backend == "simulated":
+        if args.tokenizer is not None:
+            raise UsageError(
+                f"--tokenizer {args.tokenizer}: the simulated backend takes no tokenizer (its prompts are words)"
+            )
+        return
+    if config.tokenizer is None:
+        return
+    from attention_kv_caceh.harness.prompts import local_tokenizer
+
+    try:
+        local_tokenizer(config.tokenizer)
+    except ValueError as exc:  # CheckpointError (a GGUF file) is a ValueError and names the file
+        flag = "--tokenizer" if args.tokenizer else "--model"
+        message = str(exc)
+        if not message.startswith("--"):
+            message = (
+                f"{flag}: {message}"
+                if config.tokenizer in message
+                else f"{flag} {config.tokenizer}: {message}"
+            )
+        raise UsageError(message) from None
 
 
 def input_paths(args: argparse.Namespace) -> list[tuple[str, str | None]]:
@@ -400,7 +429,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ServerStartError as exc:
         error(f"serve --model {args.model}: {exc}")
-        return 1
+        return 2 if exc.returncode == 2 else 1  # 2: serve refused the model or a flag (its line above)
 
 
 def _run(

@@ -91,12 +91,15 @@ def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
     max_model_len tokens or more (the server refuses it, HTTP 400), or --prompt-len + --output-len above
     it (the server caps max_tokens to the context left, so the outputs would be shorter than asked).
     max_model_len is --max-model-len when given, else the checkpoint's `max_position_embeddings`. A
-    config the engine cannot read is left to `serve` to
-    report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
+    config the engine cannot read is a UsageError too, before `serve` starts; dataset prompts are
+    counted later, by the run (`harness.run.check_context`)."""
     try:
         _, checkpoint = load_model_config(model_source(args.model).path)
-    except (UsageError, ValueError, OSError):  # CheckpointError is a ValueError
-        return
+    except (ValueError, OSError) as exc:  # CheckpointError is a ValueError
+        message = str(exc)  # a CheckpointError names the file
+        raise UsageError(
+            f"--model: {message}" if args.model in message else f"--model {args.model}: {message}"
+        ) from None
     limit: int = args.max_model_len or checkpoint.max_position_embeddings
     source = "--max-model-len" if args.max_model_len else "the checkpoint's max_position_embeddings"
     message = context_problem(config, limit, f"max_model_len {limit} ({source})")

@@ -340,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ServerStartError as exc:
         error(f"serve --model {args.model}: {exc}")
-        return 1
+        return 2 if exc.returncode == 2 else 1  # 2: serve refused the model or a flag (its line above)
 
 
 def _sweep(

@@ -54,7 +54,16 @@ class ServerProcess:
 
 
 class ServerStartError(RuntimeError):
-    """The server child exited or did not become healthy in time."""
+    """The server child exited or did not become healthy in time.
+
+    Attributes:
+        returncode: the child's exit code when it exited (2: serve refused its arguments and said why
+            in one line on stderr), else None.
+    """
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def serve_command(model_dir: str | Path, engine_flags: Sequence[str] = ()) -> list[str]:
@@ -114,7 +123,7 @@ def _announced_url(proc: subprocess.Popen[str], lines: queue.Queue[str | None], 
             raise ServerStartError("the server did not announce its address in time") from None
         if line is None:
             code = proc.wait()
-            raise ServerStartError(f"the server exited with code {code} before serving")
+            raise ServerStartError(f"the server exited with code {code} before serving", code)
         if line.startswith("serving ") and " at " in line:
             return line.rsplit(" at ", 1)[1].strip()
 
@@ -126,7 +135,8 @@ def _wait_healthy(base_url: str, proc: subprocess.Popen[str], deadline: float) -
         if remaining <= 0:
             raise ServerStartError(f"{base_url}/health did not answer 200 in time")
         if proc.poll() is not None:
-            raise ServerStartError(f"the server exited with code {proc.returncode} before /health answered")
+            code = proc.returncode
+            raise ServerStartError(f"the server exited with code {code} before /health answered", code)
         try:
             with urllib.request.urlopen(base_url + "/health", timeout=remaining) as resp:
                 if resp.status == 200:

@@ -15,6 +15,7 @@ it (`run.py`): otherwise the run reports `prompt_lengths: "approximate"` and say
 from __future__ import annotations
 
 import asyncio
+import functools
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -84,6 +85,14 @@ class LocalTokenizer:
 
     async def count(self, text: str) -> int:
         return len(self._tokenizer.encode(text, add_special_tokens=True).ids)
+
+
+@functools.cache
+def local_tokenizer(path: str) -> LocalTokenizer:
+    """`LocalTokenizer(path)`, built once per process: the command line checks it before any server
+    starts and the run then uses the same one (a GGUF file's metadata takes seconds to read).
+    Raises ValueError as LocalTokenizer does (a failure is not kept)."""
+    return LocalTokenizer(path)
 
 
 class ServerTokenizer:

@@ -51,6 +51,7 @@ from attention_kv_caceh.harness.prompts import (
     PromptTokenizer,
     ServerTokenizer,
     exact_prompts,
+    local_tokenizer,
     probe_server_tokenizer,
 )
 from attention_kv_caceh.harness.records import RequestRecord
@@ -149,7 +150,7 @@ async def _exact(
     if config.backend == "simulated":
         return None, list(specs)
     if config.tokenizer is not None:
-        tokenizer = LocalTokenizer(config.tokenizer)
+        tokenizer = local_tokenizer(config.tokenizer)
     elif session is not None and model is not None:
         chat = config.backend == "openai-chat"
         server = ServerTokenizer(session, config.base_url, model, config.timeout_s, chat=chat)
