@@ -110,6 +110,13 @@ class TestSpeculativeConfig(unittest.TestCase):
                 },
                 "non-overlapping",
             ),
+            # past any context: refused before anything is sized by them (they once took all memory)
+            ({"method": "ngram", "num_speculative_tokens": 10**9}, "num_speculative_tokens=1000000000"),
+            ({"method": "ngram", "num_speculative_tokens": 10**20}, "num_speculative_tokens="),
+            (
+                {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 10**20},
+                "prompt_lookup_max=",
+            ),
         ]
         for obj, message in cases:
             with self.subTest(obj=obj), self.assertRaises(ValueError) as ctx:
@@ -128,6 +135,19 @@ class TestSpeculativeConfig(unittest.TestCase):
         for b, k in enumerate(default[1:], start=1):  # drafts keep a step within the verify rows
             self.assertLessEqual(b * (1 + k), max(DEFAULT_VERIFY_ROWS, b))
         self.assertEqual(SpeculativeConfig(2).draft_schedule(3), default_draft_schedule(2, 3))
+        with self.assertLogs("attention_kv_caceh.engine.spec_decode.config", "WARNING") as logs:
+            SpeculativeConfig(3, 1, 2, ((1, 4, 9),))  # an entry above K is capped, with a warning
+        self.assertIn("[1, 4, 9]", logs.output[0])
+
+    def test_a_draft_that_cannot_fit_the_context_is_refused(self) -> None:
+        SpeculativeConfig(511, 1, 512).check_fits(512)
+        for config, field in (
+            (SpeculativeConfig(512), "num_speculative_tokens=512"),
+            (SpeculativeConfig(3, 1, 513), "prompt_lookup_max=513"),
+        ):
+            with self.subTest(field), self.assertRaises(ValueError) as ctx:
+                config.check_fits(512)
+            self.assertIn(field, str(ctx.exception))
 
 
 def brute_force_draft(tokens: list[int], lo: int, hi: int, k: int, max_model_len: int) -> list[int]:

@@ -312,6 +312,10 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
             f"prompts of up to {longest} tokens + --output-len {args.output_len} + K "
             f"{spec.num_speculative_tokens} exceed the model's max_position_embeddings {config.max_position_embeddings}"
         )
+    try:  # the benchmark's engines hold exactly the longest request (`run_spec_benchmark`)
+        spec.check_fits(longest + args.output_len + spec.num_speculative_tokens + 1)
+    except ValueError as exc:
+        raise UsageError(f"--speculative-config: {exc}") from None
     sampling = "greedy (temperature 0)" if args.temperature == 0 else f"temperature {args.temperature}"
     print(
         f"speculative decoding benchmark: {args.model}, {args.workload} workload ({longest} prompt tokens "

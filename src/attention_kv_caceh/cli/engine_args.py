@@ -231,6 +231,11 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
     except ValueError as exc:
         raise UsageError(f"--max-model-len: {exc}") from None
+    if config.speculative_config is not None:
+        try:
+            config.speculative_config.check_fits(max_model_len)
+        except ValueError as exc:
+            raise UsageError(f"--speculative-config: {exc}") from None
     bytes_per_block = ModelRunner.bytes_per_block(model_config, config.block_size, config.dtype)
     if config.num_kv_blocks is not None:
         flag = f"--num-kv-blocks {config.num_kv_blocks}"

@@ -359,7 +359,7 @@ def _acceptance_line(steps: list[Any], num_spec_tokens: int) -> str:
 
     s = acceptance_summary(steps, num_spec_tokens)
     if not s.num_drafts:
-        return "speculative decoding: no draft was proposed (no n-gram of the prompt recurred)"
+        return "speculative decoding: no draft was proposed (no n-gram recurred, or no output token or context was left for one)"
     per_pos = ", ".join(f"{r:.2f}" for r in s.per_position_acceptance_rates)
     return (
         f"speculative decoding: {s.num_drafts} drafts, {s.num_draft_tokens} draft tokens, "

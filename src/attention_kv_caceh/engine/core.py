@@ -269,6 +269,7 @@ class EngineCore:
         self.proposer: NgramProposer | None = None
         self._draft_schedule: list[int] = []
         if spec is not None:
+            spec.check_fits(model_len)
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, model_len)
             self._draft_schedule = spec.draft_schedule(config.max_num_seqs)
 

@@ -26,6 +26,7 @@ GPU padding, none of which exists here, and an unknown key is an error in vLLM t
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -63,9 +64,15 @@ _FIELDS = (
 )
 
 
+logger = logging.getLogger(__name__)
+MAX_FIELD_VALUE = 2**24  # the largest K or n-gram length taken: more tokens than any model's context
+
+
 def _int_field(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"speculative_config {name}={value!r}: Input should be a valid integer")
+    if value > MAX_FIELD_VALUE:  # past any context; the engine checks against its own (`check_fits`)
+        raise ValueError(f"speculative_config {name}={value}: must be at most {MAX_FIELD_VALUE:,}")
     return value
 
 
@@ -158,6 +165,20 @@ class SpeculativeConfig:
                 "num_speculative_tokens_per_batch_size",
                 _schedule(self.num_speculative_tokens_per_batch_size),
             )
+            for start, end, k_b in self.num_speculative_tokens_per_batch_size or ():
+                if k_b > k:  # taken, as the module docstring says, but not in silence
+                    logger.warning(
+                        "speculative_config num_speculative_tokens_per_batch_size [%d, %d, %d]: %d drafts "
+                        "are above num_speculative_tokens %d; batch sizes %d..%d propose %d",
+                        start,
+                        end,
+                        k_b,
+                        k_b,
+                        k,
+                        start,
+                        end,
+                        k,
+                    )
 
     @classmethod
     def from_dict(cls, obj: Mapping[str, Any]) -> SpeculativeConfig:
@@ -192,6 +213,9 @@ class SpeculativeConfig:
                 "config contains an n_predict parameter."
             )
         lo, hi = fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")
+        for name, value in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if value is not None:  # checked as given, before one fills in the other
+                _int_field(name, value)
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP
         elif lo is None:
@@ -234,6 +258,21 @@ class SpeculativeConfig:
     def to_json(self) -> str:
         """`to_dict` as compact JSON (what `--speculative-config` takes)."""
         return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def check_fits(self, max_model_len: int) -> None:
+        """Raise ValueError naming the field when a draft could never fit a request's context: a draft
+        of K tokens and the token that verifies it take K + 1 positions, and an n-gram longer than the
+        context never recurs in it (K < max_model_len, prompt_lookup_max <= max_model_len)."""
+        if self.num_speculative_tokens >= max_model_len:
+            raise ValueError(
+                f"speculative_config num_speculative_tokens={self.num_speculative_tokens}: must be below "
+                f"max_model_len ({max_model_len}), as a draft and the token verifying it fit one context"
+            )
+        if self.prompt_lookup_max > max_model_len:
+            raise ValueError(
+                f"speculative_config prompt_lookup_max={self.prompt_lookup_max}: must be at most "
+                f"max_model_len ({max_model_len}), the longest n-gram a context holds"
+            )
 
     def draft_schedule(self, max_num_seqs: int) -> list[int]:
         """K to propose after a step of B requests, for B = 0 .. max_num_seqs (entry 0 unused): vLLM's
