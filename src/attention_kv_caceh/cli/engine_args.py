@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attention_kv_caceh.cli.common import CommandFailed, UsageError, positive_int
-from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, EngineConfig
+from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, EngineConfig
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.model_config import ModelConfig
@@ -53,6 +53,7 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len",
     "enable_prefix_caching": "--no-prefix-caching",
     "dtype": "--dtype",
+    "quantization": "--quantization",
 }
 _FLAGS = {k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype")}
 
@@ -65,7 +66,9 @@ _HELP = {
     "max_model_len": "most tokens (prompt + output) per request; may only lower the checkpoint's "
     "(default: its max_position_embeddings)",
     "enable_prefix_caching": "turn prefix caching off (default: on)",
-    "dtype": "dtype of the weights, activations and KV cache",
+    "dtype": "dtype of the weights, activations and KV cache (bfloat16: weights only, computing in float32)",
+    "quantization": "keep the linear layers' weights in this GGUF block format (llama.cpp's names), "
+    "quantizing a float checkpoint at load (default: none)",
 }
 
 
@@ -109,6 +112,10 @@ def add_engine_arguments(
         group.add_argument("--max-model-len", type=positive_int, metavar="N", help=_HELP["max_model_len"])
     if wanted("dtype"):
         group.add_argument("--dtype", choices=SUPPORTED_DTYPES, **kwargs("dtype"))  # pyright: ignore[reportArgumentType]
+    if wanted("quantization"):
+        group.add_argument(
+            "--quantization", choices=SUPPORTED_QUANTIZATIONS, default=None, help=_HELP["quantization"]
+        )
     if wanted("enable_prefix_caching"):
         group.add_argument(
             "--no-prefix-caching",

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.block_gemm import BLOCK_FORMATS, prepare_block_linear
 from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.engine.layers import (
     GEMM_PATHS,
@@ -53,32 +54,87 @@ from attention_kv_caceh.engine.layers import (
 )
 from attention_kv_caceh.engine.model_config import ModelConfig
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
-from attention_kv_caceh.gemm import packed_path_available, prepare_packed_linear
+from attention_kv_caceh.gemm import prepare_packed_linear
 from attention_kv_caceh.kernels import paged_decode_attention_into
+from attention_kv_caceh.simd import compile_target
 
-__all__ = ["ENGINE_DTYPES", "GEMM_CHOICES", "Model", "ModelConfig", "resolve_gemm_path"]
+__all__ = [
+    "ENGINE_DTYPES",
+    "GEMM_CHOICES",
+    "QUANTIZATIONS",
+    "Model",
+    "ModelConfig",
+    "compute_dtype",
+    "resolve_gemm_path",
+    "weight_format",
+]
 
 FloatArray = npt.NDArray[np.floating[Any]]
-ENGINE_DTYPES = ("float32", "float64")
+ENGINE_DTYPES = ("float32", "float64", "bfloat16")
+"""vLLM's `--dtype` words: float32 and float64 keep weights, activations and KV cache in that dtype;
+bfloat16 keeps the linear layers' weights in bfloat16 and computes in float32 (activations, sums, KV)."""
 GEMM_CHOICES = ("auto", *GEMM_PATHS)
+QUANTIZATIONS = BLOCK_FORMATS
+"""`quantization` values: GGUF block formats (llama.cpp's names) the linear layers' weights are kept in;
+a float checkpoint is quantized at load (`block_gemm.quantize_weight`)."""
 
 
-def resolve_gemm_path(gemm: str, dtype: str) -> tuple[str, str]:
-    """The GEMM path for `gemm` ("auto", "packed" or "numpy") and engine `dtype`, and a one-line note.
+def compute_dtype(dtype: str) -> np.dtype[Any]:
+    """The dtype activations, sums and the KV cache have for engine `dtype` (bfloat16 -> float32).
+    Raises ValueError for a dtype outside ENGINE_DTYPES."""
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
+    return np.dtype(np.float32 if dtype == "bfloat16" else dtype)
 
-    "auto" takes "packed" for float32 on a CPU with AVX-512F, "numpy" otherwise. Raises ValueError for
-    a `gemm` outside GEMM_CHOICES or "packed" with a dtype other than float32.
+
+def weight_format(dtype: str, quantization: str | None) -> str:
+    """How the linear layers store their weights: the quantization's block format, else the dtype.
+    Raises ValueError for an unknown dtype or quantization, or a quantization with bfloat16."""
+    compute_dtype(dtype)
+    if quantization is None:
+        return dtype
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if dtype == "bfloat16":
+        raise ValueError(
+            f"quantization {quantization!r} keeps its own block format: use dtype float32, not bfloat16"
+        )
+    return quantization
+
+
+def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> tuple[str, str]:
+    """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, and a
+    one-line note naming the kernel variant (`simd.compile_target`).
+
+    "auto" takes "packed" where a kernel variant exists for the compile target and the activations
+    are float32 (dtype float32 or bfloat16), "numpy" otherwise: float64, a CPU without AVX2, AVX-512
+    or NEON, or asked for; the numpy path multiplies by the floats the weight format decodes to.
+    Raises ValueError for a `gemm` outside GEMM_CHOICES, an unknown dtype or quantization (as
+    `weight_format`), or "packed" with float64 or without a kernel variant.
     """
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
-    if gemm == "packed" and dtype != "float32":
-        raise ValueError(f"the packed GEMM path needs dtype float32, got {dtype!r}")
-    available, cpu = packed_path_available()
-    if gemm == "numpy" or (gemm == "auto" and dtype != "float32"):
-        return "numpy", f"GEMM path: numpy (x @ W.T, {dtype}{', asked for' if gemm == 'numpy' else ''})"
-    if gemm == "auto" and not available:
-        return "numpy", f"GEMM path: numpy (x @ W.T; the packed float32 kernel needs AVX-512F: {cpu})"
-    return "packed", f"GEMM path: packed (compiled float32 kernel, weights packed at load; {cpu})"
+    fmt = weight_format(dtype, quantization)
+    float32 = compute_dtype(dtype) == np.float32
+    if gemm == "packed" and not float32:
+        raise ValueError(
+            f"the packed GEMM path needs float32 activations (dtype float32 or bfloat16), got {dtype!r}"
+        )
+    target = compile_target()
+    if gemm == "packed" and target is None:
+        raise ValueError("the packed GEMM path has no kernel for this CPU (no AVX2, AVX-512 or NEON target)")
+    if gemm == "numpy" or not float32 or target is None:
+        why = (
+            "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON target")
+        )
+        return (
+            "numpy",
+            f"GEMM path: numpy (x @ W.T on {fmt} weights decoded to {compute_dtype(dtype)}; {why})",
+        )
+    how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
+    if fmt == "bfloat16":
+        how += ", vdpbf16ps" if target.bf16_dot else ", widened in registers"
+    return "packed", f"GEMM path: packed {target.isa} {fmt} ({how}; {target.describe()})"
 
 
 @dataclass(frozen=True)
@@ -98,13 +154,16 @@ class _Layer:
 
 
 class Model:
-    """A decoder-only transformer with weights as NumPy arrays of one engine dtype (float32 or float64).
+    """A decoder-only transformer with weights as NumPy arrays (float32 or float64), or compact linear
+    layers (bfloat16, GGUF blocks) that compute in float32.
 
-    Build with `Model.load(folder, dtype, gemm)`. `forward` runs the decoder stack over a flattened batch
-    and writes the new K/V into the paged caches; `compute_logits` applies the LM head to chosen rows.
-    gemm_path is the GEMM path its linear layers take and gemm_note a one-line note saying so (for the
-    CLI to print); gemm_compile_s the seconds the compile (or disk-cache load) of the packed path's
-    kernels (the GEMM and the compiled small layers) took here.
+    Build with `Model.load(folder, dtype, gemm, quantization)`. `forward` runs the decoder stack over a
+    flattened batch and writes the new K/V into the paged caches; `compute_logits` applies the LM head
+    to chosen rows. dtype: the activations' and KV cache's NumPy dtype (`compute_dtype`); weight_format:
+    how the linear layers keep their weights (`weight_format`). gemm_path is the GEMM path its linear
+    layers take and gemm_note a one-line note saying so (for the CLI to print); gemm_compile_s the
+    seconds the compile (or disk-cache load) of the packed path's kernels (the GEMM and the compiled
+    small layers) took here.
     """
 
     def __init__(
@@ -113,22 +172,26 @@ class Model:
         checkpoint: SafetensorsCheckpoint,
         dtype: str = "float32",
         gemm: str = "auto",
+        quantization: str | None = None,
     ) -> None:
-        """Read every tensor `config` needs from `checkpoint`, converted to `dtype`; pack the linear layers'
-        weights when the GEMM path (`resolve_gemm_path(gemm, dtype)`) is "packed".
+        """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
+        the linear layers' weights as `weight_format(dtype, quantization)` for the GEMM path
+        (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
-        Raises ValueError for a dtype other than "float32"/"float64" or a gemm `resolve_gemm_path`
-        refuses, CheckpointError (naming the file and key) for a missing tensor or one of the wrong shape.
+        Raises ValueError for a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
+        format with an input width that is not a multiple of 32), CheckpointError (naming the file
+        and key) for a missing tensor or one of the wrong shape.
         """
-        if dtype not in ENGINE_DTYPES:
-            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
-        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype)
+        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype, quantization)
+        self.weight_format = weight_format(dtype, quantization)
         self.config = config
-        self.dtype = np.dtype(dtype)
+        self.dtype = compute_dtype(dtype)
         c = config
 
+        stored = "float32" if self.weight_format == "float64" else self.weight_format  # float64: kept as read
+
         def lin(weight: FloatArray) -> LinearWeight:
-            return LinearWeight.of(weight, self.gemm_path)
+            return LinearWeight.of(weight, self.gemm_path, stored)
 
         def get(name: str, shape: tuple[int, ...]) -> FloatArray:
             found = checkpoint.shape(name)
@@ -180,17 +243,22 @@ class Model:
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         self.gemm_compile_s = 0.0
         if self.gemm_path == "packed":
-            self.gemm_compile_s = prepare_packed_linear() + prepare_compiled_layers(self.dtype)
+            fmt = self.weight_format
+            kernels = prepare_block_linear(fmt) if fmt in BLOCK_FORMATS else prepare_packed_linear(fmt)
+            self.gemm_compile_s = kernels + prepare_compiled_layers(self.dtype)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", gemm: str = "auto") -> Model:
-        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`, GEMM path `gemm`.
+    def load(
+        cls, path: str | Path, dtype: str = "float32", gemm: str = "auto", quantization: str | None = None
+    ) -> Model:
+        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`, GEMM path `gemm`,
+        linear weights quantized to `quantization` (None: kept in the dtype).
 
         Raises CheckpointError for anything the folder lacks or the model does not implement, ValueError
         as `Model()` does.
         """
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
-        return cls(config, SafetensorsCheckpoint(path), dtype, gemm)
+        return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization)
 
     @property
     def num_parameters(self) -> int:
