@@ -1,4 +1,5 @@
-"""Which kernel variant a compile target gets, and the AVX2 variant built for an AVX2 CPU.
+"""Which kernel variant a compile target gets, and the AVX2 variants (linear layers and paged decode
+attention) built for an AVX2 CPU.
 
 Numba compiles for one CPU per process (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, read at import), so each
 target runs in a child process: AMD Zen 3 (`znver3`: AVX2 and FMA, no AVX-512) on any x86-64 machine
@@ -47,6 +48,17 @@ for m in (1, 3, 8, 13):
         err = float(np.abs(block_gemm.block_linear(x, weight) - want).max() / np.abs(want).max())
         worst[weight.path] = max(worst.get(weight.path, 0.0), err)
 
+from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
+from attention_kv_caceh.kernels import paged_decode_attention
+from attention_kv_caceh.oracle import reference_paged_decode_attention
+blocks = [rng.standard_normal((6, 16, 2, 64)).astype(np.float32) for _ in range(2)]  # [NB, BS, H_kv, D]
+k_cache, v_cache = pack_kv_blocks(*blocks)
+tables = np.array([[4, 1, 3], [0, 5, -1]], np.int32)
+lens = np.array([40, 17], np.int32)
+q = rng.standard_normal((2, 6, 64)).astype(np.float32)
+want = reference_paged_decode_attention(q.astype(np.float64), k_cache.astype(np.float64), v_cache.astype(np.float64), tables, lens)
+worst["paged attention"] = float(np.abs(paged_decode_attention(q, k_cache, v_cache, tables, lens) - want).max())
+
 @numba.njit(cache=False)
 def avx2_tile(x, panels, y):
     _gemm_jit._matmul_lanes(x, _gemm_jit._lane_groups(x, 8, panels.shape[1]), panels, y, 1)
@@ -90,7 +102,15 @@ class CompileTargetTest(unittest.TestCase):
         worst = found["worst"]
         assert isinstance(worst, dict)
         self.assertEqual(
-            sorted(worst), ["avx2 bfloat16 (widened)", "avx2 float32", "avx2 q4_0", "avx2 q4_1", "avx2 q8_0"]
+            sorted(worst),
+            [
+                "avx2 bfloat16 (widened)",
+                "avx2 float32",
+                "avx2 q4_0",
+                "avx2 q4_1",
+                "avx2 q8_0",
+                "paged attention",
+            ],
         )
         for path, err in worst.items():
             self.assertLess(err, 1e-5, path)

@@ -84,12 +84,13 @@ def half_to_float(builder, byte_ptr):
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
 
 
-def prefetch(builder, address):
-    """Hint the CPU to load the cache line at `address` (any pointer; no fault past an array's end)."""
+def prefetch(builder, address, locality=3):
+    """Hint the CPU to load the cache line at `address` (any pointer; no fault past an array's end);
+    locality 3 into every cache level, 2 into L2 and below."""
     i8p = I8.as_pointer()
     fnty = ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32])
     fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-    builder.call(fn, [builder.bitcast(address, i8p), I32(0), I32(3), I32(1)])  # read, all levels, data
+    builder.call(fn, [builder.bitcast(address, i8p), I32(0), I32(locality), I32(1)])  # a read, of data
 
 
 def zeroed(builder, vtype, count):

@@ -20,7 +20,7 @@ import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata
+from attention_kv_caceh.engine.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.engine.sampler import token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.kernels import prepare_paged_decode_attention
@@ -42,9 +42,9 @@ class ModelInputs:
 class ModelRunner:
     """Runs `model` on scheduler outputs against per-layer paged K/V buffers.
 
-    kv_caches: one (K, V) pair per layer, each `[num_blocks, block_size, H_kv, D]` in the model's dtype,
-    zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
-    lists b as its i-th block. warmup_s: seconds the paged decode kernel's compile (or Numba disk-cache
+    kv_caches: one (K, V) pair per layer in the model's dtype, zero-filled, K `[num_blocks, H_kv, D,
+    block_size]` and V `[num_blocks, H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`); block b
+    holds positions [i * block_size, (i + 1) * block_size) of whichever request lists b as its i-th block. warmup_s: seconds the paged decode kernel's compile (or Numba disk-cache
     load) took at construction (0-ish when this process had it already), so no step time includes it.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone.
@@ -64,9 +64,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         c = model.config
-        shape = (num_blocks, config.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches: list[tuple[FloatArray, FloatArray]] = [
-            (np.zeros(shape, dtype=model.dtype), np.zeros(shape, dtype=model.dtype))
+            allocate_kv_cache(num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, model.dtype)
             for _ in range(c.num_hidden_layers)
         ]
         self.last_inputs: ModelInputs | None = None
