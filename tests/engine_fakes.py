@@ -21,10 +21,10 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from attention_kv_caceh.engine.core import EngineCore
+from attention_kv_caceh.engine.core import EngineCore, EngineCoreRequest
 from attention_kv_caceh.engine.kv_cache_manager import cdiv
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 
 VOCAB = 40
@@ -233,6 +233,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return [(ord(c) - 32) % TEXT_VOCAB for c in text[:max_length]]
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        return self.encode(text, add_special_tokens, max_length), len(text)
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)
 
@@ -296,6 +301,22 @@ class GatedRunner(FakeModelRunner):
         return logits
 
 
+def hold_input(core: EngineCore) -> threading.Event:
+    """Make the core's input thread stop reading its socket while the returned event is cleared (it is
+    cleared here): `preprocess_add_request`, which that thread runs for every request it receives, waits
+    for the event. Frames the front end sends meanwhile pile up in ZMQ's queues, as they do behind a slow
+    core."""
+    reading = threading.Event()
+    preprocess = core.preprocess_add_request
+
+    def held(request: EngineCoreRequest) -> Request:
+        reading.wait()
+        return preprocess(request)
+
+    core.preprocess_add_request = held  # type: ignore[method-assign]
+    return reading
+
+
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
     """Poll `predicate` every 5 ms until it holds (True) or `timeout` seconds pass (False): a bound on a
     wait for another thread's state, not a synchronisation by sleeping."""
@@ -315,6 +336,7 @@ def make_text_core(
     max_model_len: int = 256,
     max_num_batched_tokens: int = 512,
     eos_after: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> tuple[EngineCore, GatedRunner]:
     """A real EngineCore over the GatedRunner (no eos unless `eos_after`)."""
     from attention_kv_caceh.engine.config import EngineConfig
@@ -325,6 +347,7 @@ def make_text_core(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
     )
     runner = GatedRunner(num_blocks, block_size, eos_after=eos_after)
     return EngineCore(config, runner, eos_token_id=TEXT_EOS), runner

@@ -90,11 +90,22 @@ def fake_server(
     max_queue: int | None = None,
     eos_at: int | None = None,
     max_request_bytes: int | None = None,
+    max_seqs_per_request: int | None = None,
+    enable_prefix_caching: bool = True,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
-    core, runner = make_text_core(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_after=eos_at)
+    core, runner = make_text_core(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        eos_after=eos_at,
+        enable_prefix_caching=enable_prefix_caching,
+    )
     tokenizer = CharTokenizer()
     llm = AsyncLLM.from_engine_core(core, tokenizer)
-    extra = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    extra: dict[str, int] = {}
+    if max_request_bytes is not None:
+        extra["max_request_bytes"] = max_request_bytes
+    if max_seqs_per_request is not None:
+        extra["max_seqs_per_request"] = max_seqs_per_request
     app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue, **extra)
     return ServerThread(app), ServedEngine(core, runner), llm

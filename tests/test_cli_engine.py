@@ -205,8 +205,8 @@ class UsageErrorTest(EngineCommandCase):
         empty = self.out / "empty.txt"
         empty.write_text("\n  \n", encoding="utf-8")
         cases = [
-            ([*gen, "--model", f"{o}/missing", "--prompt", "a"], "is not a folder"),
-            ([*gen, "--model", o, "--prompt", "a"], "has no config.json"),
+            ([*gen, "--model", f"{o}/missing", "--prompt", "a"], "no such file or folder"),
+            ([*gen, "--model", o, "--prompt", "a"], "neither config.json"),
             ([*gen, "--model", m], "one of the arguments --prompt --prompts-file is required"),
             ([*gen, "--model", m, "--prompt", "a", "--prompts-file", str(self.prompts_file)], "not allowed"),
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),

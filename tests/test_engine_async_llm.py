@@ -11,7 +11,7 @@ from attention_kv_caceh.engine.core import EngineCoreOutputs
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.output_processor import EngineDrainingError, EngineStepError, RequestDelta
 from attention_kv_caceh.engine.request import SamplingParams
-from tests.engine_fakes import CharTokenizer, expected_ids, make_text_core, wait_for
+from tests.engine_fakes import CharTokenizer, expected_ids, hold_input, make_text_core, wait_for
 
 
 async def collect(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int) -> list[RequestDelta]:
@@ -216,6 +216,36 @@ class AsyncLLMTest(unittest.TestCase):
         self.assertIs(raised, OverflowError)
         self.assertEqual((unfinished, waiting), (0, 0))
         self.assertEqual(tokens, expected_ids([65], 2))
+
+    def test_a_core_that_stops_reading_makes_sends_queue_not_fail_and_every_request_is_served(self) -> None:
+        """Backpressure is not death: while the core's input thread reads nothing, 3,000 requests (more than
+        ZMQ's default high-water marks hold, 1,000 a side) are added without an error; once it reads
+        again, every one gets its own tokens and the engine never looked dead."""
+        core, _runner = make_text_core(max_num_seqs=64, max_num_batched_tokens=512)
+        reading = hold_input(core)
+        num_requests = 3000
+
+        async def go() -> tuple[list[list[RequestDelta]], bool, bool]:
+            llm = AsyncLLM.from_engine_core(core, CharTokenizer())
+            llm.start()
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            streams = [llm.add_request(f"r{i}", [1 + i % 90], params) for i in range(num_requests)]
+            alive_while_held = llm.is_running
+            reading.set()
+
+            async def read(stream: object) -> list[RequestDelta]:
+                return [d async for d in stream]  # type: ignore[attr-defined]
+
+            results = await asyncio.gather(*(read(s) for s in streams))
+            alive = llm.is_running
+            await llm.shutdown(5)
+            return results, alive_while_held, alive
+
+        results, alive_while_held, alive = asyncio.run(go())
+        self.assertTrue(alive_while_held and alive)
+        for i, deltas in enumerate(results):
+            self.assertEqual([t for d in deltas for t in d.new_token_ids], expected_ids([1 + i % 90], 2))
+            self.assertEqual(deltas[-1].finish_reason, "length")
 
 
 if __name__ == "__main__":

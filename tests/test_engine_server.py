@@ -216,7 +216,7 @@ class StreamingTest(unittest.TestCase):
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a" * 256}}, 400, "prompt"),
             (
                 "/v1/completions",
-                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 10}},
+                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 257}},
                 400,
                 "max_tokens",
             ),
@@ -349,10 +349,11 @@ class BodySizeAndPrefixCacheTest(unittest.TestCase):
             generation_calls = list(calls)
             counted = request("POST", url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False})
             ok = request("POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
-        for status, body in (completion, chat):
+        for status, body, length in ((*completion, len(prompt)), (*chat, len(chat_prompt_ids(messages)))):
             self.assertEqual((status, body["error"]["code"], body["error"]["param"]), (400, 400, "prompt"))
             self.assertNotIn("abcd" * 100, body["error"]["message"])  # the prompt is not echoed back
-        # a generation request tokenizes no further than max_model_len: enough to refuse it
+            self.assertIn(f"the prompt is {length} tokens", body["error"]["message"])  # its exact length
+        # a generation request builds no more than max_model_len ids: enough to refuse it
         self.assertEqual(generation_calls, [256, 256])
         self.assertEqual(counted[1]["count"], len(prompt))  # /tokenize still counts the whole prompt
         self.assertEqual(ok[0], 200)

@@ -36,6 +36,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return [(ord(c) - 65) % VOCAB for c in text[:max_length]]
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        return self.encode(text, add_special_tokens, max_length), len(text)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(65 + i) for i in ids)
 

@@ -48,6 +48,18 @@ class TestTokenizer(unittest.TestCase):
             with self.assertRaises(ValueError):
                 tok.encode(long_text, max_length=0)
 
+    def test_encode_counted_cuts_the_ids_and_counts_every_token_of_the_whole_text(self) -> None:
+        long_text = TEXT * 40
+        for folder in (self.llama, self.qwen):
+            tok = Tokenizer.load(folder)
+            for special in (True, False):
+                whole = tok.encode(long_text, add_special_tokens=special)
+                for n in (None, 1, len(whole) - 1, len(whole), len(whole) + 5):
+                    ids, count = tok.encode_counted(long_text, add_special_tokens=special, max_length=n)
+                    self.assertEqual((ids, count), (whole[:n], len(whole)))
+            with self.assertRaises(ValueError):
+                tok.encode_counted(long_text, max_length=0)
+
     def test_special_tokens_match_config_json(self) -> None:
         for folder in (self.llama, self.qwen):
             tok = Tokenizer.load(folder)

@@ -137,3 +137,24 @@ class EngineFormatsTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+@unittest.skipUnless(PACKED, "no packed kernel for this CPU")
+class GGUFBlocksTest(unittest.TestCase):
+    """The real model (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding) from its file's bytes."""
+
+    def test_the_files_blocks_are_kept_and_give_the_greedy_tokens_of_numpy_on_them(self) -> None:
+        from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+        from attention_kv_caceh.engine.model_source import resolve_model
+
+        packed = Model.load("smollm2", "float32", "packed", "gguf")
+        self.assertEqual({layer.gate_up_proj.format for layer in packed.layers}, {"q4_1"})
+        self.assertEqual((packed.lm_head.format, packed.embedding.format), ("q8_0", "q8_0"))
+        assert packed.lm_head.blocks is not None and packed.embedding.blocks is not None
+        self.assertIs(packed.lm_head.blocks.blocks, packed.embedding.blocks)  # the tied head: same bytes
+        file = GGUFCheckpoint(resolve_model("smollm2").path).quantized("model.layers.0.mlp.down_proj.weight")
+        down = packed.layers[0].down_proj.blocks
+        assert down is not None
+        np.testing.assert_array_equal(down.blocks, file.data)  # the bytes as the file stores them
+        oracle = Model.load("smollm2", "float32", "numpy", "gguf")  # x @ W.T on the decoded blocks
+        self.assertEqual(greedy(packed), greedy(oracle))

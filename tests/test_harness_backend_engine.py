@@ -66,7 +66,7 @@ class HarnessEngineUsageTest(unittest.TestCase):
             jsonl = Path(d) / "out.jsonl"
             cases = {
                 "needs --model": ["--backend", "engine"],
-                "no config.json": ["--backend", "engine", "--model", str(empty)],
+                "neither config.json": ["--backend", "engine", "--model", str(empty)],
                 "--base-url": ["--backend", "engine", "--model", str(model), "--base-url", "http://x:1"],
                 "engine flag": ["--backend", "openai-completions", "--max-num-seqs", "4"],
                 "not allowed with": [

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,13 @@ from attention_kv_caceh.cli.common import (
     seed_int,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.engine_args import add_engine_arguments
+from attention_kv_caceh.cli.engine_args import (
+    MODEL_HELP,
+    MODEL_METAVAR,
+    add_engine_arguments,
+    load_model_config,
+    model_source,
+)
 
 __all__ = ["HELP", "add_arguments", "format_rows", "run"]
 
@@ -53,9 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `bench-engine`: --model, --max-num-seqs, --prompt-len, --output-len, --gemm, --temperature,
     --seed, --json,
     and the engine flags --max-num-batched-tokens, --block-size, --dtype."""
-    parser.add_argument(
-        "--model", required=True, metavar="DIR", help="checkpoint folder (default: none, required)"
-    )
+    parser.add_argument("--model", required=True, metavar=MODEL_METAVAR, help=MODEL_HELP)
     parser.add_argument(
         "--max-num-seqs",
         type=positive_int,
@@ -128,23 +133,43 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
+    """One line: how long opening the checkpoint (`open_s`: its config; a GGUF file's metadata and tensor
+    table) and loading its weights took, the resident memory before and after the load, the weights'
+    bytes in memory (engine dtype) and on disk (the GGUF file, or the folder's safetensors files)."""
+    from attention_kv_caceh.memory import format_bytes
+
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors"))
+    on_disk = sum(f.stat().st_size for f in files)
+    before, after = environment.get("rss_before_load_bytes"), environment.get("rss_after_load_bytes")
+    rss = "-" if before is None or after is None else f"{format_bytes(before)} -> {format_bytes(after)}"
+    return (
+        f"checkpoint opened in {open_s:.2f} s, weights loaded in {environment['load_s']:.2f} s (read, "
+        f"dequantize, pack); resident memory {rss}; "
+        f"weights read per decode step {format_bytes(environment['weight_bytes'])} as "
+        f"{environment.get('weight_format', environment['dtype'])} "
+        f"({format_bytes(on_disk)} on disk)"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Check flags and outputs (UsageError), run the benchmark, print the table; CommandFailed on a
-    bad checkpoint, a failed oracle or an unwritable --json."""
-    model = Path(args.model)
-    if not (model / "config.json").is_file():
-        raise UsageError(f"--model {args.model}: no config.json there (make-model writes a checkpoint)")
+    """Check flags and outputs (UsageError, a --model naming no checkpoint or one whose config the engine
+    cannot read included), run the benchmark, print the table; CommandFailed on a checkpoint whose weights
+    cannot be read, a failed oracle or an unwritable --json."""
+    source = model_source(args.model)
     check_outputs([("--json", args.json, (".json",))])
 
     from attention_kv_caceh.engine.benchmark import run_engine_benchmark
-    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
-    from attention_kv_caceh.engine.model_config import ModelConfig
 
+    opened = time.perf_counter()
     try:
-        config = ModelConfig.from_hf_config(read_config_json(model), model / "config.json")
+        _, config = load_model_config(source.path)  # parses a GGUF file once; Model.load reuses it
     except CheckpointError as exc:
-        raise CommandFailed(str(exc)) from None
+        raise UsageError(str(exc)) from None
+    open_s = time.perf_counter() - opened
+    model = source.path
     if args.max_num_batched_tokens < max(args.max_num_seqs):
         raise UsageError(
             f"--max-num-batched-tokens {args.max_num_batched_tokens} must be >= every --max-num-seqs "
@@ -159,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--gemm {args.gemm} --dtype {args.dtype} --quantization {args.quantization}: {exc}"
         ) from None
+    if args.quantization == "gguf" and source.format != "gguf":
+        raise UsageError(
+            f"--quantization gguf keeps a GGUF file's blocks; --model {args.model} is not a GGUF file"
+        )
     if args.prompt_len + args.output_len > config.max_position_embeddings:
         raise UsageError(
             f"--prompt-len {args.prompt_len} + --output-len {args.output_len} exceed the model's "
@@ -196,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None
     rows = [asdict(row) for row in result.rows]
+    print(format_load(result.environment, source.path, open_s))
     print(format_rows(rows))
     if args.json:
         try:

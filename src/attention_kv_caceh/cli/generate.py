@@ -7,7 +7,7 @@ the table; `--output` writes them as JSONL (one line per prompt, input order, wr
 end), `--trace` writes one JSONL line per engine step (each StepStats, flushed as the step ends).
 
 Checks, in order: flags and output paths (exit 2, nothing read); then `engine_args.plan_engine`, the
-checks `serve` makes too: the model folder holds config.json, config.json and the tokenizer are read, a
+checks `serve` makes too: --model names a checkpoint, its config and tokenizer are read, a
 --max-model-len above the checkpoint's or a KV cache of no block or over the memory budget is refused
 (exit 2, no weights loaded); the prompts are tokenized and a prompt longer than max_model_len, or whose
 prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
@@ -37,6 +37,8 @@ from attention_kv_caceh.cli.common import (
     seed_int,
 )
 from attention_kv_caceh.cli.engine_args import (
+    MODEL_HELP,
+    MODEL_METAVAR,
     add_engine_arguments,
     check_prompts_fit,
     engine_config_kwargs,
@@ -76,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        metavar="DIR",
-        help="Hugging Face model folder (make-model writes one) (default: none, required)",
+        metavar=MODEL_METAVAR,
+        help=MODEL_HELP,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -192,7 +194,7 @@ def run(args: argparse.Namespace) -> int:
 
     t0 = time.perf_counter()
     try:
-        engine = LLMEngine.from_pretrained(str(args.model), plan.engine_config)
+        engine = LLMEngine.from_pretrained(str(plan.source.path), plan.engine_config)
     except ValueError as exc:  # CheckpointError (naming the file and key) is a ValueError
         raise CommandFailed(str(exc)) from None
     load_s = time.perf_counter() - t0

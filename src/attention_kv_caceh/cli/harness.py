@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--backend",
         choices=(*BACKENDS, ENGINE_BACKEND),
         default="simulated",
-        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model DIR` on a free loopback port "
+        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model MODEL` on a free loopback port "
         "for the run and use openai-completions against it (default: %(default)s)",
     )
     g.add_argument(
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--model",
         default="",
         help=f"model name (default: the first model listed by GET /v1/models); with --backend "
-        f"{ENGINE_BACKEND}: the checkpoint folder to serve (required)",
+        f"{ENGINE_BACKEND}: the checkpoint to serve, as serve's --model takes it (required)",
     )
     g.add_argument(
         "--api-key-env",
@@ -162,7 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="folder with the target's tokenizer.json, to build prompts of exactly --prompt-len tokens "
+        help="folder with the target's tokenizer.json (or a .gguf file or model name serve takes), to build "
+        "prompts of exactly --prompt-len tokens "
         "(default: the server's POST /tokenize if it has one, else approximate lengths)",
     )
     g.add_argument(

@@ -68,6 +68,12 @@ class TokenizerLike(Protocol):
         """Token ids of `text`; with `max_length`, only its first `max_length` tokens."""
         ...
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        """`encode(text, add_special_tokens, max_length)` and the exact number of tokens of the whole text."""
+        ...
+
     def decode(self, ids: list[int], /) -> str:
         """Text of the ids."""
         ...

@@ -50,6 +50,7 @@ __all__ = [
     "decode_kv_bytes",
     "decode_weight_bytes",
     "linear_parameters",
+    "resident_bytes",
     "run_engine_benchmark",
 ]
 
@@ -141,7 +142,10 @@ class EngineBenchRow:
 @dataclass(frozen=True)
 class EngineBenchResult:
     """The rows of `run_engine_benchmark`, in max_num_seqs_list order, and what produced them
-    (`timing.capture_environment()` plus the model folder, dtype and parameter count)."""
+    (`timing.capture_environment()` plus the model, dtype and parameter count), and what loading cost:
+    `load_s` (seconds of `Model.load`: reading, dequantizing, packing the weights), `rss_before_load_bytes`
+    and `rss_after_load_bytes` (`resident_bytes()`, None without /proc), `weight_bytes` (the weights a
+    decode step reads as stored, `decode_weight_bytes` without embedding rows)."""
 
     rows: tuple[EngineBenchRow, ...]
     environment: dict[str, Any]
@@ -153,8 +157,7 @@ def decode_weight_bytes(model: Model, num_seqs: float) -> float:
     num_seqs rows of the embedding table (the rest of the table is not read unless it is the tied LM
     head, which is counted once as the LM head)."""
     layer_bytes = sum(int(a.nbytes) for layer in model.layers for a in vars(layer).values() if a is not None)
-    row = model.config.hidden_size * model.embed_tokens.dtype.itemsize
-    return layer_bytes + model.norm.nbytes + model.lm_head.nbytes + num_seqs * row
+    return layer_bytes + model.norm.nbytes + model.lm_head.nbytes + num_seqs * model.embedding.row_bytes
 
 
 def linear_parameters(model: Model) -> int:
@@ -371,7 +374,11 @@ def run_engine_benchmark(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed)
+    rss_before = resident_bytes()
+    load_start = time.perf_counter()
     model = Model.load(model_dir, dtype, gemm, quantization)
+    load_s = time.perf_counter() - load_start
+    loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
     max_model_len = prompt_len + output_len
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
@@ -484,5 +491,19 @@ def run_engine_benchmark(
         "quantization": quantization,
         "temperature": temperature,
         "seed": seed,
+        "weight_bytes": decode_weight_bytes(model, 0),
+        **loaded,
     }
     return EngineBenchResult(tuple(rows), environment)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (VmRSS of /proc/self/status) in bytes; None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        return None
+    return None

@@ -31,7 +31,7 @@ DEFAULT_KV_CACHE_FRACTION = 0.25
 DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 """Upper bound of the default KV cache size: 4 GiB, so a large machine is not claimed by a toy model."""
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
-SUPPORTED_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1")
+SUPPORTED_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "gguf")
 
 
 def available_memory_bytes() -> int:
@@ -79,8 +79,9 @@ class EngineConfig:
             "bfloat16": the linear layers' weights in bfloat16, activations and KV cache in float32
             (`model.compute_dtype`).
         quantization: None, or the GGUF block format ("q8_0", "q4_0", "q4_1", llama.cpp's names) the
-            linear layers keep their weights in (vLLM's `--quantization`); a float checkpoint is
-            quantized at load. Not with dtype "bfloat16".
+            linear layers keep their weights in (vLLM's `--quantization`), a float checkpoint quantized
+            at load; or "gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as the file stores them.
+            Not with dtype "bfloat16".
 
     Raises:
         ValueError: a count is not a positive int, both cache sizes are given, the dtype or the

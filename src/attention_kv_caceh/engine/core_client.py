@@ -15,6 +15,15 @@ The front end binds both sockets before the core starts (no connect race), on ab
 addresses (`ipc://@...`, Linux; nothing on disk to clean up after a SIGKILL) or TCP loopback elsewhere.
 `get_output()` waits on the output socket and on the core's liveness together: for a process, its
 sentinel fd is polled beside the socket, so a dead core is seen at once and raises EngineDeadError.
+
+Backpressure is not death. A core that reads its input more slowly than the front end sends (a request
+that fans out into thousands of engine requests, a flood of clients, a core whose input thread waits for
+the GIL) makes the sends queue in the front end, never fail: the input socket has no high-water mark
+(ZMQ_SNDHWM 0, so ZMQ's own queue in this process holds what the core has not read yet), and a frame
+that finds no connected peer (the instant before the core's input socket connects) waits in `_pending`
+until `get_output()`'s poll loop sends it, in order. The core is declared dead only when its process
+(or thread) has exited or it reported that its loop failed (`engine_dead`), never because a send would
+block. Left out, as in vLLM v1: a heartbeat (a core that is alive but stuck is not declared dead).
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import os
 import sys
 import threading
 import uuid
+from collections import deque
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -48,6 +58,8 @@ __all__ = ["EngineDeadError", "InprocClient", "MPClient"]
 
 # How long get_output() waits on the socket before checking a thread-run core is alive (ms).
 _POLL_MS = 100
+# ... and while frames wait in the front end for the core's input socket to connect (ms).
+_PENDING_POLL_MS = 5
 
 
 class EngineDeadError(RuntimeError):
@@ -101,6 +113,9 @@ class MPClient:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(
+            zmq.SNDHWM, 0
+        )  # no high-water mark: a slow core queues sends, never fails them
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         input_address, output_address = _addresses()
@@ -109,6 +124,7 @@ class MPClient:
         self.input_address = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
         self._send_lock = threading.Lock()
+        self._pending: deque[tuple[bytes, bytes]] = deque()  # frames no connected peer took yet, in order
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._poller = zmq.Poller()
@@ -190,16 +206,29 @@ class MPClient:
     # -- sending ---------------------------------------------------------------------------------------
 
     def _send(self, kind: bytes, payload: Any) -> None:
+        """Queue one message for the core, in order; it never blocks and never fails for a slow core.
+
+        Raises EngineDeadError when the core is already known to be gone or was shut down; msgspec's errors
+        (an integer outside 64 bits) before anything is queued."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         data = self._encoder.encode(payload)
         with self._send_lock:
             if self._closed:
                 raise EngineDeadError("the engine core was shut down")
+            self._pending.append((kind, data))
+            self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """Hand the waiting frames to ZMQ, oldest first (holding `_send_lock`). With no high-water mark a
+        send fails (zmq.Again) only while no peer is connected; the frames then stay for the next try."""
+        while self._pending:
+            kind, data = self._pending[0]
             try:
                 self._input.send_multipart((kind, data), flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again as exc:  # the core stopped reading
-                raise EngineDeadError("the engine core does not accept input") from exc
+            except zmq.Again:
+                return
+            self._pending.popleft()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send a request to the core. Raises EngineDeadError when the core is gone."""
@@ -239,7 +268,13 @@ class MPClient:
             if self._closed and self._core_gone() is not None:
                 self._mark_dead("the engine core was shut down")
                 raise EngineDeadError(self.dead)
-            events = dict(self._poller.poll(_POLL_MS))
+            poll_ms = _POLL_MS
+            if self._pending:
+                with self._send_lock:
+                    if not self._closed:
+                        self._flush_pending()
+                    poll_ms = _PENDING_POLL_MS if self._pending else _POLL_MS
+            events = dict(self._poller.poll(poll_ms))
             if self._output in events:
                 outputs = self._decoder.decode(self._output.recv(copy=False).buffer)
                 if outputs.utility_output is not None:
@@ -258,12 +293,14 @@ class MPClient:
             if gone is not None:
                 self._mark_dead(gone)
                 raise EngineDeadError(gone)
-            waited += _POLL_MS / 1000
+            waited += poll_ms / 1000
             if timeout_s is not None and waited >= timeout_s:
                 return None
 
     def _mark_dead(self, reason: str) -> None:
         self.dead = reason
+        with self._send_lock:
+            self._pending.clear()  # nobody will read them; their requests fail with the rest
         calls, self._calls = self._calls, {}
         for future in calls.values():
             future.set_exception(EngineDeadError(reason))
@@ -278,8 +315,9 @@ class MPClient:
             if self._closed:
                 return
             if self.dead is None:
+                self._pending.append((RequestType.SHUTDOWN, b""))  # after whatever still waits
                 with contextlib.suppress(zmq.ZMQError):
-                    self._input.send_multipart((RequestType.SHUTDOWN, b""), flags=zmq.NOBLOCK)
+                    self._flush_pending()
             self._closed = True
         if self.thread is not None:
             self.thread.join(timeout_s)

@@ -6,7 +6,8 @@ chunks and decode tokens of different requests share each weight read; only atte
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
-parallelism, quantisation, sliding-window attention, and RoPE scalings other than "llama3".
+parallelism, quantised compute (a GGUF file's weights are dequantized at load, `gguf_checkpoint`),
+sliding-window attention, and RoPE scalings other than "llama3".
 
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
 path (float32 on a CPU with AVX-512F, the default there) the weights are packed once here, at load,
@@ -37,7 +38,8 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.block_gemm import BLOCK_FORMATS, prepare_block_linear
-from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
+from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint, read_config_json
+from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
 from attention_kv_caceh.engine.layers import (
     GEMM_PATHS,
     LinearWeight,
@@ -53,6 +55,7 @@ from attention_kv_caceh.engine.layers import (
     silu_and_mul,
 )
 from attention_kv_caceh.engine.model_config import ModelConfig
+from attention_kv_caceh.engine.model_weights import WeightReader
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
 from attention_kv_caceh.gemm import prepare_packed_linear
 from attention_kv_caceh.kernels import paged_decode_attention_into
@@ -74,9 +77,10 @@ ENGINE_DTYPES = ("float32", "float64", "bfloat16")
 """vLLM's `--dtype` words: float32 and float64 keep weights, activations and KV cache in that dtype;
 bfloat16 keeps the linear layers' weights in bfloat16 and computes in float32 (activations, sums, KV)."""
 GEMM_CHOICES = ("auto", *GEMM_PATHS)
-QUANTIZATIONS = BLOCK_FORMATS
-"""`quantization` values: GGUF block formats (llama.cpp's names) the linear layers' weights are kept in;
-a float checkpoint is quantized at load (`block_gemm.quantize_weight`)."""
+QUANTIZATIONS = (*BLOCK_FORMATS, "gguf")
+"""`quantization` values (vLLM's `--quantization`): a GGUF block format (llama.cpp's names) the linear
+layers' weights are kept in, a float checkpoint quantized at load (`block_gemm.quantize_weight`); or
+"gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as its bytes (`engine.model_weights`)."""
 
 
 def compute_dtype(dtype: str) -> np.dtype[Any]:
@@ -132,6 +136,8 @@ def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) ->
             f"GEMM path: numpy (x @ W.T on {fmt} weights decoded to {compute_dtype(dtype)}; {why})",
         )
     how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
+    if fmt == "gguf":
+        how = "the file's Q8_0 / Q4_0 / Q4_1 blocks dequantized in registers, other types float32 panels"
     if fmt == "bfloat16":
         how += ", vdpbf16ps" if target.bf16_dot else ", widened in registers"
     return "packed", f"GEMM path: packed {target.isa} {fmt} ({how}; {target.describe()})"
@@ -169,7 +175,7 @@ class Model:
     def __init__(
         self,
         config: ModelConfig,
-        checkpoint: SafetensorsCheckpoint,
+        checkpoint: SafetensorsCheckpoint | GGUFCheckpoint,
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
@@ -187,83 +193,86 @@ class Model:
         self.config = config
         self.dtype = compute_dtype(dtype)
         c = config
-
-        stored = "float32" if self.weight_format == "float64" else self.weight_format  # float64: kept as read
-
-        def lin(weight: FloatArray) -> LinearWeight:
-            return LinearWeight.of(weight, self.gemm_path, stored)
-
-        def get(name: str, shape: tuple[int, ...]) -> FloatArray:
-            found = checkpoint.shape(name)
-            if found != shape:
-                raise CheckpointError(
-                    f"{checkpoint.source}: tensor {name!r} has shape {found}, expected {shape}"
-                )
-            return checkpoint.get(name, self.dtype)
-
+        read = WeightReader(checkpoint, self.dtype, self.gemm_path, self.weight_format)
+        get = read.tensor
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
-        self.embed_tokens = get("model.embed_tokens.weight", (c.vocab_size, hidden))  # [V, D_model]
+        self.embedding = read.embedding("model.embed_tokens.weight", (c.vocab_size, hidden))  # [V, D_model]
+        self.embed_tokens = self.embedding.table  # [V, D_model] floats, or None when kept as GGUF blocks
         self.layers: list[_Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             proj = ("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)
-            qkv = np.concatenate([get(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj])
             qkv_bias = (
                 np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj]) if c.qkv_bias else None
-            )
-            gate_up = np.concatenate(
-                [
-                    get(f"{p}mlp.gate_proj.weight", (inter, hidden)),
-                    get(f"{p}mlp.up_proj.weight", (inter, hidden)),
-                ]
             )
             self.layers.append(
                 _Layer(
                     input_layernorm=get(p + "input_layernorm.weight", (hidden,)),
-                    qkv_proj=lin(qkv),
+                    qkv_proj=read.linear([(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]),
                     qkv_bias=qkv_bias,
                     q_norm=get(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                     k_norm=get(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                    o_proj=lin(get(a + "o_proj.weight", (hidden, q_dim))),
+                    o_proj=read.linear([(a + "o_proj.weight", (hidden, q_dim))]),
                     o_bias=get(a + "o_proj.bias", (hidden,)) if c.o_proj_bias else None,
                     post_attention_layernorm=get(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_proj=lin(gate_up),
-                    down_proj=lin(get(p + "mlp.down_proj.weight", (hidden, inter))),
+                    gate_up_proj=read.linear(
+                        [
+                            (f"{p}mlp.gate_proj.weight", (inter, hidden)),
+                            (f"{p}mlp.up_proj.weight", (inter, hidden)),
+                        ]
+                    ),
+                    down_proj=read.linear([(p + "mlp.down_proj.weight", (hidden, inter))]),
                 )
             )
         self.norm = get("model.norm.weight", (hidden,))  # [D_model]
         # Tied embeddings: the LM head is the embedding matrix, as in transformers, which ties them
         # even when a file also stores lm_head.weight (usually it is omitted).
         if c.tie_word_embeddings:
-            self.lm_head = lin(self.embed_tokens)  # [V, D_model]
+            self.lm_head = read.tied_head(self.embedding)  # [V, D_model]
         else:
-            self.lm_head = lin(get("lm_head.weight", (c.vocab_size, hidden)))  # [V, D_model]
+            self.lm_head = read.linear([("lm_head.weight", (c.vocab_size, hidden))])  # [V, D_model]
+        self.weight_notes = read.notes  # layers that could not keep the file's format
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         self.gemm_compile_s = 0.0
         if self.gemm_path == "packed":
-            fmt = self.weight_format
-            kernels = prepare_block_linear(fmt) if fmt in BLOCK_FORMATS else prepare_packed_linear(fmt)
+            kernels = sum(
+                prepare_block_linear(f) if f in BLOCK_FORMATS else prepare_packed_linear(f)
+                for f in read.kernels
+            )
             self.gemm_compile_s = kernels + prepare_compiled_layers(self.dtype)
 
     @classmethod
     def load(
         cls, path: str | Path, dtype: str = "float32", gemm: str = "auto", quantization: str | None = None
     ) -> Model:
-        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`, GEMM path `gemm`,
-        linear weights quantized to `quantization` (None: kept in the dtype).
+        """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
+        Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
+        name (`model_source.resolve_model`). quantization None: weights in the dtype (a GGUF file's are
+        dequantized here); a block format: quantized at load; "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1
+        tensors kept as the file stores them.
 
-        Raises CheckpointError for anything the folder lacks or the model does not implement, ValueError
-        as `Model()` does.
+        Raises CheckpointError for anything the checkpoint lacks or the model does not implement,
+        ValueError as `Model()` does.
         """
+        from attention_kv_caceh.engine.model_source import gguf_file_of
+
+        gguf = gguf_file_of(path)
+        if gguf is not None:
+            checkpoint = GGUFCheckpoint(gguf)
+            return cls(checkpoint.config(), checkpoint, dtype, gemm, quantization)
+        if quantization == "gguf":
+            raise ValueError(
+                f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"
+            )
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
         return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization)
 
     @property
     def num_parameters(self) -> int:
         """Parameters of the checkpoint, counting a tied LM head once (a packed copy is not a parameter)."""
-        sizes = [self.embed_tokens.size, self.norm.size]
+        sizes = [self.embedding.size, self.norm.size]
         if not self.config.tie_word_embeddings:
             sizes.append(self.lm_head.size)
         for layer in self.layers:
@@ -295,7 +304,7 @@ class Model:
         norm = compiled_rms_norm if compiled else rms_norm
         silu_mul = compiled_silu_and_mul if compiled else silu_and_mul
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
-        x = self.embed_tokens[input_ids]  # [N, D_model]
+        x = self.embedding.lookup(input_ids)  # [N, D_model]
         decode = metadata.is_pure_decode
         # The compiled decode kernel's arguments, made once per step: int32 lengths, its output buffer
         # (rewritten by every layer; R == N in a decode step) and the scale 1 / sqrt(D).

@@ -215,7 +215,7 @@ class Scheduler:
             if kv.allocate_slots(request, n, hit_blocks) is None:
                 break
             self.waiting.popleft()
-            kv.record_prefix_cache_lookup(request.num_tokens, num_hit)
+            kv.record_prefix_cache_lookup(request, num_hit)
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING

@@ -16,10 +16,13 @@ The request fields (protocol.py) and how they are served (serving.py): `prompt` 
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
-Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
-request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
-serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
-for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
+Faults: a body larger than `max_request_bytes` is a 413 before it is parsed (a body up to 8 times the
+limit is read and dropped first, so a client that reads only after writing its whole body sees the 413);
+a bad request (malformed JSON, a known field of the wrong type or out of range, a field this server does
+not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0 or above
+`max_model_len`, a prompt of `max_model_len` tokens or more (the message gives its exact length), a
+request that fans out to more than `max_seqs_per_request` engine requests, a request whose prompt and
+max_tokens could never fit in the KV cache) is a 400
 naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
 with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
 as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
@@ -35,24 +38,23 @@ stream with a chunk whose finish_reason is "abort", then `[DONE]`.
 Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
 tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
 deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
-tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
-the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
-more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (see `_release_freed_memory`).
+counted whole but its list of ids is built only up to `max_model_len`, so what is built with the GIL held
+is bounded by the context, not by the body. A core slow to read its input makes the sends queue (see
+core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
+more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import email.message
 import logging
 import secrets
-import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -66,6 +68,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
+from attention_kv_caceh.engine.malloc import release_freed_memory
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
@@ -81,7 +84,9 @@ from attention_kv_caceh.engine.protocol import (
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
     DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
     HTTPError,
+    check_fan_out,
     check_request_fields,
     sampling_params_for,
 )
@@ -95,6 +100,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 logger = logging.getLogger(__name__)
 
 _RELEASE_AFTER_BYTES = 256 * 1024  # after a request body this large, hand the freed heap back to the OS
+_DRAIN_FACTOR = 8  # a refused body up to this many times --max-request-bytes is read (and dropped) first
+_DRAIN_TIMEOUT_S = 10.0  # ... for at most this long
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
@@ -112,6 +119,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
@@ -121,7 +129,10 @@ def build_app(
     `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
-    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
+    `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
+    above it a 400 names the count and the limit).
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0 or
+    max_seqs_per_request < 1.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -131,6 +142,8 @@ def build_app(
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     template = chat_template if chat_template is not None else ChatTemplate()
     metrics = ServerMetrics(
         served_model_name,
@@ -208,28 +221,29 @@ def build_app(
 
     def admit(
         response_id: str,
-        prompts: list[tuple[list[int], str]],
+        prompts: list[tuple[list[int], str, int]],
         body: CompletionRequest | ChatCompletionRequest,
         default: int | None,
     ) -> list[Choice]:
-        """Validate every child first, then add them all (or none)."""
+        """Validate every child first, then add them all (or none). `prompts`: (token ids, text, the
+        prompt's exact token count; the ids of a prompt past the context are cut, and it is refused)."""
         echo = isinstance(body, CompletionRequest) and body.echo
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo_only = echo and given == 0
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
-        for p, (prompt_ids, text) in enumerate(prompts):
+        for p, (prompt_ids, text, num_prompt_tokens) in enumerate(prompts):
             base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             for i in range(body.n):
                 params = sampling_params_for(
                     body,
-                    len(prompt_ids),
+                    num_prompt_tokens,
                     max_model_len,
                     default,
                     vocab_size=tokenizer.vocab_size,
                     max_logprobs=max_logprobs,
                     index=i,
                 )
-                check_kv_capacity(len(prompt_ids), params)
+                check_kv_capacity(num_prompt_tokens, params)
                 choice = Choice(
                     len(choices),
                     base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
@@ -264,11 +278,12 @@ def build_app(
 
     def chat_prompt(
         messages: list[ChatMessage], add_generation_prompt: bool, max_length: int | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
+        """The rendered conversation's token ids (cut at `max_length`) and its exact token count."""
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
-            return tokenizer.encode(
+            return tokenizer.encode_counted(
                 template.render(rendered, add_generation_prompt),
                 add_special_tokens=False,
                 max_length=max_length,
@@ -305,17 +320,18 @@ def build_app(
         add_special_tokens: bool = True,
         with_text: bool = False,
         max_length: int | None = None,
-    ) -> list[tuple[list[int], str]]:
-        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`; a text
-        prompt's ids are cut at `max_length`."""
-        out: list[tuple[list[int], str]] = []
+    ) -> list[tuple[list[int], str, int]]:
+        """(token ids, text, exact token count) of each prompt; the text of token ids is decoded only when
+        `with_text`; a text prompt is counted whole but its ids are cut at `max_length` (the Python list
+        built with the GIL held stays bounded by the context, whatever the body's size)."""
+        out: list[tuple[list[int], str, int]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                ids = tokenizer.encode(item, add_special_tokens=add_special_tokens, max_length=max_length)
-                out.append((ids, item))
+                ids, count = tokenizer.encode_counted(item, add_special_tokens, max_length)
+                out.append((ids, item, count))
             else:
                 ids = check_ids(item, "prompt")
-                out.append((ids, tokenizer.decode(ids) if with_text else ""))
+                out.append((ids, tokenizer.decode(ids) if with_text else "", len(ids)))
         return out
 
     @app.get("/health")
@@ -364,10 +380,10 @@ def build_app(
 
         def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
             if body.messages is not None:
-                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+                tokens = chat_prompt(body.messages, body.add_generation_prompt)[0]
             elif body.prompt is not None:
                 pairs = completion_prompts(body.prompt, body.add_special_tokens)
-                tokens = [t for ids, _ in pairs for t in ids]
+                tokens = [t for ids, _, _ in pairs for t in ids]
             else:
                 raise HTTPError(400, "give `prompt` or `messages`", "prompt")
             strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
@@ -395,10 +411,12 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(_num_prompts(body.prompt), body.n, max_seqs_per_request)  # before any tokenizing
+        _check_no_empty_text(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
-        # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
-        # keeps the ids built for a huge one, with the GIL held, to a bounded number
+        # prompt is counted whole (its 400 gives its exact length) but its ids are cut at max_model_len,
+        # which keeps the list built for a huge one, with the GIL held, to a bounded size
         prompts = await asyncio.to_thread(
             completion_prompts, body.prompt, with_text=body.echo, max_length=max_model_len
         )
@@ -410,11 +428,12 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(1, body.n, max_seqs_per_request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await asyncio.to_thread(
+        prompt_ids, num_prompt_tokens = await asyncio.to_thread(
             chat_prompt, body.messages, body.add_generation_prompt, max_model_len
         )
-        choices = admit(response_id, [(prompt_ids, "")], body, None)
+        choices = admit(response_id, [(prompt_ids, "", num_prompt_tokens)], body, None)
         return await respond(raw, response_id, choices, body)
 
     async def respond(
@@ -432,30 +451,21 @@ def build_app(
     return app
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's `malloc_trim(0)`; elsewhere a no-op).
-
-    glibc keeps the memory a request freed in the malloc arena of the thread that allocated it (the
-    tokenizer's thread for a prompt's token lists), so without this the process's resident size stays at
-    its peak after one big request.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # glibc only (musl has no malloc_trim)
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+def _check_no_empty_text(prompt: Prompt) -> None:
+    """A generation request's text prompt must not be empty (HTTPError 400 naming `prompt`), as vLLM
+    refuses `"prompt": ""`; its tokenizer's BOS alone would otherwise be served as a prompt."""
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+    if any(not text for text in texts):
+        raise HTTPError(
+            400, "the prompt is empty" if isinstance(prompt, str) else "a prompt is empty", "prompt"
+        )
 
 
-_MALLOC_TRIM = _malloc_trim()
+def _num_prompts(prompt: Prompt) -> int:
+    """How many prompts `prompt` holds in vLLM's four forms (an empty list counts 1: it is refused later)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -486,7 +496,7 @@ class _BodySizeMiddleware:
             return
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, int(length))
             return
         if length is not None and length.isdigit():
             await self._serve(scope, receive, send, int(length))  # the server stops at Content-Length
@@ -502,7 +512,7 @@ class _BodySizeMiddleware:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, None, size if message.get("more_body") else None)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -514,11 +524,29 @@ class _BodySizeMiddleware:
             await self.app(scope, receive, send)
         finally:
             if size >= _RELEASE_AFTER_BYTES:  # a big body's prompt and token lists are garbage now
-                await asyncio.to_thread(_release_freed_memory)
+                await asyncio.to_thread(release_freed_memory)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
-        await error_response(413, message)(scope, receive, send)
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, declared: int | None, received: int | None = 0
+    ) -> None:
+        """Answer 413. First read and drop the rest of the body (`declared` bytes by Content-Length, or
+        chunks after the `received` so far; None: nothing left) while it stays within _DRAIN_FACTOR times
+        the limit and _DRAIN_TIMEOUT_S: a client that writes its whole body before it reads (Python's
+        urllib, http.client) otherwise has the connection reset under it (a socket closed with unread
+        data sends RST) and sees a BrokenPipe instead of the 413. A larger body is refused at once."""
+        limit = _DRAIN_FACTOR * self.max_bytes
+        if received is not None and (declared is None or declared <= limit):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    while received <= limit:
+                        message = await receive()
+                        if message["type"] != "http.request":
+                            break  # the client left
+                        received += len(message.get("body", b""))
+                        if not message.get("more_body", False):
+                            break
+        text = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        await error_response(413, text)(scope, receive, send)
 
 
 def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:

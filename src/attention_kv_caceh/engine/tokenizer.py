@@ -1,4 +1,5 @@
-"""Tokenizer: a Hugging Face `tokenizer.json` (through the `tokenizers` library) plus `tokenizer_config.json`.
+"""Tokenizer: a Hugging Face `tokenizer.json` (through the `tokenizers` library) plus `tokenizer_config.json`,
+or the one a GGUF file's metadata describes (`gguf_tokenizer.py`).
 
 What vLLM's `transformers_utils/tokenizer.py` and `v1/engine/detokenizer.py` do, for one local folder:
 encode/decode with the fast tokenizer, read the eos/bos tokens and the chat template string from
@@ -55,9 +56,21 @@ class Tokenizer:
     def load(cls, path: str | Path) -> Tokenizer:
         """Read `path/tokenizer.json` and, when present, `path/tokenizer_config.json`.
 
+        `path` may also name a GGUF file (a `.gguf` file, a folder holding one, or a model name of
+        `model_source.MODELS`): the tokenizer is then built from the file's metadata
+        (`gguf_tokenizer.tokenizer_from_gguf`).
+
         Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
-        file cannot be parsed.
+        file cannot be parsed, or naming the key of a GGUF tokenizer that cannot be built.
         """
+        from attention_kv_caceh.engine.model_source import gguf_file_of
+
+        gguf = gguf_file_of(path)
+        if gguf is not None:
+            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+
+            return cls(*tokenizer_from_gguf(GGUFCheckpoint(gguf)))
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -88,12 +101,25 @@ class Tokenizer:
         context from holding up the event loop. `_fast` skips the character offsets nothing here reads,
         which leaves less to free with the GIL held. Raises ValueError for max_length < 1.
         """
+        return self.encode_counted(text, add_special_tokens, max_length)[0]
+
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int]:
+        """The ids of `text` (only the first `max_length` with it) and how many ids the whole text has.
+
+        The count is exact: the Rust tokenizer encodes the whole text (with the GIL released, as `encode`)
+        and the length of its Encoding is read before the cut, so only the Python list of at most
+        `max_length` ids is built with the GIL held. What the server uses to refuse a prompt past the
+        context with its exact length. Raises ValueError for max_length < 1.
+        """
         if max_length is not None and max_length < 1:
             raise ValueError(f"max_length must be >= 1, got {max_length}")
         encoding = self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0]
-        if max_length is not None and len(encoding) > max_length:
+        count = len(encoding)
+        if max_length is not None and count > max_length:
             encoding.truncate(max_length)
-        return encoding.ids
+        return encoding.ids, count
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""

@@ -134,9 +134,17 @@ class HarnessConfig:
                 "a run can schedule); use a higher rate"
             )
         if self.tokenizer is not None:
+            from attention_kv_caceh.engine.model_source import gguf_file_of
+
             path = Path(self.tokenizer)
-            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
-                raise ValueError(f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json")
+            tokenizer_json = (path / "tokenizer.json").is_file() or (
+                path.is_file() and path.suffix == ".json"
+            )
+            if not tokenizer_json and gguf_file_of(path) is None:
+                raise ValueError(
+                    f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json, a .gguf file or "
+                    "a model name"
+                )
         if self.dataset is not None and not Path(self.dataset).is_file():
             exists = Path(self.dataset).exists()
             what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
