@@ -6,16 +6,17 @@ chunks and decode tokens of different requests share each weight read; only atte
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
-parallelism, quantised compute (a GGUF file's weights are dequantized at load, `gguf_checkpoint`),
-sliding-window attention, and RoPE scalings other than "llama3".
+parallelism, sliding-window attention, and RoPE scalings other than "llama3".
 
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
-path (float32 on a CPU with AVX-512F, the default there) the weights are packed once here, at load,
-for the compiled kernel of `attention_kv_caceh.gemm`, which reads each weight once for all N rows of a
-step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face layout `[out,
-in]` and the product is `x @ W.T`, the packed path's oracle. q/k/v and gate/up are fused row-wise (one
-matmul each). A tied LM head shares the embedding array on the numpy path and is a packed copy of it
-on the packed path. The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
+path (float32 activations on a CPU with AVX-512, AVX2 or NEON, the default there) the weights are kept
+here, at load, as the compiled kernels read them (`model_weights`: float32 or bfloat16 panels for
+`attention_kv_caceh.gemm`, GGUF blocks for `attention_kv_caceh.block_gemm`), each weight read once for
+all N rows of a step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face
+layout `[out, in]` (the floats a compact format decodes to) and the product is `x @ W.T`, the packed
+path's oracle. q/k/v and gate/up are fused row-wise (one matmul each). A tied LM head shares the
+embedding array on the numpy path and is a packed copy of it on the packed path (or, kept as a GGUF
+file's blocks, the same blocks). The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
 passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
 RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
 `kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
@@ -288,8 +289,8 @@ class Model:
     ) -> FloatArray:
         """Hidden states after the final norm, `[N, D_model]`, for the step's N flattened tokens.
 
-        input_ids, positions `[N]`; kv_caches one (K, V) pair per layer, each
-        `[num_blocks, block_size, H_kv, D]` in the engine dtype: this step's K/V are written into them
+        input_ids, positions `[N]`; kv_caches one (K, V) pair per layer as
+        `paged_attention.allocate_kv_cache` makes them, in the compute dtype: this step's K/V are written into them
         at metadata.slot_mapping. Each layer (Touvron et al., 2023, Llama):
             h = x + o_proj(attention(rope(q), rope(k), v)),  q, k, v = qkv_proj(rms_norm(x))
             x' = h + down_proj(silu(gate_proj(rms_norm(h))) * up_proj(rms_norm(h)))
