@@ -3,7 +3,7 @@
 y = x W^T for x [M, K] and W [N, K] (default the `small` preset's gate_up shape, 2048 x 768), at
 M = 1, 2, 4, 8, 16, 32 rows, over COPIES different weights (100 MB of float32, beyond the last-level
 cache, as a decode step streams its 400 MB) so that every call reads its weights from memory. The
-paths: NumPy on float32, the packed kernel of this CPU's variant (`simd.compile_target`) on float32
+paths: NumPy on float32, the packed kernel of this CPU's variant (`simd.compiled_variant`) on float32
 and bfloat16 panels, and the block kernels on GGUF's Q8_0, Q4_0 and Q4_1 blocks (`--formats`). Each
 figure is the median over rounds of this thread's CPU time per weight (time.thread_time: on a shared
 machine, waiting for a core does not count), and its ratio to an np.dot read probe over the float32
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from attention_kv_caceh import block_gemm, gemm
-from attention_kv_caceh.simd import compile_target
+from attention_kv_caceh.simd import compiled_variant
 
 COPIES = 16
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -100,11 +100,11 @@ def main() -> None:
     )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
-    target = compile_target()
+    simd = compiled_variant()
     weights = [rng.standard_normal((args.n, args.k), dtype=np.float32) for _ in range(COPIES)]
     paths: dict[str, Callable[[np.ndarray, int], Any]] = {"numpy x @ W.T": lambda x, j: x @ weights[j].T}
     stored: dict[str, np.ndarray] = {"numpy x @ W.T": weights[0]}  # W as each path holds it, for the oracle
-    for fmt in args.formats if target is not None else []:
+    for fmt in args.formats if simd is not None else []:
         if fmt in block_gemm.BLOCK_FORMATS:
             blocks = [block_gemm.block_weight(block_gemm.quantize_weight(w, fmt), fmt) for w in weights]
             name = f"blocks {blocks[0].path}"
@@ -139,7 +139,7 @@ def main() -> None:
         np.dot(probe, probe)
         samples.setdefault(("probe", 0), []).append((time.thread_time() - start) * 1e3 / COPIES)
     probe_ms = float(np.median(samples[("probe", 0)]))
-    variant = target.describe() if target is not None else "no packed kernel for this CPU"
+    variant = simd.describe() if simd is not None else "no packed kernel for this CPU"
     print(f"W [{args.n}, {args.k}], {COPIES} copies; {variant}; read probe over the float32 weights "
           f"{probe_ms:.3f} ms per weight ({4 * args.n * args.k / probe_ms / 1e6:.1f} GB/s); "
           "CPU ms per call (ratio to the probe)")  # fmt: skip

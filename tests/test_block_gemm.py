@@ -26,9 +26,9 @@ from attention_kv_caceh.block_gemm import (
     step_bound,
 )
 from attention_kv_caceh.oracle import tolerance_for
-from attention_kv_caceh.simd import ISAS, SimdTarget
+from attention_kv_caceh.simd import ISAS, SimdVariant
 
-VARIANTS = [SimdTarget(isa, *ISAS[isa], False, "test") for isa in ISAS]
+VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in ISAS]
 
 
 def _weights(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
@@ -92,7 +92,7 @@ class BlockLinearTest(unittest.TestCase):
         seed=st.integers(0, 2**16),
     )
     def test_every_variant_equals_the_float64_product_of_the_decoded_weights(
-        self, fmt: str, variant: SimdTarget, m: int, n: int, blocks: int, seed: int
+        self, fmt: str, variant: SimdVariant, m: int, n: int, blocks: int, seed: int
     ) -> None:
         rng = np.random.default_rng(seed)
         k = 32 * blocks

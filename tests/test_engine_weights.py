@@ -20,10 +20,10 @@ from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, compute_dtype, resolve_gemm_path, weight_format
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.gemm import bfloat16_bits, bfloat16_to_float32
-from attention_kv_caceh.simd import compile_target
+from attention_kv_caceh.simd import compiled_variant
 from tests.test_engine_model import FakeRequest, FakeSchedulerOutput
 
-PACKED = compile_target() is not None
+PACKED = compiled_variant() is not None
 
 
 def greedy(model: Model, steps: int = 4) -> list[list[int]]:

@@ -2,7 +2,7 @@
 
 Every variant's loops are built from the same LLVM IR whatever CPU runs them (a 16-lane vector is two
 8-lane ones to an AVX2 CPU), so each variant's tiles are checked here on any machine; which one
-`compile_target` picks, and the AVX2 build for an AVX2 CPU, are checked in tests/test_gemm_targets.py.
+`compiled_variant` picks, and the AVX2 build for an AVX2 CPU, are checked in tests/test_gemm_variants.py.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from attention_kv_caceh.gemm import (
     unpack_weight,
 )
 from attention_kv_caceh.oracle import tolerance_for
-from attention_kv_caceh.simd import ISAS, SimdTarget, compile_target
+from attention_kv_caceh.simd import ISAS, SimdVariant, compiled_variant
 
-HOST = compile_target()
-VARIANTS = [SimdTarget(isa, *ISAS[isa], False, "test") for isa in ISAS]  # widening bfloat16 on each
+HOST = compiled_variant()
+VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in ISAS]  # widening bfloat16 on each
 if HOST is not None and HOST.bf16_dot:
     VARIANTS.append(HOST)  # vdpbf16ps needs a CPU that has it
 
@@ -54,7 +54,7 @@ class PackedLinearTest(unittest.TestCase):
         seed=st.integers(0, 2**16),
     )
     def test_every_variant_equals_the_float64_product(
-        self, m: int, n: int, k: int, variant: SimdTarget, dtype: str, seed: int
+        self, m: int, n: int, k: int, variant: SimdVariant, dtype: str, seed: int
     ) -> None:
         rng = np.random.default_rng(seed)
         w = rng.standard_normal((n, k)).astype(np.float32)

@@ -41,11 +41,11 @@ from numba.extending import intrinsic, overload
 
 from attention_kv_caceh import _simd_ir as v
 from attention_kv_caceh._kernels_jit import _exp_nonpositive
-from attention_kv_caceh.simd import compile_target
+from attention_kv_caceh.simd import compiled_variant
 
 __all__: list[str] = []
 
-_TARGET = compile_target()
+_TARGET = compiled_variant()
 LANES = _TARGET.lanes if _TARGET is not None else 4  # float32 lanes of the IR vectors
 _SHAPES = ((64, 16), (128, 16))  # (D, BS) the IR kernel is specialised for
 CHUNKS = tuple(

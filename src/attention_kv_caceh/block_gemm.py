@@ -32,7 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh import _block_jit as _jit
-from attention_kv_caceh.simd import SimdTarget, compile_target
+from attention_kv_caceh.simd import SimdVariant, compiled_variant
 
 __all__ = [
     "BLOCK_FORMATS",
@@ -91,21 +91,21 @@ class BlockWeight:
         return f"{self.isa} {self.format}"
 
 
-def block_weight(blocks: npt.NDArray[Any], fmt: str, target: SimdTarget | None = None) -> BlockWeight:
+def block_weight(blocks: npt.NDArray[Any], fmt: str, variant: SimdVariant | None = None) -> BlockWeight:
     """Wrap ggml blocks (uint8 `[N, K / 32 * block bytes]`, or the flat bytes of N rows reshaped so)
-    for the kernel of `target` (default `simd.compile_target()`); no copy when already C-contiguous.
+    for the kernel `variant` (default `simd.compiled_variant()`); no copy when already C-contiguous.
 
     Raises ValueError for an unknown format, blocks that are not a non-empty 2-D uint8 array whose
-    rows are whole blocks, or no kernel variant for the target.
+    rows are whole blocks, or no kernel variant.
     """
     size = _check_format(fmt)
     if blocks.dtype != np.uint8 or blocks.ndim != 2 or 0 in blocks.shape or blocks.shape[1] % size:
         raise ValueError(
             f"{fmt} blocks must be uint8 [N, K / 32 * {size}] with N, K >= 1, got {blocks.dtype} {blocks.shape}"
         )
-    simd = target if target is not None else compile_target()
+    simd = variant if variant is not None else compiled_variant()
     if simd is None:
-        raise ValueError("no block kernel for this CPU (no AVX2, AVX-512 or NEON target)")
+        raise ValueError("no block kernel for this CPU (no AVX2, AVX-512 or NEON variant)")
     return BlockWeight(np.ascontiguousarray(blocks), fmt, simd.isa)
 
 
@@ -185,15 +185,15 @@ def block_linear(x: npt.NDArray[Any], weight: BlockWeight) -> F32Array:
     return out
 
 
-def prepare_block_linear(fmt: str, target: SimdTarget | None = None) -> float:
+def prepare_block_linear(fmt: str, variant: SimdVariant | None = None) -> float:
     """Compile (or load from Numba's disk cache) the kernel of `fmt` now; returns the seconds it took.
     One call on a weight of one group of rows plus one, at 15 rows: every tile is compiled."""
     start = time.perf_counter()
-    _, group, _ = _jit.BLOCK_SPECS[(target or compile_target() or _no_target()).isa]
+    _, group, _ = _jit.BLOCK_SPECS[(variant or compiled_variant() or _no_variant()).isa]
     blocks = np.zeros((group + 1, _jit.FORMATS[fmt]), dtype=np.uint8)  # [N, one block]
-    block_linear(np.zeros((15, BLOCK), dtype=np.float32), block_weight(blocks, fmt, target))
+    block_linear(np.zeros((15, BLOCK), dtype=np.float32), block_weight(blocks, fmt, variant))
     return time.perf_counter() - start
 
 
-def _no_target() -> SimdTarget:
-    raise ValueError("no block kernel for this CPU (no AVX2, AVX-512 or NEON target)")
+def _no_variant() -> SimdVariant:
+    raise ValueError("no block kernel for this CPU (no AVX2, AVX-512 or NEON variant)")

@@ -14,7 +14,7 @@ W[p NR : (p + 1) NR]^T, zero-padded when NR does not divide N; or, for bfloat16 
 features adjacent. Activations and sums are float32 either way. NumPy's `x @ W.T` in float64 (of the
 weights as packed) is the oracle the tests hold every variant to.
 
-Variants: one per instruction set (`simd.compile_target`): AVX-512 (16 float32 lanes, an 8 x 32 tile
+Variants: one per instruction set (`simd.compiled_variant`): AVX-512 (16 float32 lanes, an 8 x 32 tile
 in its 32 vector registers), AVX2 (8 lanes, 6 x 16 in 16 registers) and NEON (4 lanes, 8 x 12 in 32
 registers); bfloat16 weights are widened in registers, or, where the CPU has AVX-512 BF16, multiplied
 by `vdpbf16ps`, which rounds x to bfloat16 too. Where no variant applies, `pack_weight` refuses and
@@ -33,7 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh import _gemm_jit as _jit
-from attention_kv_caceh.simd import SimdTarget, compile_target
+from attention_kv_caceh.simd import SimdVariant, compiled_variant
 
 __all__ = [
     "WEIGHT_DTYPES",
@@ -103,22 +103,22 @@ class PackedWeight:
         return f"{self.isa} {how}"
 
 
-def _target(target: SimdTarget | None) -> SimdTarget:
-    found = target if target is not None else compile_target()
+def _variant(variant: SimdVariant | None) -> SimdVariant:
+    found = variant if variant is not None else compiled_variant()
     if found is None:
-        raise ValueError("no packed kernel for this CPU (no AVX2, AVX-512 or NEON target): use NumPy")
+        raise ValueError("no packed kernel for this CPU (no AVX2, AVX-512 or NEON variant): use NumPy")
     return found
 
 
 def pack_weight(
-    weight: npt.NDArray[Any], dtype: str = "float32", target: SimdTarget | None = None
+    weight: npt.NDArray[Any], dtype: str = "float32", variant: SimdVariant | None = None
 ) -> PackedWeight:
     """Pack W `[N, K]` (float32, or any float when dtype is "bfloat16") into the panels of the variant
-    of `target` (default `simd.compile_target()`). Copies; W is left as it is. bfloat16 rounds to
+    `variant` (default `simd.compiled_variant()`). Copies; W is left as it is. bfloat16 rounds to
     nearest even.
 
     Raises ValueError for a weight that is not a non-empty 2-D array (float32 for dtype "float32"), a
-    dtype outside WEIGHT_DTYPES, or no variant for the target.
+    dtype outside WEIGHT_DTYPES, or no variant.
     """
     if dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
@@ -130,7 +130,7 @@ def pack_weight(
         or (dtype == "float32" and weight.dtype != np.float32)
     ):
         raise ValueError(f"weight must be a non-empty float32 [N, K], got {weight.dtype} {weight.shape}")
-    simd = _target(target)
+    simd = _variant(variant)
     kind = "f32" if dtype == "float32" else ("dpbf16" if simd.bf16_dot else "bf16")
     _, nr, _, _ = _jit.PANEL_SPECS[(simd.isa, kind)]
     n, k = weight.shape
@@ -188,27 +188,27 @@ def packed_linear(x: npt.NDArray[Any], packed: PackedWeight) -> F32Array:
     return np.ascontiguousarray(out[:, : packed.out_features])  # [M, N]
 
 
-def prepare_packed_linear(dtype: str = "float32", target: SimdTarget | None = None) -> float:
+def prepare_packed_linear(dtype: str = "float32", variant: SimdVariant | None = None) -> float:
     """Compile (or load from Numba's disk cache) the kernel of `dtype`'s weights now; returns the
     seconds that took. One call on a one-panel weight with 15 rows, so every tile height is compiled."""
     start = time.perf_counter()
-    packed = pack_weight(np.zeros((4, 4), dtype=np.float32), dtype, target)
+    packed = pack_weight(np.zeros((4, 4), dtype=np.float32), dtype, variant)
     packed_linear(np.zeros((15, 4), dtype=np.float32), packed)
     return time.perf_counter() - start
 
 
-def fma_probe(seconds: float = 0.01, target: SimdTarget | None = None) -> float:
+def fma_probe(seconds: float = 0.01, variant: SimdVariant | None = None) -> float:
     """FLOP/s of float32 FMAs in registers (independent chains of the variant's vectors,
     `_gemm_jit.FMA_PROBES`), one thread, wall clock.
 
     A short calibration call sizes the timed call to take about `seconds`; on a shared machine, give
     it the duration of what it is compared with, so both see the same share of the CPU. The ceiling
     a compute-bound float32 kernel on this core can reach. Raises ValueError for seconds <= 0 or no
-    variant for the target.
+    kernel variant for this CPU.
     """
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    isa = _target(target).isa
+    isa = _variant(variant).isa
     rounds_of = cast(Callable[[int, np.float32], float], _jit.FMA_ENTRY_POINTS[isa])
     lanes, chains = _jit.FMA_PROBES[isa]
     calibration = 20_000  # about 10 M flops: 0.1 ms at 100 GFLOP/s

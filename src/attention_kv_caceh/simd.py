@@ -11,7 +11,7 @@ empty `NUMBA_CPU_FEATURES` means "that CPU's own features"). The linear-layer ke
 | `avx2` | 8 | 16 | x86-64 with AVX2 and FMA (Intel since Haswell, AMD since Zen) |
 | `neon` | 4 | 32 | AArch64 (Apple silicon, Graviton, Ampere, Raspberry Pi 4 and later) |
 
-`compile_target` finds the variant by asking LLVM itself: it compiles a 16-lane float32 FMA for the
+`compiled_variant` finds the variant by asking LLVM itself: it compiles a 16-lane float32 FMA for the
 same CPU name and feature string that Numba uses and reads the instructions that come out (512-bit
 `zmm` registers, 256-bit `ymm` FMAs, or AArch64 `fmla` on 128-bit vectors). So the answer is what
 the kernels will be compiled into, whatever the environment variables say. A target with none of the
@@ -30,7 +30,7 @@ import platform
 from dataclasses import dataclass
 from typing import cast
 
-__all__ = ["ISAS", "SimdTarget", "compile_target", "numba_cpu"]
+__all__ = ["ISAS", "SimdVariant", "compiled_variant", "numba_cpu"]
 
 ISAS: dict[str, tuple[int, int]] = {"avx512": (16, 32), "avx2": (8, 16), "neon": (4, 32)}
 """Variant name -> (float32 lanes per vector, vector registers)."""
@@ -47,10 +47,10 @@ define void @probe(ptr %p) {
 
 
 @dataclass(frozen=True)
-class SimdTarget:
-    """The kernel variant of a compile target.
+class SimdVariant:
+    """The kernel variant of the CPU Numba compiles for.
 
-    isa: "avx512", "avx2" or "neon" (a key of ISAS); lanes and registers from ISAS; bf16_dot: the target
+    isa: "avx512", "avx2" or "neon" (a key of ISAS); lanes and registers from ISAS; bf16_dot: the CPU
     has AVX-512 BF16 (`vdpbf16ps`, a dot product of bfloat16 pairs into float32), named in its feature
     string; cpu: the LLVM CPU name compiled for.
     """
@@ -91,7 +91,7 @@ def _classify(asm: str, machine: str) -> str | None:
 
 
 @functools.cache
-def compile_target() -> SimdTarget | None:
+def compiled_variant() -> SimdVariant | None:
     """The variant the compiled kernels are built for in this process (module docstring), or None where
     none applies or LLVM cannot be asked (then the engine keeps NumPy)."""
     try:
@@ -110,4 +110,4 @@ def compile_target() -> SimdTarget | None:
         return None
     lanes, registers = ISAS[isa]
     bf16 = isa == "avx512" and "+avx512bf16" in features.split(",")
-    return SimdTarget(isa, lanes, registers, bf16, name)
+    return SimdVariant(isa, lanes, registers, bf16, name)

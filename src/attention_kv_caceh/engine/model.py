@@ -60,7 +60,7 @@ from attention_kv_caceh.engine.model_weights import WeightReader
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
 from attention_kv_caceh.gemm import prepare_packed_linear
 from attention_kv_caceh.kernels import paged_decode_attention_into
-from attention_kv_caceh.simd import compile_target
+from attention_kv_caceh.simd import compiled_variant
 
 __all__ = [
     "ENGINE_DTYPES",
@@ -109,9 +109,9 @@ def weight_format(dtype: str, quantization: str | None) -> str:
 
 def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> tuple[str, str]:
     """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, and a
-    one-line note naming the kernel variant (`simd.compile_target`).
+    one-line note naming the kernel variant (`simd.compiled_variant`).
 
-    "auto" takes "packed" where a kernel variant exists for the compile target and the activations
+    "auto" takes "packed" where a kernel variant exists for the CPU Numba compiles for and the activations
     are float32 (dtype float32 or bfloat16), "numpy" otherwise: float64, a CPU without AVX2, AVX-512
     or NEON, or asked for; the numpy path multiplies by the floats the weight format decodes to.
     Raises ValueError for a `gemm` outside GEMM_CHOICES, an unknown dtype or quantization (as
@@ -125,12 +125,12 @@ def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) ->
         raise ValueError(
             f"the packed GEMM path needs float32 activations (dtype float32 or bfloat16), got {dtype!r}"
         )
-    target = compile_target()
-    if gemm == "packed" and target is None:
-        raise ValueError("the packed GEMM path has no kernel for this CPU (no AVX2, AVX-512 or NEON target)")
-    if gemm == "numpy" or not float32 or target is None:
+    simd = compiled_variant()
+    if gemm == "packed" and simd is None:
+        raise ValueError("the packed GEMM path has no kernel for this CPU (no AVX2, AVX-512 or NEON variant)")
+    if gemm == "numpy" or not float32 or simd is None:
         why = (
-            "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON target")
+            "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON variant")
         )
         return (
             "numpy",
@@ -140,8 +140,8 @@ def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) ->
     if fmt == "gguf":
         how = "the file's Q8_0 / Q4_0 / Q4_1 blocks dequantized in registers, other types float32 panels"
     if fmt == "bfloat16":
-        how += ", vdpbf16ps" if target.bf16_dot else ", widened in registers"
-    return "packed", f"GEMM path: packed {target.isa} {fmt} ({how}; {target.describe()})"
+        how += ", vdpbf16ps" if simd.bf16_dot else ", widened in registers"
+    return "packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
-"""Which kernel variant a compile target gets, and the AVX2 variants (linear layers and paged decode
+"""Which kernel variant each CPU Numba compiles for gets, and the AVX2 variants (linear layers and paged decode
 attention) built for an AVX2 CPU.
 
 Numba compiles for one CPU per process (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES, read at import), so each
-target runs in a child process: AMD Zen 3 (`znver3`: AVX2 and FMA, no AVX-512) on any x86-64 machine
+CPU runs in a child process: AMD Zen 3 (`znver3`: AVX2 and FMA, no AVX-512) on any x86-64 machine
 with AVX2, and LLVM's generic x86-64 (no variant: NumPy). The NEON variant is built only on an
 AArch64 machine, where the whole suite runs it as the host's variant.
 """
@@ -16,9 +16,9 @@ import subprocess
 import sys
 import unittest
 
-from attention_kv_caceh.simd import _classify, compile_target  # pyright: ignore[reportPrivateUsage]
+from attention_kv_caceh.simd import _classify, compiled_variant  # pyright: ignore[reportPrivateUsage]
 
-HOST = compile_target()
+HOST = compiled_variant()
 X86_WITH_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and HOST is not None
 
 # Runs in the child: the variant found, the kernels against float64, and whether the AVX2 tile's code
@@ -28,9 +28,9 @@ import json
 import numba
 import numpy as np
 from attention_kv_caceh import _gemm_jit, block_gemm, gemm
-from attention_kv_caceh.simd import compile_target
+from attention_kv_caceh.simd import compiled_variant
 
-target = compile_target()
+found = compiled_variant()
 rng = np.random.default_rng(0)
 worst = {}
 for m in (1, 3, 8, 13):
@@ -67,7 +67,7 @@ packed = gemm.pack_weight(rng.standard_normal((24, 16)).astype(np.float32))
 x = rng.standard_normal((9, 16)).astype(np.float32)
 avx2_tile(x, packed.panels, np.empty((9, packed.padded_out_features), np.float32))
 asm = next(iter(avx2_tile.inspect_asm().values()))
-print(json.dumps({"isa": target and target.isa, "worst": worst, "zmm": "zmm" in asm, "ymm": "ymm" in asm}))
+print(json.dumps({"isa": found and found.isa, "worst": worst, "zmm": "zmm" in asm, "ymm": "ymm" in asm}))
 """
 
 
@@ -89,9 +89,9 @@ class CompileTargetTest(unittest.TestCase):
     @unittest.skipUnless(X86_WITH_AVX2, "needs an x86-64 CPU with AVX2")
     def test_generic_x86_64_gets_no_variant_and_the_engine_keeps_numpy(self) -> None:
         code = (
-            "import json; from attention_kv_caceh.simd import compile_target; "
+            "import json; from attention_kv_caceh.simd import compiled_variant; "
             "from attention_kv_caceh.engine.model import resolve_gemm_path; "
-            "print(json.dumps([compile_target() is None, resolve_gemm_path('auto', 'float32')[0]]))"
+            "print(json.dumps([compiled_variant() is None, resolve_gemm_path('auto', 'float32')[0]]))"
         )
         self.assertEqual(_child(code, "generic"), [True, "numpy"])
 
