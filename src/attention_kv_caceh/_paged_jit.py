@@ -1,7 +1,7 @@
 """The compiled loops behind `kernels.paged_decode_attention`; import `kernels`, not this module.
 
 No argument checks here: `kernels.py` validates first. Shape legend as in attention.py; NB physical KV
-blocks of BS positions, G = H // H_kv query heads per KV head, L float32 lanes (`simd.ISAS`).
+blocks of BS positions, G = H // H_kv query heads per KV head, L float32 lanes (`LANES`: 8, or 4 on NEON).
 
 Layout (vLLM's CPU layout): per block and KV head, a K tile `[D, BS]` (positions innermost) and a V
 tile `[BS, D]`; `paged_attention.allocate_kv_cache` puts the two tiles of a (block, head) next to each
@@ -46,7 +46,9 @@ from attention_kv_caceh.simd import compiled_variant
 __all__: list[str] = []
 
 _TARGET = compiled_variant()
-LANES = _TARGET.lanes if _TARGET is not None else 4  # float32 lanes of the IR vectors
+# float32 lanes of the IR vectors: at most 8 (256 bits), also on AVX-512, where 16-lane vectors read
+# the engine's step at 0.34-0.37 of the read probe against 0.43-0.46 with 8 lanes (docs/kernels.md).
+LANES = min(8, _TARGET.lanes) if _TARGET is not None else 4
 _SHAPES = ((64, 16), (128, 16))  # (D, BS) the IR kernel is specialised for
 CHUNKS = tuple(
     max(1, min(4 if d == 64 else 2, (_TARGET.registers if _TARGET else 16) // 2 // (d // LANES)))
