@@ -39,7 +39,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
     --threads-batch "$THREADS" --parallel "$SLOTS" --ctx-size "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
   "$LLAMA_SERVER" --version > "$OUT/versions.txt" 2>&1 || true
 else
-  : "${LLAMACPP_PYTHON:?set LLAMA_SERVER (llama.cpp's llama-server) or LLAMACPP_PYTHON}"
+  : "${LLAMACPP_PYTHON:?set LLAMA_SERVER (the llama-server binary) or LLAMACPP_PYTHON}"
   setsid "$LLAMACPP_PYTHON" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" \
     --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
   "$LLAMACPP_PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" > "$OUT/versions.txt"
