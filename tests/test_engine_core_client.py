@@ -3,6 +3,7 @@ is declared dead only when it has exited."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import unittest
@@ -28,6 +29,8 @@ class MPClientSendTest(unittest.TestCase):
         self.assertEqual(len(client._pending), 3)  # pyright: ignore[reportPrivateUsage]
         self.assertIsNone(client.dead)
         core, _runner = make_text_core()
+        if client.channels is not None:  # the private channels admit only the core's process (ipc.py)
+            client.channels.admit(os.getpid())
         client.proc = EngineCoreProc(core, client.input_address, client.output_address)
         client.thread = threading.Thread(target=client.proc.run, daemon=True)
         client.thread.start()

@@ -180,6 +180,12 @@ class ModelSourceTest(unittest.TestCase):
             resolve_model(self.root / "nothing")
         self.assertIn("no model of that name (models: smollm2)", str(caught.exception))
 
+    def test_an_empty_name_is_refused_as_empty_not_read_as_the_current_folder(self) -> None:
+        for value in ("", "  "):
+            with self.subTest(value=value), self.assertRaises(CheckpointError) as caught:
+                resolve_model(value)
+            self.assertIn(f"{value!r}: an empty name", str(caught.exception))
+
     def test_gguf_file_of_leaves_other_checkpoints_to_their_readers(self) -> None:
         hf = write_random_checkpoint(self.root / "hf", "llama", "tiny", seed=1)
         self.assertIsNone(gguf_file_of(hf))

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from attention_kv_caceh.cli.common import UsageError, positive_int
 from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, EngineConfig
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.model_config import ModelConfig
@@ -47,6 +48,7 @@ __all__ = [
     "engine_flags_given",
     "model_source",
     "plan_engine",
+    "speculative_config",
 ]
 
 MODEL_METAVAR = "MODEL"
@@ -66,8 +68,11 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": "--no-prefix-caching",
     "dtype": "--dtype",
     "quantization": "--quantization",
+    "speculative_config": "--speculative-config",
 }
-_FLAGS = {k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype")}
+_FLAGS = {
+    k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype", "speculative_config")
+}
 
 _HELP = {
     "max_num_seqs": "most requests running at once (one step's batch)",
@@ -82,6 +87,9 @@ _HELP = {
     "quantization": "keep the linear layers' weights in a GGUF block format (llama.cpp's names), "
     "quantizing a float checkpoint at load, or gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 tensors as stored "
     "(default: none, weights in --dtype)",
+    "speculative_config": "speculative decoding, vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min / _max default to 5; '
+    "docs/engine.md) (default: off)",
 }
 
 
@@ -136,6 +144,19 @@ def add_engine_arguments(
             default=False if defaults else None,
             help=_HELP["enable_prefix_caching"],
         )
+    if wanted("speculative_config"):
+        group.add_argument(
+            "--speculative-config", type=speculative_config, metavar="JSON", help=_HELP["speculative_config"]
+        )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type: a `--speculative-config` JSON object, read with vLLM's rules and messages
+    (`SpeculativeConfig.from_json`)."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -159,6 +180,8 @@ def engine_flags_given(args: argparse.Namespace) -> list[str]:
         value = getattr(args, _dest(field), None)
         if value is True:
             argv.append(flag)
+        elif isinstance(value, SpeculativeConfig):
+            argv += [flag, value.to_json()]
         elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv

@@ -179,8 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         default="random",
         help="random: independent prompts; shared-prefix: one of --num-prefixes shared prefixes of "
         "--prefix-len words, then --prompt-len words of its own; multi-turn: conversations of --turns "
-        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed) "
-        "(default: %(default)s)",
+        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed); copy: "
+        "repeat a passage of at least --prompt-len words with one change (copy-heavy, where speculative "
+        "decoding pays) (default: %(default)s)",
     )
     g.add_argument(
         "--num-prefixes", type=int, default=4, help="shared-prefix: how many prefixes (default: %(default)s)"
@@ -332,8 +333,19 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     return config
 
 
+def input_paths(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """Every file or folder a harness run reads, as (flag, path): no output may replace one of them."""
+    engine = args.backend == ENGINE_BACKEND
+    return [
+        ("--dataset", args.dataset),
+        ("--tokenizer", args.tokenizer),
+        ("--model", args.model if engine else None),  # the checkpoint folder `serve` and the prompts read
+    ]
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Every file the run may write, checked up front; raises UsageError naming the flag."""
+    """Every file the run may write, checked up front (none may be an input); raises UsageError naming
+    the flag."""
     jsonl: Path | None = args.jsonl
     check_outputs(
         [
@@ -341,7 +353,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             ("--jsonl", None if jsonl is None else meta_path(jsonl), ()),  # its metadata beside it
             ("--summary-json", args.summary_json, (".json",)),
             ("--plot", args.plot, (".png",)),
-        ]
+        ],
+        input_paths(args),
     )
 
 

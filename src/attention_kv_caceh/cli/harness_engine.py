@@ -62,7 +62,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def check_usage(args: argparse.Namespace) -> str:
     """Check the backend/flag combination; returns the base URL the run should use until a server's is
     known. Raises UsageError: --backend engine without --model, with a --model that names no checkpoint
-    (`engine.model_source.resolve_model`), or with --base-url; an engine flag with another backend."""
+    (`engine.model_source.resolve_model`) or a folder lacking tokenizer.json when no --tokenizer is given,
+    or with --base-url; an engine flag with another backend."""
     given = engine_flags(args)
     if args.backend != ENGINE_BACKEND:
         if given:
@@ -73,12 +74,15 @@ def check_usage(args: argparse.Namespace) -> str:
             f"--backend {ENGINE_BACKEND} needs --model MODEL (a model name such as smollm2, a .gguf file, "
             "or a checkpoint folder, see make-model)"
         )
-    model_source(args.model)  # UsageError naming the value when it names no checkpoint
+    source = model_source(args.model)  # UsageError naming the value when it names no checkpoint
     if args.base_url is not None:
         raise UsageError(
             f"--base-url {args.base_url}: --backend {ENGINE_BACKEND} starts its own server "
             "(use --backend openai-completions to reach a running one)"
         )
+    if args.tokenizer is None and source.format == "hf" and not (source.path / "tokenizer.json").is_file():
+        # the checkpoint's tokenizer serves and builds the prompts: name the flag that was given
+        raise UsageError(f"--model {args.model}: no tokenizer.json in that folder")
     return _DEFAULT_BASE_URL
 
 

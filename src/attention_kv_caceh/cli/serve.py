@@ -60,6 +60,13 @@ if TYPE_CHECKING:
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
 
+def _served_model_name(text: str) -> str:
+    """A --served-model-name: any non-blank string (a blank one would silently mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name the model, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `serve`."""
     parser.add_argument(
@@ -70,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--served-model-name",
+        type=_served_model_name,
         metavar="NAME",
         help="model name clients send (default: the model's name, the .gguf file's stem or the folder's name)",
     )
@@ -128,6 +136,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         metavar="N",
         help="refuse a request body larger than N bytes with 413, before reading or parsing it",
+    )
+    server.add_argument(
+        "--max-request-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="bodies of 256 KiB or more served at once may total N bytes; one past it gets 503 with "
+        "Retry-After (default: 4 x --max-request-bytes; at least --max-request-bytes)",
     )
 
 
@@ -196,10 +212,17 @@ def run(args: argparse.Namespace) -> int:
     # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
     fix_mmap_threshold()
     api_key = _api_key(args.api_key_env)
+    in_flight: int = args.max_request_bytes_in_flight or 4 * args.max_request_bytes
+    if in_flight < args.max_request_bytes:
+        raise UsageError(
+            f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
+            f"{args.max_request_bytes}, a body of the largest size could never be served"
+        )
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
-    name = args.served_model_name or plan.source.name
+    name = plan.source.name if args.served_model_name is None else args.served_model_name
     sock = _listen(args.host, args.port)
     llm: AsyncLLM | None = None
     try:
@@ -224,9 +247,11 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_request_bytes_in_flight=in_flight,
             max_logprobs=args.max_logprobs,
             max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
         # server, so the collector's oldest generation need not traverse it; a full collection stops

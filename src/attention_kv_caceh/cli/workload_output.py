@@ -1,11 +1,12 @@
 """Lines of a harness summary about the server's counters and the workload: one line of the server's
-prefix-cache, preemption and token counters over the run, and the per-turn table of a multi-turn run."""
+prefix-cache, preemption and token counters over the run, the speculative-decoding acceptance over it,
+and the per-turn table of a multi-turn run."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["counter_line", "per_turn_lines", "summary_extra_lines"]
+__all__ = ["counter_line", "per_turn_lines", "spec_decode_lines", "summary_extra_lines"]
 
 
 def _num(value: Any, spec: str = "") -> str:
@@ -31,6 +32,20 @@ def counter_line(summary: dict[str, Any]) -> str | None:
     )
 
 
+def spec_decode_lines(summary: dict[str, Any]) -> list[str]:
+    """The "Speculative Decoding" block of `vllm bench serve`, from the summary's spec_decode_* keys;
+    [] for a run that drafted nothing (or a server without speculative decoding)."""
+    if "spec_decode_num_drafts" not in summary:
+        return []
+    per_pos = ", ".join(f"{100 * r:.1f}" for r in summary["spec_decode_per_position_acceptance_rates"])
+    return [
+        f"speculative decoding: acceptance rate {summary['spec_decode_acceptance_rate']:.2f} %   "
+        f"acceptance length {summary['spec_decode_acceptance_length']:.2f}   "
+        f"drafts {summary['spec_decode_num_drafts']}   draft tokens {summary['spec_decode_draft_tokens']}   "
+        f"accepted tokens {summary['spec_decode_accepted_tokens']}   per position (%): {per_pos}"
+    ]
+
+
 def per_turn_lines(rows: list[dict[str, Any]]) -> list[str]:
     """The per-turn table of a multi-turn run (TTFT in ms, the server's hit rate over each round)."""
     header = f"{'turn':>4}{'requests':>9}{'prompt':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'hit rate':>10}"
@@ -51,6 +66,7 @@ def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
     line = counter_line(summary)
     if line is not None:
         lines.append(line)
+    lines += spec_decode_lines(summary)
     implied = summary.get("implied_prefix_hit_tokens")
     delta = summary.get("server_counters")
     if implied is not None:

@@ -329,6 +329,7 @@ def run_engine_benchmark(
     oracle_tokens: int | None = None,
     probe_every: int = 1,
     detokenize: bool = True,
+    tokenizer: Tokenizer | None = None,
     gemm: str = "auto",
     temperature: float = 0.0,
     quantization: str | None = None,
@@ -343,7 +344,8 @@ def run_engine_benchmark(
     sampled at `temperature` (0: greedy) by each request's own generator seeded with `seed`) stepped to completion, with the read probe, the linear-layer replay and the
     FMA probe timed after every probe_every-th pure-decode step (not counted in the step times or the
     wall time; every step by default, so probes and steps sample the same moments of a shared
-    machine's load). With detokenize, requests stream text through the tokenizer as a server's would.
+    machine's load). With detokenize, requests stream text through the tokenizer as a server's would:
+    `tokenizer`, or (None) the one Tokenizer.load reads from model_dir after the weights are loaded.
     gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"); quantization: the
     GGUF block format of the linear weights (`Model`'s quantization; None: dtype). The oracle holds
     at any temperature: request 0's generator draws the same numbers alone as in the batch.
@@ -385,7 +387,10 @@ def run_engine_benchmark(
             f"prompt_len + output_len = {max_model_len} exceeds the model's "
             f"max_position_embeddings {model.config.max_position_embeddings}"
         )
-    tokenizer = Tokenizer.load(model_dir) if detokenize else None
+    if not detokenize:
+        tokenizer = None
+    elif tokenizer is None:
+        tokenizer = Tokenizer.load(model_dir)
     rng = np.random.default_rng(seed)
     blocks_per_request = -(-max_model_len // block_size)
     rows: list[EngineBenchRow] = []

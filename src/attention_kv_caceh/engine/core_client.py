@@ -11,8 +11,10 @@ Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`. Two clients, as vLLM h
   same EngineCoreProc in a thread of this process (tests that hold a step or read the scheduler).
   Left out: vLLM's ROUTER/DEALER identities (one front end per core), data-parallel clients.
 
-The front end binds both sockets before the core starts (no connect race), on abstract-namespace IPC
-addresses (`ipc://@...`, Linux; nothing on disk to clean up after a SIGKILL) or TCP loopback elsewhere.
+The front end binds both sockets before the core starts (no connect race), as socket files in a private
+folder that only the core's process may connect to (ipc.py: a 0700 folder, a ZAP handler checking the
+peer's pid); the files are removed once the core has connected both. Without ZMQ's ipc transport
+(Windows), TCP loopback, open to every local process.
 `get_output()` waits on the output socket and on the core's liveness together: for a process, its
 sentinel fd is polled beside the socket, so a dead core is seen at once and raises EngineDeadError.
 
@@ -30,11 +32,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
-import sys
 import threading
-import uuid
 from collections import deque
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
@@ -52,9 +53,12 @@ from .core import (
     RequestType,
     run_engine_core,
 )
+from .ipc import PrivateChannels
 from .request import Request
 
 __all__ = ["EngineDeadError", "InprocClient", "MPClient"]
+
+logger = logging.getLogger(__name__)
 
 # How long get_output() waits on the socket before checking a thread-run core is alive (ms).
 _POLL_MS = 100
@@ -94,13 +98,6 @@ class InprocClient:
         return self.core.reset_prefix_cache()
 
 
-def _addresses() -> tuple[str, str]:
-    if sys.platform.startswith("linux"):
-        tag = f"attention-kv-caceh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return f"ipc://@{tag}-input", f"ipc://@{tag}-output"
-    return "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
-
-
 class MPClient:
     """A core behind ZMQ sockets, started by `launch_process` or `launch_thread`.
 
@@ -118,9 +115,15 @@ class MPClient:
         )  # no high-water mark: a slow core queues sends, never fails them
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        input_address, output_address = _addresses()
-        self._input.bind(input_address)
-        self._output.bind(output_address)
+        self.channels: PrivateChannels | None = None
+        if zmq.has("ipc"):
+            self.channels = PrivateChannels(self._ctx)
+            self.channels.bind(self._input, "input")
+            self.channels.bind(self._output, "output")
+        else:
+            logger.warning("no ZMQ ipc transport here: the engine core's sockets are on TCP loopback")
+            self._input.bind("tcp://127.0.0.1:*")
+            self._output.bind("tcp://127.0.0.1:*")
         self.input_address = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
         self._send_lock = threading.Lock()
@@ -159,6 +162,8 @@ class MPClient:
             daemon=True,
         )
         client.process.start()
+        if client.channels is not None and client.process.pid is not None:
+            client.channels.admit(client.process.pid)
         client._poller.register(client.process.sentinel, zmq.POLLIN)
         client._wait_ready(startup_timeout_s)
         return client
@@ -167,11 +172,18 @@ class MPClient:
     def launch_thread(cls, core: EngineCore) -> MPClient:
         """Run `core` under an EngineCoreProc in a daemon thread of this process (same sockets, same loop)."""
         client = cls()
-        client.proc = EngineCoreProc(core, client.input_address, client.output_address)
-        client.thread = threading.Thread(target=client.proc.run, name="engine-core", daemon=True)
-        client.thread.start()
-        client._wait_ready(60.0)
+        client.start_thread(core)
         return client
+
+    def start_thread(self, core: EngineCore) -> None:
+        """`launch_thread`'s second half, for a client already bound: start `core` in a thread of this
+        process (the only process its channels admit) and wait until it is ready."""
+        if self.channels is not None:
+            self.channels.admit(os.getpid())
+        self.proc = EngineCoreProc(core, self.input_address, self.output_address)
+        self.thread = threading.Thread(target=self.proc.run, name="engine-core", daemon=True)
+        self.thread.start()
+        self._wait_ready(60.0)
 
     def _wait_ready(self, timeout_s: float) -> None:
         try:
@@ -180,7 +192,11 @@ class MPClient:
                 if outputs is None:
                     raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
                 if outputs.ready:
-                    return
+                    break
+            # the output channel is connected (ready came through it); once the input is too, no file
+            # names the channels any more
+            if self.channels is not None and not self.channels.wait_connected(timeout_s):
+                raise EngineDeadError(f"the engine core did not connect its input within {timeout_s:.0f} s")
         except EngineDeadError:
             self.close()
             raise
@@ -332,4 +348,6 @@ class MPClient:
         self.shutdown(0.0)
         self._input.close(linger=0)
         self._output.close(linger=0)
-        self._ctx.term()
+        self._ctx.term()  # also ends the channels' ZAP thread
+        if self.channels is not None:
+            self.channels.close()

@@ -75,7 +75,14 @@ def named_model_file(name: str) -> Path:
 
 def resolve_model(value: str | Path) -> ModelSource:
     """The checkpoint `value` names (the module docstring's order). Raises CheckpointError naming the
-    value: no such path or name, a folder with neither config.json nor a .gguf file, or with several."""
+    value: an empty (or whitespace-only) string, which names nothing (Path would read it as the current
+    folder; "." names that), no such path or name, a folder with neither config.json nor a .gguf file,
+    or with several."""
+    if isinstance(value, str) and not value.strip():
+        raise CheckpointError(
+            f"{value!r}: an empty name (give a model name, a .gguf file or a checkpoint folder; "
+            "'.' for the current folder)"
+        )
     path = Path(value)
     if path.is_file():
         return ModelSource(path, "gguf", path.stem)

@@ -128,7 +128,7 @@ def decode_logprobs_payloads(
     payloads: Sequence[Any] | None,
 ) -> tuple[list[TokenLogprobs], tuple[TokenLogprobs, ...] | None]:
     """The sampled tokens' TokenLogprobs and the prompt's (None when absent) from the core's
-    `new_logprobs` payloads, one `[sampled, prompt]` per step (core.py `_logprobs_payload`)."""
+    `new_logprobs` payloads, one `[sampled, prompt]` per token (core.py `_logprobs_payload`)."""
     sampled: list[TokenLogprobs] = []
     prompt: tuple[TokenLogprobs, ...] | None = None
     for payload in payloads or []:
@@ -265,6 +265,8 @@ class Request:
             sampling_params.prompt_logprobs is set, filled as prefill chunks are computed.
         generator: the request's own random generator (sampling with temperature > 0), seeded from
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
+        spec_token_ids: draft tokens proposed after the latest step (speculative decoding), to be
+            verified at the next one; not part of all_token_ids (vLLM's `spec_token_ids`).
 
     Raises:
         ValueError: an empty prompt or a negative token id.
@@ -296,6 +298,7 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.generator = np.random.default_rng(sampling_params.seed)
+        self.spec_token_ids: list[int] = []
         self.block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))

@@ -50,11 +50,13 @@ _MAX_LOGIT = float(np.finfo(np.float32).max)  # the largest logit `sample` accep
 
 
 def apply_logits_processors(
-    logits: npt.NDArray[np.floating[Any]], request: Request
+    logits: npt.NDArray[np.floating[Any]], request: Request, pending: Sequence[int] = ()
 ) -> npt.NDArray[np.float64]:
     """The request's logits row `[V]` after logit bias, the min_tokens mask and the penalties (float64 copy).
 
-    Bias ids outside `[0, V)` are ignored here (the server refuses them before).
+    `pending`: output tokens the request has at this row beyond `request.output_token_ids` (a
+    speculative step's tokens accepted before this position), counted as output tokens. Bias ids outside
+    `[0, V)` are ignored here (the server refuses them before).
     """
     params = request.sampling_params
     row = logits.astype(np.float64)  # [V]
@@ -62,7 +64,7 @@ def apply_logits_processors(
     for token_id, bias in params.logit_bias:
         if 0 <= token_id < vocab:
             row[token_id] += bias
-    if request.num_output_tokens < params.min_tokens:
+    if request.num_output_tokens + len(pending) < params.min_tokens:
         stops = list(params.stop_token_ids)
         if not params.ignore_eos and request.eos_token_id is not None:
             stops.append(request.eos_token_id)
@@ -71,7 +73,7 @@ def apply_logits_processors(
             row[stop_ids] = -np.inf
     if not params.has_penalties:
         return row
-    output = np.asarray(request.output_token_ids, dtype=np.int64)
+    output = np.asarray([*request.output_token_ids, *pending], dtype=np.int64)
     if params.repetition_penalty != 1.0:
         seen = np.zeros(vocab, dtype=bool)  # [V]
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)

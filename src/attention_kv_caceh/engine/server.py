@@ -17,17 +17,19 @@ The request fields (protocol.py) and how they are served (serving.py): `prompt` 
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
 Faults: a body larger than `max_request_bytes` is a 413 before it is parsed (a body up to 8 times the
-limit is read and dropped first, so a client that reads only after writing its whole body sees the 413);
-a bad request (malformed JSON, a known field of the wrong type or out of range, a field this server does
+limit is read and dropped first, so a client that reads only after writing its whole body sees the 413),
+and a large body past the budget of large bodies in flight a 503 with Retry-After (body_budget.py); a
+bad request (malformed JSON, a known field of the wrong type or out of range, a field this server does
 not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0 or above
-`max_model_len`, a prompt of `max_model_len` tokens or more (the message gives its exact length), a
-request that fans out to more than `max_seqs_per_request` engine requests, a request whose prompt and
-max_tokens could never fit in the KV cache) is a 400
+`max_model_len`, a prompt of `max_model_len` tokens or more (the message gives its exact length, or "at
+least N" for a text too long to encode whole, see Tokenizer.encode_counted), a request that fans out to
+more than `max_seqs_per_request` engine requests, a request whose prompt and max_tokens could never fit
+in the KV cache) is a 400
 naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
 with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
-as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
-`/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
-401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
+as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set, every path
+needs `Authorization: Bearer <key>` (else 401) except OPEN_PATHS (`/health`, `/metrics` and the API
+docs, vLLM's public endpoints); with `max_queue` set, a request that would make more
 than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
 disconnects mid-stream aborts its request (its KV blocks are freed at the core's next step). An engine
 step that raises fails the requests it was running: a stream gets an error event then `[DONE]`, a whole
@@ -54,8 +56,8 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -66,6 +68,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.body_budget import BodyBudgetMiddleware
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.malloc import release_freed_memory
@@ -88,11 +91,13 @@ from attention_kv_caceh.engine.serving import (
     HTTPError,
     check_fan_out,
     check_request_fields,
+    prompt_too_long,
     sampling_params_for,
 )
 from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
+from attention_kv_caceh.engine.serving_tokenization import encode_pieces, tokenize_json
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "build_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request body the server reads by default (8 MiB); a larger one is a 413 before parsing."""
@@ -117,22 +122,26 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes_in_flight: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    num_speculative_tokens: int = 0,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
     requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
     see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
-    `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    `max_request_bytes` is a 413; large bodies served at once may total `max_request_bytes_in_flight`
+    bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
     `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
     above it a 400 names the count and the limit).
-    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0 or
-    max_seqs_per_request < 1.
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0,
+    max_seqs_per_request < 1 or max_request_bytes_in_flight < max_request_bytes.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -140,6 +149,11 @@ def build_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_logprobs < 0:
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+    if max_request_bytes_in_flight is not None and max_request_bytes_in_flight < max_request_bytes:
+        raise ValueError(
+            f"max_request_bytes_in_flight must be >= max_request_bytes ({max_request_bytes}), "
+            f"got {max_request_bytes_in_flight}"
+        )
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
     if max_seqs_per_request < 1:
@@ -150,6 +164,7 @@ def build_app(
         running=lambda: async_llm.num_running,
         waiting=lambda: async_llm.num_waiting,
         kv_usage=lambda: async_llm.kv_cache_usage,
+        num_speculative_tokens=num_speculative_tokens,
     )
     async_llm.add_stat_logger(metrics.record)
     created = int(time.time())
@@ -161,7 +176,9 @@ def build_app(
         yield
         await async_llm.shutdown(drain_timeout_s)
 
-    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan)
+    # strict_content_type=False: a body sent with no Content-Type is read as JSON (FastAPI's strict default
+    # would refuse it as "not a JSON object"); a non-JSON type still gets the 415 below
+    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan, strict_content_type=False)
     app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
@@ -190,9 +207,13 @@ def build_app(
         logger.exception("request failed", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    if api_key is not None:
+    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)
+    in_flight = 4 * max_request_bytes if max_request_bytes_in_flight is None else max_request_bytes_in_flight
+    app.add_middleware(  # before any byte of a body is buffered or parsed
+        BodyBudgetMiddleware, max_bytes_in_flight=in_flight, max_request_bytes=max_request_bytes
+    )
+    if api_key is not None:  # outermost: a client without the key holds nothing of the budget
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)  # outermost: before any parsing
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -283,13 +304,16 @@ def build_app(
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
-            return tokenizer.encode_counted(
+            ids, count, exact = tokenizer.encode_counted(
                 template.render(rendered, add_generation_prompt),
                 add_special_tokens=False,
                 max_length=max_length,
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
+        if not exact:
+            raise prompt_too_long(max_model_len, count, exact)
+        return ids, count
 
     def check_ids(ids: list[int], param: str) -> list[int]:
         # an id the model has no embedding row for would fail the whole engine step, not just this request
@@ -298,7 +322,7 @@ def build_app(
                 raise HTTPError(
                     400, f"{param} token ids must be in [0, {tokenizer.vocab_size}), got {t}", param
                 )
-        return list(ids)
+        return ids  # the validated request's own list: a copy of millions of ids would cost as much again
 
     def prompt_list(prompt: Prompt) -> list[str | list[int]]:
         """vLLM's four prompt forms as a list of prompts (a text or token ids each)."""
@@ -308,7 +332,7 @@ def build_app(
             raise HTTPError(400, "the prompt is empty", "prompt")
         first = prompt[0]
         if isinstance(first, int):
-            return [[t for t in prompt if isinstance(t, int)]]
+            return [cast("list[int]", prompt)]  # one form per list (protocol.py validated it)
         out: list[str | list[int]] = []
         for item in prompt:
             if isinstance(item, (str, list)):
@@ -327,7 +351,9 @@ def build_app(
         out: list[tuple[list[int], str, int]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                ids, count = tokenizer.encode_counted(item, add_special_tokens, max_length)
+                ids, count, exact = tokenizer.encode_counted(item, add_special_tokens, max_length)
+                if not exact:
+                    raise prompt_too_long(max_model_len, count, exact)
                 out.append((ids, item, count))
             else:
                 ids = check_ids(item, "prompt")
@@ -374,27 +400,33 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
+    async def tokenize(body: TokenizeRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
 
-        def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
+        def pieces() -> Iterator[list[int]]:
+            """Every prompt's ids, piece by piece (serving_tokenization.py: the answer costs its size)."""
             if body.messages is not None:
-                tokens = chat_prompt(body.messages, body.add_generation_prompt)[0]
+                rendered = [{"role": m.role, "content": m.text()} for m in body.messages]
+                try:
+                    text = template.render(rendered, body.add_generation_prompt)
+                except ValueError as exc:
+                    raise HTTPError(400, str(exc), "messages") from exc
+                yield from encode_pieces(tokenizer, text, False)  # the template writes the specials
             elif body.prompt is not None:
-                pairs = completion_prompts(body.prompt, body.add_special_tokens)
-                tokens = [t for ids, _, _ in pairs for t in ids]
+                for item in prompt_list(body.prompt):
+                    if isinstance(item, str):
+                        yield from encode_pieces(tokenizer, item, body.add_special_tokens)
+                    else:
+                        yield check_ids(item, "prompt")
             else:
                 raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-            strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-            return {
-                "count": len(tokens),
-                "max_model_len": max_model_len,
-                "tokens": tokens,
-                "token_strs": strs,
-            }
 
-        return await asyncio.to_thread(work)
+        def work() -> bytes:  # in a worker thread: a long text never stalls the other streams
+            decode = tokenizer.decode if body.return_token_strs else None
+            return tokenize_json(pieces(), max_model_len, decode)
+
+        return Response(await asyncio.to_thread(work), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
@@ -478,7 +510,10 @@ def _is_json_type(content_type: str) -> bool:
     )
 
 
-_KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
+# With an API key, every path needs it except these: health probes, metrics scraping and the API's own
+# docs, the public endpoints of vLLM's AuthenticationMiddleware that this server has. None of them names
+# a request (/debug/step_stats, which lists request ids, needs the key).
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class _BodySizeMiddleware:
@@ -566,8 +601,9 @@ def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
 
 
 class _ApiKeyMiddleware:
-    """401 for `/v1/*`, `/tokenize` and `/detokenize` without `Authorization: Bearer <api_key>` (a plain
-    ASGI middleware: it leaves streaming and disconnect detection untouched)."""
+    """401 for every path but OPEN_PATHS without `Authorization: Bearer <api_key>`: fail closed, so a
+    route added later is keyed too (a plain ASGI middleware: it leaves streaming and disconnect
+    detection untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -575,7 +611,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
+        if scope["type"] == "http" and path.rstrip("/") not in OPEN_PATHS:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"

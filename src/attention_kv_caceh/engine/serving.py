@@ -116,6 +116,19 @@ def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MA
         raise HTTPError(400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", "logprobs")
 
 
+def prompt_too_long(max_model_len: int, num_tokens: int, exact: bool, param: str = "prompt") -> HTTPError:
+    """The 400 for a prompt of `num_tokens` tokens (`exact` False: at least that many, the tokenizer's
+    lower bound for a text too long to encode whole, see Tokenizer.encode_counted) that leaves no room
+    for a completion in `max_model_len`."""
+    size = f"{num_tokens} tokens" if exact else f"at least {num_tokens} tokens"
+    return HTTPError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens; the prompt is {size} and "
+        "leaves no room for a completion.",
+        param,
+    )
+
+
 def check_fan_out(num_prompts: int, n: int, max_seqs_per_request: int) -> None:
     """Refuse a request that fans out to more than `max_seqs_per_request` engine requests (`num_prompts`
     prompts times `n` samples; the server's --max-seqs-per-request): HTTPError(400) naming the count and
@@ -163,12 +176,7 @@ def sampling_params_for(
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
-        raise HTTPError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt is "
-            f"{num_prompt_tokens} tokens and leaves no room for a completion.",
-            "prompt",
-        )
+        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
     room = max_model_len - num_prompt_tokens
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"

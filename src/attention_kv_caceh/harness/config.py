@@ -155,6 +155,10 @@ class HarnessConfig:
                 f"--dataset {self.dataset!r}: --workload shared-prefix builds its own prompts "
                 "(a dataset goes with --workload random, or multi-turn for conversations)"
             )
+        if self.dataset is not None and self.workload.kind == "copy":
+            raise ValueError(
+                f"--dataset {self.dataset!r}: --workload copy builds its own prompts (a passage to repeat)"
+            )
         if self.dataset is not None and self.workload.kind == "multi-turn":
             conversations = read_conversations(self.dataset)
             if len(conversations) < self.num_requests // self.workload.turns:

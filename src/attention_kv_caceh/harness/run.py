@@ -35,6 +35,7 @@ from attention_kv_caceh.harness.config import (
     BackendName,
     HarnessConfig,
 )
+from attention_kv_caceh.harness.copy_workload import copy_specs
 from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import (
     InFlightTracker,
@@ -53,7 +54,12 @@ from attention_kv_caceh.harness.prompts import (
     probe_server_tokenizer,
 )
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.server_counters import CounterSnapshot, RunCounters, counter_warnings
+from attention_kv_caceh.harness.server_counters import (
+    CounterSnapshot,
+    RunCounters,
+    counter_warnings,
+    spec_decode_result,
+)
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.summary import summarize_run
 from attention_kv_caceh.harness.workloads import (
@@ -99,6 +105,8 @@ def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[Reques
         specs = shared_prefix_specs(
             config.workload, config.num_requests, config.prompt_len, config.output_len, rng, config.seed
         )
+    elif config.workload.kind == "copy":
+        specs = copy_specs(config.num_requests, config.prompt_len, config.output_len, rng, config.seed)
     else:
         specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
     if config.dataset is not None and config.workload.kind == "random":
@@ -527,6 +535,7 @@ async def run_harness(
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
     summary["workload"] = config.workload.describe()
     summary["server_counters"] = counters.delta(records)
+    summary |= spec_decode_result(summary["server_counters"])
     summary["server_counters_error"] = counters.error or None
     if multi_turn:
         summary["per_turn"] = per_turn_summary(records, rounds)
