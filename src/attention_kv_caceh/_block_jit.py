@@ -7,11 +7,11 @@ per block, MR rows of x and NR rows of W per register tile.
 The weight stays as the GGUF file stores it (ggml's block layout): W `[N, K]` is N rows of K / 32
 blocks, each block 32 consecutive weights of one row, with its own scale:
 
-| format | bytes | block | weight j |
-| --- | --- | --- | --- |
-| Q8_0 | 34 | d (float16), q[32] (int8) | d q[j] |
-| Q4_0 | 18 | d (float16), 16 bytes: q[j] = low nibble of byte j, q[j + 16] its high nibble | d (q[j] - 8) |
-| Q4_1 | 20 | d, m (float16), 16 bytes of nibbles as Q4_0 | d q[j] + m |
+    format  bytes  block                                                    weight j
+    Q8_0    34     d (float16), q[32] (int8)                                d q[j]
+    Q4_0    18     d (float16), 16 bytes: q[j] = low nibble of byte j,      d (q[j] - 8)
+                   q[j + 16] its high nibble
+    Q4_1    20     d, m (float16), 16 bytes of nibbles as Q4_0              d q[j] + m
 
 A tile computes y[m, n] = sum over k of x[m, k] W[n, k] for MR rows and NR weight rows. Per block:
 each of the NR rows' block is dequantized in registers (bytes widened to 32-bit lanes, converted to

@@ -5,11 +5,11 @@ environment variables `NUMBA_CPU_NAME` and `NUMBA_CPU_FEATURES` name (read when 
 empty `NUMBA_CPU_FEATURES` means "that CPU's own features"). The linear-layer kernels (`gemm`,
 `block_gemm`) come in one variant per vector width, with a register tile sized for that instruction set:
 
-| variant | float32 lanes per vector | vector registers | CPUs |
-| --- | --- | --- | --- |
-| `avx512` | 16 | 32 | x86-64 with AVX-512F (Intel Xeon since Skylake-SP, AMD Zen 4 and later) |
-| `avx2` | 8 | 16 | x86-64 with AVX2 and FMA (Intel since Haswell, AMD since Zen) |
-| `neon` | 4 | 32 | AArch64 (Apple silicon, Graviton, Ampere, Raspberry Pi 4 and later) |
+    variant  float32 lanes  vector     CPUs
+             per vector     registers
+    avx512   16             32         x86-64 with AVX-512F (Intel Xeon since Skylake-SP, AMD Zen 4 and later)
+    avx2     8              16         x86-64 with AVX2 and FMA (Intel since Haswell, AMD since Zen)
+    neon     4              32         AArch64 (Apple silicon, Graviton, Ampere, Raspberry Pi 4 and later)
 
 `compiled_variant` finds the variant by asking LLVM itself: it compiles a 16-lane float32 FMA for the
 same CPU name and feature string that Numba uses and reads the instructions that come out (512-bit
