@@ -1,13 +1,18 @@
-"""Linear layers of a decode step, one thread: NumPy's x @ W.T against the packed kernel (and MKL's cblas).
+"""Linear layers of a decode step, one thread: NumPy's x @ W.T against the packed kernels (and MKL's cblas).
 
-y = x W^T for x [M, K] and W [N, K] float32 (default the `small` preset's gate_up shape, 2048 x 768), at
-M = 1, 2, 4, 8, 16, 32 rows, over COPIES different weights (100 MB, beyond the last-level cache, as a
-decode step streams its 400 MB) so that every call reads its weights from memory. Each figure is the
-median over rounds of this thread's CPU time per weight (time.thread_time: on a shared machine, waiting
-for a core does not count), and its ratio to an np.dot read probe over the same bytes timed in the same
-rounds. Every path is checked against the float64 product before it is timed.
+y = x W^T for x [M, K] and W [N, K] (default the `small` preset's gate_up shape, 2048 x 768), at
+M = 1, 2, 4, 8, 16, 32 rows, over COPIES different weights (100 MB of float32, beyond the last-level
+cache, as a decode step streams its 400 MB) so that every call reads its weights from memory. The
+paths: NumPy on float32, the packed kernel of this CPU's variant (`simd.compiled_variant`) on float32
+and bfloat16 panels, and the block kernels on GGUF's Q8_0, Q4_0 and Q4_1 blocks (`--formats`). Each
+figure is the median over rounds of this thread's CPU time per weight (time.thread_time: on a shared
+machine, waiting for a core does not count), and its ratio to an np.dot read probe over the float32
+weights' bytes timed in the same rounds (a format with fewer bytes can go below 1). Every path is
+checked against the float64 product of x and the weights it holds before it is timed.
 
     OPENBLAS_NUM_THREADS=1 uv run python scripts/bench_gemm.py
+    # the AVX2 variant on an AVX-512 CPU (everything compiled for AMD Zen 3):
+    NUMBA_CPU_NAME=znver3 NUMBA_CPU_FEATURES= OPENBLAS_NUM_THREADS=1 uv run python scripts/bench_gemm.py
     # with MKL from Intel's `mkl` wheel in another environment (not a dependency of this project):
     OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 uv run python scripts/bench_gemm.py --mkl /path/to/libmkl_rt.so.3
 """
@@ -22,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_kv_caceh import gemm
+from attention_kv_caceh import block_gemm, gemm
+from attention_kv_caceh.simd import compiled_variant
 
 COPIES = 16
 ROWS = (1, 2, 4, 8, 16, 32)
@@ -85,23 +91,38 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=768, help="input features K")
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds (median)")
     parser.add_argument("--mkl", default=None, metavar="LIB", help="path to libmkl_rt.so.3 (default: no MKL)")
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        default=["float32", "bfloat16", *block_gemm.BLOCK_FORMATS],
+        choices=["float32", "bfloat16", *block_gemm.BLOCK_FORMATS],
+        help="weight formats of the packed paths",
+    )
     args = parser.parse_args()
     rng = np.random.default_rng(0)
+    simd = compiled_variant()
     weights = [rng.standard_normal((args.n, args.k), dtype=np.float32) for _ in range(COPIES)]
-    packs = [gemm.pack_weight(w) for w in weights]
-    paths: dict[str, Callable[[np.ndarray, int], Any]] = {
-        "numpy x @ W.T": lambda x, j: x @ weights[j].T,
-        "packed (gemm.py)": lambda x, j: gemm.packed_linear(x, packs[j]),
-    }
+    paths: dict[str, Callable[[np.ndarray, int], Any]] = {"numpy x @ W.T": lambda x, j: x @ weights[j].T}
+    stored: dict[str, np.ndarray] = {"numpy x @ W.T": weights[0]}  # W as each path holds it, for the oracle
+    for fmt in args.formats if simd is not None else []:
+        if fmt in block_gemm.BLOCK_FORMATS:
+            blocks = [block_gemm.block_weight(block_gemm.quantize_weight(w, fmt), fmt) for w in weights]
+            name = f"blocks {blocks[0].path}"
+            paths[name] = lambda x, j, b=blocks: block_gemm.block_linear(x, b[j])
+            stored[name] = block_gemm.dequantize_blocks(blocks[0].blocks, fmt)
+        else:
+            packs = [gemm.pack_weight(w, fmt) for w in weights]
+            name = f"packed {packs[0].path}"
+            paths[name] = lambda x, j, p=packs: gemm.packed_linear(x, p[j])
+            stored[name] = gemm.unpack_weight(packs[0])
     if args.mkl:
         paths |= mkl_paths(args.mkl, weights)
-    gemm.prepare_packed_linear()
     for name, path in paths.items():  # the oracle before any timing
         for m in ROWS:
             x = rng.standard_normal((m, args.k), dtype=np.float32)
-            want = x.astype(np.float64) @ weights[0].T.astype(np.float64)
+            want = x.astype(np.float64) @ stored.get(name, weights[0]).T.astype(np.float64)
             err = float(np.abs(path(x, 0) - want).max() / np.abs(want).max())
-            limit = 2**-8 * 4 if "bf16" in name else 1e-5  # bf16: 8 significant bits per operand
+            limit = 2**-8 * 4 if "bf16" in name or "vdpbf16ps" in name else 1e-5  # x read as bfloat16 there
             if err > limit:
                 raise SystemExit(f"{name} at M={m}: relative error {err:.1e} over {limit:.1e}")
     probe = np.ones(args.n * args.k * COPIES, np.float32)
@@ -118,8 +139,10 @@ def main() -> None:
         np.dot(probe, probe)
         samples.setdefault(("probe", 0), []).append((time.thread_time() - start) * 1e3 / COPIES)
     probe_ms = float(np.median(samples[("probe", 0)]))
-    print(f"W [{args.n}, {args.k}] float32, {COPIES} copies; read probe {probe_ms:.3f} ms per weight "
-          f"({4 * args.n * args.k / probe_ms / 1e6:.1f} GB/s); CPU ms per call (ratio to the probe)")  # fmt: skip
+    variant = simd.describe() if simd is not None else "no packed kernel for this CPU"
+    print(f"W [{args.n}, {args.k}], {COPIES} copies; {variant}; read probe over the float32 weights "
+          f"{probe_ms:.3f} ms per weight ({4 * args.n * args.k / probe_ms / 1e6:.1f} GB/s); "
+          "CPU ms per call (ratio to the probe)")  # fmt: skip
     print(f"| path | {' | '.join(f'M={m}' for m in ROWS)} |")
     print(f"| --- |{' --- |' * len(ROWS)}")
     for name in paths:

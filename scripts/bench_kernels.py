@@ -30,6 +30,7 @@ import numpy as np
 
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import make_cache
+from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
 from attention_kv_caceh.experiments.fused import FusedDecodeStep, torch_sdpa_available, torch_sdpa_step
 from attention_kv_caceh.experiments.scan import ScanConfig, build_inputs, kv_bytes_per_step
 from attention_kv_caceh.kernels import (
@@ -49,7 +50,8 @@ SHAPES = {
 
 
 def to_paged(keys: np.ndarray, values: np.ndarray, block_size: int, seed: int) -> tuple[np.ndarray, ...]:
-    """[B, H_kv, T, D] -> k/v_cache [NB, BS, H_kv, D] in shuffled blocks, block_tables, context_lens."""
+    """[B, H_kv, T, D] -> the engine's k/v_cache (`pack_kv_blocks`) in shuffled blocks, block_tables,
+    context_lens."""
     b, h_kv, t, d = keys.shape
     per_seq = -(-t // block_size)
     ids = np.random.default_rng(seed).permutation(b * per_seq).astype(np.int32)
@@ -64,7 +66,7 @@ def to_paged(keys: np.ndarray, values: np.ndarray, block_size: int, seed: int) -
             0, 2, 3, 1, 4
         )  # [B, nb, BS, H_kv, D]
         dst[tables.reshape(-1)] = blocks.reshape(-1, block_size, h_kv, d)
-    return k_cache, v_cache, tables, np.full(b, t, np.int32)
+    return *pack_kv_blocks(k_cache, v_cache), tables, np.full(b, t, np.int32)
 
 
 def bench_batch(config: ScanConfig, b: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -257,6 +257,14 @@ GGUF_ENGINE_RUNS = (
         "float32, budget 16, 4-token blocks, 48 blocks",
         ["--dtype", "float32", *SMALL_BUDGET],
     ),
+    (
+        "float32 on the file's blocks (--quantization gguf), batched",
+        ["--dtype", "float32", "--quantization", "gguf"],
+    ),
+    (
+        "float32 on the file's blocks, budget 16, 4-token blocks, 48 blocks",
+        ["--dtype", "float32", "--quantization", "gguf", *SMALL_BUDGET],
+    ),
 )
 
 

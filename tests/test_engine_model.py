@@ -36,7 +36,12 @@ from attention_kv_caceh.engine.layers import (
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, resolve_gemm_path
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
+from attention_kv_caceh.engine.paged_attention import (
+    AttentionMetadata,
+    pack_kv_blocks,
+    paged_attention,
+    write_kv,
+)
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.kernels import paged_decode_attention
 from attention_kv_caceh.oracle import reference_paged_decode_attention
@@ -213,6 +218,7 @@ class TestPagedAttention(unittest.TestCase):
             context_lens=np.array([c + n for c, n in plan]),
             block_size=bs,
         )
+        k_cache, v_cache = pack_kv_blocks(k_cache, v_cache)  # into the engine's layout
         new_k = np.concatenate([k[c:] for k, (c, _) in zip(full_k, plan, strict=True)])
         new_v = np.concatenate([v[c:] for v, (c, _) in zip(full_v, plan, strict=True)])
         write_kv(k_cache, v_cache, new_k, new_v, meta.slot_mapping)
@@ -409,7 +415,8 @@ class TestModelRunner(EngineModelTestBase):
         runner = ModelRunner(model, EngineConfig(block_size=8, dtype="float32"), num_blocks=5)
         allocated = sum(k.nbytes + v.nbytes for k, v in runner.kv_caches)
         self.assertEqual(ModelRunner.bytes_per_block(model.config, 8, "float32") * 5, allocated)
-        self.assertEqual(runner.kv_caches[0][0].shape, (5, 8, 2, 32))
+        self.assertEqual(runner.kv_caches[0][0].shape, (5, 2, 32, 8))  # [NB, H_kv, D, BS]
+        self.assertEqual(runner.kv_caches[0][1].shape, (5, 2, 8, 32))  # [NB, H_kv, BS, D]
 
 
 if __name__ == "__main__":

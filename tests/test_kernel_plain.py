@@ -8,6 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
 from attention_kv_caceh.kernels import decode_attention, paged_decode_attention, plain_decode_attention
 from attention_kv_caceh.oracle import reference_attention, tolerance_for
 
@@ -98,7 +99,7 @@ class TunedAgainstPlainTest(unittest.TestCase):
             cache[tables.reshape(-1)] = blocks.reshape(-1, block_size, 2, 16)
             caches.append(cache)
         lens = np.full(2, 100, np.int32)
-        got = paged_decode_attention(q, caches[0], caches[1], tables, lens)
+        got = paged_decode_attention(q, *pack_kv_blocks(caches[0], caches[1]), tables, lens)
         rtol, atol = tolerance_for(np.float32, 16 + 100)
         np.testing.assert_allclose(got, plain_decode_attention(q, k, v), rtol=rtol, atol=atol)
 

@@ -10,7 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from attention_kv_caceh import _paged_jit
 from attention_kv_caceh.attention import scaled_dot_product_attention
+from attention_kv_caceh.engine.paged_attention import allocate_kv_cache, pack_kv_blocks
 from attention_kv_caceh.kernels import (
     CONTIGUOUS_CHUNK,
     compile_seconds,
@@ -37,7 +39,7 @@ def reference_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
 def to_paged(
     k: np.ndarray, v: np.ndarray, lens: list[int], block_size: int, rng: np.random.Generator, spare: int = 3
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Scatter k, v [B, H_kv, T, D] into shuffled blocks [NB, BS, H_kv, D]; tables padded with -1."""
+    """Scatter k, v [B, H_kv, T, D] into shuffled blocks of the engine's cache; tables padded with -1."""
     b, h_kv, _, d = k.shape
     per_seq = [-(-n // block_size) for n in lens]
     max_blocks = max(max(per_seq), 1) + 1  # one more column than needed: padding must be ignored
@@ -55,7 +57,7 @@ def to_paged(
             lo, hi = j * block_size, min((j + 1) * block_size, n)
             k_cache[block, : hi - lo] = np.swapaxes(k[i, :, lo:hi], 0, 1)  # [n, H_kv, D]
             v_cache[block, : hi - lo] = np.swapaxes(v[i, :, lo:hi], 0, 1)
-    return k_cache, v_cache, tables, np.asarray(lens, dtype=np.int32)
+    return *pack_kv_blocks(k_cache, v_cache), tables, np.asarray(lens, dtype=np.int32)
 
 
 class ContiguousKernelTest(unittest.TestCase):
@@ -252,13 +254,41 @@ class PagedKernelTest(unittest.TestCase):
                         rtol, atol = tolerance_for(dtype, 24 + n)
                         np.testing.assert_allclose(out[i], expected[0], rtol=rtol, atol=atol)
 
+    @settings(max_examples=25, deadline=None)
+    @given(
+        lens=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+        h_kv=st.integers(1, 2),
+        group=st.integers(1, 6),  # folded in chunks of up to four query heads
+        d=st.sampled_from((64, 128)),
+        seed=st.integers(0, 2**16),
+    )
+    def test_vectorised_kernel_at_the_engines_shapes_equals_the_reference(
+        self, lens: list[int], h_kv: int, group: int, d: int, seed: int
+    ) -> None:
+        # Block size 16 and D 64 or 128 take the LLVM IR kernel (`_paged_jit._fold_block`); partial
+        # last blocks, empty contexts and every chunk of query heads with them.
+        rng = np.random.default_rng(seed)
+        b, t = len(lens), max(max(lens), 1)
+        q = normal(rng, b, h_kv * group, d) * 3
+        k, v = normal(rng, b, h_kv, t, d), normal(rng, b, h_kv, t, d)
+        k_cache, v_cache, tables, context_lens = to_paged(k, v, lens, 16, rng)
+        self.assertGreaterEqual(_paged_jit.fast_shape(np.float32, d, 16, True), 0)
+        out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens)
+        for i, n in enumerate(lens):
+            if n == 0:
+                np.testing.assert_array_equal(out[i], 0.0)
+                continue
+            expected = reference_rows(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n])
+            rtol, atol = tolerance_for(np.float32, d + n)
+            np.testing.assert_allclose(out[i], expected[0], rtol=rtol, atol=atol)
+
     def test_shared_prefix_blocks_and_empty_sequence(self) -> None:
         rng = np.random.default_rng(6)
         k_cache, v_cache = normal(rng, 5, 4, 1, 8), normal(rng, 5, 4, 1, 8)
         tables = np.array([[3, 1, -1], [3, 0, 4], [-1, -1, -1]], dtype=np.int32)  # block 3 shared
         lens = np.array([6, 11, 0], dtype=np.int32)
         q = normal(rng, 3, 2, 8)
-        out = paged_decode_attention(q, k_cache, v_cache, tables, lens)
+        out = paged_decode_attention(q, *pack_kv_blocks(k_cache, v_cache), tables, lens)
         for i in range(2):
             rows = [(blk, j) for blk in tables[i] if blk >= 0 for j in range(4)][: lens[i]]
             k = np.stack([k_cache[blk, j, 0] for blk, j in rows])[None, None]  # [1, 1, T, D]
@@ -279,7 +309,7 @@ class PagedKernelTest(unittest.TestCase):
         )
 
     def test_rejects_bad_tables_and_lengths(self) -> None:
-        k_cache = np.zeros((4, 2, 1, 8), np.float32)
+        k_cache, v_cache = allocate_kv_cache(4, 2, 1, 8, np.float32)
         q = np.zeros((2, 1, 8), np.float32)
         good_tables, good_lens = np.array([[0, 1], [2, 3]], np.int32), np.array([3, 4], np.int32)
         cases = {
@@ -291,19 +321,21 @@ class PagedKernelTest(unittest.TestCase):
         }
         for message, (tables, lens) in cases.items():
             with self.subTest(message), self.assertRaisesRegex(ValueError, message):
-                paged_decode_attention(q, k_cache, k_cache, tables, lens)
+                paged_decode_attention(q, k_cache, v_cache, tables, lens)
+        with self.assertRaisesRegex(ValueError, r"v_cache \(4, 1, 8, 2\)"):
+            paged_decode_attention(q, k_cache, k_cache, good_tables, good_lens)
         # -1 padding past a sequence's last block is fine:
         ok = paged_decode_attention(
-            q, k_cache, k_cache, np.array([[0, -1], [2, 3]], np.int32), np.array([2, 4], np.int32)
+            q, k_cache, v_cache, np.array([[0, -1], [2, 3]], np.int32), np.array([2, 4], np.int32)
         )
         np.testing.assert_array_equal(ok, 0.0)
 
     def test_prepare_records_the_first_call(self) -> None:
-        k_cache = np.zeros((2, 4, 1, 8), np.float32)
+        k_cache, v_cache = allocate_kv_cache(2, 4, 1, 8, np.float32)  # views: layout "A"
         q, out = np.zeros((1, 1, 8), np.float32), np.empty((1, 1, 8), np.float32)
         tables, lens = np.array([[1, 0]], np.int32), np.array([5], np.int32)
-        seconds = prepare_paged_decode_attention(q, k_cache, k_cache, tables, lens, out)
-        self.assertEqual(compile_seconds()["paged/float32/C/threads=1"], seconds)
+        seconds = prepare_paged_decode_attention(q, k_cache, v_cache, tables, lens, out)
+        self.assertEqual(compile_seconds()["paged/float32/A/threads=1"], seconds)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Everything here is `@njit` code with no Python objects in the loops and no argument checks: the
 callers in `kernels.py` validate shapes, dtypes and block tables first. Shape legend as in attention.py;
-G = H // H_kv query heads share one KV head, NB physical KV blocks of BS positions each.
+G = H // H_kv query heads share one KV head.
 
 Contiguous layout, one (sequence, KV head) work item at a time (`_contiguous_item`): the G query rows
 of the group are scaled once, then the head's positions are read in chunks of at most `chunk` rows
@@ -13,16 +13,12 @@ of the group are scaled once, then the head's positions are read in chunks of at
      p = exp(s - m'), z += sum_t p  (`_softmax_update`);
   3. acc[g] += sum_t p[g, t] v_t, with v_t read once for the whole group.
 At the end out[g] = acc[g] / z[g] (`_finish`). K and V are each read once; the chunk's scores live in
-a [G, chunk] scratch. Paged layout, one sequence at a time (`_paged_sequence`): the same three steps
-over spans of `span` KV blocks (`_paged_span`), every block read once for all H query heads.
-The chunk's max is tracked while the scores are computed (a separate max loop does not vectorise
-without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM vectorises, where
-`math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS` rows ahead
-(`_prefetch`, LLVM's prefetch intrinsic; across a block boundary in the paged layout, into the next
-block of the table). The paged K pass also prefetches the V rows of the same positions: its V pass
-runs after the span's scores, and without the prefetch each V block is a wait on memory. Why this
-order, chunk size and unrolling: docs/kernels.md. `plain_serial` is the same attention as one
-readable loop nest, the reference the tuned kernels are tested against.
+a [G, chunk] scratch. The chunk's max is tracked while the scores are computed (a separate max loop
+does not vectorise without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM
+vectorises, where `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS`
+rows ahead (`_prefetch`, LLVM's prefetch intrinsic). Why this order, chunk size and unrolling:
+docs/kernels.md. `plain_serial` is the same attention as one readable loop nest, the reference the
+tuned kernels are tested against. The paged kernel's loops are in `_paged_jit`.
 """
 
 # pyright: basic
@@ -217,72 +213,6 @@ def _chunk(qs, kc, vc, n, m, z, acc, s, top):
 
 
 @numba.njit(**_JIT)
-def _paged_span(qs, k_cache, v_cache, table_row, i0, i1, n_blocks, n_ctx, m, z, acc, s, top):
-    """Fold the sequence's blocks table_row[i0:i1] (of its n_blocks) into the state of all H heads.
-
-    Per block [BS, H_kv, D], rows are read in memory order (row t's H_kv heads, then row t + 1's); the
-    scores of all blocks of the span go to s [H, (i1 - i0) * BS] before one rescale, then V is read.
-    The K pass prefetches _PREFETCH_ROWS rows [D] ahead, into the table's next block at a block's end,
-    and the V rows at the same positions, so that the V pass that follows the span's rescale reads
-    from cache rather than waiting on memory for each block.
-    """
-    h_count, d_count = qs.shape
-    block_size, h_kv = k_cache.shape[1], k_cache.shape[2]
-    rows = block_size * h_kv  # [D] rows per block
-    g_count = h_count // h_kv
-    for g in range(h_count):
-        top[g] = m[g]
-    for i in range(i0, i1):  # scores
-        block = table_row[i]
-        after = table_row[i + 1] if i + 1 < n_blocks else block
-        kb = np.ascontiguousarray(k_cache[block])  # [BS, H_kv, D], a view of a C-contiguous cache
-        base = (i - i0) * block_size
-        for t in range(min(block_size, n_ctx - i * block_size)):
-            for j in range(h_kv):
-                ahead = t * h_kv + j + _PREFETCH_ROWS
-                row = block * rows + ahead if ahead < rows else after * rows + ahead - rows
-                _prefetch_row(k_cache, row, d_count)
-                _prefetch_row(v_cache, row, d_count)  # V is read after the span's scores, from cache
-                for g in range(j * g_count, (j + 1) * g_count):
-                    dot = qs[g, 0] * np.float32(0.0)
-                    for d in range(d_count):
-                        dot += qs[g, d] * kb[t, j, d]
-                    s[g, base + t] = dot
-                    if dot > top[g]:
-                        top[g] = dot
-    _softmax_update(min(n_ctx - i0 * block_size, (i1 - i0) * block_size), m, top, z, acc, s)
-    for i in range(i0, i1):  # acc += p V
-        vb = np.ascontiguousarray(v_cache[table_row[i]])
-        base = (i - i0) * block_size
-        n = min(block_size, n_ctx - i * block_size)
-        n8 = n - n % 8
-        for t in range(0, n8, 8):
-            for j in range(h_kv):
-                for g in range(j * g_count, (j + 1) * g_count):
-                    u = base + t
-                    p0, p1, p2, p3 = s[g, u], s[g, u + 1], s[g, u + 2], s[g, u + 3]
-                    p4, p5, p6, p7 = s[g, u + 4], s[g, u + 5], s[g, u + 6], s[g, u + 7]
-                    for d in range(d_count):
-                        acc[g, d] += (
-                            p0 * vb[t, j, d]
-                            + p1 * vb[t + 1, j, d]
-                            + p2 * vb[t + 2, j, d]
-                            + p3 * vb[t + 3, j, d]
-                        ) + (
-                            p4 * vb[t + 4, j, d]
-                            + p5 * vb[t + 5, j, d]
-                            + p6 * vb[t + 6, j, d]
-                            + p7 * vb[t + 7, j, d]
-                        )
-        for t in range(n8, n):
-            for j in range(h_kv):
-                for g in range(j * g_count, (j + 1) * g_count):
-                    p = s[g, base + t]
-                    for d in range(d_count):
-                        acc[g, d] += p * vb[t, j, d]
-
-
-@numba.njit(**_JIT)
 def _start(q_rows, scale, qs, m, z, acc):
     """Scale the group's query rows [G, D] into qs and reset the running state."""
     g_count, d_count = qs.shape
@@ -350,53 +280,3 @@ def contiguous_parallel(q, k, v, out, scale, chunk):
         s = np.empty((g_count, chunk), q.dtype)
         top = np.empty(g_count, q.dtype)
         _contiguous_item(q, k, v, out, scale, chunk, item, qs, m, z, acc, s, top)
-
-
-@numba.njit(**_JIT)
-def _paged_sequence(
-    q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
-):
-    """Sequence b of the paged kernel: each of its KV blocks is read once, for all H_kv heads."""
-    block_size = k_cache.shape[1]
-    n_ctx = context_lens[b]
-    _start(q[b], scale, qs, m, z, acc)
-    n_blocks = (n_ctx + block_size - 1) // block_size
-    for i0 in range(0, n_blocks, span):
-        i1 = min(i0 + span, n_blocks)
-        _paged_span(qs, k_cache, v_cache, block_tables[b], i0, i1, n_blocks, n_ctx, m, z, acc, s, top)
-    _finish(out[b], z, acc)
-
-
-@numba.njit(**_JIT)
-def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
-    """q [B, H, D], k/v_cache [NB, BS, H_kv, D], block_tables [B, max_blocks], context_lens [B] -> out.
-
-    span: KV blocks whose scores are gathered before each online-softmax rescale.
-    """
-    h_count, d_count = q.shape[1], q.shape[2]
-    qs = np.empty((h_count, d_count), q.dtype)
-    acc = np.empty((h_count, d_count), q.dtype)
-    m = np.empty(h_count, q.dtype)
-    z = np.empty(h_count, q.dtype)
-    s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
-    top = np.empty(h_count, q.dtype)
-    for b in range(q.shape[0]):
-        _paged_sequence(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
-        )
-
-
-@numba.njit(parallel=True, **_JIT)
-def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, span):
-    """As `paged_serial`, the B sequences spread over Numba's threads."""
-    h_count, d_count = q.shape[1], q.shape[2]
-    for b in prange(q.shape[0]):
-        qs = np.empty((h_count, d_count), q.dtype)
-        acc = np.empty((h_count, d_count), q.dtype)
-        m = np.empty(h_count, q.dtype)
-        z = np.empty(h_count, q.dtype)
-        s = np.empty((h_count, span * k_cache.shape[1]), q.dtype)
-        top = np.empty(h_count, q.dtype)
-        _paged_sequence(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, span, b, qs, m, z, acc, s, top
-        )

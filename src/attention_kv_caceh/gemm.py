@@ -5,22 +5,27 @@ weights costs the same for any B, and each weight serves 2 B flops, so up to B o
 read bandwidth) the step should cost what B = 1 costs. NumPy's `x @ W.T` (OpenBLAS, one thread) does
 not get there: for 2 to 8 rows it packs (copies) W on every call and runs several times slower than
 for one row. This module packs W once, at load, into the layout its kernel reads, and the kernel
-streams each packed row once for all rows of x (the loop and the layout: `_gemm_jit`).
+streams each packed row once for all rows of x (the loops and the layouts: `_gemm_jit`).
 
-Layout (legend: M rows of x, K input features, N output features, NR = PANEL_WIDTH): W `[N, K]`
-(Hugging Face's `[out, in]`) becomes panels `[ceil(N / NR), K, NR]`, panel p = W[p NR : (p + 1) NR]^T,
-zero-padded when NR does not divide N. float32 only; the model's float64 path (the equivalence tests')
-stays NumPy. NumPy's `x @ W.T` in float64 is the oracle the tests hold this kernel to.
+Layout (legend: M rows of x, K input features, N output features, NR the variant's panel width): W
+`[N, K]` (Hugging Face's `[out, in]`) becomes panels `[ceil(N / NR), K, NR]` of float32, panel p =
+W[p NR : (p + 1) NR]^T, zero-padded when NR does not divide N; or, for bfloat16 weights, panels
+`[ceil(N / NR), ceil(K / 2), NR, 2]` of bfloat16 bit patterns (uint16), each output's pair of input
+features adjacent. Activations and sums are float32 either way. NumPy's `x @ W.T` in float64 (of the
+weights as packed) is the oracle the tests hold every variant to.
 
-The kernel is written for AVX-512 (32 vector registers of 16 float32); LLVM compiles the same IR for
-any CPU, but where AVX-512F is missing the engine keeps NumPy (`packed_path_available`), since nothing
-here was measured elsewhere. `fma_probe` times the same FMA instruction in registers only: the FLOP/s
+Variants: one per instruction set (`simd.compiled_variant`): AVX-512 (16 float32 lanes, an 8 x 32 tile
+in its 32 vector registers), AVX2 (8 lanes, 6 x 16 in 16 registers) and NEON (4 lanes, 8 x 12 in 32
+registers); bfloat16 weights are widened in registers, or, where the CPU has AVX-512 BF16, multiplied
+by `vdpbf16ps`, which rounds x to bfloat16 too. Where no variant applies, `pack_weight` refuses and
+the engine keeps NumPy. `fma_probe` times the variant's FMA instruction in registers only: the FLOP/s
 ceiling that `bench-engine` reports the linear layers against.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -28,79 +33,150 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh import _gemm_jit as _jit
+from attention_kv_caceh.simd import SimdVariant, compiled_variant
 
 __all__ = [
-    "PANEL_WIDTH",
+    "WEIGHT_DTYPES",
     "PackedWeight",
+    "bfloat16_bits",
+    "bfloat16_to_float32",
     "fma_probe",
     "pack_weight",
     "packed_linear",
     "packed_linear_into",
-    "packed_path_available",
     "prepare_packed_linear",
     "unpack_weight",
 ]
 
-PANEL_WIDTH: int = _jit.PANEL_WIDTH
 F32Array = npt.NDArray[np.float32]
+WEIGHT_DTYPES = ("float32", "bfloat16")
+
+
+def bfloat16_bits(a: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
+    """float32 -> bfloat16 bit patterns (uint16), rounded to nearest even (NaN stays NaN)."""
+    bits = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    nan = np.isnan(np.ascontiguousarray(a, dtype=np.float32))
+    return np.where(nan, np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+def bfloat16_to_float32(bits: npt.NDArray[np.uint16]) -> F32Array:
+    """bfloat16 bit patterns -> float32 (exact: bfloat16 is float32's top half)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A float32 weight `[N, K]` stored as panels `[P, K, PANEL_WIDTH]`, P = ceil(N / PANEL_WIDTH).
+    """A weight `[N, K]` stored as the panels of one kernel variant (module docstring).
 
-    out_features: N (the panels' last P * PANEL_WIDTH - N columns are zero padding).
+    panels: float32 `[P, K, NR]` or uint16 `[P, ceil(K / 2), NR, 2]` (dtype "bfloat16").
+    out_features: N (the panels' last P * NR - N columns are zero padding); in_features: K.
+    isa: the variant ("avx512", "avx2", "neon"); kind: "f32", "bf16" (widened in registers) or
+    "dpbf16" (`vdpbf16ps`).
     """
 
-    panels: F32Array
+    panels: npt.NDArray[Any]
     out_features: int
+    in_features: int
+    isa: str
+    kind: str
 
     @property
-    def in_features(self) -> int:
-        """K."""
-        return int(self.panels.shape[1])
+    def dtype(self) -> str:
+        """ "float32" or "bfloat16": how the weights are stored."""
+        return "float32" if self.kind == "f32" else "bfloat16"
 
     @property
     def padded_out_features(self) -> int:
-        """P * PANEL_WIDTH: the width of the kernel's output rows."""
+        """P * NR: the width of the kernel's output rows."""
         return int(self.panels.shape[0] * self.panels.shape[2])
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the panels: what one call reads from memory."""
+        return int(self.panels.nbytes)
 
-def pack_weight(weight: npt.NDArray[Any]) -> PackedWeight:
-    """Pack W `[N, K]` float32 into panels (module docstring). Copies; W is left as it is.
+    @property
+    def path(self) -> str:
+        """The kernel's name for notes, e.g. "avx512 float32" or "avx512 bfloat16 (vdpbf16ps)"."""
+        how = {"f32": "float32", "bf16": "bfloat16 (widened)", "dpbf16": "bfloat16 (vdpbf16ps)"}[self.kind]
+        return f"{self.isa} {how}"
 
-    Raises ValueError for a weight that is not a 2-D float32 array with N, K >= 1.
+
+def _variant(variant: SimdVariant | None) -> SimdVariant:
+    found = variant if variant is not None else compiled_variant()
+    if found is None:
+        raise ValueError("no packed kernel for this CPU (no AVX2, AVX-512 or NEON variant): use NumPy")
+    return found
+
+
+def pack_weight(
+    weight: npt.NDArray[Any], dtype: str = "float32", variant: SimdVariant | None = None
+) -> PackedWeight:
+    """Pack W `[N, K]` (float32, or any float when dtype is "bfloat16") into the panels of the variant
+    `variant` (default `simd.compiled_variant()`). Copies; W is left as it is. bfloat16 rounds to
+    nearest even.
+
+    Raises ValueError for a weight that is not a non-empty 2-D array (float32 for dtype "float32"), a
+    dtype outside WEIGHT_DTYPES, or no variant.
     """
-    if weight.ndim != 2 or weight.dtype != np.float32 or 0 in weight.shape:
+    if dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {dtype!r}")
+    floating = np.issubdtype(weight.dtype, np.floating)
+    if (
+        weight.ndim != 2
+        or 0 in weight.shape
+        or not floating
+        or (dtype == "float32" and weight.dtype != np.float32)
+    ):
         raise ValueError(f"weight must be a non-empty float32 [N, K], got {weight.dtype} {weight.shape}")
+    simd = _variant(variant)
+    kind = "f32" if dtype == "float32" else ("dpbf16" if simd.bf16_dot else "bf16")
+    _, nr, _, _ = _jit.PANEL_SPECS[(simd.isa, kind)]
     n, k = weight.shape
-    p = -(-n // PANEL_WIDTH)
-    padded = np.zeros((p * PANEL_WIDTH, k), dtype=np.float32)  # [P NR, K]
-    padded[:n] = weight
-    panels = np.ascontiguousarray(padded.reshape(p, PANEL_WIDTH, k).transpose(0, 2, 1))  # [P, K, NR]
-    return PackedWeight(panels, n)
+    p = -(-n // nr)
+    if kind == "f32":
+        padded = np.zeros((p * nr, k), dtype=np.float32)  # [P NR, K]
+        padded[:n] = weight
+        panels = np.ascontiguousarray(padded.reshape(p, nr, k).transpose(0, 2, 1))  # [P, K, NR]
+    else:
+        k2 = -(-k // 2)
+        padded16 = np.zeros((p * nr, 2 * k2), dtype=np.uint16)  # [P NR, 2 K2]
+        padded16[:n, :k] = bfloat16_bits(weight)
+        panels = np.ascontiguousarray(padded16.reshape(p, nr, k2, 2).transpose(0, 2, 1, 3))  # [P, K2, NR, 2]
+    return PackedWeight(panels, n, k, simd.isa, kind)
 
 
 def unpack_weight(packed: PackedWeight) -> F32Array:
-    """W `[N, K]` back from its panels (for oracles and tests)."""
-    p, k, nr = packed.panels.shape
-    return np.ascontiguousarray(packed.panels.transpose(0, 2, 1).reshape(p * nr, k)[: packed.out_features])
+    """W `[N, K]` as float32, back from its panels (bfloat16 widened exactly; for oracles and tests)."""
+    n, k = packed.out_features, packed.in_features
+    if packed.kind == "f32":
+        p, _, nr = packed.panels.shape
+        dense = packed.panels.transpose(0, 2, 1).reshape(p * nr, k)
+    else:
+        p, k2, nr, _ = packed.panels.shape
+        dense = bfloat16_to_float32(packed.panels.transpose(0, 2, 1, 3).reshape(p * nr, 2 * k2))
+    return np.ascontiguousarray(dense[:n, :k])
 
 
 def packed_linear_into(x: F32Array, packed: PackedWeight, out: F32Array) -> None:
-    """The hot path of `packed_linear`: no checks, no allocation.
+    """The hot path of `packed_linear`: no checks, no allocation (except a padded copy of x for
+    bfloat16 panels of odd K).
 
-    x `[M, K]` float32 with unit-stride rows; out `[M, padded_out_features]` float32, C-contiguous rows;
+    x `[M, K]` float32 with unit-stride rows; out `[M, padded_out_features]` float32, unit-stride rows;
     anything else gives undefined results (reads or writes out of bounds).
     """
-    _jit.packed_matmul(x, packed.panels, out)
+    if packed.kind == "bf16" and packed.in_features % 2:
+        x = np.pad(x, ((0, 0), (0, 1)))  # the widening kernel reads x in pairs
+    _jit.ENTRY_POINTS[(packed.isa, packed.kind)](x, packed.panels, out)
 
 
 def packed_linear(x: npt.NDArray[Any], packed: PackedWeight) -> F32Array:
     """y = x W^T: x `[M, K]` float32 -> `[M, N]` float32, C-contiguous.
 
-    Sums run over k in order, one float32 FMA per term (no reassociation); the result differs from
-    NumPy's in the last bits only. Raises ValueError for an x that is not float32 `[M, K]`.
+    float32 panels: sums run over k in order, one float32 FMA per term; the result differs from
+    NumPy's in the last bits only. bfloat16 panels: W as rounded to bfloat16, x as given (widening) or
+    rounded to bfloat16 (`vdpbf16ps`). Raises ValueError for an x that is not float32 `[M, K]`.
     """
     if x.ndim != 2 or x.dtype != np.float32 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be float32 [M, {packed.in_features}], got {x.dtype} {x.shape}")
@@ -112,44 +188,34 @@ def packed_linear(x: npt.NDArray[Any], packed: PackedWeight) -> F32Array:
     return np.ascontiguousarray(out[:, : packed.out_features])  # [M, N]
 
 
-def prepare_packed_linear() -> float:
-    """Compile (or load from Numba's disk cache) the kernel now; returns the seconds that took.
-
-    One call on a one-panel weight with 15 rows, so every tile height (8, 4, 2, 1) is compiled.
-    """
+def prepare_packed_linear(dtype: str = "float32", variant: SimdVariant | None = None) -> float:
+    """Compile (or load from Numba's disk cache) the kernel of `dtype`'s weights now; returns the
+    seconds that took. One call on a one-panel weight with 15 rows, so every tile height is compiled."""
     start = time.perf_counter()
-    packed = pack_weight(np.zeros((PANEL_WIDTH, 4), dtype=np.float32))
+    packed = pack_weight(np.zeros((4, 4), dtype=np.float32), dtype, variant)
     packed_linear(np.zeros((15, 4), dtype=np.float32), packed)
     return time.perf_counter() - start
 
 
-def packed_path_available() -> tuple[bool, str]:
-    """Whether this CPU runs the packed kernel (AVX-512F), and a short reason for the note."""
-    try:
-        from llvmlite import binding
-
-        features = cast(dict[str, bool], binding.get_host_cpu_features())
-        has = bool(features.get("avx512f", False))
-        cpu = str(binding.get_host_cpu_name())
-    except Exception as exc:  # llvmlite cannot read the host CPU: keep NumPy
-        return False, f"host CPU features unreadable ({exc})"
-    return has, f"{cpu}, AVX-512F {'present' if has else 'missing'}"
-
-
-def fma_probe(seconds: float = 0.01) -> float:
-    """FLOP/s of float32 FMAs in registers (16 independent 16-lane chains), one thread, wall clock.
+def fma_probe(seconds: float = 0.01, variant: SimdVariant | None = None) -> float:
+    """FLOP/s of float32 FMAs in registers (independent chains of the variant's vectors,
+    `_gemm_jit.FMA_PROBES`), one thread, wall clock.
 
     A short calibration call sizes the timed call to take about `seconds`; on a shared machine, give
     it the duration of what it is compared with, so both see the same share of the CPU. The ceiling
-    a compute-bound float32 kernel on this core can reach. Raises ValueError for seconds <= 0.
+    a compute-bound float32 kernel on this core can reach. Raises ValueError for seconds <= 0 or no
+    kernel variant for this CPU.
     """
     if not seconds > 0:
         raise ValueError(f"seconds must be > 0, got {seconds}")
-    calibration = 20_000  # 10 M flops: 0.1 ms at 100 GFLOP/s
+    isa = _variant(variant).isa
+    rounds_of = cast(Callable[[int, np.float32], float], _jit.FMA_ENTRY_POINTS[isa])
+    lanes, chains = _jit.FMA_PROBES[isa]
+    calibration = 20_000  # about 10 M flops: 0.1 ms at 100 GFLOP/s
     start = time.perf_counter()
-    _jit.fma_rounds(calibration, np.float32(1.0))  # compiles or loads on the first call
+    rounds_of(calibration, np.float32(1.0))  # compiles or loads on the first call
     rate = calibration / max(time.perf_counter() - start, 1e-9)  # rounds per second, roughly
     rounds = max(1000, int(rate * seconds))
     start = time.perf_counter()
-    _jit.fma_rounds(rounds, np.float32(1.0))
-    return rounds * 512 / (time.perf_counter() - start)
+    rounds_of(rounds, np.float32(1.0))
+    return rounds * 2 * lanes * chains / (time.perf_counter() - start)

@@ -11,18 +11,20 @@ together, so each KV head is read once for its whole group.
 Two layouts (shape legend as in attention.py; NB physical KV blocks, BS positions per block):
 - contiguous, the lab's caches: q `[B, H, D]` (or `[B, H, 1, D]`), k and v `[B, H_kv, T, D]`, any
   strides (a PreallocatedKVCache's view of its larger buffer is read in place, never copied);
-- paged, the engine's (vLLM's words): k_cache and v_cache `[NB, BS, H_kv, D]`, block_tables
-  `[B, max_blocks]` int32 padded with -1, context_lens `[B]` int32; sequence b's position t lives in
-  block block_tables[b, t // BS] at offset t % BS.
+- paged, the engine's (vLLM's CPU layout, `engine.paged_attention.allocate_kv_cache`): k_cache
+  `[NB, H_kv, D, BS]` (positions innermost) and v_cache `[NB, H_kv, BS, D]`, each (block, head) tile
+  contiguous, block_tables `[B, max_blocks]` int32 padded with -1, context_lens `[B]` int32; sequence
+  b's position t lives in block block_tables[b, t // BS] at offset t % BS.
 float32 and float64; the tuned kernels' accumulators have the input's dtype.
 
 Three kernels, one result. `plain_decode_attention` is the readable one: one loop nest over
 (sequence, query head, position), a rescale per position, sums in float64; it is the reference the
-tuned kernels are tested against. `decode_attention` and `paged_decode_attention` are tuned: positions
-in chunks of `CONTIGUOUS_CHUNK` (scores of the whole chunk first, then one rescale, then V eight rows
-at a time), the chunk's max tracked while the scores are computed, a vectorised float32 exp, and K
-prefetched a few rows ahead. docs/kernels.md walks from the plain kernel to the tuned one and gives
-what each step bought, measured.
+tuned kernels are tested against. `decode_attention` is tuned for contiguous caches: positions in
+chunks of `CONTIGUOUS_CHUNK` (scores of the whole chunk first, then one rescale, then V eight rows at
+a time), the chunk's max tracked while the scores are computed, a vectorised float32 exp, and K
+prefetched a few rows ahead (`_kernels_jit`). `paged_decode_attention` folds one block at a time
+into the online softmax, its scores vectors across the block's positions (`_paged_jit`).
+docs/kernels.md walks from the plain kernel to the tuned ones and gives what each step bought, measured.
 
 Compile time: each kernel is compiled at its first call for the argument types it gets (dtype, and
 C-contiguous or strided layout) and cached on disk (`cache=True`). Numba writes the cache to
@@ -43,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh import _kernels_jit as _jit
+from attention_kv_caceh import _paged_jit
 
 __all__ = [
     "CONTIGUOUS_CHUNK",
@@ -163,6 +166,13 @@ def decode_attention(
     return result
 
 
+def _tiles_contiguous(k_cache: FloatArray, v_cache: FloatArray) -> bool:
+    """Each (block, head) tile of both caches is contiguous (the IR kernel reads tiles by pointer)."""
+    item = k_cache.itemsize
+    d, bs = k_cache.shape[2], k_cache.shape[3]
+    return k_cache.strides[2:] == (bs * item, item) and v_cache.strides[2:] == (d * item, item)
+
+
 def paged_decode_attention_into(
     q: FloatArray,
     k_cache: FloatArray,
@@ -177,12 +187,12 @@ def paged_decode_attention_into(
 
     Only for arguments `paged_decode_attention` accepts: a block id out of range reads out of bounds.
     """
-    span = max(1, CONTIGUOUS_CHUNK // k_cache.shape[1])  # blocks per rescale: about CONTIGUOUS_CHUNK rows
+    fast = _paged_jit.fast_shape(q.dtype, q.shape[2], k_cache.shape[3], _tiles_contiguous(k_cache, v_cache))
     if threads == 1:
-        _jit.paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, span)
+        _paged_jit.paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast)
     else:
         _set_threads(threads)
-        _jit.paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, span)
+        _paged_jit.paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast)
 
 
 def paged_decode_attention(
@@ -196,14 +206,16 @@ def paged_decode_attention(
     out: FloatArray | None = None,
     threads: int = 1,
 ) -> FloatArray:
-    """Decode attention over a paged KV cache (vLLM's layout), one pass over each sequence's blocks.
+    """Decode attention over a paged KV cache (vLLM's CPU layout), one pass over each sequence's blocks.
 
-    q `[B, H, D]` (or `[B, H, 1, D]`); k_cache and v_cache `[NB, BS, H_kv, D]`; block_tables
-    `[B, max_blocks]` int32, row b listing sequence b's blocks in position order (entries past its last
-    block are ignored, -1 by convention); context_lens `[B]` int32, 0 <= context_lens[b] <=
-    max_blocks * BS. A sequence with context length 0 gets a zero output. Every block id a sequence uses
-    must be in [0, NB); blocks may be shared between sequences and appear in any order. scale, out and
-    threads as in `decode_attention`. Returns out `[B, H, D]` (q's shape and dtype).
+    q `[B, H, D]` (or `[B, H, 1, D]`); k_cache `[NB, H_kv, D, BS]` and v_cache `[NB, H_kv, BS, D]` (any
+    strides; `engine.paged_attention.allocate_kv_cache` makes them, with each block one contiguous
+    stretch); block_tables `[B, max_blocks]` int32, row b listing sequence b's blocks in position order
+    (entries past its last block are ignored, -1 by convention); context_lens `[B]` int32,
+    0 <= context_lens[b] <= max_blocks * BS. A sequence with context length 0 gets a zero output.
+    Every block id a sequence uses must be in [0, NB); blocks may be shared between sequences and
+    appear in any order. scale, out and threads as in `decode_attention`. Returns out `[B, H, D]` (q's
+    shape and dtype).
 
     Raises ValueError for wrong shapes or dtypes (block_tables and context_lens must be int32), a
     context length outside its range, or a used block id outside [0, NB).
@@ -214,13 +226,15 @@ def paged_decode_attention(
     _check_float("q", q3)
     _check_float("k_cache", k_cache, q3.dtype)
     _check_float("v_cache", v_cache, q3.dtype)
-    if k_cache.ndim != 4 or k_cache.shape != v_cache.shape:
+    if k_cache.ndim != 4 or v_cache.ndim != 4:
         raise ValueError(
-            f"k_cache and v_cache must both be [NB, BS, H_kv, D], got {k_cache.shape} and {v_cache.shape}"
+            f"k_cache must be [NB, H_kv, D, BS] and v_cache [NB, H_kv, BS, D], got {k_cache.shape} and {v_cache.shape}"
         )
     b, h, d = q3.shape
-    num_blocks, block_size, h_kv, _ = k_cache.shape
-    if k_cache.shape[3] != d or h_kv == 0 or h % h_kv or block_size == 0:
+    num_blocks, h_kv, _, block_size = k_cache.shape
+    if v_cache.shape != (num_blocks, h_kv, block_size, k_cache.shape[2]):
+        raise ValueError(f"v_cache {v_cache.shape} must be [NB, H_kv, BS, D] for k_cache {k_cache.shape}")
+    if k_cache.shape[2] != d or h_kv == 0 or h % h_kv or block_size == 0:
         raise ValueError(f"q {q.shape} and k_cache {k_cache.shape}: need equal D, BS >= 1, H % H_kv == 0")
     if block_tables.dtype != np.int32 or block_tables.ndim != 2 or block_tables.shape[0] != b:
         raise ValueError(
@@ -283,7 +297,7 @@ def prepare_paged_decode_attention(
     threads: int = 1,
 ) -> float:
     """As `prepare_decode_attention`, for the paged kernel ("paged/<dtype>/<layout>/threads=<n>")."""
-    name = f"paged/{q.dtype}/{_layout(q, k_cache, v_cache, out)}/threads={threads}"
+    name = f"paged/{q.dtype}/{_layout(q, k_cache, v_cache, out)}/threads={threads}"  # layout A: the views
     args = (q, k_cache, v_cache, block_tables, context_lens, out, 1.0, threads)
     return _timed_first_call(name, paged_decode_attention_into, *args)
 

@@ -172,25 +172,26 @@ def reference_paged_decode_attention(
     context_lens: npt.NDArray[np.integer[Any]],
 ) -> FloatArray:
     """Decode attention over a paged cache in NumPy: request b's one query attends to its positions
-    0 .. context_lens[b] - 1 (context_lens >= 1), read through block_tables (vLLM's layout).
+    0 .. context_lens[b] - 1 (context_lens >= 1), read through block_tables (vLLM's CPU layout).
 
-    q `[B, H, D]`, caches `[num_blocks, block_size, H_kv, D]`, block_tables `[B, max_blocks]` (padded
-    with -1), context_lens `[B]` -> `[B, H, D]` in q's dtype; scale 1/sqrt(D). The blocks of all B
-    requests are gathered into one `[B, T, H_kv, D]` copy (T = the longest context), positions
-    >= context_lens[b] are masked out, and the softmax is written out in two passes: an implementation
-    that shares nothing with the compiled `kernels.paged_decode_attention` (online softmax, blocks read
-    in place), which the tests hold to it. No argument checks (a test oracle).
+    q `[B, H, D]`, k_cache `[num_blocks, H_kv, D, block_size]` (positions innermost), v_cache
+    `[num_blocks, H_kv, block_size, D]`, block_tables `[B, max_blocks]` (padded with -1), context_lens
+    `[B]` -> `[B, H, D]` in q's dtype; scale 1/sqrt(D). The blocks of all B requests are gathered into
+    one `[B, T, H_kv, D]` copy of K and of V (T = the longest context), positions >= context_lens[b]
+    are masked out, and the softmax is written out in two passes: an implementation that shares nothing
+    with the compiled `kernels.paged_decode_attention` (online softmax, blocks read in place), which the
+    tests hold to it. No argument checks (a test oracle).
     """
     b, h, d = q.shape
-    _, block_size, h_kv, _ = k_cache.shape
+    _, h_kv, _, block_size = k_cache.shape
     lens = context_lens.astype(np.int64)  # [B]
     max_blocks = -(-int(lens.max()) // block_size)
     needed = lens[:, None] > np.arange(max_blocks, dtype=np.int64)[None, :] * block_size  # [B, max_blocks]
     safe = np.where(needed, block_tables[:, :max_blocks], 0)  # padding reads block 0, never attended below
     t = int(lens.max())
     g = h // h_kv
-    keys = k_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D], a gathered copy
-    values = v_cache[safe].reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D]
+    keys = k_cache[safe].transpose(0, 1, 4, 2, 3).reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D], a copy
+    values = v_cache[safe].transpose(0, 1, 3, 2, 4).reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D]
     q_g = q.reshape(b, h_kv, g, d) * q.dtype.type(1 / math.sqrt(d))  # [B, H_kv, G, D], scaled
     scores = q_g @ keys.transpose(0, 2, 3, 1)  # [B, H_kv, G, T]
     keep = lens[:, None] > np.arange(t, dtype=np.int64)[None, :]  # [B, T]

@@ -7,7 +7,7 @@ output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what 
 other processes do not change), the bytes one decode step reads (every weight once plus
 the KV cache of every running request) and that rate against the same run's read probe, then the
 linear layers: their share of the step (replayed alone), their FLOP/s and that against the same run's
-FMA probe, and the GEMM path they took (the line above the table says why). The last line is the
+FMA probe, and the kernel they ran (the line above the table names the path and the instruction set). The last line is the
 batching gain: output tokens/s at the largest max_num_seqs over the smallest. Then one more line,
 a JSON object for scripts (they read it; keep its shape): `{"max_num_seqs": [...],
 "output_tokens_per_s": [...]}`, one value per row in the table's order. Before anything is timed,
@@ -88,7 +88,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output-len", type=_at_least_two, default=128, help="output tokens per request")
     add_engine_arguments(
         parser.add_argument_group("engine (the KV pool is sized to the requests; prefix caching off)"),
-        only=("max_num_batched_tokens", "block_size", "dtype", "speculative_config"),
+        only=("max_num_batched_tokens", "block_size", "dtype", "quantization", "speculative_config"),
     )
     parser.add_argument(
         "--workload",
@@ -108,8 +108,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gemm",
         choices=("auto", "packed", "numpy"),
         default="auto",
-        help="linear layers: auto (packed for float32 on a CPU with AVX-512F, else numpy), packed "
-        "(compiled kernel over weights packed at load, float32 only) or numpy (x @ W.T)",
+        help="linear layers: auto (packed where the CPU has AVX-512, AVX2 or NEON and activations are "
+        "float32, else numpy), packed (the compiled kernel of that instruction set; to run the AVX2 "
+        "one on an AVX-512 CPU, set NUMBA_CPU_NAME=znver3 NUMBA_CPU_FEATURES= ), or numpy (x @ W.T)",
     )
     parser.add_argument(
         "--temperature",
@@ -137,18 +138,19 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
     """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line."""
     header = (
         f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
-        f"{'cpu p50 ms':>11}{'MB/step':>9}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
-        f"{'linear %':>9}{'attn %':>7}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}{'gemm':>8}"
+        f"{'cpu p50 ms':>11}{'MB/step':>9}{'weight MB':>10}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
+        f"{'linear %':>9}{'attn %':>7}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}  {'kernel'}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
             f"{r['max_num_seqs']:>12}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
             f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}{r['decode_step_cpu_ms_p50']:>11.2f}"
-            f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['decode_gb_per_s']:>7.2f}"
+            f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['weight_bytes_per_decode_step'] / 1e6:>10.1f}"
+            f"{r['decode_gb_per_s']:>7.2f}"
             f"{r['probe_gb_per_s']:>11.2f}{r['probe_ratio']:>7.2f}"
             f"{100 * r['linear_share']:>9.0f}{100 * r['attention_share']:>7.0f}{r['linear_gflop_per_s']:>9.1f}{r['fma_gflop_per_s']:>12.1f}"
-            f"{r['fma_ratio']:>7.2f}{r['gemm_path']:>8}"
+            f"{r['fma_ratio']:>7.2f}  {r['gemm_kernel']}"
         )
     if len(rows) > 1:
         first, last = rows[0], rows[-1]
@@ -173,7 +175,8 @@ def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
     return (
         f"checkpoint opened in {open_s:.2f} s, weights loaded in {environment['load_s']:.2f} s (read, "
         f"dequantize, pack); resident memory {rss}; "
-        f"weights read per decode step {format_bytes(environment['weight_bytes'])} as {environment['dtype']} "
+        f"weights read per decode step {format_bytes(environment['weight_bytes'])} as "
+        f"{environment.get('weight_format', environment['dtype'])} "
         f"({format_bytes(on_disk)} on disk)"
     )
 
@@ -206,8 +209,19 @@ def run(args: argparse.Namespace) -> int:
             f"--max-num-batched-tokens {args.max_num_batched_tokens} must be >= every --max-num-seqs "
             f"(largest {max(args.max_num_seqs)}) so every running request can decode in one step"
         )
-    if args.gemm == "packed" and args.dtype != "float32":
-        raise UsageError(f"--gemm packed needs --dtype float32, got --dtype {args.dtype}")
+    from attention_kv_caceh.engine.config import EngineConfig
+
+    try:
+        resolve_gemm_path(args.gemm, args.dtype, args.quantization)
+        EngineConfig(dtype=args.dtype, quantization=args.quantization)
+    except ValueError as exc:
+        raise UsageError(
+            f"--gemm {args.gemm} --dtype {args.dtype} --quantization {args.quantization}: {exc}"
+        ) from None
+    if args.quantization == "gguf" and source.format != "gguf":
+        raise UsageError(
+            f"--quantization gguf keeps a GGUF file's blocks; --model {args.model} is not a GGUF file"
+        )
     if args.prompt_len + args.output_len > config.max_position_embeddings:
         raise UsageError(
             f"--prompt-len {args.prompt_len} + --output-len {args.output_len} exceed the model's "
@@ -225,12 +239,14 @@ def run(args: argparse.Namespace) -> int:
     sizes = sorted(set(args.max_num_seqs))
     print(
         f"engine benchmark: {args.model}, {args.prompt_len} prompt + {args.output_len} output tokens "
-        f"per request, max_num_seqs {sizes}, {args.dtype}, "
+        f"per request, max_num_seqs {sizes}, {args.dtype}"
+        + (f" with {args.quantization} weights" if args.quantization else "")
+        + ", "
         + ("greedy (temperature 0)" if args.temperature == 0 else f"temperature {args.temperature}")
         + f", seed {args.seed}",
         flush=True,
     )
-    print(resolve_gemm_path(args.gemm, args.dtype)[1], flush=True)
+    print(resolve_gemm_path(args.gemm, args.dtype, args.quantization)[1], flush=True)
     try:
         result = run_engine_benchmark(
             model,
@@ -244,6 +260,7 @@ def run(args: argparse.Namespace) -> int:
             tokenizer=tokenizer,
             gemm=args.gemm,
             temperature=args.temperature,
+            quantization=args.quantization,
         )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None
@@ -319,11 +336,12 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
     sampling = "greedy (temperature 0)" if args.temperature == 0 else f"temperature {args.temperature}"
     print(
         f"speculative decoding benchmark: {args.model}, {args.workload} workload ({longest} prompt tokens "
-        f"at most) + {args.output_len} output tokens per request, max_num_seqs {sizes}, {args.dtype}, "
-        f"{sampling}, seed {args.seed}; {spec.to_json()}; {args.pairs} pair(s) without / with drafts",
+        f"at most) + {args.output_len} output tokens per request, max_num_seqs {sizes}, {args.dtype}"
+        + (f" with {args.quantization} weights" if args.quantization else "")
+        + f", {sampling}, seed {args.seed}; {spec.to_json()}; {args.pairs} pair(s) without / with drafts",
         flush=True,
     )
-    print(resolve_gemm_path(args.gemm, args.dtype)[1], flush=True)
+    print(resolve_gemm_path(args.gemm, args.dtype, args.quantization)[1], flush=True)
     try:
         rows, environment = run_spec_benchmark(
             model,
@@ -339,6 +357,7 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
             gemm=args.gemm,
             temperature=args.temperature,
             seed=args.seed,
+            quantization=args.quantization,
         )
     except (CheckpointError, OracleMismatch) as exc:
         raise CommandFailed(str(exc)) from None

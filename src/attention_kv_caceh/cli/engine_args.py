@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from attention_kv_caceh.cli.common import UsageError, positive_int
-from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, EngineConfig
+from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, EngineConfig
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -67,6 +67,7 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len",
     "enable_prefix_caching": "--no-prefix-caching",
     "dtype": "--dtype",
+    "quantization": "--quantization",
     "speculative_config": "--speculative-config",
 }
 _FLAGS = {
@@ -82,7 +83,10 @@ _HELP = {
     "max_model_len": "most tokens (prompt + output) per request; may only lower the checkpoint's "
     "(default: its max_position_embeddings)",
     "enable_prefix_caching": "turn prefix caching off (default: on)",
-    "dtype": "dtype of the weights, activations and KV cache",
+    "dtype": "dtype of the weights, activations and KV cache (bfloat16: weights only, computing in float32)",
+    "quantization": "keep the linear layers' weights in a GGUF block format (llama.cpp's names), "
+    "quantizing a float checkpoint at load, or gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 tensors as stored "
+    "(default: none, weights in --dtype)",
     "speculative_config": "speculative decoding, vLLM's JSON: "
     '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min / _max default to 5; '
     "docs/engine.md) (default: off)",
@@ -129,6 +133,10 @@ def add_engine_arguments(
         group.add_argument("--max-model-len", type=positive_int, metavar="N", help=_HELP["max_model_len"])
     if wanted("dtype"):
         group.add_argument("--dtype", choices=SUPPORTED_DTYPES, **kwargs("dtype"))  # pyright: ignore[reportArgumentType]
+    if wanted("quantization"):
+        group.add_argument(
+            "--quantization", choices=SUPPORTED_QUANTIZATIONS, default=None, help=_HELP["quantization"]
+        )
     if wanted("enable_prefix_caching"):
         group.add_argument(
             "--no-prefix-caching",
@@ -222,6 +230,10 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
     except ValueError as exc:
         raise UsageError(_flag_names(str(exc))) from None
+    if config.quantization == "gguf" and source.format != "gguf":
+        raise UsageError(
+            f"--quantization gguf keeps a GGUF file's blocks; --model {model_flag} is not a GGUF file"
+        )
     try:
         _, model_config = load_model_config(source.path)
         tokenizer = Tokenizer.load(source.path)

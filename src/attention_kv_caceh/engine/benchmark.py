@@ -101,6 +101,8 @@ class EngineBenchRow:
             timed between this run's decode steps; 1e9 flops per second.
         fma_ratio: linear_gflop_per_s / fma_gflop_per_s (1.0 = the linear layers run at the FMA peak).
         gemm_path: the GEMM path of the linear layers ("packed" or "numpy", `Model.gemm_path`).
+        gemm_kernel: the kernel that multiplies the layers' weights (`LinearWeight.kernel` of the
+            first layer's qkv projection, e.g. "avx2 float32", "avx512 q4_1", "numpy float64").
         oracle_tokens: first tokens of request 0 checked against its solo run.
     """
 
@@ -133,6 +135,7 @@ class EngineBenchRow:
     fma_gflop_per_s: float
     fma_ratio: float
     gemm_path: str
+    gemm_kernel: str
     oracle_tokens: int
 
 
@@ -142,19 +145,19 @@ class EngineBenchResult:
     (`timing.capture_environment()` plus the model, dtype and parameter count), and what loading cost:
     `load_s` (seconds of `Model.load`: reading, dequantizing, packing the weights), `rss_before_load_bytes`
     and `rss_after_load_bytes` (`resident_bytes()`, None without /proc), `weight_bytes` (the weights a
-    decode step reads, in the engine dtype, without embedding rows)."""
+    decode step reads as stored, `decode_weight_bytes` without embedding rows)."""
 
     rows: tuple[EngineBenchRow, ...]
     environment: dict[str, Any]
 
 
 def decode_weight_bytes(model: Model, num_seqs: float) -> float:
-    """Weight bytes one decode step reads: every layer's tensors, the final norm, the LM head, and
+    """Weight bytes one decode step reads: every layer's tensors as stored (linear layers in their
+    weight format, packed padding included: `LinearWeight.nbytes`), the final norm, the LM head, and
     num_seqs rows of the embedding table (the rest of the table is not read unless it is the tied LM
-    head, which is counted once as the LM head). Engine dtype itemsize."""
-    layer_items = sum(int(a.size) for layer in model.layers for a in vars(layer).values() if a is not None)
-    items = layer_items + model.norm.size + model.lm_head.size
-    return (items + num_seqs * model.config.hidden_size) * model.dtype.itemsize
+    head, which is counted once as the LM head)."""
+    layer_bytes = sum(int(a.nbytes) for layer in model.layers for a in vars(layer).values() if a is not None)
+    return layer_bytes + model.norm.nbytes + model.lm_head.nbytes + num_seqs * model.embedding.row_bytes
 
 
 def linear_parameters(model: Model) -> int:
@@ -329,6 +332,7 @@ def run_engine_benchmark(
     tokenizer: Tokenizer | None = None,
     gemm: str = "auto",
     temperature: float = 0.0,
+    quantization: str | None = None,
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 
@@ -342,7 +346,8 @@ def run_engine_benchmark(
     wall time; every step by default, so probes and steps sample the same moments of a shared
     machine's load). With detokenize, requests stream text through the tokenizer as a server's would:
     `tokenizer`, or (None) the one Tokenizer.load reads from model_dir after the weights are loaded.
-    gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"). The oracle holds
+    gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"); quantization: the
+    GGUF block format of the linear weights (`Model`'s quantization; None: dtype). The oracle holds
     at any temperature: request 0's generator draws the same numbers alone as in the batch.
 
     Raises:
@@ -373,7 +378,7 @@ def run_engine_benchmark(
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed)
     rss_before = resident_bytes()
     load_start = time.perf_counter()
-    model = Model.load(model_dir, dtype, gemm)
+    model = Model.load(model_dir, dtype, gemm, quantization)
     load_s = time.perf_counter() - load_start
     loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
     max_model_len = prompt_len + output_len
@@ -398,6 +403,7 @@ def run_engine_benchmark(
             max_model_len=max_model_len,
             enable_prefix_caching=False,
             dtype=dtype,
+            quantization=quantization,
         )
         prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, prompt_len)).tolist()
         engine = _engine(model, tokenizer, config)
@@ -475,6 +481,7 @@ def run_engine_benchmark(
                 fma_gflop_per_s=fma_gflops,
                 fma_ratio=lin_gflops / fma_gflops,
                 gemm_path=model.gemm_path,
+                gemm_kernel=model.layers[0].qkv_proj.kernel,
                 oracle_tokens=oracle_tokens,
             )
         )
@@ -485,6 +492,8 @@ def run_engine_benchmark(
         "architecture": model.config.architecture,
         "gemm_path": model.gemm_path,
         "gemm_note": model.gemm_note,
+        "weight_format": model.weight_format,
+        "quantization": quantization,
         "temperature": temperature,
         "seed": seed,
         "weight_bytes": decode_weight_bytes(model, 0),

@@ -2,8 +2,8 @@
 
 Corresponds to vLLM v1's `vllm/v1/core/block_pool.py` (BlockPool, FreeKVCacheBlockQueue, KVCacheBlock) and
 `hash_block_tokens` and `get_request_block_hasher` in `vllm/v1/core/kv_cache_utils.py`. Only ids live here: the K/V buffers themselves,
-`[num_blocks, block_size, H_kv, D]` per layer, are allocated by the model runner, as vLLM's worker does;
-block i of this pool is row i of those buffers.
+one per layer with `num_blocks` blocks (`paged_attention.allocate_kv_cache`), are allocated by the model runner, as vLLM's worker does;
+block i of this pool is block i of those buffers.
 
 Free queue. Blocks with ref_cnt 0 wait in a queue ordered by when they were freed; allocation takes from the
 front (least recently freed first). A freed block keeps its hash and stays findable by a prefix-cache lookup

@@ -1,9 +1,9 @@
 """EngineConfig: the engine's limits and the size of its KV cache, validated once.
 
 Corresponds to the parts of vLLM's `SchedulerConfig` (max_num_seqs, max_num_batched_tokens), `CacheConfig`
-(block_size, num_gpu_blocks, enable_prefix_caching), `ModelConfig` (max_model_len, dtype) and
-`VllmConfig.speculative_config` the engine uses. Left out: everything about devices, parallelism and
-quantization.
+(block_size, num_gpu_blocks, enable_prefix_caching), `ModelConfig` (max_model_len, dtype, quantization:
+GGUF block formats only) and `VllmConfig.speculative_config` the engine uses. Left out: everything about
+devices and parallelism, and the quantization methods other than GGUF's blocks.
 
 KV cache size. vLLM profiles a forward pass and gives the KV cache `gpu_memory_utilization` (0.9) of the
 GPU's memory minus what the weights and activations took. On a CPU shared with other processes there is
@@ -24,6 +24,7 @@ __all__ = [
     "DEFAULT_KV_CACHE_FRACTION",
     "DEFAULT_KV_CACHE_MAX_BYTES",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_QUANTIZATIONS",
     "EngineConfig",
     "available_memory_bytes",
 ]
@@ -32,7 +33,8 @@ DEFAULT_KV_CACHE_FRACTION = 0.25
 """Share of the available memory the KV cache takes when no size is given (vLLM's analogue: 0.9 of the GPU)."""
 DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 """Upper bound of the default KV cache size: 4 GiB, so a large machine is not claimed by a toy model."""
-SUPPORTED_DTYPES = ("float32", "float64")
+SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
+SUPPORTED_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "gguf")
 
 
 def available_memory_bytes() -> int:
@@ -76,11 +78,18 @@ class EngineConfig:
         max_model_len: most tokens (prompt + output) of one request; None takes the checkpoint's
             `max_position_embeddings`, a value may only lower it (`resolve_max_model_len`).
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
-        dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests).
+        dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests), or
+            "bfloat16": the linear layers' weights in bfloat16, activations and KV cache in float32
+            (`model.compute_dtype`).
+        quantization: None, or the GGUF block format ("q8_0", "q4_0", "q4_1", llama.cpp's names) the
+            linear layers keep their weights in (vLLM's `--quantization`), a float checkpoint quantized
+            at load; or "gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as the file stores them.
+            Not with dtype "bfloat16".
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
 
     Raises:
-        ValueError: a count is not a positive int, both cache sizes are given, or the dtype is unknown.
+        ValueError: a count is not a positive int, both cache sizes are given, the dtype or the
+            quantization is unknown, or a quantization is given with dtype "bfloat16".
     """
 
     max_num_seqs: int = 8
@@ -91,6 +100,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    quantization: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -115,6 +125,14 @@ class EngineConfig:
             _check_positive_int("max_model_len", self.max_model_len)
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATIONS:
+            raise ValueError(
+                f"quantization must be one of {SUPPORTED_QUANTIZATIONS} or None, got {self.quantization!r}"
+            )
+        if self.quantization is not None and self.dtype == "bfloat16":
+            raise ValueError(
+                f"quantization {self.quantization!r} needs dtype float32 or float64, got bfloat16"
+            )
 
     def num_blocks_for(self, bytes_per_block: int, free_memory: int | None = None) -> int:
         """Number of KV blocks the cache gets.

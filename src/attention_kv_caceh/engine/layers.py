@@ -2,8 +2,9 @@
 
 What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py, and the
 unquantised GEMM of linear.py): each function is the formula, written on one or two array expressions;
-the linear layer's weights are packed once at load for the compiled kernel of `attention_kv_caceh.gemm`
-(vLLM's CPU backend likewise packs weights for oneDNN at load). `compiled_rms_norm`,
+the linear layer's weights are packed once at load for the compiled kernels of `attention_kv_caceh.gemm`
+(float32 or bfloat16 panels; vLLM's CPU backend likewise packs weights for oneDNN at load) or kept as
+GGUF blocks for `attention_kv_caceh.block_gemm` (llama.cpp's Q8_0, Q4_0, Q4_1). `compiled_rms_norm`,
 `compiled_silu_and_mul` and `compiled_rotary` are the same formulas as one compiled pass over each row
 (`_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
 passes with temporaries, which at a decode batch costs more than the arithmetic. The NumPy functions
@@ -24,10 +25,26 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh import _layers_jit as _jit
-from attention_kv_caceh.gemm import PackedWeight, pack_weight, packed_linear_into, unpack_weight
+from attention_kv_caceh.block_gemm import (
+    BLOCK_FORMATS,
+    BlockWeight,
+    block_linear_into,
+    block_weight,
+    dequantize_blocks,
+    quantize_weight,
+)
+from attention_kv_caceh.gemm import (
+    PackedWeight,
+    bfloat16_bits,
+    bfloat16_to_float32,
+    pack_weight,
+    packed_linear_into,
+    unpack_weight,
+)
 
 __all__ = [
     "GEMM_PATHS",
+    "WEIGHT_FORMATS",
     "LinearWeight",
     "apply_rotary",
     "compiled_rms_norm",
@@ -44,8 +61,13 @@ __all__ = [
 FloatArray = npt.NDArray[np.floating[Any]]
 
 GEMM_PATHS = ("packed", "numpy")
-"""How `linear` multiplies: "packed", the compiled kernel over weights packed at load (`gemm`, float32);
-"numpy", `x @ W.T` (any float dtype, and the oracle of the packed path)."""
+"""How `linear` multiplies: "packed", the compiled kernels of `gemm` (float32 or bfloat16 panels packed
+at load) and `block_gemm` (GGUF blocks as stored); "numpy", `x @ W.T` (any float dtype, and the oracle
+of the packed path: the same weights, decoded to floats)."""
+
+WEIGHT_FORMATS = ("float32", "bfloat16", *BLOCK_FORMATS)
+"""How a linear layer's weights are stored: float32, bfloat16 (the top half of each float32), or one of
+GGUF's block formats ("q8_0", "q4_0", "q4_1": `block_gemm`)."""
 
 
 def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
@@ -63,30 +85,59 @@ def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
 class LinearWeight:
     """The weight W `[C_out, C_in]` of a bias-free linear layer, stored for one of `GEMM_PATHS`.
 
-    Exactly one of `weight` (the "numpy" path: W itself, Hugging Face's `[out, in]` layout) and `packed`
-    (the "packed" path: W's float32 panels, `gemm.PackedWeight`) is set; build with `LinearWeight.of`.
+    Exactly one of three is set; build with `LinearWeight.of` or `LinearWeight.from_blocks`:
+    `weight`, the "numpy" path: W itself as floats, Hugging Face's `[out, in]` layout (for a compact
+    format, the values that format decodes to); `packed`, the "packed" path for float32 or bfloat16
+    (`gemm.PackedWeight`); `blocks`, the "packed" path for a GGUF block format (`block_gemm.BlockWeight`).
+    format: one of WEIGHT_FORMATS (float64 when a float64 numpy weight is kept as it is).
     """
 
     weight: FloatArray | None
     packed: PackedWeight | None
+    blocks: BlockWeight | None = None
+    format: str = "float32"
 
     @classmethod
-    def of(cls, weight: FloatArray, path: str) -> LinearWeight:
-        """W `[C_out, C_in]` for `path` ("packed" copies it into panels and needs float32).
+    def of(cls, weight: FloatArray, path: str, fmt: str = "float32") -> LinearWeight:
+        """W `[C_out, C_in]` (floats) for `path`, stored as `fmt` (bfloat16 rounds to nearest even, a
+        block format quantizes with `block_gemm.quantize_weight`). "packed" copies W into the kernel's
+        layout; "numpy" keeps W (float32 format) or the floats `fmt` decodes to, in W's dtype.
 
-        Raises ValueError for a path outside GEMM_PATHS or (packed) a weight that is not float32.
+        Raises ValueError for a path outside GEMM_PATHS, a format outside WEIGHT_FORMATS, (packed) a
+        float32 weight that is not float32, or (block formats) C_in not a multiple of 32.
         """
-        if path == "numpy":
-            return cls(weight, None)
+        if path not in GEMM_PATHS:
+            raise ValueError(f"GEMM path must be one of {GEMM_PATHS}, got {path!r}")
+        if fmt not in WEIGHT_FORMATS:
+            raise ValueError(f"weight format must be one of {WEIGHT_FORMATS}, got {fmt!r}")
+        if fmt in BLOCK_FORMATS:
+            return cls.from_blocks(quantize_weight(weight, fmt), fmt, path, weight.dtype)
         if path == "packed":
-            return cls(None, pack_weight(weight))
-        raise ValueError(f"GEMM path must be one of {GEMM_PATHS}, got {path!r}")
+            return cls(None, pack_weight(weight, fmt), None, fmt)
+        if fmt == "bfloat16":
+            return cls(bfloat16_to_float32(bfloat16_bits(weight)).astype(weight.dtype), None, None, fmt)
+        return cls(weight, None, None, "float64" if weight.dtype == np.float64 else fmt)
+
+    @classmethod
+    def from_blocks(
+        cls, blocks: npt.NDArray[np.uint8], fmt: str, path: str, dtype: npt.DTypeLike = np.float32
+    ) -> LinearWeight:
+        """W from its GGUF blocks uint8 `[C_out, C_in / 32 * block bytes]` (as a GGUF file stores them):
+        kept as they are for "packed", decoded (`block_gemm.dequantize_blocks`) to `dtype` for "numpy".
+        Raises ValueError as `block_gemm.block_weight` does, or for a path outside GEMM_PATHS."""
+        if path == "packed":
+            return cls(None, None, block_weight(blocks, fmt), fmt)
+        if path != "numpy":
+            raise ValueError(f"GEMM path must be one of {GEMM_PATHS}, got {path!r}")
+        return cls(dequantize_blocks(blocks, fmt).astype(dtype), None, None, fmt)
 
     @property
     def shape(self) -> tuple[int, int]:
         """(C_out, C_in)."""
         if self.packed is not None:
             return self.packed.out_features, self.packed.in_features
+        if self.blocks is not None:
+            return self.blocks.out_features, self.blocks.in_features
         assert self.weight is not None
         return self.weight.shape[0], self.weight.shape[1]
 
@@ -96,10 +147,29 @@ class LinearWeight:
         c_out, c_in = self.shape
         return c_out * c_in
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes one product reads: the stored weights (panels with their padding, or blocks)."""
+        for stored in (self.packed, self.blocks, self.weight):
+            if stored is not None:
+                return int(stored.nbytes)
+        raise AssertionError("LinearWeight holds no weight")
+
+    @property
+    def kernel(self) -> str:
+        """What multiplies by it, e.g. "avx2 float32", "avx512 q4_1", "numpy float64"."""
+        if self.packed is not None:
+            return self.packed.path
+        if self.blocks is not None:
+            return self.blocks.path
+        return f"numpy {self.format}"
+
     def dense(self) -> FloatArray:
-        """W `[C_out, C_in]` (unpacked again for the packed path: a copy, for oracles)."""
+        """W `[C_out, C_in]` as floats (a decoded copy for the packed path, for oracles)."""
         if self.packed is not None:
             return unpack_weight(self.packed)
+        if self.blocks is not None:
+            return dequantize_blocks(self.blocks.blocks, self.blocks.format)
         assert self.weight is not None
         return self.weight
 
@@ -107,11 +177,16 @@ class LinearWeight:
 def linear(x: FloatArray, weight: LinearWeight) -> FloatArray:
     """A bias-free linear layer, x @ W^T: x `[N, C_in]` -> `[N, C_out]` in x's dtype.
 
-    The packed path (`gemm.packed_linear_into`, no checks: x must be float32 `[N, C_in]`) reads each
-    weight panel once for all N rows; the numpy path is `x @ W.T`. Both compute the same sums and may
-    differ in the last bits (summation order).
+    The packed path (`gemm.packed_linear_into` or `block_gemm.block_linear_into`, no checks: x must be
+    float32 `[N, C_in]`) reads each weight once for all N rows; the numpy path is `x @ W.T`. Both
+    compute the same sums over the same weights and may differ in the last bits (summation order;
+    bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16).
     """
-    packed = weight.packed
+    packed, blocks = weight.packed, weight.blocks
+    if blocks is not None:
+        out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
+        block_linear_into(np.ascontiguousarray(x), blocks, out)
+        return out
     if packed is None:
         assert weight.weight is not None
         return x @ weight.weight.T  # [N, C_out]

@@ -6,16 +6,17 @@ chunks and decode tokens of different requests share each weight read; only atte
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
-parallelism, quantised compute (a GGUF file's weights are dequantized at load, `gguf_checkpoint`),
-sliding-window attention, and RoPE scalings other than "llama3".
+parallelism, sliding-window attention, and RoPE scalings other than "llama3".
 
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
-path (float32 on a CPU with AVX-512F, the default there) the weights are packed once here, at load,
-for the compiled kernel of `attention_kv_caceh.gemm`, which reads each weight once for all N rows of a
-step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face layout `[out,
-in]` and the product is `x @ W.T`, the packed path's oracle. q/k/v and gate/up are fused row-wise (one
-matmul each). A tied LM head shares the embedding array on the numpy path and is a packed copy of it
-on the packed path. The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
+path (float32 activations on a CPU with AVX-512, AVX2 or NEON, the default there) the weights are kept
+here, at load, as the compiled kernels read them (`model_weights`: float32 or bfloat16 panels for
+`attention_kv_caceh.gemm`, GGUF blocks for `attention_kv_caceh.block_gemm`), each weight read once for
+all N rows of a step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face
+layout `[out, in]` (the floats a compact format decodes to) and the product is `x @ W.T`, the packed
+path's oracle. q/k/v and gate/up are fused row-wise (one matmul each). A tied LM head shares the
+embedding array on the numpy path and is a packed copy of it on the packed path (or, kept as a GGUF
+file's blocks, the same blocks). The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
 passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
 RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
 `kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
@@ -37,7 +38,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
+from attention_kv_caceh.block_gemm import BLOCK_FORMATS, prepare_block_linear
+from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
 from attention_kv_caceh.engine.layers import (
     GEMM_PATHS,
@@ -54,33 +56,92 @@ from attention_kv_caceh.engine.layers import (
     silu_and_mul,
 )
 from attention_kv_caceh.engine.model_config import ModelConfig
+from attention_kv_caceh.engine.model_weights import WeightReader
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
-from attention_kv_caceh.gemm import packed_path_available, prepare_packed_linear
+from attention_kv_caceh.gemm import prepare_packed_linear
 from attention_kv_caceh.kernels import paged_decode_attention_into
+from attention_kv_caceh.simd import compiled_variant
 
-__all__ = ["ENGINE_DTYPES", "GEMM_CHOICES", "Model", "ModelConfig", "resolve_gemm_path"]
+__all__ = [
+    "ENGINE_DTYPES",
+    "GEMM_CHOICES",
+    "QUANTIZATIONS",
+    "Model",
+    "ModelConfig",
+    "compute_dtype",
+    "resolve_gemm_path",
+    "weight_format",
+]
 
 FloatArray = npt.NDArray[np.floating[Any]]
-ENGINE_DTYPES = ("float32", "float64")
+ENGINE_DTYPES = ("float32", "float64", "bfloat16")
+"""vLLM's `--dtype` words: float32 and float64 keep weights, activations and KV cache in that dtype;
+bfloat16 keeps the linear layers' weights in bfloat16 and computes in float32 (activations, sums, KV)."""
 GEMM_CHOICES = ("auto", *GEMM_PATHS)
+QUANTIZATIONS = (*BLOCK_FORMATS, "gguf")
+"""`quantization` values (vLLM's `--quantization`): a GGUF block format (llama.cpp's names) the linear
+layers' weights are kept in, a float checkpoint quantized at load (`block_gemm.quantize_weight`); or
+"gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as its bytes (`engine.model_weights`)."""
 
 
-def resolve_gemm_path(gemm: str, dtype: str) -> tuple[str, str]:
-    """The GEMM path for `gemm` ("auto", "packed" or "numpy") and engine `dtype`, and a one-line note.
+def compute_dtype(dtype: str) -> np.dtype[Any]:
+    """The dtype activations, sums and the KV cache have for engine `dtype` (bfloat16 -> float32).
+    Raises ValueError for a dtype outside ENGINE_DTYPES."""
+    if dtype not in ENGINE_DTYPES:
+        raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
+    return np.dtype(np.float32 if dtype == "bfloat16" else dtype)
 
-    "auto" takes "packed" for float32 on a CPU with AVX-512F, "numpy" otherwise. Raises ValueError for
-    a `gemm` outside GEMM_CHOICES or "packed" with a dtype other than float32.
+
+def weight_format(dtype: str, quantization: str | None) -> str:
+    """How the linear layers store their weights: the quantization's block format, else the dtype.
+    Raises ValueError for an unknown dtype or quantization, or a quantization with bfloat16."""
+    compute_dtype(dtype)
+    if quantization is None:
+        return dtype
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if dtype == "bfloat16":
+        raise ValueError(
+            f"quantization {quantization!r} keeps its own block format: use dtype float32, not bfloat16"
+        )
+    return quantization
+
+
+def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> tuple[str, str]:
+    """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, and a
+    one-line note naming the kernel variant (`simd.compiled_variant`).
+
+    "auto" takes "packed" where a kernel variant exists for the CPU Numba compiles for and the activations
+    are float32 (dtype float32 or bfloat16), "numpy" otherwise: float64, a CPU without AVX2, AVX-512
+    or NEON, or asked for; the numpy path multiplies by the floats the weight format decodes to.
+    Raises ValueError for a `gemm` outside GEMM_CHOICES, an unknown dtype or quantization (as
+    `weight_format`), or "packed" with float64 or without a kernel variant.
     """
     if gemm not in GEMM_CHOICES:
         raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
-    if gemm == "packed" and dtype != "float32":
-        raise ValueError(f"the packed GEMM path needs dtype float32, got {dtype!r}")
-    available, cpu = packed_path_available()
-    if gemm == "numpy" or (gemm == "auto" and dtype != "float32"):
-        return "numpy", f"GEMM path: numpy (x @ W.T, {dtype}{', asked for' if gemm == 'numpy' else ''})"
-    if gemm == "auto" and not available:
-        return "numpy", f"GEMM path: numpy (x @ W.T; the packed float32 kernel needs AVX-512F: {cpu})"
-    return "packed", f"GEMM path: packed (compiled float32 kernel, weights packed at load; {cpu})"
+    fmt = weight_format(dtype, quantization)
+    float32 = compute_dtype(dtype) == np.float32
+    if gemm == "packed" and not float32:
+        raise ValueError(
+            f"the packed GEMM path needs float32 activations (dtype float32 or bfloat16), got {dtype!r}"
+        )
+    simd = compiled_variant()
+    if gemm == "packed" and simd is None:
+        raise ValueError("the packed GEMM path has no kernel for this CPU (no AVX2, AVX-512 or NEON variant)")
+    if gemm == "numpy" or not float32 or simd is None:
+        why = (
+            "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON variant")
+        )
+        return (
+            "numpy",
+            f"GEMM path: numpy (x @ W.T on {fmt} weights decoded to {compute_dtype(dtype)}; {why})",
+        )
+    how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
+    if fmt == "gguf":
+        how = "the file's Q8_0 / Q4_0 / Q4_1 blocks dequantized in registers, other types float32 panels"
+    if fmt == "bfloat16":
+        how += ", vdpbf16ps" if simd.bf16_dot else ", widened in registers"
+    return "packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})"
 
 
 @dataclass(frozen=True)
@@ -100,13 +161,16 @@ class _Layer:
 
 
 class Model:
-    """A decoder-only transformer with weights as NumPy arrays of one engine dtype (float32 or float64).
+    """A decoder-only transformer with weights as NumPy arrays (float32 or float64), or compact linear
+    layers (bfloat16, GGUF blocks) that compute in float32.
 
-    Build with `Model.load(folder, dtype, gemm)`. `forward` runs the decoder stack over a flattened batch
-    and writes the new K/V into the paged caches; `compute_logits` applies the LM head to chosen rows.
-    gemm_path is the GEMM path its linear layers take and gemm_note a one-line note saying so (for the
-    CLI to print); gemm_compile_s the seconds the compile (or disk-cache load) of the packed path's
-    kernels (the GEMM and the compiled small layers) took here.
+    Build with `Model.load(folder, dtype, gemm, quantization)`. `forward` runs the decoder stack over a
+    flattened batch and writes the new K/V into the paged caches; `compute_logits` applies the LM head
+    to chosen rows. dtype: the activations' and KV cache's NumPy dtype (`compute_dtype`); weight_format:
+    how the linear layers keep their weights (`weight_format`). gemm_path is the GEMM path its linear
+    layers take and gemm_note a one-line note saying so (for the CLI to print); gemm_compile_s the
+    seconds the compile (or disk-cache load) of the packed path's kernels (the GEMM and the compiled
+    small layers) took here.
     """
 
     def __init__(
@@ -115,80 +179,80 @@ class Model:
         checkpoint: SafetensorsCheckpoint | GGUFCheckpoint,
         dtype: str = "float32",
         gemm: str = "auto",
+        quantization: str | None = None,
     ) -> None:
-        """Read every tensor `config` needs from `checkpoint`, converted to `dtype`; pack the linear layers'
-        weights when the GEMM path (`resolve_gemm_path(gemm, dtype)`) is "packed".
+        """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
+        the linear layers' weights as `weight_format(dtype, quantization)` for the GEMM path
+        (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
-        Raises ValueError for a dtype other than "float32"/"float64" or a gemm `resolve_gemm_path`
-        refuses, CheckpointError (naming the file and key) for a missing tensor or one of the wrong shape.
+        Raises ValueError for a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
+        format with an input width that is not a multiple of 32), CheckpointError (naming the file
+        and key) for a missing tensor or one of the wrong shape.
         """
-        if dtype not in ENGINE_DTYPES:
-            raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
-        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype)
+        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype, quantization)
+        self.weight_format = weight_format(dtype, quantization)
         self.config = config
-        self.dtype = np.dtype(dtype)
+        self.dtype = compute_dtype(dtype)
         c = config
-
-        def lin(weight: FloatArray) -> LinearWeight:
-            return LinearWeight.of(weight, self.gemm_path)
-
-        def get(name: str, shape: tuple[int, ...]) -> FloatArray:
-            found = checkpoint.shape(name)
-            if found != shape:
-                raise CheckpointError(
-                    f"{checkpoint.source}: tensor {name!r} has shape {found}, expected {shape}"
-                )
-            return checkpoint.get(name, self.dtype)
-
+        read = WeightReader(checkpoint, self.dtype, self.gemm_path, self.weight_format)
+        get = read.tensor
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
-        self.embed_tokens = get("model.embed_tokens.weight", (c.vocab_size, hidden))  # [V, D_model]
+        self.embedding = read.embedding("model.embed_tokens.weight", (c.vocab_size, hidden))  # [V, D_model]
+        self.embed_tokens = self.embedding.table  # [V, D_model] floats, or None when kept as GGUF blocks
         self.layers: list[_Layer] = []
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             proj = ("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)
-            qkv = np.concatenate([get(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj])
             qkv_bias = (
                 np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj]) if c.qkv_bias else None
-            )
-            gate_up = np.concatenate(
-                [
-                    get(f"{p}mlp.gate_proj.weight", (inter, hidden)),
-                    get(f"{p}mlp.up_proj.weight", (inter, hidden)),
-                ]
             )
             self.layers.append(
                 _Layer(
                     input_layernorm=get(p + "input_layernorm.weight", (hidden,)),
-                    qkv_proj=lin(qkv),
+                    qkv_proj=read.linear([(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]),
                     qkv_bias=qkv_bias,
                     q_norm=get(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
                     k_norm=get(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                    o_proj=lin(get(a + "o_proj.weight", (hidden, q_dim))),
+                    o_proj=read.linear([(a + "o_proj.weight", (hidden, q_dim))]),
                     o_bias=get(a + "o_proj.bias", (hidden,)) if c.o_proj_bias else None,
                     post_attention_layernorm=get(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_proj=lin(gate_up),
-                    down_proj=lin(get(p + "mlp.down_proj.weight", (hidden, inter))),
+                    gate_up_proj=read.linear(
+                        [
+                            (f"{p}mlp.gate_proj.weight", (inter, hidden)),
+                            (f"{p}mlp.up_proj.weight", (inter, hidden)),
+                        ]
+                    ),
+                    down_proj=read.linear([(p + "mlp.down_proj.weight", (hidden, inter))]),
                 )
             )
         self.norm = get("model.norm.weight", (hidden,))  # [D_model]
         # Tied embeddings: the LM head is the embedding matrix, as in transformers, which ties them
         # even when a file also stores lm_head.weight (usually it is omitted).
         if c.tie_word_embeddings:
-            self.lm_head = lin(self.embed_tokens)  # [V, D_model]
+            self.lm_head = read.tied_head(self.embedding)  # [V, D_model]
         else:
-            self.lm_head = lin(get("lm_head.weight", (c.vocab_size, hidden)))  # [V, D_model]
+            self.lm_head = read.linear([("lm_head.weight", (c.vocab_size, hidden))])  # [V, D_model]
+        self.weight_notes = read.notes  # layers that could not keep the file's format
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         self.gemm_compile_s = 0.0
         if self.gemm_path == "packed":
-            self.gemm_compile_s = prepare_packed_linear() + prepare_compiled_layers(self.dtype)
+            kernels = sum(
+                prepare_block_linear(f) if f in BLOCK_FORMATS else prepare_packed_linear(f)
+                for f in read.kernels
+            )
+            self.gemm_compile_s = kernels + prepare_compiled_layers(self.dtype)
 
     @classmethod
-    def load(cls, path: str | Path, dtype: str = "float32", gemm: str = "auto") -> Model:
-        """Load a checkpoint in engine `dtype`, GEMM path `gemm`: a Hugging Face folder (config.json +
-        safetensors) or a GGUF file, a folder holding one, or a model name (`model_source.resolve_model`).
-        A GGUF file's weights are dequantized to `dtype` here.
+    def load(
+        cls, path: str | Path, dtype: str = "float32", gemm: str = "auto", quantization: str | None = None
+    ) -> Model:
+        """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
+        Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
+        name (`model_source.resolve_model`). quantization None: weights in the dtype (a GGUF file's are
+        dequantized here); a block format: quantized at load; "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1
+        tensors kept as the file stores them.
 
         Raises CheckpointError for anything the checkpoint lacks or the model does not implement,
         ValueError as `Model()` does.
@@ -198,14 +262,18 @@ class Model:
         gguf = gguf_file_of(path)
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
-            return cls(checkpoint.config(), checkpoint, dtype, gemm)
+            return cls(checkpoint.config(), checkpoint, dtype, gemm, quantization)
+        if quantization == "gguf":
+            raise ValueError(
+                f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"
+            )
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
-        return cls(config, SafetensorsCheckpoint(path), dtype, gemm)
+        return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization)
 
     @property
     def num_parameters(self) -> int:
         """Parameters of the checkpoint, counting a tied LM head once (a packed copy is not a parameter)."""
-        sizes = [self.embed_tokens.size, self.norm.size]
+        sizes = [self.embedding.size, self.norm.size]
         if not self.config.tie_word_embeddings:
             sizes.append(self.lm_head.size)
         for layer in self.layers:
@@ -221,8 +289,8 @@ class Model:
     ) -> FloatArray:
         """Hidden states after the final norm, `[N, D_model]`, for the step's N flattened tokens.
 
-        input_ids, positions `[N]`; kv_caches one (K, V) pair per layer, each
-        `[num_blocks, block_size, H_kv, D]` in the engine dtype: this step's K/V are written into them
+        input_ids, positions `[N]`; kv_caches one (K, V) pair per layer as
+        `paged_attention.allocate_kv_cache` makes them, in the compute dtype: this step's K/V are written into them
         at metadata.slot_mapping. Each layer (Touvron et al., 2023, Llama):
             h = x + o_proj(attention(rope(q), rope(k), v)),  q, k, v = qkv_proj(rms_norm(x))
             x' = h + down_proj(silu(gate_proj(rms_norm(h))) * up_proj(rms_norm(h)))
@@ -237,7 +305,7 @@ class Model:
         norm = compiled_rms_norm if compiled else rms_norm
         silu_mul = compiled_silu_and_mul if compiled else silu_and_mul
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
-        x = self.embed_tokens[input_ids]  # [N, D_model]
+        x = self.embedding.lookup(input_ids)  # [N, D_model]
         decode = metadata.is_pure_decode
         # The compiled decode kernel's arguments, made once per step: int32 lengths, its output buffer
         # (rewritten by every layer; R == N in a decode step) and the scale 1 / sqrt(D).

@@ -28,8 +28,8 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata
+from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
+from attention_kv_caceh.engine.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.engine.sampler import token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.warmup import warm_up
@@ -56,11 +56,11 @@ class ModelInputs:
 class ModelRunner:
     """Runs `model` on scheduler outputs against per-layer paged K/V buffers.
 
-    kv_caches: one (K, V) pair per layer, each `[num_blocks, block_size, H_kv, D]` in config.dtype,
-    zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
-    lists b as its i-th block. warmup_s: seconds the warm-up run at construction took (a dummy forward
-    pass that compiles, or loads from Numba's disk cache, every kernel a step calls), so no step time
-    includes a compile.
+    kv_caches: one (K, V) pair per layer in the model's dtype, zero-filled, K `[num_blocks, H_kv, D,
+    block_size]` and V `[num_blocks, H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`); block b
+    holds positions [i * block_size, (i + 1) * block_size) of whichever request lists b as its i-th
+    block. warmup_s: seconds the warm-up run at construction took (a dummy forward pass that compiles,
+    or loads from Numba's disk cache, every kernel a step calls), so no step time includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone.
     """
@@ -70,16 +70,17 @@ class ModelRunner:
         config.dtype that is not the model's dtype."""
         if num_blocks < 1 or config.block_size < 1:
             raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks}, {config.block_size}")
-        if config.dtype not in ENGINE_DTYPES or np.dtype(config.dtype) != model.dtype:
-            raise ValueError(f"config.dtype {config.dtype!r} must be the model's dtype {model.dtype.name!r}")
+        if config.dtype not in ENGINE_DTYPES or compute_dtype(config.dtype) != model.dtype:
+            raise ValueError(
+                f"config.dtype {config.dtype!r} must be the model's dtype {model.dtype.name!r} (bfloat16 computes in float32)"
+            )
         self.model = model
         self.config = config
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         c = model.config
-        shape = (num_blocks, config.block_size, c.num_key_value_heads, c.head_dim)
         self.kv_caches: list[tuple[FloatArray, FloatArray]] = [
-            (np.zeros(shape, dtype=model.dtype), np.zeros(shape, dtype=model.dtype))
+            allocate_kv_cache(num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, model.dtype)
             for _ in range(c.num_hidden_layers)
         ]
         self.last_inputs: ModelInputs | None = None
@@ -94,9 +95,10 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
-        """Bytes of one KV block over all layers, K and V: 2 * L * block_size * H_kv * D * itemsize."""
+        """Bytes of one KV block over all layers, K and V: 2 * L * block_size * H_kv * D * itemsize, the
+        itemsize of engine `dtype`'s compute dtype (bfloat16 keeps a float32 KV cache)."""
         c = model_config
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = compute_dtype(dtype).itemsize
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:

@@ -1,9 +1,12 @@
 """Paged attention over a flattened batch: write new K/V through the slot mapping, read through block tables.
 
-What vLLM v1 does in `v1/attention/backends/` (the FlashAttention backend's metadata and its
-`reshape_and_cache_flash` + `flash_attn_varlen_func` pair) in NumPy: the KV cache of one layer is a
-pool of fixed-size blocks `[num_blocks, block_size, H_kv, D]`; a request's positions live in the blocks
-its block table lists, position p at row p % block_size of block block_table[p // block_size]. Each
+What vLLM v1 does in `v1/attention/backends/` (the attention metadata, `reshape_and_cache` and the
+varlen attention call) in NumPy: the KV cache of one layer is a pool of fixed-size blocks; a request's
+positions live in the blocks its block table lists, position p at offset p % block_size of block
+block_table[p // block_size]. The layout is vLLM's CPU one (`allocate_kv_cache`): per block and KV
+head, a K tile `[D, block_size]` (positions innermost, so a block's scores are vectors) followed by a
+V tile `[block_size, D]`, and a block's heads one after another, so the decode kernel reads each block
+as one contiguous stretch. Each
 request's attention gathers its blocks into a contiguous `[H_kv, T, D]` copy and calls the lab's
 `scaled_dot_product_attention` (GQA without repeating K/V, bottom-right causal mask), so the paged
 layout changes only where K/V are stored, never the arithmetic. A step whose requests are all decoding
@@ -25,7 +28,7 @@ import numpy.typing as npt
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv"]
+__all__ = ["AttentionMetadata", "allocate_kv_cache", "pack_kv_blocks", "paged_attention", "write_kv"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 IntArray = npt.NDArray[np.int64]
@@ -57,18 +60,44 @@ class AttentionMetadata:
         return int(self.query_start_loc[-1]) == self.context_lens.shape[0]
 
 
+def allocate_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: npt.DTypeLike
+) -> tuple[FloatArray, FloatArray]:
+    """One layer's zeroed KV cache as (k_cache, v_cache), two views of one buffer
+    `[num_blocks, H_kv, 2, D * block_size]`: k_cache `[num_blocks, H_kv, D, block_size]` (the K tile of
+    each block and head, positions innermost) and v_cache `[num_blocks, H_kv, block_size, D]` (its V
+    tile, right after it in memory)."""
+    tile = head_dim * block_size
+    buffer = np.zeros((num_blocks, num_kv_heads, 2, tile), dtype=dtype)  # [NB, H_kv, K | V, D * BS]
+    k_cache = buffer[:, :, 0].reshape(num_blocks, num_kv_heads, head_dim, block_size, copy=False)  # a view
+    v_cache = buffer[:, :, 1].reshape(num_blocks, num_kv_heads, block_size, head_dim, copy=False)
+    return k_cache, v_cache
+
+
+def pack_kv_blocks(k_blocks: FloatArray, v_blocks: FloatArray) -> tuple[FloatArray, FloatArray]:
+    """The cache (`allocate_kv_cache`) holding blocks given position-major, `[NB, BS, H_kv, D]` each
+    (block b's row t is position t of the block, as gathering positions gives them): a new cache in
+    the blocks' dtype. For tests and benchmarks that build their blocks position by position."""
+    num_blocks, block_size, h_kv, d = k_blocks.shape
+    k_cache, v_cache = allocate_kv_cache(num_blocks, block_size, h_kv, d, k_blocks.dtype)
+    k_cache[...] = k_blocks.transpose(0, 2, 3, 1)  # [NB, H_kv, D, BS]
+    v_cache[...] = v_blocks.transpose(0, 2, 1, 3)  # [NB, H_kv, BS, D]
+    return k_cache, v_cache
+
+
 def write_kv(
     k_cache: FloatArray, v_cache: FloatArray, k: FloatArray, v: FloatArray, slot_mapping: IntArray
 ) -> None:
-    """Store the new keys and values `[N, H_kv, D]` at their slots of `[num_blocks, block_size, H_kv, D]`.
+    """Store the new keys and values `[N, H_kv, D]` at their slots of the caches (`allocate_kv_cache`).
 
-    In place (vLLM's `reshape_and_cache`): the caches are viewed as `[num_blocks * block_size, H_kv, D]`
-    and row slot_mapping[i] receives token i. Unchecked: slots come from `ModelRunner.prepare_inputs`
-    (a slot outside the pool raises NumPy's IndexError).
+    In place (vLLM's `reshape_and_cache`): token i goes to block slot_mapping[i] // block_size at offset
+    slot_mapping[i] % block_size, a column of every head's K tile and a row of its V tile. Unchecked:
+    slots come from `ModelRunner.prepare_inputs` (a slot outside the pool raises NumPy's IndexError).
     """
-    num_blocks, block_size, h_kv, d = k_cache.shape
-    k_cache.reshape(num_blocks * block_size, h_kv, d)[slot_mapping] = k  # a view: writes the pool
-    v_cache.reshape(num_blocks * block_size, h_kv, d)[slot_mapping] = v
+    block_size = k_cache.shape[3]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size  # [N] each
+    k_cache[blocks, :, :, offsets] = k  # [N, H_kv, D] into [NB, H_kv, D, BS]
+    v_cache[blocks, :, offsets, :] = v  # [N, H_kv, D] into [NB, H_kv, BS, D]
 
 
 def paged_attention(
@@ -76,22 +105,22 @@ def paged_attention(
 ) -> FloatArray:
     """Causal attention of each request's queries over its context, read through its block table.
 
-    q `[N, H, D]` (already rotated), caches `[num_blocks, block_size, H_kv, D]` already holding this
+    q `[N, H, D]` (already rotated), caches as `allocate_kv_cache` makes them, already holding this
     step's K/V (see `write_kv`) -> output `[N, H, D]`. Request r's n queries are its last n positions of
     context_lens[r]: query i sees positions 0 .. context_len - n + i, the bottom-right causal mask of
     `attention_kv_caceh.attention.causal_mask`. Scale 1/sqrt(D).
     """
-    _, block_size, h_kv, d = k_cache.shape
+    _, h_kv, d, block_size = k_cache.shape
     out = np.empty_like(q)  # [N, H, D]
     for r in range(metadata.context_lens.shape[0]):
         start, end = int(metadata.query_start_loc[r]), int(metadata.query_start_loc[r + 1])
         t = int(metadata.context_lens[r])
         blocks = metadata.block_tables[r, : -(-t // block_size)]  # [ceil(T / block_size)]
-        keys = k_cache[blocks].reshape(-1, h_kv, d)[:t]  # [T, H_kv, D], a gathered copy
-        values = v_cache[blocks].reshape(-1, h_kv, d)[:t]  # [T, H_kv, D]
+        keys = k_cache[blocks].transpose(1, 0, 3, 2).reshape(h_kv, -1, d)[:, :t]  # [H_kv, T, D], a copy
+        values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :t]  # [H_kv, T, D]
         q_r = q[start:end].transpose(1, 0, 2)[None]  # [1, H, n, D]
-        k_r = keys.transpose(1, 0, 2)[None]  # [1, H_kv, T, D]
-        v_r = values.transpose(1, 0, 2)[None]  # [1, H_kv, T, D]
+        k_r = keys[None]  # [1, H_kv, T, D]
+        v_r = values[None]  # [1, H_kv, T, D]
         o_r, _ = scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)  # [1, H, n, D]
         out[start:end] = o_r[0].transpose(1, 0, 2)  # [n, H, D]
     return out

@@ -178,10 +178,12 @@ def run_spec_benchmark(
     temperature: float = 0.0,
     seed: int = 0,
     detokenize: bool = True,
+    quantization: str | None = None,
 ) -> tuple[list[SpecBenchRow], dict[str, Any]]:
     """For each max_num_seqs B: the first B of `prompts` (token ids; the list must hold at least the
     largest B), ignore_eos, max_tokens=output_len, sampled at `temperature` with each request's
     generator seeded with `seed`, in `pairs` alternating pairs without and with `speculative_config`.
+    quantization: the linear weights' GGUF block format (`Model.load`'s; None: weights in dtype).
 
     Returns the rows (max_num_seqs_list order) and the environment (`timing.capture_environment()`
     plus the model, the speculative config, the workload).
@@ -202,7 +204,7 @@ def run_spec_benchmark(
     if max_num_batched_tokens < max(seqs):
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= every max_num_seqs")
     k = speculative_config.num_speculative_tokens
-    model = Model.load(model_dir, dtype, gemm)
+    model = Model.load(model_dir, dtype, gemm, quantization)
     longest = max(len(p) for p in prompts[: max(seqs)])
     max_model_len = longest + output_len + k + 1
     if max_model_len > model.config.max_position_embeddings:
@@ -223,6 +225,7 @@ def run_spec_benchmark(
             max_model_len=max_model_len,
             enable_prefix_caching=False,
             dtype=dtype,
+            quantization=quantization,
             speculative_config=spec,
         )
         runner = ModelRunner(model, config, blocks_per_request * num_seqs)
@@ -295,6 +298,7 @@ def run_spec_benchmark(
     environment = capture_environment() | {
         "model_dir": str(model_dir),
         "dtype": dtype,
+        "quantization": quantization,
         "num_parameters": model.num_parameters,
         "architecture": model.config.architecture,
         "gemm_path": model.gemm_path,

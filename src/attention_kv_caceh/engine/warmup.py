@@ -64,22 +64,25 @@ def warm_up(model: Model, kv_caches: list[tuple[FloatArray, FloatArray]]) -> flo
     """Run `model` on one decode token and, where the pool has two slots, a two-token prefill, then its
     LM head; returns the seconds that took.
 
-    kv_caches: the runner's per-layer (K, V) buffers `[num_blocks, block_size, H_kv, D]`. The dummy
-    tokens (id 0) write their K/V into the first slots, which are zeroed again afterwards, so the
-    buffers are left as they were made. The first decode step then runs the paged decode kernel
+    kv_caches: the runner's per-layer (K, V) buffers, K `[num_blocks, H_kv, D, block_size]` and V
+    `[num_blocks, H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`). The dummy tokens (id 0)
+    write their K/V into the first slots, whose blocks are zeroed again afterwards, so the buffers are
+    left as they were made. The first decode step then runs the paged decode kernel
     (`kernels.paged_decode_attention_into`), the packed linear kernel and the compiled small layers of
     `engine/layers.py` on signatures already compiled; a step with prefill tokens runs the same
     compiled functions (its attention is NumPy). Raises nothing beyond what `Model.forward` raises.
     """
     start = time.perf_counter()
-    num_blocks, block_size = kv_caches[0][0].shape[:2]
+    k_cache = kv_caches[0][0]
+    num_blocks, block_size = k_cache.shape[0], k_cache.shape[3]
     sizes = [1, 2] if num_blocks * block_size >= 2 else [1]
     for n in sizes:
         metadata = _metadata(n, block_size)
         ids = np.zeros(n, dtype=np.int64)  # [N]
         hidden = model.forward(ids, np.arange(n, dtype=np.int64), kv_caches, metadata)  # [N, D_model]
         model.compute_logits(hidden[-1:])  # [1, V]
-    for k_cache, v_cache in kv_caches:
-        for cache in (k_cache, v_cache):
-            cache.reshape(num_blocks * block_size, *cache.shape[2:])[: max(sizes)] = 0
+    used_blocks = -(-max(sizes) // block_size)
+    for k, v in kv_caches:
+        k[:used_blocks] = 0
+        v[:used_blocks] = 0
     return time.perf_counter() - start

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# This project's `serve` against llama.cpp's `llama-server`, both on the same GGUF file, driven by the
+# same harness command, in alternating runs on the same machine: for each pair and each concurrency C,
+# one llama.cpp run, then one `serve` run, each C requests of PROMPT_LEN prompt tokens and OUTPUT_LEN
+# output tokens (ignore_eos), at TEMPERATURE (default 0, greedy) on both. Every run has its own prompt
+# seed, so no run finds another run's prompts in either server's prefix cache. `serve` computes on the
+# file's own blocks (--quantization gguf) in its engine core's one thread; llama-server runs THREADS
+# compute threads (default 1, the same) with SLOTS parallel sequences (default 8). Both bind 127.0.0.1
+# and are stopped when the script exits (also on errors and Ctrl-C).
+#
+#   LLAMA_SERVER=/path/to/llama-server scripts/bench_serve_vs_llamacpp.sh [C ...]   (default: 1 8)
+#
+# LLAMA_SERVER: llama.cpp's server binary, built in a scratch environment (never this project's; for
+# example from PyPI's llama-cpp-python sources, see docs/results.md). LLAMACPP_PYTHON instead: a
+# Python with `llama-cpp-python[server]` (llama-cpp-python's own OpenAI server over the same library).
+# Environment: MODEL (a GGUF file or model name; default smollm2), PAIRS (3), OUT
+# (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (1),
+# SLOTS (8), LLAMA_PORT (8300), SERVE_PORT (8200).
+set -euo pipefail
+MODEL=${MODEL:-smollm2}
+PAIRS=${PAIRS:-3}
+OUT=${OUT:-results/serve-vs-llamacpp}
+PROMPT_LEN=${PROMPT_LEN:-128}
+OUTPUT_LEN=${OUTPUT_LEN:-64}
+TEMPERATURE=${TEMPERATURE:-0}
+THREADS=${THREADS:-1}
+SLOTS=${SLOTS:-8}
+LLAMA_PORT=${LLAMA_PORT:-8300}
+SERVE_PORT=${SERVE_PORT:-8200}
+export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
+GGUF=$(uv run python -c "import sys; from attention_kv_caceh.engine.model_source import resolve_model; print(resolve_model(sys.argv[1]).path)" "$MODEL")
+mkdir -p "$OUT"
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -TERM "-$p" 2>/dev/null || true; done; }
+trap cleanup EXIT INT TERM
+CTX=$((SLOTS * (PROMPT_LEN + OUTPUT_LEN + 64)))
+if [ -n "${LLAMA_SERVER:-}" ]; then
+  setsid "$LLAMA_SERVER" --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" --threads "$THREADS" \
+    --threads-batch "$THREADS" --parallel "$SLOTS" --ctx-size "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
+  "$LLAMA_SERVER" --version > "$OUT/versions.txt" 2>&1 || true
+else
+  : "${LLAMACPP_PYTHON:?set LLAMA_SERVER (the llama-server binary) or LLAMACPP_PYTHON}"
+  setsid "$LLAMACPP_PYTHON" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" \
+    --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
+  "$LLAMACPP_PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" > "$OUT/versions.txt"
+fi
+pids+=($!)
+setsid uv run attention-kv-caceh serve --model "$MODEL" --quantization gguf --host 127.0.0.1 \
+  --port "$SERVE_PORT" --max-num-seqs 32 > "$OUT/serve-server.log" 2>&1 &
+pids+=($!)
+for port in "$LLAMA_PORT" "$SERVE_PORT"; do
+  for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null && break; sleep 2; done
+  curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null || { echo "server on port $port not ready" >&2; exit 1; }
+done
+echo "threads: llama.cpp $THREADS compute thread(s), $SLOTS slots; serve: one engine-core thread (BLAS pinned to 1)" \
+  | tee -a "$OUT/versions.txt"
+for pair in $(seq "$PAIRS"); do
+  for c in ${@:-1 8}; do
+    for server in llamacpp:$LLAMA_PORT serve:$SERVE_PORT; do
+      name=${server%%:*}; port=${server##*:}
+      echo "$name c$c pair $pair: load $(cut -d' ' -f1 /proc/loadavg)"
+      timeout 900 uv run attention-kv-caceh harness --backend openai-completions \
+        --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" --num-requests "$((c * 2))" --concurrency "$c" \
+        --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --warmup-requests 0 \
+        --temperature "$TEMPERATURE" --seed "$((pair * 1000 + c))" --label "$name-c$c-p$pair" \
+        --summary-json "$OUT/$name-c$c-p$pair.json" > "$OUT/$name-c$c-p$pair.log" 2>&1
+    done
+  done
+done
+uv run python - "$OUT" "$PAIRS" ${@:-1 8} <<'PY'
+import json, statistics, sys
+out, pairs, sizes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def tput(name, c, p):
+    return json.load(open(f"{out}/{name}-c{c}-p{p}.json"))["output_throughput"]
+print(f"{'C':>4} {'pair':>4} {'llama.cpp tok/s':>16} {'serve tok/s':>12} {'serve / llama.cpp':>18}")
+for c in sizes:
+    ratios = []
+    for p in range(1, pairs + 1):
+        v, s = tput("llamacpp", c, p), tput("serve", c, p)
+        ratios.append(s / v)
+        print(f"{c:>4} {p:>4} {v:>16.1f} {s:>12.1f} {s / v:>18.3f}")
+    print(f"{c:>4} median serve / llama.cpp {statistics.median(ratios):.3f}")
+PY

@@ -1,0 +1,151 @@
+"""How `Model` reads its weights from a checkpoint and keeps them: floats, bfloat16 panels or GGUF blocks.
+
+What vLLM's `model_loader` and `LinearMethodBase.create_weights` do between them, at this project's
+size: every tensor is read once; norms, biases and the embedding table become arrays of the compute
+dtype; each linear layer (q/k/v and gate/up fused row-wise, as the model multiplies them) becomes a
+`layers.LinearWeight` in the model's weight format (`model.weight_format`). With quantization "gguf"
+(vLLM's name for a GGUF checkpoint) the tensors a GGUF file stores as Q8_0, Q4_0 or Q4_1 are kept as
+its own bytes (`GGUFCheckpoint.quantized`) for `block_gemm`'s kernels; a fused layer whose parts have
+other or different types is dequantized and packed as float32 panels (a note says which). The
+embedding table of a block format stays in blocks too, and a token's row is decoded when it is looked
+up; a tied LM head then is the same blocks.
+
+Shape legend: V vocabulary, D_model hidden size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from attention_kv_caceh.block_gemm import BLOCK_FORMATS, dequantize_blocks
+from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint
+from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.engine.layers import LinearWeight
+
+__all__ = ["Embedding", "WeightReader"]
+
+FloatArray = npt.NDArray[np.floating[Any]]
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The token embedding table `[V, D_model]`: `table` (floats of the compute dtype) or `blocks` (a
+    GGUF block format's bytes `[V, D_model / 32 * block bytes]`, `format`), exactly one set."""
+
+    table: FloatArray | None
+    blocks: npt.NDArray[np.uint8] | None
+    format: str
+    dtype: np.dtype[Any]
+    shape: tuple[int, int]
+
+    def lookup(self, input_ids: npt.NDArray[np.integer[Any]]) -> FloatArray:
+        """Rows `[N, D_model]` of token ids `[N]`, in the compute dtype (blocks: decoded row by row)."""
+        if self.blocks is not None:
+            return dequantize_blocks(self.blocks[input_ids], self.format).astype(self.dtype)
+        assert self.table is not None
+        return self.table[input_ids]
+
+    @property
+    def size(self) -> int:
+        """V * D_model: the parameters."""
+        return self.shape[0] * self.shape[1]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's row as stored (what a lookup reads)."""
+        if self.blocks is not None:
+            return int(self.blocks.shape[1])
+        assert self.table is not None
+        return self.shape[1] * self.table.itemsize
+
+
+@dataclass
+class WeightReader:
+    """Reads `checkpoint`'s tensors for a Model: `tensor` (floats of `dtype`, shape checked), `linear`
+    (fused rows in the weight format `fmt` for GEMM `path`), `embedding`, `tied_head`.
+
+    fmt: a `layers.WEIGHT_FORMATS` name, "float64" (kept as read), or "gguf" (the file's blocks).
+    kernels records the formats of the packed kernels the layers use (to compile them at load), and
+    notes the layers that could not keep their file's format. Raises (from the constructor)
+    ValueError for "gguf" on a checkpoint that is not a GGUF file.
+    """
+
+    checkpoint: SafetensorsCheckpoint | GGUFCheckpoint
+    dtype: np.dtype[Any]
+    path: str
+    fmt: str
+    kernels: set[str] = field(default_factory=set[str])
+    notes: list[str] = field(default_factory=list[str])
+
+    def __post_init__(self) -> None:
+        if self.fmt == "gguf" and not isinstance(self.checkpoint, GGUFCheckpoint):
+            raise ValueError(f"quantization 'gguf' needs a GGUF checkpoint, got {self.checkpoint.source}")
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> FloatArray:
+        """Tensor `name` as floats of the compute dtype. Raises CheckpointError for a missing tensor or
+        one of another shape (naming the file and key)."""
+        found = self.checkpoint.shape(name)
+        if found != shape:
+            raise CheckpointError(
+                f"{self.checkpoint.source}: tensor {name!r} has shape {found}, expected {shape}"
+            )
+        return self.checkpoint.get(name, self.dtype)
+
+    def _blocks(self, parts: list[tuple[str, tuple[int, int]]]) -> tuple[npt.NDArray[np.uint8], str] | None:
+        """The GGUF blocks of the parts stacked row-wise, when all are one block format; else None."""
+        checkpoint = self.checkpoint
+        assert isinstance(checkpoint, GGUFCheckpoint)
+        stored = [checkpoint.quantized(name) for name, _ in parts]
+        formats = {t.ggml_type.lower() for t in stored}
+        fmt = next(iter(formats))
+        for tensor, (name, shape) in zip(stored, parts, strict=True):
+            if tensor.shape != shape:
+                raise CheckpointError(
+                    f"{checkpoint.source}: tensor {name!r} has shape {tensor.shape}, expected {shape}"
+                )
+        if len(formats) != 1 or fmt not in BLOCK_FORMATS:
+            return None
+        return np.ascontiguousarray(np.concatenate([t.data for t in stored])), fmt
+
+    def linear(self, parts: list[tuple[str, tuple[int, int]]]) -> LinearWeight:
+        """The linear layer whose weight is the tensors `parts` (name, (rows, in)) stacked row-wise."""
+        if self.fmt == "gguf":
+            found = self._blocks(parts)
+            if found is not None:
+                blocks, fmt = found
+                if self.path == "packed":
+                    self.kernels.add(fmt)
+                return LinearWeight.from_blocks(blocks, fmt, self.path, self.dtype)
+            self.notes.append(
+                f"{' + '.join(name for name, _ in parts)}: not one Q8_0/Q4_0/Q4_1 type, float32"
+            )
+        weight = np.concatenate([self.tensor(name, shape) for name, shape in parts])
+        stored = "float32" if self.fmt in ("float64", "gguf") else self.fmt  # float64: kept as read
+        if self.path == "packed":
+            self.kernels.add(stored)
+        return LinearWeight.of(weight, self.path, stored)
+
+    def embedding(self, name: str, shape: tuple[int, int]) -> Embedding:
+        """The embedding table: GGUF blocks for "gguf" when the file stores it in a block format."""
+        if self.fmt == "gguf":
+            found = self._blocks([(name, shape)])
+            if found is not None:
+                return Embedding(None, found[0], found[1], self.dtype, shape)
+        return Embedding(self.tensor(name, shape), None, str(self.dtype), self.dtype, shape)
+
+    def tied_head(self, embedding: Embedding) -> LinearWeight:
+        """The LM head that is the embedding table (transformers ties them): the same blocks, or the
+        table packed (numpy path: the same array)."""
+        if embedding.blocks is not None:
+            if self.path == "packed":
+                self.kernels.add(embedding.format)
+            return LinearWeight.from_blocks(embedding.blocks, embedding.format, self.path, self.dtype)
+        assert embedding.table is not None
+        stored = "float32" if self.fmt in ("float64", "gguf") else self.fmt
+        if self.path == "packed":
+            self.kernels.add(stored)
+        return LinearWeight.of(embedding.table, self.path, stored)
