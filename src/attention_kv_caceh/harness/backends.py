@@ -58,6 +58,9 @@ class RequestSpec:
     group prefix (the start of `prompt`) and its length in tokens; an exact prompt is then the
     prefix's first `prefix_tokens` tokens followed by the rest of `prompt` cut to the remaining length,
     so that a tokenizer of several tokens a word cannot cut a request's own suffix away.
+    `hash_ids` and `hash_block_size`: a trace row's prompt blocks (`trace.py`), one id per
+    `hash_block_size` tokens; an exact prompt is then the concatenation of each block's ids, equal ids
+    giving equal blocks. `probe`: a one-token probe sent beside the load (`probes.py`).
     """
 
     request_id: int
@@ -72,6 +75,9 @@ class RequestSpec:
     messages: tuple[tuple[str, str], ...] | None = None
     prefix: str = ""
     prefix_tokens: int = 0
+    hash_ids: tuple[int, ...] = ()
+    hash_block_size: int = 0
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:

@@ -158,9 +158,30 @@ async def _exact_ids(text: str, n: int, tokenizer: PromptTokenizer) -> list[int]
     return ids[:n]
 
 
-async def _exact_spec(spec: RequestSpec, tokenizer: PromptTokenizer, token_ids: bool) -> RequestSpec:
+async def _block_ids(
+    spec: RequestSpec, tokenizer: PromptTokenizer, blocks: dict[int, list[int]]
+) -> list[int]:
+    """A trace prompt's ids: each hash id's block of exactly `hash_block_size` ids (tokenized once per
+    id, kept in `blocks`), concatenated and cut to the prompt's length."""
+    from attention_kv_caceh.harness.trace import block_words
+
+    size = spec.hash_block_size
+    ids: list[int] = []
+    for h in spec.hash_ids:
+        block = blocks.get(h)
+        if block is None:
+            block = blocks[h] = await _exact_ids(" ".join(block_words(h, size)), size, tokenizer)
+        ids += block
+    return ids[: spec.prompt_tokens]
+
+
+async def _exact_spec(
+    spec: RequestSpec, tokenizer: PromptTokenizer, token_ids: bool, blocks: dict[int, list[int]]
+) -> RequestSpec:
     n = spec.prompt_tokens
-    if spec.prefix_tokens:  # a shared prefix of exactly prefix_tokens ids, then this request's own suffix
+    if spec.hash_ids:  # a trace row: equal hash ids, equal blocks of ids
+        ids = await _block_ids(spec, tokenizer, blocks)
+    elif spec.prefix_tokens:  # a shared prefix of exactly prefix_tokens ids, then this request's own suffix
         suffix = spec.prompt[len(spec.prefix) :]
         ids = await _exact_ids(spec.prefix, spec.prefix_tokens, tokenizer)
         ids += await _exact_ids(suffix, n - spec.prefix_tokens, tokenizer)
@@ -187,13 +208,15 @@ async def exact_prompts(
     """`specs` with prompts of exactly `prompt_tokens` tokens of `tokenizer` (as ids when `token_ids`),
     each with `prompt_tokens_checked` set to the count checked. Dataset prompts (`from_dataset`) keep
     their text; their count becomes both the requested and the checked length (the requested length of
-    a dataset prompt was its word count, a guess). Raises what the tokenizer raises."""
+    a dataset prompt was its word count, a guess). A trace row's prompt (`hash_ids`) is its blocks'
+    ids, each hash id tokenized once for all specs. Raises what the tokenizer raises."""
     out: list[RequestSpec] = []
+    blocks: dict[int, list[int]] = {}
     for spec in specs:
         if spec.from_dataset:
             count = await tokenizer.count(spec.prompt)
             out.append(replace(spec, prompt_tokens=max(1, count), prompt_tokens_checked=count))
         else:
-            out.append(await _exact_spec(spec, tokenizer, token_ids))
+            out.append(await _exact_spec(spec, tokenizer, token_ids, blocks))
         await asyncio.sleep(0)
     return out

@@ -66,6 +66,7 @@ JSONL_KEYS = (
     "e2e_ms",
     "workload_group",
     "turn",
+    "probe",
 )
 
 
@@ -91,7 +92,8 @@ class RequestRecord:
     `finish_reason` and a clean close but no `data: [DONE]` (accepted as ok, as vLLM's and SGLang's
     clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
     `group`, `turn`: the workload group and turn of the request (`RequestSpec`), None for the random
-    workload.
+    workload. `probe`: a one-token probe sent beside the load (`probes.py`), kept out of the load's
+    statistics.
     """
 
     request_id: int
@@ -116,6 +118,7 @@ class RequestRecord:
     group: int | None = None
     turn: int | None = None
     requested_output_tokens: int | None = None
+    probe: bool = False
 
     def add_token_event(self, time_ns: int, num_tokens: int) -> None:
         """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
@@ -185,4 +188,5 @@ class RequestRecord:
             "e2e_ms": m.e2e_ms,
             "workload_group": self.group,
             "turn": self.turn,
+            "probe": self.probe,
         }
