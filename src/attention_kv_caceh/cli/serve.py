@@ -207,6 +207,11 @@ def run(args: argparse.Namespace) -> int:
             max_request_bytes=args.max_request_bytes,
             max_logprobs=args.max_logprobs,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
+            cache_config={
+                "block_size": str(plan.engine_config.block_size),
+                "num_gpu_blocks": str(plan.num_blocks),
+                "enable_prefix_caching": str(plan.engine_config.enable_prefix_caching),
+            },
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
         # server, so the collector's oldest generation need not traverse it; a full collection stops

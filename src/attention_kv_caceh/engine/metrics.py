@@ -14,7 +14,7 @@ have just arrived.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -62,7 +62,10 @@ _FINISH_REASONS = ("stop", "length", "abort")
 class ServerMetrics:
     """The server's metrics in their own registry; `record` is an AsyncLLM stat logger (thread-safe).
 
-    `running`, `waiting`, `kv_usage`: zero-argument callables read at each scrape.
+    `running`, `waiting`, `kv_usage`: zero-argument callables read at each scrape. `cache_config`: the
+    KV cache's settings (`block_size`, `num_gpu_blocks`, `enable_prefix_caching`), exported as the labels
+    of the gauge `vllm:cache_config_info` (value 1), as vLLM exports its CacheConfig; a client reads the
+    block size there.
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class ServerMetrics:
         running: Callable[[], float],
         waiting: Callable[[], float],
         kv_usage: Callable[[], float],
+        cache_config: Mapping[str, str] | None = None,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -82,6 +86,12 @@ class ServerMetrics:
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage)
+        if cache_config:
+            names = sorted(cache_config)
+            info = Gauge(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", names, registry=reg
+            )
+            info.labels(*(cache_config[n] for n in names)).set(1)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=reg).labels(model_name)

@@ -52,7 +52,7 @@ import secrets
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -112,6 +112,7 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
+    cache_config: Mapping[str, str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
@@ -121,6 +122,7 @@ def build_app(
     `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    `cache_config`: the KV cache's settings for `/metrics`' `vllm:cache_config_info` (see ServerMetrics).
     Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
     """
     if max_model_len < 2:
@@ -137,6 +139,7 @@ def build_app(
         running=lambda: async_llm.num_running,
         waiting=lambda: async_llm.num_waiting,
         kv_usage=lambda: async_llm.kv_cache_usage,
+        cache_config=cache_config,
     )
     async_llm.add_stat_logger(metrics.record)
     created = int(time.time())

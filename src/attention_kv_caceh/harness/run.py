@@ -186,6 +186,7 @@ async def _measure(config: HarnessConfig, load: _Load) -> LoadOutcome:
             starts: list[int] = []
 
             def on_start(shared_start_ns: int) -> None:
+                clock.start()  # the coordinator's CPU from the shared start: its setup is not the load's
                 starts.append(shared_start_ns)
                 start_probes(shared_start_ns)
 
