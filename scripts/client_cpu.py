@@ -123,7 +123,9 @@ def cpu_of(cmd: list[str], log: Path, timeout_s: float) -> float:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--vllm-python", default="/work/scratch/vllm/bin/python")
-    p.add_argument("--checkpoint", type=Path, default=None, help="tokenizer folder (default: a tiny make-model)")
+    p.add_argument(
+        "--checkpoint", type=Path, default=None, help="tokenizer folder (default: a tiny make-model)"
+    )
     p.add_argument("--requests", type=int, nargs=2, default=[256, 512], metavar=("N1", "N2"))
     p.add_argument("--tokens", type=int, default=256, help="output tokens per stream")
     p.add_argument("--prompt-len", type=int, default=32)

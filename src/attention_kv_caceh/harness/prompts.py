@@ -22,6 +22,7 @@ from typing import Any, Protocol, cast
 import aiohttp
 
 from attention_kv_caceh.harness.backends import RequestSpec
+from attention_kv_caceh.harness.load import SYNTHETIC_WORDS
 
 __all__ = [
     "LocalTokenizer",
@@ -45,8 +46,17 @@ class PromptTokenizer(Protocol):
     async def count(self, text: str) -> int: ...
 
 
+_SPLIT_CHECK = " ".join([*SYNTHETIC_WORDS, *reversed(SYNTHETIC_WORDS), *SYNTHETIC_WORDS[::3]])
+
+
 class LocalTokenizer:
     """A `tokenizer.json` (a file, or a folder holding one) read with the `tokenizers` library.
+
+    Synthetic text (words of SYNTHETIC_WORDS one space apart) is encoded from its words' ids, each word
+    encoded once, first and after a space (`_word_ids`): encoding a whole prompt cost about 0.5 ms of
+    CPU a request with a small byte-level BPE, as much as streaming it. That is only done when the
+    tokenizer splits words at spaces (no merge across a word's start), checked once on a text that
+    has every word in both positions; other text is encoded whole.
 
     Raises ValueError naming the path when there is no such file or it cannot be read.
     """
@@ -63,9 +73,37 @@ class LocalTokenizer:
         except Exception as exc:  # the library raises its own exception types
             raise ValueError(f"--tokenizer {str(path)!r}: cannot read {file}: {exc}") from None
         self.name = str(target)
+        self._words: dict[str, list[int]] = {}  # word or " word" -> its ids
+        self._splits_at_spaces: bool | None = None  # checked at the first synthetic text
+
+    def _encode_whole(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def _word_ids(self, text: str) -> list[int] | None:
+        """The ids of synthetic `text` from its words' ids (class docstring), or None for other text
+        or a tokenizer that does not split at spaces."""
+        if self._splits_at_spaces is False:
+            return None
+        words = text.split(" ")
+        if not all(w in SYNTHETIC_WORDS for w in words):
+            return None
+        if self._splits_at_spaces is None:
+            self._splits_at_spaces = True
+            self._splits_at_spaces = self._word_ids(_SPLIT_CHECK) == self._encode_whole(_SPLIT_CHECK)
+            if not self._splits_at_spaces:
+                return None
+        ids: list[int] = []
+        for i, word in enumerate(words):
+            key = word if i == 0 else " " + word
+            piece = self._words.get(key)
+            if piece is None:
+                piece = self._words[key] = self._encode_whole(key)
+            ids += piece
+        return ids
 
     async def encode(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
+        ids = self._word_ids(text)
+        return ids if ids is not None else self._encode_whole(text)
 
     async def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=False)

@@ -40,6 +40,7 @@ from typing import Any, Literal, cast
 import numpy as np
 
 from attention_kv_caceh.harness.backends import RequestSpec
+from attention_kv_caceh.harness.load import SYNTHETIC_WORDS
 
 __all__ = [
     "TRACE_FORMATS",
@@ -62,7 +63,7 @@ _FORMAT_DEFAULTS: dict[TraceFormat, tuple[float, int]] = {"mooncake": (1e-3, 512
 _KEYS = ("timestamp", "input_length", "output_length", "hash_ids")
 _MAX_ROWS = 10_000_000
 
-_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
+_WORDS = SYNTHETIC_WORDS
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ timestamps are comparable across workers. Each finished record is sent to the pa
 each worker sends its in-flight series and its CpuSpan.
 
 Each worker is a `python -m attention_kv_caceh.harness.workers` child talking over a socket pair
-(multiprocessing's `Connection`, pickled messages). The workers ignore SIGINT (the parent handles Ctrl-C
+(pickled messages, each after its 4-byte length). The workers ignore SIGINT (the parent handles Ctrl-C
 and stops them) and die with the parent (PR_SET_PDEATHSIG on Linux). Probes, the `/metrics` poller and the counters stay in the parent.
 """
 
@@ -27,6 +27,8 @@ import ctypes
 import ctypes.util
 import gc
 import os
+import pickle
+import selectors
 import signal
 import socket
 import subprocess
@@ -34,9 +36,8 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
 from time import perf_counter_ns
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 
@@ -48,7 +49,7 @@ from attention_kv_caceh.harness.records import RequestRecord
 __all__ = ["WorkerLoad", "WorkerPlan", "run_worker_load", "split_load"]
 
 _START_LEAD_NS = 20_000_000  # the shared start is this far ahead of the parent's clock when sent
-FLUSH_S = 0.02  # a worker's finished records reach the parent within this (plus the pipe's delay)
+FLUSH_S = 0.1  # a worker's finished records reach the parent within this (plus the socket's delay)
 _READY_TIMEOUT_S = 120.0  # a worker that has not opened its connections by then failed to start
 
 
@@ -103,28 +104,52 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+def _frame(message: object) -> bytes:
+    """A message on the wire: its pickle's length (4 bytes, big-endian), then the pickle."""
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return len(data).to_bytes(4, "big") + data
+
+
+def _read_message(sock: socket.socket) -> Any:
+    """One whole message from a blocking socket. Raises EOFError when it closes first."""
+    size = int.from_bytes(_read_exactly(sock, 4), "big")
+    return pickle.loads(_read_exactly(sock, size))
+
+
+def _read_exactly(sock: socket.socket, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n:
+        piece = sock.recv(n - len(data))
+        if not piece:
+            raise EOFError("the connection closed")
+        data += piece
+    return bytes(data)
+
+
 def worker_main(fd: int, parent_pid: int) -> None:
-    """The worker process's entry (module docstring): its plan comes first on the connection `fd`."""
+    """The worker process's entry (module docstring): its plan comes first on the socket `fd`."""
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(fd)
-    plan: WorkerPlan = conn.recv()
-    asyncio.run(_worker(conn, plan))
-    conn.close()
+    sock = socket.socket(fileno=fd)
+    plan: WorkerPlan = _read_message(sock)
+    asyncio.run(_worker(sock, plan))
 
 
 class _Outbox:
     """A worker's finished records, sent to the parent in batches: at most FLUSH_S after the first
-    record of a batch finished (a batch per record cost the parent about 0.1 ms of CPU a request), as
-    dicts of the record's fields (pickled several times faster than the dataclass)."""
+        record of a batch finished (each message wakes the parent's collector: a message per record cost it
+    about 0.1 ms of CPU a request),
+        each record as the tuple of its fields. The socket's asyncio transport buffers what the parent has
+        not read yet, so a parent slow to read (waiting for a core) never stalls the event loop that
+        timestamps tokens."""
 
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.pending: list[dict[str, Any]] = []
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.pending: list[tuple[Any, ...]] = []
         self._timer: asyncio.TimerHandle | None = None
 
     def add(self, record: RequestRecord) -> None:
-        self.pending.append(vars(record))
+        self.pending.append(tuple(vars(record).values()))
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
@@ -133,25 +158,32 @@ class _Outbox:
             self._timer.cancel()
             self._timer = None
         if self.pending:
-            self.conn.send(("records", self.pending))
+            self.writer.write(_frame(("records", self.pending)))
             self.pending = []
 
 
-async def _stop_message(conn: Connection) -> None:
+async def _read_async(reader: asyncio.StreamReader) -> Any:
+    """One whole message from the parent. Raises asyncio.IncompleteReadError when it closes first."""
+    size = int.from_bytes(await reader.readexactly(4), "big")
+    return pickle.loads(await reader.readexactly(size))
+
+
+async def _stop_message(reader: asyncio.StreamReader) -> None:
     """Return when the parent sends ("stop", 0) or closes the connection."""
-    with contextlib.suppress(EOFError, OSError):
-        await asyncio.to_thread(conn.recv)
+    with contextlib.suppress(asyncio.IncompleteReadError, OSError):
+        await _read_async(reader)
 
 
-async def _worker(conn: Connection, plan: WorkerPlan) -> None:
+async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
+    reader, writer = await asyncio.open_connection(sock=sock)
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     try:
         backend = OpenAIBackend(session, **plan.backend)
         first = plan.specs[: plan.concurrency]
         backend.prepare(first)
         await backend.open_connections(len(first))
-        conn.send(("ready", plan.index))
-        message: tuple[str, int] = await asyncio.to_thread(conn.recv)
+        writer.write(_frame(("ready", plan.index)))
+        message: tuple[str, int] = await _read_async(reader)
         if message[0] != "start":
             return
         gc.collect()
@@ -159,7 +191,7 @@ async def _worker(conn: Connection, plan: WorkerPlan) -> None:
         clock = CpuClock()
         clock.start()
         tracker = InFlightTracker()
-        outbox = _Outbox(conn)
+        outbox = _Outbox(writer)
         finished: list[RequestRecord] = []
 
         def on_record(record: RequestRecord) -> None:
@@ -177,15 +209,19 @@ async def _worker(conn: Connection, plan: WorkerPlan) -> None:
                 start_ns=message[1],
             )
         )
-        stop = asyncio.create_task(_stop_message(conn))  # the parent was interrupted, or closed
+        stop = asyncio.create_task(_stop_message(reader))  # the parent was interrupted, or closed
         await asyncio.wait((load, stop), return_when=asyncio.FIRST_COMPLETED)
         if not load.done():
             load.cancel()
             await asyncio.gather(load, return_exceptions=True)
+        span = clock.stop(finished)
         outbox.flush()
-        conn.send(("done", (tracker.samples, tracker.peak, clock.stop(finished))))
+        writer.write(_frame(("done", (tracker.samples, tracker.peak, span))))
+        await writer.drain()
+        await stop  # until the parent closes its end
     finally:
         await session.close()
+        writer.close()
 
 
 def _merge_in_flight(series: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[tuple[int, int]], int]:
@@ -207,13 +243,13 @@ def _merge_in_flight(series: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[
 
 
 class _Pool:
-    """The worker processes and the parent's ends of their connections (a socket pair each)."""
+    """The worker processes and the parent's ends of their sockets."""
 
     def __init__(self, plans: Sequence[WorkerPlan]) -> None:
         # Each worker is `python -m attention_kv_caceh.harness.workers FD PARENT_PID`, not a
         # multiprocessing child: a spawned child re-imports the parent's main module, which a script
         # calling run_harness without an `if __name__ == "__main__"` guard cannot survive.
-        self.conns: list[Connection] = []
+        self.socks: list[socket.socket] = []
         self.procs: list[subprocess.Popen[bytes]] = []
         for plan in plans:
             ours, theirs = socket.socketpair()
@@ -222,32 +258,26 @@ class _Pool:
                     [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
                     pass_fds=[theirs.fileno()],
                 )
-            conn = Connection(ours.detach())
-            self.conns.append(conn)
+            self.socks.append(ours)
             self.procs.append(proc)
-            conn.send(plan)
+            ours.sendall(_frame(plan))
 
     def wait_ready(self) -> None:
         """Block until every worker said ready. Raises RuntimeError naming a worker that died or
         did not answer in time."""
-        pending = set(range(len(self.conns)))
-        deadline = perf_counter_ns() + int(_READY_TIMEOUT_S * 1e9)
-        while pending:
-            left = (deadline - perf_counter_ns()) / 1e9
-            if left <= 0:
-                raise RuntimeError(f"client worker {min(pending)} did not start in {_READY_TIMEOUT_S:g} s")
-            for ready in wait([self.conns[i] for i in pending], timeout=min(left, 1.0)):
-                conn = cast("Connection", ready)
-                index = self.conns.index(conn)
-                try:
-                    conn.recv()
-                except EOFError:
-                    raise RuntimeError(f"client worker {index} exited before it was ready") from None
-                pending.discard(index)
+        for index, sock in enumerate(self.socks):
+            sock.settimeout(_READY_TIMEOUT_S)
+            try:
+                _read_message(sock)
+            except TimeoutError:
+                raise RuntimeError(f"client worker {index} did not start in {_READY_TIMEOUT_S:g} s") from None
+            except (EOFError, OSError):
+                raise RuntimeError(f"client worker {index} exited before it was ready") from None
+            sock.settimeout(None)
 
     def start(self, start_ns: int) -> None:
-        for conn in self.conns:
-            conn.send(("start", start_ns))
+        for sock in self.socks:
+            sock.sendall(_frame(("start", start_ns)))
 
     def collect(self, deliver: Callable[[RequestRecord], None], stop: threading.Event) -> list[Any]:
         """Pass every record to `deliver` as it comes; returns each worker's final (in-flight series,
@@ -255,37 +285,46 @@ class _Pool:
         interrupted), every worker is told to stop, and what they finished is still collected (for up
         to 10 s)."""
         done: dict[int, Any] = {}
+        buffers = [bytearray() for _ in self.socks]
         deadline: int | None = None
-        while len(done) < len(self.conns):
-            if stop.is_set() and deadline is None:
-                deadline = perf_counter_ns() + 10_000_000_000
-                for i, conn in enumerate(self.conns):
-                    if i not in done:
-                        conn.send(("stop", 0))
-            if deadline is not None and perf_counter_ns() > deadline:
-                break
-            live = [c for i, c in enumerate(self.conns) if i not in done]
-            for ready in wait(live, timeout=0.1):
-                conn = cast("Connection", ready)
-                index = self.conns.index(conn)
-                try:
-                    message: tuple[str, Any] = conn.recv()
-                except EOFError:
-                    raise RuntimeError(
-                        f"client worker {index} exited during the run (exit code {self.procs[index].poll()})"
-                    ) from None
-                if message[0] == "records":
-                    for fields in message[1]:
-                        deliver(RequestRecord(**fields))
-                else:
-                    done[index] = message[1]
+        with selectors.DefaultSelector() as selector:
+            for index, sock in enumerate(self.socks):
+                selector.register(sock, selectors.EVENT_READ, index)
+            while len(done) < len(self.socks):
+                if stop.is_set() and deadline is None:
+                    deadline = perf_counter_ns() + 10_000_000_000
+                    for index, sock in enumerate(self.socks):
+                        if index not in done:
+                            with contextlib.suppress(OSError):
+                                sock.sendall(_frame(("stop", 0)))
+                if deadline is not None and perf_counter_ns() > deadline:
+                    break
+                for key, _ in selector.select(timeout=0.1):
+                    index: int = key.data
+                    piece = self.socks[index].recv(1 << 20)
+                    if not piece:
+                        raise RuntimeError(
+                            f"client worker {index} exited during the run (exit code "
+                            f"{self.procs[index].poll()})"
+                        )
+                    buffer = buffers[index]
+                    buffer += piece
+                    while len(buffer) >= 4 and len(buffer) >= 4 + (size := int.from_bytes(buffer[:4], "big")):
+                        message: tuple[str, Any] = pickle.loads(buffer[4 : 4 + size])
+                        del buffer[: 4 + size]
+                        if message[0] == "records":
+                            for fields in message[1]:
+                                deliver(RequestRecord(*fields))
+                        else:
+                            done[index] = message[1]
+                            selector.unregister(self.socks[index])
         return [done[i] for i in sorted(done)]
 
     def close(self) -> None:
         """Close the sockets (a worker exits when its socket closes) and stop every worker still
         running after 5 s (SIGTERM, then SIGKILL after 5 s more)."""
-        for conn in self.conns:
-            conn.close()
+        for sock in self.socks:
+            sock.close()
         for how in ("wait", "terminate", "kill"):
             for proc in self.procs:
                 if how != "wait" and proc.poll() is None:
