@@ -127,7 +127,9 @@ class ProbeFilesTest(unittest.TestCase):
             self.assertGreaterEqual(len(probes), 1)
             report = build_report(tmp, Path(tmp) / "REPORT.md", plot=False).markdown
         self.assertIn("8 request(s), 8 completed", report)
-        self.assertIn(f"Probes (one-token requests sent beside the load, not in the table): {len(probes)}", report)
+        self.assertIn(
+            f"Probes (one-token requests sent beside the load, not in the table): {len(probes)}", report
+        )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,18 @@ from attention_kv_caceh.harness.repeats import (
 )
 
 # t_{0.975, df}, two-sided 95 %, from the standard printed tables
-TABLE = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 9: 2.262, 10: 2.228, 20: 2.086, 30: 2.042, 120: 1.980}
+TABLE = {
+    1: 12.706,
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    9: 2.262,
+    10: 2.228,
+    20: 2.086,
+    30: 2.042,
+    120: 1.980,
+}
 
 
 def _density(t: float, df: int) -> float:
@@ -110,7 +121,9 @@ class RepeatsCommandTest(unittest.TestCase):
             report = build_report(tmp, out / "REPORT.md", plot=False).markdown
         self.assertIn("### Repeats of `x.jsonl`: 3 of 3 repeats", report)
         ci = doc["intervals"]["request_throughput"]
-        self.assertIn(f"| request_throughput | 3 | {ci['mean']:.4g} | [{ci['low']:.4g}, {ci['high']:.4g}]", report)
+        self.assertIn(
+            f"| request_throughput | 3 | {ci['mean']:.4g} | [{ci['low']:.4g}, {ci['high']:.4g}]", report
+        )
 
     def test_repeats_out_of_range_exit_2(self) -> None:
         from attention_kv_caceh import cli

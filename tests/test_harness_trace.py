@@ -16,10 +16,14 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.prefix_ideal import compare_prefix_hits, ideal_prefix_hits, parse_block_size
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
-from attention_kv_caceh.harness.scripted_server import PrefixCacheModel, Script, ScriptedServer, timed_token_script
+from attention_kv_caceh.harness.scripted_server import (
+    PrefixCacheModel,
+    Script,
+    ScriptedServer,
+    timed_token_script,
+)
 from attention_kv_caceh.harness.trace import TraceSettings, read_trace, trace_offsets_s, trace_specs
 
 ROWS = [
@@ -57,7 +61,9 @@ class TraceFileTest(unittest.TestCase):
         # milliseconds, from the first row, divided by the speedup
         self.assertEqual(trace_offsets_s(rows, settings_), [0.0, 0.125, 0.125, 0.5])
         specs = trace_specs(rows, 16)
-        self.assertEqual([(s.prompt_tokens, s.output_tokens, s.hash_ids) for s in specs][1], (37, 2, (0, 1, 3)))
+        self.assertEqual(
+            [(s.prompt_tokens, s.output_tokens, s.hash_ids) for s in specs][1], (37, 2, (0, 1, 3))
+        )
         self.assertEqual((timed.seconds_per_unit, timed.tokens_per_hash), (1.0, 16))
         self.assertEqual((default.seconds_per_unit, default.tokens_per_hash), (1e-3, 512))
 
@@ -167,7 +173,9 @@ def _server() -> ScriptedServer:
 
     def script_for(payload: dict[str, Any], path: str) -> Script:
         assert server is not None
-        return timed_token_script(0.001, 0.0005, int(payload["max_tokens"]), prompt_tokens=len(server.prompt_ids(payload)))
+        return timed_token_script(
+            0.001, 0.0005, int(payload["max_tokens"]), prompt_tokens=len(server.prompt_ids(payload))
+        )
 
     server = ScriptedServer(script_for, counters=True, tokenizer=True, prefix_block_size=16)
     return server
@@ -248,8 +256,12 @@ class EngineTraceTest(unittest.TestCase):
         from attention_kv_caceh.engine.make_model import write_random_checkpoint
 
         rows = [
-            {"timestamp": 20 * i, "input_length": 16 * (6 + i % 2) - 5, "output_length": 2,
-             "hash_ids": [100 + i % 2, 1, 2, 3, 4, *range(1000 * i, 1000 * i + 1 + i % 2)]}
+            {
+                "timestamp": 20 * i,
+                "input_length": 16 * (6 + i % 2) - 5,
+                "output_length": 2,
+                "hash_ids": [100 + i % 2, 1, 2, 3, 4, *range(1000 * i, 1000 * i + 1 + i % 2)],
+            }
             for i in range(12)
         ]  # fmt: skip  (two prefixes of 5 blocks in turn; 8 blocks of 16 tokens hold one prompt, not two)
         with tempfile.TemporaryDirectory() as tmp:

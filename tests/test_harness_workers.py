@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import signal
 import statistics
 import subprocess
@@ -120,7 +119,6 @@ class WorkersAgainstTheScriptedServerTest(unittest.IsolatedAsyncioTestCase):
 class WorkersCommandTest(unittest.TestCase):
     def test_the_jsonl_of_two_workers_is_one_processs_file_and_ctrl_c_keeps_what_finished(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            port_file = Path(tmp) / "port"
             server = subprocess.Popen(
                 [sys.executable, "-m", "attention_kv_caceh.harness.scripted_server", "--ttft-ms", "5",
                  "--itl-ms", "50"],
@@ -140,12 +138,16 @@ class WorkersCommandTest(unittest.TestCase):
                 self.assertEqual(sorted(line["request_id"] for line in lines), list(range(40)))
                 self.assertEqual(set(lines[0]), {*lines[0]})  # the keys a one-process run writes
                 meta = json.loads((Path(tmp) / "w.jsonl.meta.json").read_text())
-                self.assertEqual((meta["status"], meta["records"], meta["config"]["workers"]), ("complete", 40, 2))
+                self.assertEqual(
+                    (meta["status"], meta["records"], meta["config"]["workers"]), ("complete", 40, 2)
+                )
                 # interrupted after the first requests finished: what finished is kept
                 proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                 deadline = time.monotonic() + 60
                 while time.monotonic() < deadline and (
-                    not jsonl.exists() or meta_mtime(jsonl) is not None or len(jsonl.read_text().splitlines()) < 4
+                    not jsonl.exists()
+                    or meta_mtime(jsonl) is not None
+                    or len(jsonl.read_text().splitlines()) < 4
                 ):
                     time.sleep(0.05)
                 proc.send_signal(signal.SIGINT)
@@ -156,9 +158,13 @@ class WorkersCommandTest(unittest.TestCase):
                 self.assertLess(len(kept), 40)
                 self.assertEqual(len({k["request_id"] for k in kept}), len(kept))
                 self.assertIn(f"{len(kept)} finished requests kept", err)
-                self.assertEqual(json.loads((Path(tmp) / "w.jsonl.meta.json").read_text())["status"], "interrupted")
+                self.assertEqual(
+                    json.loads((Path(tmp) / "w.jsonl.meta.json").read_text())["status"], "interrupted"
+                )
                 time.sleep(0.5)
-                workers = subprocess.run(["pgrep", "-f", "attention_kv_caceh.harness.workers"], capture_output=True, text=True)
+                workers = subprocess.run(
+                    ["pgrep", "-f", "attention_kv_caceh.harness.workers"], capture_output=True, text=True
+                )
                 self.assertNotIn(str(proc.pid), workers.stdout)
             finally:
                 server.terminate()

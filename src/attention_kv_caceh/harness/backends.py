@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any, Literal, Protocol
 
 import aiohttp
+from yarl import URL
 
 from attention_kv_caceh.harness.answer_text import AnswerText
 from attention_kv_caceh.harness.client_errors import classify_client_error
@@ -41,6 +42,7 @@ __all__ = [
     "SimulatedBackend",
     "SimulatedServer",
     "endpoint_url",
+    "load_session",
 ]
 
 
@@ -188,6 +190,15 @@ class SimulatedBackend:
             self.answers[spec.request_id] = " ".join(f"t{k}" for k in range(record.output_tokens))
 
 
+def load_session() -> aiohttp.ClientSession:
+    """The HTTP session of a load: no connection limit (the harness's semaphore bounds concurrency, not
+    aiohttp's default pool of 100), no cookie jar (servers set none a benchmark needs) and no
+    decompression (SSE is not compressed): each of those costs every request a little CPU."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+    )
+
+
 def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
     """`base_url` (with or without a trailing `/v1`) joined with the endpoint's path."""
     base = base_url.rstrip("/")
@@ -226,6 +237,7 @@ class OpenAIBackend:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
         self.session = session
         self.url = endpoint_url(base_url, endpoint)
+        self._url = URL(self.url)  # parsed once: a str URL is parsed again by every request
         self.model = model
         self.endpoint = endpoint
         self.headers = {"Content-Type": "application/json"}
@@ -293,7 +305,7 @@ class OpenAIBackend:
         answer = AnswerText() if self.keep_answers else None
         try:
             async with self.session.post(
-                self.url, data=self._body(spec), headers=self.headers, timeout=self.timeout
+                self._url, data=self._body(spec), headers=self.headers, timeout=self.timeout
             ) as response:
                 record.http_status = response.status
                 if response.status != 200:

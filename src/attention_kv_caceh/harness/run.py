@@ -26,6 +26,7 @@ from attention_kv_caceh.harness.backends import (
     ServerSample,
     SimulatedBackend,
     SimulatedServer,
+    load_session,
 )
 from attention_kv_caceh.harness.client_cpu import CpuClock, CpuSpan
 from attention_kv_caceh.harness.config import (
@@ -290,8 +291,7 @@ async def run_harness(
         simulated = SimulatedServer(config.server_slots, config.prefill_ms, config.per_token_ms)
         backend = SimulatedBackend(simulated, keep_answers=multi_turn)
     else:
-        # limit=0: the harness's semaphore, not aiohttp's default pool of 100, bounds concurrency.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        session = load_session()
     try:
         if session is not None:
             model_used = config.model or await discover_model(session, config.base_url, config.timeout_s)

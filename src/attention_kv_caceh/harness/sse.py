@@ -206,6 +206,42 @@ class InvalidUsageError(MalformedSSEError):
 _decode_json = msgspec.json.decode  # strict JSON, several times faster than json.loads
 
 
+class _Usage(msgspec.Struct):
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+
+
+class _Delta(msgspec.Struct):
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    refusal: str | None = None
+    role: str | None = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None
+    finish_reason: str | None = None
+    delta: _Delta | None = None
+    logprobs: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a stream chunk the decoder reads, typed: msgspec checks the types while it decodes
+    (other fields are skipped), so the common chunk needs no check in Python (`_typed_event`)."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+    object: Any = None
+
+
+_CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
+_GENERAL = -1  # `_typed_event`: leave this chunk to the general path (never a token count)
+
+
 def _as_dict(value: object) -> dict[str, Any] | None:
     return cast("dict[str, Any]", value) if isinstance(value, dict) else None
 
@@ -360,6 +396,56 @@ class OpenAIStreamDecoder:
             self.done = True
             return None
         try:
+            typed: _Chunk | None = _CHUNK_DECODER.decode(data)
+        except ValueError:  # not JSON, or a shape the typed decoder does not take: the general path
+            typed = None
+        if typed is not None:
+            count = self._typed_event(typed)
+            if count != _GENERAL:
+                return count
+        return self._general_event(data)
+
+    def _typed_event(self, chunk: _Chunk) -> int | None:
+        """The common chunk, its types already checked by msgspec: text or delta fields that are strings
+        or null, usage counts that are integers. Returns _GENERAL, having changed nothing, for anything
+        else (an error, a negative or decreasing count, logprobs, tool calls), which the general path
+        then decodes with its full checks and messages."""
+        if chunk.error is not None or chunk.object == "error":
+            return _GENERAL
+        completion: int | None = None
+        usage = chunk.usage
+        if usage is not None:
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+            if (prompt is not None and prompt < 0) or (completion is not None and completion < 0):
+                return _GENERAL
+            previous = self.usage_completion_tokens
+            if completion is not None and previous is not None and completion < previous:
+                return _GENERAL
+        choices = chunk.choices or []
+        for c in choices:
+            d = c.delta
+            if c.logprobs is not None or (d is not None and (d.tool_calls or d.function_call is not None)):
+                return _GENERAL
+        if usage is not None:
+            if usage.prompt_tokens is not None:
+                self.prompt_tokens = usage.prompt_tokens
+            if completion is not None:
+                self.usage_completion_tokens = completion
+        if not choices:
+            return None  # usage-only (or empty) chunk: not a token
+        choice = choices[0]
+        reason = choice.finish_reason
+        if reason:
+            self.finish_reason = reason
+        d = choice.delta
+        carries = bool(choice.text) or (
+            d is not None and bool(d.content or d.reasoning_content or d.reasoning or d.refusal)
+        )
+        return self._count(completion, carries, reason, None)
+
+    def _general_event(self, data: str) -> int | None:
+        """A chunk decoded to Python objects and checked field by field (the messages name the field)."""
+        try:
             obj: object = _decode_json(data)
         except ValueError:  # msgspec.DecodeError: not JSON (strict: no NaN or Infinity)
             obj = None
@@ -379,7 +465,14 @@ class OpenAIStreamDecoder:
         reason = choice.get("finish_reason")
         if reason:  # a non-empty string (checked)
             self.finish_reason = reason
-        if not _carries_tokens(choice):
+        return self._count(completion, _carries_tokens(choice), reason, _logprob_tokens(choice))
+
+    def _count(
+        self, completion: int | None, carries: bool, reason: object, logprobs: int | None
+    ) -> int | None:
+        """The tokens of a chunk (None: not a token event) from its usage count, whether its choice
+        carries generated text, its finish reason and its logprobs token count."""
+        if not carries:
             if completion is not None and self._held_back_token(completion, reason):
                 return self._usage_delta(completion)
             return None  # role-only, empty or finish-only chunk: not a token (usage reconciled later)
@@ -388,10 +481,9 @@ class OpenAIStreamDecoder:
         if completion is not None and self._usage_on_tokens:
             return None  # per-chunk usage says this chunk carried no token
         # else no usage, or a first usage report below the chunks counted one by one: reconciled at the end
-        logprob_count = _logprob_tokens(choice)
-        if logprob_count is not None and self._count_source == "chunks":
+        if logprobs is not None and self._count_source == "chunks":
             self._count_source = "logprobs"
-        return logprob_count or 1
+        return logprobs or 1
 
     def _held_back_token(self, completion: int, reason: object) -> bool:
         """True when a choice without text still carries a token by per-chunk usage: the server

@@ -39,9 +39,7 @@ from dataclasses import dataclass, field
 from time import perf_counter_ns
 from typing import Any
 
-import aiohttp
-
-from attention_kv_caceh.harness.backends import OpenAIBackend, RequestSpec
+from attention_kv_caceh.harness.backends import OpenAIBackend, RequestSpec, load_session
 from attention_kv_caceh.harness.client_cpu import CpuClock, CpuSpan
 from attention_kv_caceh.harness.load import InFlightTracker, run_requests
 from attention_kv_caceh.harness.records import RequestRecord
@@ -176,7 +174,7 @@ async def _stop_message(reader: asyncio.StreamReader) -> None:
 
 async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
     reader, writer = await asyncio.open_connection(sock=sock)
-    session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    session = load_session()
     try:
         backend = OpenAIBackend(session, **plan.backend)
         first = plan.specs[: plan.concurrency]
