@@ -23,6 +23,9 @@ decides what is a token-bearing event, the point common tools get wrong:
 - every chunk's shape is checked: `choices` a list of objects, their `text`, `finish_reason` and
   `delta` fields strings (`delta` an object), `usage` an object; anything else (`{"choices": "nope"}`,
   `{"choices": [null]}`, `{"choices": [{"text": 5}]}`) fails the request as `malformed_sse`.
+
+The chunks' shapes and checks are `sse_chunks.py` (a typed msgspec decode for the common chunk, the
+field-by-field checks for the rest); the parser splits a chunk without CR at its LFs in one call.
 """
 
 from __future__ import annotations
@@ -31,7 +34,21 @@ import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple, cast
 
-import msgspec
+from attention_kv_caceh.harness.sse_chunks import (
+    CHUNK_DECODER,
+    Chunk,
+    InvalidUsageError,
+    MalformedSSEError,
+    StreamErrorEvent,
+    as_dict,
+    carries_tokens,
+    checked_choices,
+    decode_json,
+    logprob_tokens,
+    nonempty_str,
+    short,
+    usage_count,
+)
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -52,6 +69,7 @@ MAX_EVENT_BYTES = 8 * 2**20
 _LINE_BREAK = re.compile(rb"[\r\n]")
 _CR, _LF = 0x0D, 0x0A
 _CR_BYTE = b"\r"
+_GENERAL = -1  # `_typed_event`: leave this chunk to the general path (never a token count)
 
 
 class SSEEvent(NamedTuple):
@@ -185,159 +203,8 @@ class SSEParser:
         return bool(self._line.strip()) or bool(self._data_lines)
 
 
-class StreamErrorEvent(Exception):
-    """The server sent an error inside the stream (an `error` object or an `event: error`)."""
-
-
-class MalformedSSEError(Exception):
-    """A `data:` payload that is neither `[DONE]` nor a JSON object, or an object whose `choices` are not
-    a list of objects with string `text` / `finish_reason` / `delta` fields."""
-
-
 class EventTooLargeError(MalformedSSEError):
     """One event grew past the parser's `max_event_bytes` (recorded as `event_too_large`)."""
-
-
-class InvalidUsageError(MalformedSSEError):
-    """A `usage` count that is not a non-negative integer, or a `completion_tokens` that decreased
-    (recorded as `invalid_usage`, never used as a statistic)."""
-
-
-_decode_json = msgspec.json.decode  # strict JSON, several times faster than json.loads
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int | None = None
-    completion_tokens: int | None = None
-
-
-class _Delta(msgspec.Struct):
-    content: str | None = None
-    reasoning_content: str | None = None
-    reasoning: str | None = None
-    refusal: str | None = None
-    role: str | None = None
-    tool_calls: Any = None
-    function_call: Any = None
-
-
-class _Choice(msgspec.Struct):
-    text: str | None = None
-    finish_reason: str | None = None
-    delta: _Delta | None = None
-    logprobs: Any = None
-
-
-class _Chunk(msgspec.Struct):
-    """The fields of a stream chunk the decoder reads, typed: msgspec checks the types while it decodes
-    (other fields are skipped), so the common chunk needs no check in Python (`_typed_event`)."""
-
-    choices: list[_Choice] | None = None
-    usage: _Usage | None = None
-    error: Any = None
-    object: Any = None
-
-
-_CHUNK_DECODER = msgspec.json.Decoder(_Chunk)
-_GENERAL = -1  # `_typed_event`: leave this chunk to the general path (never a token count)
-
-
-def _as_dict(value: object) -> dict[str, Any] | None:
-    return cast("dict[str, Any]", value) if isinstance(value, dict) else None
-
-
-def _as_list(value: object) -> list[Any] | None:
-    return cast("list[Any]", value) if isinstance(value, list) else None
-
-
-def _nonempty_str(value: object) -> bool:
-    return isinstance(value, str) and value != ""
-
-
-def _tool_call_args(delta: dict[str, Any]) -> bool:
-    """True when a chat delta carries generated tool-call text (a name or argument fragment)."""
-    calls = [_as_dict(c) for c in _as_list(delta.get("tool_calls")) or []]
-    legacy = _as_dict(delta.get("function_call"))
-    functions = [_as_dict(c.get("function")) for c in calls if c is not None]
-    functions.append(legacy)
-    return any(
-        f is not None and (_nonempty_str(f.get("arguments")) or _nonempty_str(f.get("name")))
-        for f in functions
-    )
-
-
-def _logprob_tokens(choice: dict[str, Any]) -> int | None:
-    logprobs = _as_dict(choice.get("logprobs"))
-    if logprobs is None:
-        return None
-    tokens = _as_list(logprobs.get("tokens"))  # completions
-    if tokens is None:
-        tokens = _as_list(logprobs.get("content"))  # chat
-    return len(tokens) if tokens else None
-
-
-def _carries_tokens(choice: dict[str, Any]) -> bool:
-    """True when a choice carries generated tokens: text, content, reasoning, refusal, tool-call
-    name/arguments, or a non-empty logprobs list."""
-    if _nonempty_str(choice.get("text")) or _logprob_tokens(choice):
-        return True
-    delta = _as_dict(choice.get("delta")) or {}
-    keys = ("content", "reasoning_content", "reasoning", "refusal")
-    return any(_nonempty_str(delta.get(key)) for key in keys) or _tool_call_args(delta)
-
-
-# Fields of a choice (and of a chat delta) that are text when present: a number or an object there is a
-# malformed chunk, never a silently skipped one.
-_TEXT_FIELDS = ("text", "finish_reason")
-_DELTA_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal", "role")
-
-
-def _checked_choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """`obj["choices"]` checked: absent or null is no choice; else a list of objects whose `text`,
-    `finish_reason` and `delta` fields (when present and not null) have the OpenAI API's types.
-    Raises MalformedSSEError naming the field otherwise."""
-    raw = obj.get("choices")
-    if raw is None:
-        return []
-    choices = _as_list(raw)
-    if choices is None:
-        raise MalformedSSEError(f"choices is {_short(raw)}, not a list")
-    checked: list[dict[str, Any]] = []
-    for i, item in enumerate(choices):
-        choice = _as_dict(item)
-        if choice is None:
-            raise MalformedSSEError(f"choices[{i}] is {_short(item)}, not an object")
-        for key in _TEXT_FIELDS:
-            value = choice.get(key)
-            if value is not None and not isinstance(value, str):
-                raise MalformedSSEError(f"choices[{i}].{key} is {_short(value)}, not a string")
-        delta_raw = choice.get("delta")
-        if delta_raw is not None:
-            delta = _as_dict(delta_raw)
-            if delta is None:
-                raise MalformedSSEError(f"choices[{i}].delta is {_short(delta_raw)}, not an object")
-            for key in _DELTA_TEXT_FIELDS:
-                value = delta.get(key)
-                if value is not None and not isinstance(value, str):
-                    raise MalformedSSEError(f"choices[{i}].delta.{key} is {_short(value)}, not a string")
-        checked.append(choice)
-    return checked
-
-
-def _short(value: object) -> str:
-    """`value` as JSON-ish text of at most 60 characters, for messages."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _usage_count(usage: dict[str, Any], key: str) -> int | None:
-    """`usage[key]` checked: None when absent or null; raises InvalidUsageError unless an int >= 0."""
-    value = usage.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidUsageError(f"usage.{key} is {value!r}, not a non-negative integer")
-    return value
 
 
 class OpenAIStreamDecoder:
@@ -396,7 +263,7 @@ class OpenAIStreamDecoder:
             self.done = True
             return None
         try:
-            typed: _Chunk | None = _CHUNK_DECODER.decode(data)
+            typed: Chunk | None = CHUNK_DECODER.decode(data)
         except ValueError:  # not JSON, or a shape the typed decoder does not take: the general path
             typed = None
         if typed is not None:
@@ -405,7 +272,7 @@ class OpenAIStreamDecoder:
                 return count
         return self._general_event(data)
 
-    def _typed_event(self, chunk: _Chunk) -> int | None:
+    def _typed_event(self, chunk: Chunk) -> int | None:
         """The common chunk, its types already checked by msgspec: text or delta fields that are strings
         or null, usage counts that are integers. Returns _GENERAL, having changed nothing, for anything
         else (an error, a negative or decreasing count, logprobs, tool calls), which the general path
@@ -446,7 +313,7 @@ class OpenAIStreamDecoder:
     def _general_event(self, data: str) -> int | None:
         """A chunk decoded to Python objects and checked field by field (the messages name the field)."""
         try:
-            obj: object = _decode_json(data)
+            obj: object = decode_json(data)
         except ValueError:  # msgspec.DecodeError: not JSON (strict: no NaN or Infinity)
             obj = None
         if type(obj) is not dict:
@@ -454,18 +321,18 @@ class OpenAIStreamDecoder:
         chunk = cast("dict[str, Any]", obj)
         error = chunk.get("error")
         if error is not None or chunk.get("object") == "error":
-            detail = _as_dict(error)
+            detail = as_dict(error)
             message = detail.get("message") if detail is not None else error
             raise StreamErrorEvent(str(message or chunk.get("message") or data.strip()[:500]))
         completion = self._usage(chunk) if chunk.get("usage") is not None else None
-        choices = _checked_choices(chunk)
+        choices = checked_choices(chunk)
         if not choices:
             return None  # usage-only (or empty) chunk: not a token
         choice = choices[0]
         reason = choice.get("finish_reason")
         if reason:  # a non-empty string (checked)
             self.finish_reason = reason
-        return self._count(completion, _carries_tokens(choice), reason, _logprob_tokens(choice))
+        return self._count(completion, carries_tokens(choice), reason, logprob_tokens(choice))
 
     def _count(
         self, completion: int | None, carries: bool, reason: object, logprobs: int | None
@@ -493,7 +360,7 @@ class OpenAIStreamDecoder:
         usage report after chunks counted one by one is reconciled, never a new event."""
         if completion <= self._counted:
             return False
-        return self._usage_on_tokens or (self._counted == 0 and not _nonempty_str(reason))
+        return self._usage_on_tokens or (self._counted == 0 and not nonempty_str(reason))
 
     def _usage_delta(self, completion: int) -> int:
         """The tokens of a chunk by per-chunk usage (`completion` above those counted so far)."""
@@ -506,13 +373,13 @@ class OpenAIStreamDecoder:
         raw = obj.get("usage")
         if raw is None:
             return None
-        usage = _as_dict(raw)
+        usage = as_dict(raw)
         if usage is None:
-            raise InvalidUsageError(f"usage is {_short(raw)}, not an object")
-        prompt = _usage_count(usage, "prompt_tokens")
+            raise InvalidUsageError(f"usage is {short(raw)}, not an object")
+        prompt = usage_count(usage, "prompt_tokens")
         if prompt is not None:
             self.prompt_tokens = prompt
-        completion = _usage_count(usage, "completion_tokens")
+        completion = usage_count(usage, "completion_tokens")
         if completion is None:
             return None
         previous = self.usage_completion_tokens

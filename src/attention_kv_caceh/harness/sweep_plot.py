@@ -8,6 +8,7 @@ backend, PNG out.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -107,7 +108,7 @@ def plot_pareto(rows: Sequence[Mapping[str, Any]], axis: Axis, path: str | Path,
         ax.legend(fontsize=8)
     else:
         ax.text(0.5, 0.5, "no point has a TPOT", transform=ax.transAxes, ha="center")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(textwrap.fill(title, 72), fontsize=9)
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
     plt.close(fig)
