@@ -114,7 +114,9 @@ class ParetoTest(unittest.TestCase):
         # brute force: a point is on the frontier iff none is >= on both and > on one
         for p in got.values():
             beaten = any(
-                q.per_user >= p.per_user and q.total >= p.total and (q.per_user > p.per_user or q.total > p.total)
+                q.per_user >= p.per_user
+                and q.total >= p.total
+                and (q.per_user > p.per_user or q.total > p.total)
                 for q in got.values()
             )
             self.assertEqual(p.frontier, not beaten)

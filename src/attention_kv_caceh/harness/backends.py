@@ -320,8 +320,7 @@ class OpenAIBackend:
                     now = perf_counter_ns()
                     if answer is not None:
                         answer.feed(chunk)
-                    for count in decoder.feed(chunk):
-                        record.add_token_event(now, count)
+                    record.add_token_events(now, decoder.feed(chunk))
                     if decoder.failure is not None:
                         raise decoder.failure
                     if decoder.done:

@@ -128,6 +128,16 @@ class RequestRecord:
         self.tokens_per_event.append(num_tokens)
         self.finish_ns = time_ns
 
+    def add_token_events(self, time_ns: int, counts: list[int]) -> None:
+        """Record the token-bearing events of one read, all at `time_ns`, carrying `counts` tokens."""
+        if not counts:
+            return
+        if self.first_token_ns is None:
+            self.first_token_ns = time_ns
+        self.token_times_ns += [time_ns] * len(counts)
+        self.tokens_per_event += counts
+        self.finish_ns = time_ns
+
     def fail(self, kind: str, error: str, end_ns: int | None = None) -> None:
         """Mark the request failed with a kind from FAILURE_KINDS. Raises ValueError for another kind."""
         if kind not in FAILURE_KINDS:

@@ -16,6 +16,7 @@ import msgspec
 
 __all__ = [
     "CHUNK_DECODER",
+    "CHUNK_LIST_DECODER",
     "Chunk",
     "InvalidUsageError",
     "MalformedSSEError",
@@ -81,6 +82,7 @@ class Chunk(msgspec.Struct):
 
 
 CHUNK_DECODER = msgspec.json.Decoder(Chunk)
+CHUNK_LIST_DECODER = msgspec.json.Decoder(list[Chunk])  # several chunks of one read, in one call
 
 
 def as_dict(value: object) -> dict[str, Any] | None:
