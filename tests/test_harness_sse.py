@@ -216,7 +216,7 @@ class ReadSplitEquivalenceTest(unittest.TestCase):
         }
 
         @settings(max_examples=150, deadline=None)
-        @given(st.lists(st.sampled_from(sorted(pieces)), min_size=1, max_size=12), st.integers(1, 9))
+        @given(st.lists(st.sampled_from(sorted(pieces)), min_size=1, max_size=12), st.integers(1, 200))
         def check(kinds: list[str], size: int) -> None:
             events = [pieces[kind](k) for k, kind in enumerate(kinds)]
             stream = b"".join(events)

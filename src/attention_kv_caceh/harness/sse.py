@@ -146,19 +146,25 @@ class SSEParser:
                 yield event
 
     def whole_data_events(self, chunk: bytes) -> list[bytes] | None:
-        """The data of each event when `chunk` holds nothing but whole events of one `data: ` line each
-        (`data: X` LF LF, repeated, no CR) and nothing is pending: the common shape of a token stream's
-        reads, taken apart with one split. None otherwise, with nothing consumed (feed it then)."""
-        if self._line or self._data_lines or self._after_cr or self._event_type:
+        """The data of each event `chunk` completes when those events are all of one `data: ` line each
+        (`data: X` LF LF, no CR), with at most a partial line pending before it: the common shape of a
+        token stream's reads, taken apart with one split. The bytes after the last complete event stay
+        pending, as on the other paths. None otherwise, with nothing consumed (feed it then)."""
+        if self._data_lines or self._after_cr or self._event_type or _CR_BYTE in chunk:
             return None
-        if not (chunk.startswith(b"data: ") and chunk.endswith(b"\n\n")) or _CR_BYTE in chunk:
+        buffer = bytes(self._line) + chunk if self._line else chunk
+        end = buffer.rfind(b"\n\n")
+        if end < 0 or not buffer.startswith(b"data: "):
             return None
-        events = chunk[:-2].split(b"\n\n")
+        events = buffer[:end].split(b"\n\n")
         cap = self.max_event_bytes
         for event in events:
             if not event.startswith(b"data: ") or b"\n" in event or len(event) > cap:
                 return None
-        self.bytes_scanned += 2 * len(chunk)  # one search, one copy, as on the other paths
+        self._line.clear()
+        self.bytes_scanned += 2 * (end + 2)  # one search, one copy, as on the other paths
+        for _ in self._feed_lf_lines(buffer[end + 2 :]):  # the start of the next event: pending
+            raise AssertionError("no event can end after the last blank line")
         return [event[6:] for event in events]
 
     def _feed_lf_lines(self, chunk: bytes) -> Iterator[SSEEvent]:
