@@ -175,6 +175,7 @@ async def _stop_message(reader: asyncio.StreamReader) -> None:
 async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
     reader, writer = await asyncio.open_connection(sock=sock)
     session = load_session()
+    backend: OpenAIBackend | None = None
     try:
         backend = OpenAIBackend(session, **plan.backend)
         first = plan.specs[: plan.concurrency]
@@ -218,6 +219,8 @@ async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
         await writer.drain()
         await stop  # until the parent closes its end
     finally:
+        if backend is not None:
+            backend.close()
         await session.close()
         writer.close()
 
