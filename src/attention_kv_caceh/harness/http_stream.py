@@ -122,10 +122,10 @@ class _Connection(asyncio.BufferedProtocol):
 
     # -------------------------------------------------------------------------------------- parsing
 
-    def _parse(self) -> list[bytes]:
+    def _parse(self) -> list[bytes | bytearray]:
         """Take what is complete off the buffer; returns the body's payload pieces. Raises ValueError for
         bytes that are not an HTTP response."""
-        buffer, pieces, pos = self._buffer, list[bytes](), 0
+        buffer, pieces, pos = self._buffer, list[bytes | bytearray](), 0
         while self.state != "end":
             n = len(buffer)
             if self.state == "head":
@@ -140,7 +140,7 @@ class _Connection(asyncio.BufferedProtocol):
                 take = n - pos if self.state == "close" else min(self.left, n - pos)
                 if take == 0 and self.state != "length":
                     break
-                pieces.append(bytes(buffer[pos : pos + take]))
+                pieces.append(buffer[pos : pos + take])
                 pos += take
                 self.left -= take if self.state != "close" else 0
                 if self.state == "close" or self.left:
@@ -153,6 +153,8 @@ class _Connection(asyncio.BufferedProtocol):
                     raise ValueError("a chunk does not end in CRLF")
                 pos += 2
                 self.state = "size"
+            elif self.state == "size" and (fast := self._whole_chunks(buffer, pos, pieces)) != pos:
+                pos = fast  # whole chunks, taken in a tight loop; what is left goes the general way
             elif self.state == "size":
                 eol = buffer.find(b"\r\n", pos)
                 if eol < 0:
@@ -176,6 +178,26 @@ class _Connection(asyncio.BufferedProtocol):
                 self.state = "end"
         del buffer[:pos]
         return pieces
+
+    @staticmethod
+    def _whole_chunks(buffer: bytearray, pos: int, pieces: list[bytes | bytearray]) -> int:
+        """The common case of a chunked body: whole non-empty chunks `SIZE CRLF DATA CRLF` one after
+        another, each put in `pieces`; returns where the first one that is not whole (or is the last
+        chunk, or has an extension) starts."""
+        find, n = buffer.find, len(buffer)
+        while True:
+            eol = find(b"\r\n", pos)
+            if eol < 0 or eol - pos > 16:
+                return pos
+            try:
+                size = int(buffer[pos:eol], 16)
+            except ValueError:  # an extension, or not a size: the general path reads it
+                return pos
+            end = eol + 2 + size
+            if size <= 0 or end + 2 > n or not buffer.startswith(b"\r\n", end):
+                return pos
+            pieces.append(buffer[eol + 2 : end])
+            pos = end + 2
 
     def _read_head(self, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")

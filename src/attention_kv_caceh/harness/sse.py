@@ -156,11 +156,14 @@ class SSEParser:
         end = buffer.rfind(b"\n\n")
         if end < 0 or not buffer.startswith(b"data: "):
             return None
-        events = buffer[:end].split(b"\n\n")
-        cap = self.max_event_bytes
-        for event in events:
-            if not event.startswith(b"data: ") or b"\n" in event or len(event) > cap:
-                return None
+        whole = buffer[:end]
+        events = whole.split(b"\n\n")
+        # every event one line that starts "data: ": as many "data: " after a blank line as events
+        # after the first, and no LF but the blank lines'
+        if whole.count(b"\n\ndata: ") != len(events) - 1 or whole.count(b"\n") != 2 * (len(events) - 1):
+            return None
+        if max(map(len, events)) > self.max_event_bytes:
+            return None
         self._line.clear()
         self.bytes_scanned += 2 * (end + 2)  # one search, one copy, as on the other paths
         for _ in self._feed_lf_lines(buffer[end + 2 :]):  # the start of the next event: pending
@@ -289,7 +292,9 @@ class OpenAIStreamDecoder:
         data), decoded in one msgspec call as a JSON array of typed chunks; each is then counted as
         `_event` counts it. Any payload the typed decoder refuses sends the whole list one by one
         through `_event`, which gives the same failure it gives on any other path."""
-        stop = next((i for i, p in enumerate(payloads) if p.strip() == b"[DONE]"), None)
+        # `[DONE]` as servers send it; one with spaces around it fails the typed decode below and is
+        # then recognised by `_event`
+        stop = payloads.index(b"[DONE]") if b"[DONE]" in payloads else None
         batch = payloads if stop is None else payloads[:stop]
         try:
             chunks: list[Chunk] | None = (
