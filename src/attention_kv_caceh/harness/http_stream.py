@@ -25,7 +25,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter_ns
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["StreamClient", "StreamHTTPError", "StreamResponse"]
 
@@ -83,8 +83,7 @@ class _Connection(asyncio.BufferedProtocol):
     # -------------------------------------------------------------------------------- asyncio.Protocol
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast("asyncio.Transport", transport)  # a stream transport (uvloop's too)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
