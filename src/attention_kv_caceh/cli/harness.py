@@ -410,8 +410,11 @@ def _run(
             else ""
         )
         + f"num_requests={config.num_requests} concurrency={config.concurrency} "
-        f"request_rate={config.request_rate} prompt_len={config.prompt_len} "
-        f"output_len={config.output_len}"
+        + (
+            f"request_rate={config.request_rate} prompt_len={config.prompt_len} output_len={config.output_len}"
+            if config.trace is None
+            else "(arrivals and lengths from the trace)"
+        )
         + "".join(f" {k}={v}" for k, v in config.sampling.body_fields().items())
         + harness_options.setup_words(config, args.repeats),
         flush=True,
