@@ -134,6 +134,7 @@ class WorkersCommandTest(unittest.TestCase):
                         "--server-metrics-interval", "0"]  # fmt: skip
                 run = subprocess.run(argv, capture_output=True, text=True, timeout=120)
                 self.assertEqual(run.returncode, 0, run.stderr)
+                self.assertNotIn("Unclosed", run.stderr)  # every worker's and the parent's session closed
                 lines = [json.loads(line) for line in jsonl.read_text().splitlines()]
                 self.assertEqual(sorted(line["request_id"] for line in lines), list(range(40)))
                 self.assertEqual(set(lines[0]), {*lines[0]})  # the keys a one-process run writes
@@ -169,6 +170,8 @@ class WorkersCommandTest(unittest.TestCase):
             finally:
                 server.terminate()
                 server.wait(timeout=10)
+                if server.stdout is not None:
+                    server.stdout.close()
 
 
 def meta_mtime(jsonl: Path) -> float | None:

@@ -4,9 +4,7 @@
   batch slots, so client concurrency (the load's semaphore) and server batch (the slots) can differ
   without a real server; a request waiting for a slot shows up in its TTFT, as it would on vLLM.
 - `OpenAIBackend`: `/v1/completions` or `/v1/chat/completions` of any OpenAI-compatible server (vLLM,
-  SGLang, ...), streamed over the lean HTTP/1.1 client of `http_stream.py` for `http://` servers (over
-  one shared aiohttp session for `https://`, redirects and every other request) and decoded by the one
-  parser in `sse.py`.
+  SGLang, ...), streamed over one shared aiohttp session and decoded by the one parser in `sse.py`.
 
 A backend never raises for a failed request: it records the failure kind, HTTP status and error text in
 the record, which is then written like any other (see `records.FAILURE_KINDS`).
@@ -26,7 +24,6 @@ from yarl import URL
 
 from attention_kv_caceh.harness.answer_text import AnswerText
 from attention_kv_caceh.harness.client_errors import classify_client_error
-from attention_kv_caceh.harness.http_stream import StreamClient, StreamHTTPError
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.harness.sse import (
     MAX_EVENT_BYTES,
@@ -193,9 +190,6 @@ class SimulatedBackend:
             self.answers[spec.request_id] = " ".join(f"t{k}" for k in range(record.output_tokens))
 
 
-_REDIRECTS = (301, 302, 303, 307, 308)
-
-
 def load_session() -> aiohttp.ClientSession:
     """The HTTP session of a load: no connection limit (the harness's semaphore bounds concurrency, not
     aiohttp's default pool of 100), no cookie jar (servers set none a benchmark needs) and no
@@ -203,6 +197,22 @@ def load_session() -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
     )
+
+
+_AFTER_DONE_S = 1.0  # how long the end of a body is awaited after `[DONE]`
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> None:
+    """Read what follows `[DONE]` (the chunked body's last, empty chunk, usually in a later read) so
+    that aiohttp puts the connection back in its pool for the next request; a body left unread closes
+    it. A server that keeps the stream open longer than `_AFTER_DONE_S` after `[DONE]` only costs that
+    connection (its bytes after `[DONE]` are not decoded; the record is already complete)."""
+    try:
+        async with asyncio.timeout(_AFTER_DONE_S):
+            while not content.at_eof():
+                await content.readany()
+    except TimeoutError:
+        pass
 
 
 def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
@@ -244,14 +254,6 @@ class OpenAIBackend:
         self.session = session
         self.url = endpoint_url(base_url, endpoint)
         self._url = URL(self.url)  # parsed once: a str URL is parsed again by every request
-        self.timeout_s = timeout_s
-        # http://: the streamed POSTs go through the lean client (http_stream.py), aiohttp does the rest
-        self._lean = (
-            StreamClient(self._url.host, self._url.port or 80)
-            if self._url.scheme == "http" and self._url.host
-            else None
-        )
-        self._lean_path = self._url.raw_path_qs
         self.model = model
         self.endpoint = endpoint
         self.headers = {"Content-Type": "application/json"}
@@ -291,9 +293,6 @@ class OpenAIBackend:
             except (aiohttp.ClientError, TimeoutError):
                 return False
 
-        if self._lean is not None:
-            path = URL(models).raw_path_qs
-            return await self._lean.open(n, path, self.headers, min(self.timeout_s, 30.0))
         return sum(await asyncio.gather(*(one() for _ in range(n))))
 
     def payload(self, spec: RequestSpec) -> dict[str, Any]:
@@ -321,7 +320,28 @@ class OpenAIBackend:
         decoder = OpenAIStreamDecoder(self.max_event_bytes)
         answer = AnswerText() if self.keep_answers else None
         try:
-            streamed = await self._send(spec, record, decoder, answer)
+            async with self.session.post(
+                self._url, data=self._body(spec), headers=self.headers, timeout=self.timeout
+            ) as response:
+                record.http_status = response.status
+                if response.status != 200:
+                    body = await response.text(errors="replace")
+                    record.fail(
+                        "http_error",
+                        body.strip()[:500] or "(empty body)",
+                        perf_counter_ns(),
+                    )
+                    return
+                async for chunk in response.content.iter_any():
+                    now = perf_counter_ns()
+                    if answer is not None:
+                        answer.feed(chunk)
+                    record.add_token_events(now, decoder.feed(chunk))
+                    if decoder.failure is not None:
+                        raise decoder.failure
+                    if decoder.done:
+                        await _read_to_end(response.content)
+                        break
         except StreamErrorEvent as exc:
             record.fail("stream_error", str(exc), perf_counter_ns())
         except EventTooLargeError as exc:
@@ -332,14 +352,11 @@ class OpenAIBackend:
             record.fail("malformed_sse", str(exc), perf_counter_ns())
         except TimeoutError:
             record.fail("timeout", "request exceeded the timeout", perf_counter_ns())
-        except StreamHTTPError as exc:
-            record.fail(exc.kind, str(exc), perf_counter_ns())
         except aiohttp.ClientError as exc:
             kind, message = classify_client_error(exc, after_headers=record.http_status is not None)
             record.fail(kind, message, perf_counter_ns())
         else:
-            if streamed:
-                self._finish(decoder, record)
+            self._finish(decoder, record)
         finally:
             if answer is not None:
                 self.answers[spec.request_id] = answer.text
@@ -350,61 +367,6 @@ class OpenAIBackend:
             record.output_tokens = decoder.output_tokens
             record.output_tokens_source = decoder.output_tokens_source
             record.tokens_per_event_source = decoder.tokens_per_event_source
-
-    async def _send(
-        self,
-        spec: RequestSpec,
-        record: RequestRecord,
-        decoder: OpenAIStreamDecoder,
-        answer: AnswerText | None,
-    ) -> bool:
-        """Send `spec` and feed its stream to `decoder`: through the lean client for `http://` (a
-        redirect is followed by aiohttp), else aiohttp. True when a 200 stream ended (to be judged),
-        False when the answer was an HTTP error (recorded). Raises the decoder's failure, the clients'
-        errors and TimeoutError."""
-        if self._lean is not None:
-
-            def sink(data: bytes, now: int) -> bool:
-                if answer is not None:
-                    answer.feed(data)
-                record.add_token_events(now, decoder.feed(data))
-                return decoder.failure is not None or decoder.done
-
-            response = await self._lean.post(
-                self._lean_path, self.headers, self._body(spec), sink, self.timeout_s
-            )
-            if response.status not in _REDIRECTS:
-                record.http_status = response.status
-                if response.status != 200:
-                    text = response.body.decode("utf-8", errors="replace").strip()
-                    record.fail("http_error", text[:500] or "(empty body)", perf_counter_ns())
-                    return False
-                if decoder.failure is not None:
-                    raise decoder.failure
-                return True
-        async with self.session.post(
-            self._url, data=self._body(spec), headers=self.headers, timeout=self.timeout
-        ) as response:
-            record.http_status = response.status
-            if response.status != 200:
-                body = await response.text(errors="replace")
-                record.fail("http_error", body.strip()[:500] or "(empty body)", perf_counter_ns())
-                return False
-            async for chunk in response.content.iter_any():
-                now = perf_counter_ns()
-                if answer is not None:
-                    answer.feed(chunk)
-                record.add_token_events(now, decoder.feed(chunk))
-                if decoder.failure is not None:
-                    raise decoder.failure
-                if decoder.done:
-                    break
-        return True
-
-    def close(self) -> None:
-        """Close the lean client's idle connections (the aiohttp session is the caller's)."""
-        if self._lean is not None:
-            self._lean.close()
 
     @staticmethod
     def _finish(decoder: OpenAIStreamDecoder, record: RequestRecord) -> None:

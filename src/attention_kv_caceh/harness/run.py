@@ -347,8 +347,6 @@ async def run_harness(
                 await poller.stop()
         await counters.read_after([*outcome.records, *outcome.probes])
     finally:
-        if isinstance(backend, OpenAIBackend):
-            backend.close()
         if session is not None:
             await session.close()
 

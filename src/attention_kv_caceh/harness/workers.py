@@ -175,7 +175,6 @@ async def _stop_message(reader: asyncio.StreamReader) -> None:
 async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
     reader, writer = await asyncio.open_connection(sock=sock)
     session = load_session()
-    backend: OpenAIBackend | None = None
     try:
         backend = OpenAIBackend(session, **plan.backend)
         first = plan.specs[: plan.concurrency]
@@ -219,8 +218,6 @@ async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
         await writer.drain()
         await stop  # until the parent closes its end
     finally:
-        if backend is not None:
-            backend.close()
         await session.close()
         writer.close()
 
