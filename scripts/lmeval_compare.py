@@ -1,6 +1,13 @@
-"""Compare lm-evaluation-harness's log-likelihoods with the engine's own float64 log-probabilities.
+"""Compare lm-evaluation-harness's log-likelihoods with the engine's own float64 log-probabilities, or
+two lm-evaluation-harness runs of the same task with each other.
 
     uv run python scripts/lmeval_compare.py CHECKPOINT SAMPLES_JSONL
+    uv run python scripts/lmeval_compare.py --versus REFERENCE_SAMPLES_JSONL SAMPLES_JSONL
+
+The second form reads two `samples_<task>_*.jsonl` files of the same task (say `lm_eval --model hf` on
+transformers and `lm_eval --model local-completions` against `serve`), prints every continuation's
+log-likelihood from both side by side, each run's accuracy and the largest difference, and exits 1
+unless the accuracies are equal and every difference is below --tolerance (default 1e-3).
 
 SAMPLES_JSONL is the `samples_<task>_*.jsonl` file `lm_eval --log_samples` wrote. For every (context,
 continuation) pair it tokenizes as lm-evaluation-harness's `_encode_pair` does (the context's trailing
@@ -57,5 +64,37 @@ def main(checkpoint: str, samples_path: str) -> int:
     return 0 if worst < 1e-4 else 1
 
 
+def _samples(path: str) -> dict[int, dict[str, object]]:
+    with open(path, encoding="utf-8") as f:
+        return {int(sample["doc_id"]): sample for sample in map(json.loads, filter(str.strip, f))}
+
+
+def versus(reference_path: str, samples_path: str, tolerance: float = 1e-3) -> int:
+    """Both runs' log-likelihoods per (document, choice), their accuracies and the largest difference."""
+    reference, samples = _samples(reference_path), _samples(samples_path)
+    if sorted(reference) != sorted(samples):
+        print(f"the two files hold different documents: {sorted(reference)} and {sorted(samples)}")
+        return 1
+    worst = 0.0
+    correct = [0, 0]
+    for doc in sorted(reference):
+        a, b = reference[doc], samples[doc]
+        for i, (ra, rb) in enumerate(zip(a["resps"], b["resps"], strict=True)):  # type: ignore[arg-type]
+            la, lb = float(ra[0][0]), float(rb[0][0])
+            worst = max(worst, abs(la - lb))
+            choice = a["arguments"][f"gen_args_{i}"]["arg_1"]  # type: ignore[index]
+            print(f"doc {doc:>3} {choice!r:28} reference {la:12.6f}  other {lb:12.6f}  diff {lb - la:+.2e}")
+        correct[0] += int(float(a["acc"]) == 1.0)  # type: ignore[arg-type]
+        correct[1] += int(float(b["acc"]) == 1.0)  # type: ignore[arg-type]
+    n = len(reference)
+    print(
+        f"accuracy: reference {correct[0]}/{n}, other {correct[1]}/{n}; "
+        f"largest |log-likelihood difference| = {worst:.2e} (tolerance {tolerance:g})"
+    )
+    return 0 if correct[0] == correct[1] and worst < tolerance else 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1] == "--versus":
+        raise SystemExit(versus(sys.argv[2], sys.argv[3], *(float(t) for t in sys.argv[4:5])))
     raise SystemExit(main(sys.argv[1], sys.argv[2]))

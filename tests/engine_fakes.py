@@ -21,11 +21,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from attention_kv_caceh.engine.core import EngineCore
+from attention_kv_caceh.engine.core import EngineCore, EngineCoreRequest
 from attention_kv_caceh.engine.kv_cache_manager import cdiv
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 
 VOCAB = 40
 EOS = 0
@@ -45,6 +46,25 @@ def next_token(context: Sequence[int], vocab: int = VOCAB) -> int:
 def one_hot_logits(context: Sequence[int], vocab: int) -> np.ndarray:
     logits = np.zeros(vocab)
     logits[next_token(context, vocab)] = 1.0
+    return logits
+
+
+def copy_token(context: Sequence[int], vocab: int = VOCAB) -> int:
+    """A model that mostly copies (so n-gram drafts are often, not always, right): after the last token's
+    most recent earlier occurrence came token x; the next token is x, except when the context's hash
+    is 0 mod 4 (or the last token never occurred before), where it is the hash's token."""
+    seed = context_seed(context)
+    last = context[-1]
+    for i in range(len(context) - 2, -1, -1):
+        if context[i] == last and seed % 4:
+            return int(context[i + 1])
+    return seed % vocab
+
+
+def copy_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    """One-hot logits of copy_token (greedy tests)."""
+    logits = np.zeros(vocab)
+    logits[copy_token(context, vocab)] = 1.0
     return logits
 
 
@@ -74,9 +94,13 @@ class FakeModelRunner:
         return block_ids[p // self.block_size] * self.block_size + p % self.block_size
 
     def execute_model(self, so: SchedulerOutput) -> np.ndarray:
+        """Logits `[R + D, V]`: per request the row after its last scheduled token, or with d scheduled
+        drafts the 1 + d rows after its last token and after each draft (the ModelRunner's contract),
+        each from the context read back through the block table up to that position."""
         self.outputs.append(so)
         flat = self.cache.reshape(-1)  # [num_blocks * block_size], a view
         snap: dict[str, tuple[int, int]] = {}
+        spec = so.scheduled_spec_decode_tokens
         for r in so.scheduled_requests:  # write every new token first, as the attention layers do
             c, n = r.num_computed_tokens, so.num_scheduled_tokens[r.request_id]
             snap[r.request_id] = (c, n)
@@ -84,18 +108,22 @@ class FakeModelRunner:
                 raise AssertionError(f"{r.request_id}: num_computed_tokens changed after schedule()")
             if len(r.block_ids) < cdiv(c + n, self.block_size):
                 raise AssertionError(f"{r.request_id}: {len(r.block_ids)} blocks for {c + n} positions")
-            tokens = r.all_token_ids
+            tokens = r.all_token_ids + spec.get(r.request_id, [])
+            if spec.get(r.request_id) and c + n != len(tokens):
+                raise AssertionError(f"{r.request_id}: drafts scheduled but not at the end of the step")
             for p in range(c, c + n):
                 flat[self._slot(r.block_ids, p)] = tokens[p]
         self.snapshots.append(snap)
-        logits = np.zeros((len(so.scheduled_requests), self.vocab))  # [R, V]
-        for i, r in enumerate(so.scheduled_requests):
+        rows: list[np.ndarray] = []
+        for r in so.scheduled_requests:
             c, n = snap[r.request_id]
-            context = [int(flat[self._slot(r.block_ids, p)]) for p in range(c + n)]
-            if -1 in context:
-                raise AssertionError(f"{r.request_id}: read a slot never written")
-            logits[i] = self.logits_fn(context, self.vocab)
-        return logits
+            num_rows = 1 + len(spec.get(r.request_id, []))
+            for end in range(c + n - num_rows + 1, c + n + 1):  # the context of each returned row
+                context = [int(flat[self._slot(r.block_ids, p)]) for p in range(end)]
+                if -1 in context:
+                    raise AssertionError(f"{r.request_id}: read a slot never written")
+                rows.append(self.logits_fn(context, self.vocab))
+        return np.array(rows).reshape(len(rows), self.vocab)  # [R + D, V]
 
 
 def reference_generate(
@@ -163,13 +191,15 @@ def run_workload(
         for rid, prompt, params in arrivals.get(step, []):
             engine.add_request(rid, prompt, params)
             tokens[rid] = []
-        n_stats = len(engine.step_stats)
+        n_steps = engine.num_steps
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             if out.finished:
                 assert out.finish_reason is not None
                 reasons[out.request_id] = out.finish_reason
-        if len(engine.step_stats) > n_stats:
+        if engine.num_steps == n_steps and step > last and engine.has_unfinished_requests():
+            raise AssertionError(f"step {step}: nothing was scheduled while requests are unfinished")
+        if engine.num_steps > n_steps:
             stats = engine.step_stats[-1]
             if sum(stats.num_scheduled_tokens.values()) > cfg.max_num_batched_tokens:
                 raise AssertionError(f"step {step}: {stats.num_scheduled_tokens} over the token budget")
@@ -200,6 +230,7 @@ def make_engine(
     enable_prefix_caching: bool = True,
     vocab: int = VOCAB,
     logits_fn: Callable[[Sequence[int], int], np.ndarray] = one_hot_logits,
+    speculative_config: SpeculativeConfig | None = None,
 ) -> tuple[LLMEngine, FakeModelRunner]:
     from attention_kv_caceh.engine.config import EngineConfig
 
@@ -210,6 +241,7 @@ def make_engine(
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
         enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative_config,
     )
     runner = FakeModelRunner(num_blocks, block_size, vocab, logits_fn)
     return LLMEngine(config, runner, None, eos_token_id=EOS), runner
@@ -233,6 +265,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return [(ord(c) - 32) % TEXT_VOCAB for c in text[:max_length]]
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int, bool]:
+        return self.encode(text, add_special_tokens, max_length), len(text), True
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(32 + i) for i in ids if i != TEXT_EOS)
 
@@ -247,6 +284,24 @@ def letter_logits(context: Sequence[int], vocab: int) -> np.ndarray:
     probability exp(-1e4 / T), 0 in float64)."""
     logits = np.zeros(vocab)
     logits[letter_token(context)] = 1e4
+    return logits
+
+
+def copy_letter_token(context: Sequence[int]) -> int:
+    """A letter model that copies: the letter that followed the last token's most recent earlier
+    occurrence, else `letter_token` (so n-gram drafts on a repetitive prompt are accepted)."""
+    last = context[-1]
+    for i in range(len(context) - 2, -1, -1):
+        if context[i] == last:
+            nxt = int(context[i + 1])
+            return nxt if ord("a") - 32 <= nxt <= ord("z") - 32 else letter_token(context)
+    return letter_token(context)
+
+
+def copy_letter_logits(context: Sequence[int], vocab: int) -> np.ndarray:
+    """letter_logits of copy_letter_token."""
+    logits = np.zeros(vocab)
+    logits[copy_letter_token(context)] = 1e4
     return logits
 
 
@@ -268,8 +323,15 @@ class GatedRunner(FakeModelRunner):
     (`blocked` is True meanwhile), `fail_steps` makes the next steps raise, `eos_after` k makes the k-th
     output token (counted from 0) EOS. `wait_for` waits, bounded, for a condition about it."""
 
-    def __init__(self, num_blocks: int, block_size: int, *, eos_after: int | None = None) -> None:
-        super().__init__(num_blocks, block_size, TEXT_VOCAB, letter_logits)
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        eos_after: int | None = None,
+        logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
+    ) -> None:
+        super().__init__(num_blocks, block_size, TEXT_VOCAB, logits_fn)
         self.gate = threading.Event()
         self.gate.set()
         self.blocked = False
@@ -288,12 +350,30 @@ class GatedRunner(FakeModelRunner):
             raise RuntimeError("injected step failure")
         logits = super().execute_model(so)
         if self.eos_after is not None:
-            for i, r in enumerate(so.scheduled_requests):
+            row = 0  # request i's first row (one row per request, 1 + d with d drafts)
+            for r in so.scheduled_requests:
                 ignore = r.sampling_params.ignore_eos
                 if so.samples_token(r) and r.num_output_tokens == self.eos_after and not ignore:
-                    logits[i] = 0.0
-                    logits[i, TEXT_EOS] = 1e4
+                    logits[row] = 0.0
+                    logits[row, TEXT_EOS] = 1e4
+                row += 1 + len(so.scheduled_spec_decode_tokens.get(r.request_id, []))
         return logits
+
+
+def hold_input(core: EngineCore) -> threading.Event:
+    """Make the core's input thread stop reading its socket while the returned event is cleared (it is
+    cleared here): `preprocess_add_request`, which that thread runs for every request it receives, waits
+    for the event. Frames the front end sends meanwhile pile up in ZMQ's queues, as they do behind a slow
+    core."""
+    reading = threading.Event()
+    preprocess = core.preprocess_add_request
+
+    def held(request: EngineCoreRequest) -> Request:
+        reading.wait()
+        return preprocess(request)
+
+    core.preprocess_add_request = held  # type: ignore[method-assign]
+    return reading
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0) -> bool:
@@ -315,6 +395,9 @@ def make_text_core(
     max_model_len: int = 256,
     max_num_batched_tokens: int = 512,
     eos_after: int | None = None,
+    enable_prefix_caching: bool = True,
+    speculative_config: SpeculativeConfig | None = None,
+    logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
 ) -> tuple[EngineCore, GatedRunner]:
     """A real EngineCore over the GatedRunner (no eos unless `eos_after`)."""
     from attention_kv_caceh.engine.config import EngineConfig
@@ -325,6 +408,8 @@ def make_text_core(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_model_len=max_model_len,
+        enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative_config,
     )
-    runner = GatedRunner(num_blocks, block_size, eos_after=eos_after)
+    runner = GatedRunner(num_blocks, block_size, eos_after=eos_after, logits_fn=logits_fn)
     return EngineCore(config, runner, eos_token_id=TEXT_EOS), runner

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 
+import numpy as np
 import uvicorn
 from fastapi import FastAPI
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.core import EngineCore, StepStats
 from attention_kv_caceh.engine.server import build_app
-from tests.engine_fakes import CharTokenizer, GatedRunner, make_text_core, wait_for
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
+from tests.engine_fakes import CharTokenizer, GatedRunner, letter_logits, make_text_core, wait_for
 
 MODEL = "fake-model"
 
@@ -90,11 +92,31 @@ def fake_server(
     max_queue: int | None = None,
     eos_at: int | None = None,
     max_request_bytes: int | None = None,
+    max_seqs_per_request: int | None = None,
+    enable_prefix_caching: bool = True,
+    max_request_bytes_in_flight: int | None = None,
+    speculative_config: SpeculativeConfig | None = None,
+    logits_fn: Callable[[Sequence[int], int], np.ndarray] = letter_logits,
 ) -> tuple[ServerThread, ServedEngine, AsyncLLM]:
     """The app over a real EngineCore (GatedRunner, CharTokenizer) whose busy loop runs in a thread."""
-    core, runner = make_text_core(max_num_seqs=max_num_seqs, max_model_len=max_model_len, eos_after=eos_at)
+    core, runner = make_text_core(
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        eos_after=eos_at,
+        enable_prefix_caching=enable_prefix_caching,
+        speculative_config=speculative_config,
+        logits_fn=logits_fn,
+    )
     tokenizer = CharTokenizer()
     llm = AsyncLLM.from_engine_core(core, tokenizer)
-    extra = {} if max_request_bytes is None else {"max_request_bytes": max_request_bytes}
+    extra: dict[str, int] = {}
+    if max_request_bytes is not None:
+        extra["max_request_bytes"] = max_request_bytes
+    if max_seqs_per_request is not None:
+        extra["max_seqs_per_request"] = max_seqs_per_request
+    if max_request_bytes_in_flight is not None:
+        extra["max_request_bytes_in_flight"] = max_request_bytes_in_flight
+    if speculative_config is not None:
+        extra["num_speculative_tokens"] = speculative_config.num_speculative_tokens
     app = build_app(llm, tokenizer, MODEL, max_model_len, api_key=api_key, max_queue=max_queue, **extra)
     return ServerThread(app), ServedEngine(core, runner), llm

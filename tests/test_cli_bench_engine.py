@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+import statistics
 import unittest
 from unittest import mock
 
@@ -83,8 +85,12 @@ class BenchEngineCommandTest(EngineCommandCase):
 
     def test_usage_errors_exit_2_with_one_line_and_write_nothing(self) -> None:
         out_json = self.out / "b.json"
+        no_tokenizer = self.out / "no-tokenizer"
+        shutil.copytree(self.model, no_tokenizer)
+        (no_tokenizer / "tokenizer.json").unlink()
         cases = {
             "no config": ["--model", str(self.out)],
+            "no tokenizer.json": ["--model", str(no_tokenizer)],
             "too long": ["--model", str(self.model), "--prompt-len", "2048", "--output-len", "8"],
             "one output token": ["--model", str(self.model), "--output-len", "1"],
             "zero seqs": ["--model", str(self.model), "--max-num-seqs", "0"],
@@ -96,8 +102,8 @@ class BenchEngineCommandTest(EngineCommandCase):
         }
         for name, flags in cases.items():
             with self.subTest(name):
-                code, _, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
-                self.assertEqual(code, 2, err)
+                code, out, err = quietly(["bench-engine", *flags, "--json", str(out_json)])
+                self.assertEqual((code, out), (2, ""), err)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
                 self.assertFalse(out_json.exists())
 
@@ -151,3 +157,51 @@ class BenchEngineSamplingTest(EngineCommandCase):
             self.assertEqual((code, out), (2, ""))
             self.assertEqual(len(err.splitlines()), 1, err)
             self.assertIn("--seed", err)
+
+
+class BenchEngineSpeculativeTest(EngineCommandCase):
+    SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+
+    def test_with_and_without_speculation_in_one_run(self) -> None:
+        out_json = self.out / "spec.json"
+        for workload in ("random", "copy"):
+            with self.subTest(workload=workload):
+                code, out, err = quietly(
+                    [
+                        *("bench-engine", "--model", str(self.model), "--max-num-seqs", "2", "1"),
+                        *("--prompt-len", "6", "--output-len", "12", "--speculative-config", self.SPEC),
+                        *("--workload", workload, "--pairs", "2", "--json", str(out_json)),
+                    ]
+                )
+                self.assertEqual(code, 0, err)
+                rows = json.loads(out_json.read_text(encoding="utf-8"))["rows"]
+                self.assertEqual([r["max_num_seqs"] for r in rows], [1, 2])
+                for r in rows:
+                    for ratio, on, off, median in (
+                        ("tok_s_ratio", "runs_tok_s_on", "runs_tok_s_off", "output_tokens_per_s_on"),
+                        ("tpot_ratio", "runs_tpot_ms_on", "runs_tpot_ms_off", "tpot_ms_on"),
+                    ):
+                        pairs = [a / b for a, b in zip(r[on], r[off], strict=True)]
+                        self.assertAlmostEqual(
+                            r[ratio], statistics.median(pairs)
+                        )  # a pair's runs side by side
+                        self.assertAlmostEqual(r[median], statistics.median(r[on]))
+                        self.assertEqual(len(r[on]), 2)
+                    self.assertLessEqual(r["num_accepted_tokens"], r["num_draft_tokens"])
+                    self.assertEqual(r["pairs"], 2)
+                    if r["num_drafts"]:
+                        self.assertAlmostEqual(
+                            r["acceptance_length"], 1 + r["num_accepted_tokens"] / r["num_drafts"]
+                        )
+                        self.assertGreater(r["verify_rows_mean"], r["max_num_seqs"] - 1)
+                last = json.loads(out.strip().splitlines()[-1])
+                self.assertEqual(last["max_num_seqs"], [1, 2])
+                self.assertEqual(last["tpot_ms"], [r["tpot_ms_on"] for r in rows])
+                self.assertIn("accept len", out)
+
+    def test_workload_and_pairs_need_a_speculative_config(self) -> None:
+        for extra in (["--workload", "copy"], ["--pairs", "3"]):
+            with self.subTest(extra=extra):
+                code, _, err = quietly(["bench-engine", "--model", str(self.model), *extra])
+                self.assertEqual(code, 2)
+                self.assertIn("needs --speculative-config", err)

@@ -168,6 +168,25 @@ class TraceTest(EngineCommandCase):
         self.assertEqual(len(read_jsonl(trace)), 9)
 
 
+class LoadLineTest(EngineCommandCase):
+    def test_the_first_line_counts_the_kernels_the_load_compiled_and_loaded_from_the_cache(self) -> None:
+        from attention_kv_caceh.engine import warmup
+
+        for counts, says in (
+            ([(4, 1), (7, 3)], "3 kernel signatures compiled, 2 loaded from Numba's disk cache"),
+            ([(4, 1), (4, 6)], "0 kernel signatures compiled, 5 loaded from Numba's disk cache"),
+            ([(4, 1), (4, 1)], "every kernel already compiled in this process"),
+        ):
+            with (
+                self.subTest(says=says),
+                unittest.mock.patch.object(warmup, "numba_compile_counts", side_effect=counts),
+            ):
+                code, out, err = self.generate("--prompt", "a", "--max-tokens", "2")
+                self.assertEqual(code, 0, err)
+                self.assertIn(says, out.splitlines()[0])
+                self.assertNotIn("compile included", out)
+
+
 class ReportOfGenerateFilesTest(EngineCommandCase):
     def test_report_lists_generate_output_and_trace_once_with_no_problem(self) -> None:
         from attention_kv_caceh.report.build import build_report
@@ -205,8 +224,13 @@ class UsageErrorTest(EngineCommandCase):
         empty = self.out / "empty.txt"
         empty.write_text("\n  \n", encoding="utf-8")
         cases = [
-            ([*gen, "--model", f"{o}/missing", "--prompt", "a"], "is not a folder"),
-            ([*gen, "--model", o, "--prompt", "a"], "has no config.json"),
+            ([*gen, "--model", f"{o}/missing", "--prompt", "a"], "no such file or folder"),
+            ([*gen, "--model", o, "--prompt", "a"], "neither config.json"),
+            ([*gen, "--model", "", "--prompt", "a"], "--model '': an empty name"),
+            (["bench-engine", "--model", " "], "--model ' ': an empty name"),
+            (["serve", "--model", "", "--port", "0"], "--model '': an empty name"),
+            (["serve", "--model", m, "--port", "0", "--served-model-name", ""], "--served-model-name"),
+            (["serve", "--model", m, "--port", "0", "--served-model-name", " \t"], "--served-model-name"),
             ([*gen, "--model", m], "one of the arguments --prompt --prompts-file is required"),
             ([*gen, "--model", m, "--prompt", "a", "--prompts-file", str(self.prompts_file)], "not allowed"),
             ([*gen, "--model", m, "--prompts-file", str(empty)], "holds no prompt"),

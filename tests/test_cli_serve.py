@@ -86,6 +86,9 @@ class ServeCliTest(unittest.TestCase):
             "--kv-cache-memory 1000000000000000": ["--kv-cache-memory", str(10**15)],
             "--num-kv-blocks 1000000000000": ["--num-kv-blocks", str(10**12)],
             "--max-num-seqs": ["--max-num-seqs", "9", "--max-num-batched-tokens", "4"],
+            "--max-request-bytes-in-flight 999": [
+                *("--max-request-bytes", "1000", "--max-request-bytes-in-flight", "999"),
+            ],
         }
         with mock.patch.object(AsyncLLM, "from_checkpoint", loader):
             for names, flags in cases.items():

@@ -109,10 +109,33 @@ class LinksAndPathsTest(unittest.TestCase):
                     self.assertTrue(any(c.exists() for c in candidates))
 
     def test_no_planning_words(self) -> None:
-        pattern = re.compile(r"previous round|this round|the issue|target|notes' ?§|exercise 9", re.I)
+        pattern = re.compile(
+            r"previous round|this round|the issue|target|notes' ?§|exercise 9|user's notes|original brief",
+            re.I,
+        )
         for path in DOCS:
             with self.subTest(file=path.name):
                 self.assertEqual(pattern.findall(path.read_text(encoding="utf-8")), [])
+
+    def test_no_path_of_one_machine_outside_the_repository(self) -> None:
+        for path in DOCS:  # a /tmp path is one any reader can make; a home or workspace folder is not
+            with self.subTest(file=path.name):
+                self.assertEqual(
+                    re.findall(r"(?<![\w.])/(?:work|home|Users|root)/\S*", path.read_text(encoding="utf-8")),
+                    [],
+                )
+
+
+class ReadmeFiguresTest(unittest.TestCase):
+    def test_the_throughput_section_quotes_the_scan_table_above_it(self) -> None:
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+        table = text[text.index("B  P50 ms") : text.index("Saturation:")]
+        rows = {r.split()[0]: r.split() for r in table.splitlines()[2:] if r.strip()}
+        first, last = rows["1"], rows[max(rows, key=int)]  # columns: B, P50, P95, min, max, ms/seq, ...
+        section = text[text.index("## Throughput is not latency") : text.index("## Layout")]
+        quoted = re.findall(r"\d+\.\d+", section.split("\n\n")[1])
+        self.assertEqual(quoted[:4], [last[1], first[1], first[5], last[5]])
+        self.assertEqual(quoted[4] + "x", last[7])  # positions/s rise by the speedup column
 
 
 class RequestWalkTest(unittest.TestCase):

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import unittest
+from typing import Any
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.core import EngineCoreOutputs
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.output_processor import EngineDrainingError, EngineStepError, RequestDelta
 from attention_kv_caceh.engine.request import SamplingParams
-from tests.engine_fakes import CharTokenizer, expected_ids, make_text_core, wait_for
+from tests.engine_fakes import CharTokenizer, expected_ids, hold_input, make_text_core, wait_for
 
 
 async def collect(llm: AsyncLLM, rid: str, prompt: list[int], max_tokens: int) -> list[RequestDelta]:
@@ -216,6 +217,78 @@ class AsyncLLMTest(unittest.TestCase):
         self.assertIs(raised, OverflowError)
         self.assertEqual((unfinished, waiting), (0, 0))
         self.assertEqual(tokens, expected_ids([65], 2))
+
+    def test_a_core_that_stops_reading_makes_sends_queue_not_fail_and_every_request_is_served(self) -> None:
+        """Backpressure is not death: while the core's input thread reads nothing, 3,000 requests (more than
+        ZMQ's default high-water marks hold, 1,000 a side) are added without an error; once it reads
+        again, every one gets its own tokens and the engine never looked dead."""
+        core, _runner = make_text_core(max_num_seqs=64, max_num_batched_tokens=512)
+        reading = hold_input(core)
+        num_requests = 3000
+
+        async def go() -> tuple[list[list[RequestDelta]], bool, bool]:
+            llm = AsyncLLM.from_engine_core(core, CharTokenizer())
+            llm.start()
+            params = SamplingParams(max_tokens=2, ignore_eos=True)
+            streams = [llm.add_request(f"r{i}", [1 + i % 90], params) for i in range(num_requests)]
+            alive_while_held = llm.is_running
+            reading.set()
+
+            async def read(stream: object) -> list[RequestDelta]:
+                return [d async for d in stream]  # type: ignore[attr-defined]
+
+            results = await asyncio.gather(*(read(s) for s in streams))
+            alive = llm.is_running
+            await llm.shutdown(5)
+            return results, alive_while_held, alive
+
+        results, alive_while_held, alive = asyncio.run(go())
+        self.assertTrue(alive_while_held and alive)
+        for i, deltas in enumerate(results):
+            self.assertEqual([t for d in deltas for t in d.new_token_ids], expected_ids([1 + i % 90], 2))
+            self.assertEqual(deltas[-1].finish_reason, "length")
+
+    def test_a_request_added_while_the_core_dies_is_ended_and_the_gauges_read_zero(self) -> None:
+        """The core dies between add_request's liveness check and the moment the request is tracked, and
+        the transport takes the message without a word (a ZMQ pipe may, before it sees the peer go): the
+        request must not stay tracked, and running, waiting and KV usage must read 0."""
+        from attention_kv_caceh.engine.core import RequestType
+
+        core, _runner = make_text_core(max_num_seqs=2)
+
+        def broken() -> bool:
+            raise RuntimeError("the core's loop fails")
+
+        async def go() -> tuple[type[BaseException] | None, int, int, int, float]:
+            llm = AsyncLLM.from_engine_core(core, CharTokenizer())
+            llm.start()
+            await collect(llm, "warm", [65], 2)  # the core has reported a KV usage above 0 once
+            proc, thread = llm.client.proc, llm._thread  # pyright: ignore[reportPrivateUsage]
+            assert proc is not None and thread is not None
+            track = llm.output_processor.add_request
+
+            def die_then_track(*args: Any, **kwargs: Any) -> Any:
+                core.has_unfinished_requests = broken  # type: ignore[method-assign]
+                proc.input_queue.put((RequestType.ABORT, []))  # wakes the idle loop, which then fails
+                thread.join(30)  # the output thread saw the death and failed every tracked request
+                return track(*args, **kwargs)
+
+            llm.output_processor.add_request = die_then_track  # type: ignore[method-assign]
+            llm.client.add_request = lambda request: None  # type: ignore[method-assign]
+            raised: type[BaseException] | None = None
+            try:
+                stream = llm.add_request("late", [66], SamplingParams(max_tokens=2, ignore_eos=True))
+                await asyncio.wait_for(stream.__anext__(), 5)
+            except (EngineDeadError, TimeoutError) as exc:
+                raised = type(exc)
+            counts = (llm.num_unfinished, llm.num_running, llm.num_waiting, llm.kv_cache_usage)
+            await llm.shutdown(1)
+            return raised, *counts
+
+        with self.assertLogs("attention_kv_caceh.engine", "ERROR"):
+            raised, unfinished, running, waiting, kv = asyncio.run(go())
+        self.assertIs(raised, EngineDeadError)
+        self.assertEqual((unfinished, running, waiting, kv), (0, 0, 0, 0.0))
 
 
 if __name__ == "__main__":

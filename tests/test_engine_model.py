@@ -59,6 +59,7 @@ class FakeRequest:
 class FakeSchedulerOutput:
     scheduled_requests: list[FakeRequest]
     num_scheduled_tokens: dict[str, int]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict[str, list[int]])
 
 
 def reference_logits(folder: Path, token_ids: list[int]) -> np.ndarray:

@@ -369,6 +369,13 @@ class ServerFieldsTest(_Checkpoint):
             (comp, '{"prompt": "a", "logit_bias": {"x": 1}}', "logit_bias"),
             (comp, '{"prompt": "a", "frequency_penalty": 3}', "frequency_penalty"),
             (comp, '{"prompt": "a", "repetition_penalty": 0}', "repetition_penalty"),
+            (comp, '{"prompt": "a", "repetition_penalty": 1e101}', "repetition_penalty"),
+            (comp, '{"prompt": "a", "repetition_penalty": 1e-300}', "repetition_penalty"),
+            (
+                comp,
+                f'{{"prompt": "a", "min_tokens": 1, "stop_token_ids": {list(range(512))}}}',
+                "stop_token_ids",
+            ),
             (comp, '{"prompt": ["a", [1, 2]]}', "prompt"),
             (comp, '{"prompt": [[1, 600]]}', "prompt"),
             (comp, '{"prompt": []}', "prompt"),
@@ -378,7 +385,7 @@ class ServerFieldsTest(_Checkpoint):
             ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
             (comp, '{"prompt": "a", "stop": [1]}', "stop"),
             (comp, '{"prompt": "a", "max_tokens": 0}', "max_tokens"),
-            (comp, '{"prompt": "a", "max_tokens": 95}', "max_tokens"),
+            (comp, '{"prompt": "a", "max_tokens": 97}', "max_tokens"),
         ]
         for path, raw, param in cases:
             with self.subTest(body=raw):

@@ -216,7 +216,7 @@ class StreamingTest(unittest.TestCase):
             ("/v1/completions", {"json": {"model": MODEL, "prompt": "a" * 256}}, 400, "prompt"),
             (
                 "/v1/completions",
-                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 10}},
+                {"json": {"model": MODEL, "prompt": "a" * 250, "max_tokens": 257}},
                 400,
                 "max_tokens",
             ),
@@ -349,10 +349,11 @@ class BodySizeAndPrefixCacheTest(unittest.TestCase):
             generation_calls = list(calls)
             counted = request("POST", url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False})
             ok = request("POST", url + "/v1/completions", json={"prompt": "ab", "max_tokens": 2})
-        for status, body in (completion, chat):
+        for status, body, length in ((*completion, len(prompt)), (*chat, len(chat_prompt_ids(messages)))):
             self.assertEqual((status, body["error"]["code"], body["error"]["param"]), (400, 400, "prompt"))
             self.assertNotIn("abcd" * 100, body["error"]["message"])  # the prompt is not echoed back
-        # a generation request tokenizes no further than max_model_len: enough to refuse it
+            self.assertIn(f"the prompt is {length} tokens", body["error"]["message"])  # its exact length
+        # a generation request builds no more than max_model_len ids: enough to refuse it
         self.assertEqual(generation_calls, [256, 256])
         self.assertEqual(counted[1]["count"], len(prompt))  # /tokenize still counts the whole prompt
         self.assertEqual(ok[0], 200)
@@ -532,19 +533,43 @@ class FaultTest(unittest.TestCase):
         self.assertIn("tokenizer bug", body["error"]["message"])
         self.assertEqual((health, ok[0]), (200, 200))
 
-    def test_api_key_is_required_on_v1_but_not_on_health(self) -> None:
+    def test_api_key_is_required_everywhere_but_health_metrics_and_docs(self) -> None:
+        """Fail closed, as vLLM's newer AuthenticationMiddleware: every endpoint needs the key except the
+        health probe, the metrics scrape and the API docs, none of which names a request; the engine's
+        step record lists request ids, so it needs the key."""
         thread, _engine, _llm = fake_server(api_key="sesame")
+        keyed = [
+            ("GET", "/v1/models", None),
+            ("POST", "/v1/completions", {"prompt": "a", "max_tokens": 1}),
+            ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]}),
+            ("POST", "/tokenize", {"prompt": "a"}),
+            ("POST", "/detokenize", {"tokens": [1]}),
+            ("POST", "/reset_prefix_cache", None),
+            ("GET", "/debug/step_stats", None),
+            ("GET", "/debug/step_stats/", None),
+            ("GET", "/no/such/path", None),
+        ]
         with thread:
             with (
                 client(thread.base_url, api_key="wrong") as bad,
                 self.assertRaises(openai.AuthenticationError),
             ):
                 bad.completions.create(model=MODEL, prompt="a", max_tokens=1)
-            status, body = request("GET", thread.base_url + "/v1/models")
-            self.assertEqual((status, body["error"]["code"]), (401, 401))
-            self.assertEqual(request("GET", thread.base_url + "/health")[0], 200)
             with client(thread.base_url, api_key="sesame") as good:
                 ok = good.completions.create(model=MODEL, prompt="a", max_tokens=1)
+            for method, path, body in keyed:
+                with self.subTest(path=path):
+                    status, got = request(method, thread.base_url + path, json=body)
+                    self.assertEqual((status, got["error"]["code"]), (401, 401))
+            for path in ("/health", "/metrics", "/docs", "/openapi.json"):
+                with self.subTest(path=path):
+                    status, got = request("GET", thread.base_url + path)
+                    self.assertEqual(status, 200)
+                    self.assertNotIn(ok.id.removeprefix("cmpl-"), str(got))  # no request named there
+            headers = {"Authorization": "Bearer sesame"}
+            status, stats = request("GET", thread.base_url + "/debug/step_stats", headers=headers)
+        self.assertEqual(status, 200)
+        self.assertTrue(any(s["num_scheduled_tokens"] for s in stats["data"]))  # with the key: every id
         self.assertEqual(ok.choices[0].text, expected_text(TOK.encode("a"), 1))
 
     def test_requests_beyond_max_queue_waiting_get_503(self) -> None:
@@ -709,6 +734,31 @@ class BoundaryTest(unittest.TestCase):
                 self.assertEqual(status, 200, got)
         status, got = self.post("/v1/completions", {"prompt": 5}, "application/json")
         self.assertEqual((status, got["error"]["param"]), (400, "prompt"))  # a JSON body keeps its 400
+
+    def test_a_json_body_with_no_content_type_is_read_as_json(self) -> None:
+        """No Content-Type header at all (http.client sends none unless told; urllib and curl send a form
+        type): the body is read as JSON, as the docs say and FastAPI did before its strict default."""
+        import http.client
+        from urllib.parse import urlsplit
+
+        parts = urlsplit(self.url)
+        for path, body in (
+            ("/v1/completions", {"prompt": "a", "max_tokens": 2, "temperature": 0}),
+            ("/tokenize", {"prompt": "ab"}),
+        ):
+            with self.subTest(path=path):
+                conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port, timeout=30)
+                try:
+                    conn.putrequest("POST", path, skip_accept_encoding=True)
+                    data = json.dumps(body).encode()
+                    conn.putheader("Content-Length", str(len(data)))
+                    conn.endheaders(data)
+                    resp = conn.getresponse()
+                    got = json.loads(resp.read())
+                finally:
+                    conn.close()
+                self.assertEqual(resp.status, 200, got)
+        self.assertEqual(got["tokens"], TOK.encode("ab"))
 
 
 class EchoOffsetTest(unittest.TestCase):

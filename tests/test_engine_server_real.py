@@ -36,6 +36,11 @@ class CharTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, max_length: int | None = None) -> list[int]:
         return [(ord(c) - 65) % VOCAB for c in text[:max_length]]
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int, bool]:
+        return self.encode(text, add_special_tokens, max_length), len(text), True
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(chr(65 + i) for i in ids)
 
@@ -152,8 +157,9 @@ class CheckpointServerTest(unittest.TestCase):
 
     def test_killing_the_core_process_mid_stream_ends_every_stream_with_an_error_and_health_503(self) -> None:
         """SIGKILL of the core while streams run: each stream gets an error event then [DONE], /health
-        answers 503 and a new request 503 with OpenAI's error body (EngineDeadError); nothing hangs
-        (every wait below is bounded)."""
+        answers 503 and a new request 503 with OpenAI's error body (EngineDeadError); every request sent
+        in the instant of the death is answered, and the /metrics gauges read 0; nothing hangs (every
+        wait below is bounded)."""
         import os
         import signal
         import urllib.error
@@ -188,17 +194,29 @@ class CheckpointServerTest(unittest.TestCase):
                         started.set()
             return events
 
-        async def go(url: str) -> list[list[Any]]:
+        async def instant(session: aiohttp.ClientSession, url: str, i: int) -> int:
+            body = {"model": "tiny", "prompt": f"q{i}", "max_tokens": 50, "n": 1 + i % 2}
+            async with session.post(url + "/v1/completions", json=body) as resp:
+                await resp.read()
+                return resp.status
+
+        async def go(url: str) -> tuple[list[list[Any]], list[int]]:
             timeout = aiohttp.ClientTimeout(total=120)
             async with aiohttp.ClientSession(timeout=timeout) as session:
                 starts = [asyncio.Event() for _ in range(3)]
                 tasks = [asyncio.ensure_future(one(session, url, i, starts[i])) for i in range(3)]
                 await asyncio.wait_for(asyncio.gather(*(s.wait() for s in starts)), 120)
+                # requests arriving in the instant of the death: before, during and after the kill
+                around = [asyncio.ensure_future(instant(session, url, i)) for i in range(10)]
+                await asyncio.sleep(0.01)
                 os.kill(process.pid, signal.SIGKILL)  # pyright: ignore[reportArgumentType]
-                return await asyncio.gather(*tasks)
+                around += [asyncio.ensure_future(instant(session, url, i)) for i in range(10, 20)]
+                return await asyncio.gather(*tasks), await asyncio.gather(*around)
 
         with ServerThread(app) as thread:
-            streams = asyncio.run(go(thread.base_url))
+            streams, statuses = asyncio.run(go(thread.base_url))
+            with urllib.request.urlopen(thread.base_url + "/metrics", timeout=30) as resp:
+                metrics = resp.read().decode()
             with self.assertRaises(urllib.error.HTTPError) as health:
                 urllib.request.urlopen(thread.base_url + "/health", timeout=30)
             request = urllib.request.Request(
@@ -211,6 +229,11 @@ class CheckpointServerTest(unittest.TestCase):
             body = json.loads(refused.exception.read())
         self.assertEqual(health.exception.code, 503)
         self.assertEqual(refused.exception.code, 503)
+        self.assertEqual(len(statuses), 20)  # every request of the instant was answered (200 or 503)
+        self.assertLessEqual(set(statuses), {200, 503})
+        self.assertEqual(llm.num_unfinished, 0)
+        for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+            self.assertIn(f'vllm:{gauge}{{model_name="tiny"}} 0.0', metrics)
         self.assertEqual(body["error"]["code"], 503)
         for events in streams:
             self.assertEqual(events[-1], b"[DONE]")

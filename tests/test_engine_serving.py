@@ -186,13 +186,34 @@ class DetokenizerTest(unittest.TestCase):
 
 
 class SamplingParamsTest(unittest.TestCase):
-    def test_a_prompt_past_max_model_len_names_its_length_when_it_is_known(self) -> None:
+    def test_a_prompt_past_max_model_len_names_its_exact_length(self) -> None:
         body = CompletionRequest(prompt="x")
-        for num_tokens, shown in ((3000, "3000"), (100, "100 tokens or longer")):  # 100: a cut tokenization
+        for num_tokens in (3000, 101, 100):
             with self.assertRaises(HTTPError) as caught:
                 sampling_params_for(body, num_tokens, 100, 16)
             self.assertEqual((caught.exception.status, caught.exception.param), (400, "prompt"))
-            self.assertIn(f"the prompt is {shown}", caught.exception.message)
+            self.assertIn(f"the prompt is {num_tokens} tokens", caught.exception.message)
+
+    def test_the_context_boundary_as_vllm_serves_it(self) -> None:
+        """Prompts of 254..257 tokens in a 256-token context, max_tokens 1, 100 or none (completions'
+        default 16), as vLLM 0.32 answers them: max_tokens is capped to the context left (served with
+        finish_reason "length"), a prompt that fills the context or passes it is a 400."""
+        expected = {  # prompt tokens -> max_tokens served for max_tokens (1, 100, None); None: a 400
+            254: (1, 2, 2),
+            255: (1, 1, 1),
+            256: (None, None, None),
+            257: (None, None, None),
+        }
+        for num_tokens, served in expected.items():
+            for max_tokens, want in zip((1, 100, None), served, strict=True):
+                body = CompletionRequest(prompt="x", max_tokens=max_tokens)
+                if want is not None:
+                    self.assertEqual(sampling_params_for(body, num_tokens, 256, 16).max_tokens, want)
+                    continue
+                with self.assertRaises(HTTPError) as caught:
+                    sampling_params_for(body, num_tokens, 256, 16)
+                self.assertEqual(caught.exception.status, 400)
+                self.assertIn(str(num_tokens), caught.exception.message)
 
     def test_defaults_and_limits(self) -> None:
         body = CompletionRequest(prompt="x")
@@ -203,9 +224,16 @@ class SamplingParamsTest(unittest.TestCase):
         both = CompletionRequest(prompt="x", max_tokens=5, max_completion_tokens=7, top_k=-1)
         params = sampling_params_for(both, 4, 100, 16)
         self.assertEqual((params.max_tokens, params.top_k), (7, 0))
-        with self.assertRaises(HTTPError) as caught:
-            sampling_params_for(CompletionRequest(prompt="x", max_tokens=97), 4, 100, 16)
-        self.assertEqual((caught.exception.status, caught.exception.param), (400, "max_tokens"))
+        capped = sampling_params_for(CompletionRequest(prompt="x", max_completion_tokens=100), 4, 100, 16)
+        self.assertEqual(capped.max_tokens, 96)  # up to the context, capped to what the prompt leaves
+        for name in ("max_tokens", "max_completion_tokens"):
+            with self.assertRaises(HTTPError) as caught:
+                sampling_params_for(CompletionRequest.model_validate({"prompt": "x", name: 101}), 4, 100, 16)
+            self.assertEqual((caught.exception.status, caught.exception.param), (400, name))
+            self.assertIn("101", caught.exception.message)
+        with self.assertRaises(HTTPError) as caught:  # min_tokens above the capped max_tokens
+            sampling_params_for(CompletionRequest(prompt="x", max_tokens=100, min_tokens=5), 98, 100, 16)
+        self.assertEqual((caught.exception.status, caught.exception.param), (400, "min_tokens"))
         with self.assertRaises(HTTPError):
             sampling_params_for(CompletionRequest(prompt="x", temperature=-0.5), 4, 100, 16)
 

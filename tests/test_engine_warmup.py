@@ -1,7 +1,9 @@
-"""The engine compiles its paged decode kernel at construction, so the first decode step compiles nothing.
+"""The engine warms up when it is built, so its first step (a prefill) and first decode step compile nothing.
 
-Checked in a fresh process (Numba's dispatchers are per process): the kernel's compiled signatures right
-after `LLMEngine.from_pretrained` must already hold every signature a real decode step then uses.
+Checked in a fresh process (Numba's dispatchers are per process): right after `LLMEngine.from_pretrained`,
+every Numba function of the package must already hold every signature the steps then use, for a Hugging
+Face folder and for a GGUF file (whose float32 norm weights are read-only views of the file: Numba types a
+read-only array apart from a writable one), on the packed float32 path, in float64, and with n-gram speculative decoding (steps that verify\nk + 1 tokens of one request).
 """
 
 from __future__ import annotations
@@ -13,33 +15,64 @@ import unittest
 from pathlib import Path
 
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from tests.gguf_files import gguf_from_checkpoint
 
 _CHILD = """
 import sys
-from attention_kv_caceh import _kernels_jit as jit
+from numba.core.dispatcher import Dispatcher
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
+from attention_kv_caceh.engine.warmup import numba_compile_counts
 
-for dtype in ("float32", "float64"):
-    engine = LLMEngine.from_pretrained(sys.argv[1], EngineConfig(num_kv_blocks=8, dtype=dtype))
-    after_init = set(jit.paged_serial.signatures)
-    engine.add_request(dtype, [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
-    while engine.has_unfinished_requests():
-        engine.step()
-    decode = set(jit.paged_serial.signatures)
-    assert len(decode) >= 1, "no decode step ran the paged kernel"
-    assert decode == after_init, f"{dtype}: the first decode compiled {decode - after_init}"
+
+def signatures():
+    return {
+        (name, attr): set(value.signatures)
+        for name, module in list(sys.modules.items())
+        if name.startswith("attention_kv_caceh.")
+        for attr, value in list(vars(module).items())
+        if isinstance(value, Dispatcher)
+    }
+
+
+at_start = numba_compile_counts()
+for path in sys.argv[1:]:
+    for dtype, spec in (("float32", None), ("float64", None), ("float32", SpeculativeConfig(3, 1, 2))):
+        config = EngineConfig(num_kv_blocks=40, block_size=16, dtype=dtype, speculative_config=spec)
+        engine = LLMEngine.from_pretrained(path, config)
+        caches = engine.model_runner.kv_caches
+        assert all(not k.any() and not v.any() for k, v in caches), "the warm-up left K/V in the cache"
+        after_init = signatures()
+        # With drafts on, the prompt holds every token id once: whatever token comes out, the n-gram
+        # proposer finds it and drafts, so the steps verify k + 1 tokens of one request.
+        prompt = [1, 2, 3, 4, 5, 6] if spec is None else list(range(engine.model_runner.model.config.vocab_size))
+        engine.add_request(dtype, prompt, SamplingParams(max_tokens=6, ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+        if spec is not None:
+            drafted = sum(s.spec_decoding.num_draft_tokens for s in engine.step_stats if s.spec_decoding)
+            assert drafted > 0, "no draft was verified"
+        new = {key: sigs - after_init.get(key, set()) for key, sigs in signatures().items()}
+        new = {key: sigs for key, sigs in new.items() if sigs}
+        assert not new, f"{path} {dtype}: the steps compiled {new}"
+compiled, loaded = numba_compile_counts()
+assert compiled + loaded > sum(at_start), "numba_compile_counts saw no compile and no cache load"
 print("ok")
 """
 
 
 class WarmUpTest(unittest.TestCase):
-    def test_the_first_decode_step_compiles_no_kernel_in_a_fresh_process(self) -> None:
+    def test_the_first_steps_compile_nothing_in_a_fresh_process(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            model = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny")
+            folder = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny")
+            gguf = gguf_from_checkpoint(folder, Path(tmp) / "m.gguf")
             done = subprocess.run(
-                [sys.executable, "-c", _CHILD, str(model)], capture_output=True, text=True, timeout=300
+                [sys.executable, "-c", _CHILD, str(folder), str(gguf)],
+                capture_output=True,
+                text=True,
+                timeout=300,
             )
         self.assertEqual(done.returncode, 0, done.stderr)
         self.assertEqual(done.stdout.strip(), "ok")

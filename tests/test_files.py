@@ -20,6 +20,7 @@ from attention_kv_caceh.files import (
     NotARegularFileError,
     atomic_write_bytes,
     atomic_write_text,
+    check_not_inputs,
     check_output_path,
     meta_path,
     strict_json_value,
@@ -204,6 +205,60 @@ class NonRegularTargetTest(unittest.TestCase):
         write_csv_atomic(link, [{"x": 1}], ["x"])
         self.assertTrue(link.is_symlink())
         self.assertEqual((self.dir / "sub" / "target.csv").read_text().splitlines(), ["x", "1"])
+
+
+class NotAnInputTest(unittest.TestCase):
+    """check_not_inputs: an output that would write a file the command reads is refused, however it is
+    spelled (the same path, a symlink, a hard link, a file inside an input folder)."""
+
+    def setUp(self) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        self.dir = Path(self._tmp.name)
+        self.data = self.dir / "d.jsonl"
+        self.data.write_text('{"prompt": "x"}\n')
+
+    def tearDown(self) -> None:
+        self._tmp.cleanup()
+
+    def refused(self, output: Path, inputs: list[tuple[str, str | os.PathLike[str] | None]]) -> str:
+        with self.assertRaises(ValueError) as caught:
+            check_not_inputs([("--out", output)], inputs)
+        return str(caught.exception)
+
+    def test_every_spelling_of_an_input_is_refused_naming_both_flags(self) -> None:
+        (self.dir / "hard.jsonl").hardlink_to(self.data)
+        (self.dir / "sym.jsonl").symlink_to(self.data)
+        (self.dir / "dangling.jsonl").symlink_to(self.dir / "new.jsonl")
+        sub = self.dir / "sub"
+        sub.mkdir()
+        spellings = [
+            self.data,
+            self.dir / "." / "d.jsonl",
+            sub / ".." / "d.jsonl",
+            self.dir / "hard.jsonl",
+            self.dir / "sym.jsonl",
+        ]
+        for output in spellings:
+            message = self.refused(output, [("--dataset", self.data)])
+            self.assertIn("--out", message)
+            self.assertIn("--dataset", message)
+            self.assertNotIn("\n", message)
+        # a dangling symlink writes its target: refused when the target is an input path
+        self.refused(self.dir / "dangling.jsonl", [("--dataset", self.dir / "new.jsonl")])
+
+    def test_a_file_inside_an_input_folder_is_an_input(self) -> None:
+        model = self.dir / "model"
+        model.mkdir()
+        (model / "config.json").write_text("{}")
+        message = self.refused(model / "config.json", [("--model", model)])
+        self.assertIn("config.json", message)
+        check_not_inputs([("--out", model / "results.json")], [("--model", model)])  # a new file: fine
+
+    def test_other_files_and_absent_inputs_pass(self) -> None:
+        check_not_inputs([("--out", self.dir / "out.jsonl")], [("--dataset", self.data)])
+        check_not_inputs([("--out", self.dir / "out.jsonl")], [("--dataset", None)])
+        check_not_inputs([("--out", None)], [("--dataset", self.data)])
+        check_not_inputs([("--out", self.dir / "a.json")], [("--dataset", self.dir / "missing.jsonl")])
 
 
 class SuffixTest(unittest.TestCase):

@@ -66,8 +66,11 @@ class HarnessEngineUsageTest(unittest.TestCase):
             jsonl = Path(d) / "out.jsonl"
             cases = {
                 "needs --model": ["--backend", "engine"],
-                "no config.json": ["--backend", "engine", "--model", str(empty)],
+                "neither config.json": ["--backend", "engine", "--model", str(empty)],
                 "--base-url": ["--backend", "engine", "--model", str(model), "--base-url", "http://x:1"],
+                # a checkpoint without its tokenizer (and a config.json serve cannot read): the message
+                # names --model, the flag given, not --tokenizer
+                f"--model {model}: no tokenizer.json": ["--backend", "engine", "--model", str(model)],
                 "engine flag": ["--backend", "openai-completions", "--max-num-seqs", "4"],
                 "not allowed with": [
                     *("--backend", "engine", "--model", str(model)),
@@ -85,6 +88,7 @@ class HarnessEngineUsageTest(unittest.TestCase):
                         code = main(["harness", *argv, "--jsonl", str(jsonl)])
                     self.assertEqual(code, 2, err.getvalue())
                     self.assertIn(expected, err.getvalue())
+                    self.assertNotIn("--tokenizer", err.getvalue())
                     self.assertEqual(len(err.getvalue().strip().splitlines()), 1, err.getvalue())
             starter.assert_not_called()
             self.assertFalse(jsonl.exists())

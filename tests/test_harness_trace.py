@@ -245,6 +245,17 @@ class TraceCommandTest(unittest.TestCase):
                 self.assertEqual(cli.main(argv), 2)
             self.assertIn("has only 4 rows", err.getvalue())
             self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+            # no output may replace the trace: --jsonl itself, or the JSONL of a repeat (x-r1.jsonl)
+            repeat_trace = _write(Path(tmp), ROWS, "x-r1.jsonl")
+            for trace, jsonl in ((path, path), (repeat_trace, Path(tmp) / "x.jsonl")):
+                before = trace.read_bytes()
+                with self.subTest(jsonl=jsonl.name), contextlib.redirect_stderr(io.StringIO()) as err:
+                    argv = ["harness", "--trace", str(trace), "--trace-block-size", "16", "--repeats", "2",
+                            "--jsonl", str(jsonl)]  # fmt: skip
+                    self.assertEqual(cli.main(argv), 2)
+                self.assertIn(f"--trace {str(trace)!r}", err.getvalue())  # the output names the input
+                self.assertIn("--jsonl", err.getvalue())
+                self.assertEqual(trace.read_bytes(), before)
 
 
 class EngineTraceTest(unittest.TestCase):

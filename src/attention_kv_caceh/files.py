@@ -11,6 +11,9 @@ depth), and the thing there is left untouched: renaming a temporary file over `/
 the device into a regular file. A symlink is followed: its target must be a regular file or absent, and
 the writers write the target, leaving the link in place.
 
+No output ever replaces an input: `check_not_inputs` compares every output path of a command with every
+file it reads (symlinks resolved, hard links found by device and inode) before anything is opened.
+
 Every JSON written here is strict JSON (RFC 8259 has no NaN or Infinity): `strict_json_value` turns a
 non-finite float into `null`, which in our files means "undefined" (a rate over zero time, a mean of no
 samples), and `json.dumps(..., allow_nan=False)` guarantees that no `NaN` token is ever written.
@@ -38,8 +41,10 @@ __all__ = [
     "NotARegularFileError",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_not_inputs",
     "check_output_path",
     "ignoring_sigint",
+    "input_files",
     "markdown_path",
     "meta_path",
     "path_problem",
@@ -177,6 +182,58 @@ def check_output_path(path: str | os.PathLike[str], flag: str, suffixes: tuple[s
                 raise ValueError(f"{flag} {str(p)!r}: cannot write in {parent} ({exc.strerror})") from None
             break
     return p
+
+
+def input_files(path: str | os.PathLike[str], suffixes: tuple[str, ...] = ()) -> list[Path]:
+    """The files an input flag reads: `path` itself, or for a folder (a checkpoint, a results folder) the
+    regular files directly in it, only those ending in one of `suffixes` when given. Symlinks are kept as
+    given (`check_not_inputs` resolves them). An unreadable folder gives []."""
+    p = Path(path)
+    if not p.is_dir():
+        return [p]
+    try:
+        children = sorted(p.iterdir())
+    except OSError:
+        return []
+    return [c for c in children if c.is_file() and (not suffixes or c.name.endswith(suffixes))]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    """Whether writing `a` would write the file `b` names: the same path once symlinks are resolved, or
+    the same device and inode (a hard link, a bind mount)."""
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): no inode to share
+        return False
+
+
+def check_not_inputs(
+    outputs: Iterable[tuple[str, str | os.PathLike[str] | None]],
+    inputs: Iterable[tuple[str, str | os.PathLike[str] | None]],
+) -> None:
+    """Refuse an output that would replace a file the command reads, before anything is opened.
+
+    `outputs` and `inputs` hold (flag, path) pairs; a None path is skipped. Each input stands for the
+    files `input_files` gives (give a folder's files yourself to filter them). An output is the same
+    file as an input when both resolve to one path (symlinks followed, a dangling one to its target) or
+    share a device and inode (a hard link). Raises ValueError, one line naming both flags and paths.
+    """
+    read: list[tuple[str, str, Path]] = []
+    for flag, path in inputs:
+        if path is not None:
+            read += [(flag, os.fspath(path), f) for f in input_files(path)]
+    for out_flag, out in outputs:
+        if out is None:
+            continue
+        for in_flag, given, file in read:
+            if _same_file(Path(out), file):
+                where = "" if os.fspath(file) == given else f" (its {file.name})"
+                raise ValueError(
+                    f"{out_flag} {os.fspath(out)!r} is the file {in_flag} {given!r}{where} reads; an "
+                    f"output never replaces an input: choose another {out_flag}"
+                )
 
 
 def path_problem(text: str, suffixes: tuple[str, ...] = ()) -> str | None:

@@ -32,7 +32,13 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn, Protocol
 
-from attention_kv_caceh.files import check_output_path, markdown_path, meta_path, path_problem
+from attention_kv_caceh.files import (
+    check_not_inputs,
+    check_output_path,
+    markdown_path,
+    meta_path,
+    path_problem,
+)
 
 if TYPE_CHECKING:  # presets imports NumPy, which `main` loads only for the commands that need it
     from attention_kv_caceh.presets import ResolvedShape
@@ -316,14 +322,19 @@ def stdout_closed() -> None:
         pass
 
 
-def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]]) -> None:
+def check_outputs(
+    outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]],
+    inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
+) -> None:
     """Check every file a command will write before the first sample is taken.
 
     `outputs` holds (what, path, suffixes): `what` names the flag ("--csv", or "--csv 'r/x.csv': the
-    file beside it"), a None path is skipped, `suffixes` may be empty. Raises UsageError naming the flag
-    and path for a wrong suffix, a folder, an unwritable parent (see `files.check_output_path`), or two
-    outputs that are the same file. Nothing is created.
+    file beside it"), a None path is skipped, `suffixes` may be empty. `inputs` holds (flag, path) of
+    every file or folder the command reads (`files.check_not_inputs`). Raises UsageError naming the flag
+    and path for a wrong suffix, a folder, an unwritable parent (see `files.check_output_path`), two
+    outputs that are the same file, or an output that is an input. Nothing is created.
     """
+    outputs = list(outputs)
     seen: dict[Path, str] = {}
     for what, path, suffixes in outputs:
         if path is None:
@@ -338,6 +349,10 @@ def check_outputs(outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tu
                 f"{what} {str(path)!r} is the same file as {seen[resolved]}; output files must differ"
             )
         seen[resolved] = what
+    try:
+        check_not_inputs([(what, path) for what, path, _ in outputs], inputs)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _raw_headers() -> set[tuple[str, ...]]:

@@ -4,14 +4,16 @@
 dataclass) for `generate`, `serve`, `bench-engine` (a subset: it sizes its own KV pool) and
 `harness --backend engine` (which passes the ones given on to `serve`).
 
-Both commands build an engine from a checkpoint folder and the same engine flags. Everything that can be
-refused from the flags, `config.json` and `tokenizer.json` alone is refused here, with the same exit code
-in both commands: a flag combination EngineConfig refuses, a `--max-model-len` above the checkpoint's, a
-KV cache that holds no block, a KV cache larger than the memory a run may plan to use
-(`memory.check_memory`, the project's one memory check; without it a huge `--kv-cache-memory` or
-`--num-kv-blocks` fails in NumPy's allocation), and (generate) a request whose prompt plus max_tokens can
-never fit the KV pool. These are UsageErrors (exit 2); an unreadable config.json or tokenizer is a
-CommandFailed (exit 1) naming the file.
+Both commands build an engine from a checkpoint (`engine.model_source`: a model name such as `smollm2`, a
+GGUF file, a folder holding one, or a Hugging Face folder) and the same engine flags. Everything that can
+be refused from the flags, the checkpoint's config (`config.json` or the GGUF metadata) and its tokenizer
+alone is refused here, with the same exit code in both commands: a --model that names no checkpoint, a
+config, GGUF file or tokenizer the engine cannot read or does not implement, a flag combination
+EngineConfig refuses, a `--max-model-len` above the checkpoint's, a KV cache that holds no block, a KV
+cache larger than the memory a run may plan to use (`memory.check_memory`, the project's one memory check;
+without it a huge `--kv-cache-memory` or `--num-kv-blocks` fails in NumPy's allocation), and (generate) a
+request whose prompt plus max_tokens can never fit the KV pool. These are UsageErrors (exit 2); what fails
+later, while the weights are read (a missing tensor, a truncated safetensors file), is exit 1.
 
 The block count found here is passed on to the engine (`EnginePlan.engine_config` fixes `num_kv_blocks`),
 so the engine gets exactly the cache that was checked, even if the available memory moves in between.
@@ -25,23 +27,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import CommandFailed, UsageError, positive_int
+from attention_kv_caceh.cli.common import UsageError, positive_int
 from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, EngineConfig
+from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.model_config import ModelConfig
+    from attention_kv_caceh.engine.model_source import ModelSource
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
 
 __all__ = [
     "ENGINE_FLAGS",
+    "MODEL_HELP",
+    "MODEL_METAVAR",
     "EnginePlan",
     "add_engine_arguments",
     "check_prompts_fit",
     "engine_config_kwargs",
     "engine_flags_given",
+    "model_source",
     "plan_engine",
+    "speculative_config",
 ]
+
+MODEL_METAVAR = "MODEL"
+MODEL_HELP = (
+    "the checkpoint: a model name (smollm2: SmolLM2-135M-Instruct, installed with the project), a .gguf "
+    "file, a folder holding one, or a Hugging Face folder (make-model writes one) (default: none, required)"
+)
 
 # EngineConfig field -> the flag that sets it (also used to name fields in messages)
 ENGINE_FLAGS = {
@@ -53,8 +67,11 @@ ENGINE_FLAGS = {
     "max_model_len": "--max-model-len",
     "enable_prefix_caching": "--no-prefix-caching",
     "dtype": "--dtype",
+    "speculative_config": "--speculative-config",
 }
-_FLAGS = {k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype")}
+_FLAGS = {
+    k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype", "speculative_config")
+}
 
 _HELP = {
     "max_num_seqs": "most requests running at once (one step's batch)",
@@ -66,6 +83,9 @@ _HELP = {
     "(default: its max_position_embeddings)",
     "enable_prefix_caching": "turn prefix caching off (default: on)",
     "dtype": "dtype of the weights, activations and KV cache",
+    "speculative_config": "speculative decoding, vLLM's JSON: "
+    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min / _max default to 5; '
+    "docs/engine.md) (default: off)",
 }
 
 
@@ -116,6 +136,19 @@ def add_engine_arguments(
             default=False if defaults else None,
             help=_HELP["enable_prefix_caching"],
         )
+    if wanted("speculative_config"):
+        group.add_argument(
+            "--speculative-config", type=speculative_config, metavar="JSON", help=_HELP["speculative_config"]
+        )
+
+
+def speculative_config(text: str) -> SpeculativeConfig:
+    """argparse type: a `--speculative-config` JSON object, read with vLLM's rules and messages
+    (`SpeculativeConfig.from_json`)."""
+    try:
+        return SpeculativeConfig.from_json(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -139,6 +172,8 @@ def engine_flags_given(args: argparse.Namespace) -> list[str]:
         value = getattr(args, _dest(field), None)
         if value is True:
             argv.append(flag)
+        elif isinstance(value, SpeculativeConfig):
+            argv += [flag, value.to_json()]
         elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
@@ -153,8 +188,9 @@ def _flag_names(text: str) -> str:
 @dataclass(frozen=True)
 class EnginePlan:
     """What the checks found: the engine config to load with (its `num_kv_blocks` fixed to the checked
-    count), the model's config, the tokenizer, the effective max_model_len (tokens) and the KV pool
-    (`num_blocks` blocks of `bytes_per_block` bytes each)."""
+    count), the model's config, the tokenizer, the effective max_model_len (tokens), the KV pool
+    (`num_blocks` blocks of `bytes_per_block` bytes each) and where the checkpoint is (`source.path`:
+    the folder or GGUF file to load, `source.name`: what a server calls it by default)."""
 
     engine_config: EngineConfig
     model_config: ModelConfig
@@ -162,38 +198,35 @@ class EnginePlan:
     max_model_len: int
     num_blocks: int
     bytes_per_block: int
+    source: ModelSource
 
 
 def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan:
     """Check the engine flags against the checkpoint `model_flag` (the --model value) without loading
     weights.
 
-    `config_kwargs` are EngineConfig fields (None where a flag was not given). Raises UsageError (no
-    folder or config.json, a combination EngineConfig refuses, --max-model-len over the checkpoint's, a KV
-    cache of no block or over `memory.memory_budget_bytes()`, naming the flag) and CommandFailed (an
-    unreadable config.json or tokenizer, naming the file).
+    `config_kwargs` are EngineConfig fields (None where a flag was not given). Raises UsageError, naming
+    the flag or the file and key: --model naming no checkpoint, a config.json, GGUF file or tokenizer the
+    engine cannot read or does not implement (a GGUF file is checked whole here: header, metadata, every
+    tensor's type and extent), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
+    KV cache of no block or over `memory.memory_budget_bytes()`.
     """
-    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
+    from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.config import EngineConfig
-    from attention_kv_caceh.engine.model_config import ModelConfig
     from attention_kv_caceh.engine.model_runner import ModelRunner
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 
-    model_dir = Path(model_flag)
-    if not model_dir.is_dir():
-        raise UsageError(f"--model {model_flag!r} is not a folder")
-    if not (model_dir / "config.json").is_file():
-        raise UsageError(f"--model {model_flag!r} has no config.json (not a Hugging Face model folder)")
+    source = model_source(model_flag)
     try:
         config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
     except ValueError as exc:
         raise UsageError(_flag_names(str(exc))) from None
     try:
-        model_config = ModelConfig.from_hf_config(read_config_json(model_dir), model_dir / "config.json")
-        tokenizer = Tokenizer.load(model_dir)
+        _, model_config = load_model_config(source.path)
+        tokenizer = Tokenizer.load(source.path)
     except CheckpointError as exc:
-        raise CommandFailed(str(exc)) from None
+        raise UsageError(str(exc)) from None
     try:
         max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
     except ValueError as exc:
@@ -217,7 +250,28 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     except ValueError as exc:
         raise UsageError(f"{flag}: {exc}") from None
     engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None)
-    return EnginePlan(engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block)
+    return EnginePlan(
+        engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source
+    )
+
+
+def model_source(model_flag: str) -> ModelSource:
+    """The checkpoint a --model value names (`engine.model_source.resolve_model`: a model name, a GGUF
+    file, a folder holding one, or a Hugging Face folder); UsageError naming the value otherwise."""
+    from attention_kv_caceh.engine.checkpoint import CheckpointError
+    from attention_kv_caceh.engine.model_source import resolve_model
+
+    try:
+        return resolve_model(model_flag)
+    except CheckpointError as exc:
+        raise UsageError(f"--model {exc}") from None
+
+
+def load_model_config(path: Path) -> tuple[ModelSource, ModelConfig]:
+    """`engine.model_source.load_model_config` (imported when called: the CLI starts without the engine)."""
+    from attention_kv_caceh.engine.model_source import load_model_config as load
+
+    return load(path)
 
 
 def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: SamplingParams) -> None:

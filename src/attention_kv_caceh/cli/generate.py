@@ -7,12 +7,14 @@ the table; `--output` writes them as JSONL (one line per prompt, input order, wr
 end), `--trace` writes one JSONL line per engine step (each StepStats, flushed as the step ends).
 
 Checks, in order: flags and output paths (exit 2, nothing read); then `engine_args.plan_engine`, the
-checks `serve` makes too: the model folder holds config.json, config.json and the tokenizer are read, a
+checks `serve` makes too: --model names a checkpoint, its config and tokenizer are read, a
 --max-model-len above the checkpoint's or a KV cache of no block or over the memory budget is refused
 (exit 2, no weights loaded); the prompts are tokenized and a prompt longer than max_model_len, or whose
 prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
 engine cannot load is one line naming the file and key (exit 1). The first line printed says how long
-loading took, the one-time kernel compile (warm-up) included, so no step time holds it. Ctrl-C: one line, exit 130, the
+loading took and, of that, the warm-up (`engine/warmup.py`: a dummy forward pass that compiles, or loads
+from Numba's disk cache, every kernel a step calls, so no step time holds a compile) with how many
+kernel signatures it compiled and how many it loaded from the cache. Ctrl-C: one line, exit 130, the
 prompts that finished are written to --output and the trace holds every step that ran.
 """
 
@@ -37,6 +39,8 @@ from attention_kv_caceh.cli.common import (
     seed_int,
 )
 from attention_kv_caceh.cli.engine_args import (
+    MODEL_HELP,
+    MODEL_METAVAR,
     add_engine_arguments,
     check_prompts_fit,
     engine_config_kwargs,
@@ -76,8 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         required=True,
-        metavar="DIR",
-        help="Hugging Face model folder (make-model writes one) (default: none, required)",
+        metavar=MODEL_METAVAR,
+        help=MODEL_HELP,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument(
@@ -181,7 +185,10 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 def run(args: argparse.Namespace) -> int:
     """Generate and print; see the module docstring for the checks and exit codes."""
-    check_outputs([("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))])
+    check_outputs(
+        [("--output", args.output, (".jsonl",)), ("--trace", args.trace, (".jsonl",))],
+        [("--model", args.model), ("--prompts-file", args.prompts_file)],
+    )
     prompts = read_prompts(args)
     params = _sampling_params(args)
     plan = plan_engine(args.model, engine_config_kwargs(args))
@@ -189,19 +196,42 @@ def run(args: argparse.Namespace) -> int:
     check_prompts_fit(plan, prompt_ids, params)
 
     from attention_kv_caceh.engine.llm_engine import LLMEngine
+    from attention_kv_caceh.engine.warmup import numba_compile_counts
 
     t0 = time.perf_counter()
+    before = numba_compile_counts()
     try:
-        engine = LLMEngine.from_pretrained(str(args.model), plan.engine_config)
+        engine = LLMEngine.from_pretrained(str(plan.source.path), plan.engine_config)
     except ValueError as exc:  # CheckpointError (naming the file and key) is a ValueError
         raise CommandFailed(str(exc)) from None
+    after = numba_compile_counts()
     load_s = time.perf_counter() - t0
+    load_note = f"{load_s:.2f} s" + _warm_up_note(engine, after[0] - before[0], after[1] - before[1])
     try:
         for i, ids in enumerate(prompt_ids):
             engine.add_request(str(i), ids, params)
     except ValueError as exc:
         raise CommandFailed(f"the engine refused a prompt (request id = prompt index): {exc}") from None
-    return _run_steps(args, engine, plan.tokenizer, prompts, prompt_ids, load_s)
+    return _run_steps(args, engine, plan.tokenizer, prompts, prompt_ids, load_note)
+
+
+def _warm_up_note(engine: LLMEngine, compiled: int, loaded: int) -> str:
+    """What the load spent warming up: `(of which S s warm-up: C kernel signatures compiled, L loaded
+    from Numba's disk cache)`; the seconds are the model's kernel preparation and the runner's warm-up
+    forward passes (`Model.gemm_compile_s`, `ModelRunner.warmup_s`), the counts `numba_compile_counts`
+    taken around the load."""
+    from attention_kv_caceh.engine.model_runner import ModelRunner
+
+    runner = engine.model_runner
+    if not isinstance(runner, ModelRunner):
+        return ""
+    seconds = runner.model.gemm_compile_s + runner.warmup_s
+    if compiled == loaded == 0:
+        return f" (of which {seconds:.2f} s warm-up, every kernel already compiled in this process)"
+    return (
+        f" (of which {seconds:.2f} s warm-up: {compiled} kernel signature{'s' * (compiled != 1)} compiled, "
+        f"{loaded} loaded from Numba's disk cache)"
+    )
 
 
 def _run_steps(
@@ -210,7 +240,7 @@ def _run_steps(
     tokenizer: Tokenizer,
     prompts: list[str],
     prompt_ids: list[list[int]],
-    load_s: float,
+    load_note: str,
 ) -> int:
     """step() until done, printing the table and writing the trace; then the continuations and --output."""
     from attention_kv_caceh.engine.model_runner import ModelRunner
@@ -221,19 +251,21 @@ def _run_steps(
         f"{len(prompts)} prompts ({sum(map(len, prompt_ids))} tokens), max_tokens {args.max_tokens}; "
         f"max_num_seqs {args.max_num_seqs}, max_num_batched_tokens {args.max_num_batched_tokens}, "
         f"{num_blocks} KV blocks of {args.block_size} tokens, max_model_len {engine.scheduler.max_model_len}, "
-        f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}; loaded in "
-        f"{load_s:.2f} s (kernel compile included)"
+        f"prefix caching {'off' if args.no_prefix_caching else 'on'}, {args.dtype}, "
+        f"speculative decoding {_spec_text(engine)}; loaded in {load_note}"
     )
     runner = engine.model_runner
     if isinstance(runner, ModelRunner):
         print(runner.model.gemm_note)
     outputs: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
     finish: dict[str, str | None] = {}
-    table = StepTable(sys.stdout)
+    spec = engine.config.speculative_config
+    table = StepTable(sys.stdout, speculative=spec is not None)
     trace = None
     interrupted = False
     # Summed as the steps come: engine.step_stats keeps only the newest steps.
     totals = {"num_prefill_tokens": 0, "num_decode_tokens": 0, "num_preemptions": 0, "prefix_cache_hits": 0}
+    spec_steps: list[Any] = []  # each step's SpecDecodingStats (None without drafts)
     t0 = time.perf_counter()
     try:
         if args.trace is not None:
@@ -253,6 +285,7 @@ def _run_steps(
             stats = engine.step_stats[-1]
             for key in totals:
                 totals[key] += getattr(stats, key)
+            spec_steps.append(stats.spec_decoding)
             if trace is not None:
                 trace.write({**dataclasses.asdict(stats), "finished_request_ids": done})
             table.row(stats, done, last=not engine.has_unfinished_requests())
@@ -292,6 +325,8 @@ def _run_steps(
             f"generated in {elapsed:.2f} s wall, printing and trace included "
             f"({generated / max(elapsed, 1e-9):.1f} tokens/s)"
         )
+        if spec is not None:
+            print(_acceptance_line(spec_steps, spec.num_speculative_tokens))
         if args.output is not None:
             from attention_kv_caceh.files import atomic_write_text, strict_json_value
 
@@ -311,6 +346,28 @@ def _run_steps(
     return 0
 
 
+def _spec_text(engine: LLMEngine) -> str:
+    spec = engine.config.speculative_config
+    if spec is None:
+        return "off"
+    return f"ngram K={spec.num_speculative_tokens} (prompt_lookup {spec.prompt_lookup_min}..{spec.prompt_lookup_max})"
+
+
+def _acceptance_line(steps: list[Any], num_spec_tokens: int) -> str:
+    """vLLM's acceptance figures over the run's steps (`spec_decode.metrics.acceptance_summary`)."""
+    from attention_kv_caceh.engine.spec_decode.metrics import acceptance_summary
+
+    s = acceptance_summary(steps, num_spec_tokens)
+    if not s.num_drafts:
+        return "speculative decoding: no draft was proposed (no n-gram of the prompt recurred)"
+    per_pos = ", ".join(f"{r:.2f}" for r in s.per_position_acceptance_rates)
+    return (
+        f"speculative decoding: {s.num_drafts} drafts, {s.num_draft_tokens} draft tokens, "
+        f"{s.num_accepted_tokens} accepted: acceptance rate {100 * s.acceptance_rate:.1f} %, "
+        f"mean acceptance length {s.acceptance_length:.2f}, per position {per_pos}"
+    )
+
+
 # ------------------------------------------------------------------------------ the per-step table
 
 STEP_TABLE_HELP = """The per-step table `generate` prints: one row per engine step, as the step ends.
@@ -320,7 +377,9 @@ Columns (the numbers of `engine.llm_engine.StepStats`):
     reqs      requests scheduled in the step (the batch's R)
     tokens    tokens computed in the step (the flattened batch's N), = prefill + decode
     prefill   tokens of prompt chunks (and of recomputation after a preemption)
-    decode    tokens of requests computing their newest sampled token (1 each)
+    decode    tokens of requests computing their newest sampled token (1 each, plus its draft tokens
+              with speculative decoding)
+    draft/acc with --speculative-config only: draft tokens verified in the step / accepted
     run/wait  num_requests_running / num_requests_waiting after the step
     free      free KV blocks after the step (kv% = used / total blocks)
     preempt   requests preempted in the step (their blocks freed, recomputed later)
@@ -348,18 +407,21 @@ _HEADER = (
 
 
 class StepTable:
-    """Prints the header, then a row per StepStats under the row rule above, to `stream`."""
+    """Prints the header, then a row per StepStats under the row rule above, to `stream`; with
+    `speculative`, a draft/acc column after decode."""
 
-    def __init__(self, stream: TextIO) -> None:
+    def __init__(self, stream: TextIO, *, speculative: bool = False) -> None:
         self.stream = stream
+        self.speculative = speculative
+        self._header = _HEADER.replace(" run ", f" {'draft/acc':>9}  run ", 1) if speculative else _HEADER
         self.skipped = 0
         self.rows = 0
         self._previous: tuple[int, int] | None = None
 
     def header(self) -> None:
         """The column names and a rule."""
-        print(_HEADER, file=self.stream)
-        print("-" * len(_HEADER), file=self.stream)
+        print(self._header, file=self.stream)
+        print("-" * len(self._header), file=self.stream)
 
     def _changed(self, stats: Any, finished: list[str]) -> bool:
         counts = (stats.num_running, stats.num_waiting)
@@ -388,9 +450,13 @@ class StepTable:
             batch = batch[: _BATCH_WIDTH - 3] + "..."
         tokens = sum(stats.num_scheduled_tokens.values())
         hits = f"{stats.prefix_cache_hits}/{stats.prefix_cache_queries}"
+        drafts = ""
+        if self.speculative:
+            sd = stats.spec_decoding
+            drafts = f"{'0/0' if sd is None else f'{sd.num_draft_tokens}/{sd.num_accepted_tokens}':>9} "
         print(
             f"{index:>5} {len(stats.num_scheduled_tokens):>4} {tokens:>6} {stats.num_prefill_tokens:>7} "
-            f"{stats.num_decode_tokens:>6} {stats.num_running:>4} {stats.num_waiting:>4} "
+            f"{stats.num_decode_tokens:>6} {drafts}{stats.num_running:>4} {stats.num_waiting:>4} "
             f"{stats.num_free_blocks:>6} {100 * stats.kv_cache_usage:>5.1f} {stats.num_preemptions:>7} "
             f"{hits:>11} {stats.step_time_ms:>8.2f}  {batch}",
             file=self.stream,
@@ -406,4 +472,4 @@ class StepTable:
     def footer(self) -> None:
         """The count of steps left out at the end (an interrupted run), then a rule."""
         self._flush_skipped()
-        print("-" * len(_HEADER), file=self.stream)
+        print("-" * len(self._header), file=self.stream)

@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--backend",
         choices=(*BACKENDS, ENGINE_BACKEND),
         default="simulated",
-        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model DIR` on a free loopback port "
+        help=f"where requests go; {ENGINE_BACKEND}: start `serve --model MODEL` on a free loopback port "
         "for the run and use openai-completions against it (default: %(default)s)",
     )
     g.add_argument(
@@ -89,7 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--model",
         default="",
         help=f"model name (default: the first model listed by GET /v1/models); with --backend "
-        f"{ENGINE_BACKEND}: the checkpoint folder to serve (required)",
+        f"{ENGINE_BACKEND}: the checkpoint to serve, as serve's --model takes it (required)",
     )
     g.add_argument(
         "--api-key-env",
@@ -162,7 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         "--tokenizer",
         default=None,
         metavar="DIR",
-        help="folder with the target's tokenizer.json, to build prompts of exactly --prompt-len tokens "
+        help="folder with the target's tokenizer.json (or a .gguf file or model name serve takes), to build "
+        "prompts of exactly --prompt-len tokens "
         "(default: the server's POST /tokenize if it has one, else approximate lengths)",
     )
     g.add_argument(
@@ -178,8 +179,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         default="random",
         help="random: independent prompts; shared-prefix: one of --num-prefixes shared prefixes of "
         "--prefix-len words, then --prompt-len words of its own; multi-turn: conversations of --turns "
-        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed) "
-        "(default: %(default)s)",
+        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed); copy: "
+        "repeat a passage of at least --prompt-len words with one change (copy-heavy, where speculative "
+        "decoding pays) (default: %(default)s)",
     )
     g.add_argument(
         "--num-prefixes", type=int, default=4, help="shared-prefix: how many prefixes (default: %(default)s)"
@@ -336,8 +338,20 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     return config
 
 
+def input_paths(args: argparse.Namespace) -> list[tuple[str, str | None]]:
+    """Every file or folder a harness run reads, as (flag, path): no output may replace one of them."""
+    engine = args.backend == ENGINE_BACKEND
+    return [
+        ("--dataset", args.dataset),
+        ("--tokenizer", args.tokenizer),
+        ("--model", args.model if engine else None),  # the checkpoint folder `serve` and the prompts read
+        ("--trace", args.trace),
+    ]
+
+
 def _check_outputs(args: argparse.Namespace) -> None:
-    """Every file the run may write, checked up front; raises UsageError naming the flag."""
+    """Every file the run may write, checked up front (none may be an input); raises UsageError naming
+    the flag."""
     jsonl: Path | None = args.jsonl
     check_outputs(
         [
@@ -345,7 +359,8 @@ def _check_outputs(args: argparse.Namespace) -> None:
             ("--jsonl", None if jsonl is None else meta_path(jsonl), ()),  # its metadata beside it
             ("--summary-json", args.summary_json, (".json",)),
             ("--plot", args.plot, (".png",)),
-        ]
+        ],
+        input_paths(args),
     )
 
 
@@ -380,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
     --backend engine checkpoint's context included."""
     config = config_from_args(args)
     _check_outputs(args)
-    harness_repeats.check_repeat_outputs(args)
+    harness_repeats.check_repeat_outputs(args, input_paths(args))
     warn_server_temperature(config)
     if args.backend != ENGINE_BACKEND:
         return _run(args, config, None)

@@ -1,8 +1,8 @@
 """`harness --backend engine`: the project's own `serve` in a child process, for the length of one run.
 
-    attention-kv-caceh harness --backend engine --model DIR [--max-num-seqs 4 ...] [load and output flags]
+    attention-kv-caceh harness --backend engine --model MODEL [--max-num-seqs 4 ...] [load and output flags]
 
-The harness checks the flags (UsageError, exit 2, before anything starts), starts `serve --model DIR --host
+The harness checks the flags (UsageError, exit 2, before anything starts), starts `serve --model MODEL --host
 127.0.0.1 --port 0 [the engine flags given]` with `harness.engine_server.serve_process`, waits for
 `/health`, runs the usual openai-completions path against it with the checkpoint's own tokenizer (so
 prompt lengths are exact), records the server's command and engine settings under "server" in the
@@ -15,11 +15,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh.cli.common import OneLineParser, UsageError
-from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, engine_flags_given
+from attention_kv_caceh.cli.engine_args import (
+    add_engine_arguments,
+    engine_config_kwargs,
+    engine_flags_given,
+    load_model_config,
+    model_source,
+)
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.harness.config import HarnessConfig
@@ -44,7 +49,7 @@ _DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the engine flags (passed on to `serve`; None when not given)."""
     group = parser.add_argument_group(
-        "engine backend (--backend engine: serve --model DIR runs in a child process for the run)"
+        "engine backend (--backend engine: serve --model MODEL runs in a child process for the run)"
     )
     add_engine_arguments(group, defaults=False)
 
@@ -56,8 +61,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def check_usage(args: argparse.Namespace) -> str:
     """Check the backend/flag combination; returns the base URL the run should use until a server's is
-    known. Raises UsageError: --backend engine without --model, with a --model folder lacking
-    config.json, or with --base-url; an engine flag with another backend."""
+    known. Raises UsageError: --backend engine without --model, with a --model that names no checkpoint
+    (`engine.model_source.resolve_model`) or a folder lacking tokenizer.json when no --tokenizer is given,
+    or with --base-url; an engine flag with another backend."""
     given = engine_flags(args)
     if args.backend != ENGINE_BACKEND:
         if given:
@@ -65,31 +71,31 @@ def check_usage(args: argparse.Namespace) -> str:
         return args.base_url or _DEFAULT_BASE_URL
     if not args.model:
         raise UsageError(
-            f"--backend {ENGINE_BACKEND} needs --model DIR (a checkpoint folder, see make-model)"
+            f"--backend {ENGINE_BACKEND} needs --model MODEL (a model name such as smollm2, a .gguf file, "
+            "or a checkpoint folder, see make-model)"
         )
-    if not (Path(args.model) / "config.json").is_file():
-        raise UsageError(f"--model {args.model}: no config.json in that folder")
+    source = model_source(args.model)  # UsageError naming the value when it names no checkpoint
     if args.base_url is not None:
         raise UsageError(
             f"--base-url {args.base_url}: --backend {ENGINE_BACKEND} starts its own server "
             "(use --backend openai-completions to reach a running one)"
         )
+    if args.tokenizer is None and source.format == "hf" and not (source.path / "tokenizer.json").is_file():
+        # the checkpoint's tokenizer serves and builds the prompts: name the flag that was given
+        raise UsageError(f"--model {args.model}: no tokenizer.json in that folder")
     return _DEFAULT_BASE_URL
 
 
 def check_context(args: argparse.Namespace, config: HarnessConfig) -> None:
-    """UsageError when `config`'s synthetic requests cannot fit the model's context, which the server
-    would refuse request by request (HTTP 400): a --prompt-len of max_model_len tokens or more, or
-    --prompt-len + --output-len above it. max_model_len is --max-model-len when given, else the
-    checkpoint's `max_position_embeddings`. A config.json the engine cannot read is left to `serve` to
+    """UsageError when `config`'s synthetic requests cannot fit the model's context: a --prompt-len of
+    max_model_len tokens or more (the server refuses it, HTTP 400), or --prompt-len + --output-len above
+    it (the server caps max_tokens to the context left, so the outputs would be shorter than asked).
+    max_model_len is --max-model-len when given, else the checkpoint's `max_position_embeddings`. A
+    config the engine cannot read is left to `serve` to
     report; dataset prompts are counted later, by the run (`harness.run.check_context`)."""
-    from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
-    from attention_kv_caceh.engine.model_config import ModelConfig
-
     try:
-        folder = Path(args.model)
-        checkpoint = ModelConfig.from_hf_config(read_config_json(folder), folder / "config.json")
-    except (CheckpointError, ValueError, OSError):
+        _, checkpoint = load_model_config(model_source(args.model).path)
+    except (UsageError, ValueError, OSError):  # CheckpointError is a ValueError
         return
     limit: int = args.max_model_len or checkpoint.max_position_embeddings
     source = "--max-model-len" if args.max_model_len else "the checkpoint's max_position_embeddings"

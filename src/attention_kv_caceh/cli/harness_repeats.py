@@ -41,8 +41,11 @@ def repeat_path(path: Path, index: int) -> Path:
     return path.with_name(f"{path.stem}-r{index}{path.suffix}")
 
 
-def check_repeat_outputs(args: argparse.Namespace) -> None:
-    """--repeats in range, and every per-repeat file checked up front (UsageError naming the flag)."""
+def check_repeat_outputs(
+    args: argparse.Namespace, inputs: list[tuple[str, str | None]] | None = None
+) -> None:
+    """--repeats in range, and every per-repeat file checked up front, none of them one of `inputs`
+    ((flag, path) of what the run reads) (UsageError naming the flag)."""
     if not 1 <= args.repeats <= MAX_REPEATS:
         raise UsageError(f"--repeats must be in [1, {MAX_REPEATS}], got {args.repeats}")
     outputs: list[tuple[str, Path | None, tuple[str, ...]]] = []
@@ -52,7 +55,7 @@ def check_repeat_outputs(args: argparse.Namespace) -> None:
             outputs += [("--jsonl", meta_path(repeat_path(args.jsonl, i)), ())]
         if args.plot is not None:
             outputs.append(("--plot", repeat_path(args.plot, i), (".png",)))
-    check_outputs(outputs)
+    check_outputs(outputs, inputs or [])
 
 
 def _num(value: Any) -> str:

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from attention_kv_caceh.cli.common import UsageError, check_outputs, output_file
-from attention_kv_caceh.files import atomic_write_text
+from attention_kv_caceh.files import atomic_write_text, input_files
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
     if not Path(args.results).is_dir():
         raise UsageError(f"--results {str(args.results)!r} is not a folder")
     beside = f"--out {out_path!r}: the plot beside it"
+    raw = input_files(args.results, (".csv", ".jsonl", ".json"))  # what build_report reads there
     check_outputs(
-        [("--out", out_path, (".md",))] + [(beside, p, ()) for p in planned_plots(args.results, out_path)]
+        [("--out", out_path, (".md",))] + [(beside, p, ()) for p in planned_plots(args.results, out_path)],
+        [("--results", f) for f in raw],
     )
     result = build_report(args.results, out_path)
     atomic_write_text(out_path, result.markdown)

@@ -1,6 +1,6 @@
 """`attention-kv-caceh serve`: the engine behind an OpenAI-compatible HTTP server (vLLM's `vllm serve`).
 
-    attention-kv-caceh serve --model DIR [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
+    attention-kv-caceh serve --model MODEL [--port 8000] [--max-num-seqs 8] [--api-key-env VAR] ...
 
 Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
 step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
@@ -30,7 +30,6 @@ import socket
 import sys
 import threading
 from collections.abc import Generator
-from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
@@ -44,9 +43,16 @@ from attention_kv_caceh.cli.common import (
     nonnegative_int,
     positive_int,
 )
-from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
+from attention_kv_caceh.cli.engine_args import (
+    MODEL_HELP,
+    MODEL_METAVAR,
+    add_engine_arguments,
+    engine_config_kwargs,
+    plan_engine,
+)
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # engine/serving.py's default
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
@@ -54,16 +60,26 @@ if TYPE_CHECKING:
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
 
+def _served_model_name(text: str) -> str:
+    """A --served-model-name: any non-blank string (a blank one would silently mean the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name the model, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare the flags of `serve`."""
     parser.add_argument(
         "--model",
         required=True,
-        metavar="DIR",
-        help="checkpoint folder (config.json, ...) (default: none, required)",
+        metavar=MODEL_METAVAR,
+        help=MODEL_HELP,
     )
     parser.add_argument(
-        "--served-model-name", metavar="NAME", help="model name clients send (default: the folder's name)"
+        "--served-model-name",
+        type=_served_model_name,
+        metavar="NAME",
+        help="model name clients send (default: the model's name, the .gguf file's stem or the folder's name)",
     )
     parser.add_argument(
         "--host",
@@ -101,6 +117,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
     )
     server.add_argument(
+        "--max-seqs-per-request",
+        type=positive_int,
+        default=DEFAULT_MAX_SEQS_PER_REQUEST,
+        metavar="N",
+        help="most engine requests one request may fan out to (its prompts times `n`; above it: 400)",
+    )
+    server.add_argument(
         "--drain-timeout",
         type=nonnegative_float,
         default=30.0,
@@ -113,6 +136,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_MAX_REQUEST_BYTES,
         metavar="N",
         help="refuse a request body larger than N bytes with 413, before reading or parsing it",
+    )
+    server.add_argument(
+        "--max-request-bytes-in-flight",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="bodies of 256 KiB or more served at once may total N bytes; one past it gets 503 with "
+        "Retry-After (default: 4 x --max-request-bytes; at least --max-request-bytes)",
     )
 
 
@@ -174,20 +205,31 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
     from attention_kv_caceh.engine.chat_utils import load_chat_template
     from attention_kv_caceh.engine.core_client import EngineDeadError
+    from attention_kv_caceh.engine.malloc import fix_mmap_threshold
     from attention_kv_caceh.engine.server import build_app
 
-    model_dir = Path(args.model)
+    # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
+    # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
+    fix_mmap_threshold()
     api_key = _api_key(args.api_key_env)
+    in_flight: int = args.max_request_bytes_in_flight or 4 * args.max_request_bytes
+    if in_flight < args.max_request_bytes:
+        raise UsageError(
+            f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
+            f"{args.max_request_bytes}, a body of the largest size could never be served"
+        )
     plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    spec = plan.engine_config.speculative_config
+    model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(args.engine_core_cpu)
-    name = args.served_model_name or model_dir.resolve().name
+    name = plan.source.name if args.served_model_name is None else args.served_model_name
     sock = _listen(args.host, args.port)
     llm: AsyncLLM | None = None
     try:
         try:
-            chat_template = load_chat_template(model_dir)
+            chat_template = load_chat_template(model_path)
             llm = AsyncLLM.from_checkpoint(
-                str(model_dir), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
+                str(model_path), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
             )
         except (ValueError, OSError, EngineDeadError) as exc:
             raise CommandFailed(f"cannot load {args.model}: {exc}") from None
@@ -205,13 +247,16 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=args.drain_timeout,
             max_request_bytes=args.max_request_bytes,
+            max_request_bytes_in_flight=in_flight,
             max_logprobs=args.max_logprobs,
+            max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
             cache_config={
                 "block_size": str(plan.engine_config.block_size),
                 "num_gpu_blocks": str(plan.num_blocks),
                 "enable_prefix_caching": str(plan.engine_config.enable_prefix_caching),
             },
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
         # server, so the collector's oldest generation need not traverse it; a full collection stops

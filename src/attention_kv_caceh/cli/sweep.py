@@ -26,6 +26,8 @@ import asyncio
 import copy
 import dataclasses
 import math
+import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import replace
@@ -36,7 +38,13 @@ from attention_kv_caceh.cli import harness, harness_engine
 from attention_kv_caceh.cli.common import PROG, UsageError, check_outputs, output_folder, stdout_closed
 from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import JsonlSink, error, summary_document
-from attention_kv_caceh.files import ignoring_sigint, meta_path, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    ignoring_sigint,
+    input_files,
+    meta_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
 from attention_kv_caceh.harness.load import SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
@@ -115,6 +123,31 @@ def _config_at(args: argparse.Namespace, concurrency: int, rate: float) -> Harne
     one = copy.copy(args)
     one.concurrency, one.request_rate = concurrency, rate
     return harness.config_from_args(one)
+
+
+# What a sweep writes in --out-dir for each point (`_name`, then the suffix) and for the whole sweep.
+_POINT_FILE = re.compile(r"(c\d+|rate[0-9a-z.+-]+)-r\d+(\.jsonl|\.jsonl\.meta\.json|\.summary\.json)")
+_SWEEP_FILES = ("sweep.csv", "sweep.png", "sweep.json")
+
+
+def _point_files(out: Path, inputs: list[tuple[str, str | None]]) -> list[Path]:
+    """The files in `out` a sweep may replace, beyond sweep.csv and sweep.png: sweep.json, every file
+    already there with a point file's name (`_POINT_FILE`; the SLO search picks its rates as it goes),
+    and any input named like one (a sweep could write over it)."""
+    names = [out / "sweep.json"]
+    if out.is_dir():
+        names += [p for p in sorted(out.iterdir()) if _POINT_FILE.fullmatch(p.name)]
+    for _flag, path in inputs:
+        if path is None:
+            continue
+        for file in input_files(path):
+            real = Path(os.path.realpath(file))
+            if real.parent == Path(os.path.realpath(out)) and (
+                _POINT_FILE.fullmatch(real.name) or real.name in _SWEEP_FILES
+            ):
+                names.append(real)
+    unique = {Path(os.path.realpath(n)): n for n in names}  # one entry per file
+    return list(unique.values())
 
 
 def _name(axis: Axis, value: float, repeat: int) -> str:
@@ -299,6 +332,8 @@ def run(args: argparse.Namespace) -> int:
             ("--out-dir", out / "sweep.png", (".png",)),
             ("--out-dir", out / "pareto.png", (".png",)),
         ]
+        + [("--out-dir", path, ()) for path in _point_files(out, harness.input_paths(args))],
+        harness.input_paths(args),
     )
     out.mkdir(parents=True, exist_ok=True)
     if args.backend != ENGINE_BACKEND:

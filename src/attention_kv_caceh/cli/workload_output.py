@@ -1,6 +1,7 @@
 """Lines of a harness summary about the server's counters and the workload: one line of the server's
-prefix-cache, preemption and token counters over the run, the per-turn table of a multi-turn run, a
-trace's ideal prefix-hit rate beside the measured one, the probes' latencies, and the client's own CPU."""
+prefix-cache, preemption and token counters over the run, the speculative-decoding acceptance over it,
+the per-turn table of a multi-turn run, a trace's ideal prefix-hit rate beside the measured one, the
+probes' latencies, and the client's own CPU."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ __all__ = [
     "counter_line",
     "per_turn_lines",
     "probe_line",
+    "spec_decode_lines",
     "summary_extra_lines",
     "trace_line",
 ]
@@ -50,6 +52,20 @@ def counter_line(summary: dict[str, Any]) -> str | None:
         f"generation tokens: {_num(delta['generation_tokens'])} (client {delta['client_output_tokens']})   "
         f"finished: {finished}"
     )
+
+
+def spec_decode_lines(summary: dict[str, Any]) -> list[str]:
+    """The "Speculative Decoding" block of `vllm bench serve`, from the summary's spec_decode_* keys;
+    [] for a run that drafted nothing (or a server without speculative decoding)."""
+    if "spec_decode_num_drafts" not in summary:
+        return []
+    per_pos = ", ".join(f"{100 * r:.1f}" for r in summary["spec_decode_per_position_acceptance_rates"])
+    return [
+        f"speculative decoding: acceptance rate {summary['spec_decode_acceptance_rate']:.2f} %   "
+        f"acceptance length {summary['spec_decode_acceptance_length']:.2f}   "
+        f"drafts {summary['spec_decode_num_drafts']}   draft tokens {summary['spec_decode_draft_tokens']}   "
+        f"accepted tokens {summary['spec_decode_accepted_tokens']}   per position (%): {per_pos}"
+    ]
 
 
 def per_turn_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -125,6 +141,7 @@ def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
     line = counter_line(summary)
     if line is not None:
         lines.append(line)
+    lines += spec_decode_lines(summary)
     implied = summary.get("implied_prefix_hit_tokens")
     delta = summary.get("server_counters")
     if implied is not None:

@@ -12,6 +12,8 @@ Modules, each named after the vLLM v1 file it corresponds to:
 - `core_client`: InprocClient (the core in the caller's thread) and MPClient (the core in its own process,
   or a thread, behind pyzmq + msgspec).
 - `llm_engine`: LLMEngine, the offline front end: an InprocClient and the OutputProcessor.
+- `spec_decode/`: speculative decoding as vLLM v1 does it for `ngram`: SpeculativeConfig, the n-gram
+  proposer, draft verification (the rejection sampler) and the acceptance counts.
 - `benchmark`: run_engine_benchmark, vLLM's throughput benchmark plus each decode step's bytes against
   the lab's read probe.
 

@@ -68,6 +68,13 @@ class TokenizerLike(Protocol):
         """Token ids of `text`; with `max_length`, only its first `max_length` tokens."""
         ...
 
+    def encode_counted(
+        self, text: str, add_special_tokens: bool = True, max_length: int | None = None
+    ) -> tuple[list[int], int, bool]:
+        """`encode(text, add_special_tokens, max_length)`, the number of tokens of the whole text, and
+        whether that number is exact (else a lower bound above `max_length`; see Tokenizer.encode_counted)."""
+        ...
+
     def decode(self, ids: list[int], /) -> str:
         """Text of the ids."""
         ...
@@ -220,6 +227,10 @@ class AsyncLLM:
         queue: asyncio.Queue[StreamItem] = asyncio.Queue()
         now = time.monotonic()
         self.output_processor.add_request(request_id, len(prompt_token_ids), sampling_params, now, queue)
+        if self.errored is not None:  # the core died since the check above, and its requests were failed
+            self.output_processor.pop(request_id)
+            self._signal_if_idle()
+            raise EngineDeadError(str(self.errored))
         try:
             self.client.add_request(EngineCoreRequest(request_id, prompt_token_ids, sampling_params, now))
         except BaseException:
@@ -259,8 +270,9 @@ class AsyncLLM:
 
     @property
     def num_running(self) -> int:
-        """Requests running in the core, as it last reported (it reports when a step admits or ends one)."""
-        return min(self._num_running, self.num_unfinished)
+        """Requests running in the core, as it last reported (it reports when a step admits or ends one);
+        0 once the core is dead."""
+        return 0 if self.errored is not None else min(self._num_running, self.num_unfinished)
 
     @property
     def num_waiting(self) -> int:
@@ -269,8 +281,9 @@ class AsyncLLM:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Fraction of KV blocks in use (0..1), as the core last reported."""
-        return self._kv_cache_usage
+        """Fraction of KV blocks in use (0..1), as the core last reported; 0 once the core is dead (its
+        blocks went with it)."""
+        return 0.0 if self.errored is not None else self._kv_cache_usage
 
     @property
     def num_unfinished(self) -> int:
@@ -291,13 +304,14 @@ class AsyncLLM:
                 self.errored = exc
             message = str(exc)
             self._deliver(self.output_processor.fail_all(lambda: EngineDeadError(message)))
-            self._num_running = 0
+            self._num_running, self._kv_cache_usage = 0, 0.0
             self._signal_if_idle()
         except Exception as exc:  # a bug in this thread: nothing more can be served
             logger.exception("the output handler stopped")
             self.errored = EngineDeadError(f"the output handler failed: {type(exc).__name__}: {exc}")
             message = str(self.errored)
             self._deliver(self.output_processor.fail_all(lambda: EngineDeadError(message)))
+            self._num_running, self._kv_cache_usage = 0, 0.0
             self._signal_if_idle()
 
     def _handle(self, outputs: EngineCoreOutputs) -> None:

@@ -50,6 +50,7 @@ __all__ = [
     "decode_kv_bytes",
     "decode_weight_bytes",
     "linear_parameters",
+    "resident_bytes",
     "run_engine_benchmark",
 ]
 
@@ -138,7 +139,10 @@ class EngineBenchRow:
 @dataclass(frozen=True)
 class EngineBenchResult:
     """The rows of `run_engine_benchmark`, in max_num_seqs_list order, and what produced them
-    (`timing.capture_environment()` plus the model folder, dtype and parameter count)."""
+    (`timing.capture_environment()` plus the model, dtype and parameter count), and what loading cost:
+    `load_s` (seconds of `Model.load`: reading, dequantizing, packing the weights), `rss_before_load_bytes`
+    and `rss_after_load_bytes` (`resident_bytes()`, None without /proc), `weight_bytes` (the weights a
+    decode step reads, in the engine dtype, without embedding rows)."""
 
     rows: tuple[EngineBenchRow, ...]
     environment: dict[str, Any]
@@ -322,6 +326,7 @@ def run_engine_benchmark(
     oracle_tokens: int | None = None,
     probe_every: int = 1,
     detokenize: bool = True,
+    tokenizer: Tokenizer | None = None,
     gemm: str = "auto",
     temperature: float = 0.0,
 ) -> EngineBenchResult:
@@ -335,7 +340,8 @@ def run_engine_benchmark(
     sampled at `temperature` (0: greedy) by each request's own generator seeded with `seed`) stepped to completion, with the read probe, the linear-layer replay and the
     FMA probe timed after every probe_every-th pure-decode step (not counted in the step times or the
     wall time; every step by default, so probes and steps sample the same moments of a shared
-    machine's load). With detokenize, requests stream text through the tokenizer as a server's would.
+    machine's load). With detokenize, requests stream text through the tokenizer as a server's would:
+    `tokenizer`, or (None) the one Tokenizer.load reads from model_dir after the weights are loaded.
     gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"). The oracle holds
     at any temperature: request 0's generator draws the same numbers alone as in the batch.
 
@@ -365,14 +371,21 @@ def run_engine_benchmark(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
     sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed)
+    rss_before = resident_bytes()
+    load_start = time.perf_counter()
     model = Model.load(model_dir, dtype, gemm)
+    load_s = time.perf_counter() - load_start
+    loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
     max_model_len = prompt_len + output_len
     if max_model_len > model.config.max_position_embeddings:
         raise ValueError(
             f"prompt_len + output_len = {max_model_len} exceeds the model's "
             f"max_position_embeddings {model.config.max_position_embeddings}"
         )
-    tokenizer = Tokenizer.load(model_dir) if detokenize else None
+    if not detokenize:
+        tokenizer = None
+    elif tokenizer is None:
+        tokenizer = Tokenizer.load(model_dir)
     rng = np.random.default_rng(seed)
     blocks_per_request = -(-max_model_len // block_size)
     rows: list[EngineBenchRow] = []
@@ -474,5 +487,19 @@ def run_engine_benchmark(
         "gemm_note": model.gemm_note,
         "temperature": temperature,
         "seed": seed,
+        "weight_bytes": decode_weight_bytes(model, 0),
+        **loaded,
     }
     return EngineBenchResult(tuple(rows), environment)
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (VmRSS of /proc/self/status) in bytes; None where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        return None
+    return None

@@ -2,7 +2,8 @@
 
 Corresponds to vLLM's `vllm/entrypoints/chat_utils.py` (apply_hf_chat_template) at a small size. A Hugging
 Face checkpoint keeps its template in `tokenizer_config.json` under `chat_template` (a string, or a list of
-`{"name", "template"}` of which "default" is used). It is rendered the way transformers renders it: a
+`{"name", "template"}` of which "default" is used), a GGUF file in its `tokenizer.chat_template` metadata.
+It is rendered the way transformers renders it: a
 sandboxed Jinja2 environment with `trim_blocks` and `lstrip_blocks`, `raise_exception(msg)`, a `tojson`
 that keeps non-ASCII characters, `strftime_now(fmt)`, and the variables `messages`,
 `add_generation_prompt`, `bos_token`, `eos_token`.
@@ -82,10 +83,20 @@ def _token_text(value: Any) -> str:
 
 
 def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The chat template in `model_dir/tokenizer_config.json`, or None when there is none.
+    """The chat template in `model_dir/tokenizer_config.json`, or None when there is none. For a GGUF
+    file (`model_source.gguf_file_of`: a file, a folder holding one, a model name), the template in its
+    `tokenizer.chat_template` metadata.
 
-    Raises ValueError when the file exists but is not a JSON object.
+    Raises ValueError when the file exists but is not a JSON object, or the GGUF file is unreadable.
     """
+    from attention_kv_caceh.engine.model_source import gguf_file_of
+
+    gguf = gguf_file_of(model_dir)
+    if gguf is not None:
+        from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+        from attention_kv_caceh.engine.gguf_tokenizer import chat_template_from_gguf
+
+        return chat_template_from_gguf(GGUFCheckpoint(gguf))
     path = Path(model_dir) / "tokenizer_config.json"
     if not path.is_file():
         return None

@@ -1,8 +1,9 @@
 """EngineConfig: the engine's limits and the size of its KV cache, validated once.
 
 Corresponds to the parts of vLLM's `SchedulerConfig` (max_num_seqs, max_num_batched_tokens), `CacheConfig`
-(block_size, num_gpu_blocks, enable_prefix_caching) and `ModelConfig` (max_model_len, dtype) the engine
-uses. Left out: everything about devices, parallelism, quantization and speculative decoding.
+(block_size, num_gpu_blocks, enable_prefix_caching), `ModelConfig` (max_model_len, dtype) and
+`VllmConfig.speculative_config` the engine uses. Left out: everything about devices, parallelism and
+quantization.
 
 KV cache size. vLLM profiles a forward pass and gives the KV cache `gpu_memory_utilization` (0.9) of the
 GPU's memory minus what the weights and activations took. On a CPU shared with other processes there is
@@ -16,6 +17,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from .spec_decode.config import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_KV_CACHE_FRACTION",
@@ -74,6 +77,7 @@ class EngineConfig:
             `max_position_embeddings`, a value may only lower it (`resolve_max_model_len`).
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests).
+        speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
 
     Raises:
         ValueError: a count is not a positive int, both cache sizes are given, or the dtype is unknown.
@@ -87,6 +91,7 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     dtype: str = "float32"
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         _check_positive_int("max_num_seqs", self.max_num_seqs)

@@ -9,9 +9,11 @@ async scheduling (scheduling step N+1 while step N's outputs are processed: `_pr
 the place it would go), LoRA and multimodal inputs, and the ROUTER/DEALER handshake (one front end talks
 to one core over PUSH/PULL sockets).
 
-One step: `scheduler.schedule()` -> `model_runner.execute_model()` -> `sample()` ->
-`scheduler.update_from_output()` -> one EngineCoreOutput per request that got a token, plus the step's
-StepStats. The core knows token ids only: text, stop strings and per-request timestamps belong to the
+One step: `scheduler.schedule()` -> `model_runner.execute_model()` -> `sample()` (and
+`verify_draft()` for requests with draft tokens) -> `scheduler.update_from_output()` -> one
+EngineCoreOutput per request that got tokens, plus the step's StepStats; with speculative decoding the
+n-gram proposer then drafts the next tokens of every request that got some (vLLM's runner proposes
+right after sampling; `EngineConfig.speculative_config`). The core knows token ids only: text, stop strings and per-request timestamps belong to the
 front end's OutputProcessor (output_processor.py).
 
 EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as vLLM does:
@@ -55,6 +57,9 @@ from .config import EngineConfig
 from .request import Request, RequestStatus, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerOutput
+from .spec_decode.metrics import SpecDecodingStats
+from .spec_decode.ngram_proposer import NgramProposer
+from .spec_decode.rejection_sampler import verify_draft
 
 __all__ = [
     "STEP_STATS_MAXLEN",
@@ -84,7 +89,9 @@ class ModelRunnerLike(Protocol):
     """What the core needs from a model runner."""
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
-        """Compute the scheduled tokens; return logits [R, V], row i for scheduled_requests[i]."""
+        """Compute the scheduled tokens; return logits [R + D, V]: per scheduled request in order, the
+        row of its last scheduled token, or with d scheduled drafts the 1 + d rows of its last token
+        and each draft (`ModelRunner.execute_model`)."""
         ...
 
 
@@ -113,13 +120,14 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
 
     Attributes:
         request_id: the request.
-        new_token_ids: tokens produced this step (one, in this engine; none for an error).
+        new_token_ids: tokens produced this step (one; up to 1 + K with speculative decoding; none
+            for an error).
         finish_reason: None while running; "stop" | "length" | "abort" when it ended this step;
             "error" when the step failed (its blocks are freed), "rejected" when the core refused the
             request when it was added (`error` says why).
         error: the message of "error" / "rejected".
-        new_logprobs: `[sampled, prompt]` TokenLogprobs in wire form (`_logprobs_payload`); None when
-            the request asked for no logprobs.
+        new_logprobs: one `[sampled, prompt]` per new token, TokenLogprobs in wire form
+            (`_logprobs_payload`); None when the request asked for no logprobs.
         num_cached_tokens: prompt tokens the prefix cache served at the request's latest admission.
         num_preemptions: times the request was preempted so far.
     """
@@ -155,6 +163,7 @@ class StepStats:
         step_cpu_ms: CPU time of the thread that ran the step (time.thread_time), milliseconds: unlike
             step_time_ms it leaves out the time the thread waited for a CPU or for the GIL, so on a
             shared machine it tells the step's own work from the waiting.
+        spec_decoding: the step's draft and acceptance counts (speculative decoding on), else None.
     """
 
     step_index: int
@@ -170,6 +179,7 @@ class StepStats:
     prefix_cache_hits: int
     step_time_ms: float
     step_cpu_ms: float = 0.0
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class UtilityOutput(msgspec.Struct, array_like=True):
@@ -255,6 +265,12 @@ class EngineCore:
         )
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
         self.num_steps = 0
+        spec = config.speculative_config
+        self.proposer: NgramProposer | None = None
+        self._draft_schedule: list[int] = []
+        if spec is not None:
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max, model_len)
+            self._draft_schedule = spec.draft_schedule(config.max_num_seqs)
 
     @classmethod
     def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> EngineCore:
@@ -355,7 +371,7 @@ class EngineCore:
         queue sizes from there, so the gauges move when a request is admitted, not a step later).
 
         Raises:
-            ValueError: the runner's logits are not [R, V]; anything the runner raises.
+            ValueError: the runner's logits are not [R + D, V]; anything the runner raises.
         """
         t0, cpu0 = time.perf_counter(), time.thread_time()
         start = time.monotonic()
@@ -366,27 +382,40 @@ class EngineCore:
             return self.snapshot(EngineCoreOutputs())
         if on_schedule is not None:
             on_schedule()
-        logits = self.model_runner.execute_model(scheduler_output)  # [R, V]
+        logits = self.model_runner.execute_model(scheduler_output)  # [R + D, V]
         reqs = scheduler_output.scheduled_requests
-        if logits.ndim != 2 or logits.shape[0] != len(reqs):
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_rows = [1 + len(spec.get(r.request_id, ())) for r in reqs]  # [R]
+        if logits.ndim != 2 or logits.shape[0] != sum(num_rows):
             raise ValueError(
-                f"execute_model returned logits of shape {logits.shape}, expected [{len(reqs)}, V]"
+                f"execute_model returned logits of shape {logits.shape}, expected [{sum(num_rows)}, V]"
             )
-        rows = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r)]
-        sampled = sample(logits[rows], [reqs[i] for i in rows])
-        updates = self.scheduler.update_from_output(
-            scheduler_output, {reqs[i].request_id: t for i, t in zip(rows, sampled, strict=True)}
-        )
+        starts = np.cumsum([0, *num_rows])  # request i's rows: starts[i] : starts[i + 1]
+        plain = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r) and num_rows[i] == 1]
+        sampled = {
+            reqs[i].request_id: [t]
+            for i, t in zip(plain, sample(logits[starts[plain]], [reqs[i] for i in plain]), strict=True)
+        }
+        spec_stats = None if self.proposer is None else SpecDecodingStats(self._num_spec_tokens)
+        for i, r in enumerate(reqs):
+            drafts = spec.get(r.request_id)
+            if drafts:
+                tokens = verify_draft(logits[starts[i] : starts[i + 1]], r, drafts)
+                sampled[r.request_id] = tokens
+                if spec_stats is not None:
+                    spec_stats.observe_draft(len(drafts), len(tokens) - 1)
+        updates = self.scheduler.update_from_output(scheduler_output, sampled)
+        self._propose(updates, len(reqs))
         outputs = [
             EngineCoreOutput(
                 request.request_id,
-                [token],
+                tokens,
                 request.status.finish_reason,
-                new_logprobs=_logprobs_payload(request),
+                new_logprobs=_logprobs_payload(request, len(tokens)),
                 num_cached_tokens=request.num_cached_tokens,
                 num_preemptions=request.num_preemptions,
             )
-            for request, token in updates
+            for request, tokens in updates
         ]
         cpu_ms = (time.thread_time() - cpu0) * 1e3  # read inside the wall interval
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -404,11 +433,29 @@ class EngineCore:
             prefix_cache_hits=kv.prefix_cache_hits - hits0,
             step_time_ms=wall_ms,
             step_cpu_ms=cpu_ms,
+            spec_decoding=spec_stats,
         )
         self.step_stats.append(stats)
         self.num_steps += 1
         result = EngineCoreOutputs(outputs, stats, start, time.monotonic())
         return self.snapshot(result)
+
+    @property
+    def _num_spec_tokens(self) -> int:
+        spec = self.config.speculative_config
+        return 0 if spec is None else spec.num_speculative_tokens
+
+    def _propose(self, updates: list[tuple[Request, list[int]]], batch_size: int) -> None:
+        """Draft the next tokens of every request that got tokens and runs on, `Request.spec_token_ids`;
+        as many as the draft schedule gives a step of `batch_size` requests (none: no proposing)."""
+        if self.proposer is None:
+            return
+        k = self._draft_schedule[min(batch_size, len(self._draft_schedule) - 1)]
+        if k <= 0:
+            return
+        for request, _ in updates:
+            if not request.is_finished:
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
 
     def fail_running(self, exc: BaseException) -> EngineCoreOutputs:
         """After a step raised `exc`: abort the requests it was running (all unfinished ones when none
@@ -422,21 +469,25 @@ class EngineCore:
         return self.snapshot(EngineCoreOutputs(outputs, step_error=f"{type(exc).__name__}: {exc}"))
 
 
-def _logprobs_payload(request: Request) -> list[Any] | None:
-    """The `new_logprobs` of a request's newest token: `[sampled, prompt]`, each TokenLogprobs.to_wire
-    lists or None: `sampled` when it asked for logprobs, `prompt` (every prompt token after the first)
-    with its first token when it asked for prompt logprobs. None when it asked for neither."""
+def _logprobs_payload(request: Request, num_new: int) -> list[Any] | None:
+    """The `new_logprobs` of a request's newest `num_new` tokens: one `[sampled, prompt]` each,
+    TokenLogprobs.to_wire lists or None: `sampled` when it asked for logprobs, `prompt` (every prompt
+    token after the first) with its first token when it asked for prompt logprobs. None when it asked
+    for neither."""
     params = request.sampling_params
     if params.logprobs is None and params.prompt_logprobs is None:
         return None
     n = request.num_output_tokens
-    sampled = None
-    if params.logprobs is not None and len(request.output_logprobs) >= n:
-        sampled = request.output_logprobs[n - 1].to_wire()
-    prompt = None
-    if params.prompt_logprobs is not None and n == 1:
-        prompt = [entry.to_wire() for entry in request.prompt_logprobs]
-    return [sampled, prompt]
+    payloads: list[Any] = []
+    for i in range(n - num_new, n):
+        sampled = None
+        if params.logprobs is not None and len(request.output_logprobs) > i:
+            sampled = request.output_logprobs[i].to_wire()
+        prompt = None
+        if params.prompt_logprobs is not None and i == 0:
+            prompt = [entry.to_wire() for entry in request.prompt_logprobs]
+        payloads.append([sampled, prompt])
+    return payloads
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -11,21 +11,32 @@ Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`. Two clients, as vLLM h
   same EngineCoreProc in a thread of this process (tests that hold a step or read the scheduler).
   Left out: vLLM's ROUTER/DEALER identities (one front end per core), data-parallel clients.
 
-The front end binds both sockets before the core starts (no connect race), on abstract-namespace IPC
-addresses (`ipc://@...`, Linux; nothing on disk to clean up after a SIGKILL) or TCP loopback elsewhere.
+The front end binds both sockets before the core starts (no connect race), as socket files in a private
+folder that only the core's process may connect to (ipc.py: a 0700 folder, a ZAP handler checking the
+peer's pid); the files are removed once the core has connected both. Without ZMQ's ipc transport
+(Windows), TCP loopback, open to every local process.
 `get_output()` waits on the output socket and on the core's liveness together: for a process, its
 sentinel fd is polled beside the socket, so a dead core is seen at once and raises EngineDeadError.
+
+Backpressure is not death. A core that reads its input more slowly than the front end sends (a request
+that fans out into thousands of engine requests, a flood of clients, a core whose input thread waits for
+the GIL) makes the sends queue in the front end, never fail: the input socket has no high-water mark
+(ZMQ_SNDHWM 0, so ZMQ's own queue in this process holds what the core has not read yet), and a frame
+that finds no connected peer (the instant before the core's input socket connects) waits in `_pending`
+until `get_output()`'s poll loop sends it, in order. The core is declared dead only when its process
+(or thread) has exited or it reported that its loop failed (`engine_dead`), never because a send would
+block. Left out, as in vLLM v1: a heartbeat (a core that is alive but stuck is not declared dead).
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
-import sys
 import threading
-import uuid
+from collections import deque
 from concurrent.futures import Future
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -42,12 +53,17 @@ from .core import (
     RequestType,
     run_engine_core,
 )
+from .ipc import PrivateChannels
 from .request import Request
 
 __all__ = ["EngineDeadError", "InprocClient", "MPClient"]
 
+logger = logging.getLogger(__name__)
+
 # How long get_output() waits on the socket before checking a thread-run core is alive (ms).
 _POLL_MS = 100
+# ... and while frames wait in the front end for the core's input socket to connect (ms).
+_PENDING_POLL_MS = 5
 
 
 class EngineDeadError(RuntimeError):
@@ -82,13 +98,6 @@ class InprocClient:
         return self.core.reset_prefix_cache()
 
 
-def _addresses() -> tuple[str, str]:
-    if sys.platform.startswith("linux"):
-        tag = f"attention-kv-caceh-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        return f"ipc://@{tag}-input", f"ipc://@{tag}-output"
-    return "tcp://127.0.0.1:*", "tcp://127.0.0.1:*"
-
-
 class MPClient:
     """A core behind ZMQ sockets, started by `launch_process` or `launch_thread`.
 
@@ -101,14 +110,24 @@ class MPClient:
         self._ctx = zmq.Context()
         self._input = self._ctx.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
+        self._input.setsockopt(
+            zmq.SNDHWM, 0
+        )  # no high-water mark: a slow core queues sends, never fails them
         self._output = self._ctx.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
-        input_address, output_address = _addresses()
-        self._input.bind(input_address)
-        self._output.bind(output_address)
+        self.channels: PrivateChannels | None = None
+        if zmq.has("ipc"):
+            self.channels = PrivateChannels(self._ctx)
+            self.channels.bind(self._input, "input")
+            self.channels.bind(self._output, "output")
+        else:
+            logger.warning("no ZMQ ipc transport here: the engine core's sockets are on TCP loopback")
+            self._input.bind("tcp://127.0.0.1:*")
+            self._output.bind("tcp://127.0.0.1:*")
         self.input_address = self._input.getsockopt_string(zmq.LAST_ENDPOINT)
         self.output_address = self._output.getsockopt_string(zmq.LAST_ENDPOINT)
         self._send_lock = threading.Lock()
+        self._pending: deque[tuple[bytes, bytes]] = deque()  # frames no connected peer took yet, in order
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
         self._poller = zmq.Poller()
@@ -143,6 +162,8 @@ class MPClient:
             daemon=True,
         )
         client.process.start()
+        if client.channels is not None and client.process.pid is not None:
+            client.channels.admit(client.process.pid)
         client._poller.register(client.process.sentinel, zmq.POLLIN)
         client._wait_ready(startup_timeout_s)
         return client
@@ -151,11 +172,18 @@ class MPClient:
     def launch_thread(cls, core: EngineCore) -> MPClient:
         """Run `core` under an EngineCoreProc in a daemon thread of this process (same sockets, same loop)."""
         client = cls()
-        client.proc = EngineCoreProc(core, client.input_address, client.output_address)
-        client.thread = threading.Thread(target=client.proc.run, name="engine-core", daemon=True)
-        client.thread.start()
-        client._wait_ready(60.0)
+        client.start_thread(core)
         return client
+
+    def start_thread(self, core: EngineCore) -> None:
+        """`launch_thread`'s second half, for a client already bound: start `core` in a thread of this
+        process (the only process its channels admit) and wait until it is ready."""
+        if self.channels is not None:
+            self.channels.admit(os.getpid())
+        self.proc = EngineCoreProc(core, self.input_address, self.output_address)
+        self.thread = threading.Thread(target=self.proc.run, name="engine-core", daemon=True)
+        self.thread.start()
+        self._wait_ready(60.0)
 
     def _wait_ready(self, timeout_s: float) -> None:
         try:
@@ -164,7 +192,11 @@ class MPClient:
                 if outputs is None:
                     raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
                 if outputs.ready:
-                    return
+                    break
+            # the output channel is connected (ready came through it); once the input is too, no file
+            # names the channels any more
+            if self.channels is not None and not self.channels.wait_connected(timeout_s):
+                raise EngineDeadError(f"the engine core did not connect its input within {timeout_s:.0f} s")
         except EngineDeadError:
             self.close()
             raise
@@ -190,16 +222,29 @@ class MPClient:
     # -- sending ---------------------------------------------------------------------------------------
 
     def _send(self, kind: bytes, payload: Any) -> None:
+        """Queue one message for the core, in order; it never blocks and never fails for a slow core.
+
+        Raises EngineDeadError when the core is already known to be gone or was shut down; msgspec's errors
+        (an integer outside 64 bits) before anything is queued."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
         data = self._encoder.encode(payload)
         with self._send_lock:
             if self._closed:
                 raise EngineDeadError("the engine core was shut down")
+            self._pending.append((kind, data))
+            self._flush_pending()
+
+    def _flush_pending(self) -> None:
+        """Hand the waiting frames to ZMQ, oldest first (holding `_send_lock`). With no high-water mark a
+        send fails (zmq.Again) only while no peer is connected; the frames then stay for the next try."""
+        while self._pending:
+            kind, data = self._pending[0]
             try:
                 self._input.send_multipart((kind, data), flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again as exc:  # the core stopped reading
-                raise EngineDeadError("the engine core does not accept input") from exc
+            except zmq.Again:
+                return
+            self._pending.popleft()
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Send a request to the core. Raises EngineDeadError when the core is gone."""
@@ -239,7 +284,13 @@ class MPClient:
             if self._closed and self._core_gone() is not None:
                 self._mark_dead("the engine core was shut down")
                 raise EngineDeadError(self.dead)
-            events = dict(self._poller.poll(_POLL_MS))
+            poll_ms = _POLL_MS
+            if self._pending:
+                with self._send_lock:
+                    if not self._closed:
+                        self._flush_pending()
+                    poll_ms = _PENDING_POLL_MS if self._pending else _POLL_MS
+            events = dict(self._poller.poll(poll_ms))
             if self._output in events:
                 outputs = self._decoder.decode(self._output.recv(copy=False).buffer)
                 if outputs.utility_output is not None:
@@ -258,12 +309,14 @@ class MPClient:
             if gone is not None:
                 self._mark_dead(gone)
                 raise EngineDeadError(gone)
-            waited += _POLL_MS / 1000
+            waited += poll_ms / 1000
             if timeout_s is not None and waited >= timeout_s:
                 return None
 
     def _mark_dead(self, reason: str) -> None:
         self.dead = reason
+        with self._send_lock:
+            self._pending.clear()  # nobody will read them; their requests fail with the rest
         calls, self._calls = self._calls, {}
         for future in calls.values():
             future.set_exception(EngineDeadError(reason))
@@ -278,8 +331,9 @@ class MPClient:
             if self._closed:
                 return
             if self.dead is None:
+                self._pending.append((RequestType.SHUTDOWN, b""))  # after whatever still waits
                 with contextlib.suppress(zmq.ZMQError):
-                    self._input.send_multipart((RequestType.SHUTDOWN, b""), flags=zmq.NOBLOCK)
+                    self._flush_pending()
             self._closed = True
         if self.thread is not None:
             self.thread.join(timeout_s)
@@ -294,4 +348,6 @@ class MPClient:
         self.shutdown(0.0)
         self._input.close(linger=0)
         self._output.close(linger=0)
-        self._ctx.term()
+        self._ctx.term()  # also ends the channels' ZAP thread
+        if self.channels is not None:
+            self.channels.close()

@@ -84,16 +84,22 @@ class KVCacheManager:
         if len(request.block_hashes) < request.num_tokens // self.block_size:
             request.block_hashes.extend(self._block_hasher(request))
 
+    def prefix_cache_lookup_enabled(self, request: Request) -> bool:
+        """Whether the request looks its prompt up in the prefix cache: not with prefix caching off, nor
+        when it asks for prompt logprobs (they need every prompt position computed; vLLM skips the cache
+        for them too)."""
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest cached prefix of the request in full blocks, and its length in tokens.
 
-        Returns ([], 0) with prefix caching off, and for a request that asks for prompt logprobs. Never
-        covers the request's last token. Does not take the
-        blocks (allocate_slots does) and does not count queries (record_prefix_cache_lookup does, at
-        admission, so a request that waits several steps is counted once).
+        Returns ([], 0) when the request skips the lookup (`prefix_cache_lookup_enabled`). Never covers
+        the request's last token. Does not take the blocks (allocate_slots does) and does not count
+        queries (record_prefix_cache_lookup does, at admission, so a request that waits several steps is
+        counted once).
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed (vLLM skips the cache too)
+        if not self.prefix_cache_lookup_enabled(request):
+            return [], 0
         self._update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []
@@ -104,9 +110,13 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def record_prefix_cache_lookup(self, num_queried_tokens: int, num_hit_tokens: int) -> None:
-        """Count one admission's lookup (tokens queried, tokens hit)."""
-        self.prefix_cache_queries += num_queried_tokens
+    def record_prefix_cache_lookup(self, request: Request, num_hit_tokens: int) -> None:
+        """Count one admission's lookup: the request's tokens queried, `num_hit_tokens` hit. A request that
+        skipped the lookup (prefix caching off, prompt logprobs) is not counted, as vLLM v1's
+        `record_prefix_cache_stats` leaves it out, so with caching off the counters stay at 0."""
+        if not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(

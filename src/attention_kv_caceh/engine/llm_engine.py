@@ -48,7 +48,7 @@ class RequestOutput:
 
     Attributes:
         request_id: the request.
-        new_token_ids: tokens produced this step (one, in this engine).
+        new_token_ids: tokens produced this step (one; up to 1 + K with speculative decoding).
         text_delta: text those tokens added ("" without a tokenizer, or while UTF-8 is incomplete).
         finished: the request ended this step.
         finish_reason: "stop" | "length" when finished, else None.

@@ -10,6 +10,12 @@ are read from AsyncLLM at the moment of the scrape (`Gauge.set_function`): runni
 engine core last reported them (it reports when a step admits or ends a request, before the model runs),
 waiting as every unfinished request that is not running, so a scrape between steps sees requests that
 have just arrived.
+
+With speculative decoding on (`num_speculative_tokens` > 0), vLLM's spec-decode counters too
+(`vllm/v1/spec_decode/metrics.py`, SpecDecodingProm): `vllm:spec_decode_num_drafts`,
+`vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
+`vllm:spec_decode_num_accepted_tokens_per_pos` with a `position` label 0 .. K - 1 (definitions in
+`spec_decode/metrics.py`); they exist from startup, at 0, so a client can diff them around a run.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ __all__ = [
     "ITERATION_TOKENS_BUCKETS",
     "ITL_BUCKETS",
     "METRIC_NAMES",
+    "SPEC_DECODE_METRIC_NAMES",
     "TTFT_BUCKETS",
     "ServerMetrics",
 ]
@@ -56,6 +63,14 @@ METRIC_NAMES = (
     "vllm:prefix_cache_hits_total",
 )
 
+# The spec-decode families (counters, exposed with `_total`), present with speculative decoding on.
+SPEC_DECODE_METRIC_NAMES = (
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_per_pos_total",
+)
+
 _FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -66,6 +81,8 @@ class ServerMetrics:
     KV cache's settings (`block_size`, `num_gpu_blocks`, `enable_prefix_caching`), exported as the labels
     of the gauge `vllm:cache_config_info` (value 1), as vLLM exports its CacheConfig; a client reads the
     block size there.
+    `num_speculative_tokens`: K of the engine's speculative decoding, 0 when it is off (no spec-decode
+    metrics then, as in vLLM).
     """
 
     def __init__(
@@ -75,6 +92,7 @@ class ServerMetrics:
         waiting: Callable[[], float],
         kv_usage: Callable[[], float],
         cache_config: Mapping[str, str] | None = None,
+        num_speculative_tokens: int = 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
@@ -112,6 +130,25 @@ class ServerMetrics:
             registry=reg,
         )
         self.request_success = {reason: success.labels(model_name, reason) for reason in _FINISH_REASONS}
+        self.spec_drafts: Counter | None = None
+        self.spec_draft_tokens: Counter | None = None
+        self.spec_accepted_tokens: Counter | None = None
+        self.spec_accepted_per_pos: list[Counter] = []
+        if num_speculative_tokens > 0:
+            self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.spec_accepted_tokens = counter(
+                "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."
+            )
+            per_pos = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Accepted tokens per draft position.",
+                [*labels, "position"],
+                registry=reg,
+            )
+            self.spec_accepted_per_pos = [
+                per_pos.labels(model_name, str(i)) for i in range(num_speculative_tokens)
+            ]
 
         def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
             return Histogram(name, doc, labels, registry=reg, buckets=buckets).labels(model_name)
@@ -145,6 +182,14 @@ class ServerMetrics:
         self.prefix_cache_hits.inc(stats.prefix_cache_hits)
         if stats.num_scheduled_tokens > 0:
             self.iteration_tokens.observe(stats.num_scheduled_tokens)
+        spec = stats.spec_decoding
+        if spec is not None and self.spec_drafts is not None:
+            self.spec_drafts.inc(spec.num_drafts)
+            if self.spec_draft_tokens is not None and self.spec_accepted_tokens is not None:
+                self.spec_draft_tokens.inc(spec.num_draft_tokens)
+                self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+            for counter, n in zip(self.spec_accepted_per_pos, spec.num_accepted_tokens_per_pos, strict=False):
+                counter.inc(n)
         for ttft in stats.time_to_first_tokens:
             self.ttft.observe(ttft)
         for itl in stats.inter_token_latencies:

@@ -6,7 +6,8 @@ chunks and decode tokens of different requests share each weight read; only atte
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
-parallelism, quantisation, sliding-window attention, and RoPE scalings other than "llama3".
+parallelism, quantised compute (a GGUF file's weights are dequantized at load, `gguf_checkpoint`),
+sliding-window attention, and RoPE scalings other than "llama3".
 
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
 path (float32 on a CPU with AVX-512F, the default there) the weights are packed once here, at load,
@@ -37,6 +38,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, read_config_json
+from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
 from attention_kv_caceh.engine.layers import (
     GEMM_PATHS,
     LinearWeight,
@@ -110,7 +112,7 @@ class Model:
     def __init__(
         self,
         config: ModelConfig,
-        checkpoint: SafetensorsCheckpoint,
+        checkpoint: SafetensorsCheckpoint | GGUFCheckpoint,
         dtype: str = "float32",
         gemm: str = "auto",
     ) -> None:
@@ -184,11 +186,19 @@ class Model:
 
     @classmethod
     def load(cls, path: str | Path, dtype: str = "float32", gemm: str = "auto") -> Model:
-        """Load a Hugging Face model folder (config.json + safetensors) in engine `dtype`, GEMM path `gemm`.
+        """Load a checkpoint in engine `dtype`, GEMM path `gemm`: a Hugging Face folder (config.json +
+        safetensors) or a GGUF file, a folder holding one, or a model name (`model_source.resolve_model`).
+        A GGUF file's weights are dequantized to `dtype` here.
 
-        Raises CheckpointError for anything the folder lacks or the model does not implement, ValueError
-        as `Model()` does.
+        Raises CheckpointError for anything the checkpoint lacks or the model does not implement,
+        ValueError as `Model()` does.
         """
+        from attention_kv_caceh.engine.model_source import gguf_file_of
+
+        gguf = gguf_file_of(path)
+        if gguf is not None:
+            checkpoint = GGUFCheckpoint(gguf)
+            return cls(checkpoint.config(), checkpoint, dtype, gemm)
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
         return cls(config, SafetensorsCheckpoint(path), dtype, gemm)
 

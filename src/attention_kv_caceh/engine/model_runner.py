@@ -4,8 +4,17 @@ What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute
 size: lay the scheduled requests' new tokens out as one flattened batch, compute each token's position
 and KV slot from its request's block table, run the model once, and return the logits of each request's
 last scheduled token; a request that asks for prompt logprobs also gets those of its prompt positions
-(vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`. Left out: persistent input buffers, CUDA graphs, speculative decoding, sampling
-(the engine's sampler does that), pipeline/tensor parallelism.
+(vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`.
+
+Speculative decoding: a request's scheduled draft tokens (`scheduled_spec_decode_tokens`) follow its
+last token in the flattened batch, and the logits of all its last 1 + d positions are returned (vLLM's
+`logits_indices` with `SpecDecodeMetadata`). A step in which every request computes one token plus its
+drafts is laid out for the compiled decode kernel with one row per token: row i attends its request's
+blocks up to its own position (context length position + 1), which is the causal mask of the
+request's queries, so verification never takes the gather-and-matmul prefill path.
+
+Left out: persistent input buffers, CUDA graphs, sampling (the engine's sampler does that),
+pipeline/tensor parallelism.
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
 """
@@ -23,7 +32,7 @@ from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata
 from attention_kv_caceh.engine.sampler import token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
-from attention_kv_caceh.kernels import prepare_paged_decode_attention
+from attention_kv_caceh.engine.warmup import warm_up
 
 __all__ = ["ModelInputs", "ModelRunner"]
 
@@ -32,11 +41,16 @@ FloatArray = npt.NDArray[np.floating[Any]]
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """The flattened batch of one step: input_ids and positions `[N]` plus the attention metadata."""
+    """The flattened batch of one step: input_ids and positions `[N]`, the attention metadata,
+    `logits_indices` `[R + D]` (the rows whose logits are returned: each request's last 1 + d_r
+    tokens, d_r its scheduled drafts) and `query_start_loc` `[R + 1]` (request r's tokens are rows
+    query_start_loc[r] : query_start_loc[r + 1], whatever the metadata's layout)."""
 
     input_ids: npt.NDArray[np.int64]
     positions: npt.NDArray[np.int64]
     metadata: AttentionMetadata
+    logits_indices: npt.NDArray[np.int64]
+    query_start_loc: npt.NDArray[np.int64]
 
 
 class ModelRunner:
@@ -44,8 +58,9 @@ class ModelRunner:
 
     kv_caches: one (K, V) pair per layer, each `[num_blocks, block_size, H_kv, D]` in config.dtype,
     zero-filled; block b holds positions [i * block_size, (i + 1) * block_size) of whichever request
-    lists b as its i-th block. warmup_s: seconds the paged decode kernel's compile (or Numba disk-cache
-    load) took at construction (0-ish when this process had it already), so no step time includes it.
+    lists b as its i-th block. warmup_s: seconds the warm-up run at construction took (a dummy forward
+    pass that compiles, or loads from Numba's disk cache, every kernel a step calls), so no step time
+    includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone.
     """
@@ -71,18 +86,11 @@ class ModelRunner:
         self.warmup_s = self._warm_up()
 
     def _warm_up(self) -> float:
-        """Compile (or load from Numba's disk cache) the paged decode kernel for this dtype now, so that
-        the first decode step does not pay for it (seconds on a fresh clone). One call on a one-row query
-        over block 0 with context length 1, with the argument types the model passes (C-contiguous q and
-        out `[1, H, D]`, int32 block table and lengths); it reads the cache and writes nothing in it.
-        Returns the seconds the first such call in this process took (`kernels.compile_seconds`)."""
-        c = self.model.config
-        k_cache, v_cache = self.kv_caches[0]
-        q = np.zeros((1, c.num_attention_heads, c.head_dim), dtype=self.model.dtype)  # [1, H, D]
-        out = np.empty_like(q)
-        block_tables = np.zeros((1, 1), dtype=np.int32)  # [1, 1]
-        context_lens = np.ones(1, dtype=np.int32)  # [1]
-        return prepare_paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, out)
+        """Run the model once on dummy tokens (`engine/warmup.py:warm_up`), so that its first real step
+        compiles nothing: every Numba kernel a step calls is compiled (or loaded from Numba's disk cache)
+        here for the argument types the model passes, its own weights and KV buffers included. The KV
+        buffers are left zero-filled. Returns the seconds it took."""
+        return warm_up(self.model, self.kv_caches)
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
@@ -92,13 +100,14 @@ class ModelRunner:
         return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
-        """Flatten the step: request r's tokens all_token_ids[c : c + n] at positions c .. c + n - 1.
+        """Flatten the step: request r's tokens (all_token_ids + its scheduled drafts)[c : c + n] at
+        positions c .. c + n - 1.
 
         c = num_computed_tokens, n = num_scheduled_tokens[request_id]; position p goes to slot
         block_ids[p // block_size] * block_size + p % block_size. This is the step's one validation:
         the model and its kernels trust what it returns. Raises ValueError for an empty step, n < 1,
-        c + n beyond the request's tokens, a token id outside the vocabulary, too few blocks, or a block
-        id outside the pool.
+        c + n beyond the request's tokens, drafts that are not the step's last tokens of their request, a
+        token id outside the vocabulary, too few blocks, or a block id outside the pool.
         """
         requests = scheduler_output.scheduled_requests
         if not requests:
@@ -109,14 +118,22 @@ class ModelRunner:
         context_lens = np.empty(len(requests), dtype=np.int64)  # [R]
         max_blocks = max(len(r.block_ids) for r in requests)
         block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)  # [R, max_blocks]
+        spec = scheduler_output.scheduled_spec_decode_tokens
+        num_logits = np.ones(len(requests), dtype=np.int64)  # [R], 1 + d_r
         for i, r in enumerate(requests):
             n = scheduler_output.num_scheduled_tokens.get(r.request_id, 0)
             c = r.num_computed_tokens
-            tokens = r.all_token_ids
+            drafts = spec.get(r.request_id, [])
+            tokens = r.all_token_ids + drafts
             if n < 1 or c < 0 or c + n > len(tokens):
                 raise ValueError(
                     f"request {r.request_id!r}: {n} scheduled tokens after {c} computed, of {len(tokens)} tokens"
                 )
+            if drafts and (c + n != len(tokens) or n < 1 + len(drafts)):
+                raise ValueError(
+                    f"request {r.request_id!r}: its {len(drafts)} draft tokens must end the step"
+                )
+            num_logits[i] = 1 + len(drafts)
             if len(r.block_ids) * bs < c + n or any(not 0 <= b < self.num_blocks for b in r.block_ids):
                 raise ValueError(
                     f"request {r.request_id!r}: block_ids {r.block_ids} must cover {c + n} positions "
@@ -136,28 +153,43 @@ class ModelRunner:
         query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [R+1]
         request_of_token = np.repeat(np.arange(len(requests)), counts)  # [N]
         slot_mapping = block_tables[request_of_token, pos // bs].astype(np.int64) * bs + pos % bs  # [N]
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            block_tables=block_tables,
-            context_lens=context_lens,
-            block_size=bs,
-        )
-        return ModelInputs(input_ids, pos, metadata)
+        # each request's last 1 + d_r rows: [R + D]
+        last_rows: list[npt.NDArray[np.int64]] = [
+            np.arange(int(end) - int(k), int(end), dtype=np.int64)
+            for end, k in zip(query_start_loc[1:], num_logits, strict=True)
+        ]
+        logits_indices = np.concatenate(last_rows)
+        if spec and np.array_equal(counts, num_logits):  # one token + drafts each: a row per token
+            metadata = AttentionMetadata(
+                slot_mapping=slot_mapping,
+                query_start_loc=np.arange(pos.shape[0] + 1, dtype=np.int64),  # [N+1]
+                block_tables=block_tables[request_of_token],  # [N, max_blocks]
+                context_lens=pos + 1,  # [N]
+                block_size=bs,
+            )
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping=slot_mapping,
+                query_start_loc=query_start_loc,
+                block_tables=block_tables,
+                context_lens=context_lens,
+                block_size=bs,
+            )
+        return ModelInputs(input_ids, pos, metadata, logits_indices, query_start_loc)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
-        """Run one step; logits `[R, V]` in the engine dtype, row i for the last scheduled token of
-        scheduled_requests[i] (whether or not the scheduler samples from it). Writes the step's K/V
-        into `kv_caches`. Raises ValueError as `prepare_inputs` does, before touching the caches.
+        """Run one step; logits `[R + D, V]` in the engine dtype: for each of scheduled_requests in
+        order, one row for its last scheduled token (whether or not the scheduler samples from it), or
+        with d scheduled drafts 1 + d rows, for its last token and each draft token. Writes the step's
+        K/V into `kv_caches`. Raises ValueError as `prepare_inputs` does, before touching the caches.
         """
         inputs = self.prepare_inputs(scheduler_output)
         self.last_inputs = inputs
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
         )  # [N, D_model]
-        last = inputs.metadata.query_start_loc[1:] - 1  # [R], row of each request's last token
-        self._record_prompt_logprobs(scheduler_output, hidden, inputs.metadata.query_start_loc)
-        return self.model.compute_logits(hidden[last])  # [R, V]
+        self._record_prompt_logprobs(scheduler_output, hidden, inputs.query_start_loc)
+        return self.model.compute_logits(hidden[inputs.logits_indices])  # [R + D, V]
 
     def _record_prompt_logprobs(
         self, scheduler_output: SchedulerOutput, hidden: FloatArray, query_start_loc: npt.NDArray[np.int64]

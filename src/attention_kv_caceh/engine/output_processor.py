@@ -50,14 +50,15 @@ class RequestDelta:
 
     Attributes:
         request_id: the request.
-        new_token_ids: tokens produced (one per step; several when a slow reader's deltas were merged).
+        new_token_ids: tokens produced (one per step, up to 1 + K with speculative decoding; more when
+            a slow reader's deltas were merged).
         text: the text they added that can be sent ("" without a tokenizer, while a UTF-8 character is
             incomplete, or while held back for a stop string).
         finished: the request ended.
         finish_reason: "stop" | "length" | "abort" when finished, else None.
         num_prompt_tokens: prompt tokens.
         num_output_tokens: output tokens so far, including new_token_ids.
-        new_logprobs: the core's logprobs payload of these tokens (a list, one entry per step), or None.
+        new_logprobs: the core's logprobs payloads of these tokens (a list, one entry per token), or None.
     """
 
     request_id: str
@@ -138,6 +139,27 @@ class RequestState:
             num_cached_tokens=self.num_cached_tokens,
             num_preemptions=self.num_preemptions,
         )
+
+    def text_delta_each(
+        self, new_ids: list[int], finished: bool, stop_token: bool = False
+    ) -> tuple[str, bool, int]:
+        """`text_delta` of several tokens one at a time, so that a stop string ends the request at the
+        token that completes it, as it would have one token per step (vLLM drops the tokens after that
+        one too): (text, whether a stop string ended it, tokens kept). `num_output_tokens` counts the
+        kept tokens only."""
+        if not self.params.stop or len(new_ids) <= 1:
+            text, stopped = self.text_delta(new_ids, finished, stop_token)
+            return text, stopped, len(new_ids)
+        base = self.num_output_tokens - len(new_ids)
+        out = ""
+        for i, token in enumerate(new_ids):
+            last = i == len(new_ids) - 1
+            self.num_output_tokens = base + i + 1
+            text, stopped = self.text_delta([token], finished and last, stop_token and last)
+            out += text
+            if stopped:
+                return out, True, i + 1
+        return out, False, len(new_ids)
 
     def text_delta(self, new_ids: list[int], finished: bool, stop_token: bool = False) -> tuple[str, bool]:
         """The sendable text after `new_ids`, and whether a stop string ended the request.
@@ -313,14 +335,16 @@ class OutputProcessor:
                 if itl is not None:
                     itls.append(itl)
                 generation_tokens += len(new_ids)
-            text, stopped = state.text_delta(new_ids, reason is not None, reason == "stop")
+            text, stopped, kept = state.text_delta_each(new_ids, reason is not None, reason == "stop")
             if stopped:
                 reason = "stop"
                 to_abort.append(output.request_id)
+                generation_tokens -= len(new_ids) - kept
+                new_ids = new_ids[:kept]
             if reason is not None:
                 self.pop(output.request_id)
                 finished.append(state.finished_stats(reason, now))
-            logprobs = None if output.new_logprobs is None else [output.new_logprobs]
+            logprobs = None if output.new_logprobs is None else list(output.new_logprobs)[: len(new_ids)]
             delta = RequestDelta(
                 output.request_id,
                 tuple(new_ids),
@@ -344,6 +368,7 @@ class OutputProcessor:
             time_to_first_tokens=ttfts,
             inter_token_latencies=itls,
             finished_requests=finished,
+            spec_decoding=None if step_stats is None else step_stats.spec_decoding,
         )
         return OutputProcessorOutput(deliveries, stats, to_abort)
 

@@ -31,6 +31,8 @@ import numpy as np
 BlockHasher = Callable[["Request"], list[bytes]]
 
 __all__ = [
+    "MAX_LOGIT_BIAS",
+    "MAX_REPETITION_PENALTY",
     "SAMPLING_EPS",
     "BlockHasher",
     "Request",
@@ -72,6 +74,16 @@ _FINISH_REASONS = {
 
 # Temperatures below this are greedy, as in vLLM (vllm/sampling_params.py, `_SAMPLING_EPS = 1e-5`).
 SAMPLING_EPS = 1e-5
+
+# repetition_penalty is accepted in [1 / MAX_REPETITION_PENALTY, MAX_REPETITION_PENALTY] (vLLM takes any
+# value > 0). The bound keeps every value the sampler computes finite: a logit (at most float32's 3.4e38,
+# which the sampler checks) times 1e100, divided by a temperature of at least SAMPLING_EPS, is at most
+# about 3.4e143, far inside float64 (1.8e308); past it, 1e-300 or 1e300 overflowed to +-inf and the
+# choice among infinite logits was arbitrary.
+MAX_REPETITION_PENALTY = 1e100
+
+# OpenAI's range for a logit_bias value: [-100, 100].
+MAX_LOGIT_BIAS = 100.0
 
 
 def _is_int(value: object) -> bool:
@@ -116,7 +128,7 @@ def decode_logprobs_payloads(
     payloads: Sequence[Any] | None,
 ) -> tuple[list[TokenLogprobs], tuple[TokenLogprobs, ...] | None]:
     """The sampled tokens' TokenLogprobs and the prompt's (None when absent) from the core's
-    `new_logprobs` payloads, one `[sampled, prompt]` per step (core.py `_logprobs_payload`)."""
+    `new_logprobs` payloads, one `[sampled, prompt]` per token (core.py `_logprobs_payload`)."""
     sampled: list[TokenLogprobs] = []
     prompt: tuple[TokenLogprobs, ...] | None = None
     for payload in payloads or []:
@@ -149,9 +161,10 @@ class SamplingParams:
             them until then; the API process holds back stop strings the same way).
         frequency_penalty, presence_penalty: OpenAI's penalties over the generated tokens, in [-2, 2]:
             logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0).
-        repetition_penalty: > 0; 1 disables. A token in the prompt or the output has its logit divided
-            by it when positive, multiplied by it otherwise (Keskar et al. 2019; vLLM, transformers).
-        logit_bias: (token id, bias) pairs added to the logits before sampling.
+        repetition_penalty: in [1e-100, 1e100] (MAX_REPETITION_PENALTY); 1 disables. A token in the
+            prompt or the output has its logit divided by it when positive, multiplied by it otherwise
+            (Keskar et al. 2019; vLLM, transformers).
+        logit_bias: (token id, bias) pairs added to the logits before sampling, biases in [-100, 100].
         logprobs: None, or k >= 0: each sampled token's TokenLogprobs with its top k alternatives.
         prompt_logprobs: None, or k >= 0: a TokenLogprobs for every prompt token after the first (the
             request then skips the prefix cache, as vLLM does, so every position is computed).
@@ -201,10 +214,16 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
-        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ValueError(f"repetition_penalty must be finite and > 0, got {self.repetition_penalty!r}")
-        if any(not _is_int(t) or t < 0 or not math.isfinite(b) for t, b in self.logit_bias):
-            raise ValueError(f"logit_bias must map ids >= 0 to finite biases, got {self.logit_bias!r}")
+        if not 1 / MAX_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in [1e-100, 1e100], got {self.repetition_penalty!r}"
+            )
+        if any(
+            not _is_int(t) or t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias
+        ):
+            raise ValueError(
+                f"logit_bias must map ids >= 0 to biases in [-100, 100], got {self.logit_bias!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
@@ -246,6 +265,8 @@ class Request:
             sampling_params.prompt_logprobs is set, filled as prefill chunks are computed.
         generator: the request's own random generator (sampling with temperature > 0), seeded from
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
+        spec_token_ids: draft tokens proposed after the latest step (speculative decoding), to be
+            verified at the next one; not part of all_token_ids (vLLM's `spec_token_ids`).
 
     Raises:
         ValueError: an empty prompt or a negative token id.
@@ -277,6 +298,7 @@ class Request:
         self.output_logprobs: list[TokenLogprobs] = []
         self.prompt_logprobs: list[TokenLogprobs] = []
         self.generator = np.random.default_rng(sampling_params.seed)
+        self.spec_token_ids: list[int] = []
         self.block_hasher = block_hasher
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))

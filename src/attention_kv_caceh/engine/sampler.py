@@ -23,6 +23,15 @@ only on its own seed and its own logits, never on which other requests share the
 
 Ties are broken toward the lower token id everywhere (np.argmax and a stable sort), so top_k=1 and a tiny
 top_p pick exactly the greedy token.
+
+Every value computed stays finite for every value SamplingParams accepts (the min_tokens mask aside, whose
+-inf is the point): `sample` refuses logits that are NaN, infinite or past float32's range (|x| > 3.4e38,
+which no model here produces), the bias is at most 100 in size, the repetition penalty within
+[1e-100, 1e100] and the frequency and presence penalties within [-2, 2], so a penalized logit is at most
+about 3.4e138 in size and divided by a temperature of at least SAMPLING_EPS at most 3.4e143; softmax then
+subtracts the maximum, so exp() underflows to 0 where it must and never overflows. A min_tokens mask that
+would cover every token (stop ids listing the whole vocabulary) is not applied: the server refuses such a
+request up front, and in the engine it would otherwise leave nothing to sample.
 """
 
 from __future__ import annotations
@@ -37,13 +46,17 @@ from .request import Request, SamplingParams, TokenLogprobs
 
 __all__ = ["apply_logits_processors", "sample", "sample_row", "token_logprobs"]
 
+_MAX_LOGIT = float(np.finfo(np.float32).max)  # the largest logit `sample` accepts, in size
+
 
 def apply_logits_processors(
-    logits: npt.NDArray[np.floating[Any]], request: Request
+    logits: npt.NDArray[np.floating[Any]], request: Request, pending: Sequence[int] = ()
 ) -> npt.NDArray[np.float64]:
     """The request's logits row `[V]` after logit bias, the min_tokens mask and the penalties (float64 copy).
 
-    Bias ids outside `[0, V)` are ignored here (the server refuses them before).
+    `pending`: output tokens the request has at this row beyond `request.output_token_ids` (a
+    speculative step's tokens accepted before this position), counted as output tokens. Bias ids outside
+    `[0, V)` are ignored here (the server refuses them before).
     """
     params = request.sampling_params
     row = logits.astype(np.float64)  # [V]
@@ -51,15 +64,16 @@ def apply_logits_processors(
     for token_id, bias in params.logit_bias:
         if 0 <= token_id < vocab:
             row[token_id] += bias
-    if request.num_output_tokens < params.min_tokens:
+    if request.num_output_tokens + len(pending) < params.min_tokens:
         stops = list(params.stop_token_ids)
         if not params.ignore_eos and request.eos_token_id is not None:
             stops.append(request.eos_token_id)
-        stop_ids = np.array([t for t in stops if 0 <= t < vocab], dtype=np.int64)
-        row[stop_ids] = -np.inf
+        stop_ids = np.unique(np.array([t for t in stops if 0 <= t < vocab], dtype=np.int64))
+        if stop_ids.size < vocab:  # a mask over every token would leave nothing to sample
+            row[stop_ids] = -np.inf
     if not params.has_penalties:
         return row
-    output = np.asarray(request.output_token_ids, dtype=np.int64)
+    output = np.asarray([*request.output_token_ids, *pending], dtype=np.int64)
     if params.repetition_penalty != 1.0:
         seen = np.zeros(vocab, dtype=bool)  # [V]
         prompt = np.asarray(request.prompt_token_ids, dtype=np.int64)
@@ -129,12 +143,13 @@ def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -
     `output_logprobs` (computed from the raw row).
 
     Raises:
-        ValueError: logits is not 2-D with one row per request, or holds a NaN.
+        ValueError: logits is not 2-D with one row per request, or holds a NaN, an infinity or a value
+            past float32's range (see the module docstring: the penalties' bounds assume it).
     """
     if logits.ndim != 2 or logits.shape[0] != len(requests):
         raise ValueError(f"logits must be [R={len(requests)}, V], got shape {logits.shape}")
-    if np.isnan(logits).any():
-        raise ValueError("logits contain NaN")
+    if logits.size and not -_MAX_LOGIT <= logits.min() <= logits.max() <= _MAX_LOGIT:  # NaN fails too
+        raise ValueError(f"logits contain NaN, an infinity or a value past +-{_MAX_LOGIT:.4g}")
     tokens: list[int] = []
     for i, request in enumerate(requests):
         params = request.sampling_params

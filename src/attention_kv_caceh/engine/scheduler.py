@@ -1,31 +1,43 @@
 """Scheduler: vLLM v1's token-budget loop with chunked prefill, prefix caching and preemption by recompute.
 
 Corresponds to vLLM v1's `vllm/v1/core/sched/scheduler.py` (schedule, update_from_output, finish_requests)
-and `output.py` (SchedulerOutput). Left out: priorities, speculative decoding, structured output,
-encoder inputs, KV transfer, async scheduling, the partial-prefill limits (long_prefill_token_threshold).
+and `output.py` (SchedulerOutput). Left out: priorities, structured output, encoder inputs, KV transfer,
+async scheduling, the partial-prefill limits (long_prefill_token_threshold).
 
 There are no separate prefill and decode phases. Every request has `num_tokens` tokens (prompt + output) of
 which `num_computed_tokens` are in the KV cache; a step gives each scheduled request n tokens to compute,
 from one token budget (`max_num_batched_tokens`):
 
-1. Running requests first, in admission order: each gets min(num_tokens - num_computed_tokens, budget)
-   tokens: 1 for a decode, the next chunk for an unfinished prefill. If its blocks cannot be allocated, the
-   most recently admitted running request is preempted (blocks freed, num_computed_tokens = 0, back at the
-   FRONT of the waiting queue) until they can, or until the request itself is the one preempted.
+1. Running requests first, in admission order: each gets min(num_tokens + len(spec_token_ids) -
+   num_computed_tokens, budget) tokens: 1 for a decode (plus its draft tokens with speculative decoding,
+   as many as the budget leaves), the next chunk for an unfinished prefill. If its blocks cannot be
+   allocated, its draft tokens are dropped first; then the most recently admitted running request is
+   preempted (blocks freed, num_computed_tokens = 0, back at the FRONT of the waiting queue) until they
+   can, or until the request itself is the one preempted.
 2. Then, if nothing was preempted this step, waiting requests in order while fewer than max_num_seqs run
    and budget remains: a prefix-cache hit sets their starting num_computed_tokens, and the rest of the
    prompt (or its first chunk) is scheduled. A request that does not fit stops admission (first come,
    first served: no later request overtakes it).
 
-A token is sampled for a request only when the step computes its last token (c + n == num_tokens);
-a partial prefill chunk samples nothing. update_from_output advances num_computed_tokens, appends the sampled
-tokens, checks stop conditions, frees finished requests, and registers newly full blocks for prefix caching.
+A token is sampled for a request only when the step computes its last token (c + n == num_tokens, and
+its scheduled drafts after it); a partial prefill chunk samples nothing. update_from_output advances
+num_computed_tokens, appends the sampled tokens, checks stop conditions, frees finished requests, and
+registers newly full blocks for prefix caching.
+
+Speculative decoding (vLLM's `spec_token_ids` / `scheduled_spec_decode_tokens`): a running request's
+draft tokens (`Request.spec_token_ids`, proposed after the previous step) are scheduled after its last
+token, inside the token budget and with KV slots like any token, and never past max_model_len (the step
+must leave room for the token it yields). A verified step yields a + 1 tokens for a accepted drafts; the
+request's num_computed_tokens then advances by n - (drafts - a): the K/V written at rejected draft
+positions lie beyond it and are overwritten when those positions are computed again, and only blocks
+full of accepted tokens are registered for prefix caching. A request's drafts are dropped when it is
+scheduled (used or not) and when it is preempted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
@@ -48,8 +60,10 @@ class SchedulerOutput:
         num_scheduled_tokens: request_id -> tokens computed this step (>= 1).
         total_num_scheduled_tokens: sum of num_scheduled_tokens (N of the flattened batch).
         num_prefill_tokens: tokens of prompt chunks and of recomputation after preemption.
-        num_decode_tokens: tokens of requests computing their newest sampled token (n == 1,
-            c == num_tokens - 1, c >= num_prompt_tokens).
+        num_decode_tokens: tokens of requests computing their newest sampled token and its drafts
+            (n == 1 + drafts, c == num_tokens - 1, c >= num_prompt_tokens).
+        scheduled_spec_decode_tokens: request_id -> the draft tokens scheduled after its last token
+            (included in num_scheduled_tokens; vLLM's name); requests without drafts are absent.
         scheduled_new_request_ids: requests admitted from the waiting queue this step.
         num_computed_tokens: request_id -> c, a snapshot taken when scheduling.
         preempted_request_ids: requests preempted while scheduling this step.
@@ -63,6 +77,7 @@ class SchedulerOutput:
     num_prefill_tokens: int
     num_decode_tokens: int
     scheduled_new_request_ids: list[str] = field(default_factory=list[str])
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict[str, list[int]])
     num_computed_tokens: dict[str, int] = field(default_factory=dict[str, int])
     preempted_request_ids: list[str] = field(default_factory=list[str])
     finished_request_ids: list[str] = field(default_factory=list[str])
@@ -70,7 +85,8 @@ class SchedulerOutput:
     def samples_token(self, request: Request) -> bool:
         """Whether this step computes the request's last token, so a token is sampled from its logits."""
         rid = request.request_id
-        return self.num_computed_tokens[rid] + self.num_scheduled_tokens[rid] == request.num_tokens
+        end = request.num_tokens + len(self.scheduled_spec_decode_tokens.get(rid, ()))
+        return self.num_computed_tokens[rid] + self.num_scheduled_tokens[rid] == end
 
 
 class Scheduler:
@@ -173,6 +189,7 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_cached_tokens = 0
@@ -187,13 +204,24 @@ class Scheduler:
         budget = cfg.max_num_batched_tokens
         scheduled: list[Request] = []
         num_tokens: dict[str, int] = {}
+        spec_tokens: dict[str, list[int]] = {}
         preempted: list[str] = []
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            drafts, request.spec_token_ids = request.spec_token_ids, []
+            c = request.num_computed_tokens
+            n = min(request.num_tokens + len(drafts) - c, budget)
+            # drafts scheduled: what the budget leaves after the request's own tokens, and no position the
+            # token the step yields could not follow (max_model_len)
+            num_spec = min(max(0, c + n - request.num_tokens), self.max_model_len - 1 - request.num_tokens)
+            num_spec = max(num_spec, 0)
+            n = min(n, request.num_tokens - c + num_spec)
             while kv.allocate_slots(request, n) is None:
+                if num_spec:  # the drafts give way first: the request decodes without them
+                    n, num_spec = n - num_spec, 0
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -202,6 +230,8 @@ class Scheduler:
             else:
                 scheduled.append(request)
                 num_tokens[request.request_id] = n
+                if num_spec:
+                    spec_tokens[request.request_id] = drafts[:num_spec]
                 budget -= n
                 i += 1
                 continue
@@ -215,7 +245,7 @@ class Scheduler:
             if kv.allocate_slots(request, n, hit_blocks) is None:
                 break
             self.waiting.popleft()
-            kv.record_prefix_cache_lookup(request.num_tokens, num_hit)
+            kv.record_prefix_cache_lookup(request, num_hit)
             request.num_computed_tokens = num_hit
             request.num_cached_tokens = num_hit
             request.status = RequestStatus.RUNNING
@@ -227,9 +257,9 @@ class Scheduler:
 
         computed = {r.request_id: r.num_computed_tokens for r in scheduled}
         num_decode = sum(
-            1
+            num_tokens[r.request_id]
             for r in scheduled
-            if num_tokens[r.request_id] == 1
+            if num_tokens[r.request_id] == 1 + len(spec_tokens.get(r.request_id, ()))
             and computed[r.request_id] == r.num_tokens - 1
             and computed[r.request_id] >= r.num_prompt_tokens
         )
@@ -244,29 +274,33 @@ class Scheduler:
             num_prefill_tokens=total - num_decode,
             num_decode_tokens=num_decode,
             scheduled_new_request_ids=new_ids,
+            scheduled_spec_decode_tokens=spec_tokens,
             num_computed_tokens=computed,
             preempted_request_ids=preempted,
             finished_request_ids=list(finished_ids),
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, int]
-    ) -> list[tuple[Request, int]]:
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
+    ) -> list[tuple[Request, list[int]]]:
         """Apply a computed step: advance, append samples, stop, free, cache full blocks.
 
         Args:
             scheduler_output: the output of the latest schedule().
-            sampled_token_ids: request_id -> sampled token, for exactly the requests whose last token the
-                step computed (`scheduler_output.samples_token(r)`).
+            sampled_token_ids: request_id -> the tokens the step yielded, for exactly the requests whose
+                last token the step computed (`scheduler_output.samples_token(r)`): one token, or with
+                d scheduled drafts the a accepted ones and the token after them (1 .. d + 1 tokens).
 
         Returns:
-            (request, new token id) for every request that got a token, in scheduled order; a finished
-            request has a FINISHED_* status and no blocks.
+            (request, its new token ids) for every request that got tokens, in scheduled order; the ids
+            stop at the first that ends the request (a stop token, max_tokens, max_model_len), whose
+            status is then FINISHED_* and whose blocks are freed.
 
         Raises:
-            ValueError: sampled_token_ids misses a sampling request or has one that did not sample
-                (checked before anything changes).
+            ValueError: sampled_token_ids misses a sampling request, has one that did not sample, or
+                gives a request no token or more than its drafts + 1 (checked before anything changes).
         """
+        spec = scheduler_output.scheduled_spec_decode_tokens
         expected = {
             r.request_id for r in scheduler_output.scheduled_requests if scheduler_output.samples_token(r)
         }
@@ -274,20 +308,41 @@ class Scheduler:
             raise ValueError(
                 f"sampled_token_ids has ids {sorted(sampled_token_ids)}, expected exactly {sorted(expected)}"
             )
+        for rid, tokens in sampled_token_ids.items():
+            if not 1 <= len(tokens) <= len(spec.get(rid, ())) + 1:
+                raise ValueError(
+                    f"request {rid!r}: {len(tokens)} tokens for {len(spec.get(rid, ()))} draft tokens"
+                )
         kv = self.kv_cache_manager
-        out: list[tuple[Request, int]] = []
+        out: list[tuple[Request, list[int]]] = []
         for request in scheduler_output.scheduled_requests:
             rid = request.request_id
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
-            request.num_computed_tokens += scheduler_output.num_scheduled_tokens[rid]
-            kv.cache_full_blocks(request)
-            if rid not in sampled_token_ids:
+            n = scheduler_output.num_scheduled_tokens[rid]
+            tokens = sampled_token_ids.get(rid)
+            if tokens is None:
+                request.num_computed_tokens += n
+                kv.cache_full_blocks(request)
                 continue
-            token = sampled_token_ids[rid]
-            request.append_output_token(token)
-            out.append((request, token))
-            if check_stop(request, self.max_model_len):
+            # vLLM's rollback: the positions of rejected drafts are not computed tokens of the request
+            num_rejected = len(spec.get(rid, ())) - (len(tokens) - 1)
+            request.num_computed_tokens += n - num_rejected
+            kept: list[int] = []
+            stopped = False
+            for token in tokens:
+                request.append_output_token(token)
+                kept.append(token)
+                stopped = check_stop(request, self.max_model_len)
+                if stopped:
+                    break
+            out.append((request, kept))
+            # tokens trimmed after a stop were computed as drafts but are not the request's
+            request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+            kv.cache_full_blocks(request)
+            if stopped:
+                if request.sampling_params.logprobs is not None:  # of tokens trimmed after the stop
+                    del request.output_logprobs[request.num_output_tokens :]
                 self.running.remove(request)
                 self._finish(request)
         return out

@@ -16,15 +16,20 @@ The request fields (protocol.py) and how they are served (serving.py): `prompt` 
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 
-Faults: a body larger than `max_request_bytes` is a 413 before it is read further or parsed; a bad
-request (malformed JSON, a known field of the wrong type or out of range, a field this server does not
-serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0, a prompt too long
-for `max_model_len`, a request whose prompt and max_tokens could never fit in the KV cache) is a 400
+Faults: a body larger than `max_request_bytes` is a 413 before it is parsed (a body up to 8 times the
+limit is read and dropped first, so a client that reads only after writing its whole body sees the 413),
+and a large body past the budget of large bodies in flight a 503 with Retry-After (body_budget.py); a
+bad request (malformed JSON, a known field of the wrong type or out of range, a field this server does
+not serve such as `best_of` or `tools`, text that is not valid Unicode, max_tokens <= 0 or above
+`max_model_len`, a prompt of `max_model_len` tokens or more (the message gives its exact length, or "at
+least N" for a text too long to encode whole, see Tokenizer.encode_counted), a request that fans out to
+more than `max_seqs_per_request` engine requests, a request whose prompt and max_tokens could never fit
+in the KV cache) is a 400
 naming the field as `param` (`stream_options` without `stream: true` too, as vLLM answers), a body sent
 with a Content-Type that is not JSON (text/plain) a 415 (FastAPI reads only a JSON-typed or untyped body
-as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set,
-`/v1/*`, `/tokenize`, `/detokenize` and `/reset_prefix_cache` need `Authorization: Bearer <key>` (else
-401; `/health` and `/metrics` stay open, as in vLLM); with `max_queue` set, a request that would make more
+as JSON), and an unknown model a 404, all with OpenAI's error body; with `api_key` set, every path
+needs `Authorization: Bearer <key>` (else 401) except OPEN_PATHS (`/health`, `/metrics` and the API
+docs, vLLM's public endpoints); with `max_queue` set, a request that would make more
 than `max_queue` requests wait (beyond the engine's `max_num_seqs` running ones) is a 503. A client that
 disconnects mid-stream aborts its request (its KV blocks are freed at the core's next step). An engine
 step that raises fails the requests it was running: a stream gets an error event then `[DONE]`, a whole
@@ -35,25 +40,24 @@ stream with a chunk whose finish_reason is "abort", then `[DONE]`.
 Tokenizing a prompt and /tokenize, /detokenize run in a worker thread (`asyncio.to_thread`; the
 tokenizer releases the GIL while it encodes), so a long prompt never stalls the other streams; text
 deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
-tokenized only up to `max_model_len` ids (enough to refuse a longer one), so the list of ids built with
-the GIL held is bounded by the context, not by the body. After a body of `_RELEASE_AFTER_BYTES` or
-more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (see `_release_freed_memory`).
+counted whole but its list of ids is built only up to `max_model_len`, so what is built with the GIL held
+is bounded by the context, not by the body. A core slow to read its input makes the sends queue (see
+core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
+more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import email.message
 import logging
 import secrets
-import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Mapping
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -64,8 +68,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
+from attention_kv_caceh.engine.body_budget import BodyBudgetMiddleware
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
+from attention_kv_caceh.engine.malloc import release_freed_memory
 from attention_kv_caceh.engine.metrics import ServerMetrics
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.protocol import (
@@ -81,13 +87,17 @@ from attention_kv_caceh.engine.protocol import (
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.serving import (
     DEFAULT_MAX_LOGPROBS,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
     HTTPError,
+    check_fan_out,
     check_request_fields,
+    prompt_too_long,
     sampling_params_for,
 )
 from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
+from attention_kv_caceh.engine.serving_tokenization import encode_pieces, tokenize_json
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "build_app"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "build_app"]
 
 DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 """Largest request body the server reads by default (8 MiB); a larger one is a 413 before parsing."""
@@ -95,6 +105,8 @@ DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024
 logger = logging.getLogger(__name__)
 
 _RELEASE_AFTER_BYTES = 256 * 1024  # after a request body this large, hand the freed heap back to the OS
+_DRAIN_FACTOR = 8  # a refused body up to this many times --max-request-bytes is read (and dropped) first
+_DRAIN_TIMEOUT_S = 10.0  # ... for at most this long
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
@@ -110,20 +122,28 @@ def build_app(
     chat_template: ChatTemplate | None = None,
     drain_timeout_s: float = 30.0,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    max_request_bytes_in_flight: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
     cache_config: Mapping[str, str] | None = None,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    num_speculative_tokens: int = 0,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
     The app starts `async_llm` at startup (unless already started) and drains it at shutdown (running
     requests get up to `drain_timeout_s` seconds; `serve` drains before uvicorn closes the connections,
     see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
-    `max_request_bytes` is a 413. `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
+    `max_request_bytes` is a 413; large bodies served at once may total `max_request_bytes_in_flight`
+    bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
     `cache_config`: the KV cache's settings for `/metrics`' `vllm:cache_config_info` (see ServerMetrics).
-    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1 or max_logprobs < 0.
+    `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
+    `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
+    above it a 400 names the count and the limit).
+    Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0,
+    max_seqs_per_request < 1 or max_request_bytes_in_flight < max_request_bytes.
     """
     if max_model_len < 2:
         raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -131,8 +151,15 @@ def build_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if max_logprobs < 0:
         raise ValueError(f"max_logprobs must be >= 0, got {max_logprobs}")
+    if max_request_bytes_in_flight is not None and max_request_bytes_in_flight < max_request_bytes:
+        raise ValueError(
+            f"max_request_bytes_in_flight must be >= max_request_bytes ({max_request_bytes}), "
+            f"got {max_request_bytes_in_flight}"
+        )
     if max_queue is not None and max_queue < 0:
         raise ValueError(f"max_queue must be >= 0, got {max_queue}")
+    if max_seqs_per_request < 1:
+        raise ValueError(f"max_seqs_per_request must be >= 1, got {max_seqs_per_request}")
     template = chat_template if chat_template is not None else ChatTemplate()
     metrics = ServerMetrics(
         served_model_name,
@@ -140,6 +167,7 @@ def build_app(
         waiting=lambda: async_llm.num_waiting,
         kv_usage=lambda: async_llm.kv_cache_usage,
         cache_config=cache_config,
+        num_speculative_tokens=num_speculative_tokens,
     )
     async_llm.add_stat_logger(metrics.record)
     created = int(time.time())
@@ -151,7 +179,9 @@ def build_app(
         yield
         await async_llm.shutdown(drain_timeout_s)
 
-    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan)
+    # strict_content_type=False: a body sent with no Content-Type is read as JSON (FastAPI's strict default
+    # would refuse it as "not a JSON object"); a non-JSON type still gets the 415 below
+    app = FastAPI(title="attention-kv-caceh engine", lifespan=lifespan, strict_content_type=False)
     app.state.metrics = metrics
 
     @app.exception_handler(RequestValidationError)
@@ -180,9 +210,13 @@ def build_app(
         logger.exception("request failed", exc_info=exc)
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
-    if api_key is not None:
+    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)
+    in_flight = 4 * max_request_bytes if max_request_bytes_in_flight is None else max_request_bytes_in_flight
+    app.add_middleware(  # before any byte of a body is buffered or parsed
+        BodyBudgetMiddleware, max_bytes_in_flight=in_flight, max_request_bytes=max_request_bytes
+    )
+    if api_key is not None:  # outermost: a client without the key holds nothing of the budget
         app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
-    app.add_middleware(_BodySizeMiddleware, max_bytes=max_request_bytes)  # outermost: before any parsing
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -211,28 +245,29 @@ def build_app(
 
     def admit(
         response_id: str,
-        prompts: list[tuple[list[int], str]],
+        prompts: list[tuple[list[int], str, int]],
         body: CompletionRequest | ChatCompletionRequest,
         default: int | None,
     ) -> list[Choice]:
-        """Validate every child first, then add them all (or none)."""
+        """Validate every child first, then add them all (or none). `prompts`: (token ids, text, the
+        prompt's exact token count; the ids of a prompt past the context are cut, and it is refused)."""
         echo = isinstance(body, CompletionRequest) and body.echo
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo_only = echo and given == 0
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
-        for p, (prompt_ids, text) in enumerate(prompts):
+        for p, (prompt_ids, text, num_prompt_tokens) in enumerate(prompts):
             base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
             for i in range(body.n):
                 params = sampling_params_for(
                     body,
-                    len(prompt_ids),
+                    num_prompt_tokens,
                     max_model_len,
                     default,
                     vocab_size=tokenizer.vocab_size,
                     max_logprobs=max_logprobs,
                     index=i,
                 )
-                check_kv_capacity(len(prompt_ids), params)
+                check_kv_capacity(num_prompt_tokens, params)
                 choice = Choice(
                     len(choices),
                     base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
@@ -267,17 +302,21 @@ def build_app(
 
     def chat_prompt(
         messages: list[ChatMessage], add_generation_prompt: bool, max_length: int | None = None
-    ) -> list[int]:
+    ) -> tuple[list[int], int]:
+        """The rendered conversation's token ids (cut at `max_length`) and its exact token count."""
         rendered = [{"role": m.role, "content": m.text()} for m in messages]
         try:
             # the template writes the special tokens itself (a BOS included), as vLLM's chat path does
-            return tokenizer.encode(
+            ids, count, exact = tokenizer.encode_counted(
                 template.render(rendered, add_generation_prompt),
                 add_special_tokens=False,
                 max_length=max_length,
             )
         except ValueError as exc:
             raise HTTPError(400, str(exc), "messages") from exc
+        if not exact:
+            raise prompt_too_long(max_model_len, count, exact)
+        return ids, count
 
     def check_ids(ids: list[int], param: str) -> list[int]:
         # an id the model has no embedding row for would fail the whole engine step, not just this request
@@ -286,7 +325,7 @@ def build_app(
                 raise HTTPError(
                     400, f"{param} token ids must be in [0, {tokenizer.vocab_size}), got {t}", param
                 )
-        return list(ids)
+        return ids  # the validated request's own list: a copy of millions of ids would cost as much again
 
     def prompt_list(prompt: Prompt) -> list[str | list[int]]:
         """vLLM's four prompt forms as a list of prompts (a text or token ids each)."""
@@ -296,7 +335,7 @@ def build_app(
             raise HTTPError(400, "the prompt is empty", "prompt")
         first = prompt[0]
         if isinstance(first, int):
-            return [[t for t in prompt if isinstance(t, int)]]
+            return [cast("list[int]", prompt)]  # one form per list (protocol.py validated it)
         out: list[str | list[int]] = []
         for item in prompt:
             if isinstance(item, (str, list)):
@@ -308,17 +347,20 @@ def build_app(
         add_special_tokens: bool = True,
         with_text: bool = False,
         max_length: int | None = None,
-    ) -> list[tuple[list[int], str]]:
-        """(token ids, text) of each prompt; the text of token ids is decoded only when `with_text`; a text
-        prompt's ids are cut at `max_length`."""
-        out: list[tuple[list[int], str]] = []
+    ) -> list[tuple[list[int], str, int]]:
+        """(token ids, text, exact token count) of each prompt; the text of token ids is decoded only when
+        `with_text`; a text prompt is counted whole but its ids are cut at `max_length` (the Python list
+        built with the GIL held stays bounded by the context, whatever the body's size)."""
+        out: list[tuple[list[int], str, int]] = []
         for item in prompt_list(prompt):
             if isinstance(item, str):
-                ids = tokenizer.encode(item, add_special_tokens=add_special_tokens, max_length=max_length)
-                out.append((ids, item))
+                ids, count, exact = tokenizer.encode_counted(item, add_special_tokens, max_length)
+                if not exact:
+                    raise prompt_too_long(max_model_len, count, exact)
+                out.append((ids, item, count))
             else:
                 ids = check_ids(item, "prompt")
-                out.append((ids, tokenizer.decode(ids) if with_text else ""))
+                out.append((ids, tokenizer.decode(ids) if with_text else "", len(ids)))
         return out
 
     @app.get("/health")
@@ -361,27 +403,33 @@ def build_app(
         return {"object": "list", "data": [card]}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
+    async def tokenize(body: TokenizeRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
 
-        def work() -> dict[str, Any]:  # in a worker thread: a long text never stalls the other streams
+        def pieces() -> Iterator[list[int]]:
+            """Every prompt's ids, piece by piece (serving_tokenization.py: the answer costs its size)."""
             if body.messages is not None:
-                tokens = chat_prompt(body.messages, body.add_generation_prompt)
+                rendered = [{"role": m.role, "content": m.text()} for m in body.messages]
+                try:
+                    text = template.render(rendered, body.add_generation_prompt)
+                except ValueError as exc:
+                    raise HTTPError(400, str(exc), "messages") from exc
+                yield from encode_pieces(tokenizer, text, False)  # the template writes the specials
             elif body.prompt is not None:
-                pairs = completion_prompts(body.prompt, body.add_special_tokens)
-                tokens = [t for ids, _ in pairs for t in ids]
+                for item in prompt_list(body.prompt):
+                    if isinstance(item, str):
+                        yield from encode_pieces(tokenizer, item, body.add_special_tokens)
+                    else:
+                        yield check_ids(item, "prompt")
             else:
                 raise HTTPError(400, "give `prompt` or `messages`", "prompt")
-            strs = [tokenizer.decode([t]) for t in tokens] if body.return_token_strs else None
-            return {
-                "count": len(tokens),
-                "max_model_len": max_model_len,
-                "tokens": tokens,
-                "token_strs": strs,
-            }
 
-        return await asyncio.to_thread(work)
+        def work() -> bytes:  # in a worker thread: a long text never stalls the other streams
+            decode = tokenizer.decode if body.return_token_strs else None
+            return tokenize_json(pieces(), max_model_len, decode)
+
+        return Response(await asyncio.to_thread(work), media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:  # pyright: ignore[reportUnusedFunction]
@@ -398,10 +446,12 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(_num_prompts(body.prompt), body.n, max_seqs_per_request)  # before any tokenizing
+        _check_no_empty_text(body.prompt)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         # tokenizing runs in a worker thread (the tokenizer releases the GIL), so other streams go on; a
-        # prompt is cut at max_model_len tokens, which is enough to refuse it (sampling_params_for) and
-        # keeps the ids built for a huge one, with the GIL held, to a bounded number
+        # prompt is counted whole (its 400 gives its exact length) but its ids are cut at max_model_len,
+        # which keeps the list built for a huge one, with the GIL held, to a bounded size
         prompts = await asyncio.to_thread(
             completion_prompts, body.prompt, with_text=body.echo, max_length=max_model_len
         )
@@ -413,11 +463,12 @@ def build_app(
         check_model(body.model)
         warn_ignored(body)
         check_request_fields(body, max_logprobs)
+        check_fan_out(1, body.n, max_seqs_per_request)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        prompt_ids = await asyncio.to_thread(
+        prompt_ids, num_prompt_tokens = await asyncio.to_thread(
             chat_prompt, body.messages, body.add_generation_prompt, max_model_len
         )
-        choices = admit(response_id, [(prompt_ids, "")], body, None)
+        choices = admit(response_id, [(prompt_ids, "", num_prompt_tokens)], body, None)
         return await respond(raw, response_id, choices, body)
 
     async def respond(
@@ -435,30 +486,21 @@ def build_app(
     return app
 
 
-def _release_freed_memory() -> None:
-    """Hand the heap's free pages back to the OS (glibc's `malloc_trim(0)`; elsewhere a no-op).
-
-    glibc keeps the memory a request freed in the malloc arena of the thread that allocated it (the
-    tokenizer's thread for a prompt's token lists), so without this the process's resident size stays at
-    its peak after one big request.
-    """
-    if _MALLOC_TRIM is not None:
-        _MALLOC_TRIM(0)
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        trim = ctypes.CDLL(None).malloc_trim  # glibc only (musl has no malloc_trim)
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim
+def _check_no_empty_text(prompt: Prompt) -> None:
+    """A generation request's text prompt must not be empty (HTTPError 400 naming `prompt`), as vLLM
+    refuses `"prompt": ""`; its tokenizer's BOS alone would otherwise be served as a prompt."""
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)]
+    if any(not text for text in texts):
+        raise HTTPError(
+            400, "the prompt is empty" if isinstance(prompt, str) else "a prompt is empty", "prompt"
+        )
 
 
-_MALLOC_TRIM = _malloc_trim()
+def _num_prompts(prompt: Prompt) -> int:
+    """How many prompts `prompt` holds in vLLM's four forms (an empty list counts 1: it is refused later)."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return 1
+    return len(prompt)
 
 
 def _is_json_type(content_type: str) -> bool:
@@ -471,7 +513,10 @@ def _is_json_type(content_type: str) -> bool:
     )
 
 
-_KEYED_PATHS = ("/tokenize", "/detokenize", "/reset_prefix_cache")
+# With an API key, every path needs it except these: health probes, metrics scraping and the API's own
+# docs, the public endpoints of vLLM's AuthenticationMiddleware that this server has. None of them names
+# a request (/debug/step_stats, which lists request ids, needs the key).
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class _BodySizeMiddleware:
@@ -489,7 +534,7 @@ class _BodySizeMiddleware:
             return
         length = Headers(scope=scope).get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._refuse(scope, receive, send)
+            await self._refuse(scope, receive, send, int(length))
             return
         if length is not None and length.isdigit():
             await self._serve(scope, receive, send, int(length))  # the server stops at Content-Length
@@ -505,7 +550,7 @@ class _BodySizeMiddleware:
             chunk: bytes = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                await self._refuse(scope, receive, send)
+                await self._refuse(scope, receive, send, None, size if message.get("more_body") else None)
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -517,11 +562,29 @@ class _BodySizeMiddleware:
             await self.app(scope, receive, send)
         finally:
             if size >= _RELEASE_AFTER_BYTES:  # a big body's prompt and token lists are garbage now
-                await asyncio.to_thread(_release_freed_memory)
+                await asyncio.to_thread(release_freed_memory)
 
-    async def _refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
-        message = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
-        await error_response(413, message)(scope, receive, send)
+    async def _refuse(
+        self, scope: Scope, receive: Receive, send: Send, declared: int | None, received: int | None = 0
+    ) -> None:
+        """Answer 413. First read and drop the rest of the body (`declared` bytes by Content-Length, or
+        chunks after the `received` so far; None: nothing left) while it stays within _DRAIN_FACTOR times
+        the limit and _DRAIN_TIMEOUT_S: a client that writes its whole body before it reads (Python's
+        urllib, http.client) otherwise has the connection reset under it (a socket closed with unread
+        data sends RST) and sees a BrokenPipe instead of the 413. A larger body is refused at once."""
+        limit = _DRAIN_FACTOR * self.max_bytes
+        if received is not None and (declared is None or declared <= limit):
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
+                    while received <= limit:
+                        message = await receive()
+                        if message["type"] != "http.request":
+                            break  # the client left
+                        received += len(message.get("body", b""))
+                        if not message.get("more_body", False):
+                            break
+        text = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
+        await error_response(413, text)(scope, receive, send)
 
 
 def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
@@ -541,8 +604,9 @@ def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
 
 
 class _ApiKeyMiddleware:
-    """401 for `/v1/*`, `/tokenize` and `/detokenize` without `Authorization: Bearer <api_key>` (a plain
-    ASGI middleware: it leaves streaming and disconnect detection untouched)."""
+    """401 for every path but OPEN_PATHS without `Authorization: Bearer <api_key>`: fail closed, so a
+    route added later is keyed too (a plain ASGI middleware: it leaves streaming and disconnect
+    detection untouched)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         self.app = app
@@ -550,7 +614,7 @@ class _ApiKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
-        if scope["type"] == "http" and (path.startswith("/v1") or path in _KEYED_PATHS):
+        if scope["type"] == "http" and path.rstrip("/") not in OPEN_PATHS:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"

@@ -22,14 +22,16 @@ from attention_kv_caceh.engine.protocol import (
     GenerationRequest,
     refused_field,
 )
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
+    "DEFAULT_MAX_SEQS_PER_REQUEST",
     "DONE",
     "MAX_N",
     "HTTPError",
     "chat_chunk",
+    "check_fan_out",
     "check_request_fields",
     "completion_chunk",
     "sampling_params_for",
@@ -40,7 +42,7 @@ __all__ = [
 DONE = b"data: [DONE]\n\n"
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs default
 MAX_N = 128  # most samples per prompt (each is an engine request)
-_MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value is [-100, 100]
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # most engine requests (prompts x n) one HTTP request may fan out to
 
 
 class HTTPError(Exception):
@@ -83,7 +85,7 @@ def _logit_bias(raw: dict[str, float] | None, vocab_size: int | None) -> tuple[t
             raise HTTPError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         token_id = int(key)
         _check_token_ids([token_id], vocab_size, "logit_bias")
-        if not -_MAX_LOGIT_BIAS <= bias <= _MAX_LOGIT_BIAS:
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
             raise HTTPError(400, f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
         pairs.append((token_id, bias))
     return tuple(pairs)
@@ -114,6 +116,34 @@ def check_request_fields(body: GenerationRequest, max_logprobs: int = DEFAULT_MA
         raise HTTPError(400, f"logprobs must be in [0, {max_logprobs}], got {logprobs}", "logprobs")
 
 
+def prompt_too_long(max_model_len: int, num_tokens: int, exact: bool, param: str = "prompt") -> HTTPError:
+    """The 400 for a prompt of `num_tokens` tokens (`exact` False: at least that many, the tokenizer's
+    lower bound for a text too long to encode whole, see Tokenizer.encode_counted) that leaves no room
+    for a completion in `max_model_len`."""
+    size = f"{num_tokens} tokens" if exact else f"at least {num_tokens} tokens"
+    return HTTPError(
+        400,
+        f"This model's maximum context length is {max_model_len} tokens; the prompt is {size} and "
+        "leaves no room for a completion.",
+        param,
+    )
+
+
+def check_fan_out(num_prompts: int, n: int, max_seqs_per_request: int) -> None:
+    """Refuse a request that fans out to more than `max_seqs_per_request` engine requests (`num_prompts`
+    prompts times `n` samples; the server's --max-seqs-per-request): HTTPError(400) naming the count and
+    the limit, `param` "prompt" when the prompts alone are too many, else "n"."""
+    count = num_prompts * n
+    if count > max_seqs_per_request:
+        param = "prompt" if num_prompts > max_seqs_per_request else "n"
+        raise HTTPError(
+            400,
+            f"the request fans out to {count} sequences ({num_prompts} prompts x n = {n}); this server "
+            f"serves at most {max_seqs_per_request} per request (--max-seqs-per-request)",
+            param,
+        )
+
+
 def sampling_params_for(
     body: GenerationRequest,
     num_prompt_tokens: int,
@@ -127,49 +157,43 @@ def sampling_params_for(
     """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
-    rest of the context) capped to the rest of the context. `max_tokens: 0` is accepted with `echo` only
-    (the engine then runs one token, which the response drops). `temperature` defaults to 1.0 as in
-    OpenAI's API; `top_k` of 0 or -1 disables it; the seed of sample `index` is `seed + index`. Raises
-    HTTPError(400), naming the field as `param`, for the checks of `check_request_fields`, an empty prompt,
-    a prompt of `max_model_len` tokens or more, max_tokens <= 0 (without echo), a total over
-    `max_model_len`, a sampling value out of range (temperature not finite or < 0, top_p not in (0, 1],
-    top_k < -1, seed < 0, min_tokens not in [0, max_tokens], a penalty out of range, a logit_bias value
-    outside [-100, 100]), or a token id (stop_token_ids, logit_bias) outside [0, vocab_size).
+    rest of the context). Either way max_tokens is then capped to the rest of the context,
+    `max_model_len - num_prompt_tokens`, as vLLM's `get_max_tokens` caps it: a request whose prompt and
+    max_tokens pass the context is served with fewer tokens (finish_reason "length"), not refused.
+    `max_tokens: 0` is accepted with `echo` only (the engine then runs one token, which the response
+    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it; the seed of
+    sample `index` is `seed + index`. Raises HTTPError(400), naming the field as `param`, for the checks
+    of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
+    gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
+    out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
+    not in [0, max_tokens] after the cap, a frequency or presence penalty outside [-2, 2], a
+    repetition_penalty outside [1e-100, 1e100], a logit_bias value outside [-100, 100]), a token id
+    (stop_token_ids, logit_bias) outside [0, vocab_size), or min_tokens with stop_token_ids that list
+    every token id (nothing could be sampled).
     """
     check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
     if num_prompt_tokens == 0:
         raise HTTPError(400, "the prompt is empty", "prompt")
     if num_prompt_tokens >= max_model_len:
-        # a text prompt is tokenized only up to max_model_len ids (enough to refuse it); token ids are counted
-        length = (
-            f"{num_prompt_tokens} tokens"
-            if num_prompt_tokens > max_model_len
-            else f"{max_model_len} tokens or longer"
-        )
-        raise HTTPError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens; the prompt is {length} "
-            "and leaves no room for a completion.",
-            "prompt",
-        )
+        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
     room = max_model_len - num_prompt_tokens
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else min(default_max_tokens, room)
+        max_tokens = room if default_max_tokens is None else default_max_tokens
     if max_tokens == 0 and echo:
         max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
     if max_tokens <= 0:
         raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
-    if num_prompt_tokens + max_tokens > max_model_len:
+    if max_tokens > max_model_len:
         raise HTTPError(
             400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, {param} = "
-            f"{max_tokens} in the completion).",
+            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
+            "tokens",
             param,
         )
+    max_tokens = min(max_tokens, room)
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise HTTPError(400, f"temperature must be finite and >= 0, got {temperature}", "temperature")
@@ -182,8 +206,11 @@ def sampling_params_for(
     if body.seed is not None and body.seed < 0:
         raise HTTPError(400, f"seed must be >= 0, got {body.seed}", "seed")
     if not 0 <= body.min_tokens <= max_tokens:
+        capped = "" if max_tokens == room else " (capped to the context left after the prompt)"
         raise HTTPError(
-            400, f"min_tokens must be in [0, max_tokens = {max_tokens}], got {body.min_tokens}", "min_tokens"
+            400,
+            f"min_tokens must be in [0, max_tokens = {max_tokens}]{capped}, got {body.min_tokens}",
+            "min_tokens",
         )
     stop_ids = list(body.stop_token_ids or [])
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
@@ -195,8 +222,16 @@ def sampling_params_for(
         if not (math.isfinite(value) and -2.0 <= value <= 2.0):
             raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
     repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    if not (math.isfinite(repetition) and repetition > 0):
-        raise HTTPError(400, f"repetition_penalty must be > 0, got {repetition}", "repetition_penalty")
+    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
+        raise HTTPError(
+            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
+        )
+    if body.min_tokens > 0 and vocab_size is not None and len(set(stop_ids)) >= vocab_size:
+        raise HTTPError(
+            400,
+            f"stop_token_ids list every token id, so min_tokens = {body.min_tokens} leaves nothing to sample",
+            "stop_token_ids",
+        )
     num_logprobs = body.num_logprobs
     return SamplingParams(
         max_tokens=max_tokens,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from attention_kv_caceh.engine.spec_decode.metrics import SpecDecodingStats
+
 __all__ = ["FinishedRequestStats", "IterationStats"]
 
 
@@ -42,3 +44,4 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list[float])
     inter_token_latencies: list[float] = field(default_factory=list[float])
     finished_requests: list[FinishedRequestStats] = field(default_factory=list[FinishedRequestStats])
+    spec_decoding: SpecDecodingStats | None = None  # the step's drafts (speculative decoding on)

@@ -140,9 +140,17 @@ class HarnessConfig:
                 "a run can schedule); use a higher rate"
             )
         if self.tokenizer is not None:
+            from attention_kv_caceh.engine.model_source import gguf_file_of
+
             path = Path(self.tokenizer)
-            if not (path / "tokenizer.json").is_file() and not (path.is_file() and path.suffix == ".json"):
-                raise ValueError(f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json")
+            tokenizer_json = (path / "tokenizer.json").is_file() or (
+                path.is_file() and path.suffix == ".json"
+            )
+            if not tokenizer_json and gguf_file_of(path) is None:
+                raise ValueError(
+                    f"--tokenizer {self.tokenizer!r}: expected a folder with tokenizer.json, a .gguf file or "
+                    "a model name"
+                )
         if self.dataset is not None and not Path(self.dataset).is_file():
             exists = Path(self.dataset).exists()
             what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
@@ -153,6 +161,10 @@ class HarnessConfig:
             raise ValueError(
                 f"--dataset {self.dataset!r}: --workload shared-prefix builds its own prompts "
                 "(a dataset goes with --workload random, or multi-turn for conversations)"
+            )
+        if self.dataset is not None and self.workload.kind == "copy":
+            raise ValueError(
+                f"--dataset {self.dataset!r}: --workload copy builds its own prompts (a passage to repeat)"
             )
         if self.dataset is not None and self.workload.kind == "multi-turn":
             conversations = read_conversations(self.dataset)

@@ -80,8 +80,10 @@ class ContextLengthError(ValueError):
 def context_problem(config: HarnessConfig, limit: int, what: str) -> str | None:
     """Why `config`'s synthetic requests cannot fit a context of `limit` tokens (`what` names the limit
     and its source in the message), or None. A server refuses a prompt of `limit` tokens or more (no
-    room for an output token) and a prompt + max_tokens above `limit` (vLLM's HTTP 400); a trace's rows
-    each. Dataset prompts are checked once counted (`dataset_context_problem`)."""
+    room for an output token, HTTP 400) and serves a prompt + max_tokens above `limit` with fewer output
+    tokens than asked (vLLM and `serve` cap max_tokens to the context left), which a benchmark must not
+    take for the requested length; a trace's rows each. Dataset prompts are checked once counted
+    (`dataset_context_problem`)."""
     if config.dataset is not None:
         return None
     if config.trace is not None:

@@ -14,6 +14,7 @@ import numpy as np
 
 from attention_kv_caceh.harness.backends import RequestSpec
 from attention_kv_caceh.harness.config import HarnessConfig
+from attention_kv_caceh.harness.copy_workload import copy_specs
 from attention_kv_caceh.harness.dataset import read_dataset
 from attention_kv_caceh.harness.load import SmokeTestError, arrival_offsets_s, make_request_specs
 from attention_kv_caceh.harness.prompts import (
@@ -51,6 +52,8 @@ def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[Reques
         specs = shared_prefix_specs(
             config.workload, config.num_requests, config.prompt_len, config.output_len, rng, config.seed
         )
+    elif config.workload.kind == "copy":
+        specs = copy_specs(config.num_requests, config.prompt_len, config.output_len, rng, config.seed)
     else:
         specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
     if config.dataset is not None and config.workload.kind == "random":

@@ -50,7 +50,9 @@ _SPLIT_CHECK = " ".join([*SYNTHETIC_WORDS, *reversed(SYNTHETIC_WORDS), *SYNTHETI
 
 
 class LocalTokenizer:
-    """A `tokenizer.json` (a file, or a folder holding one) read with the `tokenizers` library.
+    """A `tokenizer.json` (a file, or a folder holding one) read with the `tokenizers` library, or the
+    tokenizer of a GGUF checkpoint (a .gguf file, a folder holding one, a model name such as smollm2:
+    `engine.model_source`), built from its metadata.
 
     Synthetic text (words of SYNTHETIC_WORDS one space apart) is encoded from its words' ids, each word
     encoded once, first and after a space (`_word_ids`): encoding a whole prompt cost about 0.5 ms of
@@ -64,6 +66,16 @@ class LocalTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
+        from attention_kv_caceh.engine.model_source import gguf_file_of
+
+        gguf = gguf_file_of(path)  # CheckpointError (a ValueError) names the file
+        if gguf is not None:
+            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+
+            self._tokenizer, _ = tokenizer_from_gguf(GGUFCheckpoint(gguf))
+            self.name = str(path)
+            return
         target = Path(path)
         file = target / "tokenizer.json" if target.is_dir() else target
         if not file.is_file():

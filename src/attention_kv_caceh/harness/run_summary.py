@@ -17,7 +17,12 @@ from attention_kv_caceh.harness.prefix_ideal import compare_prefix_hits, ideal_p
 from attention_kv_caceh.harness.probes import probe_summary
 from attention_kv_caceh.harness.prompts import PromptTokenizer
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.server_counters import CounterSnapshot, RunCounters, counter_warnings
+from attention_kv_caceh.harness.server_counters import (
+    CounterSnapshot,
+    RunCounters,
+    counter_warnings,
+    spec_decode_result,
+)
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller
 from attention_kv_caceh.harness.summary import summarize_run
 from attention_kv_caceh.harness.workloads import implied_prefix_hits, per_turn_summary
@@ -114,6 +119,7 @@ def run_summary(
     summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
     summary["workload"] = config.workload.describe()
     summary["server_counters"] = counters.delta([*records, *outcome.probes])
+    summary |= spec_decode_result(summary["server_counters"])
     summary["server_counters_error"] = counters.error or None
     if config.workload.kind == "multi-turn":
         summary["per_turn"] = per_turn_summary(records, rounds)

@@ -21,8 +21,8 @@ __all__ = ["SamplingOptions", "flag_of"]
 class SamplingOptions:
     """The sampling fields to send (None: not sent). Raises ValueError naming the flag for a value the
     server would refuse: temperature not finite or < 0; top_p not in (0, 1]; top_k not an integer >= -1
-    (-1 and 0 disable it); a frequency or presence penalty outside [-2, 2]; repetition_penalty not
-    finite or <= 0."""
+    (-1 and 0 disable it); a frequency or presence penalty outside [-2, 2]; repetition_penalty outside
+    [1e-100, 1e100] (vLLM takes any value > 0)."""
 
     temperature: float | None = None
     top_p: float | None = None
@@ -49,8 +49,8 @@ class SamplingOptions:
             if value is not None and not (math.isfinite(value) and -2 <= value <= 2):
                 raise bad(name, "in [-2, 2]", value)
         r = self.repetition_penalty
-        if r is not None and not (math.isfinite(r) and r > 0):
-            raise bad("repetition_penalty", "a finite number > 0", r)
+        if r is not None and not 1e-100 <= r <= 1e100:
+            raise bad("repetition_penalty", "in [1e-100, 1e100]", r)
 
     def body_fields(self) -> dict[str, Any]:
         """The given fields under their OpenAI names, in declaration order; {} when none is given."""

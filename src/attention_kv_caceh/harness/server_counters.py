@@ -7,6 +7,12 @@ cache and tokens found there: the run's hit rate is hits / queries), `vllm:num_p
 compared with the client's own counts), and `vllm:request_success_total{finished_reason=...}` (requests
 by finish reason). A counter is summed over its label sets except `finished_reason`, which is kept.
 
+With speculative decoding, vLLM's spec-decode counters too (`vllm:spec_decode_num_drafts_total`,
+`..._num_draft_tokens_total`, `..._num_accepted_tokens_total` and `..._num_accepted_tokens_per_pos_total`
+by `position`), and from their differences what `vllm bench serve` reports (its
+`fetch_spec_decode_metrics`): acceptance rate (%) = accepted / draft tokens, acceptance length = 1 +
+accepted / drafts, and per position accepted_per_pos[i] / drafts; nothing when the run drafted nothing.
+
 Also `reset_prefix_cache`: vLLM's `POST /reset_prefix_cache`, sent between the points of a sweep so that
 each point starts from an empty prefix cache; a server without it (404, 405) is recorded as not offering
 it, never an error. Both are blocking (urllib) and run between runs, never while requests are timed.
@@ -20,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,6 +42,8 @@ __all__ = [
     "counter_warnings",
     "read_counters",
     "reset_prefix_cache",
+    "spec_decode_delta",
+    "spec_decode_result",
 ]
 
 # Summary key -> the exposed sample name (a counter's `_total` sample).
@@ -45,20 +53,25 @@ COUNTER_NAMES = {
     "preemptions": "vllm:num_preemptions_total",
     "prompt_tokens": "vllm:prompt_tokens_total",
     "generation_tokens": "vllm:generation_tokens_total",
+    "spec_decode_num_drafts": "vllm:spec_decode_num_drafts_total",
+    "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens_total",
+    "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens_total",
 }
 _SUCCESS = "vllm:request_success_total"
-_WANTED = frozenset((*COUNTER_NAMES.values(), _SUCCESS))
+_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_WANTED = frozenset((*COUNTER_NAMES.values(), _SUCCESS, _PER_POS))
 _TIMEOUT_S = 10.0
 SETTLE_S = 1.0  # how long the read after a run waits for the server's counters to catch up
 
 
 @dataclass(frozen=True)
 class CounterSnapshot:
-    """The counters at one moment: {summary key: value} (absent: the server does not export it) and
-    {finish reason: requests}."""
+    """The counters at one moment: {summary key: value} (absent: the server does not export it),
+    {finish reason: requests} and {draft position: accepted tokens}."""
 
     values: Mapping[str, float]
     finished: Mapping[str, float]
+    accepted_per_pos: Mapping[int, float] = field(default_factory=dict[int, float])
 
 
 def _root(base_url: str) -> str:
@@ -80,6 +93,7 @@ def parse_counters(text: str) -> CounterSnapshot:
             kept.append(line)
     values: dict[str, float] = {}
     finished: dict[str, float] = {}
+    per_pos: dict[int, float] = {}
     by_sample = {sample: key for key, sample in COUNTER_NAMES.items()}
     for family in text_string_to_metric_families("\n".join(kept) + "\n"):
         for sample in family.samples:
@@ -89,10 +103,15 @@ def parse_counters(text: str) -> CounterSnapshot:
             if sample.name == _SUCCESS:
                 reason = sample.labels.get("finished_reason", "")
                 finished[reason] = finished.get(reason, 0.0) + value
+            elif sample.name == _PER_POS:
+                position = sample.labels.get("position", "")
+                if not position.isdigit():
+                    raise ValueError(f"{sample.name}: position label {position!r} is not a number")
+                per_pos[int(position)] = per_pos.get(int(position), 0.0) + value
             elif sample.name in by_sample:
                 key = by_sample[sample.name]
                 values[key] = values.get(key, 0.0) + value
-    return CounterSnapshot(values, finished)
+    return CounterSnapshot(values, finished, per_pos)
 
 
 def read_counters(
@@ -152,7 +171,53 @@ def counter_delta(
         None if out["generation_tokens"] is None else out["generation_tokens"] - client_output_tokens
     )
     out["counter_resets"] = resets
+    out["spec_decode"] = spec_decode_delta(before, after)
     return out
+
+
+def spec_decode_delta(before: CounterSnapshot, after: CounterSnapshot) -> dict[str, Any] | None:
+    """What `vllm bench serve` computes from the spec-decode counters around a run (module docstring):
+    num_drafts, draft_tokens, accepted_tokens, acceptance_rate (percent), acceptance_length and
+    per_position_acceptance_rates; None when the server does not export them or the run drafted no
+    token."""
+    keys = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    if any(k not in before.values or k not in after.values for k in keys):
+        return None
+    drafts, drafted, accepted = (after.values[k] - before.values[k] for k in keys)
+    if drafted <= 0:
+        return None
+    positions = sorted(set(before.accepted_per_pos) | set(after.accepted_per_pos))
+    per_pos = [
+        (after.accepted_per_pos.get(p, 0.0) - before.accepted_per_pos.get(p, 0.0)) / drafts
+        if drafts > 0
+        else 0.0
+        for p in positions
+    ]
+    return {
+        "num_drafts": _whole(drafts),
+        "draft_tokens": _whole(drafted),
+        "accepted_tokens": _whole(accepted),
+        "acceptance_rate": 100 * accepted / drafted,
+        "acceptance_length": 1 + accepted / drafts if drafts > 0 else 0.0,
+        "per_position_acceptance_rates": per_pos,
+    }
+
+
+def spec_decode_result(delta: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The keys `vllm bench serve` adds to its result JSON for a run that drafted tokens
+    (`spec_decode_acceptance_rate`, `..._acceptance_length`, `..._num_drafts`, `..._draft_tokens`,
+    `..._accepted_tokens`, `..._per_position_acceptance_rates`); {} otherwise."""
+    spec = None if delta is None else delta.get("spec_decode")
+    if spec is None:
+        return {}
+    return {
+        "spec_decode_acceptance_rate": spec["acceptance_rate"],
+        "spec_decode_acceptance_length": spec["acceptance_length"],
+        "spec_decode_num_drafts": spec["num_drafts"],
+        "spec_decode_draft_tokens": spec["draft_tokens"],
+        "spec_decode_accepted_tokens": spec["accepted_tokens"],
+        "spec_decode_per_position_acceptance_rates": spec["per_position_acceptance_rates"],
+    }
 
 
 def reset_prefix_cache(base_url: str, headers: Mapping[str, str] | None = None) -> tuple[bool, str]:

@@ -23,6 +23,10 @@
   replayed: its system message opens the history, its user messages (up to K) are the turns, and the
   answers are the server's own.
 
+- `copy`: copy-heavy prompts, "repeat this passage with one change" (`copy_workload.py`): a passage of
+  at least `--prompt-len` words of plain sentences to be written back with one word replaced, where a
+  speculative decoder's n-gram drafts should pay (the `random` workload is where they cannot).
+
 Every request records its workload group and turn (`RequestRecord.group`, `.turn`).
 """
 
@@ -64,8 +68,8 @@ __all__ = [
     "shared_prefix_specs",
 ]
 
-WorkloadName = Literal["random", "shared-prefix", "multi-turn"]
-WORKLOADS: tuple[WorkloadName, ...] = ("random", "shared-prefix", "multi-turn")
+WorkloadName = Literal["random", "shared-prefix", "multi-turn", "copy"]
+WORKLOADS: tuple[WorkloadName, ...] = ("random", "shared-prefix", "multi-turn", "copy")
 
 _WORDS = SYNTHETIC_WORDS
 _ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}

@@ -1,0 +1,328 @@
+"""Read a GGUF file (llama.cpp's one-file checkpoint): tensors by Hugging Face name, the model config from metadata.
+
+What vLLM's `model_executor/model_loader/gguf_loader.py` and `weight_utils.gguf_quant_weights_iterator`
+do, at this project's size: the file is parsed by the `gguf` library (llama.cpp's own Python reader,
+`GGUFReader`, which memory-maps it), tensors are renamed from llama.cpp's names (`blk.3.attn_q.weight`)
+to Hugging Face's (`model.layers.3.self_attn.q_proj.weight`) and dequantized with `gguf.quants.dequantize`
+(every type the library implements: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to
+Q6_K, the IQ and TQ types, MXFP4, NVFP4; F64 is read as it is). `quantized(name)` hands out a tensor as
+the file stores it (its type, its shape, its raw blocks), for kernels that compute on the blocks.
+Left out: split files (`*-00001-of-00003.gguf`), architectures other than llama / qwen2 / qwen3 and
+anything those do not use (MoE experts, sliding windows, RoPE scaling).
+
+**llama.cpp's Q/K row order.** llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of a head, Hugging
+Face's Llama the two halves (x[i], x[i + D/2]); its converter (`convert_hf_to_gguf.py`,
+`LlamaModel.permute`) therefore reorders the rows of q_proj and k_proj (and their biases) within each
+head. For head h, 0 <= i < D/2 and j in {0, 1}:
+
+    GGUF row  h*D + 2*i + j  =  Hugging Face row  h*D + j*D/2 + i
+
+`unpermute_rows` undoes it (heads = num_attention_heads for q, num_key_value_heads for k). Only the
+llama architecture is permuted: llama.cpp runs qwen2 and qwen3 with the halves convention (NeoX RoPE).
+
+Every problem with the file (not GGUF, truncated, a tensor type the library does not define or cannot
+dequantize, an architecture or setting the model does not implement, a missing or mistyped metadata
+key) is one `CheckpointError` naming the file and the value, raised when the file is opened, before
+any weight is read.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf.quants import dequantize
+
+from attention_kv_caceh.engine.checkpoint import CheckpointError
+from attention_kv_caceh.engine.model_config import ModelConfig
+
+__all__ = ["GGUF_ARCHITECTURES", "GGUFCheckpoint", "QuantizedTensor", "dequantizable_types", "unpermute_rows"]
+
+logger = logging.getLogger(__name__)
+
+# general.architecture -> the Hugging Face class whose tensors and settings it carries
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_MAGIC = b"GGUF"
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+# blk.{i}.<llama.cpp name>.{weight,bias} -> model.layers.{i}.<Hugging Face name>.{weight,bias}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
+
+
+def dequantizable_types() -> tuple[str, ...]:
+    """Names of the tensor types this reader widens to floats: F32, F16, F64 and every type the installed
+    `gguf` library dequantizes."""
+    library = {t for t in GGMLQuantizationType if t not in _PLAIN_FLOATS and _dequantizes(t)}
+    return tuple(t.name for t in GGMLQuantizationType if t in _PLAIN_FLOATS or t in library)
+
+
+def _dequantizes(qtype: GGMLQuantizationType) -> bool:
+    import gguf.quants
+
+    return qtype in gguf.quants._type_traits  # pyright: ignore[reportPrivateUsage]
+
+
+def unpermute_rows(rows: npt.NDArray[Any], heads: int) -> npt.NDArray[Any]:
+    """Rows of a llama-architecture q/k projection (or bias) from llama.cpp's order back to Hugging Face's.
+
+    `rows`: `[heads * D, ...]` of any dtype (float weights, a bias, or raw quantized blocks: only whole
+    rows move). GGUF row h*D + 2*i + j becomes row h*D + j*D/2 + i (see the module docstring). Returns
+    a new array. Raises ValueError when the rows do not split into `heads` heads of even size.
+    """
+    n = rows.shape[0]
+    if heads < 1 or n % heads or (n // heads) % 2:
+        raise ValueError(f"{n} rows do not split into {heads} heads of an even size")
+    d = n // heads
+    return np.ascontiguousarray(
+        rows.reshape(heads, d // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+    )
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """One tensor as the file stores it, rows in Hugging Face order.
+
+    ggml_type: the GGML type name ("Q4_1", "Q8_0", "F32", ...). shape: the logical `(out, in)` (or
+    `(n,)`) shape in Hugging Face layout. data: F32/F16/F64 tensors as that float dtype, `shape`;
+    block-quantized ones as uint8 `[out, in // block_size * type_size]`, each row `in // block_size`
+    blocks of `type_size` bytes, each block `block_size` weights (GGML's block layout, e.g. Q8_0: a
+    float16 scale d then 32 int8 q, weight = d * q; Q4_1: float16 d and m, then 16 bytes of nibbles,
+    weight = d * q + m). A view of the memory-mapped file, except q/k rows that were reordered (a copy).
+    """
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    data: npt.NDArray[Any]
+    block_size: int
+    type_size: int
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
+    """One parsed reader per file version (parsing the metadata of a 49,152-token vocabulary takes seconds)."""
+    del size, mtime_ns  # part of the cache key only
+    return GGUFReader(path)
+
+
+def _open(file: Path) -> GGUFReader:
+    """The parsed file, or CheckpointError: not GGUF, a type gguf does not define, truncated or corrupt."""
+    try:
+        stat = file.stat()
+        with file.open("rb") as fh:
+            magic = fh.read(4)
+    except OSError as err:
+        raise CheckpointError(f"{file}: cannot read it ({err.strerror or err})") from err
+    if magic != GGUF_MAGIC:
+        raise CheckpointError(f"{file}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
+    try:
+        return _reader(str(file), stat.st_size, stat.st_mtime_ns)
+    except ValueError as err:
+        unknown = re.match(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGMLQuantizationType", str(err))
+        if unknown:
+            raise CheckpointError(
+                f"{file}: a tensor has GGML type {unknown.group(1)}, which gguf "
+                f"{importlib.metadata.version('gguf')} does not define"
+            ) from err
+        raise CheckpointError(
+            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err})"
+        ) from err
+    except (IndexError, OSError, UnicodeDecodeError, KeyError, OverflowError) as err:
+        raise CheckpointError(
+            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err!r})"
+        ) from err
+
+
+class GGUFCheckpoint:
+    """The tensors and metadata of one GGUF file, tensors by Hugging Face name.
+
+    Same interface as `SafetensorsCheckpoint` (`names`, `in`, `shape(name)`, `get(name, dtype)`,
+    `source`), plus `quantized(name)`, `metadata(key)` and `config()`. The file is parsed once per
+    process and version (a small cache), memory-mapped, and each tensor is read when asked for.
+
+    Raises CheckpointError (from the constructor) for a file that is not GGUF, truncated or corrupt, an
+    architecture outside GGUF_ARCHITECTURES, or a tensor the model reads whose type cannot be
+    dequantized. Tensors the model does not read are logged as a warning and ignored.
+    """
+
+    def __init__(self, file: str | Path) -> None:
+        self.source = Path(file)
+        self._reader = _open(self.source)
+        self.arch = self._architecture()
+        self._tensors: dict[str, ReaderTensor] = {}
+        ignored: list[str] = []
+        for tensor in self._reader.tensors:
+            hf = _hf_name(tensor.name)
+            if hf is None:
+                ignored.append(tensor.name)
+            else:
+                self._tensors[hf] = tensor
+        if ignored:
+            logger.warning(
+                "%s: ignoring tensors the model does not read: %s", self.source, ", ".join(ignored)
+            )
+        readable = set(dequantizable_types())
+        size = len(self._reader.data)
+        for tensor in self._tensors.values():
+            if tensor.tensor_type.name not in readable:
+                raise CheckpointError(
+                    f"{self.source}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
+                    f"cannot be dequantized (readable: {', '.join(sorted(readable))})"
+                )
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise CheckpointError(
+                    f"{self.source}: truncated GGUF file: tensor {tensor.name!r} ends at byte "
+                    f"{tensor.data_offset + tensor.n_bytes:,}, the file has {size:,}"
+                )
+
+    # -- metadata --------------------------------------------------------------------------------
+
+    def metadata(self, key: str, default: Any = None) -> Any:
+        """Metadata value `key` as Python (int, float, bool, str, or a list of them), or `default`."""
+        field = self._reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def metadata_type(self, key: str) -> list[GGUFValueType]:
+        """The GGUF value types of `key` ([ARRAY, STRING] for a list of strings), [] when absent."""
+        field = self._reader.get_field(key)
+        return [] if field is None else list(field.types)
+
+    def _architecture(self) -> str:
+        arch = self.metadata("general.architecture")
+        if arch not in GGUF_ARCHITECTURES:
+            raise CheckpointError(
+                f"{self.source}: key 'general.architecture': unsupported {arch!r}; supported: "
+                f"{', '.join(GGUF_ARCHITECTURES)}"
+            )
+        return cast(str, arch)
+
+    def config(self) -> ModelConfig:
+        """The ModelConfig the metadata describes (`gguf_config.model_config_from_gguf`)."""
+        from attention_kv_caceh.engine.gguf_config import model_config_from_gguf
+
+        return model_config_from_gguf(self)
+
+    # -- tensors ---------------------------------------------------------------------------------
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor the model can read, by Hugging Face name, sorted."""
+        return sorted(self._tensors)
+
+    @property
+    def gguf_names(self) -> list[str]:
+        """Every tensor name in the file (llama.cpp's names), in file order."""
+        return [t.name for t in self._reader.tensors]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._tensors
+
+    def _tensor(self, name: str) -> ReaderTensor:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise CheckpointError(f"{self.source}: missing tensor {name!r} ({_gguf_name(name)})") from None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Shape of tensor `name` in Hugging Face layout (`[out, in]`; GGUF lists dims innermost first)."""
+        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+
+    def quantized(self, name: str) -> QuantizedTensor:
+        """Tensor `name` as stored (see QuantizedTensor), q/k rows reordered as `get` reorders them."""
+        tensor = self._tensor(name)
+        block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+        shape = self.shape(name)
+        data = self._unpermute(name, tensor.data.reshape(shape[0], -1) if len(shape) == 2 else tensor.data)
+        return QuantizedTensor(name, tensor.tensor_type.name, shape, data, block_size, type_size)
+
+    def get(self, name: str, dtype: npt.DTypeLike) -> npt.NDArray[np.floating[Any]]:
+        """Tensor `name` as a new C-contiguous array of floating `dtype`, Hugging Face layout and row order.
+
+        Quantized types are dequantized by `gguf.quants.dequantize` (float32), then converted to `dtype`
+        (exactly when widening). Raises CheckpointError when the tensor is absent.
+        """
+        tensor = self._tensor(name)
+        shape = self.shape(name)
+        if tensor.tensor_type in _PLAIN_FLOATS:
+            values: npt.NDArray[Any] = np.asarray(tensor.data)
+        else:
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        values = self._unpermute(name, values.reshape(shape))
+        return np.ascontiguousarray(values, dtype=dtype)
+
+    def _unpermute(self, name: str, rows: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """llama's q_proj / k_proj rows (weight or bias) back to Hugging Face order; others unchanged."""
+        if self.arch != "llama":
+            return rows
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+            heads = self._heads("attention.head_count")
+        elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+            heads = self._heads("attention.head_count_kv", "attention.head_count")
+        else:
+            return rows
+        try:
+            return unpermute_rows(rows, heads)
+        except ValueError as err:
+            raise CheckpointError(f"{self.source}: tensor {_gguf_name(name)!r}: {err}") from err
+
+    def _heads(self, key: str, fallback: str | None = None) -> int:
+        value: Any = self.metadata(f"{self.arch}.{key}")
+        if value is None and fallback is not None:
+            value = self.metadata(f"{self.arch}.{fallback}")
+        if isinstance(value, list):  # one count per layer; the config check refuses unequal ones
+            value = cast(list[Any], value)[0] if value else None
+        if not isinstance(value, int):
+            raise CheckpointError(
+                f"{self.source}: key '{self.arch}.{key}': must be an integer, got {value!r}"
+            )
+        return value
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name, or None for one the model does not read."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    match = _LAYER_TENSOR.fullmatch(gguf_name)
+    if match is None or match.group(2) not in _LAYER_NAMES:
+        return None
+    layer, part, kind = match.groups()
+    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def _gguf_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face tensor name (for messages)."""
+    for gguf_name, hf in _GLOBAL_NAMES.items():
+        if hf == hf_name:
+            return gguf_name
+    match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
+    if match:
+        for part, hf in _LAYER_NAMES.items():
+            if hf == match.group(2):
+                return f"blk.{match.group(1)}.{part}.{match.group(3)}"
+    return hf_name

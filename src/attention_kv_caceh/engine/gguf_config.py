@@ -1,0 +1,133 @@
+"""ModelConfig from a GGUF file's metadata: llama.cpp's keys for the settings a Hugging Face config.json holds.
+
+What vLLM leaves to transformers' `integrations/ggml.py` (GGUF metadata -> a config) for the three
+architectures the engine runs. The keys are llama.cpp's (`gguf.Keys.LLM`, prefixed by the
+architecture, `llama.block_count`):
+
+    config.json                GGUF metadata
+    hidden_size                {arch}.embedding_length
+    num_hidden_layers          {arch}.block_count
+    intermediate_size          {arch}.feed_forward_length
+    num_attention_heads        {arch}.attention.head_count
+    num_key_value_heads        {arch}.attention.head_count_kv       (default: head_count)
+    head_dim                   {arch}.attention.key_length          (default: hidden / heads)
+    rms_norm_eps               {arch}.attention.layer_norm_rms_epsilon
+    rope_theta                 {arch}.rope.freq_base                (default: 10000)
+    max_position_embeddings    {arch}.context_length
+    vocab_size                 {arch}.vocab_size                    (default: token_embd's rows)
+    tie_word_embeddings        no `output.weight` tensor (llama.cpp writes it only when untied)
+    eos_token_id               tokenizer.ggml.eos_token_id, then eot / eom ids (end-of-turn tokens)
+    bos_token_id               tokenizer.ggml.bos_token_id
+    attention_bias             a `blk.0.attn_q.bias` / `blk.0.attn_output.bias` tensor (Qwen2: q/k/v)
+
+Refused, naming the key: a missing or mistyped required key, per-layer head counts that differ, a RoPE
+over part of a head (`rope.dimension_count` below head_dim), RoPE scaling (`rope.scaling.type` other
+than none, or llama3's `rope_freqs.weight` tensor), a sliding window, mixture-of-experts, and values
+ModelConfig refuses (heads that do not divide, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, cast
+
+from attention_kv_caceh.engine.checkpoint import CheckpointError
+from attention_kv_caceh.engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+
+__all__ = ["model_config_from_gguf"]
+
+
+def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
+    """The ModelConfig of GGUF file `ckpt` (keys in the module docstring). Raises CheckpointError."""
+    from attention_kv_caceh.engine.gguf_checkpoint import GGUF_ARCHITECTURES
+
+    arch = ckpt.arch
+    source = ckpt.source
+
+    def fail(key: str, why: str) -> CheckpointError:
+        return CheckpointError(f"{source}: key {key!r}: {why}")
+
+    def integer(key: str, default: int | None = None, *, per_layer: bool = False) -> int:
+        value: Any = ckpt.metadata(key)
+        if value is None:
+            if default is None:
+                raise fail(key, "missing")
+            return default
+        if per_layer and isinstance(value, list):
+            counts = set(cast(list[Any], value))
+            if len(counts) != 1:
+                raise fail(key, f"per-layer values that differ are not implemented ({sorted(counts)})")
+            value = counts.pop()
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail(key, f"must be an integer, got {value!r}")
+        return value
+
+    def number(key: str, default: float | None = None) -> float:
+        value: Any = ckpt.metadata(key)
+        if value is None:
+            if default is None:
+                raise fail(key, "missing")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise fail(key, f"must be a finite number, got {value!r}")
+        return float(value)
+
+    p = f"{arch}."
+    for key in (p + "expert_count", p + "attention.sliding_window"):
+        if ckpt.metadata(key):
+            raise fail(key, f"not implemented ({ckpt.metadata(key)!r})")
+    scaling = ckpt.metadata(p + "rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise fail(p + "rope.scaling.type", f"RoPE scaling {scaling!r} is not implemented")
+    if "rope_freqs.weight" in ckpt.gguf_names:
+        raise CheckpointError(
+            f"{source}: tensor 'rope_freqs.weight': llama3 RoPE scaling (per-frequency factors) is not implemented"
+        )
+    hidden = integer(p + "embedding_length")
+    heads = integer(p + "attention.head_count", per_layer=True)
+    if heads < 1:
+        raise fail(p + "attention.head_count", f"must be >= 1, got {heads}")
+    head_dim = integer(p + "attention.key_length", hidden // heads)
+    value_dim = integer(p + "attention.value_length", head_dim)
+    if value_dim != head_dim:
+        raise fail(p + "attention.value_length", f"{value_dim} differs from key_length {head_dim}")
+    rotary = integer(p + "rope.dimension_count", head_dim)
+    if rotary != head_dim:
+        raise fail(
+            p + "rope.dimension_count", f"RoPE over {rotary} of {head_dim} head dims is not implemented"
+        )
+    if "model.embed_tokens.weight" not in ckpt:
+        raise CheckpointError(f"{source}: missing tensor 'token_embd.weight'")
+    vocab = integer(p + "vocab_size", ckpt.shape("model.embed_tokens.weight")[0])
+    eos_ids: list[int] = []
+    for key in ("eos_token_id", "eot_token_id", "eom_token_id"):
+        token = ckpt.metadata(f"tokenizer.ggml.{key}")
+        if token is not None and integer(f"tokenizer.ggml.{key}") not in eos_ids:
+            eos_ids.append(int(token))
+    bos = ckpt.metadata("tokenizer.ggml.bos_token_id")
+    bias = "model.layers.0.self_attn.q_proj.bias" in ckpt
+    try:
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[arch],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            num_hidden_layers=integer(p + "block_count"),
+            num_attention_heads=heads,
+            num_key_value_heads=integer(p + "attention.head_count_kv", heads, per_layer=True),
+            head_dim=head_dim,
+            intermediate_size=integer(p + "feed_forward_length", per_layer=True),
+            rope_theta=number(p + "rope.freq_base", 10000.0),
+            rms_norm_eps=number(p + "attention.layer_norm_rms_epsilon"),
+            max_position_embeddings=integer(p + "context_length"),
+            tie_word_embeddings="lm_head.weight" not in ckpt,
+            eos_token_ids=tuple(eos_ids),
+            bos_token_id=None if bos is None else integer("tokenizer.ggml.bos_token_id"),
+            qkv_bias=arch == "qwen2" or bias,
+            o_proj_bias="model.layers.0.self_attn.o_proj.bias" in ckpt,
+            qk_norm=arch == "qwen3",
+        )
+    except ValueError as err:  # __post_init__: a value out of range
+        raise CheckpointError(f"{source}: {err}") from err

@@ -1,0 +1,149 @@
+"""Small GGUF files for the tests, written with the gguf library's own writer (GGUFWriter, gguf.quants).
+
+`gguf_from_checkpoint` turns a `make-model` folder into the GGUF file llama.cpp's converter would write
+for it: llama.cpp's tensor names, q/k rows permuted for the llama architecture (the converter's
+`permute`, written here from its definition: rows of a head regrouped as (2, D/2) -> (D/2, 2)), the
+metadata keys, and the tokenizer's vocabulary and merges under tokenizer.ggml.*.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+
+HF_TO_GGUF = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+ARCH = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+
+
+def llama_cpp_permute(rows: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter order for q/k rows: within a head, row j*D/2 + i moves to 2*i + j."""
+    d = rows.shape[0] // heads
+    return rows.reshape(heads, 2, d // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def gguf_name(hf: str) -> str:
+    if hf in GLOBAL:
+        return GLOBAL[hf]
+    if hf == "lm_head.weight":
+        return "output.weight"
+    _, _, layer, rest = hf.split(".", 3)
+    module, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+
+
+def write(
+    path: Path,
+    arch: str,
+    metadata: Callable[[GGUFWriter], None],
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
+) -> Path:
+    """A GGUF file at `path`: metadata written by `metadata(writer)`, tensors by llama.cpp name, each
+    stored as its type (float arrays quantized with gguf.quants.quantize; uint8 arrays taken as blocks)."""
+    writer = GGUFWriter(str(path), arch)
+    metadata(writer)
+    for name, (array, qtype) in tensors.items():
+        if qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+        elif qtype == GGMLQuantizationType.F16:
+            writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float16))
+        elif array.dtype == np.uint8:
+            writer.add_tensor(name, array, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, quantize(np.asarray(array, dtype=np.float32), qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def tokenizer_metadata(
+    folder: Path, pre: str = "gpt2", bos_id: int | None = None, model: str = "gpt2"
+) -> Callable[[GGUFWriter], None]:
+    """tokenizer.ggml.* from a make-model folder's tokenizer.json and tokenizer_config.json (the BOS id
+    from config.json, as llama.cpp's converter takes it)."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    vocab: dict[str, int] = dict(tok["model"]["vocab"])
+    for added in tok["added_tokens"]:
+        vocab[added["content"]] = added["id"]
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert [vocab[t] for t in tokens] == list(range(len(tokens)))
+    special = {a["content"] for a in tok["added_tokens"] if a["special"]}
+    merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+
+    def add(w: GGUFWriter) -> None:
+        w.add_tokenizer_model(model)
+        w.add_tokenizer_pre(pre)
+        w.add_token_list(tokens)
+        w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
+        w.add_token_merges(merges)
+        if bos_id is not None:
+            w.add_bos_token_id(bos_id)
+        w.add_eos_token_id(vocab[config["eos_token"]])
+        w.add_add_bos_token(tok["post_processor"]["type"] == "TemplateProcessing")
+        w.add_chat_template(config["chat_template"])
+
+    return add
+
+
+def gguf_from_checkpoint(
+    folder: Path,
+    out: Path,
+    qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
+    extra: Callable[[GGUFWriter], None] | None = None,
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt2",
+) -> Path:
+    """`folder` (a make-model checkpoint) as the GGUF file llama.cpp's converter would write, the 2-D
+    weights stored as `qtype` (norms and biases F32, as the converter keeps them)."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    arch = ARCH[config["architectures"][0]]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
+    for name, array in sorted(load_file(folder / "model.safetensors").items()):
+        if arch == "llama" and ".q_proj." in name:
+            array = llama_cpp_permute(array, heads)
+        elif arch == "llama" and ".k_proj." in name:
+            array = llama_cpp_permute(array, kv_heads)
+        tensors[gguf_name(name)] = (array, qtype if array.ndim == 2 else GGMLQuantizationType.F32)
+    tokenizer = tokenizer_metadata(folder, pre, config.get("bos_token_id"), tokenizer_model)
+
+    def metadata(w: GGUFWriter) -> None:
+        w.add_block_count(config["num_hidden_layers"])
+        w.add_context_length(config["max_position_embeddings"])
+        w.add_embedding_length(config["hidden_size"])
+        w.add_feed_forward_length(config["intermediate_size"])
+        w.add_head_count(heads)
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(config["head_dim"])
+        w.add_value_length(config["head_dim"])
+        w.add_rope_dimension_count(config["head_dim"])
+        w.add_rope_freq_base(config["rope_theta"])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        w.add_vocab_size(config["vocab_size"])
+        tokenizer(w)
+        if extra is not None:
+            extra(w)
+
+    return write(out, arch, metadata, tensors)
