@@ -162,3 +162,66 @@ class TokenRuleTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ReadSplitEquivalenceTest(unittest.TestCase):
+    """The decoder's state after a stream is the same however the stream's bytes are split into reads:
+    whole, one event a read (both through the one-split path of whole `data:` events), or in small
+    pieces (the line-by-line path), for streams mixing good chunks with every kind of bad one."""
+
+    @staticmethod
+    def feed_all(reads: list[bytes]) -> tuple[object, ...]:
+        decoder = OpenAIStreamDecoder()
+        counts: list[int] = []
+        for read in reads:
+            counts += decoder.feed(read)
+        failure = decoder.failure
+        return (
+            counts,
+            decoder.counts,
+            decoder.done,
+            decoder.finish_reason,
+            decoder.prompt_tokens,
+            decoder.usage_completion_tokens,
+            decoder.reconciled_counts(),
+            decoder.output_tokens_source,
+            decoder.tokens_per_event_source,
+            None if failure is None else (type(failure).__name__, str(failure)),
+        )
+
+    def test_any_split_gives_the_same_decoding(self) -> None:
+        from hypothesis import given, settings
+        from hypothesis import strategies as st
+
+        pieces = {
+            "text": lambda k: completion_chunk(f" t{k}", {"prompt_tokens": 3, "completion_tokens": k + 1}),
+            "plain": lambda k: completion_chunk(f" t{k}"),
+            "held": lambda k: completion_chunk("", {"prompt_tokens": 3, "completion_tokens": k + 1}),
+            "chat": lambda k: chat_chunk(f"c{k}", usage={"prompt_tokens": 3, "completion_tokens": k + 1}),
+            "role": lambda k: chat_chunk(role="assistant"),
+            "usage": lambda k: completion_chunk(None, {"prompt_tokens": 3, "completion_tokens": k + 2}),
+            "finish": lambda k: completion_chunk("", finish_reason="length"),
+            "logprobs": lambda k: sse({"choices": [{"text": "x", "logprobs": {"tokens": ["a", "b"]}}]}),
+            "tools": lambda k: sse({"choices": [{"delta": {"tool_calls": [{"function": {"name": "f"}}]}}]}),
+            "down": lambda k: completion_chunk(" d", {"completion_tokens": 0}),
+            "negative": lambda k: completion_chunk(" n", {"completion_tokens": -1}),
+            "boolean": lambda k: completion_chunk(" b", {"completion_tokens": True}),
+            "badtext": lambda k: sse({"choices": [{"text": 5}]}),
+            "notobject": lambda k: b"data: [1, 2]\n\n",
+            "notjson": lambda k: b"data: {nope\n\n",
+            "error": lambda k: sse({"error": {"message": "boom"}}),
+            "comment": lambda k: b": keep-alive\n\n",
+            "crlf": lambda k: completion_chunk(f" r{k}").replace(b"\n", b"\r\n"),
+            "done": lambda k: DONE,
+        }
+
+        @settings(max_examples=150, deadline=None)
+        @given(st.lists(st.sampled_from(sorted(pieces)), min_size=1, max_size=12), st.integers(1, 200))
+        def check(kinds: list[str], size: int) -> None:
+            events = [pieces[kind](k) for k, kind in enumerate(kinds)]
+            stream = b"".join(events)
+            small = self.feed_all([stream[i : i + size] for i in range(0, len(stream), size)])
+            self.assertEqual(self.feed_all([stream]), small, kinds)
+            self.assertEqual(self.feed_all(events), small, kinds)
+
+        check()

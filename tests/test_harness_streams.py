@@ -11,6 +11,7 @@ import asyncio
 import socket
 import threading
 import unittest
+from time import perf_counter_ns
 from typing import Any
 from urllib.parse import unquote
 
@@ -200,6 +201,64 @@ class StreamCaseTest(unittest.IsolatedAsyncioTestCase):
             backend = OpenAIBackend(session, base_url=url, model="m", endpoint="completions")
             with self.assertRaisesRegex(SmokeTestError, "connection_error.*server running"):
                 await smoke_test(backend, SPEC, url)
+
+    async def test_a_chunked_stream_split_at_any_byte_gives_the_same_tokens_on_one_connection(
+        self,
+    ) -> None:
+        events = [completion_chunk(t) for t in ("a", "b", "c")]
+        events.append(completion_chunk(None, usage(3)))
+        body = b"".join(f"{len(e):x};ext=1\r\n".encode() + e + b"\r\n" for e in [*events, DONE])
+        answer = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+        answer += b"Transfer-Encoding: chunked\r\n\r\n" + body + b"0\r\n\r\n"
+        for split in (1, 3, 7, len(answer)):
+            with self.subTest(split=split):
+                peers: list[object] = []
+
+                async def handle(
+                    reader: asyncio.StreamReader,
+                    writer: asyncio.StreamWriter,
+                    split: int = split,
+                    peers: list[object] = peers,
+                ) -> None:
+                    peers.append(writer.get_extra_info("peername"))
+                    try:
+                        while True:
+                            head = await reader.readuntil(b"\r\n\r\n")
+                            length = next(
+                                int(line.split(b":")[1])
+                                for line in head.split(b"\r\n")
+                                if line.lower().startswith(b"content-length")
+                            )
+                            await reader.readexactly(length)
+                            for pos in range(0, len(answer), split):
+                                writer.write(answer[pos : pos + split])
+                                await writer.drain()
+                                await asyncio.sleep(0)
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        pass
+                    finally:
+                        writer.close()
+
+                server = await asyncio.start_server(handle, "127.0.0.1", 0)
+                port = server.sockets[0].getsockname()[1]
+                try:
+                    async with aiohttp.ClientSession() as session:
+                        backend = OpenAIBackend(
+                            session, base_url=f"http://127.0.0.1:{port}", model="m", endpoint="completions"
+                        )
+                        records = [RequestRecord(k, 0, SPEC.prompt_tokens) for k in range(2)]
+                        for record in records:
+                            record.arrival_ns = record.sent_ns = perf_counter_ns()
+                            await backend.generate(SPEC, record)
+                finally:
+                    server.close()
+                    await server.wait_closed()
+                for record in records:
+                    self.assert_ok_invariant(record)
+                    self.assertEqual(record.output_tokens, 3)
+                    self.assertEqual(sum(record.tokens_per_event), 3)
+                    self.assertEqual(record.token_times_ns, sorted(record.token_times_ns))
+                self.assertEqual(len(peers), 1)  # the second request reused the first's connection
 
     async def test_prometheus_metrics_are_polled_and_summed_over_labels(self) -> None:
         text = (

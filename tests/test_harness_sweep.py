@@ -18,7 +18,7 @@ from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.scan_stats import saturation_point
 from attention_kv_caceh.harness import run as harness_run
 from attention_kv_caceh.harness.scripted_server import scripted_server_process
-from attention_kv_caceh.harness.sweep import find_knee, search_slo_rate
+from attention_kv_caceh.harness.sweep import find_knee, pareto_points, search_slo_rate
 
 FAST = ["--prefill-ms", "5", "--per-token-ms", "1", "--output-len", "4", "--num-requests", "6"]
 
@@ -96,6 +96,39 @@ class SloSearchTest(unittest.TestCase):
                 search_slo_rate(lambda r: (1.0, {}), **kwargs)
 
 
+class ParetoTest(unittest.TestCase):
+    def test_the_frontier_is_the_points_no_other_beats_on_both_axes(self) -> None:
+        # (value, median TPOT ms -> 1000/TPOT per user, total output tokens/s), two repeats each
+        points = {1: (5.0, 190.0), 2: (6.0, 330.0), 4: (10.0, 400.0), 8: (20.0, 390.0), 16: (25.0, 500.0)}
+        rows = [
+            {"value": v, "repeat": r, "median_tpot_ms": tpot, "output_throughput": total + (10 if r else -10)}
+            for v, (tpot, total) in points.items()
+            for r in (0, 1)
+        ]
+        rows.append({"value": 32, "repeat": 0, "median_tpot_ms": None, "output_throughput": 600.0})  # no TPOT
+        got = {p.value: p for p in pareto_points(rows)}
+        self.assertEqual(sorted(got), [1, 2, 4, 8, 16])
+        self.assertAlmostEqual(got[4].per_user, 100.0)
+        self.assertAlmostEqual(got[4].total, 400.0)  # the mean of the repeats
+        self.assertEqual({v for v, p in got.items() if p.frontier}, {1, 2, 4, 16})  # 8 is beaten by 4
+        # brute force: a point is on the frontier iff none is >= on both and > on one
+        for p in got.values():
+            beaten = any(
+                q.per_user >= p.per_user
+                and q.total >= p.total
+                and (q.per_user > p.per_user or q.total > p.total)
+                for q in got.values()
+            )
+            self.assertEqual(p.frontier, not beaten)
+
+    def test_a_tie_keeps_both_points_on_the_frontier(self) -> None:
+        rows = [
+            {"value": 1, "repeat": 0, "median_tpot_ms": 10.0, "output_throughput": 100.0},
+            {"value": 2, "repeat": 0, "median_tpot_ms": 10.0, "output_throughput": 100.0},
+        ]
+        self.assertEqual([p.frontier for p in pareto_points(rows)], [True, True])
+
+
 class SweepCommandTest(unittest.TestCase):
     def setUp(self) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -136,6 +169,9 @@ class SweepCommandTest(unittest.TestCase):
         doc = json.loads((self.out / "sweep.json").read_text())
         self.assertIn("knee", doc)
         self.assertTrue((self.out / "sweep.png").stat().st_size > 0)
+        self.assertEqual((self.out / "pareto.png").read_bytes()[:8], b"\x89PNG\r\n\x1a\n")
+        self.assertEqual([p["value"] for p in doc["pareto"]], [1, 2, 4])  # one point per grid value
+        self.assertTrue(any(p["frontier"] for p in doc["pareto"]))
 
     def test_each_point_is_the_harness_run_of_its_settings(self) -> None:
         code, _, _ = quietly([*FAST, "--concurrency", "2", "3", "--seed", "7", "--out-dir", str(self.out)])

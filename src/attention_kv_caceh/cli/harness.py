@@ -25,7 +25,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from attention_kv_caceh.cli import harness_engine
+from attention_kv_caceh.cli import harness_engine, harness_options, harness_repeats
 from attention_kv_caceh.cli.common import UsageError, check_outputs, output_file
 from attention_kv_caceh.cli.harness_engine import ENGINE_BACKEND
 from attention_kv_caceh.cli.harness_output import (
@@ -114,9 +114,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     g.add_argument(
         "--num-requests",
         type=int,
-        default=16,
+        default=None,
         help=f"measured requests, at most {MAX_REQUESTS}; a run whose requests would need more than half "
-        "of the memory is refused (default: %(default)s)",
+        "of the memory is refused (default: 16; with --trace, every row)",
     )
     grid = "+" if sweep else None
     g.add_argument(
@@ -205,6 +205,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
         help=f"unrecorded requests before the run (same concurrency limit), at most {MAX_REQUESTS} "
         "(default: %(default)s)",
     )
+    harness_options.add_arguments(parser, sweep=sweep)
     add_sampling_arguments(parser)
     g = parser.add_argument_group("simulated backend")
     g.add_argument(
@@ -294,12 +295,13 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
     key_env: str = args.api_key_env
     engine = args.backend == ENGINE_BACKEND
     base_url = harness_engine.check_usage(args)  # the engine's own URL replaces it once it serves
+    trace = harness_options.trace_settings(args)
     config = HarnessConfig(
         backend="openai-completions" if engine else args.backend,
         base_url=base_url,
         model="" if engine else args.model,
         api_key=os.environ.get(key_env) or None,
-        num_requests=args.num_requests,
+        num_requests=harness_options.num_requests(args, trace),
         concurrency=args.concurrency,
         request_rate=args.request_rate,
         burstiness=args.burstiness,
@@ -327,6 +329,9 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
             presence_penalty=args.presence_penalty,
             repetition_penalty=args.repetition_penalty,
         ),
+        trace=trace,
+        probe_rate=args.probe_rate,
+        workers=args.workers,
     )
     if engine:
         harness_engine.check_context(args, config)
@@ -369,6 +374,7 @@ def input_paths(args: argparse.Namespace) -> list[tuple[str, str | None]]:
         ("--dataset", args.dataset),
         ("--tokenizer", args.tokenizer),
         ("--model", args.model if engine else None),  # the checkpoint folder `serve` and the prompts read
+        ("--trace", args.trace),
     ]
 
 
@@ -418,6 +424,7 @@ def run(args: argparse.Namespace) -> int:
     --backend engine checkpoint's context included."""
     config = config_from_args(args)
     _check_outputs(args)
+    harness_repeats.check_repeat_outputs(args, input_paths(args))
     warn_server_temperature(config)
     if args.backend != ENGINE_BACKEND:
         return _run(args, config, None)
@@ -447,11 +454,17 @@ def _run(
             else ""
         )
         + f"num_requests={config.num_requests} concurrency={config.concurrency} "
-        f"request_rate={config.request_rate} prompt_len={config.prompt_len} "
-        f"output_len={config.output_len}"
-        + "".join(f" {k}={v}" for k, v in config.sampling.body_fields().items()),
+        + (
+            f"request_rate={config.request_rate} prompt_len={config.prompt_len} output_len={config.output_len}"
+            if config.trace is None
+            else "(arrivals and lengths from the trace)"
+        )
+        + "".join(f" {k}={v}" for k, v in config.sampling.body_fields().items())
+        + harness_options.setup_words(config, args.repeats),
         flush=True,
     )
+    if args.repeats > 1:
+        return harness_repeats.run_repeats(args, config, describe_server)
     finished: list[RequestRecord] = []
     sink = JsonlSink(args.jsonl)
     progress = tqdm(
@@ -463,8 +476,9 @@ def _run(
     )
 
     def on_record(record: RequestRecord) -> None:
-        finished.append(record)
-        progress.update(1)
+        if not record.probe:  # probes are written to the JSONL, never summarized with the load
+            finished.append(record)
+            progress.update(1)
 
     result: RunResult | None = None
     interrupted = False

@@ -264,6 +264,8 @@ def _save(
                 "config": config.describe(),
                 "environment": environment,
             }
+            if result is not None:  # the clock, from which `report` recomputes the throughputs
+                meta |= {"start_ns": result.start_ns, "end_ns": result.end_ns}
             if server is not None:
                 meta["server"] = server
             written.append(str(write_json_atomic(meta_path(args.jsonl), meta)))

@@ -251,6 +251,11 @@ def run(args: argparse.Namespace) -> int:
             max_logprobs=args.max_logprobs,
             max_seqs_per_request=args.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
+            cache_config={
+                "block_size": str(plan.engine_config.block_size),
+                "num_gpu_blocks": str(plan.num_blocks),
+                "enable_prefix_caching": str(plan.engine_config.enable_prefix_caching),
+            },
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
         # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the

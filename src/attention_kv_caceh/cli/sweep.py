@@ -12,7 +12,8 @@ draws), `--repeats` times. Before each run the server's prefix cache is emptied 
 /reset_prefix_cache` where the server offers it (a 404 is recorded in the CSV as "not offered", not an
 error). Each run's per-request JSONL (written as requests finish) and its summary JSON are in DIR as soon
 as the run ends, and DIR/sweep.csv (a row per point and repeat) is rewritten after every run, so Ctrl-C
-keeps every finished point. At the end: the table, the knee (harness/sweep.py), DIR/sweep.png (the curve)
+keeps every finished point. At the end: the table, the knee (harness/sweep.py), DIR/sweep.png (the curve),
+DIR/pareto.png (tokens/s per user against total tokens/s, the frontier marked)
 and DIR/sweep.json. `--backend engine` starts one `serve` for the whole sweep. Exit codes: 0 done (failed
 requests at a point are a warning: overload is what a sweep looks for); 1 a runtime failure (server
 unreachable, smoke test failed, an output not written); 2 bad usage; 130 interrupted.
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import dataclasses
 import math
 import os
 import re
@@ -54,6 +56,7 @@ from attention_kv_caceh.harness.sweep import (
     SLO_PASS_FRACTION,
     Axis,
     find_knee,
+    pareto_points,
     search_slo_rate,
     sweep_row,
 )
@@ -73,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=output_folder,
         required=True,
         metavar="DIR",
-        help="folder for every run's JSONL and summary, sweep.csv, sweep.png, sweep.json (created; files "
+        help="folder for every run's JSONL and summary, sweep.csv, sweep.png, pareto.png, sweep.json (created; files "
         "of the same names are replaced) (default: none, required)",
     )
     g.add_argument("--repeats", type=int, default=1, help="runs per point (default: %(default)s)")
@@ -187,7 +190,8 @@ class _Sweep:
         finished: list[RequestRecord] = []
 
         def on_record(record: RequestRecord) -> None:
-            finished.append(record)
+            if not record.probe:  # probes are written, never summarized with the load
+                finished.append(record)
             sink.write(record)
 
         self.runs += 1
@@ -323,7 +327,11 @@ def run(args: argparse.Namespace) -> int:
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out-dir {out}: exists and is not a folder")
     check_outputs(
-        [("--out-dir", out / "sweep.csv", (".csv",)), ("--out-dir", out / "sweep.png", (".png",))]
+        [
+            ("--out-dir", out / "sweep.csv", (".csv",)),
+            ("--out-dir", out / "sweep.png", (".png",)),
+            ("--out-dir", out / "pareto.png", (".png",)),
+        ]
         + [("--out-dir", path, ()) for path in _point_files(out, harness.input_paths(args))],
         harness.input_paths(args),
     )
@@ -436,7 +444,7 @@ def _finish(
     describe: Callable[[], dict[str, Any]] | None,
     code: int,
 ) -> int:
-    """Write sweep.png and sweep.json, then print the table, the knee and what was written (files
+    """Write sweep.png, pareto.png and sweep.json, then print the table, the knee and what was written (files
     first: a closed stdout cannot lose them); returns the exit code."""
     written = [str(sweep.out / "sweep.csv")]
     doc["rows"] = sweep.rows
@@ -448,7 +456,7 @@ def _finish(
             knee = find_knee(sweep.rows, sweep.axis)
             verdict = knee.verdict
             doc["knee"] = {"value": knee.value, "verdict": knee.verdict, "gains_per_doubling": knee.gains}
-            from attention_kv_caceh.harness.sweep_plot import plot_sweep
+            from attention_kv_caceh.harness.sweep_plot import plot_pareto, plot_sweep
 
             title = (
                 f"sweep over {sweep.axis} ({args.backend}, {sweep.base.num_requests} requests a run, "
@@ -456,6 +464,9 @@ def _finish(
                 f"{sweep.base.workload.kind})"
             )
             written.append(str(plot_sweep(sweep.rows, sweep.axis, knee, sweep.out / "sweep.png", title)))
+            pareto = sweep.out / "pareto.png"
+            written.append(str(plot_pareto(sweep.rows, sweep.axis, pareto, "Pareto: " + title)))
+            doc["pareto"] = [dataclasses.asdict(p) for p in pareto_points(sweep.rows)]
         if describe is not None:
             doc["server"] = describe()
         doc["environment"] = sweep.environment

@@ -1,12 +1,34 @@
 """Lines of a harness summary about the server's counters and the workload: one line of the server's
 prefix-cache, preemption and token counters over the run, the speculative-decoding acceptance over it,
-and the per-turn table of a multi-turn run."""
+the per-turn table of a multi-turn run, a trace's ideal prefix-hit rate beside the measured one, the
+probes' latencies, and the client's own CPU."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["counter_line", "per_turn_lines", "spec_decode_lines", "summary_extra_lines"]
+__all__ = [
+    "client_cpu_line",
+    "counter_line",
+    "per_turn_lines",
+    "probe_line",
+    "spec_decode_lines",
+    "summary_extra_lines",
+    "trace_line",
+]
+
+_VERDICTS = {
+    "equal": "equal within one block a request",
+    "below": (
+        "BELOW the ideal by more than one block a request: the server's cache did not keep blocks the trace "
+        "reuses (a KV pool too small evicts them), or requests sharing blocks ran at the same time"
+    ),
+    "above": (
+        "ABOVE the ideal by more than one block a request: blocks were hit twice (preempted requests "
+        "re-admitted?) or the server's blocks are not the trace's"
+    ),
+    "not measured": "the server's counters could not be read",
+}
 
 
 def _num(value: Any, spec: str = "") -> str:
@@ -60,6 +82,59 @@ def per_turn_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _pct(rate: Any) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f} %"
+
+
+def trace_line(summary: dict[str, Any]) -> str | None:
+    """The trace's ideal prefix-cache hits beside the server's, their difference and what it means."""
+    p: dict[str, Any] | None = summary.get("trace_prefix")
+    if p is None:
+        return None
+    diff = p["difference_tokens"]
+    rate_diff = p["difference_rate"]
+    difference = (
+        ""
+        if diff is None
+        else f"; difference {diff:+d} tokens"
+        + (f" ({100 * rate_diff:+.1f} points)" if rate_diff is not None else "")
+        + f", tolerance {p['tolerance_tokens']}"
+    )
+    return (
+        f"trace prefix cache: ideal hits {p['ideal_hit_tokens']} of {p['ideal_query_tokens']} tokens "
+        f"({_pct(p['ideal_hit_rate'])}, unbounded cache in arrival order, block size {p['block_size']} from "
+        f"{p['block_size_source']}); measured {_num(p['measured_hit_tokens'])} of "
+        f"{_num(p['measured_query_tokens'])} ({_pct(p['measured_hit_rate'])}){difference}: "
+        f"{_VERDICTS[p['verdict']]}"
+    )
+
+
+def probe_line(summary: dict[str, Any]) -> str | None:
+    """The probes' count and their TTFT and E2EL (ms), apart from the load's."""
+    if "probe_completed" not in summary:
+        return None
+    return (
+        f"probes (1 token in, 1 out, {summary['probe_rate']:g}/s beside the load): "
+        f"{summary['probe_completed']} ok, {summary['probe_failed']} failed   TTFT p50/p99 "
+        f"{_num(summary['probe_median_ttft_ms'], '.2f')}/{_num(summary['probe_p99_ttft_ms'], '.2f')} ms   "
+        f"E2EL p50/p99 {_num(summary['probe_median_e2el_ms'], '.2f')}/"
+        f"{_num(summary['probe_p99_e2el_ms'], '.2f')} ms"
+    )
+
+
+def client_cpu_line(summary: dict[str, Any]) -> str | None:
+    """The client's own CPU per token event and per request over the load."""
+    cpu: dict[str, Any] | None = summary.get("client_cpu")
+    if cpu is None:
+        return None
+    return (
+        f"client CPU: {_num(cpu['per_token_event_us'], '.1f')} µs per token event, "
+        f"{_num(cpu['per_request_us'], '.0f')} µs per request ({cpu['process_cpu_s']:.3f} s over "
+        f"{cpu['workers']} process(es){' and the coordinator' if cpu['coordinator_cpu_s'] is not None else ''}; "
+        f"busiest event loop {_pct(cpu['loop_busy_fraction'])} of the load)"
+    )
+
+
 def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
     """The counter line and, for a multi-turn run, the per-turn table (prompt: mean tokens a request)."""
     lines: list[str] = []
@@ -77,6 +152,7 @@ def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
             f"reuses the whole prefix){share}; a server finds whole blocks only, so up to one block a "
             "request fewer"
         )
+    lines += [x for x in (trace_line(summary), probe_line(summary), client_cpu_line(summary)) if x]
     rows = summary.get("per_turn")
     if rows:
         lines += per_turn_lines(rows)

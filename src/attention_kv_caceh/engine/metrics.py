@@ -20,7 +20,7 @@ With speculative decoding on (`num_speculative_tokens` > 0), vLLM's spec-decode 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -77,7 +77,10 @@ _FINISH_REASONS = ("stop", "length", "abort")
 class ServerMetrics:
     """The server's metrics in their own registry; `record` is an AsyncLLM stat logger (thread-safe).
 
-    `running`, `waiting`, `kv_usage`: zero-argument callables read at each scrape.
+    `running`, `waiting`, `kv_usage`: zero-argument callables read at each scrape. `cache_config`: the
+    KV cache's settings (`block_size`, `num_gpu_blocks`, `enable_prefix_caching`), exported as the labels
+    of the gauge `vllm:cache_config_info` (value 1), as vLLM exports its CacheConfig; a client reads the
+    block size there.
     `num_speculative_tokens`: K of the engine's speculative decoding, 0 when it is off (no spec-decode
     metrics then, as in vLLM).
     """
@@ -88,6 +91,7 @@ class ServerMetrics:
         running: Callable[[], float],
         waiting: Callable[[], float],
         kv_usage: Callable[[], float],
+        cache_config: Mapping[str, str] | None = None,
         num_speculative_tokens: int = 0,
     ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -100,6 +104,12 @@ class ServerMetrics:
         gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
         gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
         gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_usage)
+        if cache_config:
+            names = sorted(cache_config)
+            info = Gauge(
+                "vllm:cache_config_info", "Information of the LLMEngine CacheConfig", names, registry=reg
+            )
+            info.labels(*(cache_config[n] for n in names)).set(1)
 
         def counter(name: str, doc: str) -> Counter:
             return Counter(name, doc, labels, registry=reg).labels(model_name)

@@ -56,7 +56,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine, Iterator, Mapping
 from typing import Any, cast
 
 from fastapi import FastAPI, Request
@@ -125,6 +125,7 @@ def build_app(
     max_request_bytes_in_flight: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
     kv_capacity_tokens: int | None = None,
+    cache_config: Mapping[str, str] | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     num_speculative_tokens: int = 0,
 ) -> FastAPI:
@@ -137,6 +138,7 @@ def build_app(
     bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
     `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    `cache_config`: the KV cache's settings for `/metrics`' `vllm:cache_config_info` (see ServerMetrics).
     `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
     `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
     above it a 400 names the count and the limit).
@@ -164,6 +166,7 @@ def build_app(
         running=lambda: async_llm.num_running,
         waiting=lambda: async_llm.num_waiting,
         kv_usage=lambda: async_llm.kv_cache_usage,
+        cache_config=cache_config,
         num_speculative_tokens=num_speculative_tokens,
     )
     async_llm.add_stat_logger(metrics.record)

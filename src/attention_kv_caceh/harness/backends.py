@@ -20,6 +20,7 @@ from time import perf_counter_ns
 from typing import Any, Literal, Protocol
 
 import aiohttp
+from yarl import URL
 
 from attention_kv_caceh.harness.answer_text import AnswerText
 from attention_kv_caceh.harness.client_errors import classify_client_error
@@ -41,6 +42,7 @@ __all__ = [
     "SimulatedBackend",
     "SimulatedServer",
     "endpoint_url",
+    "load_session",
 ]
 
 
@@ -58,6 +60,9 @@ class RequestSpec:
     group prefix (the start of `prompt`) and its length in tokens; an exact prompt is then the
     prefix's first `prefix_tokens` tokens followed by the rest of `prompt` cut to the remaining length,
     so that a tokenizer of several tokens a word cannot cut a request's own suffix away.
+    `hash_ids` and `hash_block_size`: a trace row's prompt blocks (`trace.py`), one id per
+    `hash_block_size` tokens; an exact prompt is then the concatenation of each block's ids, equal ids
+    giving equal blocks. `probe`: a one-token probe sent beside the load (`probes.py`).
     """
 
     request_id: int
@@ -72,6 +77,9 @@ class RequestSpec:
     messages: tuple[tuple[str, str], ...] | None = None
     prefix: str = ""
     prefix_tokens: int = 0
+    hash_ids: tuple[int, ...] = ()
+    hash_block_size: int = 0
+    probe: bool = False
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1:
@@ -182,6 +190,31 @@ class SimulatedBackend:
             self.answers[spec.request_id] = " ".join(f"t{k}" for k in range(record.output_tokens))
 
 
+def load_session() -> aiohttp.ClientSession:
+    """The HTTP session of a load: no connection limit (the harness's semaphore bounds concurrency, not
+    aiohttp's default pool of 100), no cookie jar (servers set none a benchmark needs) and no
+    decompression (SSE is not compressed): each of those costs every request a little CPU."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+    )
+
+
+_AFTER_DONE_S = 1.0  # how long the end of a body is awaited after `[DONE]`
+
+
+async def _read_to_end(content: aiohttp.StreamReader) -> None:
+    """Read what follows `[DONE]` (the chunked body's last, empty chunk, usually in a later read) so
+    that aiohttp puts the connection back in its pool for the next request; a body left unread closes
+    it. A server that keeps the stream open longer than `_AFTER_DONE_S` after `[DONE]` only costs that
+    connection (its bytes after `[DONE]` are not decoded; the record is already complete)."""
+    try:
+        async with asyncio.timeout(_AFTER_DONE_S):
+            while not content.at_eof():
+                await content.readany()
+    except TimeoutError:
+        pass
+
+
 def endpoint_url(base_url: str, endpoint: Literal["completions", "chat"]) -> str:
     """`base_url` (with or without a trailing `/v1`) joined with the endpoint's path."""
     base = base_url.rstrip("/")
@@ -220,6 +253,7 @@ class OpenAIBackend:
             raise ValueError(f"timeout must be > 0 s, got {timeout_s}")
         self.session = session
         self.url = endpoint_url(base_url, endpoint)
+        self._url = URL(self.url)  # parsed once: a str URL is parsed again by every request
         self.model = model
         self.endpoint = endpoint
         self.headers = {"Content-Type": "application/json"}
@@ -287,7 +321,7 @@ class OpenAIBackend:
         answer = AnswerText() if self.keep_answers else None
         try:
             async with self.session.post(
-                self.url, data=self._body(spec), headers=self.headers, timeout=self.timeout
+                self._url, data=self._body(spec), headers=self.headers, timeout=self.timeout
             ) as response:
                 record.http_status = response.status
                 if response.status != 200:
@@ -302,11 +336,11 @@ class OpenAIBackend:
                     now = perf_counter_ns()
                     if answer is not None:
                         answer.feed(chunk)
-                    for count in decoder.feed(chunk):
-                        record.add_token_event(now, count)
+                    record.add_token_events(now, decoder.feed(chunk))
                     if decoder.failure is not None:
                         raise decoder.failure
                     if decoder.done:
+                        await _read_to_end(response.content)
                         break
         except StreamErrorEvent as exc:
             record.fail("stream_error", str(exc), perf_counter_ns())

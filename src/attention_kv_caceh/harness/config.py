@@ -17,6 +17,7 @@ from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.metrics import GoodputSLO
 from attention_kv_caceh.harness.sampling import SamplingOptions
 from attention_kv_caceh.harness.server_metrics import DEFAULT_INTERVAL_S
+from attention_kv_caceh.harness.trace import TraceSettings, read_trace
 from attention_kv_caceh.harness.workloads import Workload, read_conversations
 from attention_kv_caceh.memory import MEMORY_FRACTION, format_bytes, memory_budget_bytes
 
@@ -46,6 +47,7 @@ _BYTES_PER_OUTPUT_TOKEN = 128
 
 MAX_SCHEDULE_S = 1e7  # about 116 days: the longest arrival schedule a run accepts (ns stay exact ints)
 MIN_SERVER_SAMPLES = 10  # fewer samples than this get a warning: peaks from them are guesses
+MAX_WORKERS = 64  # --workers: client processes
 
 
 @dataclass(frozen=True)
@@ -53,8 +55,9 @@ class HarnessConfig:
     """Everything a run needs; validated on construction (ValueError names the bad value).
 
     Times: `prefill_ms`, `per_token_ms` in ms (simulated backend); `server_metrics_interval_s` and
-    `timeout_s` in seconds (interval 0 disables polling); `request_rate` in requests/s (inf = all at
-    once).
+    `timeout_s` in seconds (interval 0 disables polling); `request_rate` and `probe_rate` in requests/s
+    (inf = all at once; probe rate 0: no probes). `trace`: replay a trace file (its first
+    `num_requests` rows); `workers`: client processes the load is split over (`workers.py`).
     """
 
     backend: BackendName = "simulated"
@@ -82,6 +85,9 @@ class HarnessConfig:
     dataset: str | None = None
     workload: Workload = field(default_factory=Workload)
     sampling: SamplingOptions = field(default_factory=SamplingOptions)
+    trace: TraceSettings | None = None
+    probe_rate: float = 0.0
+    workers: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -150,6 +156,7 @@ class HarnessConfig:
             what = "not a regular file (a folder, FIFO, device or socket)" if exists else "no such file"
             raise ValueError(f"--dataset {self.dataset!r}: {what}")
         self.workload.check_requests(self.num_requests)
+        self._check_load_options()
         if self.dataset is not None and self.workload.kind == "shared-prefix":
             raise ValueError(
                 f"--dataset {self.dataset!r}: --workload shared-prefix builds its own prompts "
@@ -180,6 +187,56 @@ class HarnessConfig:
                 )
         self._check_size()
 
+    def _check_load_options(self) -> None:
+        """--trace, --probe-rate and --workers against the rest (ValueError naming the flag)."""
+        if not (self.probe_rate >= 0 and math.isfinite(self.probe_rate)):
+            raise ValueError(f"--probe-rate must be a finite number >= 0 (req/s), got {self.probe_rate}")
+        if not 1 <= self.workers <= MAX_WORKERS:
+            raise ValueError(f"--workers must be in [1, {MAX_WORKERS}], got {self.workers}")
+        if self.workers > 1:
+            if self.backend == "simulated":
+                raise ValueError(
+                    f"--workers {self.workers}: the simulated server lives in the client's process; "
+                    "several client processes need an HTTP backend"
+                )
+            if self.workload.kind == "multi-turn":
+                raise ValueError(
+                    f"--workers {self.workers}: a multi-turn run waits for every answer between rounds "
+                    "in one process"
+                )
+            if self.concurrency < self.workers:
+                raise ValueError(
+                    f"--workers {self.workers}: the --concurrency {self.concurrency} is split between the "
+                    "workers, so it must be at least the number of workers"
+                )
+        if self.trace is None:
+            return
+        flag = f"--trace {self.trace.path!r}"
+        if self.workload.kind != "random" or self.dataset is not None:
+            raise ValueError(f"{flag}: the trace gives the prompts (no --workload or --dataset with it)")
+        if self.backend == "openai-chat":
+            raise ValueError(
+                f"{flag}: a trace's prompts are token ids for /v1/completions (a chat template would shift "
+                "every block); use --backend openai-completions or engine"
+            )
+        if math.isfinite(self.request_rate) or self.burstiness != 1.0:
+            raise ValueError(
+                f"{flag}: the trace's timestamps give the arrivals (no --request-rate or --burstiness; "
+                "--trace-speedup scales them)"
+            )
+        rows = read_trace(self.trace)
+        if self.num_requests > len(rows):
+            raise ValueError(f"--num-requests {self.num_requests}: {flag} has only {len(rows)} rows")
+        longest = max(row.input_length for row in rows[: self.num_requests])
+        if longest > MAX_TOKENS:
+            raise ValueError(f"{flag}: an input_length of {longest} is above {MAX_TOKENS}")
+        span = (rows[self.num_requests - 1].timestamp - rows[0].timestamp) * self.trace.seconds_per_unit
+        if span / self.trace.speedup > MAX_SCHEDULE_S:
+            raise ValueError(
+                f"{flag}: its arrivals span {span / self.trace.speedup:.3g} s, more than {MAX_SCHEDULE_S:g} s "
+                "(the most a run can schedule); raise --trace-speedup"
+            )
+
     def _check_size(self) -> None:
         """Raise ValueError naming the flag when the run is beyond MAX_REQUESTS or MAX_TOKENS, or its
         requests would need more memory than `memory.memory_budget_bytes()` allows."""
@@ -195,10 +252,15 @@ class HarnessConfig:
         if self.workload.prefix_len > MAX_TOKENS:
             raise ValueError(f"--prefix-len must be <= {MAX_TOKENS} tokens, got {self.workload.prefix_len}")
         requests = self.num_requests + self.warmup_requests
+        prompt_high, output_high = self.prompt_len.high, self.output_len.high
+        if self.trace is not None:
+            rows = read_trace(self.trace)[: self.num_requests]
+            prompt_high = max(prompt_high, *(r.input_length for r in rows))
+            output_high = max(output_high, *(r.output_length for r in rows))
         parts = {
             "--num-requests": requests * _BYTES_PER_REQUEST,
-            "--prompt-len": requests * self.prompt_len.high * _BYTES_PER_PROMPT_TOKEN,
-            "--output-len": requests * self.output_len.high * _BYTES_PER_OUTPUT_TOKEN,
+            "--prompt-len": requests * prompt_high * _BYTES_PER_PROMPT_TOKEN,
+            "--output-len": requests * output_high * _BYTES_PER_OUTPUT_TOKEN,
         }
         need, limit = sum(parts.values()), memory_budget_bytes()
         if limit is not None and need > limit:
@@ -233,6 +295,7 @@ class HarnessConfig:
         out["goodput"] = self.goodput.as_dict()
         out["request_rate"] = "inf" if math.isinf(self.request_rate) else self.request_rate
         out["workload"] = self.workload.describe()
+        out["trace"] = self.trace.describe() if self.trace is not None else None
         if self.backend != "simulated":
             out["sampling"] = self.sampling.body_fields()
         return out

@@ -23,6 +23,7 @@ from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS
 from attention_kv_caceh.harness.records import RequestRecord
 
 __all__ = [
+    "SYNTHETIC_WORDS",
     "InFlightTracker",
     "LengthRange",
     "SmokeTestError",
@@ -34,7 +35,9 @@ __all__ = [
 ]
 
 # Single words (each one word to a word-counting server); a tokenizer turns them into exact prompts.
-_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
+# Every synthetic prompt (random, shared-prefix, multi-turn, trace blocks) is made of these.
+SYNTHETIC_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
+_WORDS = SYNTHETIC_WORDS
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ JSONL_KEYS = (
     "e2e_ms",
     "workload_group",
     "turn",
+    "probe",
 )
 
 
@@ -91,7 +92,8 @@ class RequestRecord:
     `finish_reason` and a clean close but no `data: [DONE]` (accepted as ok, as vLLM's and SGLang's
     clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
     `group`, `turn`: the workload group and turn of the request (`RequestSpec`), None for the random
-    workload.
+    workload. `probe`: a one-token probe sent beside the load (`probes.py`), kept out of the load's
+    statistics.
     """
 
     request_id: int
@@ -116,6 +118,7 @@ class RequestRecord:
     group: int | None = None
     turn: int | None = None
     requested_output_tokens: int | None = None
+    probe: bool = False
 
     def add_token_event(self, time_ns: int, num_tokens: int) -> None:
         """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
@@ -123,6 +126,16 @@ class RequestRecord:
             self.first_token_ns = time_ns
         self.token_times_ns.append(time_ns)
         self.tokens_per_event.append(num_tokens)
+        self.finish_ns = time_ns
+
+    def add_token_events(self, time_ns: int, counts: list[int]) -> None:
+        """Record the token-bearing events of one read, all at `time_ns`, carrying `counts` tokens."""
+        if not counts:
+            return
+        if self.first_token_ns is None:
+            self.first_token_ns = time_ns
+        self.token_times_ns += [time_ns] * len(counts)
+        self.tokens_per_event += counts
         self.finish_ns = time_ns
 
     def fail(self, kind: str, error: str, end_ns: int | None = None) -> None:
@@ -185,4 +198,5 @@ class RequestRecord:
             "e2e_ms": m.e2e_ms,
             "workload_group": self.group,
             "turn": self.turn,
+            "probe": self.probe,
         }

@@ -1,8 +1,10 @@
-"""One harness run: smoke test, warm-up, the measured load, server polling, and the summary.
+"""One harness run: smoke test, warm-up, the measured load (with probes beside it, in one process or
+several), server polling, and the summary.
 
 `run_harness` prints nothing: it returns a RunResult (records, summary, client in-flight and server
 series) and hands each finished record to `on_record` as it finishes, so the caller can write it at
-once and keep it if the run is interrupted.
+once and keep it if the run is interrupted. What is sent is planned in `planning.py`; the summary's
+parts beyond the latency statistics are assembled in `run_summary.py`.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from time import perf_counter_ns
-from typing import Any, cast
+from typing import Any
 
 import aiohttp
 import numpy as np
@@ -24,8 +26,9 @@ from attention_kv_caceh.harness.backends import (
     ServerSample,
     SimulatedBackend,
     SimulatedServer,
+    load_session,
 )
-from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS, classify_client_error
+from attention_kv_caceh.harness.client_cpu import CpuClock, CpuSpan
 from attention_kv_caceh.harness.config import (
     BACKENDS,
     MAX_REQUESTS,
@@ -35,42 +38,24 @@ from attention_kv_caceh.harness.config import (
     BackendName,
     HarnessConfig,
 )
-from attention_kv_caceh.harness.copy_workload import copy_specs
-from attention_kv_caceh.harness.dataset import read_dataset
-from attention_kv_caceh.harness.load import (
-    InFlightTracker,
-    SmokeTestError,
-    arrival_offsets_s,
-    make_request_specs,
-    run_requests,
-    smoke_test,
-    unreachable_message,
+from attention_kv_caceh.harness.discovery import (
+    ContextLengthError,
+    ModelDiscoveryError,
+    context_problem,
+    dataset_context_problem,
+    discover_model,
+    served_context,
 )
-from attention_kv_caceh.harness.prompts import (
-    LocalTokenizer,
-    PromptTokenizer,
-    ServerTokenizer,
-    exact_prompts,
-    local_tokenizer,
-    probe_server_tokenizer,
-)
+from attention_kv_caceh.harness.load import InFlightTracker, run_requests, smoke_test
+from attention_kv_caceh.harness.planning import exact_specs, plan_requests
+from attention_kv_caceh.harness.prefix_ideal import read_server_block_size
+from attention_kv_caceh.harness.probes import probe_spec, run_probes
 from attention_kv_caceh.harness.records import RequestRecord
-from attention_kv_caceh.harness.server_counters import (
-    CounterSnapshot,
-    RunCounters,
-    counter_warnings,
-    spec_decode_result,
-)
+from attention_kv_caceh.harness.run_summary import LoadOutcome, run_summary
+from attention_kv_caceh.harness.server_counters import CounterSnapshot, RunCounters
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
-from attention_kv_caceh.harness.summary import summarize_run
-from attention_kv_caceh.harness.workloads import (
-    TaggingBackend,
-    implied_prefix_hits,
-    per_turn_summary,
-    plan_conversations,
-    run_rounds,
-    shared_prefix_specs,
-)
+from attention_kv_caceh.harness.workers import WorkerPlan, run_worker_load, split_load
+from attention_kv_caceh.harness.workloads import TaggingBackend, plan_conversations, run_rounds
 
 __all__ = [
     "BACKENDS",
@@ -90,127 +75,11 @@ __all__ = [
 ]
 
 
-def plan_requests(config: HarnessConfig) -> tuple[list[RequestSpec], list[RequestSpec], list[float]]:
-    """(warm-up specs, measured specs, arrival offsets in s) of `config`.
-
-    The measured specs and arrivals come from `seed` alone; warm-ups draw from their own stream
-    (`default_rng([seed, 1])`), so adding warm-ups never changes the measured prompts. With a
-    `dataset`, the measured prompts are its first `num_requests` entries (their `output_len`, else the
-    drawn one; the requested prompt length is the word count until a tokenizer counts it). A
-    shared-prefix workload's specs are `workloads.shared_prefix_specs`; a multi-turn workload's measured
-    requests are planned by `workloads.plan_conversations` instead (these specs are unused). Raises
-    ValueError for a dataset that cannot be read or has fewer entries than `num_requests`.
-    """
-    rng = np.random.default_rng(config.seed)
-    if config.workload.kind == "shared-prefix":
-        specs = shared_prefix_specs(
-            config.workload, config.num_requests, config.prompt_len, config.output_len, rng, config.seed
-        )
-    elif config.workload.kind == "copy":
-        specs = copy_specs(config.num_requests, config.prompt_len, config.output_len, rng, config.seed)
-    else:
-        specs = make_request_specs(config.num_requests, config.prompt_len, config.output_len, rng)
-    if config.dataset is not None and config.workload.kind == "random":
-        specs = _dataset_specs(config, specs)
-    offsets = arrival_offsets_s(config.num_requests, config.request_rate, config.burstiness, rng)
-    warm_rng = np.random.default_rng([config.seed, 1])
-    warm_specs = make_request_specs(
-        config.warmup_requests, config.prompt_len, config.output_len, warm_rng, first_id=-1 - 10**6
-    )
-    return warm_specs, specs, offsets
-
-
-def _dataset_specs(config: HarnessConfig, drawn: list[RequestSpec]) -> list[RequestSpec]:
-    assert config.dataset is not None
-    entries = read_dataset(config.dataset)
-    if len(entries) < config.num_requests:
-        raise ValueError(
-            f"--dataset {config.dataset!r} has {len(entries)} entries, fewer than --num-requests "
-            f"{config.num_requests}"
-        )
-    return [
-        RequestSpec(
-            spec.request_id,
-            max(1, len(prompt.split())),
-            output_len if output_len is not None else spec.output_tokens,
-            prompt,
-            from_dataset=True,
-        )
-        for spec, (prompt, output_len) in zip(drawn, entries, strict=False)
-    ]
-
-
-async def _exact(
-    config: HarnessConfig, session: aiohttp.ClientSession | None, model: str | None, *specs: list[RequestSpec]
-) -> tuple[PromptTokenizer | None, list[list[RequestSpec]]]:
-    """The tokenizer used (local --tokenizer, else the server's /tokenize, else None) and `specs`
-    with exact prompts (unchanged without a tokenizer or with the simulated backend). Raises
-    ValueError for an unreadable --tokenizer, SmokeTestError when tokenizing fails mid-way."""
-    tokenizer: PromptTokenizer | None = None
-    if config.backend == "simulated":
-        return None, list(specs)
-    if config.tokenizer is not None:
-        tokenizer = local_tokenizer(config.tokenizer)
-    elif session is not None and model is not None:
-        chat = config.backend == "openai-chat"
-        server = ServerTokenizer(session, config.base_url, model, config.timeout_s, chat=chat)
-        tokenizer = server if await probe_server_tokenizer(server) else None
-    if tokenizer is None:
-        return None, list(specs)
-    ids = config.backend == "openai-completions"
-    try:
-        groups = [await exact_prompts(group, tokenizer, token_ids=ids) for group in specs]
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise SmokeTestError(
-            f"building prompts of exact length with {tokenizer.name} failed: {type(exc).__name__}: {exc}"
-        ) from None
-    if _without_template(config, tokenizer):
-        # the local count leaves out the chat template: never record it as the length the server saw
-        groups = [[replace(spec, prompt_tokens_checked=None) for spec in group] for group in groups]
-    return tokenizer, groups
-
-
-def _without_template(config: HarnessConfig, tokenizer: PromptTokenizer | None) -> bool:
-    """True when chat prompts were counted by a local tokenizer.json, which has no chat template."""
-    return config.backend == "openai-chat" and isinstance(tokenizer, LocalTokenizer)
-
-
-def _prompt_lengths(
-    config: HarnessConfig,
-    tokenizer: PromptTokenizer | None,
-    records: list[RequestRecord],
-    off_pct: float | None,
-) -> tuple[str, str | None]:
-    """("exact" or "approximate", the warning saying why when approximate) for a run against a server.
-
-    Exact: prompts built with the server's /tokenize, or with a local tokenizer for `/v1/completions`;
-    chat prompts built with a local tokenizer only where the server's usage reported, for every
-    successful request, exactly the requested length (the template's tokens are not in the local count).
-    """
-    measured = (
-        f"the server counted {off_pct:+.1f} % against the requested tokens"
-        if off_pct is not None
-        else "the server reported no prompt token counts"
-    )
-    if tokenizer is None:
-        return "approximate", (
-            f"prompt lengths are approximate (no --tokenizer and no POST /tokenize on the server): {measured}"
-        )
-    if _without_template(config, tokenizer):
-        ok = [r for r in records if r.ok]
-        if ok and all(r.prompt_tokens == r.requested_prompt_tokens for r in ok):
-            return "exact", None  # the server's own counts confirm every prompt
-        return "approximate", (
-            f"prompt lengths are approximate: --tokenizer {tokenizer.name} has no chat template, and the "
-            f"server counts the template's tokens of /v1/chat/completions too: {measured}"
-        )
-    return "exact", None
-
-
 @dataclass
 class RunResult:
     """What a run measured. Times are `perf_counter_ns`; `duration_s` is start to last stream end.
-    `config` is the config as actually run (its `model` the one used, e.g. read from /v1/models)."""
+    `config` is the config as actually run (its `model` the one used, e.g. read from /v1/models).
+    `probe_records`: the probes sent beside the load (`probes.py`), not among `records`."""
 
     config: HarnessConfig
     records: list[RequestRecord]
@@ -221,59 +90,11 @@ class RunResult:
     server_samples: list[ServerSample]
     server_exact: list[ServerSample]
     server_metrics_errors: list[str]
+    probe_records: list[RequestRecord] = field(default_factory=lambda: list[RequestRecord]())
 
     @property
     def duration_s(self) -> float:
         return (self.end_ns - self.start_ns) / 1e9
-
-
-def _as_count(value: float | None) -> int | float | None:
-    """A request count read as a float (Prometheus) as an int when it is whole (printed as `5`)."""
-    return int(value) if value is not None and float(value).is_integer() else value
-
-
-class ModelDiscoveryError(RuntimeError):
-    """No --model was given and none could be read from the server's GET /v1/models."""
-
-
-async def _discover_model(session: aiohttp.ClientSession, base_url: str, timeout_s: float) -> str:
-    """The first model id from GET /v1/models. Raises ModelDiscoveryError if none can be found (the
-    server cannot be reached, does not answer in time, or lists no model)."""
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
-    limit_s = min(timeout_s, 30.0)
-    try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=limit_s)) as response:
-            if response.status != 200:
-                text = (await response.content.read(200)).decode("utf-8", errors="replace")
-                raise ModelDiscoveryError(
-                    f"no --model given and GET {url} answered HTTP {response.status}"
-                    + (f": {' '.join(text.split())[:200]}" if text.strip() else "")
-                    + "; pass --model"
-                )
-            body: Any = await response.json(content_type=None)
-    except aiohttp.ClientError as exc:
-        kind, detail = classify_client_error(exc, after_headers=False)
-        if kind in UNREACHABLE_KINDS and isinstance(exc, aiohttp.ClientConnectionError):
-            raise ModelDiscoveryError(unreachable_message(base_url, f"GET {url}: {detail}")) from None
-        raise ModelDiscoveryError(
-            f"no --model given and GET {url} failed: {kind}: {detail}; pass --model"
-        ) from None
-    except TimeoutError:
-        raise ModelDiscoveryError(
-            f"the server at {base_url} did not answer GET {url} within {limit_s:g} s"
-        ) from None
-    except ValueError as exc:
-        raise ModelDiscoveryError(
-            f"no --model given and GET {url} failed ({type(exc).__name__}: {exc}); pass --model"
-        ) from None
-    data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
-    if isinstance(data, list) and data:
-        first: object = cast("list[Any]", data)[0]
-        if isinstance(first, dict):
-            model_id: object = cast("dict[str, Any]", first).get("id")
-            if isinstance(model_id, str):
-                return model_id
-    raise ModelDiscoveryError(f"no --model given and {url} lists no model; pass --model")
 
 
 async def _first_sample(poller: ServerMetricsPoller, limit_s: float = 2.0) -> None:
@@ -299,63 +120,131 @@ def _freeze_heap() -> bool:
     return True
 
 
-class ContextLengthError(ValueError):
-    """The requests asked for cannot fit the model's context (max_model_len): bad input, found before
-    any request is sent."""
+def _backend_kwargs(config: HarnessConfig, model: str, keep_answers: bool) -> dict[str, Any]:
+    """OpenAIBackend's keyword arguments (bar the session) for `config`: what a worker rebuilds it from."""
+    return {
+        "base_url": config.base_url,
+        "model": model,
+        "endpoint": "chat" if config.backend == "openai-chat" else "completions",
+        "api_key": config.api_key,
+        "timeout_s": config.timeout_s,
+        "ignore_eos": config.ignore_eos,
+        "keep_answers": keep_answers,
+        "sampling": config.sampling.body_fields(),
+    }
 
 
-def context_problem(config: HarnessConfig, limit: int, what: str) -> str | None:
-    """Why `config`'s synthetic requests cannot fit a context of `limit` tokens (`what` names the limit
-    and its source in the message), or None. A server refuses a prompt of `limit` tokens or more (no
-    room for an output token, HTTP 400) and serves a prompt + max_tokens above `limit` with fewer output
-    tokens than asked (vLLM and `serve` cap max_tokens to the context left), which a benchmark must not
-    take for the requested length. Dataset prompts are checked once counted (`dataset_context_problem`)."""
-    if config.dataset is not None:
-        return None
-    prompt, output = config.prompt_len.high, config.output_len.high
-    if prompt >= limit:
-        return (
-            f"--prompt-len {config.prompt_len}: a prompt of {prompt} tokens does not fit the model's "
-            f"context, {what}, with room for an output token"
-        )
-    if prompt + output > limit:
-        return (
-            f"--prompt-len {config.prompt_len} + --output-len {config.output_len}: up to {prompt + output} "
-            f"tokens per request, more than the model's context, {what}"
-        )
-    return None
+@dataclass
+class _Load:
+    """What the measured load needs besides the config: the backend, the planned requests, the
+    counters (read between multi-turn rounds) and where records go."""
+
+    backend: Backend
+    specs: list[RequestSpec]
+    offsets: list[float]
+    probe: RequestSpec
+    counters: RunCounters
+    on_record: Callable[[RequestRecord], None] | None
+    model: str | None
+    conversations: list[Any]
+    rounds: list[tuple[int, CounterSnapshot | None, CounterSnapshot | None]] = field(
+        default_factory=lambda: list[tuple[int, CounterSnapshot | None, CounterSnapshot | None]]()
+    )
 
 
-def dataset_context_problem(config: HarnessConfig, specs: list[RequestSpec], limit: int) -> str | None:
-    """Why a counted dataset prompt (with its output length) cannot fit `limit` tokens, or None."""
-    for spec in specs:
-        n = spec.prompt_tokens_checked
-        if spec.from_dataset and n is not None and (n >= limit or n + spec.output_tokens > limit):
-            return (
-                f"--dataset {config.dataset}: entry {spec.request_id + 1} has a prompt of {n} tokens and "
-                f"an output of {spec.output_tokens}, more than the model's context, max_model_len {limit}"
+async def _measure(config: HarnessConfig, load: _Load) -> LoadOutcome:
+    """The measured load, from the clock's start to its last stream end, with probes beside it; in this
+    process, or over `config.workers` worker processes (`workers.py`). Ctrl-C cancels it: every record
+    already finished has gone to `on_record`, probes included."""
+    stop_probes = asyncio.Event()
+    probe_tasks: list[asyncio.Task[list[RequestRecord]]] = []  # one when probes run
+
+    def start_probes(start_ns: int) -> None:
+        if config.probe_rate > 0:
+            probe_tasks.append(
+                asyncio.create_task(
+                    run_probes(
+                        load.backend, load.probe, config.probe_rate, start_ns, stop_probes, load.on_record
+                    )
+                )
             )
-    return None
 
-
-async def _served_context(
-    session: aiohttp.ClientSession, base_url: str, model: str, timeout_s: float
-) -> int | None:
-    """The `max_model_len` of `model` in the server's GET /v1/models (vLLM and `serve` list it), or None
-    when the server does not say (then the server itself refuses what does not fit)."""
-    url = base_url.rstrip("/").removesuffix("/v1") + "/v1/models"
+    clock = CpuClock()
+    tracker = InFlightTracker()
+    spans: list[CpuSpan] = []
     try:
-        async with session.get(url, timeout=aiohttp.ClientTimeout(total=min(timeout_s, 30.0))) as response:
-            body: Any = await response.json(content_type=None) if response.status == 200 else None
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return None
-    data: object = cast("dict[str, Any]", body).get("data") if isinstance(body, dict) else None
-    for card in cast("list[Any]", data) if isinstance(data, list) else []:
-        if isinstance(card, dict) and cast("dict[str, Any]", card).get("id") == model:
-            limit: object = cast("dict[str, Any]", card).get("max_model_len")
-            if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-                return limit
-    return None
+        clock.start()
+        start_ns = perf_counter_ns()
+        if config.workers > 1:
+            assert load.model is not None
+            kwargs = _backend_kwargs(config, load.model, keep_answers=False)
+            plans = [
+                WorkerPlan(w, kwargs, specs, offsets, share)
+                for w, (specs, offsets, share) in enumerate(
+                    split_load(load.specs, load.offsets, config.concurrency, config.workers)
+                )
+            ]
+            starts: list[int] = []
+
+            def on_start(shared_start_ns: int) -> None:
+                clock.start()  # the coordinator's CPU from the shared start: its setup is not the load's
+                starts.append(shared_start_ns)
+                start_probes(shared_start_ns)
+
+            merged = await run_worker_load(plans, load.on_record, on_start=on_start)
+            start_ns, records, spans = starts[0], merged.records, merged.cpu
+            in_flight, peak = merged.in_flight, merged.peak
+        else:
+            start_probes(start_ns)
+            records = await _one_process_load(config, load, tracker, start_ns)
+            in_flight, peak = list(tracker.samples), tracker.peak
+        end_ns = perf_counter_ns()
+        stop_probes.set()
+        probes = [record for task in probe_tasks for record in await task]
+    finally:
+        for task in probe_tasks:
+            task.cancel()  # a no-op once done
+    own = clock.stop(probes if spans else [*records, *probes], loop=not spans)
+    return LoadOutcome(
+        records, probes, start_ns, end_ns, in_flight, peak, spans or [own], own if spans else None
+    )
+
+
+async def _one_process_load(
+    config: HarnessConfig, load: _Load, tracker: InFlightTracker, start_ns: int
+) -> list[RequestRecord]:
+    if config.workload.kind == "multi-turn":
+        counters = load.counters
+        answers: dict[int, str] = getattr(load.backend, "answers", {})
+        round_before: list[CounterSnapshot | None] = [None]
+
+        async def before_round(turn: int) -> None:
+            round_before[0] = await counters.snapshot() if turn else counters.before
+
+        async def after_round(turn: int) -> None:
+            load.rounds.append((turn, round_before[0], await counters.snapshot()))
+
+        return await run_rounds(
+            load.backend,
+            answers,
+            load.conversations,
+            load.offsets,
+            config.concurrency,
+            tracker=tracker,
+            on_record=load.on_record,
+            before_round=before_round,
+            after_round=after_round,
+        )
+    tagged = TaggingBackend(load.backend) if config.workload.kind != "random" else load.backend
+    return await run_requests(
+        tagged,
+        load.specs,
+        load.offsets,
+        config.concurrency,
+        tracker=tracker,
+        on_record=load.on_record,
+        start_ns=start_ns,
+    )
 
 
 async def run_harness(
@@ -370,8 +259,8 @@ async def run_harness(
     Raises load.SmokeTestError when the smoke test (or building exact prompts) fails,
     ModelDiscoveryError when no model can be found, ContextLengthError (before the smoke test) when
     the server's GET /v1/models gives a max_model_len the requests cannot fit, ValueError for an
-    unreadable --tokenizer or --dataset.
-    Each measured record is passed to `on_record` as its request finishes.
+    unreadable --tokenizer or --dataset, RuntimeError when a worker process fails.
+    Each measured record (and each probe's) is passed to `on_record` as its request finishes.
     """
     smoke_spec = RequestSpec(-1, 1, min(4, config.output_len.low), "hello")
     warm_specs, specs, offsets = plan_requests(config)
@@ -393,7 +282,7 @@ async def run_harness(
         offsets = offsets[: len(conversations)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
     counters = RunCounters(config.base_url, headers, enabled=config.backend != "simulated")
-    rounds: list[tuple[int, CounterSnapshot | None, CounterSnapshot | None]] = []
+    block_size: int | None = None
 
     session: aiohttp.ClientSession | None = None
     simulated: SimulatedServer | None = None
@@ -402,26 +291,17 @@ async def run_harness(
         simulated = SimulatedServer(config.server_slots, config.prefill_ms, config.per_token_ms)
         backend = SimulatedBackend(simulated, keep_answers=multi_turn)
     else:
-        # limit=0: the harness's semaphore, not aiohttp's default pool of 100, bounds concurrency.
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        session = load_session()
     try:
         if session is not None:
-            model_used = config.model or await _discover_model(session, config.base_url, config.timeout_s)
-            backend = OpenAIBackend(
-                session,
-                base_url=config.base_url,
-                model=model_used,
-                endpoint="chat" if config.backend == "openai-chat" else "completions",
-                api_key=config.api_key,
-                timeout_s=config.timeout_s,
-                ignore_eos=config.ignore_eos,
-                keep_answers=multi_turn,
-                sampling=config.sampling.body_fields(),
-            )
+            model_used = config.model or await discover_model(session, config.base_url, config.timeout_s)
+            backend = OpenAIBackend(session, **_backend_kwargs(config, model_used, multi_turn))
         assert backend is not None
-        tokenizer, (warm_specs, specs) = await _exact(config, session, model_used, warm_specs, specs)
+        tokenizer, (warm_specs, specs, (probe,)) = await exact_specs(
+            config, session, model_used, warm_specs, specs, [probe_spec()]
+        )
         if session is not None and model_used is not None:
-            limit = await _served_context(session, config.base_url, model_used, config.timeout_s)
+            limit = await served_context(session, config.base_url, model_used, config.timeout_s)
             if limit is not None:
                 what = f"max_model_len {limit} (GET /v1/models)"
                 problem = context_problem(config, limit, what) or dataset_context_problem(
@@ -429,6 +309,8 @@ async def run_harness(
                 )
                 if problem is not None:
                     raise ContextLengthError(problem)
+            if config.trace is not None:
+                block_size = await asyncio.to_thread(read_server_block_size, config.base_url, headers)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
@@ -436,7 +318,7 @@ async def run_harness(
             await run_requests(backend, warm_specs, [0.0] * len(warm_specs), config.concurrency)
         if simulated is not None:
             simulated.reset_stats()
-        if isinstance(backend, OpenAIBackend):  # the client's own work, done before the clock starts
+        if isinstance(backend, OpenAIBackend) and config.workers == 1:  # the client's own work, first
             first = specs[: config.concurrency]  # those that can go out at once (memory: one body each)
             backend.prepare(first)
             await backend.open_connections(len(first))
@@ -446,119 +328,50 @@ async def run_harness(
             if simulated is not None:
                 poller = ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
             else:
-                headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
                 poller = ServerMetricsPoller(
                     config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
                 )
-        tracker = InFlightTracker()
         await counters.read_before()
         frozen = False
+        load = _Load(backend, specs, offsets, probe, counters, on_record, model_used, conversations)
         try:
             if poller is not None:
                 poller.start()
                 await _first_sample(poller)
             frozen = _freeze_heap()
-            start_ns = perf_counter_ns()
-            if multi_turn:
-                answers: dict[int, str] = getattr(backend, "answers", {})
-                round_before: list[CounterSnapshot | None] = [None]
-
-                async def before_round(turn: int) -> None:
-                    round_before[0] = await counters.snapshot() if turn else counters.before
-
-                async def after_round(turn: int) -> None:
-                    rounds.append((turn, round_before[0], await counters.snapshot()))
-
-                records = await run_rounds(
-                    backend,
-                    answers,
-                    conversations,
-                    offsets,
-                    config.concurrency,
-                    tracker=tracker,
-                    on_record=on_record,
-                    before_round=before_round,
-                    after_round=after_round,
-                )
-            else:
-                tagged = TaggingBackend(backend) if config.workload.kind != "random" else backend
-                records = await run_requests(
-                    tagged,
-                    specs,
-                    offsets,
-                    config.concurrency,
-                    tracker=tracker,
-                    on_record=on_record,
-                    start_ns=start_ns,
-                )
+            outcome = await _measure(config, load)
         finally:
             if frozen:
                 gc.unfreeze()
             if poller is not None:
                 await poller.stop()
-        end_ns = perf_counter_ns()
-        await counters.read_after(records)
+        await counters.read_after([*outcome.records, *outcome.probes])
     finally:
         if session is not None:
             await session.close()
 
     used = replace(config, model=model_used) if model_used is not None else config
-    summary: dict[str, Any] = {
-        "label": config.label,
-        "model_id": model_used,
-        "tokenizer_id": tokenizer.name if tokenizer is not None else None,
-        "prompt_lengths": None,  # set below, from the records
-    }
-    summary |= summarize_run(
-        records, (end_ns - start_ns) / 1e9, slo=config.goodput, peak_in_flight=tracker.peak
+    summary = run_summary(
+        config,
+        outcome,
+        specs=specs,
+        model=model_used,
+        tokenizer=tokenizer,
+        counters=counters,
+        rounds=load.rounds,
+        poller=poller,
+        simulated=simulated,
+        block_size=block_size,
     )
-    lengths, why = (
-        # a multi-turn prompt is the whole history plus --prompt-len words: no token length was asked for
-        ("not requested", None)
-        if multi_turn
-        else ("exact", None)
-        if simulated is not None
-        else _prompt_lengths(config, tokenizer, records, summary["prompt_tokens_off_pct"])
-    )
-    summary["prompt_lengths"] = lengths
-    if why is not None:
-        summary["warnings"].insert(0, why)
-    server_samples = poller.samples if poller is not None else []
-    server_exact = list(simulated.samples) if simulated is not None else []
-    peaks_from = server_exact or server_samples
-    summary["server_metrics_source"] = (
-        "simulated (exact)" if server_exact else ("prometheus" if server_samples else None)
-    )
-    too_few = poller is not None and not server_exact and len(server_samples) < MIN_SERVER_SAMPLES
-    if too_few:  # a peak of a few samples is a guess (often 0 at idle moments): none is reported
-        peaks_from = []
-    summary["peak_server_running"] = _as_count(max((s.running for s in peaks_from), default=None))
-    summary["peak_server_waiting"] = _as_count(max((s.waiting for s in peaks_from), default=None))
-    summary["workload"] = config.workload.describe()
-    summary["server_counters"] = counters.delta(records)
-    summary |= spec_decode_result(summary["server_counters"])
-    summary["server_counters_error"] = counters.error or None
-    if multi_turn:
-        summary["per_turn"] = per_turn_summary(records, rounds)
-    if summary["server_counters"] is not None:
-        summary["warnings"] += counter_warnings(summary["server_counters"])
-    if config.workload.kind == "shared-prefix":
-        summary["implied_prefix_hit_tokens"] = implied_prefix_hits(config.workload, len(records), 1)
-    summary["server_metrics_samples"] = len(server_samples) if poller is not None else None
-    summary["server_metrics_interval_achieved_s"] = poller.achieved_interval_s if poller else None
-    if too_few:
-        summary["warnings"].append(
-            f"only {len(server_samples)} server metrics samples (< {MIN_SERVER_SAMPLES}): too few for the "
-            "server's peaks, which are not reported; use a longer run or a shorter --server-metrics-interval"
-        )
     return RunResult(
         config=used,
-        records=records,
+        records=outcome.records,
         summary=summary,
-        start_ns=start_ns,
-        end_ns=end_ns,
-        in_flight=list(tracker.samples),
-        server_samples=list(server_samples),
-        server_exact=server_exact,
+        start_ns=outcome.start_ns,
+        end_ns=outcome.end_ns,
+        in_flight=outcome.in_flight,
+        server_samples=list(poller.samples) if poller is not None else [],
+        server_exact=list(simulated.samples) if simulated is not None else [],
         server_metrics_errors=list(poller.errors) if poller is not None else [],
+        probe_records=outcome.probes,
     )

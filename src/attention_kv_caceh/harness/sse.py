@@ -23,15 +23,33 @@ decides what is a token-bearing event, the point common tools get wrong:
 - every chunk's shape is checked: `choices` a list of objects, their `text`, `finish_reason` and
   `delta` fields strings (`delta` an object), `usage` an object; anything else (`{"choices": "nope"}`,
   `{"choices": [null]}`, `{"choices": [{"text": 5}]}`) fails the request as `malformed_sse`.
+
+The chunks' shapes and checks are `sse_chunks.py` (a typed msgspec decode for the common chunk, the
+field-by-field checks for the rest); the parser splits a chunk without CR at its LFs in one call.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
+
+from attention_kv_caceh.harness.sse_chunks import (
+    CHUNK_DECODER,
+    CHUNK_LIST_DECODER,
+    Chunk,
+    InvalidUsageError,
+    MalformedSSEError,
+    StreamErrorEvent,
+    as_dict,
+    carries_tokens,
+    checked_choices,
+    decode_json,
+    logprob_tokens,
+    nonempty_str,
+    short,
+    usage_count,
+)
 
 __all__ = [
     "MAX_EVENT_BYTES",
@@ -51,10 +69,11 @@ MAX_EVENT_BYTES = 8 * 2**20
 
 _LINE_BREAK = re.compile(rb"[\r\n]")
 _CR, _LF = 0x0D, 0x0A
+_CR_BYTE = b"\r"
+_GENERAL = -1  # `_typed_event`: leave this chunk to the general path (never a token count)
 
 
-@dataclass(frozen=True)
-class SSEEvent:
+class SSEEvent(NamedTuple):
     """One dispatched event: its `event:` type ("message" by default) and joined `data:` lines."""
 
     data: str
@@ -92,6 +111,9 @@ class SSEParser:
     def iter_feed(self, chunk: bytes) -> Iterator[SSEEvent]:
         """As `feed`, yielding each event as soon as it is complete (the events before an error in
         the same chunk are still delivered)."""
+        if not self._line and not self._after_cr and _CR_BYTE not in chunk:
+            yield from self._feed_lf_lines(chunk)
+            return
         n = len(chunk)
         pos = 1 if self._after_cr and n and chunk[0] == _LF else 0
         if n:
@@ -123,7 +145,63 @@ class SSEParser:
             if event is not None:
                 yield event
 
+    def whole_data_events(self, chunk: bytes) -> list[bytes] | None:
+        """The data of each event `chunk` completes when those events are all of one `data: ` line each
+        (`data: X` LF LF, no CR), with at most a partial line pending before it: the common shape of a
+        token stream's reads, taken apart with one split. The bytes after the last complete event stay
+        pending, as on the other paths. None otherwise, with nothing consumed (feed it then)."""
+        if self._data_lines or self._after_cr or self._event_type or _CR_BYTE in chunk:
+            return None
+        buffer = bytes(self._line) + chunk if self._line else chunk
+        end = buffer.rfind(b"\n\n")
+        if end < 0 or not buffer.startswith(b"data: "):
+            return None
+        whole = buffer[:end]
+        events = whole.split(b"\n\n")
+        # every event one line that starts "data: ": as many "data: " after a blank line as events
+        # after the first, and no LF but the blank lines'
+        if whole.count(b"\n\ndata: ") != len(events) - 1 or whole.count(b"\n") != 2 * (len(events) - 1):
+            return None
+        if max(map(len, events)) > self.max_event_bytes:
+            return None
+        self._line.clear()
+        self.bytes_scanned += 2 * (end + 2)  # one search, one copy, as on the other paths
+        for _ in self._feed_lf_lines(buffer[end + 2 :]):  # the start of the next event: pending
+            raise AssertionError("no event can end after the last blank line")
+        return [event[6:] for event in events]
+
+    def _feed_lf_lines(self, chunk: bytes) -> Iterator[SSEEvent]:
+        """The common case, and the same rules: no partial line pending and no CR in `chunk`, so its
+        lines end at LF; one split finds them all (each byte searched once, each line copied once by
+        its decode, as on the general path)."""
+        lines = chunk.split(b"\n")
+        tail = lines.pop()  # the bytes after the last LF: the start of the next line
+        self.bytes_scanned += len(chunk) - len(tail)
+        for raw in lines:
+            if len(raw) + self._data_bytes > self.max_event_bytes:
+                raise EventTooLargeError(
+                    f"one SSE event exceeded {self.max_event_bytes} bytes without ending "
+                    f"(the cap on an event's size, MAX_EVENT_BYTES)"
+                )
+            self.bytes_scanned += len(raw)
+            event = self._handle_line(raw.decode("utf-8"))
+            if event is not None:
+                yield event
+        if tail:
+            self.bytes_scanned += len(tail)
+            self._line += tail
+            if len(self._line) + self._data_bytes > self.max_event_bytes:
+                raise EventTooLargeError(
+                    f"one SSE event exceeded {self.max_event_bytes} bytes without ending "
+                    f"(the cap on an event's size, MAX_EVENT_BYTES)"
+                )
+
     def _handle_line(self, line: str) -> SSEEvent | None:
+        if line.startswith("data:"):  # the common line first
+            value = line[6:] if line.startswith("data: ") else line[5:]
+            self._data_lines.append(value)
+            self._data_bytes += len(value) + 1
+            return None
         if line == "":
             if not self._data_lines:
                 self._event_type = ""
@@ -151,120 +229,8 @@ class SSEParser:
         return bool(self._line.strip()) or bool(self._data_lines)
 
 
-class StreamErrorEvent(Exception):
-    """The server sent an error inside the stream (an `error` object or an `event: error`)."""
-
-
-class MalformedSSEError(Exception):
-    """A `data:` payload that is neither `[DONE]` nor a JSON object, or an object whose `choices` are not
-    a list of objects with string `text` / `finish_reason` / `delta` fields."""
-
-
 class EventTooLargeError(MalformedSSEError):
     """One event grew past the parser's `max_event_bytes` (recorded as `event_too_large`)."""
-
-
-class InvalidUsageError(MalformedSSEError):
-    """A `usage` count that is not a non-negative integer, or a `completion_tokens` that decreased
-    (recorded as `invalid_usage`, never used as a statistic)."""
-
-
-def _as_dict(value: object) -> dict[str, Any] | None:
-    return cast("dict[str, Any]", value) if isinstance(value, dict) else None
-
-
-def _as_list(value: object) -> list[Any] | None:
-    return cast("list[Any]", value) if isinstance(value, list) else None
-
-
-def _nonempty_str(value: object) -> bool:
-    return isinstance(value, str) and value != ""
-
-
-def _tool_call_args(delta: dict[str, Any]) -> bool:
-    """True when a chat delta carries generated tool-call text (a name or argument fragment)."""
-    calls = [_as_dict(c) for c in _as_list(delta.get("tool_calls")) or []]
-    legacy = _as_dict(delta.get("function_call"))
-    functions = [_as_dict(c.get("function")) for c in calls if c is not None]
-    functions.append(legacy)
-    return any(
-        f is not None and (_nonempty_str(f.get("arguments")) or _nonempty_str(f.get("name")))
-        for f in functions
-    )
-
-
-def _logprob_tokens(choice: dict[str, Any]) -> int | None:
-    logprobs = _as_dict(choice.get("logprobs"))
-    if logprobs is None:
-        return None
-    tokens = _as_list(logprobs.get("tokens"))  # completions
-    if tokens is None:
-        tokens = _as_list(logprobs.get("content"))  # chat
-    return len(tokens) if tokens else None
-
-
-def _carries_tokens(choice: dict[str, Any]) -> bool:
-    """True when a choice carries generated tokens: text, content, reasoning, refusal, tool-call
-    name/arguments, or a non-empty logprobs list."""
-    if _nonempty_str(choice.get("text")) or _logprob_tokens(choice):
-        return True
-    delta = _as_dict(choice.get("delta")) or {}
-    keys = ("content", "reasoning_content", "reasoning", "refusal")
-    return any(_nonempty_str(delta.get(key)) for key in keys) or _tool_call_args(delta)
-
-
-# Fields of a choice (and of a chat delta) that are text when present: a number or an object there is a
-# malformed chunk, never a silently skipped one.
-_TEXT_FIELDS = ("text", "finish_reason")
-_DELTA_TEXT_FIELDS = ("content", "reasoning_content", "reasoning", "refusal", "role")
-
-
-def _checked_choices(obj: dict[str, Any]) -> list[dict[str, Any]]:
-    """`obj["choices"]` checked: absent or null is no choice; else a list of objects whose `text`,
-    `finish_reason` and `delta` fields (when present and not null) have the OpenAI API's types.
-    Raises MalformedSSEError naming the field otherwise."""
-    raw = obj.get("choices")
-    if raw is None:
-        return []
-    choices = _as_list(raw)
-    if choices is None:
-        raise MalformedSSEError(f"choices is {_short(raw)}, not a list")
-    checked: list[dict[str, Any]] = []
-    for i, item in enumerate(choices):
-        choice = _as_dict(item)
-        if choice is None:
-            raise MalformedSSEError(f"choices[{i}] is {_short(item)}, not an object")
-        for key in _TEXT_FIELDS:
-            value = choice.get(key)
-            if value is not None and not isinstance(value, str):
-                raise MalformedSSEError(f"choices[{i}].{key} is {_short(value)}, not a string")
-        delta_raw = choice.get("delta")
-        if delta_raw is not None:
-            delta = _as_dict(delta_raw)
-            if delta is None:
-                raise MalformedSSEError(f"choices[{i}].delta is {_short(delta_raw)}, not an object")
-            for key in _DELTA_TEXT_FIELDS:
-                value = delta.get(key)
-                if value is not None and not isinstance(value, str):
-                    raise MalformedSSEError(f"choices[{i}].delta.{key} is {_short(value)}, not a string")
-        checked.append(choice)
-    return checked
-
-
-def _short(value: object) -> str:
-    """`value` as JSON-ish text of at most 60 characters, for messages."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _usage_count(usage: dict[str, Any], key: str) -> int | None:
-    """`usage[key]` checked: None when absent or null; raises InvalidUsageError unless an int >= 0."""
-    value = usage.get(key)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidUsageError(f"usage.{key} is {value!r}, not a non-negative integer")
-    return value
 
 
 class OpenAIStreamDecoder:
@@ -301,12 +267,12 @@ class OpenAIStreamDecoder:
             return []
         counts: list[int] = []
         try:
+            payloads = self._parser.whole_data_events(chunk)
+            if payloads is not None:
+                self._feed_payloads(payloads, counts)
+                return counts
             for event in self._parser.iter_feed(chunk):
-                count = self._event(event)
-                if count is not None:
-                    counts.append(count)
-                    self.counts.append(count)
-                    self._counted += count
+                self._add(self._event(event), counts)
                 if self.done:
                     break
         except UnicodeDecodeError as exc:
@@ -315,33 +281,128 @@ class OpenAIStreamDecoder:
             self.failure = exc
         return counts
 
+    def _add(self, count: int | None, counts: list[int]) -> None:
+        if count is not None:
+            counts.append(count)
+            self.counts.append(count)
+            self._counted += count
+
+    def _feed_payloads(self, payloads: list[bytes], counts: list[int]) -> None:
+        """The events of a chunk that is nothing but whole one-line `data:` events (`payloads`, their
+        data), decoded in one msgspec call as a JSON array of typed chunks; each is then counted as
+        `_event` counts it. Any payload the typed decoder refuses sends the whole list one by one
+        through `_event`, which gives the same failure it gives on any other path."""
+        # `[DONE]` as servers send it; one with spaces around it fails the typed decode below and is
+        # then recognised by `_event`
+        stop = payloads.index(b"[DONE]") if b"[DONE]" in payloads else None
+        batch = payloads if stop is None else payloads[:stop]
+        try:
+            chunks: list[Chunk] | None = (
+                CHUNK_LIST_DECODER.decode(b"[" + b",".join(batch) + b"]") if batch else []
+            )
+        except ValueError:
+            chunks = None
+        if chunks is None:
+            for payload in payloads:
+                self._add(self._event(SSEEvent(payload.decode("utf-8"))), counts)
+                if self.done:
+                    return
+            return
+        typed_event, add = self._typed_event, self._add
+        for typed, payload in zip(chunks, batch, strict=True):
+            count = typed_event(typed)
+            if count == _GENERAL:
+                count = self._general_event(payload.decode("utf-8"))
+            if count is not None:
+                add(count, counts)
+        if stop is not None:
+            self.done = True
+
     def _event(self, event: SSEEvent) -> int | None:
         if event.event == "error":
             raise StreamErrorEvent(event.data[:500])
-        data = event.data.strip()
-        if data == "[DONE]":
+        data = event.data
+        if data == "[DONE]" or data.strip() == "[DONE]":
             self.done = True
             return None
         try:
-            obj = _as_dict(json.loads(data))
-        except json.JSONDecodeError:
+            typed: Chunk | None = CHUNK_DECODER.decode(data)
+        except ValueError:  # not JSON, or a shape the typed decoder does not take: the general path
+            typed = None
+        if typed is not None:
+            count = self._typed_event(typed)
+            if count != _GENERAL:
+                return count
+        return self._general_event(data)
+
+    def _typed_event(self, chunk: Chunk) -> int | None:
+        """The common chunk, its types already checked by msgspec: text or delta fields that are strings
+        or null, usage counts that are integers. Returns _GENERAL, having changed nothing, for anything
+        else (an error, a negative or decreasing count, logprobs, tool calls), which the general path
+        then decodes with its full checks and messages."""
+        if chunk.error is not None or chunk.object == "error":
+            return _GENERAL
+        completion: int | None = None
+        usage = chunk.usage
+        if usage is not None:
+            prompt, completion = usage.prompt_tokens, usage.completion_tokens
+            if (prompt is not None and prompt < 0) or (completion is not None and completion < 0):
+                return _GENERAL
+            previous = self.usage_completion_tokens
+            if completion is not None and previous is not None and completion < previous:
+                return _GENERAL
+        choices = chunk.choices or []
+        for c in choices:
+            d = c.delta
+            if c.logprobs is not None or (d is not None and (d.tool_calls or d.function_call is not None)):
+                return _GENERAL
+        if usage is not None:
+            if usage.prompt_tokens is not None:
+                self.prompt_tokens = usage.prompt_tokens
+            if completion is not None:
+                self.usage_completion_tokens = completion
+        if not choices:
+            return None  # usage-only (or empty) chunk: not a token
+        choice = choices[0]
+        reason = choice.finish_reason
+        if reason:
+            self.finish_reason = reason
+        d = choice.delta
+        carries = bool(choice.text) or (
+            d is not None and bool(d.content or d.reasoning_content or d.reasoning or d.refusal)
+        )
+        return self._count(completion, carries, reason, None)
+
+    def _general_event(self, data: str) -> int | None:
+        """A chunk decoded to Python objects and checked field by field (the messages name the field)."""
+        try:
+            obj: object = decode_json(data)
+        except ValueError:  # msgspec.DecodeError: not JSON (strict: no NaN or Infinity)
             obj = None
-        if obj is None:
-            raise MalformedSSEError(f"data line is not a JSON object: {data[:200]!r}")
-        error = obj.get("error")
-        if error is not None or obj.get("object") == "error":
-            detail = _as_dict(error)
+        if type(obj) is not dict:
+            raise MalformedSSEError(f"data line is not a JSON object: {data.strip()[:200]!r}")
+        chunk = cast("dict[str, Any]", obj)
+        error = chunk.get("error")
+        if error is not None or chunk.get("object") == "error":
+            detail = as_dict(error)
             message = detail.get("message") if detail is not None else error
-            raise StreamErrorEvent(str(message or obj.get("message") or data[:500]))
-        completion = self._usage(obj)
-        choices = _checked_choices(obj)
+            raise StreamErrorEvent(str(message or chunk.get("message") or data.strip()[:500]))
+        completion = self._usage(chunk) if chunk.get("usage") is not None else None
+        choices = checked_choices(chunk)
         if not choices:
             return None  # usage-only (or empty) chunk: not a token
         choice = choices[0]
         reason = choice.get("finish_reason")
-        if _nonempty_str(reason):
-            self.finish_reason = str(reason)
-        if not _carries_tokens(choice):
+        if reason:  # a non-empty string (checked)
+            self.finish_reason = reason
+        return self._count(completion, carries_tokens(choice), reason, logprob_tokens(choice))
+
+    def _count(
+        self, completion: int | None, carries: bool, reason: object, logprobs: int | None
+    ) -> int | None:
+        """The tokens of a chunk (None: not a token event) from its usage count, whether its choice
+        carries generated text, its finish reason and its logprobs token count."""
+        if not carries:
             if completion is not None and self._held_back_token(completion, reason):
                 return self._usage_delta(completion)
             return None  # role-only, empty or finish-only chunk: not a token (usage reconciled later)
@@ -350,10 +411,9 @@ class OpenAIStreamDecoder:
         if completion is not None and self._usage_on_tokens:
             return None  # per-chunk usage says this chunk carried no token
         # else no usage, or a first usage report below the chunks counted one by one: reconciled at the end
-        logprob_count = _logprob_tokens(choice)
-        if logprob_count is not None and self._count_source == "chunks":
+        if logprobs is not None and self._count_source == "chunks":
             self._count_source = "logprobs"
-        return logprob_count or 1
+        return logprobs or 1
 
     def _held_back_token(self, completion: int, reason: object) -> bool:
         """True when a choice without text still carries a token by per-chunk usage: the server
@@ -363,7 +423,7 @@ class OpenAIStreamDecoder:
         usage report after chunks counted one by one is reconciled, never a new event."""
         if completion <= self._counted:
             return False
-        return self._usage_on_tokens or (self._counted == 0 and not _nonempty_str(reason))
+        return self._usage_on_tokens or (self._counted == 0 and not nonempty_str(reason))
 
     def _usage_delta(self, completion: int) -> int:
         """The tokens of a chunk by per-chunk usage (`completion` above those counted so far)."""
@@ -376,13 +436,13 @@ class OpenAIStreamDecoder:
         raw = obj.get("usage")
         if raw is None:
             return None
-        usage = _as_dict(raw)
+        usage = as_dict(raw)
         if usage is None:
-            raise InvalidUsageError(f"usage is {_short(raw)}, not an object")
-        prompt = _usage_count(usage, "prompt_tokens")
+            raise InvalidUsageError(f"usage is {short(raw)}, not an object")
+        prompt = usage_count(usage, "prompt_tokens")
         if prompt is not None:
             self.prompt_tokens = prompt
-        completion = _usage_count(usage, "completion_tokens")
+        completion = usage_count(usage, "completion_tokens")
         if completion is None:
             return None
         previous = self.usage_completion_tokens

@@ -31,10 +31,12 @@ __all__ = [
     "SLO_PASS_FRACTION",
     "Axis",
     "Knee",
+    "ParetoPoint",
     "SloSearch",
     "SloTry",
     "find_knee",
     "good_fraction",
+    "pareto_points",
     "point_means",
     "search_slo_rate",
     "sweep_row",
@@ -125,6 +127,41 @@ def point_means(rows: Sequence[Mapping[str, Any]], key: str) -> list[tuple[float
         if row.get(key) is not None:
             sums.setdefault(float(row["value"]), []).append(float(row[key]))
     return [(value, sum(v) / len(v)) for value, v in sums.items()]
+
+
+@dataclass(frozen=True)
+class ParetoPoint:
+    """One grid value of a sweep on the Pareto plot: output tokens/s per user (1000 / median TPOT ms:
+    the decode rate of the median request, as each user sees its stream) and total output tokens/s,
+    each the mean over the point's repeats; `frontier`: no other point is at least as good on both with
+    one strictly better."""
+
+    value: float
+    per_user: float
+    total: float
+    frontier: bool
+
+
+def pareto_points(rows: Sequence[Mapping[str, Any]]) -> list[ParetoPoint]:
+    """The Pareto points of a sweep's rows (one per grid value with a defined median TPOT), in the order
+    of first sight. Dominance: a point is dominated when another has per-user and total throughput
+    both >= its own and one of them >; the frontier is the points no other dominates."""
+    per_user: dict[float, list[float]] = {}
+    for row in rows:
+        tpot = row.get("median_tpot_ms")
+        if tpot is not None and float(tpot) > 0 and row.get("output_throughput") is not None:
+            per_user.setdefault(float(row["value"]), []).append(1000.0 / float(tpot))
+    totals = dict(point_means(rows, "output_throughput"))
+    points = [(v, sum(u) / len(u), totals[v]) for v, u in per_user.items() if v in totals]
+    return [
+        ParetoPoint(
+            v,
+            u,
+            t,
+            not any((u2 >= u and t2 >= t) and (u2 > u or t2 > t) for v2, u2, t2 in points if v2 != v),
+        )
+        for v, u, t in points
+    ]
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ import numpy as np
 from attention_kv_caceh.harness.backends import Backend, RequestSpec
 from attention_kv_caceh.harness.dataset import dataset_objects
 from attention_kv_caceh.harness.load import (
+    SYNTHETIC_WORDS,
     InFlightTracker,
     LengthRange,
     make_request_specs,
@@ -70,7 +71,7 @@ __all__ = [
 WorkloadName = Literal["random", "shared-prefix", "multi-turn", "copy"]
 WORKLOADS: tuple[WorkloadName, ...] = ("random", "shared-prefix", "multi-turn", "copy")
 
-_WORDS = ("the", "cache", "holds", "keys", "and", "values", "of", "every", "token", "far")
+_WORDS = SYNTHETIC_WORDS
 _ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "assistant", "system": "system"}
 
 

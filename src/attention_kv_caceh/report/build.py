@@ -24,6 +24,7 @@ from attention_kv_caceh.report.environment import environment_card
 from attention_kv_caceh.report.jsonl import generate_output_kind, read_jsonl
 from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_markdown
 from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
+from attention_kv_caceh.report.repeats import RepeatFile, repeat_of, repeats_section
 from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
 from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
@@ -83,7 +84,14 @@ class _Build:
     folder: Path = Path()  # the --results folder: problems name files by their path in it
     metas: dict[str, dict[str, Any]] = field(default_factory=lambda: dict[str, dict[str, Any]]())
     buckets: dict[str, list[str]] = field(
-        default_factory=lambda: {"scan": [], "cache": [], "views": [], "sweep": [], "serving": []}
+        default_factory=lambda: {
+            "scan": [],
+            "cache": [],
+            "views": [],
+            "sweep": [],
+            "serving": [],
+            "repeats": [],
+        }
     )
     skipped: list[str] = field(default_factory=lambda: list[str]())
     not_read: list[str] = field(default_factory=lambda: list[str]())  # other commands' files, by design
@@ -94,6 +102,7 @@ class _Build:
     memory_files: dict[str, list[CacheMemoryRow]] = field(
         default_factory=lambda: dict[str, list[CacheMemoryRow]]()
     )
+    repeats: dict[str, list[RepeatFile]] = field(default_factory=lambda: dict[str, list[RepeatFile]]())
 
 
 def _scan(b: _Build, path: Path, rows: list[Any], meta: dict[str, Any] | None) -> None:
@@ -232,6 +241,10 @@ def _read_jsonl_file(b: _Build, path: Path) -> None:
         return
     problems += [FileProblem(str(meta_path(path)), p) for p in meta_problems]
     b.buckets["serving"].append(text)
+    repeat = repeat_of(meta)
+    if repeat is not None and meta is not None:
+        of, index, count = repeat
+        b.repeats.setdefault(of, []).append(RepeatFile(index, count, path.name, records, meta))
     b.result.sources.append(path.name)
     if meta is not None:
         b.metas[path.name] = meta
@@ -330,6 +343,11 @@ def build_report(
                     FileProblem(str(path), "out of memory while reading it: not reported")
                 )
     _pair_cache_runs(b)
+    for of, files in sorted(b.repeats.items()):
+        try:
+            b.buckets["repeats"].append(repeats_section(of, files))
+        except ValueError as exc:
+            b.result.problems.append(FileProblem(str(folder / of), f"cannot summarize its repeats: {exc}"))
 
     result, problems = b.result, b.result.problems
     parts = [

@@ -55,6 +55,9 @@ def _record_from_json(rec: Mapping[str, Any]) -> RequestRecord:
             continue
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 0):
             raise ValueError(f"{name} {count!r} is not a token count (an integer >= 0)")
+    probe: Any = record.probe
+    if not isinstance(probe, bool):
+        raise ValueError(f"probe {probe!r} is not true or false")
     per_event: Any = record.tokens_per_event
     if not isinstance(per_event, list) or not all(
         _is_int(n) and n >= 0 for n in typing.cast("list[Any]", per_event)

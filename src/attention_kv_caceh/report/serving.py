@@ -3,8 +3,11 @@
 The records' raw timestamps are summarized by the harness's own `harness.summary.summarize_run`, so the
 report and the `harness` command state the same TTFT, ITL, TPOT, E2EL and goodput; reading and checking
 the file is `jsonl.py`'s job. From the metadata the section takes the run's `label`, its goodput SLO
-(`config.goodput`, recomputed against the records) and the `server` block the harness records for an
-engine server it started. The lab's sections (scan, cache growth, views) are `sections.py`.
+(`config.goodput`, recomputed against the records), the clock's `start_ns` / `end_ns` when the harness
+recorded them (the duration of every throughput; else first arrival to last stream end) and the `server`
+block the harness records for an engine server it started. Probe records (`probe: true`) stay out of
+the table and get a sentence of their own. The lab's sections (scan, cache growth, views) are
+`sections.py`; the intervals over a run's repeats are `repeats.py`.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attention_kv_caceh.harness.metrics import GoodputSLO
+from attention_kv_caceh.harness.probes import probe_summary
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.summary import METRIC_NAMES, summarize_run
 from attention_kv_caceh.tables import markdown_table
 
-__all__ = ["serving_section"]
+__all__ = ["serving_section", "summarize_file"]
 
 
 def _sampling_sentence(config: Mapping[str, Any], problems: list[str]) -> str:
@@ -77,6 +81,42 @@ def _server_table(server: Mapping[str, Any]) -> str:
     return "Server (as the harness recorded it):\n\n" + markdown_table(["part", "field", "value"], rows)
 
 
+def _duration_s(records: Sequence[RequestRecord], meta: Mapping[str, Any] | None) -> float:
+    """The run's duration: the clock's `start_ns` to `end_ns` of the metadata when both are integers
+    in order, else the first arrival to the last stream end or finish (NaN when there is none)."""
+    if meta is not None:
+        start, end = meta.get("start_ns"), meta.get("end_ns")
+        if isinstance(start, int) and isinstance(end, int) and not isinstance(start, bool) and end > start:
+            return (end - start) / 1e9
+    first = min(r.arrival_ns for r in records)
+    ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
+    return (max(ends) - first) / 1e9 if ends and max(ends) > first else float("nan")
+
+
+def summarize_file(
+    records: Sequence[RequestRecord], meta: Mapping[str, Any] | None, slo: GoodputSLO | None = None
+) -> dict[str, Any]:
+    """`harness.summary.summarize_run` of a file's load records (probes left out) over its duration
+    (`_duration_s`). Raises ValueError when it cannot summarize them."""
+    load = [r for r in records if not r.probe]
+    return summarize_run(load, _duration_s(load or records, meta), slo=slo)
+
+
+def _probe_sentence(probes: Sequence[RequestRecord]) -> str:
+    if not probes:
+        return ""
+    p = probe_summary(probes, 0.0)
+
+    def ms(key: str) -> str:
+        return "-" if p[key] is None else f"{p[key]:.3g} ms"
+
+    return (
+        f" Probes (one-token requests sent beside the load, not in the table): {p['probe_completed']} "
+        f"completed, {p['probe_failed']} failed; TTFT P50 {ms('probe_median_ttft_ms')}, P99 "
+        f"{ms('probe_p99_ttft_ms')}; E2EL P50 {ms('probe_median_e2el_ms')}, P99 {ms('probe_p99_e2el_ms')}."
+    )
+
+
 def serving_section(
     name: str,
     records: Sequence[RequestRecord],
@@ -84,26 +124,27 @@ def serving_section(
     problems: list[str] | None = None,
 ) -> str:
     """The section of one serving-harness JSONL file (at least one record), summarized by
-    `harness.summary.summarize_run` from the records' raw timestamps; the duration runs from the first
-    arrival to the last stream end or finish. When no request completed it says so, with the failure
-    kinds, instead of a table of nothing. `meta`: the run's `.meta.json` (label, goodput SLO, server
-    block, the sampling fields sent); what is malformed in it is appended to `problems`.
+    `summarize_file` from the records' raw timestamps. When no request completed it says so, with the
+    failure kinds, instead of a table of nothing. `meta`: the run's `.meta.json` (label, goodput SLO,
+    clock, server block, the sampling fields sent); what is malformed in it is appended to `problems`.
 
     Raises ValueError when `summarize_run` cannot summarize the records.
     """
     label, slo, server, sampling = _settings(meta, problems if problems is not None else [])
     title = f"### Serving run: `{name}`" + (f" ({label})" if label else "") + "\n\n"
-    if not any(r.ok for r in records):
-        failures = Counter(r.status for r in records)
+    load = [r for r in records if not r.probe]
+    probes = [r for r in records if r.probe]
+    if not any(r.ok for r in load):
+        failures = Counter(r.status for r in load)
         return (
-            f"{title}{len(records)} request(s), **none completed** (failures: "
+            f"{title}{len(load)} request(s), **none completed** (failures: "
             + ", ".join(f"{k}: {v}" for k, v in sorted(failures.items()))
-            + "): there is no latency or throughput to report.\n"
+            + "): there is no latency or throughput to report."
+            + _probe_sentence(probes)
+            + "\n"
         )
-    start = min(r.arrival_ns for r in records)
-    ends = [t for r in records for t in (r.stream_end_ns, r.finish_ns) if t is not None]
-    duration_s = (max(ends) - start) / 1e9 if ends and max(ends) > start else float("nan")
-    summary = summarize_run(records, duration_s, slo=slo)
+    summary = summarize_file(records, meta, slo)
+    duration_s = summary["duration"]
     rows: list[list[object]] = []
     for metric, metric_label in METRIC_NAMES.items():
         count = summary.get(f"count_{metric}") or 0
@@ -123,8 +164,8 @@ def serving_section(
         f"{title}{summary['num_requests']} request(s), "
         f"{summary['completed']} completed, failures: {failures}; {summary['request_throughput']:.3g} "
         f"requests/s and {summary['output_throughput']:.3g} output tokens/s over {duration_s:.3g} s."
-        f"{goodput}{sampling} Latencies of completed requests only (`harness.summary.summarize_run`); ITL pools "
-        "every gap.\n\n"
+        f"{goodput}{sampling}{_probe_sentence(probes)} Latencies of completed requests only "
+        "(`harness.summary.summarize_run`); ITL pools every gap.\n\n"
         + markdown_table(["metric", "n", "P50 ms", "P90 ms", "P99 ms", "mean ms", "max ms"], rows)
         + ("\n" + _server_table(server) if server else "")
     )
