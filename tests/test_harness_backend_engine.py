@@ -122,6 +122,10 @@ class HarnessEngineUsageTest(unittest.TestCase):
                     ["--backend", "simulated", "--tokenizer", str(good)],
                     "--tokenizer",
                 ),
+                "an empty tokenizer": (
+                    ["--backend", "openai-completions", "--model", "m", "--tokenizer", ""],
+                    "--tokenizer",
+                ),
                 "an unreadable tokenizer for a server": (
                     ["--backend", "openai-completions", "--model", "m", "--tokenizer", str(garbage)],
                     str(garbage),

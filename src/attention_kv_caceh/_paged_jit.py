@@ -46,8 +46,8 @@ from attention_kv_caceh.simd import compiled_variant
 __all__: list[str] = []
 
 _TARGET = compiled_variant()
-# float32 lanes of the IR vectors: at most 8 (256 bits), also on AVX-512, where 16-lane vectors read
-# the engine's step at 0.34-0.37 of the read probe against 0.43-0.46 with 8 lanes (docs/kernels.md).
+# float32 lanes of the IR vectors: at most 8 (256 bits), also on AVX-512, where 8 lanes read the KV
+# faster than 16 (docs/kernels.md, the paged kernel in vLLM's CPU layout, has the measurement).
 LANES = min(8, _TARGET.lanes) if _TARGET is not None else 4
 _SHAPES = ((64, 16), (128, 16))  # (D, BS) the IR kernel is specialised for
 CHUNKS = tuple(

@@ -342,7 +342,11 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
 def _check_tokenizer(args: argparse.Namespace, config: HarnessConfig) -> None:
     """Build the run's local tokenizer now, so an unreadable one is a UsageError before any server
     starts (the run then reuses it: `harness.prompts.local_tokenizer`). The simulated backend counts
-    words and has no tokenizer: a --tokenizer for it is refused, not ignored."""
+    words and has no tokenizer: a --tokenizer for it is refused, not ignored, and so is an empty one."""
+    if args.tokenizer is not None and not args.tokenizer.strip():
+        raise UsageError(
+            f"--tokenizer {args.tokenizer!r}: empty (give a folder, a tokenizer.json or a .gguf file)"
+        )
     if config.backend == "simulated":
         if args.tokenizer is not None:
             raise UsageError(

@@ -262,10 +262,12 @@ class GGUFCheckpoint:
         return QuantizedTensor(name, tensor.tensor_type.name, shape, data, block_size, type_size)
 
     def get(self, name: str, dtype: npt.DTypeLike) -> npt.NDArray[np.floating[Any]]:
-        """Tensor `name` as a new C-contiguous array of floating `dtype`, Hugging Face layout and row order.
+        """Tensor `name` as a C-contiguous array of floating `dtype`, Hugging Face layout and row order.
 
         Quantized types are dequantized by `gguf.quants.dequantize` (float32), then converted to `dtype`
-        (exactly when widening). Raises CheckpointError when the tensor is absent.
+        (exactly when widening): a new array. A tensor the file already stores in `dtype`, in that row
+        order, comes back as a read-only view of the memory-mapped file (copy it to write to it).
+        Raises CheckpointError when the tensor is absent.
         """
         tensor = self._tensor(name)
         shape = self.shape(name)
