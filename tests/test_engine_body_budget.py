@@ -157,6 +157,72 @@ class StalledBodyTest(unittest.TestCase):
             return await status_of(resp)
 
 
+def _urllib_status(url: str, body: bytes) -> int | str:
+    """Status of a POST by Python's urllib, which writes its whole body before it reads; the error's
+    repr when the connection was reset under it."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except (urllib.error.URLError, OSError) as exc:
+        return repr(exc)
+
+
+class RefusalsReadTheBodyTest(unittest.TestCase):
+    def test_a_client_that_writes_its_whole_body_first_reads_its_503_or_401(self) -> None:
+        # a body larger than the sockets' buffers, so that unread bytes would reset the connection
+        body = json.dumps({**big(), "padding": "x" * 7_800_000}).encode()
+        limit = len(body) + 100_000
+        thread, engine, _llm = fake_server(max_request_bytes=limit, max_request_bytes_in_flight=limit)
+        engine.gate.clear()
+
+        async def held_then(url: str) -> tuple[int, int | str]:
+            async with aiohttp.ClientSession() as session:
+                held = await session.post(url + "/v1/completions", json=big(stream=True))
+                status = await asyncio.to_thread(_urllib_status, url + "/v1/completions", body)
+                engine.gate.set()
+                await held.text()
+                return held.status, status
+
+        with thread, self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+            held, refused = asyncio.run(held_then(thread.base_url))
+        self.assertEqual((held, refused), (200, 503))
+        keyed, _engine, _llm = fake_server(max_request_bytes=limit, api_key="k")
+        with keyed:
+            self.assertEqual(_urllib_status(keyed.base_url + "/v1/completions", body), 401)
+
+    def test_a_declared_body_holds_only_the_bytes_that_arrived(self) -> None:
+        """Four clients declare a body as large as the budget and send nothing: a large body is still
+        served beside them (the budget counts bytes received, not Content-Length)."""
+        import socket
+        from urllib.parse import urlsplit
+
+        limit = LARGE_BODY_BYTES * 2
+        thread, _engine, _llm = fake_server(max_request_bytes=limit, max_request_bytes_in_flight=limit)
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {limit}\r\n\r\n".encode()
+        )
+        with thread:
+            parts = urlsplit(thread.base_url)
+            stalled = [socket.create_connection((parts.hostname, parts.port), timeout=30) for _ in range(4)]
+            try:
+                for sock in stalled:
+                    sock.sendall(head + b'{"prompt": "')
+                time.sleep(0.2)
+                with self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+                    status, _retry, body = asyncio.run(StalledBodyTest.one_big(thread.base_url, limit - 1000))
+            finally:
+                for sock in stalled:
+                    sock.close()
+        self.assertEqual(status, 200, body)
+
+
 class TokenizeWeightTest(unittest.TestCase):
     def test_a_tokenize_body_counts_four_times_its_size_and_one_is_always_served(self) -> None:
         """The middleware alone over an app that holds every request until released."""
@@ -166,6 +232,7 @@ class TokenizeWeightTest(unittest.TestCase):
         release = asyncio.Event()
 
         async def app(scope: Any, receive: Any, send: Any) -> None:
+            await receive()  # the budget counts the bytes as the app reads them
             await release.wait()
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"ok"})

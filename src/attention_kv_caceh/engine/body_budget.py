@@ -5,10 +5,11 @@ JSON, the validated request, the prompt's text and tokens (about 5 times the bod
 `/v1/completions`, about 9 times for `/tokenize`, whose answer lists every token; measured in
 docs/results.md). `--max-request-bytes` bounds one body; this bounds how many are served together. Every
 body of `LARGE_BODY_BYTES` or more reserves its size from a budget of `max_bytes_in_flight` for as long as
-its request is served (a stream: until it ends). A body the budget cannot take is refused at once, before
-it is read, with 503 and `Retry-After: 1` in OpenAI's error shape (vLLM answers an overloaded server with
-503 too). A body of unknown length (chunked) reserves as its chunks arrive, and is refused when the next
-chunk does not fit. Smaller bodies are not counted: they cost little, and a budget on them would refuse
+its request is served (a stream: until it ends). The bytes are reserved as they arrive, whatever the
+Content-Length says, so a client that declares a large body and sends nothing holds nothing; a body is
+refused with 503 and `Retry-After: 1` in OpenAI's error shape when its next chunk does not fit (vLLM
+answers an overloaded server with 503 too), after its remaining bytes are read and dropped
+(`drop_body`), so a client that writes its whole body before reading sees the 503. Smaller bodies are not counted: they cost little, and a budget on them would refuse
 ordinary traffic. A `/tokenize` body counts `TOKENIZE_WEIGHT` times its size (at most the whole budget,
 so one is always served alone): it must count every token, and a text with no space to cut it at is
 tokenized whole, about 150 bytes per character while the `tokenizers` library works (generation
@@ -18,6 +19,7 @@ requests read only the head of such a text; engine/tokenizer.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -27,7 +29,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from attention_kv_caceh.engine.protocol import error_body, error_response
 
-__all__ = ["BODY_TIMEOUT_S", "LARGE_BODY_BYTES", "TOKENIZE_WEIGHT", "BodyBudgetMiddleware"]
+__all__ = [
+    "BODY_TIMEOUT_S",
+    "DROP_TIMEOUT_S",
+    "LARGE_BODY_BYTES",
+    "TOKENIZE_WEIGHT",
+    "BodyBudgetMiddleware",
+    "drop_body",
+]
 
 LARGE_BODY_BYTES = 256 * 1024
 """A body this large or larger counts against the budget (256 KiB)."""
@@ -36,13 +45,21 @@ RETRY_AFTER_S = 1
 TOKENIZE_WEIGHT = 4
 
 
+DROP_TIMEOUT_S = 10.0
+"""The longest a refused body is read (and dropped) before its answer goes out (`drop_body`)."""
+
 BODY_TIMEOUT_S = 60.0
 """A large body must have arrived whole this many seconds after its request began, or it gets 408 and its
 bytes go back to the budget: a client that declares 8 MB and sends nothing holds none for long."""
 
 
-class _OverBudget(Exception):
-    """A chunk of a body of unknown length did not fit the budget."""
+class BodyOverBudget(StarletteHTTPException):
+    """A chunk of a body did not fit the budget. An HTTPException, so that FastAPI, reading the body,
+    lets it through instead of answering 400; the app's handler for it re-raises it, so that this
+    middleware answers (it drops the rest of the body first)."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "over the budget of large bodies")
 
 
 class _Stalled(StarletteHTTPException):
@@ -93,53 +110,32 @@ class BodyBudgetMiddleware:
             if size < LARGE_BODY_BYTES or size > self.max_request_bytes:
                 await self.app(scope, receive, send)
                 return
-            cost = self._cost(scope, size)
-            if not self._take(cost):
-                await self._refuse(scope, receive, send, size)
-                return
-            try:
-                await self._serve(scope, _deadline(receive), send)
-            finally:
-                self.in_flight -= cost
-            return
-        await self._serve_unknown_length(scope, receive, send)
-
-    async def _serve(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The app, with a 408 when the body stalls before anything was answered."""
-        started = False
-
-        async def watching_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, receive, watching_send)
-        except _Stalled as exc:
-            if started:
-                raise
-            await error_response(408, str(exc.detail))(scope, receive, send)
+        await self._serve_counted(scope, receive, send)
 
     def _cost(self, scope: Scope, size: int) -> int:
         """What a body of `size` bytes reserves: its size, TOKENIZE_WEIGHT times that for /tokenize."""
         weight = TOKENIZE_WEIGHT if str(scope.get("path", "")).rstrip("/") == "/tokenize" else 1
         return min(size * weight, self.max_bytes_in_flight)
 
-    async def _serve_unknown_length(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _serve_counted(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The app, its body's bytes reserved as they arrive: 503 (after dropping the rest of the body)
+        when a chunk does not fit, 408 when the body stalls, both only before anything was answered."""
         received = 0
         reserved = 0
         started = False
+        more = True  # more of the body is to come
         timed = _deadline(receive)
 
         async def counting_receive() -> Message:
-            nonlocal received, reserved
+            nonlocal received, reserved, more
             message = await timed()
             if message["type"] == "http.request":
+                more = bool(message.get("more_body", False))
                 received += len(message.get("body", b""))
                 cost = self._cost(scope, received)
                 if received >= LARGE_BODY_BYTES and cost > reserved:
                     if not self._take(cost - reserved):
-                        raise _OverBudget
+                        raise BodyOverBudget
                     reserved = cost
             return message
 
@@ -150,10 +146,15 @@ class BodyBudgetMiddleware:
 
         try:
             await self.app(scope, counting_receive, watching_send)
-        except _OverBudget:
+        except BodyOverBudget:
             if started:
                 raise
-            await self._refuse(scope, receive, send, received)
+            self.in_flight -= reserved  # nothing of it is kept while the rest is dropped
+            reserved = 0
+            if more:
+                await drop_body(timed, received, self.max_request_bytes, DROP_TIMEOUT_S)
+            length = Headers(scope=scope).get("content-length")
+            await self._refuse(scope, receive, send, int(length) if length and length.isdigit() else received)
         except _Stalled as exc:
             if started:
                 raise
@@ -171,6 +172,23 @@ class BodyBudgetMiddleware:
         body: dict[str, Any] = error_body(503, message)
         response = JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
         await response(scope, receive, send)
+
+
+async def drop_body(receive: Receive, received: int, limit: int, timeout_s: float) -> None:
+    """Read and drop the rest of a request body while the bytes read (`received` so far) stay within
+    `limit` and for at most `timeout_s` seconds; return at its end, or when the client leaves. A
+    server that answers and closes with unread bytes in its socket sends RST, so a client that writes
+    its whole body before reading its answer (Python's urllib and http.client) would see a
+    BrokenPipe or a reset instead of the answer."""
+    with contextlib.suppress(TimeoutError, _Stalled):
+        async with asyncio.timeout(timeout_s):
+            while received <= limit:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left
+                received += len(message.get("body", b""))
+                if not message.get("more_body", False):
+                    return
 
 
 def _deadline(receive: Receive) -> Receive:

@@ -68,7 +68,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
-from attention_kv_caceh.engine.body_budget import BodyBudgetMiddleware
+from attention_kv_caceh.engine.body_budget import (
+    DROP_TIMEOUT_S,
+    BodyBudgetMiddleware,
+    BodyOverBudget,
+    drop_body,
+)
 from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.malloc import release_freed_memory
@@ -106,7 +111,6 @@ logger = logging.getLogger(__name__)
 
 _RELEASE_AFTER_BYTES = 256 * 1024  # after a request body this large, hand the freed heap back to the OS
 _DRAIN_FACTOR = 8  # a refused body up to this many times --max-request-bytes is read (and dropped) first
-_DRAIN_TIMEOUT_S = 10.0  # ... for at most this long
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's and vLLM's default for /v1/completions
 _MAX_STEP_STATS = 100_000  # most StepStats one GET /debug/step_stats returns
 
@@ -196,6 +200,10 @@ def build_app(
         status, message, param = validation_error(errors)
         return error_response(status, message, param)
 
+    @app.exception_handler(BodyOverBudget)
+    async def _over_budget(_request: Request, exc: BodyOverBudget) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
+        raise exc  # BodyBudgetMiddleware answers it: it reads and drops the rest of the body first
+
     @app.exception_handler(StarletteHTTPException)
     async def _starlette_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:  # pyright: ignore[reportUnusedFunction]
         # FastAPI's own refusals (a body that is not UTF-8, an unknown path, a wrong method) in OpenAI's shape
@@ -216,7 +224,7 @@ def build_app(
         BodyBudgetMiddleware, max_bytes_in_flight=in_flight, max_request_bytes=max_request_bytes
     )
     if api_key is not None:  # outermost: a client without the key holds nothing of the budget
-        app.add_middleware(_ApiKeyMiddleware, api_key=api_key)
+        app.add_middleware(_ApiKeyMiddleware, api_key=api_key, max_request_bytes=max_request_bytes)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != served_model_name:
@@ -569,20 +577,12 @@ class _BodySizeMiddleware:
     ) -> None:
         """Answer 413. First read and drop the rest of the body (`declared` bytes by Content-Length, or
         chunks after the `received` so far; None: nothing left) while it stays within _DRAIN_FACTOR times
-        the limit and _DRAIN_TIMEOUT_S: a client that writes its whole body before it reads (Python's
+        the limit and DROP_TIMEOUT_S: a client that writes its whole body before it reads (Python's
         urllib, http.client) otherwise has the connection reset under it (a socket closed with unread
         data sends RST) and sees a BrokenPipe instead of the 413. A larger body is refused at once."""
         limit = _DRAIN_FACTOR * self.max_bytes
         if received is not None and (declared is None or declared <= limit):
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_DRAIN_TIMEOUT_S):
-                    while received <= limit:
-                        message = await receive()
-                        if message["type"] != "http.request":
-                            break  # the client left
-                        received += len(message.get("body", b""))
-                        if not message.get("more_body", False):
-                            break
+            await drop_body(receive, received, limit, DROP_TIMEOUT_S)
         text = f"the request body is larger than the server's limit of {self.max_bytes} bytes"
         await error_response(413, text)(scope, receive, send)
 
@@ -606,11 +606,14 @@ def _replay(chunks: list[bytes], first: Any, receive: Receive) -> Receive:
 class _ApiKeyMiddleware:
     """401 for every path but OPEN_PATHS without `Authorization: Bearer <api_key>`: fail closed, so a
     route added later is keyed too (a plain ASGI middleware: it leaves streaming and disconnect
-    detection untouched)."""
+    detection untouched). The body of a refused request, up to `max_request_bytes`, is read and
+    dropped first (`body_budget.drop_body`), so a client that writes it whole before reading sees the
+    401, not a reset; a larger one is refused at once."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, max_request_bytes: int) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.max_request_bytes = max_request_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = str(scope.get("path", ""))
@@ -618,6 +621,9 @@ class _ApiKeyMiddleware:
             given = Headers(scope=scope).get("authorization", "").encode()
             if not secrets.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer <key>)"
+                length = Headers(scope=scope).get("content-length")
+                if length is None or (length.isdigit() and int(length) <= self.max_request_bytes):
+                    await drop_body(receive, 0, self.max_request_bytes, DROP_TIMEOUT_S)
                 await error_response(401, message)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
