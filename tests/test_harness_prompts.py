@@ -348,3 +348,20 @@ class ContextLengthCliTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class GGUFTokenizerTest(unittest.IsolatedAsyncioTestCase):
+    async def test_a_gguf_tokenizer_encodes_synthetic_text_as_its_folders_tokenizer_json_does(self) -> None:
+        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.harness.prompts import LocalTokenizer
+        from tests.gguf_files import gguf_from_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny")
+            gguf = gguf_from_checkpoint(folder, Path(tmp) / "m.gguf")
+            text = " ".join(_WORDS[i % len(_WORDS)] for i in range(64))
+            from_json, from_gguf = LocalTokenizer(folder), LocalTokenizer(gguf)
+            for _ in range(2):  # the second time from the words' cached ids
+                ids = await from_gguf.encode(text)
+                self.assertEqual(ids, await from_json.encode(text))
+                self.assertEqual(await from_gguf.decode(ids), text)

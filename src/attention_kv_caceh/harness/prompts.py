@@ -69,13 +69,15 @@ class LocalTokenizer:
 
         from attention_kv_caceh.engine.model_source import gguf_file_of
 
+        self._words: dict[str, list[int]] = {}  # word or " word" -> its ids
+        self._splits_at_spaces: bool | None = None  # checked at the first synthetic text
+        self.name = str(path)
         gguf = gguf_file_of(path)  # CheckpointError (a ValueError) names the file
         if gguf is not None:
             from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
             from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
 
             self._tokenizer, _ = tokenizer_from_gguf(GGUFCheckpoint(gguf))
-            self.name = str(path)
             return
         target = Path(path)
         file = target / "tokenizer.json" if target.is_dir() else target
@@ -86,8 +88,6 @@ class LocalTokenizer:
         except Exception as exc:  # the library raises its own exception types
             raise ValueError(f"--tokenizer {str(path)!r}: cannot read {file}: {exc}") from None
         self.name = str(target)
-        self._words: dict[str, list[int]] = {}  # word or " word" -> its ids
-        self._splits_at_spaces: bool | None = None  # checked at the first synthetic text
 
     def _encode_whole(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False).ids)
