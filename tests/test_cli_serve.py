@@ -24,7 +24,7 @@ from unittest import mock
 
 import aiohttp
 
-from attention_kv_caceh.cli import serve
+from attention_kv_caceh.cli import main, serve
 from attention_kv_caceh.cli.common import UsageError
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
@@ -75,6 +75,12 @@ class ServeCliTest(unittest.TestCase):
             parse(["--model", str(self.model), "--num-kv-blocks", "4", "--kv-cache-memory", "100"])
         with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             parse(["--model", str(self.model), "--max-num-seqs", "0"])
+        # vLLM's --api-key names what to give instead, never read as an abbreviation of --api-key-env
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            self.assertEqual(main(["serve", "--model", str(self.model), "--api-key", "sekrit"]), 2)
+        self.assertIn("--api-key-env", err.getvalue())
+        self.assertNotIn("sekrit", err.getvalue())
         loader.assert_not_called()
 
     def test_engine_checks_exit_2_before_loading_as_in_generate(self) -> None:

@@ -384,6 +384,9 @@ class ServerFieldsTest(_Checkpoint):
             (chat, '{"messages": [{"role": "user", "content": "\\ud800"}]}', "messages"),
             ("/tokenize", '{"prompt": "\\ud800"}', "prompt"),
             (comp, '{"prompt": "a", "stop": [1]}', "stop"),
+            (comp, '{"prompt": "a", "stop": ["x", ""]}', "stop"),  # an empty stop string, as vLLM refuses
+            (comp, '{"prompt": "a", "stop": ""}', "stop"),
+            ("/tokenize", '{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}', "messages"),
             (comp, '{"prompt": "a", "max_tokens": 0}', "max_tokens"),
             (comp, '{"prompt": "a", "max_tokens": 97}', "max_tokens"),
         ]

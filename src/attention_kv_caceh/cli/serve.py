@@ -60,6 +60,15 @@ if TYPE_CHECKING:
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
 
+def _refuse_api_key(_value: str) -> str:
+    """vLLM's `--api-key KEY` is refused with what to give instead (argparse would otherwise read it as
+    an abbreviation of --api-key-env and name the key as a variable)."""
+    raise argparse.ArgumentTypeError(
+        "not taken here: put the key in an environment variable and give its name with --api-key-env VAR "
+        "(a key on the command line shows in ps)"
+    )
+
+
 def _served_model_name(text: str) -> str:
     """A --served-model-name: any non-blank string (a blank one would silently mean the default)."""
     if not text.strip():
@@ -103,6 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="require `Authorization: Bearer <key>` with the key read from this environment variable "
         "(default: no key)",
     )
+    server.add_argument("--api-key", type=_refuse_api_key, help=argparse.SUPPRESS)  # vLLM's flag: named, not
+    # taken as an abbreviation of --api-key-env
     server.add_argument(
         "--max-queue",
         type=nonnegative_int,

@@ -256,11 +256,10 @@ class GenerationRequest(_TopLevel):
 
     @property
     def stop_strings(self) -> list[str]:
-        """`stop` as a list of non-empty strings."""
+        """`stop` as a list of strings, empty ones included (serving refuses them, as vLLM does)."""
         if self.stop is None:
             return []
-        stops = [self.stop] if isinstance(self.stop, str) else self.stop
-        return [s for s in stops if s]
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
     def num_logprobs(self) -> int | None:

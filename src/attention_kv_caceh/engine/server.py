@@ -414,6 +414,8 @@ def build_app(
     async def tokenize(body: TokenizeRequest) -> Response:  # pyright: ignore[reportUnusedFunction]
         check_model(body.model)
         warn_ignored(body)
+        if body.messages is not None and body.prompt is not None:  # one form or the other, never both
+            raise HTTPError(400, "give either prompt or messages, not both", "messages")
 
         def pieces() -> Iterator[list[int]]:
             """Every prompt's ids, piece by piece (serving_tokenization.py: the answer costs its size)."""

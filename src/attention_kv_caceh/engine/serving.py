@@ -248,10 +248,18 @@ def sampling_params_for(
         logit_bias=_logit_bias(body.logit_bias, vocab_size),
         logprobs=num_logprobs,
         prompt_logprobs=num_logprobs if echo else None,
-        stop=tuple(body.stop_strings),
+        stop=_stop_strings(body.stop_strings),
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _stop_strings(stops: list[str]) -> tuple[str, ...]:
+    """`stop` checked: HTTPError 400 (param "stop") for an empty string, which vLLM's SamplingParams
+    refuses too ("stop cannot contain an empty string")."""
+    if any(not s for s in stops):
+        raise HTTPError(400, f"stop cannot contain an empty string (got {stops!r})", "stop")
+    return tuple(stops)
 
 
 def _stream_chunk(
