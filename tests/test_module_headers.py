@@ -22,9 +22,7 @@ _OMISSIONS = re.compile(r"\b(left out|leaves out|no counterpart)\b", re.IGNORECA
 def engine_modules() -> list[Path]:
     """Every engine module a header is required of, sorted."""
     return sorted(
-        path
-        for path in ENGINE.rglob("*.py")
-        if path.name == "__init__.py" or not path.name.startswith("_")
+        path for path in ENGINE.rglob("*.py") if path.name == "__init__.py" or not path.name.startswith("_")
     )
 
 
