@@ -100,4 +100,3 @@ def measure_overhead(
             "samples_per_run": samples,
         }
     return row
-
