@@ -473,9 +473,10 @@ class OverheadCommandTest(unittest.TestCase):
                 self.assertEqual(len(err.getvalue().splitlines()), 1)
                 self.assertIn(argv[0], err.getvalue())
 
-    def test_the_module_spelling_still_runs_the_command(self) -> None:
+    def test_the_command_refuses_a_bad_flag_in_a_process_of_its_own(self) -> None:
+        entry = "import sys; from attention_kv_caceh.cli import main; sys.exit(main())"
         proc = subprocess.run(
-            [sys.executable, "-m", "attention_kv_caceh.harness.overhead", "--waves", "0"],
+            [sys.executable, "-c", entry, "overhead", "--waves", "0"],
             capture_output=True,
             text=True,
             timeout=120,

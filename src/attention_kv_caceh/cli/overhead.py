@@ -3,7 +3,7 @@
 Starts `harness/scripted_server.py` in a child process on 127.0.0.1 (one token every `--itl-ms` on
 absolute deadlines), runs `harness.overhead.measure_overhead` at each `--concurrency`, and prints P50/P99
 (mean, max) of measured minus scripted ITL and TTFT in ms. Bad flags exit 2 before the server starts; a
-failed request exits 1. `python -m attention_kv_caceh.harness.overhead` runs the same command.
+failed request exits 1.
 """
 
 from __future__ import annotations

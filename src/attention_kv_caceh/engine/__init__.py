@@ -1,12 +1,13 @@
 """A small serving engine: vLLM v1's design (scheduler, paged KV blocks, prefix caching) at nano-vllm's size.
 
-Modules, each named after the vLLM v1 file it corresponds to:
+Modules, most named after the vLLM v1 file they correspond to:
 
 - `config`: EngineConfig (max_num_seqs, max_num_batched_tokens, block_size, KV cache size).
 - `request`: Request, SamplingParams, RequestStatus and the stop checks.
 - `block_pool` / `kv_cache_manager`: block ids, reference counts, the free queue and prefix caching.
 - `scheduler`: the token-budget loop with chunked prefill and preemption by recompute.
-- `sampler`: greedy, temperature, top-k and top-p sampling with per-request seeded generators.
+- `sampler`: greedy, temperature, top-k and top-p sampling, the penalties, logit bias and min_tokens, and
+  logprobs, with per-request seeded generators.
 - `core`: EngineCore.step(): schedule -> execute_model -> sample -> update_from_output -> outputs;
   EngineCoreProc: its busy loop behind ZMQ sockets, with input and output IO threads.
 - `core_client`: InprocClient (the core in the caller's thread) and MPClient (the core in its own process,
@@ -23,4 +24,9 @@ in the API process (`async_llm`: AsyncLLM, an MPClient to the engine-core proces
 `output_processor`: one incremental detokenizer per request, stop strings, per-request timestamps and
 streams; `stats` / `metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`:
 the OpenAI-compatible HTTP API).
+
+Left out, against vLLM v1 as a whole: GPU workers and tensor, pipeline, data and expert parallelism; CUDA
+graphs and torch.compile; quantization other than GGUF's Q8_0, Q4_0 and Q4_1 blocks; LoRA, multimodal inputs,
+pooling models and structured outputs; KV connectors (disaggregated prefill, KV offloading); sliding-window
+and hybrid attention; speculative methods other than `ngram`.
 """

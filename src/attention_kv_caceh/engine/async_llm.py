@@ -19,6 +19,11 @@ Faults: a core that dies (killed, out of memory, its loop failed) ends every ope
 EngineDeadError; from then on `add_request` raises EngineDeadError and `is_running` is False (the server
 answers 503 and /health 503). `shutdown(timeout_s)` drains: it refuses new requests, gives the running
 ones up to `timeout_s` seconds, ends the rest with finish_reason "abort", and stops the core.
+
+Left out: vLLM's input processor (prompts arrive here as token ids: the server tokenizes them and applies the
+chat template, server.py), parallel sampling in the front end (`n` is fanned out into separate requests by
+serving_response.py), LoRA, multimodal inputs, pooling (`encode`), several data-parallel engine cores, and the
+utility calls other than `reset_prefix_cache` (sleep / wake_up, profiling, collective_rpc).
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ Before anything is timed, an oracle: the first request run alone (greedy, or sam
 must produce the same first tokens as in the batched run; otherwise `OracleMismatch` is raised and nothing is reported.
 
 Shape legend: R requests in a decode step, L layers, H_kv KV heads, D head dim, D_model hidden size.
+
+Left out: vLLM's dataset sources (ShareGPT, sonnet, Hugging Face datasets: the prompts here are random token
+ids only), its LoRA and multimodal requests, `n` > 1, the async-engine mode and the other backends
+(transformers, MII); the byte and FLOP probes are this project's own.
 """
 
 from __future__ import annotations

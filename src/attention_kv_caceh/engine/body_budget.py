@@ -14,6 +14,9 @@ ordinary traffic. A `/tokenize` body counts `TOKENIZE_WEIGHT` times its size (at
 so one is always served alone): it must count every token, and a text with no space to cut it at is
 tokenized whole, about 150 bytes per character while the `tokenizers` library works (generation
 requests read only the head of such a text; engine/tokenizer.py).
+
+vLLM has no counterpart: its API server reads each request body whole and puts no bound on the bytes of the
+bodies it holds at once.
 """
 
 from __future__ import annotations

@@ -10,6 +10,10 @@ that keeps non-ASCII characters, `strftime_now(fmt)`, and the variables `message
 
 Without a template the server uses `PLAIN_CHAT_TEMPLATE`: one line `role: content` per message, then
 `assistant: ` when a generation prompt is asked for.
+
+Left out: multimodal content parts (images, audio, video), tools and tool calls passed to the template,
+`chat_template_kwargs`, a template given on the command line (`--chat-template`), and the detection of the
+template's content format (a list of text parts is joined into one string here).
 """
 
 from __future__ import annotations

@@ -15,6 +15,10 @@ the model does not implement, a config value of the wrong type, a truncated or c
 an unreadable file) is one `CheckpointError`, a ValueError whose message names the file and the key:
 every safetensors read goes through `_reading`, which turns the library's SafetensorError, an OSError
 (a failed read or mmap) and a malformed header into one.
+
+Left out: hub downloads, PyTorch `.bin` / `.pt` weights, sharding weights across tensor-parallel ranks at
+load, quantized safetensors checkpoints (AWQ, GPTQ, FP8, ...), and vLLM's other loaders (tensorizer,
+bitsandbytes, sharded state, the Run:ai streamer); GGUF files are read by gguf_checkpoint.py.
 """
 
 from __future__ import annotations

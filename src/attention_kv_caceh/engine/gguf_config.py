@@ -24,6 +24,10 @@ Refused, naming the key: a missing or mistyped required key, per-layer head coun
 over part of a head (`rope.dimension_count` below head_dim), RoPE scaling (`rope.scaling.type` other
 than none, or llama3's `rope_freqs.weight` tensor), a sliding window, mixture-of-experts, and values
 ModelConfig refuses (heads that do not divide, ...).
+
+Left out: the many other architectures transformers maps (Qwen2-MoE, Phi-3, Gemma, Falcon, ...), RoPE scaling
+from GGUF metadata (a config.json's llama3 scaling is honoured, model_config.py), and transformers' conversion
+of the GGUF vocabulary into a fast tokenizer, which gguf_tokenizer.py does here.
 """
 
 from __future__ import annotations

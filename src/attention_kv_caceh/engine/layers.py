@@ -12,6 +12,11 @@ are their oracles.
 
 Shape legend (as in `attention_kv_caceh.attention`): N tokens of a flattened batch, H query heads,
 H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
+
+Left out: the tensor-parallel linear classes (column / row parallel, their weight loaders), quantized linear
+methods other than GGUF blocks (AWQ, GPTQ, FP8), RoPE variants other than plain and llama3 (YaRN, dynamic NTK,
+multimodal RoPE), LayerNorm and other activations (GELU, ...), and the vocabulary-parallel embedding and
+logits processor.
 """
 
 from __future__ import annotations

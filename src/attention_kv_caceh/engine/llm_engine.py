@@ -9,6 +9,10 @@ per-step numbers vLLM's Prometheus metrics and its scheduler stats are made of.
 The model side is reached through two small protocols so tests can inject a fake: a `ModelRunnerLike` with
 `execute_model(SchedulerOutput) -> logits [R, V]` (row i = logits after the last scheduled token of
 scheduled_requests[i]) and, optionally, a `TokenizerLike` with `decode(ids) -> str` and `eos_token_id`.
+
+Left out: vLLM's input processor (add_request takes token ids), parallel sampling (`n` > 1), LoRA, multimodal
+inputs, pooling, a multiprocess core (vLLM's LLMEngine can use an MPClient; this one is always in-process),
+and the stat loggers.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Presets (shapes in PRESETS):
 The tokenizer is a byte-level BPE trained on `TRAINING_TEXT`; it has fewer ids than either vocabulary,
 so the rows above it are padding (as in real checkpoints whose vocab_size is rounded up), scaled down
 by 10 in the LM head so that greedy decoding mostly picks tokens that decode to text.
+
+vLLM has no counterpart that writes a checkpoint: its `--load-format dummy` fills a real model config with
+random weights in memory, and its tests download small models from the hub.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ things of glibc's malloc keep such memory resident after the request has freed i
   free pages of every arena; the server calls it after a body of 256 KiB or more.
 
 Both are no-ops off glibc (musl and macOS have no mallopt/malloc_trim of this kind).
+
+vLLM has no counterpart in its code: for its CPU backend its documentation recommends preloading TCMalloc
+(`LD_PRELOAD`) in place of glibc's allocator.
 """
 
 from __future__ import annotations

@@ -16,6 +16,13 @@ With speculative decoding on (`num_speculative_tokens` > 0), vLLM's spec-decode 
 `vllm:spec_decode_num_draft_tokens`, `vllm:spec_decode_num_accepted_tokens` and
 `vllm:spec_decode_num_accepted_tokens_per_pos` with a `position` label 0 .. K - 1 (definitions in
 `spec_decode/metrics.py`); they exist from startup, at 0, so a client can diff them around a run.
+
+Left out: vLLM's LoggingStatLogger (the periodic log line), the per-request phase histograms
+(`vllm:request_prefill_time_seconds`, `_decode_time_seconds`, `_inference_time_seconds`,
+`vllm:request_time_per_output_token_seconds`), the per-request token and parameter histograms
+(`vllm:request_prompt_tokens`, `vllm:request_generation_tokens`, `vllm:request_params_n`,
+`vllm:request_params_max_tokens`), the LoRA info gauge, KV-connector and external prefix-cache counters, and
+the `engine` label of data-parallel engines.
 """
 
 from __future__ import annotations

@@ -1,9 +1,14 @@
 """ModelConfig: the architecture settings of a Hugging Face `config.json` that the NumPy model implements.
 
-What vLLM's `transformers_utils/config.py` + `config/model.py` do for one folder: read the keys the
-Llama / Mistral / Qwen2 / Qwen3 classes of Hugging Face transformers define (`LlamaConfig` etc.), fill
-their documented defaults, and refuse, with one CheckpointError naming the file and key, a setting the
-NumPy model would silently get wrong (another architecture, activation, RoPE scaling, sliding window).
+What vLLM's `transformers_utils/config.py` + `config/model.py` do for one folder: read the keys the Llama /
+Mistral / Qwen2 / Qwen3 classes of Hugging Face transformers define (`LlamaConfig` etc.), fill their
+documented defaults, and refuse, with one CheckpointError naming the file and key, a setting the NumPy model
+would silently get wrong (another architecture, activation, a RoPE scaling other than llama3's, sliding
+window).
+
+Left out: hub configs and `trust_remote_code`, every architecture but these four, RoPE scaling other than
+llama3's, sliding windows, mixture-of-experts, quantization configs, and the rest of vLLM's ModelConfig (dtype
+resolution, max_model_len derivation, tokenizer mode, pooling and multimodal settings).
 """
 
 from __future__ import annotations

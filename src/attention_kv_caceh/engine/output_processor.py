@@ -16,6 +16,10 @@ token, as vLLM does.
 
 Thread-safety: the event loop adds requests and reads streams; the thread that runs `process_outputs`
 (AsyncLLM's output thread) removes finished ones; a lock guards the table.
+
+Left out: vLLM's output kinds other than deltas (CUMULATIVE and FINAL_ONLY), parallel sampling's ParentRequest
+aggregation (`n` is fanned out by serving_response.py), pooling outputs, LoRA request states, and tracing
+(OpenTelemetry spans).
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ runner builds and validates a step's metadata once (`ModelRunner.prepare_inputs`
 
 Shape legend: N scheduled tokens (all requests, flattened), R scheduled requests, H query heads, H_kv
 KV heads, D head dim, T a request's context length, max_blocks the longest block table.
+
+Left out: the GPU backends (FlashAttention, FlashInfer, Triton) and a fused varlen kernel for prefill (a
+prefill here gathers its blocks into a copy), cascade attention, sliding windows, ALiBi, logit soft-capping,
+an FP8 KV cache, and the multi-partition `paged_attention_v2`.
 """
 
 from __future__ import annotations

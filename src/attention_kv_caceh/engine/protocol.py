@@ -21,6 +21,11 @@ UTF-8 (a lone UTF-16 surrogate such as "\ud800" is refused). `validation_error` 
 one plain sentence naming the field and its accepted forms. Errors use OpenAI's body:
 `{"error": {"message", "type", "param", "code"}}`, with the `type` names the openai client gives its
 exceptions and the HTTP status as `code` (as vLLM does).
+
+Left out: the request bodies of vLLM's other endpoints (embeddings, pooling, score and rerank, transcription,
+the Responses API), and of these two vLLM's extra fields for structured outputs, beam search, `min_p`,
+`prompt_logprobs`, `truncate_prompt_tokens`, tools and multimodal content; such a field is refused or warned
+about as above.
 """
 
 from __future__ import annotations

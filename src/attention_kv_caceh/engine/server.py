@@ -44,6 +44,10 @@ counted whole but its list of ids is built only up to `max_model_len`, so what i
 is bounded by the context, not by the body. A core slow to read its input makes the sends queue (see
 core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
 more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
+
+Left out: vLLM's other endpoints (embeddings, pooling, score and rerank, audio, the Responses API, LoRA
+loading, sleep / wake_up, profiling, `/version`, `/tokenizer_info`), TLS and CORS options, and several
+API-server processes (`--api-server-count`).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ size. `sampling_params_for` turns a request body into the engine's SamplingParam
 `stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
 chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
 response bodies are in serving_response.py.
+
+Left out: tool calling and its parsers, reasoning parsers, structured outputs (`response_format`, refused),
+beam search, multimodal content, LoRA model names, a request-level chat template (refused), and `best_of` and
+`suffix` (refused).
 """
 
 from __future__ import annotations

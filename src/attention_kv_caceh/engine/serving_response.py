@@ -9,6 +9,9 @@ sorted by index. Usage counts each prompt once and every completion token. `echo
 (and, with logprobs, its tokens' logprobs, the first null) before each choice's text; `max_tokens: 0`
 with `echo` returns the prompt alone (the engine samples one token, which is dropped, as vLLM does).
 Logprobs objects come from logprobs.py.
+
+Left out: ParentRequest's place in vLLM (inside the output processor, so the engine's front end gathers the
+samples and counts `n` in its metrics; here the HTTP layer does it), and beam search.
 """
 
 from __future__ import annotations

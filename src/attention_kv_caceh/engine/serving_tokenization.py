@@ -5,6 +5,9 @@ millions of ids. As Python ints in a list, then a copy FastAPI makes to encode i
 they cost about 60 bytes a token, 30 times the body. Here each piece of ids the tokenizer yields
 (`Tokenizer.encode_pieces`) is written to the JSON bytes at once with msgspec and dropped, so the answer
 costs about its own size.
+
+Left out: vLLM's `/tokenizer_info`, and the chat form's tools, multimodal parts and `chat_template_kwargs`;
+the requests themselves are checked in server.py (/tokenize, /detokenize).
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ TPOT are medians over the runs, and their ratios medians of each pair's ratio. B
 with drafts, must produce the same tokens (greedy, or the same seeded draws: speculation changes no
 token, see spec_decode/rejection_sampler.py), and so must every request of every timed pair;
 otherwise OracleMismatch is raised and nothing is reported. Nothing here prints.
+
+Left out: vLLM's dataset loaders (the prompts come from the caller), draft methods other than `ngram`, and the
+online benchmark (`vllm bench serve`) against a server with speculation on.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@ inter-token latency between consecutive token-bearing messages of a request; que
 the start of the first core step that scheduled it (the core's clock: time.monotonic() is one clock for
 every process of the machine); E2E latency from arrival to the moment the front end received the
 finishing output. Times are `time.monotonic()` differences in seconds.
+
+Left out: SchedulerStats (the core's StepStats plays its part, core.py), the per-request phase times (prefill,
+decode, inference, mean time per output token) and `max_tokens` of vLLM's FinishedRequestStats,
+IterationStats' `n` of each new request, LoRA request states, and KV-connector and multimodal-cache stats.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """A few kilobytes of plain English, written for this project, that `make_model` trains its tokenizer on.
 
 Fixed text, so the byte-level BPE that `write_random_checkpoint` trains is the same on every machine.
+
+vLLM has no counterpart: it never trains a tokenizer; a checkpoint's `tokenizer.json` or GGUF vocabulary is
+used as shipped.
 """
 
 from __future__ import annotations

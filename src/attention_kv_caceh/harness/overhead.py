@@ -9,8 +9,7 @@ Client and server share this machine's cores, so the error includes the server's
 
     uv run attention-kv-caceh overhead [--concurrency 1 64 256] [--json out.json]
 
-(`python -m attention_kv_caceh.harness.overhead` still runs it.) The command line is `cli/overhead.py`;
-this module measures and returns rows. A benchmark, not a test: it asserts nothing.
+The command line is `cli/overhead.py`; this module measures and returns rows. A benchmark, not a test: it asserts nothing.
 """
 
 from __future__ import annotations
@@ -101,11 +100,3 @@ def measure_overhead(
             "samples_per_run": samples,
         }
     return row
-
-
-if __name__ == "__main__":  # the old spelling of `attention-kv-caceh overhead`
-    from sys import argv
-
-    from attention_kv_caceh.cli import main
-
-    raise SystemExit(main(["overhead", *argv[1:]]))

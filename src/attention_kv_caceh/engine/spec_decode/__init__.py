@@ -11,4 +11,7 @@ The scheduler schedules drafts (`Request.spec_token_ids`) in the token budget, t
 logits at each request's last token and every draft in the same flattened batch, and the engine core
 verifies, rolls back the rejected positions and proposes the next drafts (scheduler.py, model_runner.py,
 core.py).
+
+Left out: the draft-model, EAGLE / EAGLE-3, MTP, Medusa and suffix-decoding proposers, tree attention, and a
+Triton rejection sampler over the whole batch.
 """

@@ -21,6 +21,9 @@ Corresponds to vLLM's `vllm/config/speculative.py` (SpeculativeConfig, its `__po
 
 Any other key is refused, naming it: vLLM's own other fields tune draft models, tree attention or
 GPU padding, none of which exists here, and an unknown key is an error in vLLM too.
+
+Left out: every method but `ngram` and the fields that configure them (a draft model's path, revision,
+parallelism, quantization and max_model_len; EAGLE's tree), and the settings that tune drafting on a GPU.
 """
 
 from __future__ import annotations

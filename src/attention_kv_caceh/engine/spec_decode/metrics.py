@@ -13,6 +13,9 @@ logger and `vllm bench serve` print). Per step, over the requests that verified 
 From sums over a run: acceptance rate = accepted / draft tokens; mean acceptance length = 1 +
 accepted / drafts (tokens a verified step yields per request, the bonus or corrected token included);
 per-position acceptance rate = accepted_per_pos[i] / drafts.
+
+Left out: vLLM's SpecDecodingLogging (the periodic log line of acceptance rates); SpecDecodingProm, the
+Prometheus counters, is in engine/metrics.py.
 """
 
 from __future__ import annotations

@@ -25,6 +25,10 @@ p(t) / (1 - p(d)) for t != d and 0 for d. Here P(accept) = P(t_j = d) = p(d), an
 t_j is distributed as p restricted to t != d and renormalized: the same two distributions. What this
 form adds: one draw of the generator per emitted token, as without speculation, so a seeded request
 yields the same tokens with and without speculation wherever the logits are equal.
+
+Left out: drafts that come with a draft distribution (a draft model or EAGLE: acceptance by min(1, p / q) and
+the residual draw from max(0, p - q)), and vLLM's batched kernels over every request's drafts at once (here
+one request at a time).
 """
 
 from __future__ import annotations
