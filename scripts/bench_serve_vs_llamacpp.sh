@@ -12,7 +12,9 @@
 #
 # LLAMA_SERVER: llama.cpp's server binary, built in a scratch environment (never this project's; for
 # example from PyPI's llama-cpp-python sources, see docs/results.md). LLAMACPP_PYTHON instead: a
-# Python with `llama-cpp-python[server]` (llama-cpp-python's own OpenAI server over the same library).
+# Python with `llama-cpp-python[server]` (llama-cpp-python's own OpenAI server over the same library;
+# it runs one request at a time, and is started with --interrupt_requests False, since by default a new
+# request cuts the stream of the running one short).
 # Environment: MODEL (a GGUF file or model name; default smollm2), PAIRS (3), OUT
 # (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (1),
 # SLOTS (8), LLAMA_PORT (8300), SERVE_PORT (8200).
@@ -41,7 +43,7 @@ if [ -n "${LLAMA_SERVER:-}" ]; then
 else
   : "${LLAMACPP_PYTHON:?set LLAMA_SERVER (the llama-server binary) or LLAMACPP_PYTHON}"
   setsid "$LLAMACPP_PYTHON" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" \
-    --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
+    --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$CTX" --interrupt_requests False > "$OUT/llamacpp-server.log" 2>&1 &
   "$LLAMACPP_PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" > "$OUT/versions.txt"
 fi
 pids+=($!)
@@ -54,8 +56,28 @@ for port in "$LLAMA_PORT" "$SERVE_PORT"; do
 done
 echo "threads: llama.cpp $THREADS compute thread(s), $SLOTS slots; serve: one engine-core thread (BLAS pinned to 1)" \
   | tee -a "$OUT/versions.txt"
+# llama-cpp-python's server takes a prompt only as text (a list of token ids is refused with HTTP 500),
+# while the harness sends its exact-length prompts as ids: with LLAMACPP_PYTHON both sides instead get
+# the same text prompts from a dataset per run (PROMPT_LEN token ids of the model's tokenizer drawn at
+# random and decoded; the harness counts the tokens of the text, which are close to PROMPT_LEN).
+text_prompts() {  # text_prompts SEED N FILE
+  uv run python - "$MODEL" "$1" "$2" "$PROMPT_LEN" "$OUTPUT_LEN" "$3" <<'PY'
+import asyncio, json, random, sys
+from attention_kv_caceh.harness.prompts import local_tokenizer
+model, seed, n, prompt_len, output_len, path = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+tok, rng = local_tokenizer(model), random.Random(seed)
+rows = [asyncio.run(tok.decode([rng.randrange(1000, 40000) for _ in range(prompt_len)])) for _ in range(n)]
+with open(path, "w") as f:
+    f.writelines(json.dumps({"prompt": r, "output_len": output_len}) + "\n" for r in rows)
+PY
+}
 for pair in $(seq "$PAIRS"); do
   for c in ${@:-1 8}; do
+    dataset=()
+    if [ -z "${LLAMA_SERVER:-}" ]; then
+      text_prompts "$((pair * 1000 + c))" "$((c * 2))" "$OUT/prompts-c$c-p$pair.jsonl"
+      dataset=(--dataset "$OUT/prompts-c$c-p$pair.jsonl")
+    fi
     for server in llamacpp:$LLAMA_PORT serve:$SERVE_PORT; do
       name=${server%%:*}; port=${server##*:}
       echo "$name c$c pair $pair: load $(cut -d' ' -f1 /proc/loadavg)"
@@ -63,7 +85,7 @@ for pair in $(seq "$PAIRS"); do
         --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" --num-requests "$((c * 2))" --concurrency "$c" \
         --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --warmup-requests 0 \
         --temperature "$TEMPERATURE" --seed "$((pair * 1000 + c))" --label "$name-c$c-p$pair" \
-        --summary-json "$OUT/$name-c$c-p$pair.json" > "$OUT/$name-c$c-p$pair.log" 2>&1
+        "${dataset[@]}" --summary-json "$OUT/$name-c$c-p$pair.json" > "$OUT/$name-c$c-p$pair.log" 2>&1
     done
   done
 done
