@@ -241,6 +241,19 @@ class TraceCommandTest(unittest.TestCase):
                 self.assertEqual(cli.main(["harness", "--trace-speedup", "2"]), 2)
             self.assertIn("--trace-speedup needs --trace", err.getvalue())
             with contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(cli.main(["harness", "--trace-format", "timed-trace"]), 2)
+            self.assertIn("--trace-format needs --trace", err.getvalue())
+            # the rows give the lengths: a length flag is refused, for harness and sweep alike
+            for command in (["harness"], ["sweep", "--out-dir", str(Path(tmp) / "sw")]):
+                for flag in ("--prompt-len", "--output-len"):
+                    with self.subTest(command=command[0], flag=flag):
+                        argv = [*command, "--trace", str(path), "--trace-block-size", "16", flag, "50"]
+                        with contextlib.redirect_stderr(io.StringIO()) as err:
+                            self.assertEqual(cli.main(argv), 2)
+                        self.assertIn(flag, err.getvalue())
+                        self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+            self.assertFalse((Path(tmp) / "sw").exists())
+            with contextlib.redirect_stderr(io.StringIO()) as err:
                 argv = ["harness", "--trace", str(path), "--trace-block-size", "16", "--num-requests", "9"]
                 self.assertEqual(cli.main(argv), 2)
             self.assertIn("has only 4 rows", err.getvalue())
