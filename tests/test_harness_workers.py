@@ -21,10 +21,12 @@ from typing import Any
 from attention_kv_caceh.harness.backends import RequestSpec
 from attention_kv_caceh.harness.client_cpu import CpuSpan, client_cpu_summary, client_cpu_warning
 from attention_kv_caceh.harness.load import LengthRange
+from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
 from attention_kv_caceh.harness.scripted_server import Script, ScriptedServer, timed_token_script
 from attention_kv_caceh.harness.workers import (  # pyright: ignore[reportPrivateUsage]
     _merge_in_flight,
+    cut_short,
     spawn_worker,
     split_load,
 )
@@ -74,6 +76,21 @@ class SplitTest(unittest.TestCase):
         finally:
             ours.close()
             self.assertEqual(proc.wait(timeout=60), 0)
+
+    def test_requests_failed_after_ctrl_c_are_cut_short_not_server_failures(self) -> None:
+        def record(status: str, end_ns: int) -> RequestRecord:
+            r = RequestRecord(0, 100)
+            r.sent_ns, r.stream_end_ns = 110, end_ns
+            if status != "ok":
+                r.fail(status, "the server is shutting down", end_ns)
+            else:
+                r.status = status
+            return r
+
+        interrupt = 1000
+        self.assertTrue(cut_short(record("http_error", 1001), interrupt))  # the server shutting down
+        self.assertFalse(cut_short(record("http_error", 999), interrupt))  # a failure before Ctrl-C
+        self.assertFalse(cut_short(record("ok", 1001), interrupt))  # a whole request is a sample
 
     def test_config_refuses_what_workers_cannot_split(self) -> None:
         for kwargs, message in (

@@ -45,7 +45,7 @@ from attention_kv_caceh.harness.client_cpu import CpuClock, CpuSpan
 from attention_kv_caceh.harness.load import InFlightTracker, run_requests
 from attention_kv_caceh.harness.records import RequestRecord
 
-__all__ = ["WorkerLoad", "WorkerPlan", "run_worker_load", "spawn_worker", "split_load"]
+__all__ = ["WorkerLoad", "WorkerPlan", "cut_short", "run_worker_load", "spawn_worker", "split_load"]
 
 _START_LEAD_NS = 20_000_000  # the shared start is this far ahead of the parent's clock when sent
 FLUSH_S = 0.1  # a worker's finished records reach the parent within this (plus the socket's delay)
@@ -355,6 +355,18 @@ class _Pool:
                 return
 
 
+def cut_short(record: RequestRecord, interrupted_ns: int) -> bool:
+    """True for a failed request whose stream ended after the parent was interrupted at `interrupted_ns`
+    (perf_counter_ns): the workers ignore SIGINT and run on until told to stop, while a server in the
+    same process group (the engine backend's `serve`) already refuses or ends requests as it shuts down
+    ("the server is shutting down", HTTP 503). One process cancels such requests at Ctrl-C and records
+    none of them; so does the parent of the workers, rather than count them as server failures."""
+    if record.ok:
+        return False
+    end = record.stream_end_ns or record.finish_ns or record.sent_ns or record.arrival_ns
+    return end >= interrupted_ns
+
+
 async def run_worker_load(
     plans: Sequence[WorkerPlan],
     on_record: Callable[[RequestRecord], None] | None = None,
@@ -368,8 +380,11 @@ async def run_worker_load(
     pool = await asyncio.to_thread(_Pool, plans)
     stop = threading.Event()
     records: list[RequestRecord] = []
+    interrupted_ns: list[int] = []  # when this was cancelled (Ctrl-C), once it was
 
     def deliver(record: RequestRecord) -> None:
+        if interrupted_ns and cut_short(record, interrupted_ns[0]):
+            return  # as one process cancels the requests in flight at Ctrl-C, unrecorded
         records.append(record)
         if on_record is not None:
             loop.call_soon_threadsafe(on_record, record)
@@ -384,6 +399,9 @@ async def run_worker_load(
             on_start(start_ns)
         collecting = collector.submit(pool.collect, deliver, stop)
         finals = await asyncio.wrap_future(collecting)
+    except asyncio.CancelledError:
+        interrupted_ns.append(perf_counter_ns())
+        raise
     finally:
         stop.set()  # interrupted: the workers stop and send what they finished
         if collecting is not None:
