@@ -168,6 +168,7 @@ class _Sweep:
         self.environment = capture_environment()
         self.runs = 0
         self.failed_requests = 0
+        self.partial: dict[str, Any] | None = None  # the interrupted run's files: {"jsonl", "records"}
 
     def run_point(self, concurrency: int, rate: float, repeat: int, name: str) -> dict[str, Any]:
         """One harness run; its files written; its row added and returned. Ctrl-C: the run's finished
@@ -242,6 +243,7 @@ class _Sweep:
     ) -> None:
         if not sink.opened or not finished:
             return
+        self.partial = {"jsonl": jsonl.name, "records": sink.count}
         meta = {
             "kind": "serving-harness",
             "status": "interrupted",
@@ -381,7 +383,16 @@ def _sweep(
                     r = float(value) if axis == "request_rate" else base.request_rate
                     sweep.run_point(c, r, repeat, _name(axis, value, repeat))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; {len(sweep.rows)} finished runs kept in {sweep.out}", file=sys.stderr)
+        partial = (
+            ""
+            if sweep.partial is None
+            else f", and the interrupted run's {sweep.partial['records']} finished requests in "
+            f"{sweep.partial['jsonl']} (status interrupted)"
+        )
+        print(
+            f"{PROG}: interrupted; {len(sweep.rows)} finished runs kept in {sweep.out}{partial}",
+            file=sys.stderr,
+        )
         code = 130
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, keep what finished
         stdout_closed()
@@ -472,6 +483,8 @@ def _finish(
         doc["environment"] = sweep.environment
         if code == 130:
             doc["interrupted"] = True
+            if sweep.partial is not None:
+                doc["interrupted_run"] = sweep.partial
         written.append(str(write_json_atomic(sweep.out / "sweep.json", doc)))
     except OSError as exc:
         failed = exc
