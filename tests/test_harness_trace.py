@@ -11,6 +11,7 @@ import json
 import tempfile
 import unittest
 from pathlib import Path
+from unittest import mock
 from typing import Any
 
 from hypothesis import given, settings
@@ -269,6 +270,26 @@ class TraceCommandTest(unittest.TestCase):
                 self.assertIn(f"--trace {str(trace)!r}", err.getvalue())  # the output names the input
                 self.assertIn("--jsonl", err.getvalue())
                 self.assertEqual(trace.read_bytes(), before)
+
+
+class TraceWarningsTest(unittest.TestCase):
+    def test_the_advice_names_the_flags_a_trace_run_takes(self) -> None:
+        # every warning fires (thresholds below any value): lateness, and the client's own CPU; a
+        # trace takes no --request-rate, the simulated backend no --workers
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch("attention_kv_caceh.harness.summary.LATENESS_WARN_MS", -1.0),
+            mock.patch("attention_kv_caceh.harness.client_cpu.CLIENT_BUSY_WARN", -1.0),
+        ):
+            trace = TraceSettings(str(_write(Path(tmp), ROWS)), "mooncake", 16, 20.0)
+            config = HarnessConfig(num_requests=4, prefill_ms=1, per_token_ms=1, trace=trace)
+            warnings: list[str] = asyncio.run(run_harness(config)).summary["warnings"]
+        lateness = [w for w in warnings if "lateness" in w]
+        busy = [w for w in warnings if "bottleneck" in w]
+        self.assertEqual((len(lateness), len(busy)), (1, 1), warnings)
+        self.assertIn("--trace-speedup", lateness[0])
+        self.assertNotIn("--request-rate", lateness[0])
+        self.assertNotIn("--workers 2", busy[0])
 
 
 class EngineTraceTest(unittest.TestCase):
