@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from attention_kv_caceh.harness.repeats import (
     HEADLINE_METRICS,
+    MAX_REPEATS,
     confidence_interval,
     repeat_intervals,
     t_central_probability,
@@ -139,9 +140,15 @@ class RepeatsCommandTest(unittest.TestCase):
     def test_repeats_out_of_range_exit_2(self) -> None:
         from attention_kv_caceh import cli
 
-        with contextlib.redirect_stderr(io.StringIO()) as err:
-            self.assertEqual(cli.main(["harness", "--repeats", "0"]), 2)
-        self.assertIn("--repeats must be in [1, 1000]", err.getvalue())
+        # one rule for harness and sweep: 1 to MAX_REPEATS
+        with tempfile.TemporaryDirectory() as tmp:
+            for command in (["harness"], ["sweep", "--out-dir", str(Path(tmp) / "sw")]):
+                for repeats in (0, MAX_REPEATS + 1):
+                    with self.subTest(command=command[0], repeats=repeats):
+                        with contextlib.redirect_stderr(io.StringIO()) as err:
+                            self.assertEqual(cli.main([*command, "--repeats", str(repeats)]), 2)
+                        self.assertIn(f"[1, {MAX_REPEATS}]", err.getvalue())
+            self.assertFalse((Path(tmp) / "sw").exists())
 
 
 if __name__ == "__main__":

@@ -238,6 +238,13 @@ class TraceCommandTest(unittest.TestCase):
             self.assertEqual(summary["num_requests"], 4)  # every row without --num-requests
             self.assertEqual(summary["trace_prefix"]["verdict"], "not measured")
             self.assertIn("ideal hits 64 of 141 tokens", out.getvalue())
+            self.assertNotIn("could not be read", out.getvalue())  # the simulated server has no counters
+            one = _write(Path(tmp), ROWS[:1], "one.jsonl")
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                argv = ["harness", "--trace", str(one), "--trace-block-size", "16", "--num-requests", "2"]
+                self.assertEqual(cli.main(argv), 2)
+            self.assertIn("only 1 row", err.getvalue())
+            self.assertNotIn("1 rows", err.getvalue())
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 self.assertEqual(cli.main(["harness", "--trace-speedup", "2"]), 2)
             self.assertIn("--trace-speedup needs --trace", err.getvalue())

@@ -48,6 +48,7 @@ from attention_kv_caceh.files import (
 from attention_kv_caceh.harness.load import SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.repeats import MAX_REPEATS
 from attention_kv_caceh.harness.run import HarnessConfig, ModelDiscoveryError, RunResult, run_harness
 from attention_kv_caceh.harness.server_counters import reset_prefix_cache
 from attention_kv_caceh.harness.summary import summarize_run
@@ -79,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for every run's JSONL and summary, sweep.csv, sweep.png, pareto.png, sweep.json (created; files "
         "of the same names are replaced) (default: none, required)",
     )
-    g.add_argument("--repeats", type=int, default=1, help="runs per point (default: %(default)s)")
+    g.add_argument(
+        "--repeats", type=int, default=1, help=f"runs per point, at most {MAX_REPEATS} (default: %(default)s)"
+    )
     g.add_argument(
         "--slo",
         nargs="+",
@@ -301,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep from parsed `args`; returns the exit code (module docstring). Raises UsageError for
     bad input, before any file is written or server started."""
     axis = _axis(args)
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.repeats <= MAX_REPEATS:  # the rule of harness --repeats
+        raise UsageError(f"--repeats must be in [1, {MAX_REPEATS}], got {args.repeats}")
     if args.slo:
         if args.repeats != 1:
             raise UsageError(f"--repeats {args.repeats}: the SLO search runs each rate once")
