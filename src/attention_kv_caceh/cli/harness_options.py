@@ -7,12 +7,12 @@ import argparse
 
 from attention_kv_caceh.harness.config import MAX_WORKERS, HarnessConfig
 from attention_kv_caceh.harness.repeats import MAX_REPEATS
-from attention_kv_caceh.harness.trace import TRACE_FORMATS, TraceSettings, read_trace
+from attention_kv_caceh.harness.trace import TRACE_FORMATS, TraceFormat, TraceSettings, read_trace
 
 __all__ = ["DEFAULT_NUM_REQUESTS", "add_arguments", "num_requests", "setup_words", "trace_settings"]
 
 DEFAULT_NUM_REQUESTS = 16
-DEFAULT_TRACE_FORMAT = "mooncake"
+DEFAULT_TRACE_FORMAT: TraceFormat = "mooncake"
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:
@@ -95,7 +95,7 @@ def trace_settings(args: argparse.Namespace) -> TraceSettings | None:
                     f"{flag} {value}: the trace's rows give every request's lengths (it would shape only "
                     "--warmup-requests, and there are none)"
                 )
-    fmt: str = args.trace_format or DEFAULT_TRACE_FORMAT
+    fmt: TraceFormat = args.trace_format or DEFAULT_TRACE_FORMAT
     return TraceSettings(args.trace, fmt, args.trace_block_size, args.trace_speedup)
 
 

@@ -26,11 +26,11 @@ from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.timing import summarize_samples
 
 __all__ = [
-    "SLOWER_RATE",
-    "SLOWER_TRACE",
     "LATENESS_WARN_MS",
     "METRIC_NAMES",
     "PROMPT_OFF_WARN_PCT",
+    "SLOWER_RATE",
+    "SLOWER_TRACE",
     "STAT_KEYS",
     "second_bucket_peaks",
     "stats_with_vllm_names",
