@@ -19,8 +19,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
+from collections.abc import Callable
 from pathlib import Path
+
+from attention_kv_caceh.files import atomic_write_text
 
 
 def make_trace(args: argparse.Namespace) -> list[dict[str, object]]:
@@ -63,25 +67,66 @@ def make_trace(args: argparse.Namespace) -> list[dict[str, object]]:
     return rows
 
 
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    positive, count = _int_at_least(1), _int_at_least(0)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--rows", type=int, default=200)
-    p.add_argument("--block-size", type=int, default=16, help="tokens per hash id")
-    p.add_argument("--sessions", type=int, default=24)
-    p.add_argument("--system-prompts", type=int, default=3)
-    p.add_argument("--system-blocks", type=int, default=8)
-    p.add_argument("--turn-blocks", type=int, default=2)
-    p.add_argument("--unique-blocks", type=int, default=2)
-    p.add_argument("--max-blocks", type=int, default=40, help="a conversation restarts past this")
-    p.add_argument("--min-output", type=int, default=4)
-    p.add_argument("--max-output", type=int, default=16)
-    p.add_argument("--rate", type=float, default=20.0, help="requests/s (Poisson)")
+    p.add_argument("--rows", type=positive, default=200)
+    p.add_argument("--block-size", type=positive, default=16, help="tokens per hash id")
+    p.add_argument("--sessions", type=positive, default=24)
+    p.add_argument("--system-prompts", type=positive, default=3)
+    p.add_argument("--system-blocks", type=count, default=8)
+    p.add_argument("--turn-blocks", type=count, default=2)
+    p.add_argument("--unique-blocks", type=count, default=2)
+    p.add_argument(
+        "--max-blocks",
+        type=positive,
+        default=40,
+        help="a conversation restarts past this; no prompt has more blocks",
+    )
+    p.add_argument("--min-output", type=positive, default=4)
+    p.add_argument("--max-output", type=positive, default=16)
+    p.add_argument("--rate", type=_positive_float, default=20.0, help="requests/s (Poisson)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if args.min_output > args.max_output:
+        p.error(f"--min-output {args.min_output} is above --max-output {args.max_output}")
+    fewest = args.system_blocks + args.turn_blocks + args.unique_blocks  # a new conversation's first prompt
+    if fewest < 1:
+        p.error("--system-blocks, --turn-blocks and --unique-blocks are all 0: a prompt needs a block")
+    if args.max_blocks < fewest:
+        p.error(
+            f"--max-blocks {args.max_blocks}: a conversation's first prompt already has {fewest} blocks "
+            "(--system-blocks + --turn-blocks + --unique-blocks)"
+        )
     rows = make_trace(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    try:
+        atomic_write_text(args.out, "".join(json.dumps(row) + "\n" for row in rows))
+    except OSError as exc:
+        p.error(f"--out {args.out}: {exc.strerror or exc}")
     print(f"wrote {len(rows)} rows to {args.out}")
     return 0
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from attention_kv_caceh.harness.repeats import (
     HEADLINE_METRICS,
+    MAX_REPEATS,
     confidence_interval,
     repeat_intervals,
     t_central_probability,
@@ -119,18 +120,35 @@ class RepeatsCommandTest(unittest.TestCase):
                 self.assertEqual(len((out / f"x-r{i}.jsonl").read_text().splitlines()), 6)
             self.assertFalse((out / "x.jsonl").exists())
             report = build_report(tmp, out / "REPORT.md", plot=False).markdown
+            # a repeat cut short by Ctrl-C (its metadata says so) is left out of the intervals
+            meta_file = out / "x-r1.jsonl.meta.json"
+            meta = json.loads(meta_file.read_text())
+            meta_file.write_text(json.dumps(meta | {"status": "interrupted"}))
+            cut = build_report(tmp, out / "REPORT2.md", plot=False).markdown
         self.assertIn("### Repeats of `x.jsonl`: 3 of 3 repeats", report)
         ci = doc["intervals"]["request_throughput"]
         self.assertIn(
             f"| request_throughput | 3 | {ci['mean']:.4g} | [{ci['low']:.4g}, {ci['high']:.4g}]", report
         )
+        heading = next(line for line in cut.splitlines() if line.startswith("### Repeats of"))
+        self.assertIn("2 of 3 repeats", heading)
+        self.assertIn("1 left out", heading)
+        kept = [doc["runs"][0]["request_throughput"], doc["runs"][2]["request_throughput"]]
+        two = confidence_interval(kept)
+        self.assertIn(f"| request_throughput | 2 | {two['mean']:.4g} |", cut)
 
     def test_repeats_out_of_range_exit_2(self) -> None:
         from attention_kv_caceh import cli
 
-        with contextlib.redirect_stderr(io.StringIO()) as err:
-            self.assertEqual(cli.main(["harness", "--repeats", "0"]), 2)
-        self.assertIn("--repeats must be in [1, 1000]", err.getvalue())
+        # one rule for harness and sweep: 1 to MAX_REPEATS
+        with tempfile.TemporaryDirectory() as tmp:
+            for command in (["harness"], ["sweep", "--out-dir", str(Path(tmp) / "sw")]):
+                for repeats in (0, MAX_REPEATS + 1):
+                    with self.subTest(command=command[0], repeats=repeats):
+                        with contextlib.redirect_stderr(io.StringIO()) as err:
+                            self.assertEqual(cli.main([*command, "--repeats", str(repeats)]), 2)
+                        self.assertIn(f"[1, {MAX_REPEATS}]", err.getvalue())
+            self.assertFalse((Path(tmp) / "sw").exists())
 
 
 if __name__ == "__main__":

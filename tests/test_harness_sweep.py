@@ -213,6 +213,29 @@ class SweepCommandTest(unittest.TestCase):
         self.assertTrue((self.out / "c1-r0.summary.json").is_file())
         self.assertTrue(json.loads((self.out / "sweep.json").read_text())["interrupted"])
 
+    def test_interrupt_keeps_the_records_the_interrupted_point_finished(self) -> None:
+        real = harness_run.run_harness
+        calls = [0]
+
+        async def second_interrupted_after_its_records(config: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            result = await real(config, **kwargs)
+            if calls[0] == 2:
+                raise KeyboardInterrupt  # Ctrl-C once the point's requests finished, before it ends
+            return result
+
+        with mock.patch("attention_kv_caceh.cli.sweep.run_harness", second_interrupted_after_its_records):
+            code, _, err = quietly([*FAST, "--concurrency", "1", "2", "4", "--out-dir", str(self.out)])
+        self.assertEqual(code, 130)
+        lines = (self.out / "c2-r0.jsonl").read_text().splitlines()
+        meta = json.loads((self.out / "c2-r0.jsonl.meta.json").read_text())
+        self.assertEqual((meta["status"], meta["records"]), ("interrupted", len(lines)))
+        self.assertGreater(len(lines), 0)
+        self.assertTrue(json.loads((self.out / "c2-r0.summary.json").read_text())["interrupted"])
+        self.assertIn(str(len(lines)), err)
+        doc = json.loads((self.out / "sweep.json").read_text())
+        self.assertEqual(doc["interrupted_run"], {"jsonl": "c2-r0.jsonl", "records": len(lines)})
+
     def test_usage_errors_exit_2_before_any_file(self) -> None:
         for argv in (
             ["--concurrency", "1", "2", "--request-rate", "1", "2"],

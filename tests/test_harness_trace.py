@@ -12,6 +12,7 @@ import tempfile
 import unittest
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -237,9 +238,29 @@ class TraceCommandTest(unittest.TestCase):
             self.assertEqual(summary["num_requests"], 4)  # every row without --num-requests
             self.assertEqual(summary["trace_prefix"]["verdict"], "not measured")
             self.assertIn("ideal hits 64 of 141 tokens", out.getvalue())
+            self.assertNotIn("could not be read", out.getvalue())  # the simulated server has no counters
+            one = _write(Path(tmp), ROWS[:1], "one.jsonl")
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                argv = ["harness", "--trace", str(one), "--trace-block-size", "16", "--num-requests", "2"]
+                self.assertEqual(cli.main(argv), 2)
+            self.assertIn("only 1 row", err.getvalue())
+            self.assertNotIn("1 rows", err.getvalue())
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 self.assertEqual(cli.main(["harness", "--trace-speedup", "2"]), 2)
             self.assertIn("--trace-speedup needs --trace", err.getvalue())
+            with contextlib.redirect_stderr(io.StringIO()) as err:
+                self.assertEqual(cli.main(["harness", "--trace-format", "timed-trace"]), 2)
+            self.assertIn("--trace-format needs --trace", err.getvalue())
+            # the rows give the lengths: a length flag is refused, for harness and sweep alike
+            for command in (["harness"], ["sweep", "--out-dir", str(Path(tmp) / "sw")]):
+                for flag in ("--prompt-len", "--output-len"):
+                    with self.subTest(command=command[0], flag=flag):
+                        argv = [*command, "--trace", str(path), "--trace-block-size", "16", flag, "50"]
+                        with contextlib.redirect_stderr(io.StringIO()) as err:
+                            self.assertEqual(cli.main(argv), 2)
+                        self.assertIn(flag, err.getvalue())
+                        self.assertEqual(len(err.getvalue().strip().splitlines()), 1)
+            self.assertFalse((Path(tmp) / "sw").exists())
             with contextlib.redirect_stderr(io.StringIO()) as err:
                 argv = ["harness", "--trace", str(path), "--trace-block-size", "16", "--num-requests", "9"]
                 self.assertEqual(cli.main(argv), 2)
@@ -256,6 +277,26 @@ class TraceCommandTest(unittest.TestCase):
                 self.assertIn(f"--trace {str(trace)!r}", err.getvalue())  # the output names the input
                 self.assertIn("--jsonl", err.getvalue())
                 self.assertEqual(trace.read_bytes(), before)
+
+
+class TraceWarningsTest(unittest.TestCase):
+    def test_the_advice_names_the_flags_a_trace_run_takes(self) -> None:
+        # every warning fires (thresholds below any value): lateness, and the client's own CPU; a
+        # trace takes no --request-rate, the simulated backend no --workers
+        with (
+            tempfile.TemporaryDirectory() as tmp,
+            mock.patch("attention_kv_caceh.harness.summary.LATENESS_WARN_MS", -1.0),
+            mock.patch("attention_kv_caceh.harness.client_cpu.CLIENT_BUSY_WARN", -1.0),
+        ):
+            trace = TraceSettings(str(_write(Path(tmp), ROWS)), "mooncake", 16, 20.0)
+            config = HarnessConfig(num_requests=4, prefill_ms=1, per_token_ms=1, trace=trace)
+            warnings: list[str] = asyncio.run(run_harness(config)).summary["warnings"]
+        lateness = [w for w in warnings if "lateness" in w]
+        busy = [w for w in warnings if "bottleneck" in w]
+        self.assertEqual((len(lateness), len(busy)), (1, 1), warnings)
+        self.assertIn("--trace-speedup", lateness[0])
+        self.assertNotIn("--request-rate", lateness[0])
+        self.assertNotIn("--workers 2", busy[0])
 
 
 class EngineTraceTest(unittest.TestCase):

@@ -7,7 +7,9 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,9 +21,15 @@ from typing import Any
 from attention_kv_caceh.harness.backends import RequestSpec
 from attention_kv_caceh.harness.client_cpu import CpuSpan, client_cpu_summary, client_cpu_warning
 from attention_kv_caceh.harness.load import LengthRange
+from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.run import HarnessConfig, run_harness
 from attention_kv_caceh.harness.scripted_server import Script, ScriptedServer, timed_token_script
-from attention_kv_caceh.harness.workers import _merge_in_flight, split_load  # pyright: ignore[reportPrivateUsage]
+from attention_kv_caceh.harness.workers import (  # pyright: ignore[reportPrivateUsage]
+    _merge_in_flight,
+    cut_short,
+    spawn_worker,
+    split_load,
+)
 
 TTFT_S, ITL_S = 0.03, 0.02
 
@@ -55,6 +63,34 @@ class SplitTest(unittest.TestCase):
         merged, peak = _merge_in_flight([[(1, 1), (5, 0)], [(2, 1), (3, 2), (6, 1), (7, 0)]])
         self.assertEqual(merged, [(1, 1), (2, 2), (3, 3), (5, 2), (6, 1), (7, 0)])
         self.assertEqual(peak, 3)
+
+    def test_a_worker_starts_outside_the_terminals_process_group_and_leaves_quietly(self) -> None:
+        # a terminal's Ctrl-C goes to its foreground process group: a worker is never in it, even
+        # while it imports; a parent gone before sending its plan ends it without a traceback
+        ours, theirs = socket.socketpair()
+        with theirs:
+            proc = spawn_worker(theirs.fileno())
+        try:
+            self.assertEqual(os.getpgid(proc.pid), proc.pid)
+            self.assertNotEqual(os.getpgid(proc.pid), os.getpgid(0))
+        finally:
+            ours.close()
+            self.assertEqual(proc.wait(timeout=60), 0)
+
+    def test_requests_failed_after_ctrl_c_are_cut_short_not_server_failures(self) -> None:
+        def record(status: str, end_ns: int) -> RequestRecord:
+            r = RequestRecord(0, 100)
+            r.sent_ns, r.stream_end_ns = 110, end_ns
+            if status != "ok":
+                r.fail(status, "the server is shutting down", end_ns)
+            else:
+                r.status = status
+            return r
+
+        interrupt = 1000
+        self.assertTrue(cut_short(record("http_error", 1001), interrupt))  # the server shutting down
+        self.assertFalse(cut_short(record("http_error", 999), interrupt))  # a failure before Ctrl-C
+        self.assertFalse(cut_short(record("ok", 1001), interrupt))  # a whole request is a sample
 
     def test_config_refuses_what_workers_cannot_split(self) -> None:
         for kwargs, message in (

@@ -62,6 +62,8 @@ __all__ = [
     "warn_server_temperature",
 ]
 
+DEFAULT_PROMPT_LEN, DEFAULT_OUTPUT_LEN = "32", "16"  # --prompt-len, --output-len (None: not given)
+
 HELP = (
     "streaming serving harness: TTFT, ITL, TPOT, E2EL per request "
     "(simulated, OpenAI-compatible, or the project's own engine)"
@@ -148,15 +150,17 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     )
     g.add_argument(
         "--prompt-len",
-        default="32",
+        default=None,
         help=f"prompt tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS}; with --workload "
         "shared-prefix: words after the prefix (one token each with a tokenizer); multi-turn: words of each "
-        "new user message, sent after the whole history (default: %(default)s)",
+        "new user message, sent after the whole history; with --trace the rows give the lengths, and it shapes only "
+        "--warmup-requests (default: 32)",
     )
     g.add_argument(
         "--output-len",
-        default="16",
-        help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS} (default: %(default)s)",
+        default=None,
+        help=f"output tokens: N, or LOW:HIGH drawn uniformly; at most {MAX_TOKENS}; with --trace the rows give "
+        "the lengths, and it shapes only --warmup-requests (default: 16)",
     )
     g.add_argument(
         "--tokenizer",
@@ -306,8 +310,12 @@ def _config(args: argparse.Namespace) -> HarnessConfig:
         request_rate=args.request_rate,
         burstiness=args.burstiness,
         seed=args.seed,
-        prompt_len=LengthRange.parse(args.prompt_len, "--prompt-len"),
-        output_len=LengthRange.parse(args.output_len, "--output-len"),
+        prompt_len=LengthRange.parse(
+            DEFAULT_PROMPT_LEN if args.prompt_len is None else args.prompt_len, "--prompt-len"
+        ),
+        output_len=LengthRange.parse(
+            DEFAULT_OUTPUT_LEN if args.output_len is None else args.output_len, "--output-len"
+        ),
         warmup_requests=args.warmup_requests,
         server_slots=args.server_slots,
         prefill_ms=args.prefill_ms,

@@ -7,11 +7,12 @@ import argparse
 
 from attention_kv_caceh.harness.config import MAX_WORKERS, HarnessConfig
 from attention_kv_caceh.harness.repeats import MAX_REPEATS
-from attention_kv_caceh.harness.trace import TRACE_FORMATS, TraceSettings, read_trace
+from attention_kv_caceh.harness.trace import TRACE_FORMATS, TraceFormat, TraceSettings, read_trace
 
 __all__ = ["DEFAULT_NUM_REQUESTS", "add_arguments", "num_requests", "setup_words", "trace_settings"]
 
 DEFAULT_NUM_REQUESTS = 16
+DEFAULT_TRACE_FORMAT: TraceFormat = "mooncake"
 
 
 def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> None:
@@ -29,9 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
     g.add_argument(
         "--trace-format",
         choices=TRACE_FORMATS,
-        default="mooncake",
+        default=None,
         help="mooncake: timestamps in ms, 512 tokens per hash id; timed-trace: timestamps in s, 16 "
-        "tokens per hash id (vLLM's defaults) (default: %(default)s)",
+        f"tokens per hash id (vLLM's defaults) (default: {DEFAULT_TRACE_FORMAT})",
     )
     g.add_argument(
         "--trace-block-size",
@@ -75,17 +76,27 @@ def add_arguments(parser: argparse.ArgumentParser, *, sweep: bool = False) -> No
 
 
 def trace_settings(args: argparse.Namespace) -> TraceSettings | None:
-    """The TraceSettings of the flags, or None without --trace. A trace flag without --trace, or a bad
-    value, raises ValueError naming it."""
+    """The TraceSettings of the flags, or None without --trace. A trace flag without --trace, a length
+    flag with it (the rows give the lengths; one shapes only --warmup-requests, so it is taken when
+    there are some), or a bad value, raises ValueError naming it."""
     if args.trace is None:
         for flag, given in (
+            ("--trace-format", args.trace_format is not None),
             ("--trace-block-size", args.trace_block_size is not None),
             ("--trace-speedup", args.trace_speedup != 1.0),
         ):
             if given:
                 raise ValueError(f"{flag} needs --trace FILE")
         return None
-    return TraceSettings(args.trace, args.trace_format, args.trace_block_size, args.trace_speedup)
+    if not args.warmup_requests:
+        for flag, value in (("--prompt-len", args.prompt_len), ("--output-len", args.output_len)):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} {value}: the trace's rows give every request's lengths (it would shape only "
+                    "--warmup-requests, and there are none)"
+                )
+    fmt: TraceFormat = args.trace_format or DEFAULT_TRACE_FORMAT
+    return TraceSettings(args.trace, fmt, args.trace_block_size, args.trace_speedup)
 
 
 def num_requests(args: argparse.Namespace, trace: TraceSettings | None) -> int:

@@ -48,6 +48,7 @@ from attention_kv_caceh.files import (
 from attention_kv_caceh.harness.load import SmokeTestError
 from attention_kv_caceh.harness.metrics import parse_goodput
 from attention_kv_caceh.harness.records import RequestRecord
+from attention_kv_caceh.harness.repeats import MAX_REPEATS
 from attention_kv_caceh.harness.run import HarnessConfig, ModelDiscoveryError, RunResult, run_harness
 from attention_kv_caceh.harness.server_counters import reset_prefix_cache
 from attention_kv_caceh.harness.summary import summarize_run
@@ -79,7 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="folder for every run's JSONL and summary, sweep.csv, sweep.png, pareto.png, sweep.json (created; files "
         "of the same names are replaced) (default: none, required)",
     )
-    g.add_argument("--repeats", type=int, default=1, help="runs per point (default: %(default)s)")
+    g.add_argument(
+        "--repeats", type=int, default=1, help=f"runs per point, at most {MAX_REPEATS} (default: %(default)s)"
+    )
     g.add_argument(
         "--slo",
         nargs="+",
@@ -168,6 +171,7 @@ class _Sweep:
         self.environment = capture_environment()
         self.runs = 0
         self.failed_requests = 0
+        self.partial: dict[str, Any] | None = None  # the interrupted run's files: {"jsonl", "records"}
 
     def run_point(self, concurrency: int, rate: float, repeat: int, name: str) -> dict[str, Any]:
         """One harness run; its files written; its row added and returned. Ctrl-C: the run's finished
@@ -242,6 +246,7 @@ class _Sweep:
     ) -> None:
         if not sink.opened or not finished:
             return
+        self.partial = {"jsonl": jsonl.name, "records": sink.count}
         meta = {
             "kind": "serving-harness",
             "status": "interrupted",
@@ -299,8 +304,8 @@ def run(args: argparse.Namespace) -> int:
     """Run the sweep from parsed `args`; returns the exit code (module docstring). Raises UsageError for
     bad input, before any file is written or server started."""
     axis = _axis(args)
-    if args.repeats < 1:
-        raise UsageError(f"--repeats must be >= 1, got {args.repeats}")
+    if not 1 <= args.repeats <= MAX_REPEATS:  # the rule of harness --repeats
+        raise UsageError(f"--repeats must be in [1, {MAX_REPEATS}], got {args.repeats}")
     if args.slo:
         if args.repeats != 1:
             raise UsageError(f"--repeats {args.repeats}: the SLO search runs each rate once")
@@ -381,7 +386,16 @@ def _sweep(
                     r = float(value) if axis == "request_rate" else base.request_rate
                     sweep.run_point(c, r, repeat, _name(axis, value, repeat))
     except KeyboardInterrupt:
-        print(f"{PROG}: interrupted; {len(sweep.rows)} finished runs kept in {sweep.out}", file=sys.stderr)
+        partial = (
+            ""
+            if sweep.partial is None
+            else f", and the interrupted run's {sweep.partial['records']} finished requests in "
+            f"{sweep.partial['jsonl']} (status interrupted)"
+        )
+        print(
+            f"{PROG}: interrupted; {len(sweep.rows)} finished runs kept in {sweep.out}{partial}",
+            file=sys.stderr,
+        )
         code = 130
     except BrokenPipeError:  # stdout's reader left (`| head`): stop quietly, keep what finished
         stdout_closed()
@@ -472,6 +486,8 @@ def _finish(
         doc["environment"] = sweep.environment
         if code == 130:
             doc["interrupted"] = True
+            if sweep.partial is not None:
+                doc["interrupted_run"] = sweep.partial
         written.append(str(write_json_atomic(sweep.out / "sweep.json", doc)))
     except OSError as exc:
         failed = exc

@@ -91,6 +91,9 @@ def trace_line(summary: dict[str, Any]) -> str | None:
     p: dict[str, Any] | None = summary.get("trace_prefix")
     if p is None:
         return None
+    verdict = _VERDICTS[p["verdict"]]
+    if p["verdict"] == "not measured" and not summary.get("server_counters_error"):
+        verdict = "the server has no prefix cache counters (the simulated backend keeps none)"
     diff = p["difference_tokens"]
     rate_diff = p["difference_rate"]
     difference = (
@@ -105,7 +108,7 @@ def trace_line(summary: dict[str, Any]) -> str | None:
         f"({_pct(p['ideal_hit_rate'])}, unbounded cache in arrival order, block size {p['block_size']} from "
         f"{p['block_size_source']}); measured {_num(p['measured_hit_tokens'])} of "
         f"{_num(p['measured_query_tokens'])} ({_pct(p['measured_hit_rate'])}){difference}: "
-        f"{_VERDICTS[p['verdict']]}"
+        f"{verdict}"
     )
 
 

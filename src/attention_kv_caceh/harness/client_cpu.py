@@ -83,8 +83,10 @@ def client_cpu_summary(
     }
 
 
-def client_cpu_warning(cpu: dict[str, Any], duration_s: float) -> str | None:
-    """A warning when the busiest event loop ran CLIENT_BUSY_WARN or more of the load's wall time."""
+def client_cpu_warning(cpu: dict[str, Any], duration_s: float, *, can_split: bool = True) -> str | None:
+    """A warning when the busiest event loop ran CLIENT_BUSY_WARN or more of the load's wall time. Its
+    advice is more --workers where the run can split its load (`can_split`: an HTTP backend); the
+    simulated backend serves from the client's own process, so there it is a lighter load."""
     busy = cpu.get("loop_busy_fraction")
     if busy is None or busy < CLIENT_BUSY_WARN:
         return None
@@ -94,6 +96,11 @@ def client_cpu_warning(cpu: dict[str, Any], duration_s: float) -> str | None:
     return (
         f"the client was the bottleneck: its busiest event loop ran on a core {100 * busy:.0f} % of the "
         f"load's {duration_s:.2f} s ({cpu['token_events']} token events over {workers} worker(s){cost}); "
-        "its timestamps lag the server and its throughput is the client's: split the load with "
-        f"--workers {2 * workers} (on a machine with the cores for them)"
+        "its timestamps lag the server and its throughput is the client's: "
+        + (
+            f"split the load with --workers {2 * workers} (on a machine with the cores for them)"
+            if can_split
+            else "the simulated server runs in the client's process (it takes no --workers): lower "
+            "--concurrency or the token rate (--per-token-ms higher)"
+        )
     )

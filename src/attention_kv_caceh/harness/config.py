@@ -226,7 +226,8 @@ class HarnessConfig:
             )
         rows = read_trace(self.trace)
         if self.num_requests > len(rows):
-            raise ValueError(f"--num-requests {self.num_requests}: {flag} has only {len(rows)} rows")
+            rows_word = "row" if len(rows) == 1 else "rows"
+            raise ValueError(f"--num-requests {self.num_requests}: {flag} has only {len(rows)} {rows_word}")
         longest = max(row.input_length for row in rows[: self.num_requests])
         if longest > MAX_TOKENS:
             raise ValueError(f"{flag}: an input_length of {longest} is above {MAX_TOKENS}")

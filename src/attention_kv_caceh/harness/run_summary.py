@@ -24,7 +24,7 @@ from attention_kv_caceh.harness.server_counters import (
     spec_decode_result,
 )
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller
-from attention_kv_caceh.harness.summary import summarize_run
+from attention_kv_caceh.harness.summary import SLOWER_RATE, SLOWER_TRACE, summarize_run
 from attention_kv_caceh.harness.workloads import implied_prefix_hits, per_turn_summary
 
 __all__ = ["LoadOutcome", "run_summary", "trace_prefix_summary"]
@@ -94,7 +94,10 @@ def run_summary(
         "tokenizer_id": tokenizer.name if tokenizer is not None else None,
         "prompt_lengths": None,  # set below, from the records
     }
-    summary |= summarize_run(records, duration_s, slo=config.goodput, peak_in_flight=outcome.peak)
+    slower = SLOWER_RATE if config.trace is None else SLOWER_TRACE
+    summary |= summarize_run(
+        records, duration_s, slo=config.goodput, peak_in_flight=outcome.peak, slower=slower
+    )
     lengths, why = (
         # a multi-turn prompt is the whole history plus --prompt-len words: no token length was asked for
         ("not requested", None)
@@ -135,7 +138,7 @@ def run_summary(
     if config.probe_rate > 0:
         summary |= probe_summary(outcome.probes, config.probe_rate)
     summary["client_cpu"] = client_cpu_summary(outcome.cpu, outcome.parent_cpu, duration_s)
-    busy = client_cpu_warning(summary["client_cpu"], duration_s)
+    busy = client_cpu_warning(summary["client_cpu"], duration_s, can_split=config.backend != "simulated")
     if busy is not None:
         summary["warnings"].append(busy)
     summary["server_metrics_samples"] = len(server_samples) if poller is not None else None

@@ -29,6 +29,8 @@ __all__ = [
     "LATENESS_WARN_MS",
     "METRIC_NAMES",
     "PROMPT_OFF_WARN_PCT",
+    "SLOWER_RATE",
+    "SLOWER_TRACE",
     "STAT_KEYS",
     "second_bucket_peaks",
     "stats_with_vllm_names",
@@ -117,7 +119,12 @@ def second_bucket_peaks(records: Sequence[RequestRecord]) -> tuple[int, float]:
     return max(active), float(max(tokens))
 
 
-def _lateness_warning(records: Sequence[RequestRecord], lateness_p99: float) -> str:
+# How the lateness warning says to slow the arrivals: the flag that sets them in this kind of run.
+SLOWER_RATE = "lower --request-rate"
+SLOWER_TRACE = "replay the trace slower (--trace-speedup below its current value; below 1 stretches its gaps)"
+
+
+def _lateness_warning(records: Sequence[RequestRecord], lateness_p99: float, slower: str) -> str:
     """What a client lateness P99 above LATENESS_WARN_MS means for this run: at a burst (every request
     arriving at once, `--request-rate inf`) one client loop starts the requests one after another, so
     lateness is the time it took to start them all; at a finite rate the client fell behind the
@@ -134,7 +141,7 @@ def _lateness_warning(records: Sequence[RequestRecord], lateness_p99: float) -> 
         )
     return (
         f"{head}: the client started requests later than their scheduled arrivals, so the load was "
-        "lighter than asked; lower --request-rate, or run the client on a less busy machine"
+        f"lighter than asked; {slower}, or run the client on a less busy machine"
     )
 
 
@@ -144,11 +151,14 @@ def summarize_run(
     *,
     slo: GoodputSLO | None = None,
     peak_in_flight: int | None = None,
+    slower: str = SLOWER_RATE,
 ) -> dict[str, Any]:
     """The summary dict (vLLM key names where the meaning matches) of finished `records`.
 
     `duration_s` is the benchmark's wall time (first arrival to last stream end), the denominator of
-    every throughput (requests/s, tokens/s). Raises ValueError for a non-positive duration.
+    every throughput (requests/s, tokens/s). `slower` is the lateness warning's advice on slowing the
+    arrivals (SLOWER_RATE, or SLOWER_TRACE for a trace replay). Raises ValueError for a non-positive
+    duration.
     """
     if not duration_s > 0:
         raise ValueError(f"duration must be > 0 s, got {duration_s}")
@@ -194,7 +204,7 @@ def summarize_run(
     warnings: list[str] = []
     lateness_p99 = summary["p99_lateness_ms"]
     if lateness_p99 is not None and lateness_p99 > LATENESS_WARN_MS:
-        warnings.append(_lateness_warning(records, lateness_p99))
+        warnings.append(_lateness_warning(records, lateness_p99, slower))
     off = summary["prompt_tokens_off_pct"]
     if off is not None and abs(off) > PROMPT_OFF_WARN_PCT:
         warnings.append(

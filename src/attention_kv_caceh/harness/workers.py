@@ -13,9 +13,10 @@ timestamps are comparable across workers. Each finished record is sent to the pa
 (the parent writes the JSONL exactly as one process does, and Ctrl-C keeps what finished); at the end
 each worker sends its in-flight series and its CpuSpan.
 
-Each worker is a `python -m attention_kv_caceh.harness.workers` child talking over a socket pair
-(pickled messages, each after its 4-byte length). The workers ignore SIGINT (the parent handles Ctrl-C
-and stops them) and die with the parent (PR_SET_PDEATHSIG on Linux). Probes, the `/metrics` poller and the counters stay in the parent.
+Each worker is a `python -c` child (`spawn_worker`) running `worker_main`, talking over a socket pair
+(pickled messages, each after its 4-byte length). The workers run in a process group of their own and
+ignore SIGINT from their start (the parent handles Ctrl-C and stops them), and die with the parent
+(PR_SET_PDEATHSIG on Linux). Probes, the `/metrics` poller and the counters stay in the parent.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from attention_kv_caceh.harness.client_cpu import CpuClock, CpuSpan
 from attention_kv_caceh.harness.load import InFlightTracker, run_requests
 from attention_kv_caceh.harness.records import RequestRecord
 
-__all__ = ["WorkerLoad", "WorkerPlan", "run_worker_load", "split_load"]
+__all__ = ["WorkerLoad", "WorkerPlan", "cut_short", "run_worker_load", "spawn_worker", "split_load"]
 
 _START_LEAD_NS = 20_000_000  # the shared start is this far ahead of the parent's clock when sent
 FLUSH_S = 0.1  # a worker's finished records reach the parent within this (plus the socket's delay)
@@ -129,7 +130,10 @@ def worker_main(fd: int, parent_pid: int) -> None:
     _die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=fd)
-    plan: WorkerPlan = _read_message(sock)
+    try:
+        plan: WorkerPlan = _read_message(sock)
+    except (EOFError, OSError):
+        return  # the parent closed first: nothing to run
     asyncio.run(_worker(sock, plan))
 
 
@@ -181,7 +185,10 @@ async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
         backend.prepare(first)
         await backend.open_connections(len(first))
         writer.write(_frame(("ready", plan.index)))
-        message: tuple[str, int] = await _read_async(reader)
+        try:
+            message: tuple[str, int] = await _read_async(reader)
+        except (asyncio.IncompleteReadError, OSError):
+            return  # the parent closed before the start (interrupted while the workers started)
         if message[0] != "start":
             return
         gc.collect()
@@ -222,6 +229,23 @@ async def _worker(sock: socket.socket, plan: WorkerPlan) -> None:
         writer.close()
 
 
+# The worker's entry: SIGINT is ignored before anything else is imported (an import takes a second, and a
+# Ctrl-C in it would print a traceback per worker), then `worker_main`.
+_ENTRY = (
+    "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    f"from {__name__} import worker_main; import sys; worker_main(int(sys.argv[1]), int(sys.argv[2]))"
+)
+
+
+def spawn_worker(fd: int) -> subprocess.Popen[bytes]:
+    """Start one worker process talking over the socket `fd` (passed to it). It runs in a process
+    group of its own, so a terminal's Ctrl-C (SIGINT to the foreground group) never reaches it, from
+    its first instruction on; it also ignores SIGINT (`_ENTRY`) and dies with this process."""
+    return subprocess.Popen(
+        [sys.executable, "-c", _ENTRY, str(fd), str(os.getpid())], pass_fds=[fd], process_group=0
+    )
+
+
 def _merge_in_flight(series: Sequence[Sequence[tuple[int, int]]]) -> tuple[list[tuple[int, int]], int]:
     """The sum over workers of their in-flight counts, as one series of (time, count), and its peak."""
     steps: list[tuple[int, int]] = []
@@ -244,7 +268,7 @@ class _Pool:
     """The worker processes and the parent's ends of their sockets."""
 
     def __init__(self, plans: Sequence[WorkerPlan]) -> None:
-        # Each worker is `python -m attention_kv_caceh.harness.workers FD PARENT_PID`, not a
+        # Each worker is `python -c _ENTRY FD PARENT_PID` (`spawn_worker`), not a
         # multiprocessing child: a spawned child re-imports the parent's main module, which a script
         # calling run_harness without an `if __name__ == "__main__"` guard cannot survive.
         self.socks: list[socket.socket] = []
@@ -252,10 +276,7 @@ class _Pool:
         for plan in plans:
             ours, theirs = socket.socketpair()
             with theirs:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", __name__, str(theirs.fileno()), str(os.getpid())],
-                    pass_fds=[theirs.fileno()],
-                )
+                proc = spawn_worker(theirs.fileno())
             self.socks.append(ours)
             self.procs.append(proc)
             ours.sendall(_frame(plan))
@@ -334,6 +355,18 @@ class _Pool:
                 return
 
 
+def cut_short(record: RequestRecord, interrupted_ns: int) -> bool:
+    """True for a failed request whose stream ended after the parent was interrupted at `interrupted_ns`
+    (perf_counter_ns): the workers ignore SIGINT and run on until told to stop, while a server in the
+    same process group (the engine backend's `serve`) already refuses or ends requests as it shuts down
+    ("the server is shutting down", HTTP 503). One process cancels such requests at Ctrl-C and records
+    none of them; so does the parent of the workers, rather than count them as server failures."""
+    if record.ok:
+        return False
+    end = record.stream_end_ns or record.finish_ns or record.sent_ns or record.arrival_ns
+    return end >= interrupted_ns
+
+
 async def run_worker_load(
     plans: Sequence[WorkerPlan],
     on_record: Callable[[RequestRecord], None] | None = None,
@@ -347,8 +380,11 @@ async def run_worker_load(
     pool = await asyncio.to_thread(_Pool, plans)
     stop = threading.Event()
     records: list[RequestRecord] = []
+    interrupted_ns: list[int] = []  # when this was cancelled (Ctrl-C), once it was
 
     def deliver(record: RequestRecord) -> None:
+        if interrupted_ns and cut_short(record, interrupted_ns[0]):
+            return  # as one process cancels the requests in flight at Ctrl-C, unrecorded
         records.append(record)
         if on_record is not None:
             loop.call_soon_threadsafe(on_record, record)
@@ -363,6 +399,9 @@ async def run_worker_load(
             on_start(start_ns)
         collecting = collector.submit(pool.collect, deliver, stop)
         finals = await asyncio.wrap_future(collecting)
+    except asyncio.CancelledError:
+        interrupted_ns.append(perf_counter_ns())
+        raise
     finally:
         stop.set()  # interrupted: the workers stop and send what they finished
         if collecting is not None:

@@ -55,11 +55,22 @@ def _num(value: Any) -> str:
 
 def repeats_section(of: str, files: Sequence[RepeatFile]) -> str:
     """The intervals of the repeats of `of` (module docstring), with each repeat's value of each metric.
-    Raises ValueError when a repeat's records cannot be summarized."""
-    ordered = sorted(files, key=lambda f: f.index)
+    Only repeats whose metadata says `status: complete` count (an interrupted repeat's records are a
+    shorter run, not a sample of the same one); the section names the ones it leaves out. Raises
+    ValueError when a repeat's records cannot be summarized."""
+    count = max(f.count for f in files)
+    ordered = sorted((f for f in files if f.meta.get("status") == "complete"), key=lambda f: f.index)
+    left_out = sorted((f for f in files if f.meta.get("status") != "complete"), key=lambda f: f.index)
+    found = f"{len(ordered)} of {count} repeats"
+    if left_out:
+        names = ", ".join(f"`{f.name}` ({f.meta.get('status', 'no status')})" for f in left_out)
+        found += f" ({len(left_out)} left out, not complete: {names})"
+    elif len(ordered) != count:
+        found += " (the others are missing)"
+    if not ordered:
+        return f"### Repeats of `{of}`: {found}\n\nNo complete repeat: no interval.\n"
     summaries = [summarize_file(f.records, f.meta) for f in ordered]
     intervals = repeat_intervals(summaries)
-    count = max(f.count for f in ordered)
     rows: list[list[object]] = []
     for metric, ci in intervals.items():
         interval = "-" if ci["low"] is None else f"[{_num(ci['low'])}, {_num(ci['high'])}]"
@@ -67,13 +78,10 @@ def repeats_section(of: str, files: Sequence[RepeatFile]) -> str:
         rows.append(
             [metric, ci["n"], _num(ci["mean"]), interval, half, ", ".join(_num(v) for v in ci["values"])]
         )
-    found = f"{len(ordered)} of {count} repeats" + (
-        "" if len(ordered) == count else " (the others are missing or were not completed)"
-    )
     return (
         f"### Repeats of `{of}`: {found}\n\n"
         f"Files: {', '.join(f'`{f.name}`' for f in ordered)}. Mean and 95 % confidence interval of each "
-        "headline metric over the repeats: mean ± t(0.975, n - 1) × s / √n, s the sample standard "
+        "headline metric over the complete repeats: mean ± t(0.975, n - 1) × s / √n, s the sample standard "
         "deviation (`harness.repeats`); each repeat's value recomputed from its records.\n\n"
         + markdown_table(["metric", "n", "mean", "95 % CI", "half width", "repeats"], rows)
         + ("\nOne repeat: no interval.\n" if len(ordered) < 2 else "")
