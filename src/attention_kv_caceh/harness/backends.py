@@ -193,10 +193,18 @@ class SimulatedBackend:
 def load_session() -> aiohttp.ClientSession:
     """The HTTP session of a load: no connection limit (the harness's semaphore bounds concurrency, not
     aiohttp's default pool of 100), no cookie jar (servers set none a benchmark needs) and no
-    decompression (SSE is not compressed): each of those costs every request a little CPU."""
+    decompression (SSE is not compressed): each of those costs every request a little CPU. An idle
+    connection is kept KEEPALIVE_S, less than servers keep one (uvicorn's and cpp-httplib's 5 s): a
+    connection the server is closing just then would fail the request sent on it."""
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False
+        connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
     )
+
+
+KEEPALIVE_S = 2.0
+"""How long the load keeps an idle connection to reuse (below the servers' own keep-alive timeouts)."""
 
 
 _AFTER_DONE_S = 1.0  # how long the end of a body is awaited after `[DONE]`
