@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import unittest
 import urllib.error
 import urllib.request
@@ -232,7 +233,14 @@ class PrefixCountersTest(unittest.TestCase):
                 for _ in range(2):
                     status, _body = request_json(thread.base_url, {"prompt": prompt, "max_tokens": 1})
                     self.assertEqual(status, 200)
-                counted[caching] = scrape(thread.base_url)
+                # a step's counters reach the metrics just after its outputs reach the handler: wait
+                # until both requests' prompt tokens are counted (its answer may come first)
+                for _ in range(100):
+                    counted[caching] = scrape(thread.base_url)
+                    if counted[caching]["vllm:prompt_tokens_total"] >= 2 * len(prompt):
+                        break
+                    time.sleep(0.05)
+                self.assertEqual(counted[caching]["vllm:prompt_tokens_total"], 2 * len(prompt))
         self.assertEqual(counted[False]["vllm:prefix_cache_queries_total"], 0)
         self.assertEqual(counted[False]["vllm:prefix_cache_hits_total"], 0)
         self.assertEqual(counted[True]["vllm:prefix_cache_queries_total"], 2 * len(prompt))
