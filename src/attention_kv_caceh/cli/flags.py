@@ -1,0 +1,128 @@
+"""The one builder of flags: argparse options made from config dataclass fields (`options.option`).
+
+    add_options(parser, ScanConfig)                   # one flag per option field, defaults from the class
+    config = config_from_args(ScanConfig, args)       # ConfigError -> UsageError naming the flag
+
+This is the CLI half of `options.py`, as vLLM's `EngineArgs.add_cli_args` reads its dataclass fields.
+argparse only turns text into values here (an int, a float, the option's `parse`); every bound and
+choice is checked once, by the config's `__post_init__` (`options.check_options`), and its message,
+which names the field, is shown with the field's flag. Exit code 2 for both, through UsageError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.options import ConfigError, Option, flag_of, option_fields
+
+__all__ = ["add_options", "config_from_args", "usage_error"]
+
+T = TypeVar("T")
+
+Target = argparse.ArgumentParser | argparse._ArgumentGroup  # pyright: ignore[reportPrivateUsage]
+
+
+def _value_type(cls: type, name: str) -> type | None:
+    """The field's annotated type with None taken out (`int | None` -> int); None when it is not one
+    plain type."""
+    try:
+        hint: Any = typing.get_type_hints(cls)[name]
+    except NameError:  # an annotation naming a type imported only for type checking
+        return None
+    args = [a for a in typing.get_args(hint) if a is not type(None)] if typing.get_args(hint) else [hint]
+    return args[0] if len(args) == 1 and isinstance(args[0], type) else None
+
+
+def _converter(name: str, meta: Option, value_type: type | None) -> Callable[[str], Any]:
+    """argparse `type=` of one field: the option's `parse`, else its annotated type (int, float, str)."""
+    base: Callable[[str], Any] = meta.parse or (value_type if value_type in (int, float) else str)  # pyright: ignore[reportAssignmentType]
+    what = "an integer" if base is int else "a number" if base is float else ""
+
+    def convert(text: str) -> Any:
+        try:
+            return base(text)
+        except ValueError as exc:
+            reason = f"expected {what}, got {text!r}" if what else str(exc)
+            raise argparse.ArgumentTypeError(reason) from None
+
+    convert.__name__ = name  # argparse names the type in some messages
+    return convert
+
+
+def _default(field: dataclasses.Field[Any]) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:
+        return field.default_factory()
+    return None
+
+
+def add_options(
+    target: Target,
+    cls: type,
+    *,
+    only: Iterable[str] | None = None,
+    exclude: Iterable[str] = (),
+    defaults: Mapping[str, Any] | None = None,
+) -> None:
+    """Declare one flag per option field of dataclass `cls` on `target` (a parser or an argument group).
+
+    `only`/`exclude`: field names to declare or leave out. `defaults`: field -> the flag's default when
+    it differs from the field's (None: "not given", which the help shows as the option's
+    `default_text`). The flag's dest is the field's name.
+    """
+    wanted = None if only is None else set(only)
+    skipped = set(exclude)
+    groups: dict[str, Any] = {}
+    for field, meta in option_fields(cls):
+        if (wanted is not None and field.name not in wanted) or field.name in skipped:
+            continue
+        default = (defaults or {}).get(field.name, _default(field))
+        flag = flag_of(cls, field.name)
+        place: Any = target
+        if meta.exclusive is not None:
+            if meta.exclusive not in groups:
+                groups[meta.exclusive] = target.add_mutually_exclusive_group()
+            place = groups[meta.exclusive]
+        help_text = meta.help if meta.default_text is None else f"{meta.help} (default: {meta.default_text})"
+        value_type = _value_type(cls, field.name)
+        if value_type is bool:
+            action = "store_false" if flag.startswith("--no-") else "store_true"
+            place.add_argument(flag, dest=field.name, action=action, default=default, help=help_text)
+            continue
+        kwargs: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
+        if meta.choices is not None and meta.parse is None:
+            kwargs["choices"] = meta.choices
+        else:
+            kwargs["type"] = _converter(field.name, meta, value_type)
+            kwargs["metavar"] = meta.metavar or ("N" if value_type is int else None)
+        if meta.nargs is not None:
+            kwargs["nargs"] = meta.nargs
+        place.add_argument(flag, **kwargs)
+
+
+def usage_error(cls: type, exc: ValueError, *owners: type) -> UsageError:
+    """The UsageError of a config's refusal: a ConfigError's field shown as its flag (looked up in its
+    owner, else in `cls` and `owners`); any other ValueError as it is."""
+    if isinstance(exc, ConfigError):
+        for candidate in (exc.owner, cls, *owners):
+            if candidate is not None and flag_of(candidate, exc.field) != exc.field:
+                return UsageError(f"{flag_of(candidate, exc.field)}: {exc.message}")
+    return UsageError(str(exc))
+
+
+def config_from_args(cls: type[T], args: argparse.Namespace, *owners: type, **values: Any) -> T:
+    """`cls` built from the parsed flags (every option field present in `args`) and `values`, which
+    win. Raises UsageError (exit 2) naming the flag when the config refuses a value; `owners`: nested
+    config classes whose fields a ConfigError may name."""
+    kwargs = {f.name: getattr(args, f.name) for f, _ in option_fields(cls) if hasattr(args, f.name)}
+    kwargs.update(values)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise usage_error(cls, exc, *owners) from None
