@@ -23,7 +23,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
-from typing import Any
+from typing import Any, cast
 
 __all__ = ["ConfigError", "Option", "check_options", "flag_of", "option", "option_fields"]
 
@@ -139,11 +139,11 @@ def check_options(config: Any) -> None:
     Raises:
         ConfigError: naming the first field out of bounds and its value.
     """
-    owner: type = type(config)
+    owner = cast(type, type(config))
     for f, meta in option_fields(owner):
         value: Any = getattr(config, f.name)
         if value is None:
             continue
-        items: tuple[Any, ...] = tuple(value) if isinstance(value, tuple | list) else (value,)  # pyright: ignore[reportUnknownArgumentType]
+        items = cast(tuple[Any, ...], tuple(value) if isinstance(value, tuple | list) else (value,))  # pyright: ignore[reportUnknownArgumentType]
         for item in items:
             _check_value(f.name, item, meta, owner)
