@@ -139,7 +139,7 @@ def check_options(config: Any) -> None:
     Raises:
         ConfigError: naming the first field out of bounds and its value.
     """
-    owner = cast(type, type(config))
+    owner: type[Any] = type(config)  # pyright: ignore[reportUnknownVariableType]
     for f, meta in option_fields(owner):
         value: Any = getattr(config, f.name)
         if value is None:
