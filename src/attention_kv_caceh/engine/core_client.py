@@ -1,6 +1,8 @@
 """EngineCoreClient: how a front end reaches an EngineCore, in its own process or beside it.
 
-Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`. Two clients, as vLLM has:
+Corresponds to vLLM v1's `vllm/v1/engine/core_client.py`, which has three clients (InprocClient,
+SyncMPClient, AsyncMPClient, plus data-parallel ones); two here, the multiprocess one serving both the
+blocking front end and AsyncLLM, which reads it from a thread instead of awaiting an asyncio socket:
 
 - `InprocClient`: the core in the caller's thread; `add_request` builds the Request (hashing its prompt
   blocks) and queues it at once, `get_output()` runs one `step()`. LLMEngine (offline:

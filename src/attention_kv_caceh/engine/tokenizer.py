@@ -3,10 +3,10 @@ or the one a GGUF file's metadata describes (`gguf_tokenizer.py`).
 
 What vLLM's `transformers_utils/tokenizer.py` and `v1/engine/detokenizer.py` do, for one local folder:
 encode/decode with the fast tokenizer, read the eos/bos tokens and the chat template string from
-tokenizer_config.json, and turn a growing list of output ids into text deltas for streaming. Left out:
-rendering the chat template (it is Jinja; the string is kept for a caller that has a renderer), slow
-tokenizers, and the prompt tokens vLLM decodes as the first window's context (deltas here start at the
-first output token).
+tokenizer_config.json, and turn a growing list of output ids into text deltas for streaming. The chat
+template string is kept here and rendered by the chat layer (`chat_utils.py`, with Jinja, as vLLM's
+`entrypoints/chat_utils.py`). Left out: slow tokenizers, and the prompt tokens vLLM decodes as the first
+window's context (deltas here start at the first output token).
 
 A long text is encoded in pieces (`_PIECE_CHARS` characters, each cut just before a space that follows
 a non-space), one piece at a time, when the tokenizer's pipeline splits words at such a space anyway
