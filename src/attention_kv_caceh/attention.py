@@ -116,6 +116,62 @@ def causal_mask(tq: int, tk: int) -> BoolArray:
     return cols <= rows + (tk - tq)  # [Tq, Tk]
 
 
+def _check_qkv(q: FloatArray, k: FloatArray, v: FloatArray) -> tuple[list[int], int, int, int, int, int, int]:
+    """The shapes of q, k, v checked against each other: (lead dims of q, Tq, D_k, Tk, D_v, H_kv, G).
+
+    Raises ValueError as `scaled_dot_product_attention` documents."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        _require_float(name, x)
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have at least 2 dims [..., T, D], got shape {x.shape}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.ndim == k.ndim == v.ndim:
+        raise ValueError(f"q, k, v must have the same rank, got {q.shape}, {k.shape}, {v.shape}")
+    *lead_q, tq, dk = q.shape
+    *lead_k, tk, dk_k = k.shape
+    *lead_v, tk_v, dv = v.shape
+    if dk != dk_k:
+        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
+    if dk == 0:
+        raise ValueError(f"q and k need a head dim D_k >= 1, got q {q.shape}, k {k.shape}")
+    if lead_k != lead_v or tk != tk_v:
+        raise ValueError(f"k and v must agree on batch dims and Tk: k {k.shape}, v {v.shape}")
+    if q.ndim < 4:
+        if lead_q != lead_k:
+            raise ValueError(f"q and k batch dims differ: q {q.shape}, k {k.shape}")
+        return lead_q, tq, dk, tk, dv, 1, 1
+    h, h_kv = lead_q[-1], lead_k[-1]
+    if lead_q[:-1] != lead_k[:-1]:
+        raise ValueError(f"q and k batch dims differ: q {q.shape}, k {k.shape}")
+    if h_kv == 0 or h % h_kv != 0:
+        raise ValueError(
+            f"query heads H={h} must be a multiple of KV heads H_kv={h_kv} (q {q.shape}, k {k.shape})"
+        )
+    return lead_q, tq, dk, tk, dv, h_kv, h // h_kv
+
+
+def _keep_mask(
+    mask: BoolArray | None, is_causal: bool, tq: int, tk: int, weights_shape: tuple[int, ...]
+) -> BoolArray | None:
+    """The positions that may be attended (True), from `mask` and `is_causal` together; None: all.
+
+    Raises ValueError for a mask that is not boolean or does not broadcast to `weights_shape`."""
+    keep: BoolArray | None = causal_mask(tq, tk) if is_causal else None  # [Tq, Tk]
+    if mask is None:
+        return keep
+    mask = np.asarray(mask)
+    if mask.dtype != np.bool_:
+        raise ValueError(f"mask must be boolean (True = attend), got dtype {mask.dtype}")
+    try:
+        fits = np.broadcast_shapes(mask.shape, weights_shape) == weights_shape
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(f"mask of shape {mask.shape} does not broadcast to weights {weights_shape}")
+    return mask if keep is None else (keep & mask)
+
+
 def scaled_dot_product_attention(
     q: FloatArray,
     k: FloatArray,
@@ -151,52 +207,9 @@ def scaled_dot_product_attention(
     converted with `np.asarray`.
     """
     q, k, v = _as_array("q", q), _as_array("k", k), _as_array("v", v)
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        _require_float(name, x)
-        if x.ndim < 2:
-            raise ValueError(f"{name} must have at least 2 dims [..., T, D], got shape {x.shape}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not q.ndim == k.ndim == v.ndim:
-        raise ValueError(f"q, k, v must have the same rank, got {q.shape}, {k.shape}, {v.shape}")
-    *lead_q, tq, dk = q.shape
-    *lead_k, tk, dk_k = k.shape
-    *lead_v, tk_v, dv = v.shape
-    if dk != dk_k:
-        raise ValueError(f"q and k head dims differ: q {q.shape}, k {k.shape}")
-    if dk == 0:
-        raise ValueError(f"q and k need a head dim D_k >= 1, got q {q.shape}, k {k.shape}")
-    if lead_k != lead_v or tk != tk_v:
-        raise ValueError(f"k and v must agree on batch dims and Tk: k {k.shape}, v {v.shape}")
-    if q.ndim >= 4:
-        h, h_kv = lead_q[-1], lead_k[-1]
-        if lead_q[:-1] != lead_k[:-1]:
-            raise ValueError(f"q and k batch dims differ: q {q.shape}, k {k.shape}")
-        if h_kv == 0 or h % h_kv != 0:
-            raise ValueError(
-                f"query heads H={h} must be a multiple of KV heads H_kv={h_kv} (q {q.shape}, k {k.shape})"
-            )
-        g = h // h_kv
-    else:
-        if lead_q != lead_k:
-            raise ValueError(f"q and k batch dims differ: q {q.shape}, k {k.shape}")
-        h = h_kv = g = 1
-
+    lead_q, tq, dk, tk, dv, h_kv, g = _check_qkv(q, k, v)
     weights_shape = (*lead_q, tq, tk)
-    keep: BoolArray | None = None
-    if is_causal:
-        keep = causal_mask(tq, tk)  # [Tq, Tk], broadcasts over batch and heads
-    if mask is not None:
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_:
-            raise ValueError(f"mask must be boolean (True = attend), got dtype {mask.dtype}")
-        try:
-            fits = np.broadcast_shapes(mask.shape, weights_shape) == weights_shape
-        except ValueError:
-            fits = False
-        if not fits:
-            raise ValueError(f"mask of shape {mask.shape} does not broadcast to weights {weights_shape}")
-        keep = mask if keep is None else (keep & mask)
+    keep = _keep_mask(mask, is_causal, tq, tk, weights_shape)
 
     out_dtype = q.dtype
     work = _compute_dtype(out_dtype)
