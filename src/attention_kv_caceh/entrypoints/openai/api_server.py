@@ -3,8 +3,8 @@
 Corresponds to vLLM's `vllm/entrypoints/openai/api_server.py`, small: `POST /v1/completions` and
 `POST /v1/chat/completions` (streamed as server-sent events or whole), `GET /v1/models`, `GET /health`,
 `POST /tokenize`, `POST /detokenize` (vLLM's shapes), `GET /metrics` (Prometheus, vLLM's names; see
-metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
-StepStats (core.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
+engine/metrics.py), and one endpoint of this project's own, `GET /debug/step_stats?last=N`: the engine's last N
+StepStats (engine/core.py; num_running / num_waiting after each step, step_time_ms), the exact per-step
 record that /metrics only samples or buckets (the harness's `--backend engine` reads it at the run's end). Stream chunks have OpenAI's shapes; a chat stream opens with a role-only chunk, then content
 deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices: []`), then `data: [DONE]`.
 
@@ -42,7 +42,7 @@ tokenizer releases the GIL while it encodes), so a long prompt never stalls the 
 deltas arrive already detokenized from AsyncLLM's output thread. A generation request's prompt is
 counted whole but its list of ids is built only up to `max_model_len`, so what is built with the GIL held
 is bounded by the context, not by the body. A core slow to read its input makes the sends queue (see
-core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
+engine/core_client.py); the core is declared dead only when it has exited. After a body of `_RELEASE_AFTER_BYTES` or
 more, glibc's `malloc_trim(0)` hands the freed heap back to the OS (engine/malloc.py).
 
 Left out: vLLM's other endpoints (embeddings, pooling, score and rerank, audio, the Responses API, LoRA
@@ -72,18 +72,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
-from attention_kv_caceh.engine.body_budget import (
+from attention_kv_caceh.engine.core_client import EngineDeadError
+from attention_kv_caceh.engine.malloc import release_freed_memory
+from attention_kv_caceh.engine.metrics import ServerMetrics
+from attention_kv_caceh.engine.output_processor import EngineDrainingError
+from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.entrypoints.chat_utils import ChatTemplate
+from attention_kv_caceh.entrypoints.openai.body_budget import (
     DROP_TIMEOUT_S,
     BodyBudgetMiddleware,
     BodyOverBudget,
     drop_body,
 )
-from attention_kv_caceh.engine.chat_utils import ChatTemplate
-from attention_kv_caceh.engine.core_client import EngineDeadError
-from attention_kv_caceh.engine.malloc import release_freed_memory
-from attention_kv_caceh.engine.metrics import ServerMetrics
-from attention_kv_caceh.engine.output_processor import EngineDrainingError
-from attention_kv_caceh.engine.protocol import (
+from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
@@ -93,8 +94,7 @@ from attention_kv_caceh.engine.protocol import (
     error_response,
     validation_error,
 )
-from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.serving import (
+from attention_kv_caceh.entrypoints.openai.serving import (
     DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_SEQS_PER_REQUEST,
     HTTPError,
@@ -103,8 +103,13 @@ from attention_kv_caceh.engine.serving import (
     prompt_too_long,
     sampling_params_for,
 )
-from attention_kv_caceh.engine.serving_response import Choice, close_all, stream_events, whole_response
-from attention_kv_caceh.engine.serving_tokenization import encode_pieces, tokenize_json
+from attention_kv_caceh.entrypoints.openai.serving_response import (
+    Choice,
+    close_all,
+    stream_events,
+    whole_response,
+)
+from attention_kv_caceh.entrypoints.openai.serving_tokenization import encode_pieces, tokenize_json
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "build_app"]
 

@@ -2,7 +2,7 @@
 
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
 size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error),
-`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
+`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (engine/output_processor.py). The
 chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
 response bodies are in serving_response.py.
 
@@ -20,13 +20,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from attention_kv_caceh.engine.protocol import (
+from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
+from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     refused_field,
 )
-from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",

@@ -8,7 +8,7 @@ interleaves the choices' chunks as they come, each index finishing once; `whole_
 sorted by index. Usage counts each prompt once and every completion token. `echo` puts the prompt's text
 (and, with logprobs, its tokens' logprobs, the first null) before each choice's text; `max_tokens: 0`
 with `echo` returns the prompt alone (the engine samples one token, which is dropped, as vLLM does).
-Logprobs objects come from logprobs.py.
+Logprobs objects come from engine/logprobs.py.
 
 Left out: ParentRequest's place in vLLM (inside the output processor, so the engine's front end gathers the
 samples and counts `n` in its metrics; here the HTTP layer does it), and beam search.
@@ -33,16 +33,16 @@ from attention_kv_caceh.engine.output_processor import (
     RequestDelta,
     RequestStream,
 )
-from attention_kv_caceh.engine.protocol import (
+from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs, decode_logprobs_payloads
+from attention_kv_caceh.engine.tokenizer import TextDecoder
+from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     error_body,
     error_response,
 )
-from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs, decode_logprobs_payloads
-from attention_kv_caceh.engine.serving import DONE, chat_chunk, completion_chunk, sse, usage
-from attention_kv_caceh.engine.tokenizer import TextDecoder
+from attention_kv_caceh.entrypoints.openai.serving import DONE, chat_chunk, completion_chunk, sse, usage
 
 __all__ = ["Choice", "close_all", "stream_events", "whole_response"]
 

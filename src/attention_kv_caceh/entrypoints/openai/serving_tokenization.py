@@ -7,7 +7,7 @@ they cost about 60 bytes a token, 30 times the body. Here each piece of ids the 
 costs about its own size.
 
 Left out: vLLM's `/tokenizer_info`, and the chat form's tools, multimodal parts and `chat_template_kwargs`;
-the requests themselves are checked in server.py (/tokenize, /detokenize).
+the requests themselves are checked in api_server.py (/tokenize, /detokenize).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ _encoder = msgspec.json.Encoder()
 
 def encode_pieces(tokenizer: TokenizerLike, text: str, add_special_tokens: bool) -> Iterator[list[int]]:
     """The ids of `text` in consecutive lists: the tokenizer's own pieces when it has
-    `encode_pieces` (tokenizer.py), else one list."""
+    `encode_pieces` (engine/tokenizer.py), else one list."""
     pieces: Callable[[str, bool], Iterator[list[int]]] | None = getattr(tokenizer, "encode_pieces", None)
     if pieces is None:
         yield tokenizer.encode(text, add_special_tokens=add_special_tokens)
