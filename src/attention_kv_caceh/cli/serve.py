@@ -51,9 +51,7 @@ from attention_kv_caceh.cli.engine_args import (
     plan_engine,
 )
 
-DEFAULT_MAX_REQUEST_BYTES = (
-    8 * 1024 * 1024
-)  # entrypoints/openai/api_server.py's default (not imported: it loads FastAPI)
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # openai/api_server.py's default (not imported: it loads FastAPI)
 DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # entrypoints/openai/serving.py's default
 
 if TYPE_CHECKING:
