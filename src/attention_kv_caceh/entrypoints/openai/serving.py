@@ -177,27 +177,7 @@ def sampling_params_for(
     """
     check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
-    if num_prompt_tokens == 0:
-        raise HTTPError(400, "the prompt is empty", "prompt")
-    if num_prompt_tokens >= max_model_len:
-        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
-    room = max_model_len - num_prompt_tokens
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else default_max_tokens
-    if max_tokens == 0 and echo:
-        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
-    if max_tokens <= 0:
-        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
-    if max_tokens > max_model_len:
-        raise HTTPError(
-            400,
-            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
-            "tokens",
-            param,
-        )
-    max_tokens = min(max_tokens, room)
+    max_tokens, room = _max_tokens(body, num_prompt_tokens, max_model_len, default_max_tokens, echo)
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise HTTPError(400, f"temperature must be finite and >= 0, got {temperature}", "temperature")
@@ -218,18 +198,7 @@ def sampling_params_for(
         )
     stop_ids = list(body.stop_token_ids or [])
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
-    penalties = {
-        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
-        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
-    }
-    for name, value in penalties.items():
-        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
-    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
-        raise HTTPError(
-            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
-        )
+    penalties, repetition = _penalties(body)
     if body.min_tokens > 0 and vocab_size is not None and len(set(stop_ids)) >= vocab_size:
         raise HTTPError(
             400,
@@ -256,6 +225,56 @@ def sampling_params_for(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _max_tokens(
+    body: GenerationRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    echo: bool,
+) -> tuple[int, int]:
+    """(max_tokens capped to the context left after the prompt, that room), as sampling_params_for
+    documents; HTTPError 400 for an empty or too long prompt and a max_tokens out of range."""
+    if num_prompt_tokens == 0:
+        raise HTTPError(400, "the prompt is empty", "prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
+    room = max_model_len - num_prompt_tokens
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else default_max_tokens
+    if max_tokens == 0 and echo:
+        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
+    if max_tokens <= 0:
+        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
+    if max_tokens > max_model_len:
+        raise HTTPError(
+            400,
+            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
+            "tokens",
+            param,
+        )
+    return min(max_tokens, room), room
+
+
+def _penalties(body: GenerationRequest) -> tuple[dict[str, float], float]:
+    """({"frequency_penalty", "presence_penalty"}, repetition_penalty) with their defaults; HTTPError 400
+    naming the first one out of range."""
+    penalties = {
+        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+    }
+    for name, value in penalties.items():
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
+        raise HTTPError(
+            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
+        )
+    return penalties, repetition
 
 
 def _stop_strings(stops: list[str]) -> tuple[str, ...]:
