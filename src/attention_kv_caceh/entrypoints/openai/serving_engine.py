@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -192,44 +193,41 @@ class OpenAIServing:
         body: CompletionRequest | ChatCompletionRequest,
         default_max_tokens: int | None,
     ) -> list[Choice]:
-        """Validate every choice first, then add them all (or none); `default_max_tokens` is the endpoint's
+        """Validate every prompt first, then add them all (or none), each fanned out to `body.n` samples by
+        AsyncLLM.add_parallel_request (one call per prompt); `default_max_tokens` is the endpoint's
         max_tokens when the body gives none (None: the rest of the context). Raises HTTPError 400 for a
         bad sampling field or a request the KV cache could never hold, 503 for a full queue, a draining
         server or a dead engine core."""
         echo = isinstance(body, CompletionRequest) and body.echo
         given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         echo_only = echo and given == 0
-        choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
-        for p, (prompt_ids, text, num_prompt_tokens) in enumerate(prompts):
-            base = response_id if len(prompts) == 1 else f"{response_id}-{p}"
-            for i in range(body.n):
-                params = sampling_params_for(
+        params: list[SamplingParams] = []
+        for _ids, _text, num_prompt_tokens in prompts:
+            params.append(
+                sampling_params_for(
                     body,
                     num_prompt_tokens,
                     self.max_model_len,
                     default_max_tokens,
                     vocab_size=self.tokenizer.vocab_size,
                     max_logprobs=self.max_logprobs,
-                    index=i,
                 )
-                self._check_kv_capacity(num_prompt_tokens, params)
-                choice = Choice(
-                    len(choices),
-                    base if body.n == 1 else f"{i}_{base}",  # vLLM's child request ids
-                    prompt_ids,
-                    params,
-                    self.async_llm.add_request,
-                    leader=None if i == 0 else choices[len(choices) - i],
-                    echo_text=text if echo else "",
-                    echo_only=echo_only,
-                    first_prompt=i == 0,
-                )
-                choices.append(choice)
-        self._check_queue(len(choices))
+            )
+            self._check_kv_capacity(num_prompt_tokens, params[-1])
+        self._check_queue(len(prompts) * body.n)
+        choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
         try:
-            for choice in choices:
-                if choice.leader is None:
-                    choice.start()
+            for p, ((prompt_ids, text, _count), prompt_params) in enumerate(
+                zip(prompts, params, strict=True)
+            ):
+                choices += self.async_llm.add_parallel_request(
+                    response_id if len(prompts) == 1 else f"{response_id}-{p}",
+                    prompt_ids,
+                    prompt_params,
+                    body.n,
+                    first_index=len(choices),
+                    make_child=functools.partial(Choice, echo_text=text if echo else "", echo_only=echo_only),
+                )
         except EngineDrainingError as exc:
             close_all(choices)
             raise HTTPError(503, str(exc)) from exc
