@@ -12,7 +12,7 @@ deltas, a chunk with the `finish_reason`, an optional usage-only chunk (`choices
 requests hold KV blocks.
 
 The request fields (protocol.py) and how they are served (serving.py): `prompt` in vLLM's four forms,
-`n` fanned out into one engine request per prompt and sample, `echo`, `logprobs`, `stop_token_ids`,
+`n` fanned out by AsyncLLM into one engine request per prompt and sample (engine/parallel_sampling.py), `echo`, `logprobs`, `stop_token_ids`,
 `min_tokens`, the penalties and `logit_bias` (applied per request by the engine's sampler). Unknown fields
 are logged in one warning line naming them, and the request is served, as vLLM does.
 

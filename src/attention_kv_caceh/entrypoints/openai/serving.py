@@ -156,17 +156,16 @@ def sampling_params_for(
     *,
     vocab_size: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    index: int = 0,
 ) -> SamplingParams:
-    """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
+    """SamplingParams for a prompt of `num_prompt_tokens` tokens (with `n` > 1, AsyncLLM gives sample `i`
+    the seed `seed + i`, engine/parallel_sampling.py).
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
     rest of the context). Either way max_tokens is then capped to the rest of the context,
     `max_model_len - num_prompt_tokens`, as vLLM's `get_max_tokens` caps it: a request whose prompt and
     max_tokens pass the context is served with fewer tokens (finish_reason "length"), not refused.
     `max_tokens: 0` is accepted with `echo` only (the engine then runs one token, which the response
-    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it; the seed of
-    sample `index` is `seed + index`. Raises HTTPError(400), naming the field as `param`, for the checks
+    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for the checks
     of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
     gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
     out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
@@ -211,7 +210,7 @@ def sampling_params_for(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seed=None if body.seed is None else body.seed + index,
+        seed=body.seed,
         ignore_eos=body.ignore_eos,
         stop_token_ids=tuple(dict.fromkeys(stop_ids)),
         min_tokens=body.min_tokens,
