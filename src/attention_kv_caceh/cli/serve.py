@@ -4,7 +4,7 @@
 
 Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
 step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
-`/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (entrypoints/openai/api_server.py) with uvicorn. Prints
+`/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (engine/server.py) with uvicorn. Prints
 one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
 system chose; an IPv6 host in brackets, `http://[::1]:8000`). The default host is 127.0.0.1 (loopback):
 a non-loopback `--host` (0.0.0.0, a LAN address, a host name) is allowed, but without `--api-key-env` it
@@ -51,8 +51,8 @@ from attention_kv_caceh.cli.engine_args import (
     plan_engine,
 )
 
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # openai/api_server.py's default (not imported: it loads FastAPI)
-DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # entrypoints/openai/serving.py's default
+DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
+DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # engine/serving.py's default
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
