@@ -120,7 +120,7 @@ def engine_runs(
     tokenizer = Tokenizer.load(args.engine_model)
     texts = copy_prompts(args.num_prompts, args.seed, args.passage_words)
     if args.chat:
-        from attention_kv_caceh.engine.chat_utils import load_chat_template
+        from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
 
         template = load_chat_template(Path(args.engine_model))
         texts = [template.render([{"role": "user", "content": t}], True) for t in texts]

@@ -285,7 +285,7 @@ def agree_gguf(args: argparse.Namespace) -> None:
             "run",
             "python",
             "-c",
-            "import json, sys; from attention_kv_caceh.engine.chat_utils import "
+            "import json, sys; from attention_kv_caceh.entrypoints.chat_utils import "
             "load_chat_template as t; print(json.dumps([t(sys.argv[1]).render(m) for m in json.loads(sys.argv[2])]))",
             str(gguf),
             json.dumps(messages),

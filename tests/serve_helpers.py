@@ -17,8 +17,8 @@ from fastapi import FastAPI
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.core import EngineCore, StepStats
-from attention_kv_caceh.engine.server import build_app
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
+from attention_kv_caceh.entrypoints.openai.api_server import build_app
 from tests.engine_fakes import CharTokenizer, GatedRunner, letter_logits, make_text_core, wait_for
 
 MODEL = "fake-model"

@@ -1,4 +1,4 @@
-"""The budget on large bodies served at once (engine/body_budget.py): past it a body gets 503 with
+"""The budget on large bodies served at once (entrypoints/openai/body_budget.py): past it a body gets 503 with
 Retry-After before it is read, whatever the endpoint and however the body is sent; the budget comes back
 when the requests end, and a body over --max-request-bytes still gets its 413."""
 
@@ -13,7 +13,7 @@ from typing import Any
 
 import aiohttp
 
-from attention_kv_caceh.engine.body_budget import LARGE_BODY_BYTES
+from attention_kv_caceh.entrypoints.openai.body_budget import LARGE_BODY_BYTES
 from tests.serve_helpers import MODEL, fake_server
 
 PAD = "x" * (LARGE_BODY_BYTES + 40_000)  # an ignored field that makes a body large
@@ -87,7 +87,10 @@ class BodyBudgetTest(unittest.TestCase):
                     await asyncio.sleep(0.1)
             return got
 
-        with thread, self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):  # `padding` ignored
+        with (
+            thread,
+            self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", "WARNING"),
+        ):  # `padding` ignored
             got = asyncio.run(go(thread.base_url))
         self.assertEqual(got["held"], 200)
         for name in ("completions", "chat", "tokenize", "chunked"):
@@ -133,14 +136,14 @@ class StalledBodyTest(unittest.TestCase):
         declared = start + f"Content-Length: {LARGE_BODY_BYTES + 10}\r\n\r\n".encode()
         piece = b"x" * (LARGE_BODY_BYTES + 10)
         chunked = start + b"Transfer-Encoding: chunked\r\n\r\n"
-        with thread, mock.patch("attention_kv_caceh.engine.body_budget.BODY_TIMEOUT_S", 0.5):
+        with thread, mock.patch("attention_kv_caceh.entrypoints.openai.body_budget.BODY_TIMEOUT_S", 0.5):
             declared_status, declared_reply = stalled(declared, b'{"prompt": "')
             for _ in range(30):  # the first one's bytes return just after its answer left
                 chunked_status, _ = stalled(chunked, f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
                 if chunked_status != 503:
                     break
                 time.sleep(0.1)
-            with self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+            with self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", "WARNING"):
                 status, _retry, body = asyncio.run(self.one_big(thread.base_url, limit - 1000))
         self.assertEqual(declared_status, 408, declared_reply)
         self.assertIn(b'"code":408', declared_reply)
@@ -189,7 +192,7 @@ class RefusalsReadTheBodyTest(unittest.TestCase):
                 await held.text()
                 return held.status, status
 
-        with thread, self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+        with thread, self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", "WARNING"):
             held, refused = asyncio.run(held_then(thread.base_url))
         self.assertEqual((held, refused), (200, 503))
         keyed, _engine, _llm = fake_server(max_request_bytes=limit, api_key="k")
@@ -215,7 +218,7 @@ class RefusalsReadTheBodyTest(unittest.TestCase):
                 for sock in stalled:
                     sock.sendall(head + b'{"prompt": "')
                 time.sleep(0.2)
-                with self.assertLogs("attention_kv_caceh.engine.server", "WARNING"):
+                with self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", "WARNING"):
                     status, _retry, body = asyncio.run(StalledBodyTest.one_big(thread.base_url, limit - 1000))
             finally:
                 for sock in stalled:
@@ -226,7 +229,7 @@ class RefusalsReadTheBodyTest(unittest.TestCase):
 class TokenizeWeightTest(unittest.TestCase):
     def test_a_tokenize_body_counts_four_times_its_size_and_one_is_always_served(self) -> None:
         """The middleware alone over an app that holds every request until released."""
-        from attention_kv_caceh.engine.body_budget import TOKENIZE_WEIGHT, BodyBudgetMiddleware
+        from attention_kv_caceh.entrypoints.openai.body_budget import TOKENIZE_WEIGHT, BodyBudgetMiddleware
 
         size = LARGE_BODY_BYTES
         release = asyncio.Event()
@@ -288,7 +291,7 @@ class PromptFormMemoryTest(unittest.TestCase):
 
         script = """
 import gc, json, resource
-from attention_kv_caceh.engine.protocol import CompletionRequest, DetokenizeRequest
+from attention_kv_caceh.entrypoints.openai.protocol import CompletionRequest, DetokenizeRequest
 body = json.dumps({"prompt": [5] * 4_000_000}, separators=(",", ":")).encode()
 data = json.loads(body)
 tokens = json.loads(json.dumps({"tokens": [[5] * 1000] * 2000}))
@@ -306,7 +309,7 @@ print(len(body), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - bas
 
         from pydantic import ValidationError
 
-        from attention_kv_caceh.engine.protocol import CompletionRequest, validation_error
+        from attention_kv_caceh.entrypoints.openai.protocol import CompletionRequest, validation_error
 
         for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]], []):
             self.assertEqual(CompletionRequest.model_validate({"prompt": prompt}).prompt, prompt)

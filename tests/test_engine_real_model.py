@@ -11,13 +11,13 @@ import unittest
 
 import openai
 
-from attention_kv_caceh.engine.chat_utils import load_chat_template
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 
@@ -80,7 +80,7 @@ class RealModelTest(unittest.TestCase):
     def test_serve_answers_a_chat_completion_through_the_models_template(self) -> None:
         from attention_kv_caceh.engine.async_llm import AsyncLLM
         from attention_kv_caceh.engine.core import EngineCore
-        from attention_kv_caceh.engine.server import build_app
+        from attention_kv_caceh.entrypoints.openai.api_server import build_app
         from tests.serve_helpers import ServerThread
 
         cfg = EngineConfig(num_kv_blocks=64)

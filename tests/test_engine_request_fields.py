@@ -25,9 +25,9 @@ from attention_kv_caceh.engine.core import EngineCore
 from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.server import build_app
 from attention_kv_caceh.engine.stats import IterationStats
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.entrypoints.openai.api_server import build_app
 from tests.serve_helpers import ServerThread
 from tests.test_engine_model import reference_logits
 from tests.test_engine_server import request
@@ -397,7 +397,7 @@ class ServerFieldsTest(_Checkpoint):
                 self.assertEqual(body["error"]["param"], param)
                 self.assertNotIn("Input should", body["error"]["message"])
                 self.assertIn(param, body["error"]["message"])
-        with self.assertLogs("attention_kv_caceh.engine.server", logging.WARNING) as logs:
+        with self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", logging.WARNING) as logs:
             status, body = self.post(comp, '{"prompt": "a", "max_tokens": 1, "frobnicate": 1, "zz": 2}')
         self.assertEqual(status, 200, body)
         self.assertEqual(len(logs.records), 1)

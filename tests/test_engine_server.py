@@ -23,10 +23,10 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.models import WordLevel
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM
-from attention_kv_caceh.engine.chat_utils import ChatTemplate
 from attention_kv_caceh.engine.metrics import METRIC_NAMES
-from attention_kv_caceh.engine.server import build_app
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.entrypoints.chat_utils import ChatTemplate
+from attention_kv_caceh.entrypoints.openai.api_server import build_app
 from tests.engine_fakes import TEXT_VOCAB, CharTokenizer, expected_text, make_text_core
 from tests.serve_helpers import MODEL, ServerThread, fake_server
 
@@ -523,7 +523,7 @@ class FaultTest(unittest.TestCase):
         app = build_app(AsyncLLM.from_engine_core(make_text_core()[0], tokenizer), tokenizer, MODEL, 256)
         with ServerThread(app) as thread:
             with (
-                self.assertLogs("attention_kv_caceh.engine.server", "ERROR"),
+                self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", "ERROR"),
                 self.assertLogs("uvicorn.error"),
             ):
                 status, body = request("POST", thread.base_url + "/v1/completions", json={"prompt": "boom"})

@@ -20,7 +20,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from attention_kv_caceh.engine.chat_utils import ChatTemplate
+from attention_kv_caceh.entrypoints.chat_utils import ChatTemplate
 from tests.engine_fakes import CharTokenizer, expected_text, hold_input
 from tests.serve_helpers import MODEL, fake_server
 

@@ -52,7 +52,7 @@ class RealEngineServerTest(unittest.TestCase):
         from attention_kv_caceh.engine.config import EngineConfig
         from attention_kv_caceh.engine.core import EngineCore
         from attention_kv_caceh.engine.request import SamplingParams
-        from attention_kv_caceh.engine.server import build_app
+        from attention_kv_caceh.entrypoints.openai.api_server import build_app
         from tests.engine_fakes import FakeModelRunner, reference_generate  # pyright: ignore
         from tests.serve_helpers import ServerThread
 
@@ -120,8 +120,8 @@ class CheckpointServerTest(unittest.TestCase):
         from attention_kv_caceh.engine.config import EngineConfig
         from attention_kv_caceh.engine.llm_engine import LLMEngine
         from attention_kv_caceh.engine.request import SamplingParams
-        from attention_kv_caceh.engine.server import build_app
         from attention_kv_caceh.engine.tokenizer import Tokenizer
+        from attention_kv_caceh.entrypoints.openai.api_server import build_app
         from tests.serve_helpers import ServerThread
 
         prompts = ["hello world", "the cat sat on", "a", "serving engines batch requests", "x y z"]
@@ -167,8 +167,8 @@ class CheckpointServerTest(unittest.TestCase):
 
         from attention_kv_caceh.engine.async_llm import AsyncLLM
         from attention_kv_caceh.engine.config import EngineConfig
-        from attention_kv_caceh.engine.server import build_app
         from attention_kv_caceh.engine.tokenizer import Tokenizer
+        from attention_kv_caceh.entrypoints.openai.api_server import build_app
         from tests.serve_helpers import ServerThread
 
         config = EngineConfig(max_num_seqs=4, num_kv_blocks=256, block_size=16, max_model_len=2048)
@@ -248,8 +248,8 @@ class CheckpointServerTest(unittest.TestCase):
         from attention_kv_caceh.engine.async_llm import AsyncLLM
         from attention_kv_caceh.engine.config import EngineConfig
         from attention_kv_caceh.engine.core import EngineCore
-        from attention_kv_caceh.engine.server import build_app
         from attention_kv_caceh.engine.tokenizer import Tokenizer
+        from attention_kv_caceh.entrypoints.openai.api_server import build_app
         from tests.engine_fakes import wait_for  # pyright: ignore
         from tests.serve_helpers import ServerThread
 

@@ -14,13 +14,13 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.engine.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
 from attention_kv_caceh.engine.core import EngineCoreOutput, EngineCoreOutputs
 from attention_kv_caceh.engine.output_processor import OutputProcessor, RequestDelta, RequestStream
-from attention_kv_caceh.engine.protocol import CompletionRequest
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.serving import HTTPError, sampling_params_for
 from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, TextDecoder
+from attention_kv_caceh.entrypoints.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
+from attention_kv_caceh.entrypoints.openai.protocol import CompletionRequest
+from attention_kv_caceh.entrypoints.openai.serving import HTTPError, sampling_params_for
 from tests.engine_fakes import CharTokenizer
 
 

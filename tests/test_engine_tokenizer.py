@@ -238,7 +238,7 @@ class PiecesTest(unittest.TestCase):
         script = f"""
 import gc, resource
 from attention_kv_caceh.engine.tokenizer import Tokenizer
-from attention_kv_caceh.engine.serving_tokenization import tokenize_json
+from attention_kv_caceh.entrypoints.openai.serving_tokenization import tokenize_json
 tok = Tokenizer.load({str(folder)!r})
 text = ("hello world " * 700000)[:8_300_000]
 word = "x" * 8_300_000  # no space anywhere: no piece to cut, but a head long enough to refuse

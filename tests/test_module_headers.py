@@ -1,4 +1,5 @@
-"""Every engine module's header names its vLLM counterpart and says what it leaves out (or that vLLM has none).
+"""Every engine and entrypoints module's header names its vLLM counterpart and says what it leaves out (or
+that vLLM has none).
 
 A reader who knows vLLM's source should learn from the first lines of each module which vLLM file it mirrors
 and what of that file is missing here. Private modules (`_name.py`, the place for compiled kernels) are skipped;
@@ -13,16 +14,18 @@ import unittest
 from pathlib import Path
 
 import attention_kv_caceh.engine
+import attention_kv_caceh.entrypoints
 
 ENGINE = Path(attention_kv_caceh.engine.__file__).parent
+ENTRYPOINTS = Path(attention_kv_caceh.entrypoints.__file__).parent
 # "Left out: ...", "... leaves out ...", or "vLLM has no counterpart: ..."; wrapped lines are joined first.
 _OMISSIONS = re.compile(r"\b(left out|leaves out|no counterpart)\b", re.IGNORECASE)
 
 
-def engine_modules() -> list[Path]:
-    """Every engine module a header is required of, sorted."""
+def engine_modules(root: Path = ENGINE) -> list[Path]:
+    """Every module under `root` (engine/ by default) a header is required of, sorted."""
     return sorted(
-        path for path in ENGINE.rglob("*.py") if path.name == "__init__.py" or not path.name.startswith("_")
+        path for path in root.rglob("*.py") if path.name == "__init__.py" or not path.name.startswith("_")
     )
 
 
@@ -47,10 +50,16 @@ class ModuleHeaderTest(unittest.TestCase):
         self.assertIsNone(header_problem("vLLM has no counterpart: it never trains a tokenizer."))
 
     def test_every_engine_module_names_vllm_and_what_it_leaves_out(self) -> None:
-        modules = engine_modules()
-        self.assertGreater(len(modules), 20)  # the walk found the package
+        self.check_headers(ENGINE, at_least=20)
+
+    def test_every_entrypoints_module_names_vllm_and_what_it_leaves_out(self) -> None:
+        self.check_headers(ENTRYPOINTS, at_least=10)
+
+    def check_headers(self, root: Path, at_least: int) -> None:
+        modules = engine_modules(root)
+        self.assertGreaterEqual(len(modules), at_least)  # the walk found the package
         for path in modules:
-            name = path.relative_to(ENGINE.parent).as_posix()
+            name = path.relative_to(root.parent).as_posix()
             with self.subTest(module=name):
                 problem = header_problem(ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))))
                 self.assertIsNone(problem, f"{name}: its header {problem}")

@@ -1,6 +1,6 @@
 """Client concurrency is not the server's batch, as a test: the client's concurrency and the server's max_num_seqs are different limits.
 
-Setup: the real server (engine/server.py over the real AsyncLLM and EngineCore on a `make-model` tiny
+Setup: the real server (entrypoints/openai/api_server.py over the real AsyncLLM and EngineCore on a `make-model` tiny
 checkpoint) runs in a thread of the test on a loopback port, as `serve --max-num-seqs N` would, with the
 core's busy loop in a thread behind the same sockets `serve` uses; the harness's own `run_harness` drives
 it (openai-completions, all requests at once, exact prompt lengths from the checkpoint's tokenizer). The
@@ -40,8 +40,8 @@ from attention_kv_caceh.engine.core_client import MPClient
 from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.server import build_app
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.entrypoints.openai.api_server import build_app
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult, run_harness
 from tests.serve_helpers import ServerThread

@@ -8,9 +8,9 @@ import unittest
 from collections.abc import AsyncIterator
 
 from attention_kv_caceh.engine.output_processor import RequestDelta
-from attention_kv_caceh.engine.protocol import ChatCompletionRequest, CompletionRequest
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.engine.serving_response import Choice, stream_events
+from attention_kv_caceh.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from attention_kv_caceh.entrypoints.openai.serving_response import Choice, stream_events
 from tests.engine_fakes import CharTokenizer
 
 

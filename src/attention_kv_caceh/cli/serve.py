@@ -214,10 +214,10 @@ def run(args: argparse.Namespace) -> int:
     may not use) before loading anything, CommandFailed when the engine core cannot load the checkpoint.
     """
     from attention_kv_caceh.engine.async_llm import AsyncLLM
-    from attention_kv_caceh.engine.chat_utils import load_chat_template
     from attention_kv_caceh.engine.core_client import EngineDeadError
     from attention_kv_caceh.engine.malloc import fix_mmap_threshold
-    from attention_kv_caceh.engine.server import build_app
+    from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
+    from attention_kv_caceh.entrypoints.openai.api_server import build_app
 
     # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
     # (engine/malloc.py says why glibc's dynamic threshold kept them resident)

@@ -21,9 +21,10 @@ Modules, most named after the vLLM v1 file they correspond to:
 The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
 its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side runs
 in the API process (`async_llm`: AsyncLLM, an MPClient to the engine-core process plus an output thread;
+`parallel_sampling`: a request of `n` samples as `n` child requests;
 `output_processor`: one incremental detokenizer per request, stop strings, per-request timestamps and
-streams; `stats` / `metrics`: vLLM's Prometheus metrics; `server`, `serving`, `protocol`, `chat_utils`:
-the OpenAI-compatible HTTP API).
+streams; `stats` / `metrics`: vLLM's Prometheus metrics). The OpenAI-compatible HTTP API over AsyncLLM is
+not here: it is `attention_kv_caceh.entrypoints`, as vLLM's is `vllm/entrypoints/openai/`.
 
 Left out, against vLLM v1 as a whole: GPU workers and tensor, pipeline, data and expert parallelism; CUDA
 graphs and torch.compile; quantization other than GGUF's Q8_0, Q4_0 and Q4_1 blocks; LoRA, multimodal inputs,

@@ -20,9 +20,12 @@ EngineDeadError; from then on `add_request` raises EngineDeadError and `is_runni
 answers 503 and /health 503). `shutdown(timeout_s)` drains: it refuses new requests, gives the running
 ones up to `timeout_s` seconds, ends the rest with finish_reason "abort", and stops the core.
 
+A request of `n` samples is `add_parallel_request`: `n` child requests (parallel_sampling.py's
+ParentRequest), as vLLM's `add_request` fans out `SamplingParams.n`.
+
 Left out: vLLM's input processor (prompts arrive here as token ids: the server tokenizes them and applies the
-chat template, server.py), parallel sampling in the front end (`n` is fanned out into separate requests by
-serving_response.py), LoRA, multimodal inputs, pooling (`encode`), several data-parallel engine cores, and the
+chat template, entrypoints/openai/), the gathering of a request's samples into one output (each child has its
+own stream; parallel_sampling.py), LoRA, multimodal inputs, pooling (`encode`), several data-parallel engine cores, and the
 utility calls other than `reset_prefix_cache` (sleep / wake_up, profiling, collective_rpc).
 """
 
@@ -35,7 +38,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.core import (
@@ -53,12 +56,15 @@ from attention_kv_caceh.engine.output_processor import (
     RequestStream,
     StreamItem,
 )
+from attention_kv_caceh.engine.parallel_sampling import ChildFactory, ChildRequest, ParentRequest
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.stats import IterationStats
 
 __all__ = ["AsyncLLM", "EngineDeadError", "TokenizerLike"]
 
 logger = logging.getLogger(__name__)
+
+C = TypeVar("C", bound=ChildRequest)
 
 
 class TokenizerLike(Protocol):
@@ -245,6 +251,34 @@ class AsyncLLM:
             self._signal_if_idle()
             raise
         return RequestStream(request_id, queue, self.abort)
+
+    def add_parallel_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        n: int,
+        *,
+        first_index: int = 0,
+        make_child: ChildFactory[C] = ChildRequest,
+    ) -> list[C]:
+        """vLLM's `add_request` for a request of `n` samples: `n` engine requests (ParentRequest,
+        parallel_sampling.py), child `i` with id `{i}_{request_id}` (`request_id` itself when n is 1),
+        seed `seed + i` and index `first_index + i`, built by `make_child`. The first child is added now;
+        the others start when it has its first token (`ChildRequest.deltas`), sharing its prompt's blocks
+        in the prefix cache. Raises ValueError for n < 1, and as add_request for the first child (then
+        nothing of the request is tracked).
+        """
+        parent = ParentRequest(request_id, n, sampling_params)
+        children: list[C] = []
+        for i in range(n):
+            child_id, params = parent.child_info(i)
+            leader = children[0] if children else None
+            children.append(
+                make_child(first_index + i, child_id, prompt_token_ids, params, self.add_request, leader)
+            )
+        children[0].start()
+        return children
 
     def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, request_id: str

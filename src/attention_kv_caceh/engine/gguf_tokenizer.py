@@ -1,4 +1,5 @@
-"""The tokenizer and chat template a GGUF file carries in its metadata, built with the `tokenizers` library.
+"""The tokenizer a GGUF file carries in its metadata, built with the `tokenizers` library (its chat
+template is read by entrypoints/chat_utils.py).
 
 vLLM hands a GGUF file's tokenizer to transformers (`AutoTokenizer.from_pretrained(..., gguf_file=...)`,
 `vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. Left out:
@@ -29,10 +30,9 @@ from tokenizers import Tokenizer as HFTokenizer
 from attention_kv_caceh.engine.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.chat_utils import ChatTemplate
     from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
 
-__all__ = ["PRE_TOKENIZERS", "chat_template_from_gguf", "tokenizer_from_gguf"]
+__all__ = ["PRE_TOKENIZERS", "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
 # GPT-2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2): contractions, letters, digits, other, spaces
@@ -135,22 +135,6 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         "chat_template": template if isinstance(template, str) else None,
     }
     return tok, config
-
-
-def chat_template_from_gguf(ckpt: GGUFCheckpoint) -> ChatTemplate | None:
-    """The file's `tokenizer.chat_template` with its BOS / EOS token text, or None when it has none."""
-    from attention_kv_caceh.engine.chat_utils import ChatTemplate
-
-    template = ckpt.metadata("tokenizer.chat_template")
-    if not isinstance(template, str):
-        return None
-    tokens: Any = ckpt.metadata("tokenizer.ggml.tokens") or []
-
-    def text(key: str) -> str:
-        value: Any = ckpt.metadata(f"tokenizer.ggml.{key}")
-        return tokens[value] if isinstance(value, int) and 0 <= value < len(tokens) else ""
-
-    return ChatTemplate(template, bos_token=text("bos_token_id"), eos_token=text("eos_token_id"))
 
 
 def _strings(ckpt: GGUFCheckpoint, key: str, fail: Any) -> list[str]:

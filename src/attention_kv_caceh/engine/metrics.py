@@ -1,6 +1,9 @@
 """Prometheus metrics of the server, with vLLM's names, label `model_name` and bucket boundaries.
 
-Corresponds to vLLM v1's `vllm/v1/metrics/loggers.py` (PrometheusStatLogger). Each app gets its own
+Corresponds to vLLM v1's `vllm/v1/metrics/loggers.py` (PrometheusStatLogger), and sits in engine/ as that file
+sits in `vllm/v1/`: it is a stat logger, fed IterationStats by AsyncLLM's output thread
+(`AsyncLLM.add_stat_logger`), and imports nothing of HTTP; the server only exposes its text at
+`GET /metrics` (entrypoints/openai/api_server.py), as vLLM's api_server mounts its registry. Each app gets its own
 CollectorRegistry (never the process-global one), so several servers in one process (the tests) do not
 collide. Counters are declared without the `_total` suffix, as vLLM declares them: prometheus_client adds
 `_total` to the exposed sample (`vllm:prompt_tokens_total`) and a `_created` sample beside it.

@@ -18,8 +18,8 @@ Thread-safety: the event loop adds requests and reads streams; the thread that r
 (AsyncLLM's output thread) removes finished ones; a lock guards the table.
 
 Left out: vLLM's output kinds other than deltas (CUMULATIVE and FINAL_ONLY), parallel sampling's ParentRequest
-aggregation (`n` is fanned out by serving_response.py), pooling outputs, LoRA request states, and tracing
-(OpenTelemetry spans).
+aggregation (`n` is fanned out by AsyncLLM.add_parallel_request, each child with its own stream), pooling
+outputs, LoRA request states, and tracing (OpenTelemetry spans).
 """
 
 from __future__ import annotations

@@ -22,11 +22,14 @@ import json
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
 
 __all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTemplate", "load_chat_template"]
 
@@ -98,9 +101,8 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
     gguf = gguf_file_of(model_dir)
     if gguf is not None:
         from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-        from attention_kv_caceh.engine.gguf_tokenizer import chat_template_from_gguf
 
-        return chat_template_from_gguf(GGUFCheckpoint(gguf))
+        return _chat_template_from_gguf(GGUFCheckpoint(gguf))
     path = Path(model_dir) / "tokenizer_config.json"
     if not path.is_file():
         return None
@@ -128,3 +130,17 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
         bos_token=_token_text(config.get("bos_token")),
         eos_token=_token_text(config.get("eos_token")),
     )
+
+
+def _chat_template_from_gguf(ckpt: GGUFCheckpoint) -> ChatTemplate | None:
+    """The file's `tokenizer.chat_template` with its BOS / EOS token text, or None when it has none."""
+    template = ckpt.metadata("tokenizer.chat_template")
+    if not isinstance(template, str):
+        return None
+    tokens: Any = ckpt.metadata("tokenizer.ggml.tokens") or []
+
+    def text(key: str) -> str:
+        value: Any = ckpt.metadata(f"tokenizer.ggml.{key}")
+        return tokens[value] if isinstance(value, int) and 0 <= value < len(tokens) else ""
+
+    return ChatTemplate(template, bos_token=text("bos_token_id"), eos_token=text("eos_token_id"))

@@ -2,7 +2,7 @@
 
 Corresponds to vLLM's `vllm/entrypoints/openai/serving_completion.py` and `serving_chat.py` at a small
 size. `sampling_params_for` turns a request body into the engine's SamplingParams (or an HTTP error),
-`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (output_processor.py). The
+`stop` strings included: AsyncLLM's OutputProcessor applies them to the text (engine/output_processor.py). The
 chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
 response bodies are in serving_response.py.
 
@@ -20,13 +20,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from attention_kv_caceh.engine.protocol import (
+from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
+from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     refused_field,
 )
-from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
 
 __all__ = [
     "DEFAULT_MAX_LOGPROBS",
@@ -156,17 +156,16 @@ def sampling_params_for(
     *,
     vocab_size: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    index: int = 0,
 ) -> SamplingParams:
-    """SamplingParams for sample `index` of a prompt of `num_prompt_tokens` tokens.
+    """SamplingParams for a prompt of `num_prompt_tokens` tokens (with `n` > 1, AsyncLLM gives sample `i`
+    the seed `seed + i`, engine/parallel_sampling.py).
 
     `max_completion_tokens` wins over `max_tokens`; when neither is given, `default_max_tokens` (None: the
     rest of the context). Either way max_tokens is then capped to the rest of the context,
     `max_model_len - num_prompt_tokens`, as vLLM's `get_max_tokens` caps it: a request whose prompt and
     max_tokens pass the context is served with fewer tokens (finish_reason "length"), not refused.
     `max_tokens: 0` is accepted with `echo` only (the engine then runs one token, which the response
-    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it; the seed of
-    sample `index` is `seed + index`. Raises HTTPError(400), naming the field as `param`, for the checks
+    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for the checks
     of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
     gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
     out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
@@ -177,27 +176,7 @@ def sampling_params_for(
     """
     check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
-    if num_prompt_tokens == 0:
-        raise HTTPError(400, "the prompt is empty", "prompt")
-    if num_prompt_tokens >= max_model_len:
-        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
-    room = max_model_len - num_prompt_tokens
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    if max_tokens is None:
-        max_tokens = room if default_max_tokens is None else default_max_tokens
-    if max_tokens == 0 and echo:
-        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
-    if max_tokens <= 0:
-        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
-    if max_tokens > max_model_len:
-        raise HTTPError(
-            400,
-            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
-            "tokens",
-            param,
-        )
-    max_tokens = min(max_tokens, room)
+    max_tokens, room = _max_tokens(body, num_prompt_tokens, max_model_len, default_max_tokens, echo)
     temperature = 1.0 if body.temperature is None else body.temperature
     if not math.isfinite(temperature) or temperature < 0:
         raise HTTPError(400, f"temperature must be finite and >= 0, got {temperature}", "temperature")
@@ -218,18 +197,7 @@ def sampling_params_for(
         )
     stop_ids = list(body.stop_token_ids or [])
     _check_token_ids(stop_ids, vocab_size, "stop_token_ids")
-    penalties = {
-        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
-        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
-    }
-    for name, value in penalties.items():
-        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
-            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
-    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
-    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
-        raise HTTPError(
-            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
-        )
+    penalties, repetition = _penalties(body)
     if body.min_tokens > 0 and vocab_size is not None and len(set(stop_ids)) >= vocab_size:
         raise HTTPError(
             400,
@@ -242,7 +210,7 @@ def sampling_params_for(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,
-        seed=None if body.seed is None else body.seed + index,
+        seed=body.seed,
         ignore_eos=body.ignore_eos,
         stop_token_ids=tuple(dict.fromkeys(stop_ids)),
         min_tokens=body.min_tokens,
@@ -256,6 +224,56 @@ def sampling_params_for(
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _max_tokens(
+    body: GenerationRequest,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    default_max_tokens: int | None,
+    echo: bool,
+) -> tuple[int, int]:
+    """(max_tokens capped to the context left after the prompt, that room), as sampling_params_for
+    documents; HTTPError 400 for an empty or too long prompt and a max_tokens out of range."""
+    if num_prompt_tokens == 0:
+        raise HTTPError(400, "the prompt is empty", "prompt")
+    if num_prompt_tokens >= max_model_len:
+        raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
+    room = max_model_len - num_prompt_tokens
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if max_tokens is None:
+        max_tokens = room if default_max_tokens is None else default_max_tokens
+    if max_tokens == 0 and echo:
+        max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
+    if max_tokens <= 0:
+        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
+    if max_tokens > max_model_len:
+        raise HTTPError(
+            400,
+            f"{param} = {max_tokens} is more than this model's maximum context length, {max_model_len} "
+            "tokens",
+            param,
+        )
+    return min(max_tokens, room), room
+
+
+def _penalties(body: GenerationRequest) -> tuple[dict[str, float], float]:
+    """({"frequency_penalty", "presence_penalty"}, repetition_penalty) with their defaults; HTTPError 400
+    naming the first one out of range."""
+    penalties = {
+        "frequency_penalty": 0.0 if body.frequency_penalty is None else body.frequency_penalty,
+        "presence_penalty": 0.0 if body.presence_penalty is None else body.presence_penalty,
+    }
+    for name, value in penalties.items():
+        if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+            raise HTTPError(400, f"{name} must be in [-2, 2], got {value}", name)
+    repetition = 1.0 if body.repetition_penalty is None else body.repetition_penalty
+    if not 1 / MAX_REPETITION_PENALTY <= repetition <= MAX_REPETITION_PENALTY:  # keeps the sampler finite
+        raise HTTPError(
+            400, f"repetition_penalty must be in [1e-100, 1e100], got {repetition}", "repetition_penalty"
+        )
+    return penalties, repetition
 
 
 def _stop_strings(stops: list[str]) -> tuple[str, ...]:

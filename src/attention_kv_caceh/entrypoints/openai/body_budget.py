@@ -30,7 +30,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from attention_kv_caceh.engine.protocol import error_body, error_response
+from attention_kv_caceh.entrypoints.openai.protocol import error_body, error_response
 
 __all__ = [
     "BODY_TIMEOUT_S",

@@ -1,24 +1,24 @@
-"""The choices of one response: fan-out over prompts and samples, streamed interleaved or gathered.
+"""The choices of one response, over prompts and samples, streamed interleaved or gathered.
 
-Corresponds to vLLM's `vllm/v1/engine/parallel_sampling.py` (ParentRequest: one engine request per
-sample, child `i` seeded with `seed + i`, ids `{i}_{parent id}`) and the response builders of
-`serving_completion.py` / `serving_chat.py`. A request with several prompts and `n` samples is
-`len(prompts) * n` engine requests, choice index `prompt_index * n + sample_index`. `stream_events`
+Corresponds to the response builders of vLLM's `vllm/entrypoints/openai/serving_completion.py` /
+`serving_chat.py`. A request with several prompts and `n` samples is `len(prompts) * n` engine
+requests (AsyncLLM.add_parallel_request fans each prompt out, engine/parallel_sampling.py), choice
+index `prompt_index * n + sample_index`. `stream_events`
 interleaves the choices' chunks as they come, each index finishing once; `whole_response` gathers them,
 sorted by index. Usage counts each prompt once and every completion token. `echo` puts the prompt's text
 (and, with logprobs, its tokens' logprobs, the first null) before each choice's text; `max_tokens: 0`
 with `echo` returns the prompt alone (the engine samples one token, which is dropped, as vLLM does).
-Logprobs objects come from logprobs.py.
+Logprobs objects come from engine/logprobs.py.
 
-Left out: ParentRequest's place in vLLM (inside the output processor, so the engine's front end gathers the
-samples and counts `n` in its metrics; here the HTTP layer does it), and beam search.
+Left out: vLLM's gathering of a request's samples in the engine's output processor (each sample has its
+own stream, interleaved or gathered here), and beam search.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,57 +27,39 @@ from fastapi.responses import JSONResponse, Response
 from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.logprobs import chat_logprobs, completion_logprobs
 from attention_kv_caceh.engine.output_processor import (
-    EngineDrainingError,
     EngineRequestError,
     EngineStepError,
     RequestDelta,
-    RequestStream,
 )
-from attention_kv_caceh.engine.protocol import (
+from attention_kv_caceh.engine.parallel_sampling import ChildRequest
+from attention_kv_caceh.engine.request import TokenLogprobs, decode_logprobs_payloads
+from attention_kv_caceh.engine.tokenizer import TextDecoder
+from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     GenerationRequest,
     error_body,
     error_response,
 )
-from attention_kv_caceh.engine.request import SamplingParams, TokenLogprobs, decode_logprobs_payloads
-from attention_kv_caceh.engine.serving import DONE, chat_chunk, completion_chunk, sse, usage
-from attention_kv_caceh.engine.tokenizer import TextDecoder
+from attention_kv_caceh.entrypoints.openai.serving import DONE, chat_chunk, completion_chunk, sse, usage
 
 __all__ = ["Choice", "close_all", "stream_events", "whole_response"]
 
 
 @dataclass
-class Choice:
-    """One choice of a response: its engine request's stream and what its output needs.
-
-    A choice is added to the engine by `start()`. The first sample of a prompt starts at once; the others
-    (`leader` set) start when the leader has its first token, so that the prompt's full blocks are in the
-    prefix cache by then and every sample shares them instead of computing the prompt again (children
-    admitted in one step could not hit blocks computed in that same step).
+class Choice(ChildRequest):
+    """One choice of a response: its engine request (a ChildRequest, whose `index` is the choice index,
+    prompt_index * n + sample_index, and whose siblings start after its leader's first token; see
+    engine/parallel_sampling.py) and what its output needs.
 
     Attributes:
-        index: the choice index (prompt_index * n + sample_index).
-        request_id: its engine request id (vLLM's `{sample_index}_{parent id}` when n > 1).
-        prompt_token_ids: its prompt.
-        params: its SamplingParams.
-        add_request: AsyncLLM.add_request (or a stand-in); may raise EngineDrainingError.
-        leader: the choice whose first token this one waits for, or None.
         echo_text: the prompt's text to put before the choice's text ("" without echo).
         echo_only: `max_tokens: 0` with echo: the prompt alone, the sampled token dropped.
-        first_prompt: whether this choice's prompt is counted in the usage (the first sample of a prompt).
+        the others: filled while the response is written.
     """
 
-    index: int
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    add_request: Callable[[str, list[int], SamplingParams], RequestStream]
-    leader: Choice | None = None
     echo_text: str = ""
     echo_only: bool = False
-    first_prompt: bool = True
-    # filled while the response is written
     text_offset: int = 0
     num_echo_tokens: int = 0  # prompt tokens at the head of logprob_tokens
     started: bool = False
@@ -88,22 +70,11 @@ class Choice:
         default_factory=list[tuple[int, TokenLogprobs | None]]
     )
     chat_entries: list[TokenLogprobs] = field(default_factory=list[TokenLogprobs])
-    stream: RequestStream | None = None
-    closed: bool = False
-    first_token: asyncio.Event = field(default_factory=asyncio.Event)
 
-    def start(self) -> RequestStream:
-        """Add the engine request (once); raises EngineDrainingError while the server shuts down."""
-        if self.stream is None:
-            self.stream = self.add_request(self.request_id, self.prompt_token_ids, self.params)
-        return self.stream
-
-    def close(self, finish_reason: str = "abort") -> None:
-        """Abort the engine request unless it finished; a choice not started yet never starts."""
-        self.closed = True
-        self.first_token.set()
-        if self.stream is not None:
-            self.stream.close(finish_reason)
+    @property
+    def first_prompt(self) -> bool:
+        """Whether this choice's prompt is counted in the usage: the first sample of a prompt."""
+        return self.leader is None
 
 
 def _prompt_logprob_tokens(
@@ -180,31 +151,15 @@ async def _interleaved(
     Raises the first EngineStepError / EngineRequestError a choice's stream raises.
     """
 
-    async def deltas(choice: Choice) -> AsyncIterator[RequestDelta]:
-        if choice.leader is not None:
-            await choice.leader.first_token.wait()
-        if choice.closed:
-            return
-        try:
-            stream = choice.start()
-        except EngineDrainingError as exc:
-            raise EngineStepError(f"the server is shutting down: {exc}") from exc
-        try:
-            async for delta in stream:
-                choice.first_token.set()
-                yield delta
-        finally:
-            choice.first_token.set()  # also when the leader failed: the others start (and fail) on their own
-
     if len(choices) == 1:
-        async for delta in deltas(choices[0]):
+        async for delta in choices[0].deltas():
             yield choices[0], delta
         return
     queue: asyncio.Queue[tuple[Choice, object]] = asyncio.Queue()
 
     async def pump(choice: Choice) -> None:
         try:
-            async for delta in deltas(choice):
+            async for delta in choice.deltas():
                 queue.put_nowait((choice, delta))
         except Exception as exc:  # handed to the reader, which raises it
             queue.put_nowait((choice, exc))
