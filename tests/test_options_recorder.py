@@ -192,6 +192,14 @@ class RecorderTest(unittest.TestCase):
             raise KeyboardInterrupt
         self.assertEqual((self._meta(self.path)["rows"], self._meta(self.path)["status"]), (2, "interrupted"))
 
+    def test_rows_added_without_a_save_are_in_the_final_one(self) -> None:
+        with self.assertRaises(KeyboardInterrupt), self._recorder() as run:
+            run.add([{"step": 0, "ms": 1.0}])
+            run.add([{"step": 1, "ms": 2.0}], save=False)
+            self.assertEqual(len(self._rows()), 1)
+            raise KeyboardInterrupt
+        self.assertEqual([r["step"] for r in self._rows()], ["0", "1"])
+
     def test_jsonl_rows_are_on_disk_one_by_one(self) -> None:
         path = self.dir / "requests.jsonl"
         recorder = RunRecorder("serving", path, None, config={}, environment={})

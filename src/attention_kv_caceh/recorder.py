@@ -107,8 +107,10 @@ class RunRecorder:
     def status(self) -> Status:
         return self.meta["status"]
 
-    def add(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Append `rows` and save (a JSONL row is on disk before the next one is written)."""
+    def add(self, rows: Iterable[Mapping[str, Any]], *, save: bool = True) -> None:
+        """Append `rows` and save (a JSONL row is on disk before the next one is written). With `save`
+        False a CSV's rows are kept for the next save (the one `finish` or the `with` block makes), e.g.
+        the rows of a pass a stop cut short, added just before the run's final save."""
         added = list(rows)
         if self._jsonl is not None:
             for row in added:
@@ -116,7 +118,8 @@ class RunRecorder:
         else:
             self.rows.extend(added)
         self.count += len(added)
-        self.save()
+        if save:
+            self.save()
 
     def save(self, status: Status | None = None) -> None:
         """Rewrite the raw CSV (not a JSONL file: its rows are on disk), the metadata with `status` (None:
