@@ -19,7 +19,7 @@ import numpy as np
 from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.report import (
@@ -31,6 +31,7 @@ from attention_kv_caceh.report import (
     planned_plots,
 )
 from attention_kv_caceh.report import build as report
+from attention_kv_caceh.report.sections import views_markdown
 from attention_kv_caceh.timing import Sample
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))

@@ -1,49 +1,55 @@
 """`attention-kv-caceh views`: the view/copy table (which operations share an array's memory, which copy it).
 
-`experiments/views.py` runs the six experiments and returns rows; this module prints the table and
-writes the files asked for, after checking every output path (UsageError naming the flag, nothing
-written).
+Flags (`ViewsOptions`) -> the output checks (UsageError naming the flag, nothing written) ->
+`experiments.views.run_views` (six experiments, rows) -> the files asked for (the CSV through a
+`RunRecorder`, with its metadata and the section `report` renders beside it) -> the table printed
+(`report.sections.views_markdown`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 
 from attention_kv_caceh.cli.common import check_markdown_file, check_outputs, output_file
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
-from attention_kv_caceh.files import (
-    atomic_write_text,
-    markdown_path,
-    meta_path,
-    write_csv_atomic,
-    write_json_atomic,
-)
-from attention_kv_caceh.timing import capture_environment
+from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, ViewRow, run_views
+from attention_kv_caceh.files import atomic_write_text, markdown_path, meta_path
+from attention_kv_caceh.options import check_options, option
 
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["HELP", "ViewsOptions", "add_arguments", "run"]
 
 HELP = "the view/copy table: which list and NumPy operations share memory with the original, which copy"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `views`: `--csv PATH.csv`, `--md PATH.md` (both optional; the table is printed anyway)."""
-    parser.add_argument(
-        "--csv",
-        type=output_file(".csv"),
-        default=None,
+@dataclass(frozen=True)
+class ViewsOptions:
+    """Where `views` writes the table (both optional: it is printed anyway)."""
+
+    csv: Path | None = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+        None,
+        help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it",
         metavar="PATH.csv",
-        help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it "
-        "(default: not written)",
+        parse=output_file(".csv"),
+        default_text="not written",
     )
-    parser.add_argument(
-        "--md",
-        type=output_file(".md", ".markdown"),
-        default=None,
+    md: Path | None = option(  # noqa: RUF009
+        None,
+        help="write the table as Markdown",
         metavar="PATH.md",
-        help="write the table as Markdown (default: not written)",
+        parse=output_file(".md", ".markdown"),
+        default_text="not written",
     )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `views`: `--csv PATH.csv`, `--md PATH.md`."""
+    add_options(parser, ViewsOptions)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
     or cannot be written, and for a `<stem>.md` beside the CSV that no lab command wrote
     (`common.check_markdown_file`), before any file is written.
     """
-    csv_path: Path | None = args.csv
-    md_path: Path | None = args.md
+    from attention_kv_caceh.report.sections import views_markdown
+
+    options = config_from_args(ViewsOptions, args)
+    csv_path, md_path = options.csv, options.md
     beside = f"--csv {str(csv_path)!r}: the file beside it"
     section = None if csv_path is None else markdown_path(csv_path)
     if section is not None and md_path is not None and section.resolve() == md_path.resolve():
@@ -73,20 +81,7 @@ def run(args: argparse.Namespace) -> int:
     table = views_markdown(rows)
     written: list[str] = []
     if csv_path is not None:
-        write_csv_atomic(csv_path, (dataclasses.asdict(r) for r in rows), VIEW_TABLE_COLUMNS)
-        write_json_atomic(
-            meta_path(csv_path),
-            {
-                "status": "complete",
-                "environment": capture_environment(),
-                "config": {"experiment": "views"},
-            },
-        )
-        written += [str(csv_path), str(meta_path(csv_path))]
-        if section is not None:  # the section `report` renders from the CSV
-            from attention_kv_caceh.report.sections import views_section
-
-            written.append(str(atomic_write_text(section, views_section(csv_path.name, rows))))
+        written += _write_csv(csv_path, rows, section)
     if md_path is not None:
         atomic_write_text(md_path, table)
         written.append(str(md_path))
@@ -96,3 +91,20 @@ def run(args: argparse.Namespace) -> int:
     if written:
         print(f"wrote {', '.join(written)}")
     return 0
+
+
+def _write_csv(csv_path: Path, rows: list[ViewRow], section: Path | None) -> list[str]:
+    """The CSV and its metadata (one recorded run), and the section `report` renders from the CSV."""
+    from attention_kv_caceh.recorder import RunRecorder
+    from attention_kv_caceh.report.sections import views_section
+    from attention_kv_caceh.timing import capture_environment
+
+    env = capture_environment()
+    with RunRecorder(
+        "view-copy-table", csv_path, VIEW_TABLE_COLUMNS, config={"experiment": "views"}, environment=env
+    ) as run:
+        run.add(dataclasses.asdict(r) for r in rows)
+    written = [str(csv_path), str(meta_path(csv_path))]
+    if section is not None:
+        written.append(str(atomic_write_text(section, views_section(csv_path.name, rows))))
+    return written

@@ -16,21 +16,18 @@ The tests assert every observation, so a change in NumPy's view/copy behaviour i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.tables import markdown_table
-
 __all__ = [
     "VIEW_TABLE_COLUMNS",
     "Prediction",
     "ViewRow",
     "run_views",
-    "views_markdown",
 ]
 
 
@@ -282,39 +279,3 @@ EXPERIMENTS: tuple[Callable[[], ViewRow], ...] = (
 def run_views() -> list[ViewRow]:
     """Run the six experiments in order and return their rows (no I/O)."""
     return [experiment() for experiment in EXPERIMENTS]
-
-
-def views_markdown(rows: Sequence[ViewRow]) -> str:
-    """Render the rows as a Markdown table ("predicted / observed" in the prediction columns)."""
-
-    def pair(predicted: object, observed: object) -> str:
-        return f"{predicted} / {observed}"
-
-    header = [
-        "experiment",
-        "code",
-        "write",
-        "shares memory (pred / obs)",
-        "write propagates (pred / obs)",
-        "shape",
-        "strides (bytes)",
-        "C_CONTIGUOUS (pred / obs)",
-        "prediction held",
-        "why",
-    ]
-    cells = [
-        [
-            r.experiment,
-            f"`{r.code}`",
-            f"`{r.write}`",
-            pair(r.predicted_shares_memory, r.shares_memory),
-            pair(r.predicted_write_propagates, r.write_propagates),
-            r.shape,
-            r.strides,
-            pair(r.predicted_c_contiguous, r.c_contiguous),
-            "yes" if r.prediction_held else "**no**",
-            r.explanation,
-        ]
-        for r in rows
-    ]
-    return markdown_table(header, cells)

@@ -1,7 +1,7 @@
 """The Markdown sections of the results report for the lab's raw files: scan, cache growth, views.
 
 Each section recomputes its statistics from the raw rows it is given (`scan_stats.scan_table`,
-`cache_growth_stats.summarize_cache_growth`, `views.views_markdown`) and returns Markdown; finding and
+`cache_growth_stats.summarize_cache_growth`) and returns Markdown; finding and
 reading the files, pairing them and listing what is wrong with them is the job of `readers.py` and
 `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under their
 section and kept in every statistic. The serving harness's section is `serving.py`, the environment
@@ -20,9 +20,10 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     partial_passes,
     summarize_cache_growth,
 )
-from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
-from attention_kv_caceh.experiments.views import ViewRow, views_markdown
+from attention_kv_caceh.experiments.scan_stats import scan_table
+from attention_kv_caceh.experiments.views import ViewRow
 from attention_kv_caceh.memory import format_bytes
+from attention_kv_caceh.report.verdicts import saturation_verdict
 from attention_kv_caceh.tables import format_number, markdown_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
@@ -31,6 +32,7 @@ __all__ = [
     "cache_section",
     "flag_outliers",
     "scan_section",
+    "views_markdown",
     "views_section",
 ]
 
@@ -303,5 +305,41 @@ def cache_section(
 
 
 def views_section(name: str, rows: Sequence[ViewRow]) -> str:
-    """The section of one view/copy table CSV (`views.views_markdown` of its rows)."""
+    """The section of one view/copy table CSV (`views_markdown` of its rows)."""
     return f"### View/copy table: `{name}`\n\n{views_markdown(rows)}"
+
+
+def views_markdown(rows: Sequence[ViewRow]) -> str:
+    """Render the rows as a Markdown table ("predicted / observed" in the prediction columns)."""
+
+    def pair(predicted: object, observed: object) -> str:
+        return f"{predicted} / {observed}"
+
+    header = [
+        "experiment",
+        "code",
+        "write",
+        "shares memory (pred / obs)",
+        "write propagates (pred / obs)",
+        "shape",
+        "strides (bytes)",
+        "C_CONTIGUOUS (pred / obs)",
+        "prediction held",
+        "why",
+    ]
+    cells = [
+        [
+            r.experiment,
+            f"`{r.code}`",
+            f"`{r.write}`",
+            pair(r.predicted_shares_memory, r.shares_memory),
+            pair(r.predicted_write_propagates, r.write_propagates),
+            r.shape,
+            r.strides,
+            pair(r.predicted_c_contiguous, r.c_contiguous),
+            "yes" if r.prediction_held else "**no**",
+            r.explanation,
+        ]
+        for r in rows
+    ]
+    return markdown_table(header, cells)
