@@ -6,16 +6,11 @@
 
     attention-kv-caceh --impl all      # NumPy and the fused kernel (and torch SDPA) side by side
 
-Flags (`ScanConfig`, `ShapeOptions` and `ScanOptions` fields) -> config -> `experiments.scan_run.
-record_scan` into a `RunRecorder` -> print (`report.scan_text`). Prints a setup card; the run measures
-each implementation's call overhead and the read bandwidth and writes one prediction per
-implementation to the `.meta.json` before the first timed sample (the prediction card is printed when
-the user gave a prediction); then one batch size at a time, rewriting the raw CSV, the summary CSV,
-the metadata and `<stem>.md` (the run's Markdown, the section `report` renders from the raw file) after
-every B; then prints the table, the saturation verdicts, the predictions against the measurement and
-one JSON line. Exit codes: 0 done, 1 an oracle check failed (that implementation was not timed at that
-B nor after it; the others were, and every file is complete) or out of memory, 2 bad usage (nothing
-touched), 130 interrupted (every sample taken, and the predictions, are on disk).
+Flags (`ScanConfig`, `ShapeOptions`, `scan_run.ScanOptions`) -> config -> `scan_run.record_scan` into
+a `RunRecorder` (predictions on disk before the first timed sample; every file rewritten after each B)
+-> print (`report.scan_text`). Exit codes: 0 done, 1 an oracle check failed (that implementation was
+not timed from there on; every file is complete) or out of memory, 2 bad usage (nothing touched), 130
+interrupted (every sample taken, and the predictions, are on disk).
 """
 
 from __future__ import annotations
@@ -24,10 +19,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 from attention_kv_caceh.cli.common import (
     PROG,
@@ -35,92 +28,36 @@ from attention_kv_caceh.cli.common import (
     check_markdown_file,
     check_outputs,
     check_side_files,
-    output_file,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.flags import add_options, config_from_args
-from attention_kv_caceh.experiments.prediction import UserPrediction, check_user_prediction, parse_saturation
-from attention_kv_caceh.experiments.scan import SAMPLE_FIELDS, ScanConfig, build_inputs, estimate_scan_bytes
-from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES, IMPLS, resolve_impls
-from attention_kv_caceh.experiments.scan_run import ScanRun, record_scan
+from attention_kv_caceh.cli.flags import add_options, config_from_args, usage_error
+from attention_kv_caceh.experiments.prediction import UserPrediction
+from attention_kv_caceh.experiments.scan import ScanConfig, build_inputs, estimate_scan_bytes
+from attention_kv_caceh.experiments.scan_impls import IMPLS, resolve_impls
+from attention_kv_caceh.experiments.scan_run import ScanOptions, ScanRun, record_scan
 from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS
 from attention_kv_caceh.experiments.shape import ShapeOptions
 from attention_kv_caceh.files import atomic_write_text, markdown_path, meta_path
 from attention_kv_caceh.memory import MemoryBudgetError, check_memory
-from attention_kv_caceh.options import check_options, option
+from attention_kv_caceh.options import ConfigError
 from attention_kv_caceh.recorder import RunRecorder
-from attention_kv_caceh.report.outcome import prediction_card
 from attention_kv_caceh.report.scan_text import (
     event_line,
     plot_title,
+    prediction_cards,
     result_records,
     result_text,
     scan_live_markdown,
     setup_card,
     summary_json,
+    threads_warning,
 )
 from attention_kv_caceh.timing import capture_environment
 
-__all__ = ["HELP", "ScanOptions", "add_arguments", "run", "scan_config", "setup_card", "summary_path"]
+__all__ = ["HELP", "add_arguments", "run", "scan_config", "setup_card"]
 
 HELP = "batch-size scan of decode attention over a KV cache (the default command)"
 _DEFAULTS = ScanConfig()
-
-
-def _saturation_flag(text: str) -> str:
-    """--predict-saturation: a batch size >= 1 or 'none' (`parse_saturation`, ValueError otherwise); the
-    text itself is kept, so that None still means "not given"."""
-    parse_saturation(text)
-    return text
-
-
-@dataclass(frozen=True)
-class ScanOptions:
-    """The scan's flags that are not measurement parameters: where it writes, how it runs, what the
-    user predicts."""
-
-    csv: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
-        Path("results/benchmark.csv"), help="raw samples CSV", metavar="PATH.csv", parse=output_file(".csv")
-    )
-    blas_threads: int | None = option(
-        None,
-        help="pin BLAS threads with threadpoolctl for this run",
-        metavar="N",
-        minimum=1,
-        default_text="not pinned",
-    )
-    plot: Path | None = option(  # noqa: RUF009
-        None,
-        help="PNG: P50 with P95 bars, positions/s vs B",
-        metavar="PATH.png",
-        parse=output_file(".png"),
-        default_text="no plot",
-    )
-    impl: str = option(
-        "numpy",
-        help="decode step to time: numpy (attention.multihead_decode_step), fused (the Numba kernel, one "
-        "thread), or all: both, plus torch-sdpa (one thread) where torch can be imported, each checked "
-        "and timed at every B in turn, side by side against the same probe",
-        choices=IMPL_CHOICES,
-    )
-    predict: str = option(
-        "",
-        help="your prediction in words, recorded with a timestamp before the first timed sample and shown "
-        "beside the verdicts (not checked: it is prose)",
-        metavar="TEXT",
-        default_text="none",
-    )
-    predict_saturation: str | None = option(
-        None,
-        help="your predicted saturation point: a scanned B other than the largest, or 'none' for not "
-        "reached; checked against the measured one",
-        metavar="B|none",
-        parse=_saturation_flag,
-        default_text="not given",
-    )
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -143,26 +80,6 @@ def scan_config(args: argparse.Namespace) -> ScanConfig:
     return config_from_args(ScanConfig, args, ShapeOptions, **asdict(shape))
 
 
-def _user_prediction(options: ScanOptions, batch_sizes: Sequence[int]) -> UserPrediction:
-    """--predict and --predict-saturation; UsageError for a saturation no scan of `batch_sizes` could
-    measure (`check_user_prediction`)."""
-    given = options.predict_saturation is not None
-    saturation = (
-        parse_saturation(options.predict_saturation) if options.predict_saturation is not None else None
-    )
-    user = UserPrediction(options.predict, given, saturation)
-    try:
-        check_user_prediction(user, batch_sizes)
-    except ValueError as exc:
-        raise UsageError(f"--predict-saturation: {exc}") from None
-    return user
-
-
-def summary_path(csv_path: Path) -> Path:
-    """`results/benchmark.csv` -> `results/benchmark-summary.csv`."""
-    return csv_path.with_name(f"{csv_path.stem}-summary.csv")
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the batch-size scan from parsed flags; writes raw CSV, summary CSV, metadata (and the plot).
 
@@ -172,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     """
     config, options = scan_config(args), config_from_args(ScanOptions, args)
     try:
+        user = options.user_prediction(config.batch_sizes)
+    except ConfigError as exc:
+        raise usage_error(ScanOptions, exc) from None
+    try:
         check_memory(
             estimate_scan_bytes(config, len(IMPLS) if options.impl == "all" else 1),
             f"this scan (B={max(config.batch_sizes)}, T={config.seq_len}, {config.repeats} repeats, "
@@ -180,14 +101,13 @@ def run(args: argparse.Namespace) -> int:
         )
     except MemoryBudgetError as exc:
         raise UsageError(str(exc)) from None
-    user = _user_prediction(options, config.batch_sizes)
     csv = options.csv
     beside = f"--csv {str(csv)!r}: the file beside it"
-    side = (summary_path(csv), meta_path(csv), markdown_path(csv))
+    side = (options.summary_csv, meta_path(csv), markdown_path(csv))
     check_outputs(
         [("--csv", csv, (".csv",)), *((beside, p, ()) for p in side), ("--plot", options.plot, (".png",))]
     )
-    check_side_files("--csv", {summary_path(csv): SUMMARY_FIELDS, meta_path(csv): ()})
+    check_side_files("--csv", {options.summary_csv: SUMMARY_FIELDS, meta_path(csv): ()})
     check_markdown_file("--csv", csv)
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
@@ -200,13 +120,8 @@ def run(args: argparse.Namespace) -> int:
 def _scan(config: ScanConfig, options: ScanOptions, user: UserPrediction) -> int:
     env = capture_environment()
     impls = resolve_impls(options.impl)
-    cpus = os.cpu_count() or 1
-    if options.blas_threads is not None and options.blas_threads > cpus:
-        print(
-            f"warning: --blas-threads {options.blas_threads} is more than the {cpus} logical CPUs here; "
-            "the threads will compete for cores",
-            file=sys.stderr,
-        )
+    if (warning := threads_warning(options.blas_threads, os.cpu_count() or 1)) is not None:
+        print(warning, file=sys.stderr)
     if options.blas_threads is None:
         warn_if_blas_unpinned(", or pass --blas-threads N")
     skipped = [i for i in IMPLS if i not in impls] if options.impl == "all" else []
@@ -215,21 +130,11 @@ def _scan(config: ScanConfig, options: ScanOptions, user: UserPrediction) -> int
     state = ScanRun(config, impls, build_inputs(config))
 
     def side_files(recorder: RunRecorder) -> None:
-        state.write_summary(summary_path(csv))
+        state.write_summary(options.summary_csv)
         atomic_write_text(markdown_path(csv), scan_live_markdown(csv.name, state, recorder.meta))
 
-    files = {"raw_csv": str(csv), "summary_csv": str(summary_path(csv))}
     try:
-        with RunRecorder(
-            "batch-size-scan",
-            csv,
-            SAMPLE_FIELDS,
-            config=asdict(config),
-            environment=env,
-            extra=state.meta_extra(options.blas_threads, files),
-            before_save=state.before_save,
-            side_files=side_files,
-        ) as recorder:
+        with state.recorder(options, env, side_files) as recorder:
             if not _measure(state, recorder, user, gave=gave):
                 return 1
             outcomes = state.outcomes()
@@ -241,14 +146,13 @@ def _scan(config: ScanConfig, options: ScanOptions, user: UserPrediction) -> int
         print(f"{PROG}: {what}; {kept} samples kept in {csv}", file=sys.stderr)
         return 130 if isinstance(exc, KeyboardInterrupt) else 1
     print(result_text(state, outcomes, user_gave=gave))
-    written = [str(p) for p in (csv, summary_path(csv), meta_path(csv), markdown_path(csv))]
+    written = [str(p) for p in (csv, options.summary_csv, meta_path(csv), markdown_path(csv))]
     if options.plot is not None:
         from attention_kv_caceh.report.plots import plot_scan
 
         tables = state.tables()
         first = next(iter(tables))
-        title = plot_title(config) + ("" if len(tables) == 1 else f", {first}")
-        plot_scan(tables[first], options.plot, title=title)
+        plot_scan(tables[first], options.plot, title=plot_title(config, first if len(tables) > 1 else ""))
         written.append(str(options.plot))
     print(f"Wrote {', '.join(written)}")
     print(json.dumps(summary_json(state, outcomes, str(csv))))
@@ -266,11 +170,7 @@ def _measure(state: ScanRun, recorder: RunRecorder, user: UserPrediction, *, gav
     with bar:  # closed before any handler of the caller prints
         for event in record_scan(state, recorder, user):
             if event.kind == "predicted" and gave:
-                for impl, prediction in state.predictions.items():
-                    print()
-                    if len(state.impls) > 1:
-                        print(f"[{impl}]")
-                    print(prediction_card(prediction), flush=True)  # a pipe must show it before the timing
+                print(prediction_cards(state), flush=True)  # a pipe must show them before the timing
             elif event.kind == "batch":
                 bar.update(sizes.index(event.batch_size) - bar.n)
                 bar.set_postfix(B=event.batch_size)

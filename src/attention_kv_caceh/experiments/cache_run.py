@@ -32,11 +32,25 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     summarize_cache_growth,
     summary_rows,
 )
-from attention_kv_caceh.files import markdown_path, meta_path, write_csv_atomic, write_json_atomic
+from attention_kv_caceh.files import (
+    markdown_path,
+    meta_path,
+    output_path,
+    write_csv_atomic,
+    write_json_atomic,
+)
+from attention_kv_caceh.options import check_options, option
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.recorder import RunRecorder
 
-__all__ = ["MEMORY_FIELDS", "STEP_FIELDS", "CacheRun", "cache_side_paths", "record_cache_growth"]
+__all__ = [
+    "MEMORY_FIELDS",
+    "STEP_FIELDS",
+    "CacheOptions",
+    "CacheRun",
+    "cache_side_paths",
+    "record_cache_growth",
+]
 
 STEP_FIELDS: tuple[str, ...] = tuple(CacheStepSample.__dataclass_fields__)
 MEMORY_FIELDS: tuple[str, ...] = tuple(CacheMemoryRow.__dataclass_fields__)
@@ -52,6 +66,28 @@ def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
         "memory_meta": meta_path(p.with_name(f"{p.stem}-memory.csv")),
         "markdown": markdown_path(p),
     }
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """Where `cache` writes: the raw CSV (the files beside it follow its name) and the plot."""
+
+    csv: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+        Path("results/cache.csv"),
+        help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside it",
+        metavar="PATH.csv",
+        parse=output_path(".csv"),
+    )
+    plot: Path | None = option(  # noqa: RUF009
+        None,
+        help="PNG: per-step time and bytes per step against T",
+        metavar="PATH.png",
+        parse=output_path(".png"),
+        default_text="no plot",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
 
 
 @dataclass
@@ -73,6 +109,26 @@ class CacheRun:
         """The metadata's config: the experiment, every field, and the positions the oracle checks
         (`oracle_steps` is empty for the default)."""
         return {"experiment": "cache", **asdict(self.config), "oracle_steps": self.config.checked_steps}
+
+    def recorder(
+        self,
+        environment: dict[str, Any],
+        kv_sizes: dict[str, Any],
+        side_files: Callable[[RunRecorder], None] | None = None,
+    ) -> RunRecorder:
+        """The run's recorder: the raw CSV (STEP_FIELDS) and its metadata, kind "cache-growth"; the
+        memory CSV, its metadata and the summary are its side files (`write_side_files`)."""
+        files = {k: str(v) for k, v in self.side.items() if k != "meta"}
+        return RunRecorder(
+            "cache-growth",
+            self.csv_path,
+            STEP_FIELDS,
+            config=self.meta_config(),
+            environment=environment,
+            extra={"kv_sizes": kv_sizes, "files": files},
+            before_save=self.before_save,
+            side_files=side_files,
+        )
 
     def before_save(self, recorder: RunRecorder) -> None:
         """Row counts and the passes cut part-way, as the metadata records them."""

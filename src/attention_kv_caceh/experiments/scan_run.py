@@ -19,7 +19,7 @@ happened, and `report/scan_text.py` words them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -29,24 +29,109 @@ from attention_kv_caceh.experiments.calibration import calibrate
 from attention_kv_caceh.experiments.prediction import (
     ScanPrediction,
     UserPrediction,
+    check_user_prediction,
     make_scan_prediction,
+    parse_saturation,
     utc_now,
 )
 from attention_kv_caceh.experiments.prediction_check import ScanOutcome, evaluate_scan
-from attention_kv_caceh.experiments.scan import BatchInterrupted, BatchResult, ScanConfig, ScanInputs
+from attention_kv_caceh.experiments.scan import (
+    SAMPLE_FIELDS,
+    BatchInterrupted,
+    BatchResult,
+    ScanConfig,
+    ScanInputs,
+)
+from attention_kv_caceh.experiments.scan_impls import IMPL_CHOICES
 from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS, scan_tables, summary_rows
-from attention_kv_caceh.files import write_csv_atomic
+from attention_kv_caceh.files import output_path, write_csv_atomic
+from attention_kv_caceh.options import ConfigError, check_options, option
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.recorder import RunRecorder
 from attention_kv_caceh.timing import Sample
 
-__all__ = ["PROBE", "ScanEvent", "ScanRun", "record_scan", "run_batch"]
+__all__ = ["PROBE", "ScanEvent", "ScanOptions", "ScanRun", "record_scan", "run_batch"]
 
 # The read probe as the metadata describes it.
 PROBE = "np.dot(buf, buf) over a buffer of kv_bytes_per_step bytes (BLAS dot: one read stream)"
 
 # Looked up here at call time, so that a test can stand in for the timed step.
 run_batch = scan.run_batch
+
+
+def _saturation_flag(text: str) -> str:
+    """--predict-saturation: a batch size >= 1 or 'none' (`parse_saturation`, ValueError otherwise); the
+    text itself is kept, so that None still means "not given"."""
+    parse_saturation(text)
+    return text
+
+
+@dataclass(frozen=True)
+class ScanOptions:
+    """The scan's options that are not measurement parameters (flags of the default command): where
+    it writes, how it runs, what the user predicts."""
+
+    csv: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+        Path("results/benchmark.csv"), help="raw samples CSV", metavar="PATH.csv", parse=output_path(".csv")
+    )
+    blas_threads: int | None = option(
+        None,
+        help="pin BLAS threads with threadpoolctl for this run",
+        metavar="N",
+        minimum=1,
+        default_text="not pinned",
+    )
+    plot: Path | None = option(  # noqa: RUF009
+        None,
+        help="PNG: P50 with P95 bars, positions/s vs B",
+        metavar="PATH.png",
+        parse=output_path(".png"),
+        default_text="no plot",
+    )
+    impl: str = option(
+        "numpy",
+        help="decode step to time: numpy (attention.multihead_decode_step), fused (the Numba kernel, one "
+        "thread), or all: both, plus torch-sdpa (one thread) where torch can be imported, each checked "
+        "and timed at every B in turn, side by side against the same probe",
+        choices=IMPL_CHOICES,
+    )
+    predict: str = option(
+        "",
+        help="your prediction in words, recorded with a timestamp before the first timed sample and shown "
+        "beside the verdicts (not checked: it is prose)",
+        metavar="TEXT",
+        default_text="none",
+    )
+    predict_saturation: str | None = option(
+        None,
+        help="your predicted saturation point: a scanned B other than the largest, or 'none' for not "
+        "reached; checked against the measured one",
+        metavar="B|none",
+        parse=_saturation_flag,
+        default_text="not given",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+    def user_prediction(self, batch_sizes: Sequence[int]) -> UserPrediction:
+        """--predict and --predict-saturation as a UserPrediction. Raises ConfigError for a saturation
+        no scan of `batch_sizes` could measure (`check_user_prediction`)."""
+        given = self.predict_saturation is not None
+        saturation = (
+            parse_saturation(self.predict_saturation) if self.predict_saturation is not None else None
+        )
+        user = UserPrediction(self.predict, given, saturation)
+        try:
+            check_user_prediction(user, batch_sizes)
+        except ValueError as exc:
+            raise ConfigError("predict_saturation", str(exc)) from None
+        return user
+
+    @property
+    def summary_csv(self) -> Path:
+        """`results/benchmark.csv` -> `results/benchmark-summary.csv`."""
+        return self.csv.with_name(f"{self.csv.stem}-summary.csv")
 
 
 @dataclass(frozen=True)
@@ -113,6 +198,25 @@ class ScanRun:
             "oracle_max_abs_error_by_impl": {},
             "files": files,
         }
+
+    def recorder(
+        self,
+        options: ScanOptions,
+        environment: dict[str, Any],
+        side_files: Callable[[RunRecorder], None] | None = None,
+    ) -> RunRecorder:
+        """The run's recorder: `options.csv` (SAMPLE_FIELDS) and its metadata, kind "batch-size-scan"."""
+        files = {"raw_csv": str(options.csv), "summary_csv": str(options.summary_csv)}
+        return RunRecorder(
+            "batch-size-scan",
+            options.csv,
+            SAMPLE_FIELDS,
+            config=asdict(self.config),
+            environment=environment,
+            extra=self.meta_extra(options.blas_threads, files),
+            before_save=self.before_save,
+            side_files=side_files,
+        )
 
     def before_save(self, recorder: RunRecorder) -> None:
         """Before each save: the kernels' first-call compile (or disk-cache load) seconds, kept out of

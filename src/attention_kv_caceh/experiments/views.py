@@ -16,17 +16,25 @@ The tests assert every observation, so a change in NumPy's view/copy behaviour i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.files import output_path
+from attention_kv_caceh.options import check_options, option
+from attention_kv_caceh.recorder import RunRecorder
+
 __all__ = [
     "VIEW_TABLE_COLUMNS",
     "Prediction",
     "ViewRow",
+    "ViewsOptions",
+    "record_views",
     "run_views",
 ]
 
@@ -279,3 +287,39 @@ EXPERIMENTS: tuple[Callable[[], ViewRow], ...] = (
 def run_views() -> list[ViewRow]:
     """Run the six experiments in order and return their rows (no I/O)."""
     return [experiment() for experiment in EXPERIMENTS]
+
+
+@dataclass(frozen=True)
+class ViewsOptions:
+    """Where `views` writes the table (both optional: it is printed anyway)."""
+
+    csv: Path | None = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+        None,
+        help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it",
+        metavar="PATH.csv",
+        parse=output_path(".csv"),
+        default_text="not written",
+    )
+    md: Path | None = option(  # noqa: RUF009
+        None,
+        help="write the table as Markdown",
+        metavar="PATH.md",
+        parse=output_path(".md", ".markdown"),
+        default_text="not written",
+    )
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+def record_views(csv_path: Path, rows: Sequence[ViewRow], environment: Mapping[str, Any]) -> None:
+    """The table as one recorded run: the CSV (VIEW_TABLE_COLUMNS) and its metadata, kind
+    "view-copy-table" (`recorder.RunRecorder`)."""
+    with RunRecorder(
+        "view-copy-table",
+        csv_path,
+        VIEW_TABLE_COLUMNS,
+        config={"experiment": "views"},
+        environment=environment,
+    ) as run:
+        run.add(dataclasses.asdict(r) for r in rows)

@@ -16,11 +16,21 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     CacheStepSample,
     partial_passes,
 )
+from attention_kv_caceh.experiments.cache_prediction import CacheOutcome
 from attention_kv_caceh.memory import format_bytes
+from attention_kv_caceh.oracle import OracleMismatch
+from attention_kv_caceh.report.outcome import outcome_text
 from attention_kv_caceh.report.predictions import cache_run_markdown
 from attention_kv_caceh.tables import text_table
 
-__all__ = ["cache_live_markdown", "format_cache_summary", "kept_text", "setup_lines"]
+__all__ = [
+    "cache_live_markdown",
+    "format_cache_summary",
+    "kept_text",
+    "result_text",
+    "setup_lines",
+    "stop_line",
+]
 
 
 def setup_lines(config: CacheGrowthConfig, card: Mapping[str, Any]) -> list[str]:
@@ -123,3 +133,33 @@ def cache_live_markdown(
         return f"### KV-cache growth: `{name}`\n\nStatus: {meta['status']}; no summary yet.\n"
     text = cache_run_markdown(name, samples, memory, meta, [])
     return text.replace("\n\n", "\n\nStatus: complete.\n\n", 1)
+
+
+def result_text(
+    summary: CacheGrowthSummary,
+    outcome: CacheOutcome,
+    steps: int,
+    samples: Sequence[CacheStepSample],
+    memory: Sequence[CacheMemoryRow],
+    side: Mapping[str, Path],
+) -> str:
+    """What `cache` prints after a complete run: the summary, the predicted slopes against the fitted
+    ones, and the files it wrote (`side`: `cache_run.cache_side_paths` of the raw CSV)."""
+    csv = side["meta"].with_name(side["meta"].name.removesuffix(".meta.json"))
+    return (
+        f"{format_cache_summary(summary, steps)}\n\n{outcome_text(outcome)}\n\n"
+        f"wrote {csv} ({len(samples)} rows), {side['memory']} ({len(memory)} rows), "
+        f"{side['summary']}, {side['meta']}, {side['memory_meta']}, {side['markdown']}"
+    )
+
+
+def stop_line(prog: str, exc: BaseException, kept: str) -> str:
+    """The one stderr line of a run that stopped before it was complete (`kept`: `kept_text`)."""
+    if isinstance(exc, KeyboardInterrupt):
+        return f"{prog}: interrupted: {kept}"
+    if isinstance(exc, OracleMismatch):
+        return f"{prog}: error: oracle check failed, nothing timed ({kept}): {exc}"
+    if isinstance(exc, MemoryError):
+        hint = "lower --steps, --batch-size, --num-heads, --head-dim or --repeats"
+        return f"{prog}: error: the run failed ({kept}): out of memory; {hint}"
+    return f"{prog}: error: the run failed ({kept}): {type(exc).__name__}: {exc}"

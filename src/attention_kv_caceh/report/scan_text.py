@@ -17,7 +17,7 @@ from attention_kv_caceh.experiments.scan import ScanConfig, kv_bytes_per_step
 from attention_kv_caceh.experiments.scan_run import ScanEvent, ScanRun
 from attention_kv_caceh.experiments.scan_stats import summary_rows
 from attention_kv_caceh.presets import get_preset
-from attention_kv_caceh.report.outcome import model_lines, outcome_json, outcome_text
+from attention_kv_caceh.report.outcome import model_lines, outcome_json, outcome_text, prediction_card
 from attention_kv_caceh.report.predictions import scan_run_markdown
 from attention_kv_caceh.report.verdicts import saturation_verdict
 from attention_kv_caceh.tables import text_table
@@ -26,11 +26,13 @@ __all__ = [
     "event_line",
     "format_scan_table",
     "plot_title",
+    "prediction_cards",
     "result_records",
     "result_text",
     "scan_live_markdown",
     "setup_card",
     "summary_json",
+    "threads_warning",
 ]
 
 
@@ -73,11 +75,32 @@ def setup_card(
     return "\n".join(lines)
 
 
-def plot_title(config: ScanConfig) -> str:
+def plot_title(config: ScanConfig, impl: str = "") -> str:
+    """The plot's title; `impl` names the implementation drawn when the scan timed several."""
     return (
         f"decode step, T={config.seq_len}, H={config.num_heads}, H_kv={config.num_kv_heads}, "
-        f"D={config.head_dim}, {config.dtype}, {config.cache} cache"
+        f"D={config.head_dim}, {config.dtype}, {config.cache} cache" + (f", {impl}" if impl else "")
     )
+
+
+def threads_warning(blas_threads: int | None, cpus: int) -> str | None:
+    """The warning for --blas-threads above this machine's logical CPUs, or None."""
+    if blas_threads is None or blas_threads <= cpus:
+        return None
+    return (
+        f"warning: --blas-threads {blas_threads} is more than the {cpus} logical CPUs here; "
+        "the threads will compete for cores"
+    )
+
+
+def prediction_cards(run: ScanRun) -> str:
+    """Every implementation's prediction card (`outcome.prediction_card`), each after a blank line and,
+    when the scan times several, its name."""
+    parts = [
+        "\n" + (f"[{impl}]\n" if len(run.impls) > 1 else "") + prediction_card(p)
+        for impl, p in run.predictions.items()
+    ]
+    return "\n".join(parts)
 
 
 def _fmt(value: float, digits: int = 3) -> str:
