@@ -31,7 +31,7 @@ from attention_kv_caceh.report import (
     planned_plots,
 )
 from attention_kv_caceh.report import build as report
-from attention_kv_caceh.report.sections import views_markdown
+from attention_kv_caceh.report.views import views_markdown
 from attention_kv_caceh.timing import Sample
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -495,7 +495,12 @@ class RecordedKindTest(unittest.TestCase):
         write_json_atomic(Path(f"{path}.meta.json"), meta)
 
     def test_the_recorded_kind_decides_and_must_agree_with_the_header(self) -> None:
-        for kind, reported in (("batch-size-scan", True), (None, True), ("cache-growth", False), ("x", False)):
+        for kind, reported in (
+            ("batch-size-scan", True),
+            (None, True),
+            ("cache-growth", False),
+            ("x", False),
+        ):
             with self.subTest(kind=kind), tempfile.TemporaryDirectory() as tmp:
                 path = write_scan(Path(tmp))
                 self.kind_meta(path, kind)

@@ -1,7 +1,7 @@
 """`attention-kv-caceh views`: the view/copy table (which operations share an array's memory, which copy it).
 
-Flags (`views.ViewsOptions`) -> output checks (nothing written on a usage error) -> `run_views` -> the
-files asked for (`record_views`, the section `report` renders) -> the table (`report.sections`).
+Flags (`report.views.ViewsOptions`) -> output checks (nothing written on a usage error) -> `run_views` -> the
+files asked for (`record_views`, the section `report` renders) -> the table (`report.views`).
 """
 
 from __future__ import annotations
@@ -10,8 +10,9 @@ import argparse
 
 from attention_kv_caceh.cli.common import check_markdown_file, check_outputs
 from attention_kv_caceh.cli.flags import add_options, config_from_args
-from attention_kv_caceh.experiments.views import ViewsOptions, record_views, run_views
+from attention_kv_caceh.experiments.views import record_views, run_views
 from attention_kv_caceh.files import atomic_write_text, markdown_path, meta_path
+from attention_kv_caceh.report.views import ViewsOptions, views_markdown, views_section
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -30,7 +31,6 @@ def run(args: argparse.Namespace) -> int:
     or cannot be written, and for a `<stem>.md` beside the CSV that no lab command wrote
     (`common.check_markdown_file`), before any file is written.
     """
-    from attention_kv_caceh.report.sections import views_markdown, views_section
     from attention_kv_caceh.timing import capture_environment
 
     options = config_from_args(ViewsOptions, args)

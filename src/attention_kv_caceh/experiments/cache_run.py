@@ -10,8 +10,8 @@ and beside it the memory rows, their metadata and the summary, rewritten with ev
 
 `record_cache_growth` runs `cache_growth.run_cache_growth` (oracle, memory pass, warm-up, timed
 passes), adding each recorded pass's rows to the recorder when the pass ends, and the rows of a pass
-cut part-way (Ctrl-C, an error) before the recorder's final save. The statuses are those of
-docs/files.md: an oracle mismatch is `oracle-failed` and any other error (running out of memory
+cut part-way (Ctrl-C, an error) before the recorder's final save. The statuses are those of the
+files guide: an oracle mismatch is `oracle-failed` and any other error (running out of memory
 included: `error: out of memory`) is `failed`, with the error recorded. Nothing here prints.
 """
 

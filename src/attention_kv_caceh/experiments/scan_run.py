@@ -7,7 +7,7 @@ finished B's samples and records added to the run's `recorder.RunRecorder` as so
         for event in record_scan(run, recorder, user):   # what the command prints as it goes
             ...
 
-Order (docs/lab.md): every implementation is calibrated (`calibration.calibrate`: its oracle, then its
+Order (as the lab guide tells it): every implementation is calibrated (`calibration.calibrate`: its oracle, then its
 call overhead at B = 1, T = 1; the first one's read probe shared by the others) and its roofline
 prediction written to the metadata on disk before any B is timed; then `scan.run_batch` at each B
 (every live implementation checked, then timed, then the probe). An implementation whose oracle fails

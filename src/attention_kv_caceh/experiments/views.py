@@ -25,15 +25,12 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.files import output_path
-from attention_kv_caceh.options import check_options, option
 from attention_kv_caceh.recorder import RunRecorder
 
 __all__ = [
     "VIEW_TABLE_COLUMNS",
     "Prediction",
     "ViewRow",
-    "ViewsOptions",
     "record_views",
     "run_views",
 ]
@@ -287,29 +284,6 @@ EXPERIMENTS: tuple[Callable[[], ViewRow], ...] = (
 def run_views() -> list[ViewRow]:
     """Run the six experiments in order and return their rows (no I/O)."""
     return [experiment() for experiment in EXPERIMENTS]
-
-
-@dataclass(frozen=True)
-class ViewsOptions:
-    """Where `views` writes the table (both optional: it is printed anyway)."""
-
-    csv: Path | None = option(  # noqa: RUF009  (option() returns a dataclasses.field)
-        None,
-        help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it",
-        metavar="PATH.csv",
-        parse=output_path(".csv"),
-        default_text="not written",
-    )
-    md: Path | None = option(  # noqa: RUF009
-        None,
-        help="write the table as Markdown",
-        metavar="PATH.md",
-        parse=output_path(".md", ".markdown"),
-        default_text="not written",
-    )
-
-    def __post_init__(self) -> None:
-        check_options(self)
 
 
 def record_views(csv_path: Path, rows: Sequence[ViewRow], environment: Mapping[str, Any]) -> None:

@@ -25,10 +25,10 @@ from attention_kv_caceh.report.jsonl import generate_output_kind, read_jsonl
 from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_markdown
 from attention_kv_caceh.report.readers import CLASSES, kind_of, parse_csv, run_key
 from attention_kv_caceh.report.repeats import RepeatFile, repeat_of, repeats_section
-from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
 from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
 from attention_kv_caceh.report.sweep import parse_sweep_csv, read_sweep_json, sweep_section
+from attention_kv_caceh.report.views import views_section
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
