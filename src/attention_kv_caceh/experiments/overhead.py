@@ -35,10 +35,13 @@ class OverheadConfig:
     )
     itl_ms: float = option(10.0, help="scripted inter-token delay (ms)", minimum=0.0)
     ttft_ms: float = option(20.0, help="scripted time to first token (ms)", minimum=0.0)
-    tokens: int = option(50, help="tokens per request (>= 2: ITL needs two tokens)", minimum=2)
+    tokens: int = option(
+        50, help="tokens per request (>= 2: ITL needs two tokens)", metavar="TOKENS", minimum=2
+    )
     waves: int = option(
         2,
         help="requests per concurrency slot: each run sends max(16, waves x concurrency) requests",
+        metavar="WAVES",
         minimum=1,
     )
 

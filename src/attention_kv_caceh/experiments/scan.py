@@ -95,7 +95,7 @@ class ScanConfig:
     model: str = ""
     warmup: int = option(3, help="unrecorded calls before timing", metavar="N", minimum=0)
     repeats: int = option(30, help="timed calls per batch size", metavar="N", minimum=1)
-    seed: int = option(42, help="seed of np.random.default_rng for all inputs", minimum=0)
+    seed: int = option(42, help="seed of np.random.default_rng for all inputs", metavar="SEED", minimum=0)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
