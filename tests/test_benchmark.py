@@ -17,11 +17,11 @@ from unittest import mock
 
 import numpy as np
 
-from attention_kv_caceh import benchmark
-from attention_kv_caceh.cli import scan as scan_cli
-from attention_kv_caceh.experiments import scan, scan_impls
+from attention_kv_caceh import benchmark, recorder
+from attention_kv_caceh.experiments import scan, scan_impls, scan_run
 from attention_kv_caceh.experiments.scan import ScanConfig
-from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
+from attention_kv_caceh.experiments.scan_stats import scan_table
+from attention_kv_caceh.report.verdicts import saturation_verdict
 from attention_kv_caceh.timing import Sample
 from tests import ctrl_c_as_in_a_terminal
 
@@ -204,7 +204,7 @@ class ScanCliTest(unittest.TestCase):
                 raise KeyboardInterrupt
             return real(config, inputs, b, impls)
 
-        with mock.patch.object(scan_cli, "run_batch", interrupted):
+        with mock.patch.object(scan_run, "run_batch", interrupted):
             code, _, err = run_cli("--csv", str(self.csv), "--repeats", "3")
         self.assertEqual(code, 130)
         self.assertIn("6 samples kept", err)
@@ -260,7 +260,7 @@ class SigtermTest(unittest.TestCase):
 
         with tempfile.TemporaryDirectory() as tmp:
             csv_path = Path(tmp) / "b.csv"
-            with mock.patch.object(scan_cli, "run_batch", terminated):
+            with mock.patch.object(scan_run, "run_batch", terminated):
                 code, _, err = run_cli("--csv", str(csv_path), "--repeats", "2")
             self.assertEqual(code, 143)
             self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -272,7 +272,7 @@ class SigtermTest(unittest.TestCase):
 
 class SecondInterruptTest(unittest.TestCase):
     def test_second_ctrl_c_during_the_final_save_is_ignored(self) -> None:
-        real_run, real_write = scan.run_batch, scan_cli.write_json_atomic
+        real_run, real_write = scan.run_batch, recorder.write_json_atomic
 
         def interrupted(config, inputs, b, impls=("numpy",)):  # type: ignore[no-untyped-def]
             if b == 2:
@@ -287,8 +287,8 @@ class SecondInterruptTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             csv_path = Path(tmp) / "b.csv"
             with (
-                mock.patch.object(scan_cli, "run_batch", interrupted),
-                mock.patch.object(scan_cli, "write_json_atomic", write_with_second_sigint),
+                mock.patch.object(scan_run, "run_batch", interrupted),
+                mock.patch.object(recorder, "write_json_atomic", write_with_second_sigint),
             ):
                 code, _, _ = run_cli("--csv", str(csv_path), "--repeats", "2")
             self.assertEqual(code, 130)
@@ -332,7 +332,7 @@ class ScanTableTest(unittest.TestCase):
         for kwargs, message in [
             ({"batch_sizes": ()}, "must not be empty"),
             ({"batch_sizes": (2, 2)}, "distinct"),
-            ({"cache": "paged"}, "cache must be one of"),
+            ({"cache": "paged"}, "cache: must be one of"),
             ({"warmup": -1}, "warmup"),
         ]:
             with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):

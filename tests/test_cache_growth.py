@@ -19,7 +19,7 @@ from unittest import mock
 
 import numpy as np
 
-from attention_kv_caceh import cli
+from attention_kv_caceh import cli, recorder
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import PreallocatedKVCache
 from attention_kv_caceh.cli import cache as cache_cli
@@ -319,7 +319,7 @@ class CacheCommandTest(unittest.TestCase):
 
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
-            with mock.patch.object(cache_cli, "run_cache_growth", interrupted):
+            with mock.patch.object(cache_growth, "run_cache_growth", interrupted):
                 code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
             self.assertEqual(code, 130)
             self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -371,7 +371,7 @@ class CacheCommandTest(unittest.TestCase):
         for exc, status, needle in cases:
             with self.subTest(exc=exc), tempfile.TemporaryDirectory() as tmp:
                 path = Path(tmp, "cache.csv")
-                with mock.patch.object(cache_cli, "run_cache_growth", failing(exc)):
+                with mock.patch.object(cache_growth, "run_cache_growth", failing(exc)):
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])
                 self.assertEqual(code, 1)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
@@ -389,7 +389,7 @@ class CacheCommandTest(unittest.TestCase):
             first_ctrl_c[0] = True
             raise KeyboardInterrupt
 
-        real_write = cache_cli.write_csv_atomic
+        real_write = recorder.write_csv_atomic
 
         def write_interrupted(*args: Any, **kwargs: Any) -> Path:
             if first_ctrl_c[0]:  # the saves before the run (the prediction's) are not the final one
@@ -399,8 +399,8 @@ class CacheCommandTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
             with (
-                mock.patch.object(cache_cli, "run_cache_growth", interrupted),
-                mock.patch.object(cache_cli, "write_csv_atomic", write_interrupted),
+                mock.patch.object(cache_growth, "run_cache_growth", interrupted),
+                mock.patch.object(recorder, "write_csv_atomic", write_interrupted),
             ):
                 try:
                     code, _, err = self.run_cli(["cache", "--csv", str(path), *self.FLAGS])

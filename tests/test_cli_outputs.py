@@ -14,9 +14,8 @@ from pathlib import Path
 from unittest import mock
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli import cache as cache_cli
-from attention_kv_caceh.cli import scan as scan_cli
 from attention_kv_caceh.cli.common import MARKDOWN_HEADINGS
+from attention_kv_caceh.experiments import cache_growth, scan_run
 from attention_kv_caceh.files import check_output_path
 
 
@@ -104,7 +103,7 @@ class SideFilesOfOneRunTest(OutputFlagTestCase):
         from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
 
         csv = self.dir / "x.csv"
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             code, _, _ = quietly(
                 ["--csv", str(csv), "--batch-sizes", "1,2", "--repeats", "2", "--warmup", "0"]
             )
@@ -115,7 +114,7 @@ class SideFilesOfOneRunTest(OutputFlagTestCase):
         def interrupted(*_: object) -> object:
             raise KeyboardInterrupt
 
-        with mock.patch.object(scan_cli, "run_batch", interrupted):
+        with mock.patch.object(scan_run, "run_batch", interrupted):
             code, _, _ = quietly(
                 ["--csv", str(csv), "--batch-sizes", "4,8", "--repeats", "2", "--warmup", "0"]
             )
@@ -138,7 +137,7 @@ class SideFilesOfOneRunTest(OutputFlagTestCase):
         def interrupted(*_: object, **__: object) -> None:
             raise KeyboardInterrupt
 
-        with mock.patch.object(cache_cli, "run_cache_growth", interrupted):
+        with mock.patch.object(cache_growth, "run_cache_growth", interrupted):
             code, _, _ = quietly(["cache", "--csv", str(csv), *flags])
         self.assertEqual(code, 130)
         for path in (csv, self.dir / "c-memory.csv", summary):
@@ -164,7 +163,7 @@ class SideFileIsAnotherRunsRawFileTest(OutputFlagTestCase):
     def scan(self, csv: str) -> tuple[int, str, str]:
         from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
 
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             return quietly(["--csv", csv, *self.SCAN])
 
     def assert_refused_and_untouched(self, argv: list[str], victim: Path) -> None:
@@ -275,9 +274,9 @@ class SaturationWithOneBatchSizeTest(OutputFlagTestCase):
 
 class SetupCardTest(unittest.TestCase):
     def test_impl_all_without_torch_names_torch_sdpa_as_skipped_and_not_as_run(self) -> None:
-        from attention_kv_caceh.cli.scan import setup_card
         from attention_kv_caceh.experiments.scan import ScanConfig
         from attention_kv_caceh.experiments.scan_impls import resolve_impls
+        from attention_kv_caceh.report.scan_text import setup_card
         from attention_kv_caceh.timing import capture_environment
 
         impls = resolve_impls("all", torch_available=False)
@@ -293,7 +292,7 @@ class ReportProblemsTest(OutputFlagTestCase):
         from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
 
         res = self.dir / "res"
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             argv = ["--csv", str(res / "s.csv"), "--batch-sizes", "1,2", "--repeats", "2", "--warmup", "0"]
             self.assertEqual(quietly(argv)[0], 0)
         (res / "s-summary.csv").unlink()
@@ -328,7 +327,7 @@ class PredictionWordingTest(OutputFlagTestCase):
         from tests.test_cli_prediction import SATURATES_AT_2, fake_batches
 
         argv = ["--csv", "x.csv", "--batch-sizes", "1,2,4", "--repeats", "2", "--warmup", "0"]
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             code, out, _ = quietly([*argv, "--predict", "saturates at B = 4"])
         self.assertEqual(code, 0)
         line = next(x for x in out.splitlines() if x.startswith("user (text)"))

@@ -21,12 +21,11 @@ from typing import Any, ClassVar
 from unittest import mock
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli import cache as cache_cli
-from attention_kv_caceh.cli import scan as scan_cli
-from attention_kv_caceh.experiments import calibration
+from attention_kv_caceh.experiments import cache_growth, cache_prediction, calibration, scan_run
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheStepSample
-from attention_kv_caceh.experiments.prediction import CachePrediction, ScanPrediction
+from attention_kv_caceh.experiments.cache_prediction import CachePrediction
+from attention_kv_caceh.experiments.prediction import ScanPrediction
 from attention_kv_caceh.experiments.scan import BatchResult, ScanConfig, ScanInputs, kv_bytes_per_step
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import Sample
@@ -84,7 +83,7 @@ class ScanPredictionCliTest(unittest.TestCase):
         return json.loads(self.meta_file.read_text(encoding="utf-8"))
 
     def test_prediction_is_on_disk_and_on_stdout_before_the_first_timed_sample(self) -> None:
-        real = scan_cli.run_batch
+        real = scan_run.run_batch
         seen: dict[str, Any] = {}
 
         def first_batch_reads_the_files(
@@ -95,7 +94,7 @@ class ScanPredictionCliTest(unittest.TestCase):
                 seen["stdout"] = sys.stdout.getvalue()  # type: ignore[attr-defined]  # redirected StringIO
             return real(config, inputs, b, impls)
 
-        with mock.patch.object(scan_cli, "run_batch", first_batch_reads_the_files):
+        with mock.patch.object(scan_run, "run_batch", first_batch_reads_the_files):
             code, out, _ = run_cli(
                 "--csv", str(self.csv), *SMALL, "--predict", "saturates at B = 4", "--predict-saturation", "4"
             )
@@ -126,7 +125,7 @@ class ScanPredictionCliTest(unittest.TestCase):
         self.assertEqual(set(last_json(out)["predictions"]), set(names))
 
     def test_a_wrong_saturation_prediction_is_reported_as_failed(self) -> None:
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             code, out, _ = run_cli("--csv", str(self.csv), *SMALL, "--predict-saturation", "4")
         self.assertEqual(code, 0)
         self.assertRegex(out, r"user saturation\s+FAILED")
@@ -137,7 +136,7 @@ class ScanPredictionCliTest(unittest.TestCase):
         self.assertIs(verdict["held"], False)
 
     def test_a_right_saturation_prediction_holds(self) -> None:
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(SATURATES_AT_2)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(SATURATES_AT_2)):
             code, out, _ = run_cli("--csv", str(self.csv), *SMALL, "--predict-saturation", "2")
         self.assertEqual(code, 0)
         self.assertIs(last_json(out)["predictions"]["user saturation"], True)
@@ -145,13 +144,13 @@ class ScanPredictionCliTest(unittest.TestCase):
 
     def test_none_holds_when_saturation_is_not_reached_and_fails_when_it_is(self) -> None:
         for p50, held in ((NEVER_SATURATES, True), (SATURATES_AT_2, False)):
-            with self.subTest(held=held), mock.patch.object(scan_cli, "run_batch", fake_batches(p50)):
+            with self.subTest(held=held), mock.patch.object(scan_run, "run_batch", fake_batches(p50)):
                 code, out, _ = run_cli("--csv", str(self.csv), *SMALL, "--predict-saturation", "none")
                 self.assertEqual(code, 0)
                 self.assertIs(last_json(out)["predictions"]["user saturation"], held)
 
     def test_without_a_user_prediction_only_the_model_is_judged(self) -> None:
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(NEVER_SATURATES)):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(NEVER_SATURATES)):
             code, out, _ = run_cli("--csv", str(self.csv), *SMALL)
         self.assertEqual(code, 0)
         self.assertEqual(set(last_json(out)["predictions"]), {"model saturation", "model P50"})
@@ -165,7 +164,7 @@ class ScanPredictionCliTest(unittest.TestCase):
     def test_an_anomaly_is_listed_with_its_repeat_index(self) -> None:
         # 40 samples at B = 4: 39 at 0.07 ms and repeat 13 at 10 ms. P95 (linear, index 37.05 of the
         # sorted 40) is 0.07 ms, so 10 ms is above 2 x P95; every other group is flat, with none above.
-        with mock.patch.object(scan_cli, "run_batch", fake_batches(NEVER_SATURATES, (4, 13, 10.0))):
+        with mock.patch.object(scan_run, "run_batch", fake_batches(NEVER_SATURATES, (4, 13, 10.0))):
             code, out, _ = run_cli(
                 "--csv", str(self.csv), "--batch-sizes", "1,2,4,8", "--repeats", "40", "--warmup", "0"
             )
@@ -186,14 +185,14 @@ class ScanPredictionCliTest(unittest.TestCase):
                 self.assertFalse(self.csv.parent.exists())
 
     def test_an_interrupt_keeps_the_prediction_in_the_metadata(self) -> None:
-        real = scan_cli.run_batch
+        real = scan_run.run_batch
 
         def interrupted(config: ScanConfig, inputs: ScanInputs, b: int, impls: Sequence[str]) -> BatchResult:
             if b == 2:
                 raise KeyboardInterrupt
             return real(config, inputs, b, impls)
 
-        with mock.patch.object(scan_cli, "run_batch", interrupted):
+        with mock.patch.object(scan_run, "run_batch", interrupted):
             code, _, _ = run_cli("--csv", str(self.csv), *SMALL, "--predict", "flat")
         self.assertEqual(code, 130)
         meta = self.meta()
@@ -208,7 +207,7 @@ class ScanPredictionCliTest(unittest.TestCase):
         with (
             mock.patch.object(calibration, "check_step", wrong),
             mock.patch.object(
-                scan_cli, "run_batch", side_effect=AssertionError("timed after a failed oracle")
+                scan_run, "run_batch", side_effect=AssertionError("timed after a failed oracle")
             ),
         ):
             code, _, err = run_cli("--csv", str(self.csv), *SMALL)
@@ -237,7 +236,7 @@ class CachePredictionCliTest(unittest.TestCase):
     ]
 
     def test_the_prediction_is_written_and_printed_before_timing_and_judged_after(self) -> None:
-        real = cache_cli.run_cache_growth
+        real = cache_growth.run_cache_growth
         seen: dict[str, Any] = {}
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
@@ -247,7 +246,7 @@ class CachePredictionCliTest(unittest.TestCase):
                 seen["stdout"] = sys.stdout.getvalue()  # type: ignore[attr-defined]  # redirected StringIO
                 return real(config, **kwargs)
 
-            with mock.patch.object(cache_cli, "run_cache_growth", checking):
+            with mock.patch.object(cache_growth, "run_cache_growth", checking):
                 code, out, _ = run_cli("cache", "--csv", str(path), *self.FLAGS)
             self.assertEqual(code, 0)
             meta = json.loads(Path(f"{path}.meta.json").read_text(encoding="utf-8"))
@@ -276,8 +275,8 @@ class CachePredictionCliTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp, "cache.csv")
             with (
-                mock.patch.object(cache_cli, "read_probe", return_value=[probe_ms]),
-                mock.patch.object(cache_cli, "run_cache_growth", fake_run),
+                mock.patch.object(cache_prediction, "read_probe", return_value=[probe_ms]),
+                mock.patch.object(cache_growth, "run_cache_growth", fake_run),
             ):
                 code, out, _ = run_cli("cache", "--csv", str(path), *self.FLAGS)
             self.assertEqual(code, 0)

@@ -101,6 +101,13 @@ class OptionsTest(unittest.TestCase):
         self.assertIn("from memory", text)
         self.assertNotIn("--seq-len", text)
 
+    def test_a_command_may_show_its_own_default(self) -> None:
+        parser = OneLineParser(prog="t")
+        add_options(parser, _Config, only=("blocks",), default_texts={"blocks": "4 here"})
+        text = parser.format_help()
+        self.assertIn("4 here", text)
+        self.assertNotIn("from memory", text)
+
 
 class RecorderTest(unittest.TestCase):
     def setUp(self) -> None:
@@ -169,6 +176,29 @@ class RecorderTest(unittest.TestCase):
         with self._recorder(side_files) as run:
             run.add([{"step": 0, "ms": 1.0}])
         self.assertEqual(seen, [("running", 0), ("running", 1), ("complete", 1)])
+
+    def test_before_save_updates_the_metadata_each_save_writes(self) -> None:
+        recorder = RunRecorder(
+            "test-run",
+            self.path,
+            ("step", "ms"),
+            config={},
+            environment={},
+            before_save=lambda r: r.meta.update(rows=len(r.rows)),
+        )
+        with self.assertRaises(KeyboardInterrupt), recorder as run:
+            self.assertEqual(self._meta(self.path)["rows"], 0)
+            run.add([{"step": 0, "ms": 1.0}, {"step": 1, "ms": 2.0}])
+            raise KeyboardInterrupt
+        self.assertEqual((self._meta(self.path)["rows"], self._meta(self.path)["status"]), (2, "interrupted"))
+
+    def test_rows_added_without_a_save_are_in_the_final_one(self) -> None:
+        with self.assertRaises(KeyboardInterrupt), self._recorder() as run:
+            run.add([{"step": 0, "ms": 1.0}])
+            run.add([{"step": 1, "ms": 2.0}], save=False)
+            self.assertEqual(len(self._rows()), 1)
+            raise KeyboardInterrupt
+        self.assertEqual([r["step"] for r in self._rows()], ["0", "1"])
 
     def test_jsonl_rows_are_on_disk_one_by_one(self) -> None:
         path = self.dir / "requests.jsonl"

@@ -12,36 +12,35 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from attention_kv_caceh.experiments.cache_growth_stats import CacheFit, CacheGrowthSummary
+from attention_kv_caceh.experiments.cache_prediction import (
+    CachePrediction,
+    cache_bytes_per_position,
+    evaluate_cache,
+    make_cache_prediction,
+)
 from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step, calibrate
 from attention_kv_caceh.experiments.prediction import (
-    CachePrediction,
     ScanPrediction,
     UserPrediction,
-    Verdict,
-    cache_bytes_per_position,
     check_user_prediction,
-    evaluate_cache,
-    evaluate_scan,
-    find_anomalies,
-    fmt_ms,
-    fmt_rate,
-    make_cache_prediction,
     make_scan_prediction,
-    outcome_json,
-    outcome_markdown,
-    outcome_text,
     parse_saturation,
-    prediction_card,
 )
+from attention_kv_caceh.experiments.prediction_check import Verdict, evaluate_scan, find_anomalies
 from attention_kv_caceh.experiments.scan import (
     ScanConfig,
     kv_bytes_per_step,
 )
-from attention_kv_caceh.experiments.scan_stats import (
-    doubling_gains,
-    saturation_point,
+from attention_kv_caceh.experiments.scan_stats import doubling_gains, saturation_point, scan_table
+from attention_kv_caceh.report.outcome import outcome_json, outcome_markdown, outcome_text, prediction_card
+from attention_kv_caceh.report.verdicts import (
+    anomaly_note,
+    cache_boundary,
+    fmt_ms,
+    fmt_rate,
     saturation_verdict,
-    scan_table,
+    scan_boundary,
+    verdict_text,
 )
 from attention_kv_caceh.timing import Sample
 
@@ -141,7 +140,7 @@ class VerdictTest(unittest.TestCase):
     def verdict(self, outcome_verdicts: Sequence[Verdict], name: str) -> tuple[bool | None, str]:
         for v in outcome_verdicts:
             if v.name == name:
-                return v.held, v.text
+                return v.held, verdict_text(v)
         raise AssertionError(f"no verdict {name}")
 
     def test_wrong_user_prediction_fails_with_both_values(self) -> None:
@@ -207,7 +206,7 @@ class AnomalyTest(unittest.TestCase):
         self.assertAlmostEqual(anomalies[0].group_p95_ms, EXPECTED_P50[4])
         outcome = evaluate_scan(prediction(), samples)
         self.assertIn("B = 4, repeat 7: 10.0000 ms", outcome_text(outcome))
-        self.assertIn("without them no verdict changes", outcome.anomaly_note)
+        self.assertIn("without them no verdict changes", anomaly_note(outcome))
 
     def test_the_note_says_when_an_anomaly_changes_a_verdict(self) -> None:
         # B = 16 (predicted 0.1709 ms): ten samples at 0.25, ten at 0.40 and one at 10 ms (repeat 20).
@@ -221,8 +220,8 @@ class AnomalyTest(unittest.TestCase):
         outcome = evaluate_scan(prediction(), others + group)
         self.assertEqual([(a.batch_size, a.repeat) for a in outcome.anomalies], [(16, 20)])
         self.assertAlmostEqual(outcome.rows[-1].measured_p50_ms, high)  # kept in the statistics
-        self.assertIn("model P50", outcome.anomaly_note)
-        self.assertNotIn("no verdict changes", outcome.anomaly_note)
+        self.assertIn("model P50", anomaly_note(outcome))
+        self.assertNotIn("no verdict changes", anomaly_note(outcome))
 
 
 class ExplanationTest(unittest.TestCase):
@@ -232,11 +231,13 @@ class ExplanationTest(unittest.TestCase):
         samples = samples_with_p50(measured)
         outcome = evaluate_scan(prediction(), samples)
         table = {int(r["batch_size"]): r for r in scan_table(samples)}
-        text = outcome.explanation
+        text = scan_boundary(outcome)
         self.assertEqual(outcome.measured_saturation, 4)
         self.assertIn("stops falling at B = 4", text)
         model = {v.name: v for v in outcome.verdicts}["model saturation"]
-        self.assertEqual((model.held, model.text), (False, "failed: measured B = 4, predicted B = 8"))
+        self.assertEqual(
+            (model.held, verdict_text(model)), (False, "failed: measured B = 4, predicted B = 8")
+        )
         # Where they part: the model's gain from B = 4 to 8 is 0.0109 / 0.0909 = 12.0 % (hand, above).
         self.assertIn("the model expected positions/s to rise 12.0 % per doubling and they rose 5.3 %", text)
         self.assertIn(
@@ -318,13 +319,13 @@ class CachePredictionTest(unittest.TestCase):
         ok = evaluate_cache(p, self.summary(2.4576e-3 * 1.5, 8.192e-4 * 1.2))
         self.assertTrue(all(v.held for v in ok.verdicts))
         bad = evaluate_cache(p, self.summary(2.4576e-3 * 3, 8.192e-4))
-        texts = {v.name: (v.held, v.text) for v in bad.verdicts}
+        texts = {v.name: (v.held, verdict_text(v)) for v in bad.verdicts}
         self.assertEqual(
             texts["dynamic slope"], (False, "failed: measured 7.3728, predicted 2.4576 us/position")
         )
         self.assertTrue(texts["preallocated slope"][0])
         self.assertIn("measured 9.00x, predicted 3.00x", texts["dynamic / preallocated"][1])
-        self.assertIn("from T = 640", bad.explanation)
+        self.assertIn("from T = 640", cache_boundary(bad))
         self.assertIn("FAILED", outcome_text(bad))
         self.assertIn("| dynamic | 2.4576 | 7.3728 | 3.00 |", outcome_markdown(bad))
 

@@ -19,7 +19,7 @@ import numpy as np
 from attention_kv_caceh import cli
 from attention_kv_caceh.experiments.cache_growth import CacheGrowthConfig
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.report import (
@@ -31,6 +31,7 @@ from attention_kv_caceh.report import (
     planned_plots,
 )
 from attention_kv_caceh.report import build as report
+from attention_kv_caceh.report.views import views_markdown
 from attention_kv_caceh.timing import Sample
 
 SAMPLE_FIELDS = tuple(f.name for f in dataclasses.fields(Sample))
@@ -481,6 +482,34 @@ class ReportTest(unittest.TestCase):
             build_report(self.folder / "missing", self.out)
         with self.assertRaisesRegex(ValueError, r"\.md"):
             build_report(self.folder, self.folder / "report.txt")
+
+
+class RecordedKindTest(unittest.TestCase):
+    """The run's recorded `kind` decides how a raw CSV is read; the header only when none is recorded."""
+
+    def kind_meta(self, path: Path, kind: str | None) -> None:
+        meta = json.loads(Path(f"{path}.meta.json").read_text(encoding="utf-8"))
+        meta.pop("kind", None)
+        if kind is not None:
+            meta["kind"] = kind
+        write_json_atomic(Path(f"{path}.meta.json"), meta)
+
+    def test_the_recorded_kind_decides_and_must_agree_with_the_header(self) -> None:
+        for kind, reported in (
+            ("batch-size-scan", True),
+            (None, True),
+            ("cache-growth", False),
+            ("x", False),
+        ):
+            with self.subTest(kind=kind), tempfile.TemporaryDirectory() as tmp:
+                path = write_scan(Path(tmp))
+                self.kind_meta(path, kind)
+                result = build_report(tmp, Path(tmp, "r.md"), plot=False)
+                self.assertEqual(result.sources == ["benchmark.csv"], reported, result.problems)
+                about = [p.problem for p in result.problems if p.path == str(path)]
+                self.assertEqual(bool(about), not reported, about)
+                if kind is not None and not reported:
+                    self.assertIn(repr(kind), about[0])
 
 
 class ReportCommandTest(unittest.TestCase):

@@ -22,18 +22,16 @@ from typing import Any
 from unittest import mock
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli import scan as scan_cli
+from attention_kv_caceh.experiments import scan_run
+from attention_kv_caceh.experiments.cache_prediction import make_cache_prediction
 from attention_kv_caceh.experiments.calibration import Calibration
-from attention_kv_caceh.experiments.prediction import (
-    VERDICT_MARK,
-    make_cache_prediction,
-    make_scan_prediction,
-)
+from attention_kv_caceh.experiments.prediction import make_scan_prediction
 from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.files import write_csv_atomic, write_json_atomic
 from attention_kv_caceh.harness.records import STATUS_OK, RequestRecord
 from attention_kv_caceh.report import build_report, planned_plots
 from attention_kv_caceh.report import sources as report_sources
+from attention_kv_caceh.report.verdicts import VERDICT_MARK
 from attention_kv_caceh.timing import Sample
 from tests import test_cli_prediction as cli_prediction
 from tests.test_report import ENV, SAMPLE_FIELDS, write_cache, write_scan
@@ -443,7 +441,7 @@ class PredictionFromTheCommandsTest(Folder):
         csv_path = self.folder / "benchmark.csv"
         with (
             mock.patch.object(
-                scan_cli, "run_batch", cli_prediction.fake_batches(cli_prediction.SATURATES_AT_2)
+                scan_run, "run_batch", cli_prediction.fake_batches(cli_prediction.SATURATES_AT_2)
             ),
             redirect_all(),
         ):

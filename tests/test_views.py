@@ -11,8 +11,9 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
+from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views
 from attention_kv_caceh.report import build_report
+from attention_kv_caceh.report.views import views_markdown
 
 # experiment -> (same_object, shares_memory, write_propagates, shape, strides, c_contiguous, held)
 EXPECTED = {

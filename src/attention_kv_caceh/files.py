@@ -31,7 +31,7 @@ import signal
 import stat
 import tempfile
 import threading
-from collections.abc import Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, cast
@@ -47,6 +47,7 @@ __all__ = [
     "input_files",
     "markdown_path",
     "meta_path",
+    "output_path",
     "path_problem",
     "strict_json_value",
     "write_csv_atomic",
@@ -250,6 +251,20 @@ def path_problem(text: str, suffixes: tuple[str, ...] = ()) -> str | None:
         hint = f"; suffixes are lower-case: use {p.suffix.lower()}" if p.suffix.lower() in suffixes else ""
         return f"{text!r} must end in {' or '.join(suffixes)}{hint}"
     return None
+
+
+def output_path(*suffixes: str) -> Callable[[str], Path]:
+    """The parse of an output file option (`options.option(parse=output_path(".csv"))`): the text as a
+    Path, or ValueError with `path_problem`'s reason ("empty path", a wrong suffix), which the CLI
+    reports naming the flag, so no side-file name is ever derived from a bad path."""
+
+    def parse(text: str) -> Path:
+        problem = path_problem(text, suffixes)
+        if problem is not None:
+            raise ValueError(problem)
+        return Path(text)
+
+    return parse
 
 
 @contextlib.contextmanager

@@ -14,7 +14,8 @@ flags -> config -> run -> print.
 The raw file is a CSV (`.csv`, rewritten atomically with the metadata on every `add`) or JSON lines
 (`.jsonl`, one record appended, flushed and fsynced per row, so a crash keeps every record). The
 metadata is `<raw file>.meta.json` (strict JSON, written atomically). `side_files(recorder)` is called
-after every save, to rewrite the files derived from the rows (a summary CSV, the run's Markdown).
+after every save, to rewrite the files derived from the rows (a summary CSV, the run's Markdown);
+`before_save(recorder)` before it, to update metadata derived from the run's state (row counts).
 
 Leaving the `with` block by an exception saves the files with the status it means (KeyboardInterrupt:
 `interrupted`; MemoryError: `out-of-memory`; OracleMismatch: `oracle-failed`; any other Exception:
@@ -84,6 +85,7 @@ class RunRecorder:
         environment: Mapping[str, Any],
         extra: Mapping[str, Any] | None = None,
         side_files: Callable[[RunRecorder], None] | None = None,
+        before_save: Callable[[RunRecorder], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.fields = None if fields is None else tuple(fields)
@@ -97,6 +99,7 @@ class RunRecorder:
         self.rows: list[Mapping[str, Any]] = []
         self.count = 0
         self._side_files = side_files
+        self._before_save = before_save
         self._jsonl = JsonlWriter(self.path) if self.path.suffix == ".jsonl" else None
         self.save()
 
@@ -104,8 +107,10 @@ class RunRecorder:
     def status(self) -> Status:
         return self.meta["status"]
 
-    def add(self, rows: Iterable[Mapping[str, Any]]) -> None:
-        """Append `rows` and save (a JSONL row is on disk before the next one is written)."""
+    def add(self, rows: Iterable[Mapping[str, Any]], *, save: bool = True) -> None:
+        """Append `rows` and save (a JSONL row is on disk before the next one is written). With `save`
+        False a CSV's rows are kept for the next save (the one `finish` or the `with` block makes), e.g.
+        the rows of a pass a stop cut short, added just before the run's final save."""
         added = list(rows)
         if self._jsonl is not None:
             for row in added:
@@ -113,13 +118,17 @@ class RunRecorder:
         else:
             self.rows.extend(added)
         self.count += len(added)
-        self.save()
+        if save:
+            self.save()
 
     def save(self, status: Status | None = None) -> None:
         """Rewrite the raw CSV (not a JSONL file: its rows are on disk), the metadata with `status` (None:
-        unchanged) and the side files."""
+        unchanged) and the side files; `before_save(recorder)` first (to bring derived metadata, such as
+        row counts, up to date)."""
         if status is not None:
             self.meta["status"] = status
+        if self._before_save is not None:
+            self._before_save(self)
         if self.fields is not None:
             write_csv_atomic(self.path, self.rows, self.fields)
         write_json_atomic(meta_path(self.path), self.meta)

@@ -3,11 +3,8 @@
 - `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
 - `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
   not be written); `main` prints one line and exits 1. Files already written stay complete.
-- `add_shape_arguments` / `shape_from_args`: the one shape-flag group (--model, --num-heads,
-  --num-kv-heads, --head-dim) of every command that takes an attention shape, defaults read from the
-  command's config dataclass.
-- flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `int_list`, `preset_name`) for
-  argparse's `type=`: argparse names the flag in its message for free ("argument --seq-len: ...").
+- flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `seed_int`) for argparse's
+  `type=` of the commands whose flags are not option fields (`cli/flags.py` builds those).
 - `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
   suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
@@ -30,18 +27,16 @@ import os
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn, Protocol
+from typing import NoReturn
 
 from attention_kv_caceh.files import (
     check_not_inputs,
     check_output_path,
     markdown_path,
     meta_path,
+    output_path,
     path_problem,
 )
-
-if TYPE_CHECKING:  # presets imports NumPy, which `main` loads only for the commands that need it
-    from attention_kv_caceh.presets import ResolvedShape
 
 __all__ = [
     "MARKDOWN_HEADINGS",
@@ -50,19 +45,14 @@ __all__ = [
     "HelpFormatter",
     "OneLineParser",
     "UsageError",
-    "add_shape_arguments",
     "check_markdown_file",
     "check_outputs",
     "check_side_files",
-    "int_at_least",
-    "int_list",
     "nonnegative_float",
     "nonnegative_int",
     "output_file",
     "output_folder",
     "positive_int",
-    "preset_name",
-    "shape_from_args",
     "stdout_closed",
     "warn_if_blas_unpinned",
 ]
@@ -131,21 +121,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def int_at_least(minimum: int, why: str = "") -> Callable[[str], int]:
-    """argparse type factory: an integer >= `minimum`; `why` (e.g. "the summary fits a line over T")
-    is added to the message in parentheses."""
-
-    def parse(text: str) -> int:
-        value = _int(text)
-        if value < minimum:
-            reason = f" ({why})" if why else ""
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}{reason}, got {value}")
-        return value
-
-    parse.__name__ = f"integer >= {minimum}"
-    return parse
-
-
 def nonnegative_int(text: str) -> int:
     """argparse type: an integer >= 0."""
     value = _int(text)
@@ -181,121 +156,22 @@ def nonnegative_float(text: str) -> float:
     return value
 
 
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type: comma-separated integers >= 1, distinct ("1,2,4,8")."""
-    try:
-        values = tuple(int(part) for part in text.replace(" ", "").split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    bad = [v for v in values if v < 1]
-    if bad:
-        raise argparse.ArgumentTypeError(f"must be positive, got {list(values)}")
-    if len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"must be distinct, got {list(values)}")
-    return values
-
-
-def preset_name(text: str) -> str:
-    """argparse type: a model preset name, any case; returns the canonical (lower-case) name."""
-    from attention_kv_caceh.presets import get_preset
-
-    try:
-        return get_preset(text).name
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-# ------------------------------------------------------------------------------------ shape flags
-
-
-class ShapeDefaults(Protocol):
-    """A config dataclass with a default shape (`ScanConfig()`, `CacheGrowthConfig()`)."""
-
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
-
-
-def add_shape_arguments(parser: argparse.ArgumentParser, defaults: ShapeDefaults) -> None:
-    """--num-heads H, --num-kv-heads H_KV, --head-dim D and --model PRESET, defaults from `defaults`.
-
-    The flags default to None so that `shape_from_args` can tell an explicit value from a preset's.
-    """
-    from attention_kv_caceh.presets import MODEL_PRESETS
-
-    parser.add_argument(
-        "--num-heads",
-        type=positive_int,
-        default=None,
-        metavar="H",
-        help=f"query heads (default: {defaults.num_heads}, or the model's)",
-    )
-    parser.add_argument(
-        "--num-kv-heads",
-        type=positive_int,
-        default=None,
-        metavar="H_KV",
-        help="KV heads (default: the model's, or H)",
-    )
-    parser.add_argument(
-        "--head-dim",
-        type=positive_int,
-        default=None,
-        metavar="D",
-        help=f"head dim (default: {defaults.head_dim}, or the model's)",
-    )
-    parser.add_argument(
-        "--model",
-        type=preset_name,
-        default=None,
-        metavar="PRESET",
-        help=f"take H, H_kv and D from a real model (any case): {', '.join(sorted(MODEL_PRESETS))}; "
-        "explicit flags win (default: none)",
-    )
-
-
-def shape_from_args(args: argparse.Namespace, defaults: ShapeDefaults) -> ResolvedShape:
-    """The shape of the flags of `add_shape_arguments` (`presets.resolve_shape`: explicit flags win).
-
-    Raises UsageError when H is not a multiple of H_kv.
-    """
-    from attention_kv_caceh.presets import resolve_shape
-
-    shape = resolve_shape(
-        args.model,
-        args.num_heads,
-        args.num_kv_heads,
-        args.head_dim,
-        default_num_heads=defaults.num_heads,
-        default_head_dim=defaults.head_dim,
-    )
-    if shape.num_heads % shape.num_kv_heads:
-        raise UsageError(
-            f"--num-heads {shape.num_heads} must be a multiple of --num-kv-heads {shape.num_kv_heads}"
-        )
-    return shape
-
-
 # ------------------------------------------------------------------------------------ output paths
 
 
 def output_file(*suffixes: str) -> Callable[[str], Path]:
-    """argparse type factory for an output file flag: `type=output_file(".csv")`.
+    """argparse type factory for an output file flag: `type=output_file(".csv")`: `files.output_path`,
+    its ValueError ("empty path", a wrong suffix) an argparse.ArgumentTypeError naming the flag (exit 2)."""
+    parse = output_path(*suffixes)
 
-    The returned function refuses "" ("empty path") and a path not ending in one of `suffixes`
-    (exact, lower-case; see `files.path_problem`) with argparse.ArgumentTypeError, which argparse
-    reports naming the flag (exit 2); otherwise returns the path as a Path.
-    """
+    def convert(text: str) -> Path:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
 
-    def parse(text: str) -> Path:
-        problem = path_problem(text, suffixes)
-        if problem is not None:
-            raise argparse.ArgumentTypeError(problem)
-        return Path(text)
-
-    parse.__name__ = "output file"  # argparse's fallback message names the type
-    return parse
+    convert.__name__ = "output file"  # argparse's fallback message names the type
+    return convert
 
 
 def output_folder(text: str) -> Path:

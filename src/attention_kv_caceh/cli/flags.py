@@ -69,12 +69,14 @@ def add_options(
     only: Iterable[str] | None = None,
     exclude: Iterable[str] = (),
     defaults: Mapping[str, Any] | None = None,
+    default_texts: Mapping[str, str] | None = None,
 ) -> None:
     """Declare one flag per option field of dataclass `cls` on `target` (a parser or an argument group).
 
     `only`/`exclude`: field names to declare or leave out. `defaults`: field -> the flag's default when
     it differs from the field's (None: "not given", which the help shows as the option's
-    `default_text`). The flag's dest is the field's name.
+    `default_text`). `default_texts`: field -> the shown default when it differs from the option's
+    `default_text` (a field shared by commands whose defaults differ). The flag's dest is the field's name.
     """
     wanted = None if only is None else set(only)
     skipped = set(exclude)
@@ -89,7 +91,8 @@ def add_options(
             if meta.exclusive not in groups:
                 groups[meta.exclusive] = target.add_mutually_exclusive_group()
             place = groups[meta.exclusive]
-        help_text = meta.help if meta.default_text is None else f"{meta.help} (default: {meta.default_text})"
+        shown = (default_texts or {}).get(field.name, meta.default_text)
+        help_text = meta.help if shown is None else f"{meta.help} (default: {shown})"
         value_type = _value_type(cls, field.name)
         if value_type is bool:
             action = "store_false" if flag.startswith("--no-") else "store_true"

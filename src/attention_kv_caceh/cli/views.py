@@ -1,26 +1,18 @@
 """`attention-kv-caceh views`: the view/copy table (which operations share an array's memory, which copy it).
 
-`experiments/views.py` runs the six experiments and returns rows; this module prints the table and
-writes the files asked for, after checking every output path (UsageError naming the flag, nothing
-written).
+Flags (`report.views.ViewsOptions`) -> output checks (nothing written on a usage error) -> `run_views` -> the
+files asked for (`record_views`, the section `report` renders) -> the table (`report.views`).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from pathlib import Path
 
-from attention_kv_caceh.cli.common import check_markdown_file, check_outputs, output_file
-from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS, run_views, views_markdown
-from attention_kv_caceh.files import (
-    atomic_write_text,
-    markdown_path,
-    meta_path,
-    write_csv_atomic,
-    write_json_atomic,
-)
-from attention_kv_caceh.timing import capture_environment
+from attention_kv_caceh.cli.common import check_markdown_file, check_outputs
+from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.experiments.views import record_views, run_views
+from attention_kv_caceh.files import atomic_write_text, markdown_path, meta_path
+from attention_kv_caceh.report.views import ViewsOptions, views_markdown, views_section
 
 __all__ = ["HELP", "add_arguments", "run"]
 
@@ -28,22 +20,8 @@ HELP = "the view/copy table: which list and NumPy operations share memory with t
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `views`: `--csv PATH.csv`, `--md PATH.md` (both optional; the table is printed anyway)."""
-    parser.add_argument(
-        "--csv",
-        type=output_file(".csv"),
-        default=None,
-        metavar="PATH.csv",
-        help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it "
-        "(default: not written)",
-    )
-    parser.add_argument(
-        "--md",
-        type=output_file(".md", ".markdown"),
-        default=None,
-        metavar="PATH.md",
-        help="write the table as Markdown (default: not written)",
-    )
+    """Flags of `views`: `--csv PATH.csv`, `--md PATH.md`."""
+    add_options(parser, ViewsOptions)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,16 +31,19 @@ def run(args: argparse.Namespace) -> int:
     or cannot be written, and for a `<stem>.md` beside the CSV that no lab command wrote
     (`common.check_markdown_file`), before any file is written.
     """
-    csv_path: Path | None = args.csv
-    md_path: Path | None = args.md
+    from attention_kv_caceh.timing import capture_environment
+
+    options = config_from_args(ViewsOptions, args)
+    csv_path, md_path = options.csv, options.md
     beside = f"--csv {str(csv_path)!r}: the file beside it"
     section = None if csv_path is None else markdown_path(csv_path)
     if section is not None and md_path is not None and section.resolve() == md_path.resolve():
         section = None  # --md names that file: it gets the table, as asked
+    meta = None if csv_path is None else meta_path(csv_path)
     check_outputs(
         [
             ("--csv", csv_path, (".csv",)),
-            (beside, None if csv_path is None else meta_path(csv_path), ()),
+            (beside, meta, ()),
             (beside, section, ()),
             ("--md", md_path, (".md", ".markdown")),
         ]
@@ -73,19 +54,9 @@ def run(args: argparse.Namespace) -> int:
     table = views_markdown(rows)
     written: list[str] = []
     if csv_path is not None:
-        write_csv_atomic(csv_path, (dataclasses.asdict(r) for r in rows), VIEW_TABLE_COLUMNS)
-        write_json_atomic(
-            meta_path(csv_path),
-            {
-                "status": "complete",
-                "environment": capture_environment(),
-                "config": {"experiment": "views"},
-            },
-        )
+        record_views(csv_path, rows, capture_environment())
         written += [str(csv_path), str(meta_path(csv_path))]
-        if section is not None:  # the section `report` renders from the CSV
-            from attention_kv_caceh.report.sections import views_section
-
+        if section is not None:
             written.append(str(atomic_write_text(section, views_section(csv_path.name, rows))))
     if md_path is not None:
         atomic_write_text(md_path, table)

@@ -47,6 +47,8 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     summarize_cache_growth,
 )
 from attention_kv_caceh.experiments.cache_memory import trace_decode_memory
+from attention_kv_caceh.experiments.shape import check_shape
+from attention_kv_caceh.options import ConfigError, check_options, option
 from attention_kv_caceh.oracle import OracleMismatch, check_close, check_decode_batch, tolerance_for
 from attention_kv_caceh.presets import get_preset, kv_cache_bytes
 from attention_kv_caceh.timing import measure
@@ -67,10 +69,23 @@ __all__ = [
     "per_position_median",
     "rolling_median",
     "run_cache_growth",
+    "steps_flag",
     "summarize_cache_growth",
+    "total_steps",
 ]
 
 DTYPES = ("float32", "float64")
+
+
+def steps_flag(text: str) -> int:
+    """`--steps` text -> an integer >= 2 (the summary fits a line over T). Raises ValueError saying why."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer, got {text!r}") from None
+    if value < 2:
+        raise ValueError(f"must be >= 2 (the summary fits a line over T), got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -81,44 +96,39 @@ class CacheGrowthConfig:
     Defaults (B=2, H=H_kv=8, D=64, N=2048, 1 warm-up pass + 5 timed passes) keep a run near 40 s on a
     2-core machine while the Dynamic cache's copy (16 MiB per step at the end) clearly shows.
 
-    Raises ValueError for non-positive sizes, H not a multiple of H_kv, a negative warm-up or seed, an
+    The shape fields take their flags from `shape.ShapeOptions`; `steps` below 2 is refused by its flag
+    (`steps_flag`: the summary fits a line over T) but allowed here. Raises ConfigError (a ValueError)
+    naming the field for non-positive sizes, H not a multiple of H_kv, a negative warm-up or seed, an
     unknown dtype or model preset, or oracle steps outside 1..N.
     """
 
-    steps: int = 2048
-    batch_size: int = 2
+    steps: int = option(2048, help="decode steps, at least 2", metavar="N", parse=steps_flag, minimum=1)
+    batch_size: int = option(2, help="sequences decoded together", metavar="B", minimum=1)
     num_heads: int = 8
     num_kv_heads: int = 8
     head_dim: int = 64
-    dtype: str = "float32"
-    repeats: int = 5
-    warmup: int = 1
-    seed: int = 42
+    dtype: str = option("float32", help="element type", choices=DTYPES)
+    repeats: int = option(5, help="timed passes per cache", metavar="N", minimum=1)
+    warmup: int = option(1, help="unrecorded passes per cache", metavar="N", minimum=0)
+    seed: int = option(42, help="seed of the inputs, >= 0", metavar="N", minimum=0)
     model: str = ""
     oracle_steps: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "num_heads", "num_kv_heads", "head_dim", "repeats"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        warmup: Any = self.warmup
-        if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-            raise ValueError(f"warmup must be an integer >= 0, got {self.warmup!r}")
-        seed: Any = self.seed
-        if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        for name in ("steps", "batch_size", "repeats", "warmup", "seed"):
+            value: Any = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(name, f"must be an integer, got {value!r}")
+        check_options(self)
+        check_shape(self)
         if self.model:
-            get_preset(self.model)  # raises ValueError naming the known presets
+            try:
+                get_preset(self.model)
+            except ValueError as exc:
+                raise ConfigError("model", str(exc)) from None
         bad = [t for t in self.oracle_steps if not 1 <= t <= self.steps]
         if bad:
-            raise ValueError(f"oracle_steps must lie in 1..{self.steps}, got {bad}")
+            raise ConfigError("oracle_steps", f"must lie in 1..{self.steps}, got {bad}")
 
     @property
     def checked_steps(self) -> tuple[int, ...]:

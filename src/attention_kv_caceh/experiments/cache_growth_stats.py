@@ -4,8 +4,8 @@
 `CacheMemoryRow` per untimed step under tracemalloc); the functions here turn them into per-position
 medians, fitted slopes with R^2, N-step totals, checkpoints and the T from which the Dynamic cache's
 copy dominates. The run calls `summarize_cache_growth` on its rows, and the report calls it again on
-the rows read back from disk, so both show the same figures; `format_cache_summary` and `summary_rows`
-turn a summary into the fixed-width text and the summary CSV rows. Nothing here decodes, times or prints.
+the rows read back from disk, so both show the same figures; `summary_rows` turns a summary into the
+summary CSV's rows (its printed text is `report/cache_text.py`). Nothing here decodes, times or prints.
 
 Shape letters as in `attention.py`: B batch, H query heads, H_kv KV heads, T cached positions, D head
 dim, and N steps (T = step + 1 after each append); P is the number of distinct positions T.
@@ -20,8 +20,6 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.memory import format_bytes
-from attention_kv_caceh.tables import text_table
 from attention_kv_caceh.timing import summarize_samples
 
 __all__ = [
@@ -32,7 +30,6 @@ __all__ = [
     "CacheMemoryRow",
     "CacheStepSample",
     "fit_line",
-    "format_cache_summary",
     "partial_passes",
     "per_position_median",
     "rolling_median",
@@ -305,61 +302,6 @@ def _memory_summary(memory: Sequence[CacheMemoryRow]) -> dict[str, dict[str, flo
             "final_theoretical_bytes": float(last.theoretical_bytes),
         }
     return out
-
-
-# ------------------------------------------------------------------------------------ formatting
-
-
-def format_cache_summary(summary: CacheGrowthSummary, steps: int) -> str:
-    """Fixed-width text of a cache-growth summary (what `cache` prints)."""
-    checkpoints = [
-        [
-            str(int(c["sequence_length"])),
-            f"{c['dynamic_p50_ms']:.4f}",
-            f"{c['preallocated_p50_ms']:.4f}",
-            f"{c['ratio']:.2f}",
-        ]
-        for c in summary.checkpoints
-    ]
-    fits = [
-        [
-            kind,
-            f"{f.slope_ms_per_position * 1000:.4f}",
-            f"{f.intercept_ms:.4f}",
-            f"{f.r2:.3f}",
-            f"{f.r2_raw:.3f}",
-            f"{summary.totals[kind]['p50_ms']:.1f}",
-        ]
-        for kind, f in ((k, summary.fits[k]) for k in CACHE_KINDS)
-    ]
-    lines = [
-        text_table(["T", "dynamic P50 ms", "prealloc P50 ms", "ratio"], checkpoints),
-        "",
-        text_table(["cache", "slope us/pos", "intercept ms", "R^2", "R^2 raw", "N-step P50 ms"], fits),
-    ]
-    lines.append(f"N-step total time ratio (dynamic / preallocated, N={steps}): {summary.total_ratio:.2f}x")
-    visible, dominates = summary.copy_visible_from, summary.copy_dominates_from
-    lines.append(
-        "Dynamic slower by >= 10% from T = "
-        + (str(visible) if visible is not None else "not within N")
-        + "; copy dominates (>= 2x) from T = "
-        + (str(dominates) if dominates is not None else "not within N")
-        + (
-            f" (fitted lines cross 2x at T ~ {summary.copy_dominates_fitted:.0f})"
-            if summary.copy_dominates_fitted is not None
-            else ""
-        )
-    )
-    for kind, m in summary.memory.items():
-        lines.append(
-            f"{kind}: append allocates {format_bytes(m['append_bytes_first_step'])} at T=1, "
-            f"{format_bytes(m['append_bytes_last_step'])} at T={int(m['final_sequence_length'])} "
-            f"({m['append_bytes_per_position']:.1f} B/position traced peak; new buffers "
-            f"{m['new_buffer_bytes_per_position']:.1f} B/position); nbytes "
-            f"{format_bytes(m['final_cache_nbytes'])} vs theoretical {format_bytes(m['final_theoretical_bytes'])}"
-            f" for T={int(m['final_sequence_length'])}; largest step peak {format_bytes(m['max_step_peak_bytes'])}"
-        )
-    return "\n".join(lines)
 
 
 # Columns of the summary CSV (`summary_rows`), also its header when no summary exists yet.

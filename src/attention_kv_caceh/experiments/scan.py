@@ -27,6 +27,8 @@ import numpy.typing as npt
 
 from attention_kv_caceh.cache import DynamicKVCache, PreallocatedKVCache, make_cache
 from attention_kv_caceh.experiments.scan_impls import IMPLS, check_step, make_step
+from attention_kv_caceh.experiments.shape import check_shape
+from attention_kv_caceh.options import ConfigError, check_options, option
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import kv_cache_bytes
 from attention_kv_caceh.timing import Sample, measure
@@ -37,6 +39,7 @@ __all__ = [
     "BatchResult",
     "ScanConfig",
     "ScanInputs",
+    "batch_size_list",
     "build_inputs",
     "estimate_scan_bytes",
     "iter_scan",
@@ -52,46 +55,55 @@ CACHE_KINDS = ("dynamic", "preallocated")
 DTYPES = ("float32", "float64")
 
 
+def batch_size_list(text: str) -> tuple[int, ...]:
+    """`--batch-sizes` text -> distinct integers >= 1 ("1,2,4,8"). Raises ValueError saying why."""
+    try:
+        values = tuple(int(part) for part in text.replace(" ", "").split(","))
+    except ValueError:
+        raise ValueError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"must be positive, got {list(values)}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"must be distinct, got {list(values)}")
+    return values
+
+
 @dataclass(frozen=True)
 class ScanConfig:
-    """One scan: the batch sizes and the attention shape every B shares. Defaults: B = 1, 2, 4, 8 at T = 128, one head of D = 64."""
+    """One scan: the batch sizes and the attention shape every B shares. Defaults: B = 1, 2, 4, 8 at
+    T = 128, one head of D = 64. The shape fields take their flags from `shape.ShapeOptions` (a preset
+    resolved into H, H_kv and D); `model` records the preset's name. Raises ConfigError naming the field."""
 
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
-    seq_len: int = 128
+    batch_sizes: tuple[int, ...] = option(
+        (1, 2, 4, 8),
+        help="batch sizes to scan",
+        metavar="B,B,...",
+        parse=batch_size_list,
+        minimum=1,
+        default_text="1,2,4,8",
+    )
+    seq_len: int = option(128, help="cached positions T before the step", metavar="T", minimum=1)
     head_dim: int = 64
     num_heads: int = 1
     num_kv_heads: int = 1
-    dtype: str = "float32"
-    cache: str = "dynamic"
+    dtype: str = option("float32", help="element type", choices=DTYPES)
+    cache: str = option(
+        "dynamic",
+        help="dynamic: np.concatenate each step; preallocated: one buffer, write a slice",
+        choices=CACHE_KINDS,
+    )
     model: str = ""
-    warmup: int = 3
-    repeats: int = 30
-    seed: int = 42
+    warmup: int = option(3, help="unrecorded calls before timing", metavar="N", minimum=0)
+    repeats: int = option(30, help="timed calls per batch size", metavar="N", minimum=1)
+    seed: int = option(42, help="seed of np.random.default_rng for all inputs", metavar="SEED", minimum=0)
 
     def __post_init__(self) -> None:
         if not self.batch_sizes:
-            raise ValueError("batch_sizes must not be empty")
-        bad = [b for b in self.batch_sizes if b < 1]
-        if bad:
-            raise ValueError(f"batch_sizes must be positive, got {list(self.batch_sizes)}")
+            raise ConfigError("batch_sizes", "must not be empty")
+        check_options(self)
         if len(set(self.batch_sizes)) != len(self.batch_sizes):
-            raise ValueError(f"batch_sizes must be distinct, got {list(self.batch_sizes)}")
-        for name in ("seq_len", "head_dim", "num_heads", "num_kv_heads", "repeats"):
-            value = getattr(self, name)
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0 (np.random.default_rng), got {self.seed}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} must be a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        if self.cache not in CACHE_KINDS:
-            raise ValueError(f"cache must be one of {CACHE_KINDS}, got {self.cache!r}")
+            raise ConfigError("batch_sizes", f"must be distinct, got {list(self.batch_sizes)}")
+        check_shape(self)
 
 
 @dataclass(frozen=True)

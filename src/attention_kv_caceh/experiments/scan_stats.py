@@ -4,9 +4,9 @@ Everything here is recomputed from raw `timing.Sample` rows (and the read-probe 
 counts of a run's metadata), so the scan command, the report and the prediction check all summarise a
 scan the same way: `scan_table` (one row per B, `summarize_samples` statistics, throughput and
 bandwidth), `scan_tables` (one table per implementation) and the saturation rule (`doubling_gains`,
-`saturation_verdict`, `saturation_point`: the first B whose doubling raises positions/s by less than
-SATURATION_GAIN); `summary_rows` and `format_scan_table` give the summary CSV's rows and the table the
-scan prints. Running the scan (config, inputs, timed steps) is `scan.py`'s job.
+`saturation_point`: the first B whose doubling raises positions/s by less than SATURATION_GAIN);
+`summary_rows` gives the summary CSV's rows. Numbers only: the printed table and the verdict's words
+are `report/scan_text.py`. Running the scan (config, inputs, timed steps) is `scan.py`'s job.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from attention_kv_caceh.experiments.scan_impls import IMPLS
-from attention_kv_caceh.tables import text_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
 __all__ = [
@@ -25,9 +23,7 @@ __all__ = [
     "SUMMARY_FIELDS",
     "doubling_gains",
     "doubling_gains_xy",
-    "format_scan_table",
     "saturation_point",
-    "saturation_verdict",
     "scan_table",
     "scan_tables",
     "summary_rows",
@@ -135,31 +131,8 @@ def scan_tables(
     return {impl: scan_table(by_impl[impl], probe_samples_ms, kv_bytes) for impl in order}
 
 
-def saturation_verdict(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> str:
-    """The first B at which doubling B raises positions/s by less than `gain` (10 %), or "Not reached".
-
-    Consecutive rows of the table (sorted by B) are compared; when B does not exactly double between
-    them, the gain is normalised per doubling: (ratio of positions/s) ** (1 / log2(B2 / B1)) - 1.
-    """
-    gains: list[tuple[int, int, float]] = []
-    for b1, b2, per_doubling in doubling_gains(table):
-        gains.append((b1, b2, per_doubling))
-        if per_doubling < gain:
-            return (
-                f"Saturated at B = {b1}: going to B = {b2} raised positions/s by "
-                f"{100 * per_doubling:.1f} % per doubling (< {100 * gain:.0f} %)"
-            )
-    if not gains:
-        return "Not reached: a scan of one batch size has no doubling to compare"
-    b1, b2, g = min(gains, key=lambda x: x[2])
-    return (
-        f"Not reached: every doubling raised positions/s by >= {100 * gain:.0f} % "
-        f"(smallest: {100 * g:.1f} % from B = {b1} to B = {b2})"
-    )
-
-
 def doubling_gains(table: Sequence[Mapping[str, float]]) -> list[tuple[int, int, float]]:
-    """(B1, B2, gain per doubling) for consecutive rows sorted by B: the rule of `saturation_verdict`.
+    """(B1, B2, gain per doubling) for consecutive rows sorted by B: the saturation rule's gains.
 
     gain = (positions/s at B2 / positions/s at B1) ** (1 / log2(B2 / B1)) - 1, so a step of exactly one
     doubling gives the plain relative gain. Rows need `batch_size` and `positions_per_s`.
@@ -169,8 +142,8 @@ def doubling_gains(table: Sequence[Mapping[str, float]]) -> list[tuple[int, int,
 
 
 def doubling_gains_xy(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
-    """(x1, x2, gain per doubling) for consecutive (x, y) points sorted by x (x > 0, y > 0): the rule of
-    `saturation_verdict` for any load axis (batch size, client concurrency, request rate) and any
+    """(x1, x2, gain per doubling) for consecutive (x, y) points sorted by x (x > 0, y > 0): the
+    saturation rule for any load axis (batch size, client concurrency, request rate) and any
     throughput. gain = (y2 / y1) ** (1 / log2(x2 / x1)) - 1."""
     rows = sorted(points)
     return [
@@ -179,7 +152,8 @@ def doubling_gains_xy(points: Sequence[tuple[float, float]]) -> list[tuple[float
 
 
 def saturation_point(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> int | None:
-    """The B that `saturation_verdict` names ("Saturated at B = ..."), or None when not reached."""
+    """The first B whose doubling (normalised per doubling when B does not exactly double, see
+    `doubling_gains`) raises positions/s by less than `gain`, or None when not reached."""
     for b1, _, per_doubling in doubling_gains(table):
         if per_doubling < gain:
             return b1
@@ -194,27 +168,3 @@ def summary_rows(tables: Mapping[str, Sequence[dict[str, float]]]) -> list[dict[
         for r in t
     ]
     return [row for _, _, row in sorted(rows, key=lambda x: (x[0], x[1]))]
-
-
-def _fmt(value: float, digits: int = 3) -> str:
-    return "-" if math.isnan(value) else f"{value:.{digits}f}"
-
-
-def format_scan_table(tables: Mapping[str, Sequence[dict[str, float]]]) -> str:
-    """Fixed-width text table (`tables.text_table`) of `scan_tables` rows (impl -> `scan_table` rows).
-
-    One implementation: the plain table. Several: one row per implementation at each B, side by side
-    (an `impl` column after B), every ratio to the same B's probe.
-    """
-    several = len(tables) > 1
-    header = ["B", *(["impl"] if several else []), "P50 ms", "P95 ms", "min ms", "max ms", "ms/seq"]
-    header += ["positions/s", "speedup", "KV GB/s", "probe GB/s", "ratio"]
-    rows: list[list[str]] = []
-    for row in summary_rows(tables):
-        r: dict[str, Any] = row
-        cells = [str(int(r["batch_size"])), *([r["impl"]] if several else [])]
-        cells += [f"{r[k]:.4f}" for k in ("p50_ms", "p95_ms", "min_ms", "max_ms", "per_sequence_ms")]
-        cells += [f"{r['positions_per_s']:,.0f}", f"{r['speedup']:.2f}x"]
-        cells += [_fmt(r[k], 2) for k in ("kv_read_gb_s", "probe_read_gb_s", "bandwidth_ratio")]
-        rows.append(cells)
-    return text_table(header, rows)

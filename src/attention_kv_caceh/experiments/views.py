@@ -16,21 +16,23 @@ The tests assert every observation, so a change in NumPy's view/copy behaviour i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.tables import markdown_table
+from attention_kv_caceh.recorder import RunRecorder
 
 __all__ = [
     "VIEW_TABLE_COLUMNS",
     "Prediction",
     "ViewRow",
+    "record_views",
     "run_views",
-    "views_markdown",
 ]
 
 
@@ -284,37 +286,14 @@ def run_views() -> list[ViewRow]:
     return [experiment() for experiment in EXPERIMENTS]
 
 
-def views_markdown(rows: Sequence[ViewRow]) -> str:
-    """Render the rows as a Markdown table ("predicted / observed" in the prediction columns)."""
-
-    def pair(predicted: object, observed: object) -> str:
-        return f"{predicted} / {observed}"
-
-    header = [
-        "experiment",
-        "code",
-        "write",
-        "shares memory (pred / obs)",
-        "write propagates (pred / obs)",
-        "shape",
-        "strides (bytes)",
-        "C_CONTIGUOUS (pred / obs)",
-        "prediction held",
-        "why",
-    ]
-    cells = [
-        [
-            r.experiment,
-            f"`{r.code}`",
-            f"`{r.write}`",
-            pair(r.predicted_shares_memory, r.shares_memory),
-            pair(r.predicted_write_propagates, r.write_propagates),
-            r.shape,
-            r.strides,
-            pair(r.predicted_c_contiguous, r.c_contiguous),
-            "yes" if r.prediction_held else "**no**",
-            r.explanation,
-        ]
-        for r in rows
-    ]
-    return markdown_table(header, cells)
+def record_views(csv_path: Path, rows: Sequence[ViewRow], environment: Mapping[str, Any]) -> None:
+    """The table as one recorded run: the CSV (VIEW_TABLE_COLUMNS) and its metadata, kind
+    "view-copy-table" (`recorder.RunRecorder`)."""
+    with RunRecorder(
+        "view-copy-table",
+        csv_path,
+        VIEW_TABLE_COLUMNS,
+        config={"experiment": "views"},
+        environment=environment,
+    ) as run:
+        run.add(dataclasses.asdict(r) for r in rows)

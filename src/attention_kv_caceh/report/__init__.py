@@ -3,8 +3,10 @@
 It reads every kind of raw file, the lab's and the serving harness's, so it sits beside `experiments/`
 and `harness/` and imports from both; nothing there imports it. Statistics are recomputed from raw
 samples only (`timing.summarize_samples` through `scan_stats.scan_table` and
-`cache_growth_stats.summarize_cache_growth`); summary files in the folder are listed and ignored. File
-kinds are told apart by their CSV header, never by their name:
+`cache_growth_stats.summarize_cache_growth`); summary files in the folder are listed and ignored. A
+file's kind is the `kind` its run recorded in its `.meta.json` (`readers.kind_of`; its header must
+agree), or, for a file with no metadata or none recording a kind (older runs), its CSV header; never
+its name:
 
 - batch-size scan raw CSV: the fields of `timing.Sample`; its `<csv>.meta.json` gives the environment,
   the read-bandwidth probe samples and the KV bytes per step.
@@ -26,6 +28,8 @@ Modules: `sources` (open regular files, size cap, metadata), `readers` (kinds; p
 CSVs), `jsonl` (per-request records), `sections` (the Markdown of each lab kind, with the statistics it
 formats), `predictions` (one lab run's Markdown: its section and its prediction against the
 measurement; the scan, `cache` and `views` commands write the same text beside their raw CSV),
+`outcome` and `verdicts` (a prediction's cards, tables, verdict lines and paragraphs), `scan_text`,
+`cache_text` and `overhead` (what the lab commands print),
 `serving` (the serving run's section), `sweep` (a sweep's CSV read and its section), `environment` (the environment card), `plots` (matplotlib, PNG
 out; the scan and cache commands draw with it too), `build` (`build_report`: one handler per file
 kind). Tables go through `tables.markdown_table`, the project's one table writer.

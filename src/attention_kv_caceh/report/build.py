@@ -23,12 +23,12 @@ from attention_kv_caceh.files import meta_path
 from attention_kv_caceh.report.environment import environment_card
 from attention_kv_caceh.report.jsonl import generate_output_kind, read_jsonl
 from attention_kv_caceh.report.predictions import cache_run_markdown, scan_run_markdown
-from attention_kv_caceh.report.readers import CLASSES, classify_header, parse_csv, run_key
+from attention_kv_caceh.report.readers import CLASSES, kind_of, parse_csv, run_key
 from attention_kv_caceh.report.repeats import RepeatFile, repeat_of, repeats_section
-from attention_kv_caceh.report.sections import views_section
 from attention_kv_caceh.report.serving import serving_section
 from attention_kv_caceh.report.sources import FileProblem, ReportResult, kind_word, read_header, read_meta
 from attention_kv_caceh.report.sweep import parse_sweep_csv, read_sweep_json, sweep_section
+from attention_kv_caceh.report.views import views_section
 from attention_kv_caceh.timing import Sample
 
 __all__ = ["build_report", "planned_plots"]
@@ -59,7 +59,8 @@ def _case_mismatch(name: str) -> str | None:
 
 def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
     """The PNGs `build_report` may write beside `out_path`: one per scan or cache-growth raw CSV in
-    `results_dir` (told by its header; regular `.csv` files only). Lets a caller check them before
+    `results_dir` (told by its recorded kind, else its header: `readers.kind_of`; regular `.csv` files
+    only). Lets a caller check them before
     anything is written.
 
     Raises ValueError when `results_dir` is not a folder.
@@ -70,7 +71,8 @@ def planned_plots(results_dir: str | Path, out_path: str | Path) -> list[Path]:
     return [
         _plot_target(out, path.name)
         for path in sorted(folder.iterdir())
-        if path.suffix == ".csv" and classify_header(read_header(path)) in ("scan", "cache")
+        if path.suffix == ".csv"
+        and kind_of(read_header(path), read_meta(path, [], required=False))[0] in ("scan", "cache")
     ]
 
 
@@ -177,7 +179,12 @@ def _read_csv_file(b: _Build, path: Path) -> None:
     except (OSError, csv.Error) as exc:
         problems.append(FileProblem(str(path), f"unreadable CSV: {exc}"))
         return
-    kind = classify_header(header)
+    found: list[FileProblem] = []  # the metadata's own problems, reported for a raw file that reads it
+    meta = read_meta(path, found, required=False)
+    kind, wrong = kind_of(header, meta)
+    if wrong is not None:
+        problems.append(FileProblem(str(path), wrong))
+        return
     if kind is None:
         problems.append(FileProblem(str(path), f"unrecognised header: {', '.join(header) or '(empty)'}"))
         return
@@ -200,8 +207,14 @@ def _read_csv_file(b: _Build, path: Path) -> None:
         return
     if kind == "sweep":  # its environment is in the sweep.json beside it
         meta = read_sweep_json(path, rows[0]["axis"], problems)
+    elif kind == "cache-memory":  # paired with its run's rows, whose metadata it copies
+        meta = None
     else:
-        meta = read_meta(path, problems) if kind != "cache-memory" else None
+        problems += found
+        if meta is None and not found:
+            problems.append(
+                FileProblem(str(meta_path(path)), "missing: the environment of this run is unknown")
+            )
     try:
         _CSV_HANDLERS[kind](b, path, rows, meta)
     except ValueError as exc:

@@ -16,13 +16,10 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
-from attention_kv_caceh.experiments.prediction import (
-    CachePrediction,
-    ScanPrediction,
-    evaluate_cache,
-    evaluate_scan,
-    outcome_markdown,
-)
+from attention_kv_caceh.experiments.cache_prediction import CachePrediction, evaluate_cache
+from attention_kv_caceh.experiments.prediction import ScanPrediction
+from attention_kv_caceh.experiments.prediction_check import evaluate_scan
+from attention_kv_caceh.report.outcome import outcome_markdown
 from attention_kv_caceh.report.sections import cache_section, scan_section
 from attention_kv_caceh.report.sources import FileProblem, int_keyed
 from attention_kv_caceh.timing import Sample

@@ -1,7 +1,9 @@
-"""Reading a results folder's raw CSVs: tell each CSV's kind by its header, parse rows into the
-dataclasses that wrote them, check that a file holds one run and no row twice, and note every problem.
+"""Reading a results folder's raw CSVs: tell each CSV's kind, parse rows into the dataclasses that
+wrote them, check that a file holds one run and no row twice, and note every problem.
 
-A file kind is told by its CSV header, never by its name (see `classify_header`). Files are opened
+A file's kind is the `kind` its run recorded in its `.meta.json` (`recorder.RunRecorder`, see
+RECORDED_KINDS), and its header must then be that kind's; a file without metadata or whose metadata
+records no kind (an older run) is told by its CSV header alone (`classify_header`); never by its name. Files are opened
 through `sources.open_regular` (regular files up to `sources.MAX_INPUT_BYTES`). Rows are streamed: the
 csv reader walks the open file and each row becomes one slotted dataclass at once, repeated strings
 shared, so the parsed rows stay a small multiple of the file's size. Nothing here computes statistics or writes Markdown: `sections.py`
@@ -31,8 +33,10 @@ __all__ = [
     "IDENTITY",
     "KINDS",
     "OPTIONAL_COLUMNS",
+    "RECORDED_KINDS",
     "SLOT",
     "classify_header",
+    "kind_of",
     "parse_csv",
     "parse_rows",
     "run_key",
@@ -142,6 +146,36 @@ def classify_header(header: Sequence[str]) -> str | None:
         if needed <= columns:
             return f"derived:{name}"
     return None
+
+
+# The `kind` a lab command's recorder writes in the metadata -> the kind of its raw CSV here.
+RECORDED_KINDS: dict[str, str] = {
+    "batch-size-scan": "scan",
+    "cache-growth": "cache",
+    "cache-memory": "cache-memory",
+    "view-copy-table": "views",
+}
+
+
+def kind_of(header: Sequence[str], meta: Mapping[str, Any] | None) -> tuple[str | None, str | None]:
+    """(kind, problem) of a CSV with this header and metadata (None: no metadata or none readable).
+
+    The recorded `kind` decides: one of RECORDED_KINDS gives its kind, provided the header is that
+    kind's (else a problem saying both); another recorded kind is a problem. Without a recorded kind
+    the header decides (`classify_header`; None when unknown).
+    """
+    recorded: Any = None if meta is None else meta.get("kind")
+    if recorded is None:
+        return classify_header(header), None
+    if not isinstance(recorded, str) or recorded not in RECORDED_KINDS:
+        known = ", ".join(RECORDED_KINDS)
+        return None, f"its metadata records kind {recorded!r}, not a raw CSV kind report reads ({known})"
+    kind = RECORDED_KINDS[recorded]
+    by_header = classify_header(header)
+    if by_header != kind:
+        shown = ", ".join(header) or "(empty)"
+        return None, f"its metadata records kind {recorded!r}, but its header is not a {kind} CSV's: {shown}"
+    return kind, None
 
 
 # -------------------------------------------------------------------------------------- one value

@@ -1,7 +1,8 @@
-"""The Markdown sections of the results report for the lab's raw files: scan, cache growth, views.
+"""The Markdown sections of the results report for the lab's raw files: scan and cache growth (the
+view/copy table's is `views.py`).
 
 Each section recomputes its statistics from the raw rows it is given (`scan_stats.scan_table`,
-`cache_growth_stats.summarize_cache_growth`, `views.views_markdown`) and returns Markdown; finding and
+`cache_growth_stats.summarize_cache_growth`) and returns Markdown; finding and
 reading the files, pairing them and listing what is wrong with them is the job of `readers.py` and
 `build.py`. Outliers (a sample above OUTLIER_FACTOR x the P95 of its group) are named under their
 section and kept in every statistic. The serving harness's section is `serving.py`, the environment
@@ -20,9 +21,9 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
     partial_passes,
     summarize_cache_growth,
 )
-from attention_kv_caceh.experiments.scan_stats import saturation_verdict, scan_table
-from attention_kv_caceh.experiments.views import ViewRow, views_markdown
+from attention_kv_caceh.experiments.scan_stats import scan_table
 from attention_kv_caceh.memory import format_bytes
+from attention_kv_caceh.report.verdicts import saturation_verdict
 from attention_kv_caceh.tables import format_number, markdown_table
 from attention_kv_caceh.timing import Sample, summarize_samples
 
@@ -31,7 +32,6 @@ __all__ = [
     "cache_section",
     "flag_outliers",
     "scan_section",
-    "views_section",
 ]
 
 # A sample above OUTLIER_FACTOR x the P95 of its group is flagged (kept, never dropped).
@@ -177,6 +177,36 @@ R2_NOTE = (
 )
 
 
+def _memory_table(memory: Mapping[str, Mapping[str, float]]) -> str:
+    """The memory part of a cache section (`CacheGrowthSummary.memory`), or a line saying there is none."""
+    if not memory:
+        return "No memory CSV with the same run parameters was found.\n"
+    header = [
+        "cache",
+        "append peak at T=1",
+        "append peak at T=N",
+        "B/position (traced)",
+        "new buffers B/position",
+        "largest step peak",
+        "nbytes at N",
+        "theoretical at N",
+    ]
+    rows = [
+        [
+            k,
+            format_bytes(m["append_bytes_first_step"]),
+            format_bytes(m["append_bytes_last_step"]),
+            m["append_bytes_per_position"],
+            m["new_buffer_bytes_per_position"],
+            format_bytes(m["max_step_peak_bytes"]),
+            format_bytes(m["final_cache_nbytes"]),
+            format_bytes(m["final_theoretical_bytes"]),
+        ]
+        for k, m in memory.items()
+    ]
+    return "Memory (untimed pass under tracemalloc):\n\n" + markdown_table(header, rows)
+
+
 def cache_section(
     name: str, samples: list[CacheStepSample], memory: list[CacheMemoryRow]
 ) -> tuple[str, CacheGrowthSummary]:
@@ -254,37 +284,7 @@ def cache_section(
         "faults of fresh allocations, a shared machine), read the plot.\n",
         R2_NOTE,
     ]
-    if s.memory:
-        out.append("Memory (untimed pass under tracemalloc):\n")
-        out.append(
-            markdown_table(
-                [
-                    "cache",
-                    "append peak at T=1",
-                    "append peak at T=N",
-                    "B/position (traced)",
-                    "new buffers B/position",
-                    "largest step peak",
-                    "nbytes at N",
-                    "theoretical at N",
-                ],
-                [
-                    [
-                        k,
-                        format_bytes(m["append_bytes_first_step"]),
-                        format_bytes(m["append_bytes_last_step"]),
-                        m["append_bytes_per_position"],
-                        m["new_buffer_bytes_per_position"],
-                        format_bytes(m["max_step_peak_bytes"]),
-                        format_bytes(m["final_cache_nbytes"]),
-                        format_bytes(m["final_theoretical_bytes"]),
-                    ]
-                    for k, m in s.memory.items()
-                ],
-            )
-        )
-    else:
-        out.append("No memory CSV with the same run parameters was found.\n")
+    out.append(_memory_table(s.memory))
     w = max(1, n // 64)
     flagged: list[str] = []
     for kind in CACHE_KINDS:
@@ -297,11 +297,3 @@ def cache_section(
             ]
     out.append(_outlier_line(flagged, f"its cache in windows of {w} positions"))
     return "\n".join(out) + "\n", s
-
-
-# ------------------------------------------------------------------------------------------ views
-
-
-def views_section(name: str, rows: Sequence[ViewRow]) -> str:
-    """The section of one view/copy table CSV (`views.views_markdown` of its rows)."""
-    return f"### View/copy table: `{name}`\n\n{views_markdown(rows)}"
