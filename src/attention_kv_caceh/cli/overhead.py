@@ -25,7 +25,7 @@ HELP = "the harness's own overhead: ITL and TTFT error against a scripted local 
 
 @dataclass(frozen=True)
 class _Output:
-    json: Path | None = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+    json: Path | None = option(
         None,
         help="also save the results as JSON here",
         metavar="PATH",

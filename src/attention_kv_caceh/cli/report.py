@@ -27,7 +27,7 @@ class ReportOptions:
     """The folder `report` reads (`--results`) and the report it writes (`--out`; plots beside it)."""
 
     results: str = option("results", help="raw CSV / JSONL files and their .meta.json", metavar="FOLDER")
-    out: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+    out: Path = option(
         Path("results/REPORT.md"),
         help="the Markdown report; PNG plots go beside it",
         metavar="PATH.md",

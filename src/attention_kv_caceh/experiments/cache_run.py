@@ -72,13 +72,13 @@ def cache_side_paths(csv_path: str | Path) -> dict[str, Path]:
 class CacheOptions:
     """Where `cache` writes: the raw CSV (the files beside it follow its name) and the plot."""
 
-    csv: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+    csv: Path = option(
         Path("results/cache.csv"),
         help="raw per-step CSV; <stem>-memory.csv, <stem>-summary.csv and their .meta.json go beside it",
         metavar="PATH.csv",
         parse=output_path(".csv"),
     )
-    plot: Path | None = option(  # noqa: RUF009
+    plot: Path | None = option(
         None,
         help="PNG: per-step time and bytes per step against T",
         metavar="PATH.png",

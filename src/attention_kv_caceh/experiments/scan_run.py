@@ -71,7 +71,7 @@ class ScanOptions:
     """The scan's options that are not measurement parameters (flags of the default command): where
     it writes, how it runs, what the user predicts."""
 
-    csv: Path = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+    csv: Path = option(
         Path("results/benchmark.csv"), help="raw samples CSV", metavar="PATH.csv", parse=output_path(".csv")
     )
     blas_threads: int | None = option(
@@ -81,7 +81,7 @@ class ScanOptions:
         minimum=1,
         default_text="not pinned",
     )
-    plot: Path | None = option(  # noqa: RUF009
+    plot: Path | None = option(
         None,
         help="PNG: P50 with P95 bars, positions/s vs B",
         metavar="PATH.png",

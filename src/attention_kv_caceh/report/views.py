@@ -20,14 +20,14 @@ __all__ = ["ViewsOptions", "views_markdown", "views_section"]
 class ViewsOptions:
     """Where `views` writes the table (both optional: it is printed anyway)."""
 
-    csv: Path | None = option(  # noqa: RUF009  (option() returns a dataclasses.field)
+    csv: Path | None = option(
         None,
         help="write the table as CSV, plus <csv>.meta.json and the run's Markdown <stem>.md beside it",
         metavar="PATH.csv",
         parse=output_path(".csv"),
         default_text="not written",
     )
-    md: Path | None = option(  # noqa: RUF009
+    md: Path | None = option(
         None,
         help="write the table as Markdown",
         metavar="PATH.md",
