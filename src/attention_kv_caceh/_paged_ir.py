@@ -1,0 +1,290 @@
+"""The LLVM IR of the paged kernel's block fold, one emitter per phase; `_paged_jit._fold_block` calls them.
+
+Shapes and layout as `_paged_jit.py` describes: a K tile `[D, BS]` and a V tile `[BS, D]` float32 per
+(block, KV head), L float32 lanes per vector. Each `_emit_*` function appends the instructions of one
+phase of the fold to `builder` (llvmlite), for `_Shape`'s compile-time D, BS and query heads.
+"""
+
+# pyright: basic
+# (llvmlite's builder API carries no annotations.)
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from llvmlite import ir
+from numba.core import cgutils
+
+from attention_kv_caceh import _simd_ir as v
+
+# Cephes expf, as `_kernels_jit._exp_f32` (coefficients and range reduction there).
+_LOG2E, _LN2_HI, _LN2_LO = 1.44269504088896341, 0.693359375, -2.12194440e-4
+_EXP_P = (
+    1.9875691500e-4,
+    1.3981999507e-3,
+    8.3334519073e-3,
+    4.1665795894e-2,
+    1.6666665459e-1,
+    5.0000001201e-1,
+)
+
+
+def _vexp(builder, x):
+    """exp(x) lane by lane for x <= 0 (below -87: exp(-87) ~ 1.6e-38); float vector in, out."""
+    vtype = x.type
+    x = builder.select(builder.fcmp_ordered(">", x, v.splat(vtype, -87.0)), x, v.splat(vtype, -87.0))
+    floor = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vtype, [vtype]), f"llvm.floor.v{vtype.count}f32"
+    )
+    n = builder.call(floor, [v.fma(builder, x, v.splat(vtype, _LOG2E), v.splat(vtype, 0.5))])
+    r = v.fma(builder, n, v.splat(vtype, -_LN2_HI), x)
+    r = v.fma(builder, n, v.splat(vtype, -_LN2_LO), r)
+    p = v.splat(vtype, _EXP_P[0])
+    for c in _EXP_P[1:]:
+        p = v.fma(builder, p, r, v.splat(vtype, c))
+    y = v.fma(builder, builder.fmul(p, r), r, builder.fadd(r, v.splat(vtype, 1.0)))
+    ivec = v.vec(vtype.count, v.I32)
+    bits = builder.shl(builder.add(builder.fptosi(n, ivec), v.splat(ivec, 127)), v.splat(ivec, 23))
+    return builder.fmul(y, builder.bitcast(bits, vtype))
+
+
+def _hreduce(builder, vectors, op):
+    """max or sum (op "max" / "add") of all lanes of a list of equal float vectors."""
+    total = vectors[0]
+    for other in vectors[1:]:
+        total = _combine(builder, total, other, op)
+    lanes = total.type.count
+    while lanes > 1:
+        half = lanes // 2
+        lo = builder.shuffle_vector(total, total, ir.Constant(v.vec(half, v.I32), list(range(half))))
+        hi = builder.shuffle_vector(total, total, ir.Constant(v.vec(half, v.I32), list(range(half, lanes))))
+        total, lanes = _combine(builder, lo, hi, op), half
+    return builder.extract_element(total, v.I64(0))
+
+
+def _combine(builder, a, b, op):
+    if op == "add":
+        return builder.fadd(a, b)
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What one `_fold_block` is compiled for: D, BS, the query heads folded together, L lanes."""
+
+    d_count: int
+    block_size: int
+    heads: int
+    lanes: int
+
+    @property
+    def fvec(self):
+        return v.vec(self.lanes)  # <L x float>
+
+    @property
+    def nv(self):
+        return self.block_size // self.lanes  # score vectors per head
+
+    @property
+    def dv(self):
+        return self.d_count // self.lanes  # vectors per V row and per accumulator row
+
+    @property
+    def splits(self):
+        return max(1, 4 // self.heads)  # chains per score vector: 4 chains at least in all
+
+    @property
+    def lines(self):
+        return self.d_count * self.block_size // 16  # 64-byte lines per tile
+
+
+class _Operands(NamedTuple):
+    """Pointers (float*) and the valid count (i64) one `_fold_block` works on."""
+
+    k_tile: Any  # K tile [D, BS] of the block and KV head
+    v_tile: Any  # V tile [BS, D]
+    k_next: Any  # the same head's tiles of the table's next block, prefetched into L2
+    v_next: Any
+    q_rows: list[Any]  # per folded head h: row g0 + h of qs [H, D]
+    acc_rows: list[Any]  # ... of acc [H, D]
+    states: list[Any]  # ... of state [H, 2], (m, z)
+    valid: Any  # positions of the block in the context, 1 .. BS
+
+
+def _i64(builder, x):
+    """Integer x sign-extended to i64 (unchanged if it is one)."""
+    return builder.sext(x, v.I64) if x.type.width < 64 else x
+
+
+def _tile(builder, arr, block, head):
+    """float* to the (block, head) tile of a cache array `[NB, H_kv, ...]` (i64 indices)."""
+
+    def stride(axis):  # in float32 elements
+        return builder.udiv(builder.extract_value(arr.strides, axis), v.I64(4))
+
+    return v.at(builder, arr.data, builder.add(builder.mul(block, stride(0)), builder.mul(head, stride(1))))
+
+
+def _emit_operands(context, builder, signature, args, shape):
+    """Emit the address arithmetic of `_fold_block`'s arguments: the tiles of this block and of the
+    next one, the rows of the folded heads in qs, acc and state; an `_Operands`."""
+    qa, ka, va, aa, sa = (
+        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 7, 8)
+    )
+    blk, head, g0, valid, ahead = (_i64(builder, args[i]) for i in (3, 4, 5, 6, 9))
+    k_tile, v_tile = _tile(builder, ka, blk, head), _tile(builder, va, blk, head)
+    k_next, v_next = _tile(builder, ka, ahead, head), _tile(builder, va, ahead, head)
+    rows = [builder.add(g0, v.I64(h)) for h in range(shape.heads)]
+    q_rows = [v.at(builder, qa.data, builder.mul(r, v.I64(shape.d_count))) for r in rows]
+    acc_rows = [v.at(builder, aa.data, builder.mul(r, v.I64(shape.d_count))) for r in rows]
+    states = [v.at(builder, sa.data, builder.mul(r, v.I64(2))) for r in rows]
+    return _Operands(k_tile, v_tile, k_next, v_next, q_rows, acc_rows, states, valid)
+
+
+def _emit_score_chains(builder, shape, k_tile, k_next, q_rows):
+    """Emit the dot products of the folded heads' q (float32 [D] each) with the K tile's columns.
+
+    Returns heads * nv * splits allocas of <L x float>; slot (h * nv + n) * splits + u holds
+    sum over d = u (mod splits) of q_h[d] * K[d, n L : (n + 1) L], so each score vector is summed
+    over `splits` independent FMA chains. A loop of D / splits steps; each step loads the nv K
+    vectors of a row d once for all heads, and prefetches the next K tile's 64-byte lines into L2,
+    a few per step so that the last step has covered the tile."""
+    lanes, nv, splits, fvec = shape.lanes, shape.nv, shape.splits, shape.fvec
+    chains = v.zeroed(builder, fvec, shape.heads * nv * splits)
+    steps = shape.d_count // splits
+    per_step = -(-shape.lines // steps)  # K lines of the next tile to prefetch per step
+    with v.loop(builder, v.I64(steps)) as dd:
+        for c in range(per_step):
+            line = builder.add(builder.mul(dd, v.I64(per_step)), v.I64(c))
+            v.prefetch(builder, v.at(builder, k_next, builder.mul(line, v.I64(16))), locality=2)
+        for u in range(splits):
+            d = builder.add(builder.mul(dd, v.I64(splits)), v.I64(u))
+            kd = [
+                v.load_vec(
+                    builder,
+                    k_tile,
+                    builder.add(builder.mul(d, v.I64(shape.block_size)), v.I64(n * lanes)),
+                    fvec,
+                )
+                for n in range(nv)
+            ]
+            for h in range(shape.heads):
+                qd = v.broadcast(builder, builder.load(v.at(builder, q_rows[h], d)), lanes)
+                for n in range(nv):
+                    slot = chains[(h * nv + n) * splits + u]
+                    builder.store(v.fma(builder, qd, kd[n], builder.load(slot)), slot)
+    return chains
+
+
+def _emit_masked_scores(builder, shape, chains, h, keep):
+    """Emit head h's scores s [BS] as nv <L x float>: its chains summed, -inf past the context
+    (keep: per score vector an <L x i1>, true for positions below valid)."""
+    nv, splits = shape.nv, shape.splits
+    minus_inf = v.splat(shape.fvec, float("-inf"))
+    scores = []
+    for n in range(nv):
+        parts = [builder.load(chains[(h * nv + n) * splits + u]) for u in range(splits)]
+        total = parts[0]
+        for part in parts[1:]:
+            total = builder.fadd(total, part)
+        scores.append(builder.select(keep[n], total, minus_inf))
+    return scores
+
+
+def _emit_state_update(builder, shape, scores, keep, state):
+    """Emit the online-softmax step of one head: m' = max(m, max s), p = exp(s - m') (0 past the
+    context), z = z exp(m - m') + sum p, stored to state (float* to (m, z)).
+
+    Returns p (nv <L x float>) and alpha = exp(m - m') broadcast to an <L x float>."""
+    lanes = shape.lanes
+    zero = ir.Constant(shape.fvec, None)
+    m_old, z_old = builder.load(state), builder.load(v.at(builder, state, 1))
+    top = _hreduce(builder, scores, "max")
+    m_new = builder.select(builder.fcmp_ordered(">", top, m_old), top, m_old)
+    new = v.broadcast(builder, m_new, lanes)
+    alpha = builder.extract_element(
+        _vexp(builder, builder.fsub(v.broadcast(builder, m_old, lanes), new)), v.I64(0)
+    )
+    p = [builder.select(keep[n], _vexp(builder, builder.fsub(scores[n], new)), zero) for n in range(shape.nv)]
+    builder.store(m_new, state)
+    builder.store(
+        builder.fadd(builder.fmul(z_old, alpha), _hreduce(builder, p, "add")),
+        v.at(builder, state, 1),
+    )
+    return p, v.broadcast(builder, alpha, lanes)
+
+
+def _emit_softmax(builder, shape, chains, states, valid):
+    """Emit the scores and the state update of every folded head (states: float* per head, valid:
+    i64). Returns probs (per head, nv <L x float> of p) and alphas (per head, <L x float>)."""
+    lanes = shape.lanes
+    index = [
+        ir.Constant(v.vec(lanes, v.I32), list(range(n * lanes, (n + 1) * lanes))) for n in range(shape.nv)
+    ]
+    limit = v.broadcast(builder, builder.trunc(valid, v.I32), lanes)
+    keep = [builder.icmp_signed("<", index[n], limit) for n in range(shape.nv)]
+    probs, alphas = [], []
+    for h in range(shape.heads):
+        scores = _emit_masked_scores(builder, shape, chains, h, keep)
+        p, alpha = _emit_state_update(builder, shape, scores, keep, states[h])
+        probs.append(p)
+        alphas.append(alpha)
+    return probs, alphas
+
+
+def _emit_rescaled_acc(builder, shape, acc_rows, alphas):
+    """Emit acc * alpha for every folded head into heads * dv allocas of <L x float> (slot
+    h * dv + e: lanes e L .. (e + 1) L of head h), which the V rows are then added to."""
+    lanes, dv = shape.lanes, shape.dv
+    accs = [cgutils.alloca_once(builder, shape.fvec) for _ in range(shape.heads * dv)]
+    for h in range(shape.heads):
+        for e in range(dv):
+            builder.store(
+                builder.fmul(v.load_vec(builder, acc_rows[h], e * lanes, shape.fvec), alphas[h]),
+                accs[h * dv + e],
+            )
+    return accs
+
+
+def _emit_add_row(builder, shape, accs, v_tile, t, p_t):
+    """Emit acc_h += p_h[t] * V[t, :] for every folded head: row t (i64) of the V tile loaded once,
+    p_t one <L x float> broadcast of p_h[t] per head."""
+    lanes, dv = shape.lanes, shape.dv
+    for e in range(dv):
+        offset = builder.add(builder.mul(t, v.I64(shape.d_count)), v.I64(e * lanes))
+        vt = v.load_vec(builder, v_tile, offset, shape.fvec)
+        for h in range(shape.heads):
+            slot = accs[h * dv + e]
+            builder.store(v.fma(builder, p_t[h], vt, builder.load(slot)), slot)
+
+
+def _emit_whole_block(builder, shape, accs, v_tile, v_next, probs):
+    """Emit the V accumulation of a full block (valid = BS): all BS rows unrolled, p[t] taken from its
+    score vector by a lane shuffle, and the next V tile's 64-byte lines prefetched along the way."""
+    lanes, block_size = shape.lanes, shape.block_size
+    for t in range(block_size):
+        for c in range(t * shape.lines // block_size, (t + 1) * shape.lines // block_size):
+            v.prefetch(builder, v.at(builder, v_next, c * 16), locality=2)
+        lane = ir.Constant(v.vec(lanes, v.I32), [t % lanes] * lanes)
+        p_t = [builder.shuffle_vector(p[t // lanes], p[t // lanes], lane) for p in probs]
+        _emit_add_row(builder, shape, accs, v_tile, v.I64(t), p_t)
+
+
+def _emit_partial_block(builder, shape, accs, v_tile, probs, valid):
+    """Emit the V accumulation of the context's last block: rows t < valid (i64) only, in a loop (the
+    rows past it may hold anything), p spilled to a float32 [heads, BS] alloca to be read per row."""
+    block_size = shape.block_size
+    spill = cgutils.alloca_once(builder, ir.ArrayType(v.F32, shape.heads * block_size))
+    base = builder.bitcast(spill, v.F32.as_pointer())
+    for h in range(shape.heads):
+        for n in range(shape.nv):
+            v.store_vec(builder, probs[h][n], base, h * block_size + n * shape.lanes)
+    with v.loop(builder, valid) as t:
+        p_t = [
+            v.broadcast(
+                builder, builder.load(v.at(builder, base, builder.add(t, v.I64(h * block_size)))), shape.lanes
+            )
+            for h in range(shape.heads)
+        ]
+        _emit_add_row(builder, shape, accs, v_tile, t, p_t)
