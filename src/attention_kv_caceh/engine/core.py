@@ -54,6 +54,7 @@ import zmq
 
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
+from .kv_cache_manager import KVCacheConfig
 from .request import Request, RequestStatus, SamplingParams
 from .sampler import sample
 from .scheduler import Scheduler, SchedulerOutput
@@ -203,6 +204,9 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
         utility_output: the answer to a utility call, else None.
         engine_dead: set when the core's loop ended with an error (the last message it sends).
         ready: set once, by a core that finished loading (the startup handshake).
+        kv_cache_config: with `ready`, the KV pool the core sized (num_kv_blocks, block_size, and the
+            max_model_len that caps a request), as vLLM's handshake reports its num_gpu_blocks; the
+            front end checks requests against it instead of sizing the pool again.
     """
 
     outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list[EngineCoreOutput])
@@ -216,6 +220,7 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     utility_output: UtilityOutput | None = None
     engine_dead: str | None = None
     ready: bool = False
+    kv_cache_config: KVCacheConfig | None = None
 
 
 class EngineCore:
@@ -310,6 +315,11 @@ class EngineCore:
     def max_model_len(self) -> int:
         """Most tokens (prompt + output) of one request."""
         return self.scheduler.max_model_len
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The KV pool, sized once when the core was built; requests are admitted against it."""
+        return self.scheduler.kv_cache_config
 
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
         """Build the core's Request from an EngineCoreRequest (vLLM's preprocess_add_request).
@@ -535,7 +545,7 @@ class EngineCoreProc:
         """Start the IO threads, announce readiness, run the busy loop; on a fatal error send engine_dead."""
         self._input_thread.start()
         self._output_thread.start()
-        self._push(EngineCoreOutputs(ready=True))
+        self._push(EngineCoreOutputs(ready=True, kv_cache_config=self.core.kv_cache_config))
         try:
             self.run_busy_loop()
         except BaseException as exc:

@@ -41,7 +41,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheConfig, KVCacheManager
 from .request import Request, RequestStatus, check_stop
 
 __all__ = ["Scheduler", "SchedulerOutput"]
@@ -101,6 +101,7 @@ class Scheduler:
         waiting: deque of requests not running (WAITING, or PREEMPTED at the front).
         running: requests holding blocks, in admission order.
         kv_cache_manager: KVCacheManager.
+        kv_cache_config: the pool (num_kv_blocks, block_size, max_model_len) requests are checked against.
         num_preemptions: preemptions so far.
     """
 
@@ -110,6 +111,7 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_config = KVCacheConfig(num_blocks, config.block_size, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -122,9 +124,9 @@ class Scheduler:
         """Queue a request, refusing it up front if it could never run.
 
         Raises:
-            ValueError: the id is in use, the prompt is longer than max_model_len, or the request's
-                largest context (prompt + max_tokens - 1 positions, capped by max_model_len) needs more
-                blocks than the whole pool has.
+            ValueError: the id is in use, or the prompt is longer than max_model_len.
+            RequestTooLargeError: the request's largest context needs more than the whole pool
+                (`KVCacheConfig.check_request_fits`, the one admission rule; a ValueError).
         """
         rid = request.request_id
         if rid in self.requests:
@@ -134,15 +136,7 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        # The last sampled token is never computed, so the cache holds at most final_num_tokens - 1 positions.
-        max_positions = request.max_final_num_tokens(self.max_model_len) - 1
-        need = self.kv_cache_manager.num_blocks_needed(max_positions)
-        if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
-                f"({request.sampling_params.max_tokens}) needs {need} KV blocks of {self.config.block_size} "
-                f"tokens, the pool has {self.kv_cache_manager.num_blocks}"
-            )
+        self.kv_cache_config.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.append(request)
