@@ -111,6 +111,7 @@ class ReadyMessageTest(unittest.TestCase):
             self.assertEqual(llm.kv_cache_config.kv_capacity_tokens, 28)
         finally:
             llm.client.shutdown()
+            llm.client.close()
 
 
 if __name__ == "__main__":

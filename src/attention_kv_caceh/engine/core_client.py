@@ -47,16 +47,10 @@ import msgspec
 import zmq
 
 from .config import EngineConfig
-from .core import (
-    EngineCore,
-    EngineCoreOutputs,
-    EngineCoreProc,
-    EngineCoreRequest,
-    RequestType,
-    run_engine_core,
-)
+from .core import EngineCore, EngineCoreProc, run_engine_core
 from .ipc import PrivateChannels
 from .kv_cache_manager import KVCacheConfig
+from .outputs import EngineCoreOutputs, EngineCoreRequest, RequestType
 from .request import Request
 
 __all__ = ["EngineDeadError", "InprocClient", "MPClient"]
