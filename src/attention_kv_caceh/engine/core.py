@@ -45,17 +45,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import zmq
 
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheConfig
-from .model_runner import sample_tokens
+from .model_runner import ModelRunnerLike, sample_tokens
 from .outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -64,7 +62,7 @@ from .outputs import (
     UtilityOutput,
 )
 from .request import Request, RequestStatus
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
 from .spec_decode.ngram_proposer import NgramProposer
 from .stats import StepStats, make_step_stats
 
@@ -90,16 +88,6 @@ STEP_STATS_MAXLEN = 25_000
 
 # How often the input thread checks that the parent process is alive (seconds).
 _PARENT_POLL_S = 0.5
-
-
-class ModelRunnerLike(Protocol):
-    """What the core needs from a model runner."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
-        """Compute the scheduled tokens; return logits [R + D, V]: per scheduled request in order, the
-        row of its last scheduled token, or with d scheduled drafts the 1 + d rows of its last token
-        and each draft (`ModelRunner.execute_model`)."""
-        ...
 
 
 class EngineCore:

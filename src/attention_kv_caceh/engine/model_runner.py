@@ -28,7 +28,7 @@ Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -43,7 +43,7 @@ from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
 from attention_kv_caceh.engine.warmup import warm_up
 
-__all__ = ["ModelInputs", "ModelRunner", "sample_tokens"]
+__all__ = ["ModelInputs", "ModelRunner", "ModelRunnerLike", "sample_tokens"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
@@ -60,6 +60,16 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int64]
+
+
+class ModelRunnerLike(Protocol):
+    """What the core needs from a model runner."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
+        """Compute the scheduled tokens; return logits [R + D, V]: per scheduled request in order, the
+        row of its last scheduled token, or with d scheduled drafts the 1 + d rows of its last token
+        and each draft (`ModelRunner.execute_model`)."""
+        ...
 
 
 class ModelRunner:
