@@ -24,7 +24,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.engine import core as core_module
+from attention_kv_caceh.engine import model_runner as model_runner_module
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.sampler import sample_row
 from attention_kv_caceh.engine.spec_decode.config import (
@@ -492,7 +492,7 @@ class TestOutputDistribution(unittest.TestCase):
                 break
             return tokens
 
-        with mock.patch.object(core_module, "verify_draft", wrong_verify):
+        with mock.patch.object(model_runner_module, "verify_draft", wrong_verify):
             wrong, _ = self.draw()
         stat, df = self.statistic(wrong)
         self.assertGreater(stat, chi2_critical(df, self.ALPHA), "the test cannot tell a wrong rule")

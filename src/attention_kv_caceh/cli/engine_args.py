@@ -293,11 +293,11 @@ def load_model_config(path: Path) -> tuple[ModelSource, ModelConfig]:
 
 def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: SamplingParams) -> None:
     """UsageError for a prompt that encodes to no token, is longer than max_model_len, or whose prompt +
-    max_tokens can never fit the whole KV pool (the scheduler's own rule: prompt + max_tokens - 1
-    positions, capped by max_model_len, in blocks of block_size). Prompts are counted from 0."""
-    from attention_kv_caceh.engine.request import Request
+    max_tokens can never fit the whole KV pool (the engine's one admission rule,
+    `KVCacheConfig.check_request_fits`, and its message). Prompts are counted from 0."""
+    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, RequestTooLargeError
 
-    block_size = plan.engine_config.block_size
+    pool = KVCacheConfig(plan.num_blocks, plan.engine_config.block_size, plan.max_model_len)
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise UsageError(f"prompt {i} encodes to no token")
@@ -305,11 +305,9 @@ def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: Sam
             raise UsageError(
                 f"prompt {i} has {len(ids)} tokens, more than max_model_len {plan.max_model_len}"
             )
-        positions = Request(str(i), ids, params).max_final_num_tokens(plan.max_model_len) - 1
-        need = -(-positions // block_size)
-        if need > plan.num_blocks:
+        try:
+            pool.check_request_fits(len(ids), params.max_tokens)
+        except RequestTooLargeError as exc:
             raise UsageError(
-                f"prompt {i}: {len(ids)} prompt tokens + --max-tokens {params.max_tokens} need {need} KV "
-                f"blocks of {block_size} tokens, the pool has {plan.num_blocks}; raise --num-kv-blocks "
-                "or --kv-cache-memory, or lower --max-tokens"
-            )
+                f"prompt {i}: {exc}; raise --num-kv-blocks or --kv-cache-memory, or lower --max-tokens"
+            ) from None

@@ -49,6 +49,7 @@ from attention_kv_caceh.engine.core import (
     StepStats,
 )
 from attention_kv_caceh.engine.core_client import EngineDeadError, MPClient
+from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig
 from attention_kv_caceh.engine.output_processor import (
     EngineDrainingError,
     OutputProcessor,
@@ -317,6 +318,11 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         """Requests not finished and not running: queued in the core or on their way to it."""
         return max(self.num_unfinished - self.num_running, 0)
+
+    @property
+    def kv_cache_config(self) -> KVCacheConfig | None:
+        """The KV pool the engine core reported in its ready message (None: it reported none)."""
+        return self.client.kv_cache_config
 
     @property
     def kv_cache_usage(self) -> float:

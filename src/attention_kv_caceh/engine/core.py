@@ -1,7 +1,7 @@
 """EngineCore: the scheduler, the KV cache and the model runner behind one `step()`; EngineCoreProc: its busy loop.
 
-Corresponds to vLLM v1's `vllm/v1/engine/core.py` (EngineCore, EngineCoreProc, run_busy_loop) and the
-message types of `vllm/v1/engine/__init__.py` (EngineCoreRequest, EngineCoreOutput, EngineCoreOutputs).
+Corresponds to vLLM v1's `vllm/v1/engine/core.py` (EngineCore, EngineCoreProc, run_busy_loop); the
+messages it sends and receives are in outputs.py (vLLM's `vllm/v1/engine/__init__.py`).
 A request enters in two parts, as in vLLM: `preprocess_add_request` builds the Request and hashes its
 prompt blocks for the prefix cache (the input thread runs it, off the busy loop), then `add_request`
 queues it in the scheduler (the busy loop). Left out: data parallelism, pipeline-parallel batch queues,
@@ -9,12 +9,13 @@ async scheduling (scheduling step N+1 while step N's outputs are processed: `_pr
 the place it would go), LoRA and multimodal inputs, and the ROUTER/DEALER handshake (one front end talks
 to one core over PUSH/PULL sockets).
 
-One step: `scheduler.schedule()` -> `model_runner.execute_model()` -> `sample()` (and
-`verify_draft()` for requests with draft tokens) -> `scheduler.update_from_output()` -> one
-EngineCoreOutput per request that got tokens, plus the step's StepStats; with speculative decoding the
-n-gram proposer then drafts the next tokens of every request that got some (vLLM's runner proposes
-right after sampling; `EngineConfig.speculative_config`). The core knows token ids only: text, stop strings and per-request timestamps belong to the
-front end's OutputProcessor (output_processor.py).
+One step, as vLLM's `EngineCore.step`: `scheduler.schedule()` -> `model_runner.execute_model()` and
+`sample_tokens()` (the sampler, and the rejection sampler for requests with draft tokens: a
+ModelRunnerOutput) -> `scheduler.update_from_output()` (the EngineCoreOutputs: one EngineCoreOutput per
+request that got tokens); with speculative decoding the n-gram proposer then drafts the next tokens of
+every request that runs on (vLLM's runner proposes right after sampling; `EngineConfig.speculative_config`),
+and `stats.make_step_stats` adds the step's StepStats. The core knows token ids only: text, stop strings and
+per-request timestamps belong to the front end's OutputProcessor (output_processor.py).
 
 EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as vLLM does:
 
@@ -44,22 +45,26 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 import zmq
 
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
-from .request import Request, RequestStatus, SamplingParams
-from .sampler import sample
-from .scheduler import Scheduler, SchedulerOutput
-from .spec_decode.metrics import SpecDecodingStats
+from .kv_cache_manager import KVCacheConfig
+from .model_runner import ModelRunnerLike, sample_tokens
+from .outputs import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    RequestType,
+    UtilityOutput,
+)
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
 from .spec_decode.ngram_proposer import NgramProposer
-from .spec_decode.rejection_sampler import verify_draft
+from .stats import StepStats, make_step_stats
 
 __all__ = [
     "STEP_STATS_MAXLEN",
@@ -83,139 +88,6 @@ STEP_STATS_MAXLEN = 25_000
 
 # How often the input thread checks that the parent process is alive (seconds).
 _PARENT_POLL_S = 0.5
-
-
-class ModelRunnerLike(Protocol):
-    """What the core needs from a model runner."""
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
-        """Compute the scheduled tokens; return logits [R + D, V]: per scheduled request in order, the
-        row of its last scheduled token, or with d scheduled drafts the 1 + d rows of its last token
-        and each draft (`ModelRunner.execute_model`)."""
-        ...
-
-
-class RequestType:
-    """The first frame of a message to the core (vLLM's EngineCoreRequestType)."""
-
-    ADD = b"\x00"
-    ABORT = b"\x01"
-    UTILITY = b"\x02"
-    SHUTDOWN = b"\x03"
-
-
-class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
-    """A request as the core receives it: token ids and SamplingParams (every field of the dataclass is
-    carried, so a new sampling field needs no change here). `arrival_time`: time.monotonic() seconds at
-    the front end."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    arrival_time: float = 0.0
-
-
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
-    """What one step produced for one request.
-
-    Attributes:
-        request_id: the request.
-        new_token_ids: tokens produced this step (one; up to 1 + K with speculative decoding; none
-            for an error).
-        finish_reason: None while running; "stop" | "length" | "abort" when it ended this step;
-            "error" when the step failed (its blocks are freed), "rejected" when the core refused the
-            request when it was added (`error` says why).
-        error: the message of "error" / "rejected".
-        new_logprobs: one `[sampled, prompt]` per new token, TokenLogprobs in wire form
-            (`_logprobs_payload`); None when the request asked for no logprobs.
-        num_cached_tokens: prompt tokens the prefix cache served at the request's latest admission.
-        num_preemptions: times the request was preempted so far.
-    """
-
-    request_id: str
-    new_token_ids: list[int]
-    finish_reason: str | None = None
-    error: str | None = None
-    new_logprobs: Any = None
-    num_cached_tokens: int = 0
-    num_preemptions: int = 0
-
-    @property
-    def finished(self) -> bool:
-        """The request ended with this output."""
-        return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class StepStats:
-    """One step's scheduling and cache numbers (vLLM's SchedulerStats per step).
-
-    Attributes:
-        step_index: 0, 1, 2, ... over the core's life.
-        num_scheduled_tokens: request_id -> tokens computed this step.
-        num_prefill_tokens, num_decode_tokens: split of the step's tokens (see SchedulerOutput).
-        num_running, num_waiting: queue sizes after the step (vLLM's num_requests_running / _waiting).
-        num_free_blocks: free KV blocks after the step.
-        kv_cache_usage: used / total blocks after the step, in [0, 1].
-        num_preemptions: requests preempted in this step.
-        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found at this step's admissions.
-        step_time_ms: wall time of the step (perf_counter), milliseconds.
-        step_cpu_ms: CPU time of the thread that ran the step (time.thread_time), milliseconds: unlike
-            step_time_ms it leaves out the time the thread waited for a CPU or for the GIL, so on a
-            shared machine it tells the step's own work from the waiting.
-        spec_decoding: the step's draft and acceptance counts (speculative decoding on), else None.
-    """
-
-    step_index: int
-    num_scheduled_tokens: dict[str, int]
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    num_running: int
-    num_waiting: int
-    num_free_blocks: int
-    kv_cache_usage: float
-    num_preemptions: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    step_time_ms: float
-    step_cpu_ms: float = 0.0
-    spec_decoding: SpecDecodingStats | None = None
-
-
-class UtilityOutput(msgspec.Struct, array_like=True):
-    """The answer to a utility call (`reset_prefix_cache`): `call_id` as sent, `result` or `error`."""
-
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
-    """One message from the core.
-
-    Attributes:
-        outputs: one EngineCoreOutput per request that got a token or ended.
-        step_stats: the step's StepStats; None when no step ran (an answer to inputs alone).
-        step_start, step_end: time.monotonic() seconds around the step (0 when none ran).
-        num_running, num_waiting, kv_cache_usage: the scheduler after the step or the inputs, for the
-            gauges.
-        step_error: the exception of a step that failed ("Type: message"), else None.
-        utility_output: the answer to a utility call, else None.
-        engine_dead: set when the core's loop ended with an error (the last message it sends).
-        ready: set once, by a core that finished loading (the startup handshake).
-    """
-
-    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list[EngineCoreOutput])
-    step_stats: StepStats | None = None
-    step_start: float = 0.0
-    step_end: float = 0.0
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    step_error: str | None = None
-    utility_output: UtilityOutput | None = None
-    engine_dead: str | None = None
-    ready: bool = False
 
 
 class EngineCore:
@@ -311,6 +183,11 @@ class EngineCore:
         """Most tokens (prompt + output) of one request."""
         return self.scheduler.max_model_len
 
+    @property
+    def kv_cache_config(self) -> KVCacheConfig:
+        """The KV pool, sized once when the core was built; requests are admitted against it."""
+        return self.scheduler.kv_cache_config
+
     def preprocess_add_request(self, request: EngineCoreRequest) -> Request:
         """Build the core's Request from an EngineCoreRequest (vLLM's preprocess_add_request).
 
@@ -366,7 +243,8 @@ class EngineCore:
         return outputs
 
     def step(self, on_schedule: Callable[[], None] | None = None) -> EngineCoreOutputs:
-        """Run one engine step: schedule, execute, sample, update (empty outputs when nothing was scheduled).
+        """Run one engine step: schedule, execute and sample, update, propose (empty outputs when nothing
+        was scheduled). The step's wall and CPU times cover all of it, its outputs included.
 
         `on_schedule` is called after scheduling, before the model runs (EngineCoreProc reports the new
         queue sizes from there, so the gauges move when a request is admitted, not a step later).
@@ -374,79 +252,27 @@ class EngineCore:
         Raises:
             ValueError: the runner's logits are not [R + D, V]; anything the runner raises.
         """
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        start = time.monotonic()
-        kv = self.scheduler.kv_cache_manager
-        queries0, hits0 = kv.prefix_cache_queries, kv.prefix_cache_hits
+        t0, cpu0, start = time.perf_counter(), time.thread_time(), time.monotonic()
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.total_num_scheduled_tokens == 0:
             return self.snapshot(EngineCoreOutputs())
         if on_schedule is not None:
             on_schedule()
         logits = self.model_runner.execute_model(scheduler_output)  # [R + D, V]
-        reqs = scheduler_output.scheduled_requests
-        spec = scheduler_output.scheduled_spec_decode_tokens
-        num_rows = [1 + len(spec.get(r.request_id, ())) for r in reqs]  # [R]
-        if logits.ndim != 2 or logits.shape[0] != sum(num_rows):
-            raise ValueError(
-                f"execute_model returned logits of shape {logits.shape}, expected [{sum(num_rows)}, V]"
-            )
-        starts = np.cumsum([0, *num_rows])  # request i's rows: starts[i] : starts[i + 1]
-        plain = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r) and num_rows[i] == 1]
-        sampled = {
-            reqs[i].request_id: [t]
-            for i, t in zip(plain, sample(logits[starts[plain]], [reqs[i] for i in plain]), strict=True)
-        }
-        spec_stats = None if self.proposer is None else SpecDecodingStats(self._num_spec_tokens)
-        for i, r in enumerate(reqs):
-            drafts = spec.get(r.request_id)
-            if drafts:
-                tokens = verify_draft(logits[starts[i] : starts[i + 1]], r, drafts)
-                sampled[r.request_id] = tokens
-                if spec_stats is not None:
-                    spec_stats.observe_draft(len(drafts), len(tokens) - 1)
-        updates = self.scheduler.update_from_output(scheduler_output, sampled)
-        self._propose(updates, len(reqs))
-        outputs = [
-            EngineCoreOutput(
-                request.request_id,
-                tokens,
-                request.status.finish_reason,
-                new_logprobs=_logprobs_payload(request, len(tokens)),
-                num_cached_tokens=request.num_cached_tokens,
-                num_preemptions=request.num_preemptions,
-            )
-            for request, tokens in updates
-        ]
+        model_runner_output = sample_tokens(scheduler_output, logits)
+        outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        self._propose(outputs, len(scheduler_output.scheduled_requests))
         cpu_ms = (time.thread_time() - cpu0) * 1e3  # read inside the wall interval
         wall_ms = (time.perf_counter() - t0) * 1e3
-        stats = StepStats(
-            step_index=self.num_steps,
-            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-            num_prefill_tokens=scheduler_output.num_prefill_tokens,
-            num_decode_tokens=scheduler_output.num_decode_tokens,
-            num_running=self.scheduler.num_running,
-            num_waiting=self.scheduler.num_waiting,
-            num_free_blocks=kv.num_free_blocks,
-            kv_cache_usage=kv.usage,
-            num_preemptions=len(scheduler_output.preempted_request_ids),
-            prefix_cache_queries=kv.prefix_cache_queries - queries0,
-            prefix_cache_hits=kv.prefix_cache_hits - hits0,
-            step_time_ms=wall_ms,
-            step_cpu_ms=cpu_ms,
-            spec_decoding=spec_stats,
+        outputs.step_stats = make_step_stats(
+            self.scheduler, scheduler_output, model_runner_output, self.num_steps, wall_ms, cpu_ms
         )
-        self.step_stats.append(stats)
+        self.step_stats.append(outputs.step_stats)
         self.num_steps += 1
-        result = EngineCoreOutputs(outputs, stats, start, time.monotonic())
-        return self.snapshot(result)
+        outputs.step_start, outputs.step_end = start, time.monotonic()
+        return self.snapshot(outputs)
 
-    @property
-    def _num_spec_tokens(self) -> int:
-        spec = self.config.speculative_config
-        return 0 if spec is None else spec.num_speculative_tokens
-
-    def _propose(self, updates: list[tuple[Request, list[int]]], batch_size: int) -> None:
+    def _propose(self, outputs: EngineCoreOutputs, batch_size: int) -> None:
         """Draft the next tokens of every request that got tokens and runs on, `Request.spec_token_ids`;
         as many as the draft schedule gives a step of `batch_size` requests (none: no proposing)."""
         if self.proposer is None:
@@ -454,8 +280,9 @@ class EngineCore:
         k = self._draft_schedule[min(batch_size, len(self._draft_schedule) - 1)]
         if k <= 0:
             return
-        for request, _ in updates:
-            if not request.is_finished:
+        for output in outputs.outputs:
+            if not output.finished:
+                request = self.scheduler.requests[output.request_id]
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
 
     def fail_running(self, exc: BaseException) -> EngineCoreOutputs:
@@ -468,27 +295,6 @@ class EngineCore:
         message = f"engine step failed: {type(exc).__name__}: {exc}"
         outputs = [EngineCoreOutput(rid, [], "error", message) for rid in failed]
         return self.snapshot(EngineCoreOutputs(outputs, step_error=f"{type(exc).__name__}: {exc}"))
-
-
-def _logprobs_payload(request: Request, num_new: int) -> list[Any] | None:
-    """The `new_logprobs` of a request's newest `num_new` tokens: one `[sampled, prompt]` each,
-    TokenLogprobs.to_wire lists or None: `sampled` when it asked for logprobs, `prompt` (every prompt
-    token after the first) with its first token when it asked for prompt logprobs. None when it asked
-    for neither."""
-    params = request.sampling_params
-    if params.logprobs is None and params.prompt_logprobs is None:
-        return None
-    n = request.num_output_tokens
-    payloads: list[Any] = []
-    for i in range(n - num_new, n):
-        sampled = None
-        if params.logprobs is not None and len(request.output_logprobs) > i:
-            sampled = request.output_logprobs[i].to_wire()
-        prompt = None
-        if params.prompt_logprobs is not None and i == 0:
-            prompt = [entry.to_wire() for entry in request.prompt_logprobs]
-        payloads.append([sampled, prompt])
-    return payloads
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -535,7 +341,7 @@ class EngineCoreProc:
         """Start the IO threads, announce readiness, run the busy loop; on a fatal error send engine_dead."""
         self._input_thread.start()
         self._output_thread.start()
-        self._push(EngineCoreOutputs(ready=True))
+        self._push(EngineCoreOutputs(ready=True, kv_cache_config=self.core.kv_cache_config))
         try:
             self.run_busy_loop()
         except BaseException as exc:

@@ -47,15 +47,10 @@ import msgspec
 import zmq
 
 from .config import EngineConfig
-from .core import (
-    EngineCore,
-    EngineCoreOutputs,
-    EngineCoreProc,
-    EngineCoreRequest,
-    RequestType,
-    run_engine_core,
-)
+from .core import EngineCore, EngineCoreProc, run_engine_core
 from .ipc import PrivateChannels
+from .kv_cache_manager import KVCacheConfig
+from .outputs import EngineCoreOutputs, EngineCoreRequest, RequestType
 from .request import Request
 
 __all__ = ["EngineDeadError", "InprocClient", "MPClient"]
@@ -140,6 +135,7 @@ class MPClient:
         self.thread: threading.Thread | None = None
         self.proc: EngineCoreProc | None = None
         self.dead: str | None = None
+        self.kv_cache_config: KVCacheConfig | None = None  # the pool the core reported when ready
         self._closed = False
 
     # -- starting the core -----------------------------------------------------------------------------
@@ -194,6 +190,7 @@ class MPClient:
                 if outputs is None:
                     raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
                 if outputs.ready:
+                    self.kv_cache_config = outputs.kv_cache_config
                     break
             # the output channel is connected (ready came through it); once the input is too, no file
             # names the channels any more

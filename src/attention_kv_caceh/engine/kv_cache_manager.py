@@ -1,8 +1,17 @@
 """KVCacheManager: block tables of requests, prefix-cache lookups and slot allocation.
 
 Corresponds to vLLM v1's `vllm/v1/core/kv_cache_manager.py` (get_computed_blocks, allocate_slots, free,
-usage, prefix-cache stats) with the single full-attention group of `single_type_kv_cache_manager.py`. Left
-out: sliding window / hybrid groups, lookahead (speculative) slots, encoder caches, KV connectors.
+usage, prefix-cache stats) with the single full-attention group of `single_type_kv_cache_manager.py`, and
+the pool's size as `KVCacheConfig` (`vllm/v1/kv_cache_interface.py`). Left out: sliding window / hybrid
+groups, lookahead (speculative) slots, encoder caches, KV connectors, and vLLM's startup refusal of a pool
+that cannot hold one max_model_len request (`check_enough_kv_cache_memory`): here a smaller pool serves,
+and each request is checked against it instead.
+
+One admission rule. `KVCacheConfig.check_request_fits` alone decides whether a request's prompt plus
+max_tokens can ever fit the pool, with one message (`RequestTooLargeError`): the scheduler refuses a
+request with it, the server answers a 400 with it, `generate` exits 2 with it before loading any weight.
+The pool is sized once; the engine core reports its KVCacheConfig in its ready message
+(`EngineCoreOutputs.kv_cache_config`), and the server checks against that.
 
 A request's block table is `request.block_ids`: block_ids[i] holds positions [i*block_size, (i+1)*block_size)
 (the slot of position p is block_ids[p // block_size] * block_size + p % block_size). Block ids only; the
@@ -20,16 +29,86 @@ token of the request: that token must still be computed to produce the logits of
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
-from .request import Request
+from .request import Request, max_final_num_tokens
 
-__all__ = ["KVCacheManager", "cdiv"]
+__all__ = ["KVCacheConfig", "KVCacheManager", "RequestTooLargeError", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division for non-negative ints."""
     return -(-a // b)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV pool as it was sized, once (vLLM's KVCacheConfig.num_blocks with CacheConfig.block_size, and
+    the ModelConfig.max_model_len requests are capped by); the engine core reports it when ready.
+
+    Attributes:
+        num_kv_blocks: blocks in the pool.
+        block_size: tokens per block.
+        max_model_len: most tokens (prompt + output) of one request.
+    """
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """KV positions of the whole pool, num_kv_blocks * block_size: the most one request can hold."""
+        return self.num_kv_blocks * self.block_size
+
+    def num_positions_needed(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """The most KV positions a request can fill: its largest length (`max_final_num_tokens`) less one,
+        since the last sampled token is never computed."""
+        return max_final_num_tokens(num_prompt_tokens, max_tokens, self.max_model_len) - 1
+
+    def check_request_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Refuse a request that could never run: its largest context must fit the whole pool. The
+        prompt's length against max_model_len is the caller's check (it names its own field or flag).
+
+        Raises:
+            RequestTooLargeError: `num_positions_needed` is more than `kv_capacity_tokens`.
+        """
+        positions = self.num_positions_needed(num_prompt_tokens, max_tokens)
+        if positions > self.kv_capacity_tokens:
+            raise RequestTooLargeError(num_prompt_tokens, max_tokens, positions, self)
+
+
+class RequestTooLargeError(ValueError):
+    """A request whose prompt plus max_tokens can never fit the whole KV pool (`check_request_fits`).
+
+    Attributes:
+        num_prompt_tokens, max_tokens: the request's.
+        num_positions: KV positions it could fill.
+        num_blocks_needed: those positions in blocks.
+        kv_cache_config: the pool it was checked against.
+    """
+
+    def __init__(
+        self, num_prompt_tokens: int, max_tokens: int, num_positions: int, kv_cache_config: KVCacheConfig
+    ) -> None:
+        c = kv_cache_config
+        need = cdiv(num_positions, c.block_size)
+        super().__init__(
+            f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
+            f"{c.block_size} tokens ({num_positions} positions), the pool has {c.num_kv_blocks} "
+            f"({c.kv_capacity_tokens} positions)"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.max_tokens = max_tokens
+        self.num_positions = num_positions
+        self.num_blocks_needed = need
+        self.kv_cache_config = kv_cache_config
+
+    @property
+    def param(self) -> str:
+        """The request field to blame: "prompt" when the prompt alone overfills the pool, else "max_tokens"."""
+        return "prompt" if self.num_prompt_tokens > self.kv_cache_config.kv_capacity_tokens else "max_tokens"
 
 
 class KVCacheManager:

@@ -1,10 +1,16 @@
-"""ModelRunner: owns the paged KV buffers and turns a SchedulerOutput into one model forward.
+"""ModelRunner: owns the paged KV buffers and turns a SchedulerOutput into one model forward; sample_tokens.
 
-What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`) at nano-vllm's
-size: lay the scheduled requests' new tokens out as one flattened batch, compute each token's position
-and KV slot from its request's block table, run the model once, and return the logits of each request's
-last scheduled token; a request that asks for prompt logprobs also gets those of its prompt positions
-(vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`.
+What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`, `sample_tokens`)
+at nano-vllm's size: lay the scheduled requests' new tokens out as one flattened batch, compute each
+token's position and KV slot from its request's block table, run the model once, and return the logits of
+each request's last scheduled token; a request that asks for prompt logprobs also gets those of its prompt
+positions (vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`. Then
+`sample_tokens` turns those logits into a ModelRunnerOutput (outputs.py): a token per request whose last
+token the step computed (engine/sampler.py), the verified drafts of a request that had draft tokens
+(spec_decode/rejection_sampler.py), and the logprobs of each sampled token from its raw row. As in vLLM,
+the step is two calls, `execute_model` then `sample_tokens`; here `sample_tokens` is a function of the
+logits rather than a method reading state the forward left behind, so any runner that produces logits
+(the tests' fake runners, bench-engine's recording runner) is sampled the same way.
 
 Speculative decoding: a request's scheduled draft tokens (`scheduled_spec_decode_tokens`) follow its
 last token in the flattened batch, and the logits of all its last 1 + d positions are returned (vLLM's
@@ -13,8 +19,8 @@ drafts is laid out for the compiled decode kernel with one row per token: row i 
 blocks up to its own position (context length position + 1), which is the causal mask of the
 request's queries, so verification never takes the gather-and-matmul prefill path.
 
-Left out: persistent input buffers, CUDA graphs, sampling (the engine's sampler does that),
-pipeline/tensor parallelism.
+Left out: persistent input buffers, CUDA graphs, pipeline/tensor parallelism, structured-output bitmasks,
+and batched sampling kernels (one request's row at a time).
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
 """
@@ -22,19 +28,22 @@ Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
+from attention_kv_caceh.engine.outputs import ModelRunnerOutput
 from attention_kv_caceh.engine.paged_attention import AttentionMetadata, allocate_kv_cache
-from attention_kv_caceh.engine.sampler import token_logprobs
+from attention_kv_caceh.engine.request import TokenLogprobs
+from attention_kv_caceh.engine.sampler import sample, token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
+from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
 from attention_kv_caceh.engine.warmup import warm_up
 
-__all__ = ["ModelInputs", "ModelRunner"]
+__all__ = ["ModelInputs", "ModelRunner", "ModelRunnerLike", "sample_tokens"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
@@ -51,6 +60,16 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int64]
+
+
+class ModelRunnerLike(Protocol):
+    """What the core needs from a model runner."""
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
+        """Compute the scheduled tokens; return logits [R + D, V]: per scheduled request in order, the
+        row of its last scheduled token, or with d scheduled drafts the 1 + d rows of its last token
+        and each draft (`ModelRunner.execute_model`)."""
+        ...
 
 
 class ModelRunner:
@@ -212,3 +231,44 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [n_p, V]
             for j, p in enumerate(range(start, end)):
                 r.prompt_logprobs.append(token_logprobs(logits[j], r.prompt_token_ids[p + 1], k))
+
+
+def sample_tokens(scheduler_output: SchedulerOutput, logits: FloatArray) -> ModelRunnerOutput:
+    """The tokens one step yields, from the logits `[R + D, V]` `execute_model` returned.
+
+    A request whose last token the step computed, without drafts, gets one token from its row
+    (`sampler.sample`); one with d scheduled drafts gets its 1 + d rows verified
+    (`rejection_sampler.verify_draft`, 1 .. d + 1 tokens); a partial prefill chunk gets none. A request
+    that asks for logprobs gets each sampled token's TokenLogprobs from that token's raw row.
+
+    Raises:
+        ValueError: logits is not `[R + D, V]`, or what `sample` / `verify_draft` raise (NaN, infinite
+            or out-of-range logits).
+    """
+    reqs = scheduler_output.scheduled_requests
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    num_rows = [1 + len(spec.get(r.request_id, ())) for r in reqs]  # [R]
+    if logits.ndim != 2 or logits.shape[0] != sum(num_rows):
+        raise ValueError(
+            f"execute_model returned logits of shape {logits.shape}, expected [{sum(num_rows)}, V]"
+        )
+    starts = np.cumsum([0, *num_rows])  # request i's rows: starts[i] : starts[i + 1]
+    sampled: list[list[int]] = [[] for _ in reqs]
+    plain = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r) and num_rows[i] == 1]
+    for i, token in zip(plain, sample(logits[starts[plain]], [reqs[i] for i in plain]), strict=True):
+        sampled[i] = [token]
+    for i, r in enumerate(reqs):
+        drafts = spec.get(r.request_id)
+        if drafts:
+            sampled[i] = verify_draft(logits[starts[i] : starts[i + 1]], r, drafts)
+    logprobs: list[list[TokenLogprobs]] | None = None
+    if any(r.sampling_params.logprobs is not None for r in reqs):
+        logprobs = []
+        for i, r in enumerate(reqs):
+            k = r.sampling_params.logprobs
+            row = int(starts[i])  # token j of the request was sampled from row + j
+            logprobs.append(
+                [] if k is None else [token_logprobs(logits[row + j], t, k) for j, t in enumerate(sampled[i])]
+            )
+    req_ids = [r.request_id for r in reqs]
+    return ModelRunnerOutput(req_ids, {rid: i for i, rid in enumerate(req_ids)}, sampled, logprobs)

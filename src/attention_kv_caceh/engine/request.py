@@ -41,6 +41,7 @@ __all__ = [
     "TokenLogprobs",
     "check_stop",
     "decode_logprobs_payloads",
+    "max_final_num_tokens",
 ]
 
 
@@ -328,13 +329,6 @@ class Request:
         """The status is one of the FINISHED_* states."""
         return self.status.is_finished
 
-    def max_final_num_tokens(self, max_model_len: int) -> int:
-        """The most tokens (prompt + output) this request can reach before `check_stop` ends it."""
-        return min(
-            self.num_prompt_tokens + self.sampling_params.max_tokens,
-            max(max_model_len, self.num_prompt_tokens + 1),
-        )
-
     def append_output_token(self, token_id: int) -> None:
         """Record a sampled token; with a block_hasher, hash the block it completes."""
         self.output_token_ids.append(token_id)
@@ -346,6 +340,13 @@ class Request:
             f"Request({self.request_id!r}, status={self.status.name}, prompt={self.num_prompt_tokens}, "
             f"output={self.num_output_tokens}, computed={self.num_computed_tokens}, blocks={self.block_ids})"
         )
+
+
+def max_final_num_tokens(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> int:
+    """The most tokens (prompt + output) a request can reach before `check_stop` ends it: max_tokens
+    after its prompt, capped by max_model_len, and never fewer than one output token. The one place
+    max_tokens is resolved against the context (the KV admission rule, kv_cache_manager.py, reads it)."""
+    return min(num_prompt_tokens + max_tokens, max(max_model_len, num_prompt_tokens + 1))
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:

@@ -137,10 +137,9 @@ def sample_row(
 
 
 def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -> list[int]:
-    """Next token of each request: row i of `logits` `[R, V]` belongs to requests[i].
-
-    A request with `sampling_params.logprobs` set gets the sampled token's TokenLogprobs appended to its
-    `output_logprobs` (computed from the raw row).
+    """Next token of each request: row i of `logits` `[R, V]` belongs to requests[i]. The logprobs of
+    the sampled tokens come from the same raw rows (`token_logprobs`; the model runner's
+    `sample_tokens` takes them).
 
     Raises:
         ValueError: logits is not 2-D with one row per request, or holds a NaN, an infinity or a value
@@ -155,8 +154,5 @@ def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -
         params = request.sampling_params
         plain = not params.logit_bias and not params.has_penalties and params.min_tokens == 0
         row = logits[i] if plain else apply_logits_processors(logits[i], request)
-        token = sample_row(row, params, request.generator)
-        if params.logprobs is not None:
-            request.output_logprobs.append(token_logprobs(logits[i], token, params.logprobs))
-        tokens.append(token)
+        tokens.append(sample_row(row, params, request.generator))
     return tokens

@@ -2,7 +2,8 @@
 
 Corresponds to vLLM v1's `vllm/v1/core/sched/scheduler.py` (schedule, update_from_output, finish_requests)
 and `output.py` (SchedulerOutput). Left out: priorities, structured output, encoder inputs, KV transfer,
-async scheduling, the partial-prefill limits (long_prefill_token_threshold).
+async scheduling, the partial-prefill limits (long_prefill_token_threshold), vLLM's per-client output
+lists (one front end here), and make_stats (stats.py:make_step_stats builds the step's StepStats).
 
 There are no separate prefill and decode phases. Every request has `num_tokens` tokens (prompt + output) of
 which `num_computed_tokens` are in the KV cache; a step gives each scheduled request n tokens to compute,
@@ -20,9 +21,10 @@ from one token budget (`max_num_batched_tokens`):
    first served: no later request overtakes it).
 
 A token is sampled for a request only when the step computes its last token (c + n == num_tokens, and
-its scheduled drafts after it); a partial prefill chunk samples nothing. update_from_output advances
-num_computed_tokens, appends the sampled tokens, checks stop conditions, frees finished requests, and
-registers newly full blocks for prefix caching.
+its scheduled drafts after it); a partial prefill chunk samples nothing. update_from_output takes the
+model runner's ModelRunnerOutput, advances num_computed_tokens, appends the sampled tokens (and their
+logprobs), checks stop conditions, frees finished requests, registers newly full blocks for prefix
+caching, and returns the step's EngineCoreOutputs: one EngineCoreOutput per request that got tokens.
 
 Speculative decoding (vLLM's `spec_token_ids` / `scheduled_spec_decode_tokens`): a running request's
 draft tokens (`Request.spec_token_ids`, proposed after the previous step) are scheduled after its last
@@ -37,11 +39,12 @@ scheduled (used or not) and when it is preempted.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheConfig, KVCacheManager
+from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, encode_logprobs_payloads
 from .request import Request, RequestStatus, check_stop
 
 __all__ = ["Scheduler", "SchedulerOutput"]
@@ -101,7 +104,10 @@ class Scheduler:
         waiting: deque of requests not running (WAITING, or PREEMPTED at the front).
         running: requests holding blocks, in admission order.
         kv_cache_manager: KVCacheManager.
+        kv_cache_config: the pool (num_kv_blocks, block_size, max_model_len) requests are checked against.
         num_preemptions: preemptions so far.
+        prefix_cache_at_schedule: the KV cache manager's (prefix_cache_queries, prefix_cache_hits) when
+            the latest schedule() began (the step's lookups are the difference).
     """
 
     def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
@@ -110,10 +116,12 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_cache_config = KVCacheConfig(num_blocks, config.block_size, max_model_len)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_cache_at_schedule = (0, 0)
         self._finished_ids: list[str] = []
 
     # ---- admission ------------------------------------------------------------------------------------
@@ -122,9 +130,9 @@ class Scheduler:
         """Queue a request, refusing it up front if it could never run.
 
         Raises:
-            ValueError: the id is in use, the prompt is longer than max_model_len, or the request's
-                largest context (prompt + max_tokens - 1 positions, capped by max_model_len) needs more
-                blocks than the whole pool has.
+            ValueError: the id is in use, or the prompt is longer than max_model_len.
+            RequestTooLargeError: the request's largest context needs more than the whole pool
+                (`KVCacheConfig.check_request_fits`, the one admission rule; a ValueError).
         """
         rid = request.request_id
         if rid in self.requests:
@@ -134,15 +142,7 @@ class Scheduler:
                 f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens exceeds max_model_len "
                 f"{self.max_model_len}"
             )
-        # The last sampled token is never computed, so the cache holds at most final_num_tokens - 1 positions.
-        max_positions = request.max_final_num_tokens(self.max_model_len) - 1
-        need = self.kv_cache_manager.num_blocks_needed(max_positions)
-        if need > self.kv_cache_manager.num_blocks:
-            raise ValueError(
-                f"request {rid!r}: prompt ({request.num_prompt_tokens}) + max_tokens "
-                f"({request.sampling_params.max_tokens}) needs {need} KV blocks of {self.config.block_size} "
-                f"tokens, the pool has {self.kv_cache_manager.num_blocks}"
-            )
+        self.kv_cache_config.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
         request.status = RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.append(request)
@@ -201,6 +201,7 @@ class Scheduler:
         """Choose this step's requests and token counts, allocating their blocks (see the module docstring)."""
         cfg = self.config
         kv = self.kv_cache_manager
+        self.prefix_cache_at_schedule = (kv.prefix_cache_queries, kv.prefix_cache_hits)
         budget = cfg.max_num_batched_tokens
         scheduled: list[Request] = []
         num_tokens: dict[str, int] = {}
@@ -281,47 +282,39 @@ class Scheduler:
         )
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]]
-    ) -> list[tuple[Request, list[int]]]:
-        """Apply a computed step: advance, append samples, stop, free, cache full blocks.
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
+        """Apply a computed step: advance, append samples and logprobs, stop, free, cache full blocks.
 
         Args:
             scheduler_output: the output of the latest schedule().
-            sampled_token_ids: request_id -> the tokens the step yielded, for exactly the requests whose
-                last token the step computed (`scheduler_output.samples_token(r)`): one token, or with
-                d scheduled drafts the a accepted ones and the token after them (1 .. d + 1 tokens).
+            model_runner_output: the tokens the step yielded (`model_runner.sample_tokens`): for exactly
+                the requests whose last token the step computed (`scheduler_output.samples_token(r)`),
+                one token, or with d scheduled drafts the a accepted ones and the token after them.
 
         Returns:
-            (request, its new token ids) for every request that got tokens, in scheduled order; the ids
-            stop at the first that ends the request (a stop token, max_tokens, max_model_len), whose
-            status is then FINISHED_* and whose blocks are freed.
+            EngineCoreOutputs with one EngineCoreOutput per request that got tokens, in scheduled order
+            (its step_stats are the core's to add); the tokens stop at the first that ends the request (a
+            stop token, max_tokens, max_model_len), whose status is then FINISHED_* and whose blocks are
+            freed.
 
         Raises:
-            ValueError: sampled_token_ids misses a sampling request, has one that did not sample, or
-                gives a request no token or more than its drafts + 1 (checked before anything changes).
+            ValueError: the output is not for the scheduled requests in order, gives a sampling request no
+                token, a request that did not sample some, or one more than its drafts + 1 (checked
+                before anything changes).
         """
+        _check_model_runner_output(scheduler_output, model_runner_output)
         spec = scheduler_output.scheduled_spec_decode_tokens
-        expected = {
-            r.request_id for r in scheduler_output.scheduled_requests if scheduler_output.samples_token(r)
-        }
-        if set(sampled_token_ids) != expected:
-            raise ValueError(
-                f"sampled_token_ids has ids {sorted(sampled_token_ids)}, expected exactly {sorted(expected)}"
-            )
-        for rid, tokens in sampled_token_ids.items():
-            if not 1 <= len(tokens) <= len(spec.get(rid, ())) + 1:
-                raise ValueError(
-                    f"request {rid!r}: {len(tokens)} tokens for {len(spec.get(rid, ()))} draft tokens"
-                )
+        logprobs = model_runner_output.logprobs
         kv = self.kv_cache_manager
-        out: list[tuple[Request, list[int]]] = []
-        for request in scheduler_output.scheduled_requests:
+        outputs: list[EngineCoreOutput] = []
+        for i, request in enumerate(scheduler_output.scheduled_requests):
             rid = request.request_id
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             n = scheduler_output.num_scheduled_tokens[rid]
-            tokens = sampled_token_ids.get(rid)
-            if tokens is None:
+            tokens = model_runner_output.sampled_token_ids[i]
+            if not tokens:
                 request.num_computed_tokens += n
                 kv.cache_full_blocks(request)
                 continue
@@ -336,13 +329,39 @@ class Scheduler:
                 stopped = check_stop(request, self.max_model_len)
                 if stopped:
                     break
-            out.append((request, kept))
+            if logprobs is not None and logprobs[i]:  # none for tokens trimmed after a stop
+                request.output_logprobs.extend(logprobs[i][: len(kept)])
             # tokens trimmed after a stop were computed as drafts but are not the request's
             request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
             kv.cache_full_blocks(request)
             if stopped:
-                if request.sampling_params.logprobs is not None:  # of tokens trimmed after the stop
-                    del request.output_logprobs[request.num_output_tokens :]
                 self.running.remove(request)
                 self._finish(request)
-        return out
+            outputs.append(
+                EngineCoreOutput(
+                    rid,
+                    kept,
+                    request.status.finish_reason,
+                    new_logprobs=encode_logprobs_payloads(request, len(kept)),
+                    num_cached_tokens=request.num_cached_tokens,
+                    num_preemptions=request.num_preemptions,
+                )
+            )
+        return EngineCoreOutputs(outputs)
+
+
+def _check_model_runner_output(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:
+    """ValueError unless `output` gives tokens to exactly the requests that sample this step, in the
+    scheduled order, and at most drafts + 1 to each."""
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    req_ids = [r.request_id for r in scheduler_output.scheduled_requests]
+    if output.req_ids != req_ids or len(output.sampled_token_ids) != len(req_ids):
+        raise ValueError(f"the model runner output is for {output.req_ids}, the step scheduled {req_ids}")
+    for request, tokens in zip(scheduler_output.scheduled_requests, output.sampled_token_ids, strict=True):
+        num_drafts = len(spec.get(request.request_id, ()))
+        want = scheduler_output.samples_token(request)
+        if want != bool(tokens) or len(tokens) > num_drafts + 1:
+            raise ValueError(
+                f"request {request.request_id!r}: {len(tokens)} sampled tokens for {num_drafts} draft "
+                f"tokens ({'a' if want else 'no'} token expected)"
+            )

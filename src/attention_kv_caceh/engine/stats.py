@@ -1,6 +1,6 @@
 """Per-step and per-request serving statistics handed from AsyncLLM to stat loggers (the metrics).
 
-Corresponds to vLLM v1's `vllm/v1/metrics/stats.py` (IterationStats, FinishedRequestStats), with the
+Corresponds to vLLM v1's `vllm/v1/metrics/stats.py` (SchedulerStats, IterationStats, FinishedRequestStats), with the
 definitions the front end's OutputProcessor measures them by (its RequestState holds the timestamps):
 TTFT from the request's arrival at AsyncLLM to the moment the front end received its first token;
 inter-token latency between consecutive token-bearing messages of a request; queue time from arrival to
@@ -8,7 +8,11 @@ the start of the first core step that scheduled it (the core's clock: time.monot
 every process of the machine); E2E latency from arrival to the moment the front end received the
 finishing output. Times are `time.monotonic()` differences in seconds.
 
-Left out: SchedulerStats (the core's StepStats plays its part, core.py), the per-request phase times (prefill,
+StepStats plays the part of vLLM's SchedulerStats: `make_step_stats` builds one per step from the
+scheduler after `update_from_output` (vLLM's Scheduler.make_stats and make_spec_decoding_stats), with the
+wall and CPU times the core measured around the step.
+
+Left out: SchedulerStats' KV-cache eviction events and connector fields, the per-request phase times (prefill,
 decode, inference, mean time per output token) and `max_tokens` of vLLM's FinishedRequestStats,
 IterationStats' `n` of each new request, LoRA request states, and KV-connector and multimodal-cache stats.
 """
@@ -16,10 +20,91 @@ IterationStats' `n` of each new request, LoRA request states, and KV-connector a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from attention_kv_caceh.engine.spec_decode.metrics import SpecDecodingStats
 
-__all__ = ["FinishedRequestStats", "IterationStats"]
+if TYPE_CHECKING:
+    from attention_kv_caceh.engine.outputs import ModelRunnerOutput
+    from attention_kv_caceh.engine.scheduler import Scheduler, SchedulerOutput
+
+__all__ = ["FinishedRequestStats", "IterationStats", "StepStats", "make_step_stats"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """One step's scheduling and cache numbers (vLLM's SchedulerStats per step).
+
+    Attributes:
+        step_index: 0, 1, 2, ... over the core's life.
+        num_scheduled_tokens: request_id -> tokens computed this step.
+        num_prefill_tokens, num_decode_tokens: split of the step's tokens (see SchedulerOutput).
+        num_running, num_waiting: queue sizes after the step (vLLM's num_requests_running / _waiting).
+        num_free_blocks: free KV blocks after the step.
+        kv_cache_usage: used / total blocks after the step, in [0, 1].
+        num_preemptions: requests preempted in this step.
+        prefix_cache_queries, prefix_cache_hits: prompt tokens looked up / found at this step's admissions.
+        step_time_ms: wall time of the step (perf_counter), milliseconds.
+        step_cpu_ms: CPU time of the thread that ran the step (time.thread_time), milliseconds: unlike
+            step_time_ms it leaves out the time the thread waited for a CPU or for the GIL, so on a
+            shared machine it tells the step's own work from the waiting.
+        spec_decoding: the step's draft and acceptance counts (speculative decoding on), else None.
+    """
+
+    step_index: int
+    num_scheduled_tokens: dict[str, int]
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    step_time_ms: float
+    step_cpu_ms: float = 0.0
+    spec_decoding: SpecDecodingStats | None = None
+
+
+def make_step_stats(
+    scheduler: Scheduler,
+    scheduler_output: SchedulerOutput,
+    model_runner_output: ModelRunnerOutput,
+    step_index: int,
+    step_time_ms: float,
+    step_cpu_ms: float,
+) -> StepStats:
+    """The StepStats of the step `scheduler.update_from_output` just applied: the queues and the pool now,
+    the prefix-cache lookups since its schedule() began, and with speculative decoding each verified
+    request's drafts and accepted count (before a stop trimmed its tokens, as vLLM counts them)."""
+    spec = scheduler.config.speculative_config
+    spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    if spec_stats is not None:
+        for rid, tokens in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            if drafts.get(rid):
+                spec_stats.observe_draft(len(drafts[rid]), len(tokens) - 1)
+    kv = scheduler.kv_cache_manager
+    queries0, hits0 = scheduler.prefix_cache_at_schedule
+    return StepStats(
+        step_index=step_index,
+        num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+        num_prefill_tokens=scheduler_output.num_prefill_tokens,
+        num_decode_tokens=scheduler_output.num_decode_tokens,
+        num_running=scheduler.num_running,
+        num_waiting=scheduler.num_waiting,
+        num_free_blocks=kv.num_free_blocks,
+        kv_cache_usage=kv.usage,
+        num_preemptions=len(scheduler_output.preempted_request_ids),
+        prefix_cache_queries=kv.prefix_cache_queries - queries0,
+        prefix_cache_hits=kv.prefix_cache_hits - hits0,
+        step_time_ms=step_time_ms,
+        step_cpu_ms=step_cpu_ms,
+        spec_decoding=spec_stats,
+    )
 
 
 @dataclass(frozen=True)

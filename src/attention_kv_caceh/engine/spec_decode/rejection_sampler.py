@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.request import Request
-from attention_kv_caceh.engine.sampler import apply_logits_processors, sample_row, token_logprobs
+from attention_kv_caceh.engine.sampler import apply_logits_processors, sample_row
 
 __all__ = ["verify_draft"]
 
@@ -51,9 +51,9 @@ def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft:
     """The tokens one verification step yields for `request` (see the module docstring).
 
     logits `[k + 1, V]` (k = len(draft)): row j after the request's tokens and draft[:j]. Returns
-    1 .. k + 1 token ids: the accepted draft prefix, then the model's own next token. With
-    `sampling_params.logprobs` set, each returned token's TokenLogprobs (from its raw row) is appended to
-    `request.output_logprobs`, as `sampler.sample` does.
+    1 .. k + 1 token ids: the accepted draft prefix, then the model's own next token. Token j's
+    logprobs come from raw row j, as `sampler.sample`'s do from its row (the model runner's
+    `sample_tokens` takes them).
 
     Raises:
         ValueError: logits is not `[len(draft) + 1, V]`, or holds a NaN, an infinity or a value past
@@ -69,8 +69,6 @@ def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft:
     for j in range(len(draft) + 1):
         row = logits[j] if plain else apply_logits_processors(logits[j], request, tokens)  # [V]
         token = sample_row(row, params, request.generator)
-        if params.logprobs is not None:
-            request.output_logprobs.append(token_logprobs(logits[j], token, params.logprobs))
         tokens.append(token)
         if j == len(draft) or token != draft[j]:
             break

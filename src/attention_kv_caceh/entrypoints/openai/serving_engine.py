@@ -28,6 +28,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from attention_kv_caceh.engine.async_llm import AsyncLLM, TokenizerLike
 from attention_kv_caceh.engine.core_client import EngineDeadError
+from attention_kv_caceh.engine.kv_cache_manager import RequestTooLargeError
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.entrypoints.chat_utils import ChatTemplate
@@ -168,21 +169,16 @@ class OpenAIServing:
 
     def _check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """HTTPError 400 when a prompt of `num_prompt_tokens` and `params.max_tokens` could never fit the
-        KV pool of `kv_capacity_tokens` positions (`param` "prompt" when the prompt alone does not fit,
-        else "max_tokens"); None capacity: no check here."""
-        kv_capacity_tokens = self.kv_capacity_tokens
-        if kv_capacity_tokens is None:
+        KV pool the engine core reported (`KVCacheConfig.check_request_fits`, the engine's one rule and
+        message; `param` "prompt" when the prompt alone does not fit, else "max_tokens"). With
+        `kv_capacity_tokens` None, or no pool reported, the check is the engine's."""
+        pool = self.async_llm.kv_cache_config
+        if self.kv_capacity_tokens is None or pool is None:
             return
-        # the last sampled token is never computed: the cache holds at most prompt + max_tokens - 1 positions
-        positions = min(num_prompt_tokens + params.max_tokens, self.max_model_len) - 1
-        if positions > kv_capacity_tokens:
-            param = "prompt" if num_prompt_tokens > kv_capacity_tokens else "max_tokens"
-            raise HTTPError(
-                400,
-                f"the prompt ({num_prompt_tokens} tokens) and max_tokens ({params.max_tokens}) need "
-                f"{positions} KV cache positions; the server's KV cache holds {kv_capacity_tokens}",
-                param,
-            )
+        try:
+            pool.check_request_fits(num_prompt_tokens, params.max_tokens)
+        except RequestTooLargeError as exc:
+            raise HTTPError(400, str(exc), exc.param) from None
 
     # -- a generation request's choices ----------------------------------------------------------------
 
