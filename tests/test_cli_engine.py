@@ -384,7 +384,7 @@ class MakeModelTest(EngineCommandCase):
             with self.subTest(failure=type(failure).__name__):
                 target = self.out / "full"
                 writer = unittest.mock.Mock(side_effect=failure)
-                with unittest.mock.patch("attention_kv_caceh.engine.make_model.serialize_file", writer):
+                with unittest.mock.patch("attention_kv_caceh.toy_model.make_model.serialize_file", writer):
                     code, _, err = quietly(["make-model", "--out", str(target)])
                 writer.assert_called()
                 self.assertEqual(code, 1, err)

@@ -27,8 +27,8 @@ import aiohttp
 from attention_kv_caceh.cli import main, serve
 from attention_kv_caceh.cli.common import UsageError
 from attention_kv_caceh.engine.async_llm import AsyncLLM
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.engine_fakes import CharTokenizer, expected_text, make_text_core, wait_for
 
 

@@ -1,6 +1,6 @@
 """`attention-kv-caceh bench-engine`: output tokens/s and decode step time of the engine at several max_num_seqs.
 
-Runs `engine.benchmark.run_engine_benchmark` (random token-id prompts, ignore_eos, all requests
+Runs `benchmarks.engine.run_engine_benchmark` (random token-id prompts, ignore_eos, all requests
 submitted at once, as vLLM's offline throughput benchmark does; greedy unless --temperature is above 0,
 then every request samples with its own generator seeded with --seed) and prints one row per max_num_seqs:
 output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what a shared machine's
@@ -15,7 +15,7 @@ request 0 run alone must give the same tokens as in the batch (its first min(4, 
 tokens; exit 1 otherwise).
 
 With `--speculative-config`, the run compares speculative decoding instead
-(`engine.spec_benchmark.run_spec_benchmark`): per max_num_seqs, the same requests without and with
+(`benchmarks.spec_decode.run_spec_benchmark`): per max_num_seqs, the same requests without and with
 n-gram drafts (`--pairs` alternating pairs, medians), one row each: output tokens/s and TPOT of both and
 their ratios (and the ratio of output tokens per CPU second of the engine steps, which a shared
 machine's load moves less), the decode step without drafts and the step that verifies them (rows, time, their ratio:
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     source = model_source(args.model)
     check_outputs([("--json", args.json, (".json",))], [("--model", str(source.path))])
 
-    from attention_kv_caceh.engine.benchmark import run_engine_benchmark
+    from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
     from attention_kv_caceh.engine.tokenizer import Tokenizer
@@ -307,9 +307,9 @@ def _run_speculative(args: argparse.Namespace, model: Path, config: ModelConfig)
     """The comparison with and without speculation (module docstring)."""
     import numpy as np
 
+    from attention_kv_caceh.benchmarks.spec_decode import run_spec_benchmark
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model import resolve_gemm_path
-    from attention_kv_caceh.engine.spec_benchmark import run_spec_benchmark
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.files import write_json_atomic
     from attention_kv_caceh.harness.copy_workload import copy_prompts

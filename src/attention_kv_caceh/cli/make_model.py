@@ -1,6 +1,6 @@
 """`attention-kv-caceh make-model`: write a seeded random Hugging Face checkpoint folder, no download.
 
-Calls `engine.make_model.write_random_checkpoint` (config.json, model.safetensors, tokenizer.json,
+Calls `toy_model.make_model.write_random_checkpoint` (config.json, model.safetensors, tokenizer.json,
 tokenizer_config.json) and prints the folder, the parameter count and the bytes written. The files are
 written into a temporary folder beside `--out` and moved into place at the end, so an interrupted run
 leaves no half-written checkpoint.
@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     nonempty = _check_out(out, args.force)
 
-    from attention_kv_caceh.engine.make_model import write_random_checkpoint
     from attention_kv_caceh.memory import format_bytes
+    from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
     removed: list[Path] = []
     try:
