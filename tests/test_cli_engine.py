@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli.generate import ALWAYS_ROWS, StepTable
+from attention_kv_caceh.report.generate import ALWAYS_ROWS, StepTable
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine, StepStats
 from attention_kv_caceh.engine.request import SamplingParams
