@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.report.generate import ALWAYS_ROWS, StepTable
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine, StepStats
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.report.generate import ALWAYS_ROWS, StepTable
 
 PROMPTS = [
     "The cache",

@@ -108,4 +108,3 @@ class ServeConfig:
     def bytes_in_flight(self) -> int:
         """--max-request-bytes-in-flight, or its default: 4 x --max-request-bytes."""
         return self.max_request_bytes_in_flight or 4 * self.max_request_bytes
-
