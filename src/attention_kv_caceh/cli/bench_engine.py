@@ -106,13 +106,8 @@ def run(args: argparse.Namespace) -> int:
         flag = "--workload" if config.workload != "random" else "--pairs"
         raise UsageError(f"{flag} needs --speculative-config (it shapes the comparison with speculation)")
     warn_if_blas_unpinned()
-    prompts = None
-    if spec is None:
-        what = (
-            f"engine benchmark: {config.model}, {config.prompt_len} prompt + {config.output_len} output "
-            "tokens per request"
-        )
-    else:
+    prompts, longest = None, None
+    if spec is not None:
         prompts = spec_prompts(config, model_config, tokenizer)
         longest = max(len(p) for p in prompts)
         total = longest + config.output_len + spec.num_speculative_tokens + 1
@@ -125,16 +120,7 @@ def run(args: argparse.Namespace) -> int:
             spec.check_fits(total)
         except ValueError as exc:
             raise UsageError(f"--speculative-config: {exc}") from None
-        what = (
-            f"speculative decoding benchmark: {config.model}, {config.workload} workload ({longest} prompt "
-            f"tokens at most) + {config.output_len} output tokens per request"
-        )
-    line = text.header_line(
-        what, config.sizes, config.dtype, config.quantization, config.temperature, config.seed
-    )
-    if spec is not None:
-        line += f"; {spec.to_json()}; {config.pairs} pair(s) without / with drafts"
-    print(line, flush=True)
+    print(text.header_line(config, longest), flush=True)
     print(note, flush=True)
     try:
         result = bench_engine(config, source.path, tokenizer, prompts)

@@ -119,16 +119,10 @@ def run(args: argparse.Namespace) -> int:
         offline = OfflineRun(engine, prompt_ids, params)
     except ValueError as exc:
         raise CommandFailed(f"the engine refused a prompt (request id = prompt index): {exc}") from None
-    e = engine.config
-    print(
-        f"{len(prompts)} prompts ({sum(map(len, prompt_ids))} tokens), max_tokens {params.max_tokens}; "
-        f"max_num_seqs {e.max_num_seqs}, max_num_batched_tokens {e.max_num_batched_tokens}, "
-        f"{engine.scheduler.kv_cache_manager.num_blocks} KV blocks of {e.block_size} tokens, "
-        f"max_model_len {engine.scheduler.max_model_len}, "
-        f"prefix caching {'on' if e.enable_prefix_caching else 'off'}, {e.dtype}, "
-        f"speculative decoding {text.spec_text(e.speculative_config)}; "
-        f"loaded in {time.perf_counter() - t0:.2f} s{note}"
-    )
+    scheduler = engine.scheduler
+    load = f"{time.perf_counter() - t0:.2f} s{note}"
+    print(text.start_line(engine.config, len(prompts), sum(map(len, prompt_ids)), params.max_tokens,
+                          scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load))  # fmt: skip
     if isinstance(engine.model_runner, ModelRunner):
         print(engine.model_runner.model.gemm_note)
     return _run_steps(config, offline, prompts, prompt_ids, plan.tokenizer)

@@ -8,27 +8,35 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
 
 __all__ = ["format_load", "format_rows", "format_spec_rows", "header_line", "summary", "summary_json"]
 
 
-def header_line(
-    what: str,
-    sizes: list[int],
-    dtype: str,
-    quantization: str | None,
-    temperature: float,
-    seed: int,
-) -> str:
-    """The first line: `<what>` (the benchmark and its requests), max_num_seqs, dtype, sampling, seed."""
-    return (
-        f"{what}, max_num_seqs {sizes}, {dtype}"
-        + (f" with {quantization} weights" if quantization else "")
+def header_line(config: BenchEngineConfig, longest: int | None = None) -> str:
+    """The first line: the benchmark, its requests (`longest`: the longest prompt of the comparison with
+    speculation), max_num_seqs, dtype, sampling and seed, and the speculative config and pairs."""
+    c, spec = config, config.speculative_config
+    if spec is None:
+        what = (
+            f"engine benchmark: {c.model}, {c.prompt_len} prompt + {c.output_len} output tokens per request"
+        )
+    else:
+        what = (
+            f"speculative decoding benchmark: {c.model}, {c.workload} workload ({longest} prompt tokens at "
+            f"most) + {c.output_len} output tokens per request"
+        )
+    line = (
+        f"{what}, max_num_seqs {c.sizes}, {c.dtype}"
+        + (f" with {c.quantization} weights" if c.quantization else "")
         + ", "
-        + ("greedy (temperature 0)" if temperature == 0 else f"temperature {temperature}")
-        + f", seed {seed}"
+        + ("greedy (temperature 0)" if c.temperature == 0 else f"temperature {c.temperature}")
+        + f", seed {c.seed}"
     )
+    return line if spec is None else f"{line}; {spec.to_json()}; {c.pairs} pair(s) without / with drafts"
 
 
 def summary(sizes: list[int], rows: list[dict[str, Any]], speculative: bool) -> dict[str, list[Any]]:

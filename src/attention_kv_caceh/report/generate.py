@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
+    from attention_kv_caceh.engine.config import EngineConfig
     from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "acceptance_line",
     "record_line",
     "spec_text",
+    "start_line",
     "totals_line",
     "warm_up_note",
 ]
@@ -42,6 +44,25 @@ def warm_up_note(seconds: float | None, compiled: int, loaded: int) -> str:
 def record_line(r: dict[str, Any]) -> str:
     """One finished prompt: `[index] 'prompt' -> 'text' (N tokens, finish_reason)`."""
     return f"[{r['index']}] {r['prompt']!r} -> {r['text']!r} ({len(r['token_ids'])} tokens, {r['finish_reason']})"
+
+
+def start_line(
+    config: EngineConfig,
+    num_prompts: int,
+    num_tokens: int,
+    max_tokens: int,
+    num_blocks: int,
+    max_model_len: int,
+    load: str,
+) -> str:
+    """The first line: the prompts, the engine's limits and KV pool, and how long loading took (`load`)."""
+    return (
+        f"{num_prompts} prompts ({num_tokens} tokens), max_tokens {max_tokens}; "
+        f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
+        f"{num_blocks} KV blocks of {config.block_size} tokens, max_model_len {max_model_len}, "
+        f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, {config.dtype}, "
+        f"speculative decoding {spec_text(config.speculative_config)}; loaded in {load}"
+    )
 
 
 def totals_line(num_steps: int, totals: dict[str, int], generated: int, elapsed_s: float) -> str:
