@@ -150,7 +150,7 @@ def main() -> int:
     out = args.out_dir or Path(tempfile.mkdtemp(prefix="client-cpu-"))
     out.mkdir(parents=True, exist_ok=True)
     if args.checkpoint is None:
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         args.checkpoint = write_random_checkpoint(out / "tiny", "llama", "tiny", seed=0)
     marginal: dict[str, list[float]] = {c: [] for c in args.clients}

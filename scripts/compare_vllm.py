@@ -211,7 +211,7 @@ def format_table(results: dict[int, list[tuple[dict[str, Any], dict[str, Any]]]]
 
 def write_checkpoint(out: Path, preset: str) -> None:
     code = (
-        "import sys\nfrom attention_kv_caceh.engine.make_model import write_random_checkpoint as w\n"
+        "import sys\nfrom attention_kv_caceh.toy_model.make_model import write_random_checkpoint as w\n"
         "w(sys.argv[1], arch='llama', preset=sys.argv[2], seed=0)\n"
     )
     subprocess.run([sys.executable, "-c", code, str(out), preset], check=True, timeout=300)

@@ -63,7 +63,7 @@ class BenchEngineCommandTest(EngineCommandCase):
                 self.assertEqual(last["max_num_seqs"], [2])
 
     def test_token_budget_is_used_as_given_with_a_longer_prompt_prefilled_in_chunks(self) -> None:
-        from attention_kv_caceh.engine import benchmark
+        from attention_kv_caceh.benchmarks import engine as benchmark
 
         budgets: list[int] = []
         real = benchmark.EngineConfig
@@ -115,7 +115,7 @@ if __name__ == "__main__":
 class BenchEngineSamplingTest(EngineCommandCase):
     def outputs(self, *flags: str) -> tuple[list[list[list[int]]], str]:
         """Every (solo, batched) run's output token ids of one bench-engine command, and its stdout."""
-        from attention_kv_caceh.engine import benchmark
+        from attention_kv_caceh.benchmarks import engine as benchmark
 
         runs: list[list[list[int]]] = []
         real = benchmark._run  # pyright: ignore[reportPrivateUsage]

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli.generate import ALWAYS_ROWS, StepTable
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine, StepStats
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.report.generate import ALWAYS_ROWS, StepTable
 
 PROMPTS = [
     "The cache",
@@ -384,7 +384,7 @@ class MakeModelTest(EngineCommandCase):
             with self.subTest(failure=type(failure).__name__):
                 target = self.out / "full"
                 writer = unittest.mock.Mock(side_effect=failure)
-                with unittest.mock.patch("attention_kv_caceh.engine.make_model.serialize_file", writer):
+                with unittest.mock.patch("attention_kv_caceh.toy_model.make_model.serialize_file", writer):
                     code, _, err = quietly(["make-model", "--out", str(target)])
                 writer.assert_called()
                 self.assertEqual(code, 1, err)

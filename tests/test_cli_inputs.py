@@ -11,7 +11,7 @@ import unittest
 from pathlib import Path
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 _DATASET = "".join(f'{{"prompt": "hello there number {i}", "output_len": 4}}\n' for i in range(4))
 

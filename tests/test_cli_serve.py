@@ -27,8 +27,8 @@ import aiohttp
 from attention_kv_caceh.cli import main, serve
 from attention_kv_caceh.cli.common import UsageError
 from attention_kv_caceh.engine.async_llm import AsyncLLM
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.engine_fakes import CharTokenizer, expected_text, make_text_core, wait_for
 
 
@@ -73,8 +73,8 @@ class ServeCliTest(unittest.TestCase):
                 serve.run(parse(["--model", str(self.model), "--api-key-env", "NO_SUCH_VAR"]))
         with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
             parse(["--model", str(self.model), "--num-kv-blocks", "4", "--kv-cache-memory", "100"])
-        with contextlib.redirect_stderr(io.StringIO()), self.assertRaises(SystemExit):
-            parse(["--model", str(self.model), "--max-num-seqs", "0"])
+        with self.assertRaisesRegex(UsageError, "--max-num-seqs"):  # bounds: the config's, not argparse's
+            serve.run(parse(["--model", str(self.model), "--max-num-seqs", "0"]))
         # vLLM's --api-key names what to give instead, never read as an abbreviation of --api-key-env
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

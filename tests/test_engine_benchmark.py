@@ -16,12 +16,12 @@ from unittest import mock
 
 import numpy as np
 
-from attention_kv_caceh.engine import benchmark
-from attention_kv_caceh.engine.benchmark import run_engine_benchmark
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from attention_kv_caceh.benchmarks import engine as benchmark
+from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.oracle import OracleMismatch
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 PROMPT, OUT = 5, 6  # prompt and output lengths
 

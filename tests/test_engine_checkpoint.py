@@ -14,8 +14,8 @@ from safetensors.numpy import load_file, save_file
 
 from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, widen_bfloat16
 from attention_kv_caceh.engine.layers import rope_inv_freq
-from attention_kv_caceh.engine.make_model import bfloat16_bits, write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, ModelConfig
+from attention_kv_caceh.toy_model.make_model import bfloat16_bits, write_random_checkpoint
 
 
 class CheckpointTestBase(unittest.TestCase):

@@ -19,15 +19,15 @@ from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import SamplingParams
 
 _HAVE_MODEL = all(
-    importlib.util.find_spec(f"attention_kv_caceh.engine.{m}") is not None
-    for m in ("model", "model_runner", "tokenizer", "make_model")
+    importlib.util.find_spec(f"attention_kv_caceh.{m}") is not None
+    for m in ("engine.model", "engine.model_runner", "engine.tokenizer", "toy_model.make_model")
 )
 
 
 @unittest.skipUnless(_HAVE_MODEL, "the engine's model modules are not in this tree")
 class EngineWithRealModelTest(unittest.TestCase):
     def test_batched_chunked_cached_preempted_tokens_equal_one_prompt_at_a_time(self) -> None:
-        make_model = importlib.import_module("attention_kv_caceh.engine.make_model")
+        make_model = importlib.import_module("attention_kv_caceh.toy_model.make_model")
         rng = random.Random(0)
         shared = [rng.randrange(3, 200) for _ in range(12)]
         prompts = [shared + [rng.randrange(3, 200) for _ in range(rng.randint(1, 20))] for _ in range(6)]

@@ -12,10 +12,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model_source import load_model_config
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.gguf_files import gguf_from_checkpoint, llama_cpp_permute, write
 
 T = GGMLQuantizationType

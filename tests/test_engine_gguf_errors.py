@@ -19,9 +19,9 @@ from gguf import GGMLQuantizationType, GGUFReader
 from attention_kv_caceh import cli
 from attention_kv_caceh.engine.checkpoint import CheckpointError
 from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model_source import MODELS, gguf_file_of, load_model_config, resolve_model
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.gguf_files import gguf_from_checkpoint, write
 
 T = GGMLQuantizationType

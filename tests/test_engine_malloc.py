@@ -12,7 +12,7 @@ import tempfile
 import unittest
 from pathlib import Path
 
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 _CHILD = """
 import json, sys

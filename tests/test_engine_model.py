@@ -33,7 +33,6 @@ from attention_kv_caceh.engine.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, resolve_gemm_path
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.paged_attention import (
@@ -45,6 +44,7 @@ from attention_kv_caceh.engine.paged_attention import (
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.kernels import paged_decode_attention
 from attention_kv_caceh.oracle import reference_paged_decode_attention
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 ARCHS = ("llama", "qwen2", "qwen3")
 

@@ -23,11 +23,11 @@ from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.core import EngineCore
 from attention_kv_caceh.engine.llm_engine import LLMEngine, RequestOutput
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.stats import IterationStats
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.entrypoints.openai.api_server import build_app
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.serve_helpers import ServerThread
 from tests.test_engine_model import reference_logits
 from tests.test_engine_server import request

@@ -103,7 +103,7 @@ class CheckpointServerTest(unittest.TestCase):
         import tempfile
         from pathlib import Path
 
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         cls.dir = tempfile.TemporaryDirectory()
         cls.model = str(write_random_checkpoint(Path(cls.dir.name) / "tiny", "llama", "tiny", seed=1))

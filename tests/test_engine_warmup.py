@@ -18,7 +18,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.gguf_files import gguf_from_checkpoint
 
 _CHILD = """

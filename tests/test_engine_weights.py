@@ -16,11 +16,11 @@ import numpy as np
 from attention_kv_caceh.block_gemm import dequantize_blocks, quantize_weight
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.layers import WEIGHT_FORMATS, LinearWeight, linear
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.model import Model, compute_dtype, resolve_gemm_path, weight_format
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.gemm import bfloat16_bits, bfloat16_to_float32
 from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.test_engine_model import FakeRequest, FakeSchedulerOutput
 
 PACKED = compiled_variant() is not None

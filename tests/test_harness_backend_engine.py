@@ -23,7 +23,7 @@ from pathlib import Path
 from unittest import mock
 
 from attention_kv_caceh.cli import main
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests import ctrl_c_as_in_a_terminal
 
 ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)

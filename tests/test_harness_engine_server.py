@@ -13,8 +13,11 @@ from pathlib import Path
 from attention_kv_caceh.harness.engine_server import ServerStartError, serve_command, serve_process
 
 _HAVE_ENGINE = all(
-    importlib.util.find_spec(f"attention_kv_caceh.engine.{name}") is not None
-    for name in ("llm_engine", "config", "model", "model_runner", "tokenizer", "make_model")
+    importlib.util.find_spec(f"attention_kv_caceh.{name}") is not None
+    for name in (
+        *("engine.llm_engine", "engine.config", "engine.model", "engine.model_runner", "engine.tokenizer"),
+        "toy_model.make_model",
+    )
 )
 
 
@@ -35,7 +38,7 @@ class ServeProcessTest(unittest.TestCase):
 
     @unittest.skipUnless(_HAVE_ENGINE, "the engine modules are not in this tree yet")
     def test_a_random_checkpoint_is_served_until_the_block_ends(self) -> None:
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint  # pyright: ignore
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint  # pyright: ignore
 
         with tempfile.TemporaryDirectory() as d:
             model = write_random_checkpoint(Path(d) / "tiny", "llama", "tiny", seed=0)

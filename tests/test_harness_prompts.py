@@ -352,8 +352,8 @@ if __name__ == "__main__":
 
 class GGUFTokenizerTest(unittest.IsolatedAsyncioTestCase):
     async def test_a_gguf_tokenizer_encodes_synthetic_text_as_its_folders_tokenizer_json_does(self) -> None:
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
         from attention_kv_caceh.harness.prompts import LocalTokenizer
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
         from tests.gguf_files import gguf_from_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:

@@ -150,8 +150,8 @@ class IdealPrefixHitsTest(unittest.TestCase):
 
 class TracePromptsTest(unittest.TestCase):
     def test_equal_hash_ids_are_equal_token_blocks_with_a_real_tokenizer(self) -> None:
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
         from attention_kv_caceh.harness.prompts import LocalTokenizer, exact_prompts
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             rows = read_trace(TraceSettings(str(_write(Path(tmp), ROWS)), "mooncake", 16))
@@ -305,7 +305,7 @@ class EngineTraceTest(unittest.TestCase):
 
     def test_serve_hits_the_ideal_unless_its_pool_is_small(self) -> None:
         from attention_kv_caceh import cli
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         rows = [
             {

@@ -212,7 +212,7 @@ class EngineSharedPrefixTest(unittest.TestCase):
         import io
 
         from attention_kv_caceh import cli
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         with tempfile.TemporaryDirectory() as tmp:
             model = write_random_checkpoint(Path(tmp) / "tiny", "llama", "tiny", seed=0)
@@ -235,8 +235,8 @@ class ExactSharedPrefixTest(unittest.TestCase):
     def test_exact_prompts_keep_each_suffix_when_a_word_is_several_tokens(self) -> None:
         import asyncio
 
-        from attention_kv_caceh.engine.make_model import write_random_checkpoint
         from attention_kv_caceh.harness.prompts import LocalTokenizer, exact_prompts
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
         workload = Workload("shared-prefix", num_prefixes=2, prefix_len=40)
         specs = shared_prefix_specs(

@@ -37,13 +37,13 @@ from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.core import EngineCore, EngineCoreOutputs
 from attention_kv_caceh.engine.core_client import MPClient
-from attention_kv_caceh.engine.make_model import write_random_checkpoint
 from attention_kv_caceh.engine.output_processor import RequestStream
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.entrypoints.openai.api_server import build_app
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.run import HarnessConfig, RunResult, run_harness
+from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.serve_helpers import ServerThread
 
 OUTPUT_LEN = 8

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import MISSING, dataclass
 from typing import Any, cast
 
-__all__ = ["ConfigError", "Option", "check_options", "flag_of", "option", "option_fields"]
+__all__ = ["ConfigError", "Option", "check_field", "check_options", "flag_of", "option", "option_fields"]
 
 
 class ConfigError(ValueError):
@@ -52,6 +52,8 @@ class Option:
     `check_options` on every construction, from the CLI or not. A bool field is a switch: `--flag` sets
     True, or, for a flag starting `--no-`, False. `exclusive` names a group of flags of which at most
     one may be given (argparse's mutually exclusive group). `default_text` replaces the shown default.
+    `required`: the flag must be given (for a member of an `exclusive` group: one of the group must be).
+    `extend`: with `nargs`, the flag may be given again, each adding its values (argparse's "extend").
     """
 
     help: str
@@ -64,6 +66,8 @@ class Option:
     nargs: str | None = None
     exclusive: str | None = None
     default_text: str | None = None
+    required: bool = False
+    extend: bool = False
 
 
 def option(
@@ -80,6 +84,8 @@ def option(
     nargs: str | None = None,
     exclusive: str | None = None,
     default_text: str | None = None,
+    required: bool = False,
+    extend: bool = False,
     repr: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line option (see `Option` for the arguments)."""
@@ -94,6 +100,8 @@ def option(
         nargs=nargs,
         exclusive=exclusive,
         default_text=default_text,
+        required=required,
+        extend=extend,
     )
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": meta}, repr=repr)
@@ -130,6 +138,20 @@ def _check_value(name: str, value: Any, meta: Option, owner: type) -> None:
 
 def _number(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 2**63 else str(x)
+
+
+def check_field(cls: type, name: str, value: Any) -> None:
+    """Check one value of field `name` of dataclass `cls` against its bounds and choices (None passes),
+    without building the config: for a value passed on before its config is built.
+
+    Raises:
+        ConfigError: naming the field and the value.
+    """
+    for f, meta in option_fields(cls):
+        if f.name == name and value is not None:
+            items = cast(tuple[Any, ...], tuple(value) if isinstance(value, tuple | list) else (value,))  # pyright: ignore[reportUnknownArgumentType]
+            for item in items:
+                _check_value(name, item, meta, cls)
 
 
 def check_options(config: Any) -> None:

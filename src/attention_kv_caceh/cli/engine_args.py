@@ -1,8 +1,8 @@
 """The engine flag group and the up-front checks `generate` and `serve` share before they load any weight.
 
-`add_engine_arguments` declares the engine flags once (vLLM's names, defaults read from the EngineConfig
-dataclass) for `generate`, `serve`, `bench-engine` (a subset: it sizes its own KV pool) and
-`harness --backend engine` (which passes the ones given on to `serve`).
+The engine flags are EngineConfig's fields (`engine/config.py`, vLLM's names, declared with
+`options.option`); `add_engine_arguments` puts them on `generate`, `serve`, `bench-engine` (a subset: it
+sizes its own KV pool) and `harness --backend engine` (which passes the ones given on to `serve`).
 
 Both commands build an engine from a checkpoint (`engine.model_source`: a model name such as `smollm2`, a
 GGUF file, a folder holding one, or a Hugging Face folder) and the same engine flags. Everything that can
@@ -27,9 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import UsageError, positive_int
-from attention_kv_caceh.engine.config import SUPPORTED_DTYPES, SUPPORTED_QUANTIZATIONS, EngineConfig
+from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.cli.flags import Target, add_options, usage_error
+from attention_kv_caceh.engine.config import MODEL_HELP, EngineConfig
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
+from attention_kv_caceh.options import ConfigError, check_field, flag_of, option_fields
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.model_config import ModelConfig
@@ -48,149 +50,50 @@ __all__ = [
     "engine_flags_given",
     "model_source",
     "plan_engine",
-    "speculative_config",
 ]
 
 MODEL_METAVAR = "MODEL"
-MODEL_HELP = (
-    "the checkpoint: a model name (smollm2: SmolLM2-135M-Instruct, installed with the project), a .gguf "
-    "file, a folder holding one, or a Hugging Face folder (make-model writes one) (default: none, required)"
-)
 
-# EngineConfig field -> the flag that sets it (also used to name fields in messages)
-ENGINE_FLAGS = {
-    "max_num_seqs": "--max-num-seqs",
-    "max_num_batched_tokens": "--max-num-batched-tokens",
-    "block_size": "--block-size",
-    "num_kv_blocks": "--num-kv-blocks",
-    "kv_cache_memory": "--kv-cache-memory",
-    "max_model_len": "--max-model-len",
-    "enable_prefix_caching": "--no-prefix-caching",
-    "dtype": "--dtype",
-    "quantization": "--quantization",
-    "speculative_config": "--speculative-config",
-}
-_FLAGS = {
-    k: v for k, v in ENGINE_FLAGS.items() if k not in ("enable_prefix_caching", "dtype", "speculative_config")
-}
-
-_HELP = {
-    "max_num_seqs": "most requests running at once (one step's batch)",
-    "max_num_batched_tokens": "token budget of one step, prefill and decode together (>= --max-num-seqs)",
-    "block_size": "tokens per KV block",
-    "num_kv_blocks": "KV blocks in the pool (default: see --kv-cache-memory)",
-    "kv_cache_memory": "bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
-    "max_model_len": "most tokens (prompt + output) per request; may only lower the checkpoint's "
-    "(default: its max_position_embeddings)",
-    "enable_prefix_caching": "turn prefix caching off (default: on)",
-    "dtype": "dtype of the weights, activations and KV cache (bfloat16: weights only, computing in float32)",
-    "quantization": "keep the linear layers' weights in a GGUF block format (llama.cpp's names), "
-    "quantizing a float checkpoint at load, or gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 tensors as stored "
-    "(default: none, weights in --dtype)",
-    "speculative_config": "speculative decoding, vLLM's JSON: "
-    '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min / _max default to 5; '
-    "docs/engine.md) (default: off)",
-}
-
-
-def _dest(field: str) -> str:
-    return "no_prefix_caching" if field == "enable_prefix_caching" else field
+# EngineConfig field -> the flag that sets it
+ENGINE_FLAGS = {f.name: flag_of(EngineConfig, f.name) for f, _ in option_fields(EngineConfig)}
 
 
 def add_engine_arguments(
-    group: argparse._ArgumentGroup,  # pyright: ignore[reportPrivateUsage]
-    *,
-    defaults: bool = True,
-    only: tuple[str, ...] | None = None,
+    group: Target, *, defaults: bool = True, only: tuple[str, ...] | None = None
 ) -> None:
     """Declare the engine flags on `group`, their defaults read from EngineConfig.
 
     `defaults=False` leaves every default None (a caller can then tell which were given; the help says
     which default the engine applies). `only`: the EngineConfig fields to declare (None: all).
     """
-    config_defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
-
-    def wanted(field: str) -> bool:
-        return only is None or field in only
-
-    def kwargs(field: str) -> dict[str, object]:
-        value = config_defaults[field]
-        text = _HELP[field]
-        if value is not None and field != "enable_prefix_caching":
-            text = text if defaults else f"{text} (default: {value})"
-        return {"default": value if defaults else None, "help": text}
-
-    for field in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-        if wanted(field):
-            group.add_argument(ENGINE_FLAGS[field], type=positive_int, metavar="N", **kwargs(field))  # pyright: ignore[reportArgumentType]
-    if wanted("kv_cache_memory") or wanted("num_kv_blocks"):
-        size = group.add_mutually_exclusive_group()
-        size.add_argument(
-            "--kv-cache-memory", type=positive_int, metavar="BYTES", help=_HELP["kv_cache_memory"]
-        )
-        size.add_argument("--num-kv-blocks", type=positive_int, metavar="N", help=_HELP["num_kv_blocks"])
-    if wanted("max_model_len"):
-        group.add_argument("--max-model-len", type=positive_int, metavar="N", help=_HELP["max_model_len"])
-    if wanted("dtype"):
-        group.add_argument("--dtype", choices=SUPPORTED_DTYPES, **kwargs("dtype"))  # pyright: ignore[reportArgumentType]
-    if wanted("quantization"):
-        group.add_argument(
-            "--quantization", choices=SUPPORTED_QUANTIZATIONS, default=None, help=_HELP["quantization"]
-        )
-    if wanted("enable_prefix_caching"):
-        group.add_argument(
-            "--no-prefix-caching",
-            action="store_true",
-            default=False if defaults else None,
-            help=_HELP["enable_prefix_caching"],
-        )
-    if wanted("speculative_config"):
-        group.add_argument(
-            "--speculative-config", type=speculative_config, metavar="JSON", help=_HELP["speculative_config"]
-        )
-
-
-def speculative_config(text: str) -> SpeculativeConfig:
-    """argparse type: a `--speculative-config` JSON object, read with vLLM's rules and messages
-    (`SpeculativeConfig.from_json`)."""
-    try:
-        return SpeculativeConfig.from_json(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    add_options(group, EngineConfig, only=only, defaults=None if defaults else dict.fromkeys(ENGINE_FLAGS))
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, object]:
     """The EngineConfig fields the engine flags in `args` set (fields whose flag was not declared, or
     was given no value under `defaults=False`, are left out: EngineConfig's default applies)."""
-    kwargs: dict[str, object] = {}
-    for field in ENGINE_FLAGS:
-        value = getattr(args, _dest(field), None)
-        if field == "enable_prefix_caching":
-            if value is not None:
-                kwargs[field] = not value
-        elif value is not None:
-            kwargs[field] = value
-    return kwargs
+    return {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
 
 
 def engine_flags_given(args: argparse.Namespace) -> list[str]:
-    """The engine flags given in `args` (declared with defaults=False) as argv, e.g. ["--max-num-seqs", "4"]."""
+    """The engine flags given in `args` (declared with defaults=False) as argv, e.g. ["--max-num-seqs", "4"].
+    UsageError naming the flag for a value out of its bounds (the config that checks it is built later,
+    by `serve`)."""
     argv: list[str] = []
-    for field, flag in ENGINE_FLAGS.items():
-        value = getattr(args, _dest(field), None)
-        if value is True:
-            argv.append(flag)
+    for f, _ in option_fields(EngineConfig):
+        value = getattr(args, f.name, None)
+        try:
+            check_field(EngineConfig, f.name, value)
+        except ConfigError as exc:
+            raise usage_error(EngineConfig, exc) from None
+        flag = ENGINE_FLAGS[f.name]
+        if isinstance(value, bool):
+            argv += [flag] if value != f.default else []
         elif isinstance(value, SpeculativeConfig):
             argv += [flag, value.to_json()]
-        elif value is not None and value is not False:
+        elif value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def _flag_names(text: str) -> str:
-    for field, flag in _FLAGS.items():
-        text = text.replace(field, flag)
-    return text
 
 
 @dataclass(frozen=True)
@@ -220,7 +123,6 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
     from attention_kv_caceh.engine.checkpoint import CheckpointError
-    from attention_kv_caceh.engine.config import EngineConfig
     from attention_kv_caceh.engine.model_runner import ModelRunner
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.memory import MemoryBudgetError, check_memory
@@ -229,7 +131,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     try:
         config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
     except ValueError as exc:
-        raise UsageError(_flag_names(str(exc))) from None
+        raise usage_error(EngineConfig, exc) from None
     if config.quantization == "gguf" and source.format != "gguf":
         raise UsageError(
             f"--quantization gguf keeps a GGUF file's blocks; --model {model_flag} is not a GGUF file"

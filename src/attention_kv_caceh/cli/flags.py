@@ -75,8 +75,10 @@ def add_options(
 
     `only`/`exclude`: field names to declare or leave out. `defaults`: field -> the flag's default when
     it differs from the field's (None: "not given", which the help shows as the option's
-    `default_text`). `default_texts`: field -> the shown default when it differs from the option's
-    `default_text` (a field shared by commands whose defaults differ). The flag's dest is the field's name.
+    `default_text`, else as the field's own default when the help names none). `default_texts`: field
+    -> the shown default when it differs from the option's `default_text` (a field shared by commands
+    whose defaults differ). The flag's dest is the field's name. An option's `required` makes a
+    required flag (or a required exclusive group), its `extend` argparse's "extend" action.
     """
     wanted = None if only is None else set(only)
     skipped = set(exclude)
@@ -91,14 +93,23 @@ def add_options(
             if meta.exclusive not in groups:
                 groups[meta.exclusive] = target.add_mutually_exclusive_group()
             place = groups[meta.exclusive]
-        shown = (default_texts or {}).get(field.name, meta.default_text)
-        help_text = meta.help if shown is None else f"{meta.help} (default: {shown})"
+            if meta.required:
+                place.required = True
+        text = (default_texts or {}).get(field.name, meta.default_text)
+        help_text = meta.help if text is None else f"{meta.help} (default: {text})"
+        shown = _default(field)
+        if default is None and shown not in (None, False) and "(default" not in help_text:
+            help_text = f"{help_text} (default: {shown})"  # not given here: the config applies its own
         value_type = _value_type(cls, field.name)
         if value_type is bool:
             action = "store_false" if flag.startswith("--no-") else "store_true"
             place.add_argument(flag, dest=field.name, action=action, default=default, help=help_text)
             continue
         kwargs: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
+        if meta.required and meta.exclusive is None:
+            kwargs["required"] = True
+        if meta.extend:
+            kwargs["action"] = "extend"
         if meta.choices is not None and meta.parse is None:
             kwargs["choices"] = meta.choices
         else:

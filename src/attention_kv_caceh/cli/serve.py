@@ -4,7 +4,7 @@
 
 Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
 step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
-`/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (engine/server.py) with uvicorn. Prints
+`/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (the OpenAI server's `build_app`) with uvicorn. Prints
 one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
 system chose; an IPv6 host in brackets, `http://[::1]:8000`). The default host is 127.0.0.1 (loopback):
 a non-loopback `--host` (0.0.0.0, a LAN address, a host name) is allowed, but without `--api-key-env` it
@@ -35,135 +35,26 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from attention_kv_caceh.cli.common import (
-    PROG,
-    CommandFailed,
-    UsageError,
-    nonnegative_float,
-    nonnegative_int,
-    positive_int,
-)
-from attention_kv_caceh.cli.engine_args import (
-    MODEL_HELP,
-    MODEL_METAVAR,
-    add_engine_arguments,
-    engine_config_kwargs,
-    plan_engine,
-)
-
-DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024  # engine/server.py's default (not imported: it loads FastAPI)
-DEFAULT_MAX_SEQS_PER_REQUEST = 4096  # engine/serving.py's default
+from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
+from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
+from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.serve_args import ServeConfig
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
 
 HELP = "serve the engine over HTTP with vLLM's OpenAI-compatible endpoints and metrics"
 
-
-def _refuse_api_key(_value: str) -> str:
-    """vLLM's `--api-key KEY` is refused with what to give instead (argparse would otherwise read it as
-    an abbreviation of --api-key-env and name the key as a variable)."""
-    raise argparse.ArgumentTypeError(
-        "not taken here: put the key in an environment variable and give its name with --api-key-env VAR "
-        "(a key on the command line shows in ps)"
-    )
-
-
-def _served_model_name(text: str) -> str:
-    """A --served-model-name: any non-blank string (a blank one would silently mean the default)."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError(f"must name the model, got {text!r}")
-    return text
+_LISTEN = ("model", "served_model_name", "host", "port")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Declare the flags of `serve`."""
-    parser.add_argument(
-        "--model",
-        required=True,
-        metavar=MODEL_METAVAR,
-        help=MODEL_HELP,
-    )
-    parser.add_argument(
-        "--served-model-name",
-        type=_served_model_name,
-        metavar="NAME",
-        help="model name clients send (default: the model's name, the .gguf file's stem or the folder's name)",
-    )
-    parser.add_argument(
-        "--host",
-        default="127.0.0.1",
-        help="address to listen on; a non-loopback one without --api-key-env prints a warning",
-    )
-    parser.add_argument("--port", type=port_number, default=8000, help="port in 0..65535 (0: any free port)")
+    """Declare the flags of `serve`: ServeConfig's fields and the engine's (EngineConfig's)."""
+    add_options(parser, ServeConfig, only=_LISTEN)
     engine = parser.add_argument_group("engine")
     add_engine_arguments(engine)
-    engine.add_argument(
-        "--engine-core-cpu",
-        type=nonnegative_int,
-        metavar="CPU",
-        help="pin the engine-core process to this CPU (os.sched_setaffinity) and the API process to the "
-        "others (default: no pinning, the OS places both)",
-    )
-    server = parser.add_argument_group("server")
-    server.add_argument(
-        "--api-key-env",
-        metavar="VAR",
-        help="require `Authorization: Bearer <key>` with the key read from this environment variable "
-        "(default: no key)",
-    )
-    server.add_argument("--api-key", type=_refuse_api_key, help=argparse.SUPPRESS)  # vLLM's flag: named, not
-    # taken as an abbreviation of --api-key-env
-    server.add_argument(
-        "--max-queue",
-        type=nonnegative_int,
-        metavar="N",
-        help="answer 503 when more than N requests would wait (default: no limit)",
-    )
-    server.add_argument(
-        "--max-logprobs",
-        type=nonnegative_int,
-        default=20,
-        metavar="K",
-        help="most `logprobs` / `top_logprobs` a request may ask for (vLLM's flag; above it: 400)",
-    )
-    server.add_argument(
-        "--max-seqs-per-request",
-        type=positive_int,
-        default=DEFAULT_MAX_SEQS_PER_REQUEST,
-        metavar="N",
-        help="most engine requests one request may fan out to (its prompts times `n`; above it: 400)",
-    )
-    server.add_argument(
-        "--drain-timeout",
-        type=nonnegative_float,
-        default=30.0,
-        metavar="S",
-        help="seconds running requests get to finish at Ctrl-C / SIGTERM",
-    )
-    server.add_argument(
-        "--max-request-bytes",
-        type=positive_int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        metavar="N",
-        help="refuse a request body larger than N bytes with 413, before reading or parsing it",
-    )
-    server.add_argument(
-        "--max-request-bytes-in-flight",
-        type=positive_int,
-        default=None,
-        metavar="N",
-        help="bodies of 256 KiB or more served at once may total N bytes; one past it gets 503 with "
-        "Retry-After (default: 4 x --max-request-bytes; at least --max-request-bytes)",
-    )
-
-
-def port_number(text: str) -> int:
-    """argparse type: a TCP port, 0..65535."""
-    value = nonnegative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
-    return value
+    add_options(engine, ServeConfig, only=("engine_core_cpu",))
+    add_options(parser.add_argument_group("server"), ServeConfig, exclude=(*_LISTEN, "engine_core_cpu"))
 
 
 def is_loopback(host: str) -> bool:
@@ -222,19 +113,20 @@ def run(args: argparse.Namespace) -> int:
     # before any worker thread allocates: a big prompt's buffers then go back to the OS when freed
     # (engine/malloc.py says why glibc's dynamic threshold kept them resident)
     fix_mmap_threshold()
-    api_key = _api_key(args.api_key_env)
-    in_flight: int = args.max_request_bytes_in_flight or 4 * args.max_request_bytes
-    if in_flight < args.max_request_bytes:
+    serve = config_from_args(ServeConfig, args)
+    api_key = _api_key(serve.api_key_env)
+    in_flight = serve.bytes_in_flight
+    if in_flight < serve.max_request_bytes:
         raise UsageError(
             f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
-            f"{args.max_request_bytes}, a body of the largest size could never be served"
+            f"{serve.max_request_bytes}, a body of the largest size could never be served"
         )
-    plan = plan_engine(args.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
+    plan = plan_engine(serve.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
-    cpu = _core_cpu(args.engine_core_cpu)
-    name = plan.source.name if args.served_model_name is None else args.served_model_name
-    sock = _listen(args.host, args.port)
+    cpu = _core_cpu(serve.engine_core_cpu)
+    name = plan.source.name if serve.served_model_name is None else serve.served_model_name
+    sock = _listen(serve.host, serve.port)
     llm: AsyncLLM | None = None
     try:
         try:
@@ -243,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
                 str(model_path), plan.engine_config, plan.tokenizer, plan.max_model_len, cpu=cpu
             )
         except (ValueError, OSError, EngineDeadError) as exc:
-            raise CommandFailed(f"cannot load {args.model}: {exc}") from None
+            raise CommandFailed(f"cannot load {serve.model}: {exc}") from None
         if cpu is not None:
             others = os.sched_getaffinity(0) - {cpu}
             if others:
@@ -254,13 +146,13 @@ def run(args: argparse.Namespace) -> int:
             name,
             plan.max_model_len,
             api_key=api_key,
-            max_queue=args.max_queue,
+            max_queue=serve.max_queue,
             chat_template=chat_template,
-            drain_timeout_s=args.drain_timeout,
-            max_request_bytes=args.max_request_bytes,
+            drain_timeout_s=serve.drain_timeout,
+            max_request_bytes=serve.max_request_bytes,
             max_request_bytes_in_flight=in_flight,
-            max_logprobs=args.max_logprobs,
-            max_seqs_per_request=args.max_seqs_per_request,
+            max_logprobs=serve.max_logprobs,
+            max_seqs_per_request=serve.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
             cache_config={
                 "block_size": str(plan.engine_config.block_size),
@@ -276,16 +168,16 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()
         config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
         port = sock.getsockname()[1]
-        if not is_loopback(args.host) and api_key is None:
+        if not is_loopback(serve.host) and api_key is None:
             print(
-                f"{PROG} serve: warning: listening on {args.host}, not a loopback address, without "
+                f"{PROG} serve: warning: listening on {serve.host}, not a loopback address, without "
                 "--api-key-env: anyone who can reach this machine can use the server",
                 file=sys.stderr,
                 flush=True,
             )
-        server = _DrainingServer(config, llm, args.drain_timeout)
+        server = _DrainingServer(config, llm, serve.drain_timeout)
         with server.draining_on_signals():  # before the announcement: a SIGTERM right after it drains
-            print(f"serving {name} at {url_of(args.host, port)}", flush=True)
+            print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
             asyncio.run(server.serve(sockets=[sock]))
     finally:
         gc.unfreeze()  # a caller in the same process (a test) is not left with a frozen heap

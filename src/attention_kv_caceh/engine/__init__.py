@@ -15,8 +15,6 @@ Modules, most named after the vLLM v1 file they correspond to:
 - `llm_engine`: LLMEngine, the offline front end: an InprocClient and the OutputProcessor.
 - `spec_decode/`: speculative decoding as vLLM v1 does it for `ngram`: SpeculativeConfig, the n-gram
   proposer, draft verification (the rejection sampler) and the acceptance counts.
-- `benchmark`: run_engine_benchmark, vLLM's throughput benchmark plus each decode step's bytes against
-  the lab's read probe.
 
 The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
 its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side runs
@@ -24,7 +22,9 @@ in the API process (`async_llm`: AsyncLLM, an MPClient to the engine-core proces
 `parallel_sampling`: a request of `n` samples as `n` child requests;
 `output_processor`: one incremental detokenizer per request, stop strings, per-request timestamps and
 streams; `stats` / `metrics`: vLLM's Prometheus metrics). The OpenAI-compatible HTTP API over AsyncLLM is
-not here: it is `attention_kv_caceh.entrypoints`, as vLLM's is `vllm/entrypoints/openai/`.
+not here: it is `attention_kv_caceh.entrypoints`, as vLLM's is `vllm/entrypoints/openai/`. The tools
+around the engine live outside it too: `benchmarks/` (the throughput and speculative-decoding
+benchmarks) and `toy_model/` (random test checkpoints).
 
 Left out, against vLLM v1 as a whole: GPU workers and tensor, pipeline, data and expert parallelism; CUDA
 graphs and torch.compile; quantization other than GGUF's Q8_0, Q4_0 and Q4_1 blocks; LoRA, multimodal inputs,

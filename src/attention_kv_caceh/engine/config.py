@@ -17,16 +17,21 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from attention_kv_caceh.options import ConfigError, check_options, option
 
 from .spec_decode.config import SpeculativeConfig
 
 __all__ = [
     "DEFAULT_KV_CACHE_FRACTION",
     "DEFAULT_KV_CACHE_MAX_BYTES",
+    "MODEL_HELP",
     "SUPPORTED_DTYPES",
     "SUPPORTED_QUANTIZATIONS",
     "EngineConfig",
     "available_memory_bytes",
+    "model_option",
 ]
 
 DEFAULT_KV_CACHE_FRACTION = 0.25
@@ -35,6 +40,16 @@ DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 """Upper bound of the default KV cache size: 4 GiB, so a large machine is not claimed by a toy model."""
 SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
 SUPPORTED_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "gguf")
+MODEL_HELP = (
+    "the checkpoint: a model name (smollm2: SmolLM2-135M-Instruct, installed with the project), a .gguf "
+    "file, a folder holding one, or a Hugging Face folder (make-model writes one) (default: none, required)"
+)
+
+
+def model_option() -> Any:
+    """The `model` field of a command that runs the engine (`--model`: what `model_source.resolve_model`
+    takes), required; declared here once for `generate`, `serve` and `bench-engine`."""
+    return option(help=MODEL_HELP, metavar="MODEL", required=True)
 
 
 def available_memory_bytes() -> int:
@@ -59,12 +74,24 @@ def available_memory_bytes() -> int:
 
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
+        raise ConfigError(name, f"must be a positive int, got {value!r}")
+
+
+def _speculative_config(text: str) -> SpeculativeConfig:
+    """`--speculative-config`'s JSON object, read with vLLM's rules and messages."""
+    return SpeculativeConfig.from_json(text)
+
+
+_COUNTS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Limits of the scheduler and size of the paged KV cache.
+
+    Each field is also an engine flag (vLLM's names: `--max-num-seqs`, ...; `options.option` carries
+    the flag, help and bounds, `cli/engine_args.py` declares them on `generate`, `serve`,
+    `bench-engine` and `harness --backend engine`).
 
     Attributes:
         max_num_seqs: most requests running at once (vLLM's `max_num_seqs`, the batch's request count).
@@ -88,50 +115,77 @@ class EngineConfig:
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
 
     Raises:
-        ValueError: a count is not a positive int, both cache sizes are given, the dtype or the
-            quantization is unknown, or a quantization is given with dtype "bfloat16".
+        ConfigError (a ValueError naming the field): a count is not a positive int, both cache sizes
+            are given, the dtype or the quantization is unknown, or a quantization is given with dtype
+            "bfloat16".
     """
 
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    dtype: str = "float32"
-    quantization: str | None = None
-    speculative_config: SpeculativeConfig | None = None
+    max_num_seqs: int = option(8, help="most requests running at once (one step's batch)", minimum=1)
+    max_num_batched_tokens: int = option(
+        512, help="token budget of one step, prefill and decode together (>= --max-num-seqs)", minimum=1
+    )
+    block_size: int = option(16, help="tokens per KV block", minimum=1)
+    num_kv_blocks: int | None = option(
+        None, help="KV blocks in the pool (default: see --kv-cache-memory)", exclusive="kv", minimum=1
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+        metavar="BYTES",
+        exclusive="kv",
+        minimum=1,
+    )
+    max_model_len: int | None = option(
+        None,
+        help="most tokens (prompt + output) per request; may only lower the checkpoint's "
+        "(default: its max_position_embeddings)",
+        minimum=1,
+    )
+    enable_prefix_caching: bool = option(
+        True, help="turn prefix caching off (default: on)", flag="--no-prefix-caching"
+    )
+    dtype: str = option(
+        "float32",
+        help="dtype of the weights, activations and KV cache (bfloat16: weights only, computing in float32)",
+        choices=SUPPORTED_DTYPES,
+    )
+    quantization: str | None = option(
+        None,
+        help="keep the linear layers' weights in a GGUF block format (llama.cpp's names), quantizing a "
+        "float checkpoint at load, or gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 tensors as stored "
+        "(default: none, weights in --dtype)",
+        choices=SUPPORTED_QUANTIZATIONS,
+    )
+    speculative_config: SpeculativeConfig | None = option(
+        None,
+        help="speculative decoding, vLLM's JSON: "
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' (prompt_lookup_min / _max default to 5; '
+        "docs/engine.md) (default: off)",
+        metavar="JSON",
+        parse=_speculative_config,
+    )
 
     def __post_init__(self) -> None:
-        _check_positive_int("max_num_seqs", self.max_num_seqs)
-        _check_positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        _check_positive_int("block_size", self.block_size)
+        for name in _COUNTS[:3]:
+            _check_positive_int(name, getattr(self, name))
+        for name in (*_COUNTS[3:], "max_model_len"):
+            if getattr(self, name) is not None:
+                _check_positive_int(name, getattr(self, name))
+        check_options(self)
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
-                f"({self.max_num_seqs}) so every running request can decode in one step"
+            raise ConfigError(
+                "max_num_seqs",
+                f"must be <= max_num_batched_tokens ({self.max_num_batched_tokens}) so every running "
+                f"request can decode in one step, got {self.max_num_seqs}",
             )
         if self.num_kv_blocks is not None and self.kv_cache_memory is not None:
-            raise ValueError(
-                f"give num_kv_blocks ({self.num_kv_blocks}) or kv_cache_memory ({self.kv_cache_memory}), "
-                "not both"
-            )
-        if self.num_kv_blocks is not None:
-            _check_positive_int("num_kv_blocks", self.num_kv_blocks)
-        if self.kv_cache_memory is not None:
-            _check_positive_int("kv_cache_memory", self.kv_cache_memory)
-        if self.max_model_len is not None:
-            _check_positive_int("max_model_len", self.max_model_len)
-        if self.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be one of {SUPPORTED_DTYPES}, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATIONS:
-            raise ValueError(
-                f"quantization must be one of {SUPPORTED_QUANTIZATIONS} or None, got {self.quantization!r}"
+            raise ConfigError(
+                "num_kv_blocks",
+                f"give it ({self.num_kv_blocks}) or kv_cache_memory ({self.kv_cache_memory}), not both",
             )
         if self.quantization is not None and self.dtype == "bfloat16":
-            raise ValueError(
-                f"quantization {self.quantization!r} needs dtype float32 or float64, got bfloat16"
+            raise ConfigError(
+                "quantization", f"{self.quantization!r} needs dtype float32 or float64, got bfloat16"
             )
 
     def num_blocks_for(self, bytes_per_block: int, free_memory: int | None = None) -> int:

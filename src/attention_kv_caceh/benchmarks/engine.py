@@ -27,24 +27,31 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.benchmarks.probes import (
+    Probes,
+    attention_replay,
+    decode_kv_bytes,
+    decode_weight_bytes,
+    linear_parameters,
+    linear_replay,
+    resident_bytes,
+)
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.layers import linear
+from attention_kv_caceh.engine.core import StepStats
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.tokenizer import Tokenizer
-from attention_kv_caceh.gemm import fma_probe
-from attention_kv_caceh.kernels import paged_decode_attention_into
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment, summarize_samples
 
@@ -53,6 +60,7 @@ __all__ = [
     "EngineBenchRow",
     "decode_kv_bytes",
     "decode_weight_bytes",
+    "engine_benchmark_rows",
     "linear_parameters",
     "resident_bytes",
     "run_engine_benchmark",
@@ -153,114 +161,6 @@ class EngineBenchResult:
 
     rows: tuple[EngineBenchRow, ...]
     environment: dict[str, Any]
-
-
-def decode_weight_bytes(model: Model, num_seqs: float) -> float:
-    """Weight bytes one decode step reads: every layer's tensors as stored (linear layers in their
-    weight format, packed padding included: `LinearWeight.nbytes`), the final norm, the LM head, and
-    num_seqs rows of the embedding table (the rest of the table is not read unless it is the tied LM
-    head, which is counted once as the LM head)."""
-    layer_bytes = sum(int(a.nbytes) for layer in model.layers for a in vars(layer).values() if a is not None)
-    return layer_bytes + model.norm.nbytes + model.lm_head.nbytes + num_seqs * model.embedding.row_bytes
-
-
-def linear_parameters(model: Model) -> int:
-    """Weights of every linear layer a decode step multiplies by: each layer's qkv, o, gate_up and
-    down projections and the LM head (2 flops per weight per request)."""
-    layers = sum(
-        w.size for lay in model.layers for w in (lay.qkv_proj, lay.o_proj, lay.gate_up_proj, lay.down_proj)
-    )
-    return layers + model.lm_head.size
-
-
-def _linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Callable[[], None]:
-    """A call that runs a decode step's linear layers alone on `num_rows` random rows (inputs made once)."""
-    c = model.config
-
-    def rows(width: int) -> npt.NDArray[np.floating[Any]]:
-        return rng.standard_normal((num_rows, width)).astype(model.dtype)
-
-    x, attn, inter = rows(c.hidden_size), rows(c.num_attention_heads * c.head_dim), rows(c.intermediate_size)
-
-    def replay() -> None:
-        for layer in model.layers:
-            linear(x, layer.qkv_proj)
-            linear(attn, layer.o_proj)
-            linear(x, layer.gate_up_proj)
-            linear(inter, layer.down_proj)
-        linear(x, model.lm_head)
-
-    return replay
-
-
-def _attention_replay(
-    model: Model, runner: ModelRunner, seed: int
-) -> Callable[[], Callable[[], None] | None]:
-    """A call that prepares the latest step's paged decode attention alone and returns it, to be timed
-    with nothing else inside: one `paged_decode_attention_into` per layer, as `Model.forward` calls it,
-    over the runner's KV caches with that step's block tables and context lengths, on random queries
-    `[R, H, D]`. Returns None when the latest step was not a pure decode step."""
-    c = model.config
-    scale = 1.0 / math.sqrt(c.head_dim)
-    rng = np.random.default_rng(seed)
-    queries: dict[int, npt.NDArray[np.floating[Any]]] = {}  # R -> q [R, H, D], made once per R
-
-    def prepare() -> Callable[[], None] | None:
-        inputs = runner.last_inputs
-        if inputs is None or not inputs.metadata.is_pure_decode:
-            return None
-        meta = inputs.metadata
-        r = meta.context_lens.shape[0]
-        if r not in queries:
-            queries[r] = rng.standard_normal((r, c.num_attention_heads, c.head_dim)).astype(model.dtype)
-        q = queries[r]
-        out = np.empty_like(q)  # [R, H, D]
-        context_lens = meta.context_lens.astype(np.int32)  # [R]
-
-        def replay() -> None:
-            for k_cache, v_cache in runner.kv_caches:
-                paged_decode_attention_into(q, k_cache, v_cache, meta.block_tables, context_lens, out, scale)
-
-        return replay
-
-    return prepare
-
-
-@dataclass
-class _Probes:
-    """What is timed between decode steps, one sample each per call: np.dot over `buffer` (the read
-    probe, ms), the linear-layer `replay` (ms), `gemm.fma_probe` (flop/s) for as long as the replay
-    took, so that on a shared machine both get the same share of the CPU, and the `attention` replay
-    (ms, when it ran)."""
-
-    buffer: npt.NDArray[np.floating[Any]]
-    replay: Callable[[], None]
-    attention: Callable[[], Callable[[], None] | None]
-    read_ms: list[float] = field(default_factory=list[float])
-    linear_ms: list[float] = field(default_factory=list[float])
-    fma_flops: list[float] = field(default_factory=list[float])
-    attention_ms: list[float] = field(default_factory=list[float])
-
-    def __call__(self) -> None:
-        start = time.perf_counter()
-        np.dot(self.buffer, self.buffer)
-        self.read_ms.append((time.perf_counter() - start) * 1e3)
-        start = time.perf_counter()
-        self.replay()
-        self.linear_ms.append((time.perf_counter() - start) * 1e3)
-        self.fma_flops.append(fma_probe(self.linear_ms[-1] / 1e3))
-        attention = self.attention()
-        if attention is not None:
-            start = time.perf_counter()
-            attention()
-            self.attention_ms.append((time.perf_counter() - start) * 1e3)
-
-
-def decode_kv_bytes(model: Model, num_positions: float) -> float:
-    """KV bytes a decode step reads for num_positions attended positions summed over its requests:
-    K and V of every layer, 2 * L * H_kv * D * itemsize per position."""
-    per_position = ModelRunner.bytes_per_block(model.config, 1, model.dtype.name)
-    return per_position * num_positions
 
 
 class _RecordingRunner:
@@ -364,6 +264,55 @@ def run_engine_benchmark(
         OracleMismatch: request 0's first tokens in a batched run differ from its solo run.
     """
     seqs = list(max_num_seqs_list)
+    oracle_tokens = _check_arguments(
+        seqs, prompt_len, output_len, max_num_batched_tokens, oracle_tokens, probe_every
+    )
+    rss_before = resident_bytes()
+    load_start = time.perf_counter()
+    model = Model.load(model_dir, dtype, gemm, quantization)
+    load_s = time.perf_counter() - load_start
+    loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
+    if prompt_len + output_len > model.config.max_position_embeddings:
+        raise ValueError(
+            f"prompt_len + output_len = {prompt_len + output_len} exceeds the model's "
+            f"max_position_embeddings {model.config.max_position_embeddings}"
+        )
+    if not detokenize:
+        tokenizer = None
+    elif tokenizer is None:
+        tokenizer = Tokenizer.load(model_dir)
+    setup = _Setup(
+        model, tokenizer, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed),
+        prompt_len, output_len, block_size, max_num_batched_tokens, oracle_tokens, probe_every, seed, dtype,
+        quantization,
+    )  # fmt: skip
+    rows = tuple(engine_benchmark_rows(setup, seqs))
+    environment = capture_environment() | {
+        "model_dir": str(model_dir),
+        "dtype": dtype,
+        "num_parameters": model.num_parameters,
+        "architecture": model.config.architecture,
+        "gemm_path": model.gemm_path,
+        "gemm_note": model.gemm_note,
+        "weight_format": model.weight_format,
+        "quantization": quantization,
+        "temperature": temperature,
+        "seed": seed,
+        "weight_bytes": decode_weight_bytes(model, 0),
+        **loaded,
+    }
+    return EngineBenchResult(rows, environment)
+
+
+def _check_arguments(
+    seqs: list[int],
+    prompt_len: int,
+    output_len: int,
+    max_num_batched_tokens: int,
+    oracle_tokens: int | None,
+    probe_every: int,
+) -> int:
+    """ValueError for arguments `run_engine_benchmark` refuses; returns oracle_tokens (None: min(4, output_len))."""
     if not seqs or any(s < 1 for s in seqs):
         raise ValueError(f"max_num_seqs_list must hold positive counts, got {seqs}")
     if prompt_len < 1 or output_len < 2:
@@ -379,140 +328,140 @@ def run_engine_benchmark(
         raise ValueError(
             f"oracle_tokens must be in 1 .. {output_len} and probe_every >= 1, got {oracle_tokens}, {probe_every}"
         )
-    sampling = SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed)
-    rss_before = resident_bytes()
-    load_start = time.perf_counter()
-    model = Model.load(model_dir, dtype, gemm, quantization)
-    load_s = time.perf_counter() - load_start
-    loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
-    max_model_len = prompt_len + output_len
-    if max_model_len > model.config.max_position_embeddings:
-        raise ValueError(
-            f"prompt_len + output_len = {max_model_len} exceeds the model's "
-            f"max_position_embeddings {model.config.max_position_embeddings}"
-        )
-    if not detokenize:
-        tokenizer = None
-    elif tokenizer is None:
-        tokenizer = Tokenizer.load(model_dir)
-    rng = np.random.default_rng(seed)
-    blocks_per_request = -(-max_model_len // block_size)
-    rows: list[EngineBenchRow] = []
+    return oracle_tokens
+
+
+@dataclass(frozen=True)
+class _Setup:
+    """What every row of one benchmark shares (the arguments of `run_engine_benchmark`, the loaded model)."""
+
+    model: Model
+    tokenizer: Tokenizer | None
+    sampling: SamplingParams
+    prompt_len: int
+    output_len: int
+    block_size: int
+    max_num_batched_tokens: int
+    oracle_tokens: int
+    probe_every: int
+    seed: int
+    dtype: str
+    quantization: str | None
+
+
+def engine_benchmark_rows(setup: _Setup, seqs: list[int]) -> Iterator[EngineBenchRow]:
+    """One row per max_num_seqs of `seqs`, each on a fresh engine, yielded as it is measured; the
+    prompts of every row are drawn from one generator seeded with `setup.seed`."""
+    rng = np.random.default_rng(setup.seed)
     for num_seqs in seqs:
-        config = EngineConfig(
-            max_num_seqs=num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,  # a longer prompt is prefilled in chunks
-            block_size=block_size,
-            num_kv_blocks=blocks_per_request * num_seqs,
-            max_model_len=max_model_len,
-            enable_prefix_caching=False,
-            dtype=dtype,
-            quantization=quantization,
-        )
-        prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, prompt_len)).tolist()
-        engine = _engine(model, tokenizer, config)
-        solo, _, _ = _run(engine, prompts[:1], replace(sampling, max_tokens=oracle_tokens))
-        stats_start = engine.num_steps
-        runner = engine.model_runner
-        assert isinstance(runner, _RecordingRunner)
-        runner.decode_steps.clear()
-        # The probe buffer holds the bytes of a decode step of requests in lockstep (mean context
-        # prompt_len + output_len / 2); the run's actual mean differs by a few KV positions at most,
-        # and a read rate does not depend on so small a size difference.
-        expected = decode_weight_bytes(model, num_seqs) + decode_kv_bytes(
-            model, num_seqs * (prompt_len + output_len / 2)
-        )
-        probe = np.ones(int(expected) // model.dtype.itemsize, dtype=model.dtype)
-        np.dot(probe, probe)  # touch the pages once, outside any timing
-        replay = _linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
-        replay()  # the same: first touches outside any timing
-        probes = _Probes(probe, replay, _attention_replay(model, runner.runner, seed))
-        outputs, total_s, cpu_ms = _run(engine, prompts, sampling, probes, probe_every)
-        if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
-            probes()
-        probe_bytes = probe.nbytes
-        read_ms, lin_ms = float(np.median(probes.read_ms)), float(np.median(probes.linear_ms))
-        fma_gflops = float(np.median(probes.fma_flops)) / 1e9
-        attn_ms = float(np.median(probes.attention_ms)) if probes.attention_ms else math.nan
-        del probe, probes  # the buffer: as large as a decode step's bytes
-        if outputs[0][:oracle_tokens] != solo[0]:
-            raise OracleMismatch(
-                f"max_num_seqs={num_seqs}: request 0's first tokens {outputs[0][:oracle_tokens]} differ "
-                f"from its solo run {solo[0]}; refusing to report timings"
-            )
-        stats = [s for s in engine.step_stats if s.step_index >= stats_start and s.num_prefill_tokens == 0]
-        step_ms = [s.step_time_ms for s in stats]
-        summary = summarize_samples(step_ms)
-        decode_tokens = sum(s.num_decode_tokens for s in stats)
-        mean_seqs = float(np.mean([r for r, _ in runner.decode_steps]))
-        mean_positions = float(np.mean([p for _, p in runner.decode_steps]))
-        weight_bytes = decode_weight_bytes(model, mean_seqs)
-        kv_bytes = decode_kv_bytes(model, mean_positions)
-        nbytes = round(weight_bytes + kv_bytes)
-        decode_gbps = nbytes / (summary["p50_ms"] * 1e6)
-        probe_gbps = probe_bytes / (read_ms * 1e6)
-        num_output = sum(len(o) for o in outputs)
-        decode_s = sum(step_ms) / 1e3
-        lin_gflops = 2 * num_seqs * linear_parameters(model) / (lin_ms * 1e6)
-        rows.append(
-            EngineBenchRow(
-                max_num_seqs=num_seqs,
-                prompt_len=prompt_len,
-                output_len=output_len,
-                num_output_tokens=num_output,
-                total_time_s=total_s,
-                output_tokens_per_s=num_output / total_s,
-                num_decode_steps=len(stats),
-                decode_time_s=decode_s,
-                decode_tokens_per_s=decode_tokens / decode_s,
-                decode_step_ms_p50=summary["p50_ms"],
-                decode_step_ms_p95=summary["p95_ms"],
-                decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
-                core_step_cpu_ms_p50=summarize_samples([s.step_cpu_ms for s in stats])["p50_ms"],
-                mean_num_seqs=mean_seqs,
-                mean_context_len=mean_positions / mean_seqs,
-                weight_bytes_per_decode_step=round(weight_bytes),
-                kv_bytes_per_decode_step=round(kv_bytes),
-                bytes_per_decode_step=nbytes,
-                decode_gb_per_s=decode_gbps,
-                probe_gb_per_s=probe_gbps,
-                probe_ratio=decode_gbps / probe_gbps,
-                linear_ms=lin_ms,
-                linear_share=lin_ms / summary["p50_ms"],
-                attention_ms=attn_ms,
-                attention_share=attn_ms / summary["p50_ms"],
-                linear_gflop_per_s=lin_gflops,
-                fma_gflop_per_s=fma_gflops,
-                fma_ratio=lin_gflops / fma_gflops,
-                gemm_path=model.gemm_path,
-                gemm_kernel=model.layers[0].qkv_proj.kernel,
-                oracle_tokens=oracle_tokens,
-            )
-        )
-    environment = capture_environment() | {
-        "model_dir": str(model_dir),
-        "dtype": dtype,
-        "num_parameters": model.num_parameters,
-        "architecture": model.config.architecture,
-        "gemm_path": model.gemm_path,
-        "gemm_note": model.gemm_note,
-        "weight_format": model.weight_format,
-        "quantization": quantization,
-        "temperature": temperature,
-        "seed": seed,
-        "weight_bytes": decode_weight_bytes(model, 0),
-        **loaded,
-    }
-    return EngineBenchResult(tuple(rows), environment)
+        yield _bench_one(setup, num_seqs, rng)
 
 
-def resident_bytes() -> int | None:
-    """This process's resident memory (VmRSS of /proc/self/status) in bytes; None where there is no /proc."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
-    except OSError:
-        return None
-    return None
+def _bench_one(setup: _Setup, num_seqs: int, rng: np.random.Generator) -> EngineBenchRow:
+    """The oracle, then the timed run of `num_seqs` requests with the probes between its decode steps."""
+    model, seed = setup.model, setup.seed
+    max_model_len = setup.prompt_len + setup.output_len
+    config = EngineConfig(
+        max_num_seqs=num_seqs,
+        max_num_batched_tokens=setup.max_num_batched_tokens,  # a longer prompt is prefilled in chunks
+        block_size=setup.block_size,
+        num_kv_blocks=-(-max_model_len // setup.block_size) * num_seqs,
+        max_model_len=max_model_len,
+        enable_prefix_caching=False,
+        dtype=setup.dtype,
+        quantization=setup.quantization,
+    )
+    prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, setup.prompt_len)).tolist()
+    engine = _engine(model, setup.tokenizer, config)
+    solo, _, _ = _run(engine, prompts[:1], replace(setup.sampling, max_tokens=setup.oracle_tokens))
+    stats_start = engine.num_steps
+    runner = engine.model_runner
+    assert isinstance(runner, _RecordingRunner)
+    runner.decode_steps.clear()
+    # The probe buffer holds the bytes of a decode step of requests in lockstep (mean context
+    # prompt_len + output_len / 2); the run's actual mean differs by a few KV positions at most,
+    # and a read rate does not depend on so small a size difference.
+    expected = decode_weight_bytes(model, num_seqs) + decode_kv_bytes(
+        model, num_seqs * (setup.prompt_len + setup.output_len / 2)
+    )
+    probe = np.ones(int(expected) // model.dtype.itemsize, dtype=model.dtype)
+    np.dot(probe, probe)  # touch the pages once, outside any timing
+    replay = linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
+    replay()  # the same: first touches outside any timing
+    probes = Probes(probe, replay, attention_replay(model, runner.runner, seed))
+    outputs, total_s, cpu_ms = _run(engine, prompts, setup.sampling, probes, setup.probe_every)
+    if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
+        probes()
+    oracle = setup.oracle_tokens
+    if outputs[0][:oracle] != solo[0]:
+        raise OracleMismatch(
+            f"max_num_seqs={num_seqs}: request 0's first tokens {outputs[0][:oracle]} differ "
+            f"from its solo run {solo[0]}; refusing to report timings"
+        )
+    stats = [s for s in engine.step_stats if s.step_index >= stats_start and s.num_prefill_tokens == 0]
+    return _row(setup, num_seqs, stats, runner.decode_steps, probes, probe.nbytes, outputs, total_s, cpu_ms)
+
+
+def _row(
+    setup: _Setup,
+    num_seqs: int,
+    stats: list[StepStats],
+    decode_steps: list[tuple[int, int]],
+    probes: Probes,
+    probe_bytes: int,
+    outputs: list[list[int]],
+    total_s: float,
+    cpu_ms: list[float],
+) -> EngineBenchRow:
+    """The row of one run from its pure-decode steps' StepStats, the runner's (requests, positions) of
+    those steps and the probes' samples (`EngineBenchRow` says what each number is)."""
+    model = setup.model
+    read_ms, lin_ms = float(np.median(probes.read_ms)), float(np.median(probes.linear_ms))
+    fma_gflops = float(np.median(probes.fma_flops)) / 1e9
+    attn_ms = float(np.median(probes.attention_ms)) if probes.attention_ms else math.nan
+    step_ms = [s.step_time_ms for s in stats]
+    summary = summarize_samples(step_ms)
+    decode_tokens = sum(s.num_decode_tokens for s in stats)
+    mean_seqs = float(np.mean([r for r, _ in decode_steps]))
+    mean_positions = float(np.mean([p for _, p in decode_steps]))
+    weight_bytes = decode_weight_bytes(model, mean_seqs)
+    kv_bytes = decode_kv_bytes(model, mean_positions)
+    nbytes = round(weight_bytes + kv_bytes)
+    decode_gbps = nbytes / (summary["p50_ms"] * 1e6)
+    probe_gbps = probe_bytes / (read_ms * 1e6)
+    num_output = sum(len(o) for o in outputs)
+    decode_s = sum(step_ms) / 1e3
+    lin_gflops = 2 * num_seqs * linear_parameters(model) / (lin_ms * 1e6)
+    return EngineBenchRow(
+        max_num_seqs=num_seqs,
+        prompt_len=setup.prompt_len,
+        output_len=setup.output_len,
+        num_output_tokens=num_output,
+        total_time_s=total_s,
+        output_tokens_per_s=num_output / total_s,
+        num_decode_steps=len(stats),
+        decode_time_s=decode_s,
+        decode_tokens_per_s=decode_tokens / decode_s,
+        decode_step_ms_p50=summary["p50_ms"],
+        decode_step_ms_p95=summary["p95_ms"],
+        decode_step_cpu_ms_p50=summarize_samples(cpu_ms)["p50_ms"],
+        core_step_cpu_ms_p50=summarize_samples([s.step_cpu_ms for s in stats])["p50_ms"],
+        mean_num_seqs=mean_seqs,
+        mean_context_len=mean_positions / mean_seqs,
+        weight_bytes_per_decode_step=round(weight_bytes),
+        kv_bytes_per_decode_step=round(kv_bytes),
+        bytes_per_decode_step=nbytes,
+        decode_gb_per_s=decode_gbps,
+        probe_gb_per_s=probe_gbps,
+        probe_ratio=decode_gbps / probe_gbps,
+        linear_ms=lin_ms,
+        linear_share=lin_ms / summary["p50_ms"],
+        attention_ms=attn_ms,
+        attention_share=attn_ms / summary["p50_ms"],
+        linear_gflop_per_s=lin_gflops,
+        fma_gflop_per_s=fma_gflops,
+        fma_ratio=lin_gflops / fma_gflops,
+        gemm_path=model.gemm_path,
+        gemm_kernel=model.layers[0].qkv_proj.kernel,
+        oracle_tokens=setup.oracle_tokens,
+    )

@@ -246,58 +246,10 @@ def run_spec_benchmark(
     rows: list[SpecBenchRow] = []
     for b in seqs:
         batch = [list(p) for p in prompts[:b]]
-        off_runs: list[RunTimes] = []
-        on_runs: list[RunTimes] = []
-        for pair in range(pairs):  # the order alternates, so that neither side is always the second
-            for spec in (None, speculative_config) if pair % 2 == 0 else (speculative_config, None):
-                gc.collect()  # the previous run's engine and KV cache go before this one is built
-                run = time_requests(engine(b, spec), batch, params)
-                (off_runs if spec is None else on_runs).append(run)
-            _check(f"max_num_seqs={b}", off_runs[-1].outputs, on_runs[-1].outputs)
-        decode_off = [s.step_time_ms for r in off_runs for s in r.step_stats if s.num_prefill_tokens == 0]
-        on_steps = [s for r in on_runs for s in r.step_stats if s.num_prefill_tokens == 0]
-        verify = [s for s in on_steps if s.spec_decoding is not None and s.spec_decoding.num_drafts > 0]
-        decode_ms = statistics.median(decode_off)
-        verify_ms = statistics.median([s.step_time_ms for s in verify]) if verify else float("nan")
-        rows_mean = (
-            statistics.fmean([sum(s.num_scheduled_tokens.values()) for s in verify]) if verify else 0.0
+        off_runs, on_runs = _timed_pairs(
+            lambda spec, b=b: engine(b, spec), speculative_config, batch, params, pairs
         )
-        acc = acceptance_summary((s.spec_decoding for s in on_runs[0].step_stats), k)
-        tok_off = statistics.median(r.output_tokens_per_s for r in off_runs)
-        tok_on = statistics.median(r.output_tokens_per_s for r in on_runs)
-        tpot_off = statistics.median(r.mean_tpot_ms for r in off_runs)
-        tpot_on = statistics.median(r.mean_tpot_ms for r in on_runs)
-        rows.append(
-            SpecBenchRow(
-                max_num_seqs=b,
-                workload=workload,
-                mean_prompt_len=statistics.fmean(len(p) for p in batch),
-                output_len=output_len,
-                output_tokens_per_s_off=tok_off,
-                output_tokens_per_s_on=tok_on,
-                tok_s_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.output_tokens_per_s),
-                cpu_tok_s_ratio=_pair_ratio(on_runs, off_runs, _tokens_per_cpu_s),
-                tpot_ms_off=tpot_off,
-                tpot_ms_on=tpot_on,
-                tpot_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.mean_tpot_ms),
-                decode_step_ms_p50=decode_ms,
-                verify_step_ms_p50=verify_ms,
-                verify_rows_mean=rows_mean,
-                verify_cost=verify_ms / decode_ms,
-                draft_step_share=len(verify) / len(on_steps) if on_steps else 0.0,
-                num_drafts=acc.num_drafts,
-                num_draft_tokens=acc.num_draft_tokens,
-                num_accepted_tokens=acc.num_accepted_tokens,
-                acceptance_rate=acc.acceptance_rate,
-                acceptance_length=acc.acceptance_length,
-                per_position_acceptance_rates=acc.per_position_acceptance_rates,
-                pairs=pairs,
-                runs_tok_s_off=tuple(r.output_tokens_per_s for r in off_runs),
-                runs_tok_s_on=tuple(r.output_tokens_per_s for r in on_runs),
-                runs_tpot_ms_off=tuple(r.mean_tpot_ms for r in off_runs),
-                runs_tpot_ms_on=tuple(r.mean_tpot_ms for r in on_runs),
-            )
-        )
+        rows.append(_spec_row(b, batch, off_runs, on_runs, k, workload, output_len, pairs))
     environment = capture_environment() | {
         "model_dir": str(model_dir),
         "dtype": dtype,
@@ -311,3 +263,73 @@ def run_spec_benchmark(
         "seed": seed,
     }
     return rows, environment
+
+
+def _timed_pairs(
+    engine: Callable[[SpeculativeConfig | None], LLMEngine],
+    speculative_config: SpeculativeConfig,
+    batch: list[list[int]],
+    params: SamplingParams,
+    pairs: int,
+) -> tuple[list[RunTimes], list[RunTimes]]:
+    """`pairs` pairs of runs of `batch` on fresh engines (`engine(spec)`), without and with
+    `speculative_config`; the order alternates, so that neither side is always the second. Each pair's
+    tokens are checked equal (`_check`). Returns the runs without and with drafts."""
+    off_runs: list[RunTimes] = []
+    on_runs: list[RunTimes] = []
+    for pair in range(pairs):
+        for spec in (None, speculative_config) if pair % 2 == 0 else (speculative_config, None):
+            gc.collect()  # the previous run's engine and KV cache go before this one is built
+            run = time_requests(engine(spec), batch, params)
+            (off_runs if spec is None else on_runs).append(run)
+        _check(f"max_num_seqs={len(batch)}", off_runs[-1].outputs, on_runs[-1].outputs)
+    return off_runs, on_runs
+
+
+def _spec_row(
+    b: int,
+    batch: list[list[int]],
+    off_runs: list[RunTimes],
+    on_runs: list[RunTimes],
+    k: int,
+    workload: str,
+    output_len: int,
+    pairs: int,
+) -> SpecBenchRow:
+    """The row of max_num_seqs `b` from its timed runs (`SpecBenchRow` says what each number is)."""
+    decode_off = [s.step_time_ms for r in off_runs for s in r.step_stats if s.num_prefill_tokens == 0]
+    on_steps = [s for r in on_runs for s in r.step_stats if s.num_prefill_tokens == 0]
+    verify = [s for s in on_steps if s.spec_decoding is not None and s.spec_decoding.num_drafts > 0]
+    decode_ms = statistics.median(decode_off)
+    verify_ms = statistics.median([s.step_time_ms for s in verify]) if verify else float("nan")
+    rows_mean = statistics.fmean([sum(s.num_scheduled_tokens.values()) for s in verify]) if verify else 0.0
+    acc = acceptance_summary((s.spec_decoding for s in on_runs[0].step_stats), k)
+    return SpecBenchRow(
+        max_num_seqs=b,
+        workload=workload,
+        mean_prompt_len=statistics.fmean(len(p) for p in batch),
+        output_len=output_len,
+        output_tokens_per_s_off=statistics.median(r.output_tokens_per_s for r in off_runs),
+        output_tokens_per_s_on=statistics.median(r.output_tokens_per_s for r in on_runs),
+        tok_s_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.output_tokens_per_s),
+        cpu_tok_s_ratio=_pair_ratio(on_runs, off_runs, _tokens_per_cpu_s),
+        tpot_ms_off=statistics.median(r.mean_tpot_ms for r in off_runs),
+        tpot_ms_on=statistics.median(r.mean_tpot_ms for r in on_runs),
+        tpot_ratio=_pair_ratio(on_runs, off_runs, lambda r: r.mean_tpot_ms),
+        decode_step_ms_p50=decode_ms,
+        verify_step_ms_p50=verify_ms,
+        verify_rows_mean=rows_mean,
+        verify_cost=verify_ms / decode_ms,
+        draft_step_share=len(verify) / len(on_steps) if on_steps else 0.0,
+        num_drafts=acc.num_drafts,
+        num_draft_tokens=acc.num_draft_tokens,
+        num_accepted_tokens=acc.num_accepted_tokens,
+        acceptance_rate=acc.acceptance_rate,
+        acceptance_length=acc.acceptance_length,
+        per_position_acceptance_rates=acc.per_position_acceptance_rates,
+        pairs=pairs,
+        runs_tok_s_off=tuple(r.output_tokens_per_s for r in off_runs),
+        runs_tok_s_on=tuple(r.output_tokens_per_s for r in on_runs),
+        runs_tpot_ms_off=tuple(r.mean_tpot_ms for r in off_runs),
+        runs_tpot_ms_on=tuple(r.mean_tpot_ms for r in on_runs),
+    )

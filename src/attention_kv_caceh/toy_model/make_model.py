@@ -32,7 +32,7 @@ import numpy.typing as npt
 from safetensors import SafetensorError, TensorSpec, serialize_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from attention_kv_caceh.engine.training_text import TRAINING_TEXT
+from attention_kv_caceh.toy_model.training_text import TRAINING_TEXT
 
 __all__ = ["ARCHITECTURES", "PRESETS", "Preset", "bfloat16_bits", "write_random_checkpoint"]
 
