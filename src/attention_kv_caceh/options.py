@@ -53,6 +53,7 @@ class Option:
     True, or, for a flag starting `--no-`, False. `exclusive` names a group of flags of which at most
     one may be given (argparse's mutually exclusive group). `default_text` replaces the shown default.
     `required`: the flag must be given (for a member of an `exclusive` group: one of the group must be).
+    `hidden`: the flag is parsed but left out of --help (a flag kept only to be refused with advice).
     `extend`: with `nargs`, the flag may be given again, each adding its values (argparse's "extend").
     """
 
@@ -68,6 +69,7 @@ class Option:
     default_text: str | None = None
     required: bool = False
     extend: bool = False
+    hidden: bool = False
 
 
 def option(
@@ -86,6 +88,7 @@ def option(
     default_text: str | None = None,
     required: bool = False,
     extend: bool = False,
+    hidden: bool = False,
     repr: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line option (see `Option` for the arguments)."""
@@ -102,6 +105,7 @@ def option(
         default_text=default_text,
         required=required,
         extend=extend,
+        hidden=hidden,
     )
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": meta}, repr=repr)

@@ -12,7 +12,6 @@ access log.
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass
 
@@ -31,7 +30,7 @@ _API_KEY_REFUSED = (
 
 
 def _refuse_api_key(_value: str) -> str:
-    """vLLM's `--api-key KEY` is refused with what to give instead (argparse would otherwise read it as
+    """vLLM's `--api-key KEY` is refused with what to give instead (the flag parser would otherwise read it as
     an abbreviation of --api-key-env and name the key as a variable)."""
     raise ValueError(_API_KEY_REFUSED)
 
@@ -65,7 +64,7 @@ class ServeConfig:
         "(default: no key)",
         metavar="VAR",
     )
-    api_key: str | None = option(None, help=argparse.SUPPRESS, parse=_refuse_api_key, repr=False)
+    api_key: str | None = option(None, help="", hidden=True, parse=_refuse_api_key, repr=False)
     max_queue: int | None = option(
         None, help="answer 503 when more than N requests would wait (default: no limit)", minimum=0
     )

@@ -100,6 +100,8 @@ def add_options(
         shown = _default(field)
         if default is None and shown not in (None, False) and "(default" not in help_text:
             help_text = f"{help_text} (default: {shown})"  # not given here: the config applies its own
+        if meta.hidden:
+            help_text = argparse.SUPPRESS
         value_type = _value_type(cls, field.name)
         if value_type is bool:
             action = "store_false" if flag.startswith("--no-") else "store_true"

@@ -147,10 +147,14 @@ class StepTable:
         self.rows = 0
         self._previous: tuple[int, int] | None = None
 
+    def _line(self, text: str) -> None:
+        """One line of the table on the caller's stream (the command chooses it: stdout)."""
+        self.stream.write(text + "\n")
+
     def header(self) -> None:
         """The column names and a rule."""
-        print(self._header, file=self.stream)
-        print("-" * len(self._header), file=self.stream)
+        self._line(self._header)
+        self._line("-" * len(self._header))
 
     def _changed(self, stats: Any, finished: list[str]) -> bool:
         counts = (stats.num_running, stats.num_waiting)
@@ -183,22 +187,21 @@ class StepTable:
         if self.speculative:
             sd = stats.spec_decoding
             drafts = f"{'0/0' if sd is None else f'{sd.num_draft_tokens}/{sd.num_accepted_tokens}':>9} "
-        print(
+        self._line(
             f"{index:>5} {len(stats.num_scheduled_tokens):>4} {tokens:>6} {stats.num_prefill_tokens:>7} "
             f"{stats.num_decode_tokens:>6} {drafts}{stats.num_running:>4} {stats.num_waiting:>4} "
             f"{stats.num_free_blocks:>6} {100 * stats.kv_cache_usage:>5.1f} {stats.num_preemptions:>7} "
-            f"{hits:>11} {stats.step_time_ms:>8.2f}  {batch}",
-            file=self.stream,
+            f"{hits:>11} {stats.step_time_ms:>8.2f}  {batch}"
         )
         self.rows += 1
         return True
 
     def _flush_skipped(self) -> None:
         if self.skipped:
-            print(f"{'':>5} ... {self.skipped} decode steps without change not shown", file=self.stream)
+            self._line(f"{'':>5} ... {self.skipped} decode steps without change not shown")
             self.skipped = 0
 
     def footer(self) -> None:
         """The count of steps left out at the end (an interrupted run), then a rule."""
         self._flush_skipped()
-        print("-" * len(self._header), file=self.stream)
+        self._line("-" * len(self._header))
