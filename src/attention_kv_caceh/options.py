@@ -52,6 +52,7 @@ class Option:
     `check_options` on every construction, from the CLI or not. A bool field is a switch: `--flag` sets
     True, or, for a flag starting `--no-`, False. `exclusive` names a group of flags of which at most
     one may be given (argparse's mutually exclusive group). `default_text` replaces the shown default.
+    `negatable`: a bool field with both `--flag` (True) and `--no-flag` (False).
     """
 
     help: str
@@ -64,6 +65,7 @@ class Option:
     nargs: str | None = None
     exclusive: str | None = None
     default_text: str | None = None
+    negatable: bool = False
 
 
 def option(
@@ -80,6 +82,7 @@ def option(
     nargs: str | None = None,
     exclusive: str | None = None,
     default_text: str | None = None,
+    negatable: bool = False,
     repr: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line option (see `Option` for the arguments)."""
@@ -94,6 +97,7 @@ def option(
         nargs=nargs,
         exclusive=exclusive,
         default_text=default_text,
+        negatable=negatable,
     )
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": meta}, repr=repr)
