@@ -12,7 +12,6 @@ Run as a process: `python -m attention_kv_caceh.harness.scripted_server --ttft-m
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -26,6 +25,8 @@ from time import perf_counter_ns
 from typing import Any, cast
 
 from aiohttp import web
+
+from attention_kv_caceh.options import check_options, option
 
 __all__ = [
     "DONE",
@@ -489,17 +490,34 @@ def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int 
             proc.stdout.close()
 
 
+@dataclass(frozen=True)
+class ProcessOptions:
+    """The flags of the server's process form (`main`)."""
+
+    ttft_ms: float = option(50.0, help="time to first token (ms)", minimum=0.0)
+    itl_ms: float = option(10.0, help="inter-token delay (ms)", minimum=0.0)
+    port: int = option(0, help="port on 127.0.0.1 (0: any free)", minimum=0, maximum=65535)
+    metrics_padding: int = option(0, help="bytes of padding in the /metrics answer", minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Serve timed token streams until terminated (SIGTERM/SIGINT)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token (ms)")
-    parser.add_argument("--itl-ms", type=float, default=10.0, help="inter-token delay (ms)")
-    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free)")
-    parser.add_argument(
-        "--metrics-padding", type=int, default=0, help="bytes of padding in the /metrics answer"
+    """Serve timed token streams until terminated (SIGTERM/SIGINT). Bad flags: one line, exit 2."""
+    from attention_kv_caceh.cli.common import HelpFormatter, OneLineParser, UsageError
+    from attention_kv_caceh.cli.flags import add_options, config_from_args
+
+    parser = OneLineParser(
+        description=__doc__.splitlines()[0] if __doc__ else None, formatter_class=HelpFormatter
     )
-    args = parser.parse_args(argv)
-    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port, args.metrics_padding))
+    add_options(parser, ProcessOptions)
+    try:
+        options = config_from_args(ProcessOptions, parser.parse_args(argv))
+    except UsageError as exc:
+        print(f"scripted_server: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(options.ttft_ms, options.itl_ms, options.port, options.metrics_padding))
     return 0
 
 
