@@ -341,8 +341,8 @@ class FinishedRunTimelineTest(unittest.TestCase):
     def test_in_flight_is_rebuilt_from_arrivals_and_stream_ends(self) -> None:
         import asyncio
 
-        from attention_kv_caceh.cli.harness_output import finished_run
         from attention_kv_caceh.harness.run import HarnessConfig, run_harness
+        from attention_kv_caceh.harness.run_files import finished_run
 
         config = HarnessConfig(backend="simulated", num_requests=3, concurrency=2)
         records = asyncio.run(run_harness(config)).records

@@ -174,9 +174,9 @@ class CliTest(unittest.TestCase):
     def test_runs_needing_more_memory_than_allowed_are_refused_with_one_line(self) -> None:
         jsonl = self.tmp / "r.jsonl"
         cases = {
-            ("--num-requests", "1000"): "--num-requests 1000:",
-            ("--num-requests", "1", "--prompt-len", "100000"): "--prompt-len 100000:",
-            ("--num-requests", "2", "--output-len", "10:20000"): "--output-len 10:20000:",
+            ("--num-requests", "1000"): "--num-requests: got 1000:",
+            ("--num-requests", "1", "--prompt-len", "100000"): "--prompt-len: got 100000:",
+            ("--num-requests", "2", "--output-len", "10:20000"): "--output-len: got 10:20000:",
         }
         for argv, start in cases.items():
             with (
@@ -328,8 +328,9 @@ class CliTest(unittest.TestCase):
             return write_json_atomic(path, obj)
 
         with (
-            mock.patch("attention_kv_caceh.cli.harness._run_until_write_fails", interrupted_run),
-            mock.patch("attention_kv_caceh.cli.harness_output.write_json_atomic", write_with_ctrl_c),
+            mock.patch("attention_kv_caceh.harness.run_files._run_until_write_fails", interrupted_run),
+            mock.patch("attention_kv_caceh.recorder.write_json_atomic", write_with_ctrl_c),  # the metadata
+            mock.patch("attention_kv_caceh.harness.run_files.write_json_atomic", write_with_ctrl_c),
         ):
             code, out, err = quietly(
                 [*FAST, "--num-requests", "3", "--jsonl", str(jsonl), "--summary-json", str(summary)]

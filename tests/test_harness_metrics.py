@@ -162,13 +162,13 @@ class ArrivalsAndLengthsTest(unittest.TestCase):
             arrival_offsets_s(3, 1.0, 0.0, rng)
 
     def test_length_ranges(self) -> None:
-        self.assertEqual(LengthRange.parse("16", "--output-len"), LengthRange(16, 16))
-        r = LengthRange.parse("4:8", "--output-len")
+        self.assertEqual(LengthRange.parse("16"), LengthRange(16, 16))
+        r = LengthRange.parse("4:8")
         draws = r.draw(np.random.default_rng(0), 1000)
         self.assertEqual((min(draws), max(draws)), (4, 8))
         for bad in ("0", "8:4", "x", "3:y"):
-            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, f"--output-len '{bad}'"):
-                LengthRange.parse(bad, "--output-len")
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, f"'{bad}'"):
+                LengthRange.parse(bad)
 
 
 if __name__ == "__main__":

@@ -206,9 +206,9 @@ class DatasetTest(unittest.IsolatedAsyncioTestCase):
                 path.write_text(text)
                 with self.subTest(text=text), self.assertRaisesRegex(ValueError, message):
                     read_dataset(path)
-        with self.assertRaisesRegex(ValueError, "--dataset"):
+        with self.assertRaisesRegex(ValueError, "^dataset: '/nonexistent/d.jsonl'"):
             HarnessConfig(dataset="/nonexistent/d.jsonl")
-        with self.assertRaisesRegex(ValueError, "--tokenizer"):
+        with self.assertRaisesRegex(ValueError, "^tokenizer: '/nonexistent'"):
             HarnessConfig(tokenizer="/nonexistent")
 
 

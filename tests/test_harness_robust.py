@@ -14,7 +14,6 @@ from unittest import mock
 
 import aiohttp
 
-from attention_kv_caceh.cli.harness_output import format_summary
 from attention_kv_caceh.harness.backends import OpenAIBackend, RequestSpec
 from attention_kv_caceh.harness.client_errors import UNREACHABLE_KINDS, classify_client_error
 from attention_kv_caceh.harness.load import LengthRange, SmokeTestError, smoke_test
@@ -35,6 +34,7 @@ from attention_kv_caceh.harness.server_metrics import (
     sample_from_metrics,
 )
 from attention_kv_caceh.harness.sse import EventTooLargeError, SSEEvent, SSEParser
+from attention_kv_caceh.harness.summary_text import format_summary
 
 SPEC = RequestSpec(0, prompt_tokens=4, output_tokens=4, prompt="hi")
 

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 
-from attention_kv_caceh.cli.workload_output import spec_decode_lines
 from attention_kv_caceh.harness.copy_workload import COPY_SENTENCES, copy_prompt, copy_specs
 from attention_kv_caceh.harness.load import LengthRange
 from attention_kv_caceh.harness.server_counters import (
@@ -25,6 +24,7 @@ from attention_kv_caceh.harness.server_counters import (
     parse_counters,
     spec_decode_result,
 )
+from attention_kv_caceh.harness.summary_text import spec_decode_lines
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 

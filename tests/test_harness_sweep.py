@@ -205,7 +205,7 @@ class SweepCommandTest(unittest.TestCase):
                 raise KeyboardInterrupt
             return await real(config, **kwargs)
 
-        with mock.patch("attention_kv_caceh.cli.sweep.run_harness", second_interrupts):
+        with mock.patch("attention_kv_caceh.harness.sweep_run.run_harness", second_interrupts):
             code, _, err = quietly([*FAST, "--concurrency", "1", "2", "4", "--out-dir", str(self.out)])
         self.assertEqual(code, 130)
         self.assertIn("interrupted", err)
@@ -224,7 +224,9 @@ class SweepCommandTest(unittest.TestCase):
                 raise KeyboardInterrupt  # Ctrl-C once the point's requests finished, before it ends
             return result
 
-        with mock.patch("attention_kv_caceh.cli.sweep.run_harness", second_interrupted_after_its_records):
+        with mock.patch(
+            "attention_kv_caceh.harness.sweep_run.run_harness", second_interrupted_after_its_records
+        ):
             code, _, err = quietly([*FAST, "--concurrency", "1", "2", "4", "--out-dir", str(self.out)])
         self.assertEqual(code, 130)
         lines = (self.out / "c2-r0.jsonl").read_text().splitlines()

@@ -100,9 +100,9 @@ class TraceFileTest(unittest.TestCase):
         with tempfile.TemporaryDirectory() as tmp:
             path = str(_write(Path(tmp), ROWS))
             for kwargs, message in (
-                ({"speedup": 0.0}, "--trace-speedup"),
-                ({"block_size": 0}, "--trace-block-size"),
-                ({"format": "csv"}, "--trace-format"),
+                ({"speedup": 0.0}, "^speedup: "),
+                ({"block_size": 0}, "^block_size: "),
+                ({"format": "csv"}, "^format: "),
             ):
                 with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
                     TraceSettings(path, **kwargs)

@@ -96,7 +96,7 @@ class SplitTest(unittest.TestCase):
         for kwargs, message in (
             ({}, "simulated server lives in the client's process"),
             ({"backend": "openai-completions", "concurrency": 1}, "at least the number of workers"),
-            ({"backend": "openai-completions", "workers": 65}, r"--workers must be in \[1, 64\]"),
+            ({"backend": "openai-completions", "workers": 65}, r"^workers: must be in \[1, 64\]"),
         ):
             with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
                 HarnessConfig(**({"workers": 2} | kwargs))

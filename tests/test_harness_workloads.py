@@ -74,14 +74,14 @@ class SpecsTest(unittest.TestCase):
         self.assertEqual(implied_prefix_hits(workload, 3, 4), 0)
 
     def test_config_refuses_what_does_not_fit(self) -> None:
-        with self.assertRaisesRegex(ValueError, "--num-requests 10"):
+        with self.assertRaisesRegex(ValueError, "^num_requests: 10: .*turns=4"):
             HarnessConfig(num_requests=10, workload=Workload("multi-turn", turns=4))
-        with self.assertRaisesRegex(ValueError, "--turns"):
+        with self.assertRaisesRegex(ValueError, "^turns: must be >= 1, got 0"):
             Workload("multi-turn", turns=0)
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "d.jsonl"
             path.write_text('{"prompt": "hi"}\n' * 16)
-            with self.assertRaisesRegex(ValueError, "--dataset"):
+            with self.assertRaisesRegex(ValueError, "^dataset: "):
                 HarnessConfig(dataset=str(path), workload=Workload("shared-prefix"))
 
 

@@ -211,6 +211,45 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual([json.loads(x)["request_id"] for x in path.read_text().splitlines()], ["a", "b"])
         self.assertEqual(self._meta(path)["status"], "interrupted")
 
+    def test_without_a_save_on_open_the_metadata_waits_for_the_first_save(self) -> None:
+        path = self.dir / "requests.jsonl"
+        meta = path.with_name(path.name + ".meta.json")
+        meta.write_text('{"status": "complete"}\n')  # an earlier run's
+        run = RunRecorder("serving", path, None, config={}, environment={}, fsync=False, save_on_open=False)
+        self.assertFalse(meta.exists())
+        run.add([{"request_id": "a"}], save=False)
+        self.assertFalse(meta.exists())
+        self.assertEqual(len(path.read_text().splitlines()), 1)  # flushed, not fsynced
+        run.finish("interrupted")
+        self.assertEqual((self._meta(path)["status"], run.count), ("interrupted", 1))
+
+
+@dataclass(frozen=True)
+class _Negatable:
+    smoke_test: bool = option(True, help="send one first", negatable=True)
+    block_size: int = option(16, help="tokens per block", flag="--trace-block-size", minimum=1)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
+class FlagExtensionsTest(unittest.TestCase):
+    def parse(self, argv: list[str]) -> _Negatable:
+        parser = OneLineParser(prog="t")
+        add_options(parser, _Negatable, dest_prefix="trace_")
+        args = parser.parse_args(argv)
+        self.assertFalse(hasattr(args, "block_size"))  # its dest is trace_block_size
+        return config_from_args(_Negatable, args, dest_prefix="trace_")
+
+    def test_negatable_switch_and_dest_prefix(self) -> None:
+        self.assertEqual(self.parse([]), _Negatable())
+        self.assertFalse(self.parse(["--no-smoke-test"]).smoke_test)
+        self.assertTrue(self.parse(["--no-smoke-test", "--smoke-test"]).smoke_test)
+        self.assertEqual(self.parse(["--trace-block-size", "8"]).block_size, 8)
+        with self.assertRaises(UsageError) as ctx:
+            self.parse(["--trace-block-size", "0"])
+        self.assertTrue(str(ctx.exception).startswith("--trace-block-size:"), str(ctx.exception))
+
 
 if __name__ == "__main__":
     unittest.main()

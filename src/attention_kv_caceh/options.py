@@ -55,6 +55,7 @@ class Option:
     `required`: the flag must be given (for a member of an `exclusive` group: one of the group must be).
     `hidden`: the flag is parsed but left out of --help (a flag kept only to be refused with advice).
     `extend`: with `nargs`, the flag may be given again, each adding its values (argparse's "extend").
+    `negatable`: a bool field with both `--flag` (True) and `--no-flag` (False).
     """
 
     help: str
@@ -70,6 +71,7 @@ class Option:
     required: bool = False
     extend: bool = False
     hidden: bool = False
+    negatable: bool = False
 
 
 def option(
@@ -89,6 +91,7 @@ def option(
     required: bool = False,
     extend: bool = False,
     hidden: bool = False,
+    negatable: bool = False,
     repr: bool = True,
 ) -> Any:
     """A dataclass field that is also a command-line option (see `Option` for the arguments)."""
@@ -106,6 +109,7 @@ def option(
         required=required,
         extend=extend,
         hidden=hidden,
+        negatable=negatable,
     )
     if default_factory is not None:
         return dataclasses.field(default_factory=default_factory, metadata={"option": meta}, repr=repr)

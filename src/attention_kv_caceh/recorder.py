@@ -73,6 +73,11 @@ class RunRecorder:
     {"kind", "status", "config", "environment", **extra}. `rows` holds every row added (CSV only; a
     JSONL run keeps `count`). `fields`: the CSV header, or None for JSONL. Raises ValueError for a row
     with a key outside `fields` (a dropped column would be a lost measurement) and OSError from the files.
+
+    `fsync` False: JSONL rows are flushed, not fsynced (a loop that must not stall for a disk, such as
+    the serving harness's event loop; a crash of the process still keeps them). `save_on_open` False:
+    nothing is saved until the first `save` (an earlier run's metadata beside `path` is removed), for a
+    run whose open must cost one file and no atomic write.
     """
 
     def __init__(
@@ -86,6 +91,8 @@ class RunRecorder:
         extra: Mapping[str, Any] | None = None,
         side_files: Callable[[RunRecorder], None] | None = None,
         before_save: Callable[[RunRecorder], None] | None = None,
+        fsync: bool = True,
+        save_on_open: bool = True,
     ) -> None:
         self.path = Path(path)
         self.fields = None if fields is None else tuple(fields)
@@ -100,8 +107,11 @@ class RunRecorder:
         self.count = 0
         self._side_files = side_files
         self._before_save = before_save
-        self._jsonl = JsonlWriter(self.path) if self.path.suffix == ".jsonl" else None
-        self.save()
+        self._jsonl = JsonlWriter(self.path, fsync=fsync) if self.path.suffix == ".jsonl" else None
+        if save_on_open:
+            self.save()
+        else:  # an earlier run's metadata must not describe this run's rows until the first save
+            meta_path(self.path).unlink(missing_ok=True)
 
     @property
     def status(self) -> Status:

@@ -70,6 +70,7 @@ def add_options(
     exclude: Iterable[str] = (),
     defaults: Mapping[str, Any] | None = None,
     default_texts: Mapping[str, str] | None = None,
+    dest_prefix: str = "",
 ) -> None:
     """Declare one flag per option field of dataclass `cls` on `target` (a parser or an argument group).
 
@@ -77,8 +78,9 @@ def add_options(
     it differs from the field's (None: "not given", which the help shows as the option's
     `default_text`, else as the field's own default when the help names none). `default_texts`: field
     -> the shown default when it differs from the option's `default_text` (a field shared by commands
-    whose defaults differ). The flag's dest is the field's name. An option's `required` makes a
-    required flag (or a required exclusive group), its `extend` argparse's "extend" action.
+    whose defaults differ). The flag's dest is the field's name, after `dest_prefix` (two configs in one
+    parser whose fields share a name: `trace_` + `block_size`). An option's `required` makes a required
+    flag (or a required exclusive group), its `extend` argparse's "extend" action.
     """
     wanted = None if only is None else set(only)
     skipped = set(exclude)
@@ -103,11 +105,14 @@ def add_options(
         if meta.hidden:
             help_text = argparse.SUPPRESS
         value_type = _value_type(cls, field.name)
+        dest = dest_prefix + field.name
         if value_type is bool:
-            action = "store_false" if flag.startswith("--no-") else "store_true"
-            place.add_argument(flag, dest=field.name, action=action, default=default, help=help_text)
+            action: Any = "store_false" if flag.startswith("--no-") else "store_true"
+            if meta.negatable:
+                action = argparse.BooleanOptionalAction
+            place.add_argument(flag, dest=dest, action=action, default=default, help=help_text)
             continue
-        kwargs: dict[str, Any] = {"dest": field.name, "default": default, "help": help_text}
+        kwargs: dict[str, Any] = {"dest": dest, "default": default, "help": help_text}
         if meta.required and meta.exclusive is None:
             kwargs["required"] = True
         if meta.extend:
@@ -132,11 +137,17 @@ def usage_error(cls: type, exc: ValueError, *owners: type) -> UsageError:
     return UsageError(str(exc))
 
 
-def config_from_args(cls: type[T], args: argparse.Namespace, *owners: type, **values: Any) -> T:
-    """`cls` built from the parsed flags (every option field present in `args`) and `values`, which
-    win. Raises UsageError (exit 2) naming the flag when the config refuses a value; `owners`: nested
-    config classes whose fields a ConfigError may name."""
-    kwargs = {f.name: getattr(args, f.name) for f, _ in option_fields(cls) if hasattr(args, f.name)}
+def config_from_args(
+    cls: type[T], args: argparse.Namespace, *owners: type, dest_prefix: str = "", **values: Any
+) -> T:
+    """`cls` built from the parsed flags (every option field present in `args`, under `dest_prefix` +
+    its name) and `values`, which win. Raises UsageError (exit 2) naming the flag when the config
+    refuses a value; `owners`: nested config classes whose fields a ConfigError may name."""
+    kwargs = {
+        f.name: getattr(args, dest_prefix + f.name)
+        for f, _ in option_fields(cls)
+        if hasattr(args, dest_prefix + f.name)
+    }
     kwargs.update(values)
     try:
         return cls(**kwargs)

@@ -27,9 +27,9 @@ from attention_kv_caceh.cli.engine_args import (
 )
 from attention_kv_caceh.cli.serve import add_arguments as add_serve_arguments
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.harness.config import HarnessConfig
+from attention_kv_caceh.harness.config import ENGINE_BACKEND, HarnessConfig
+from attention_kv_caceh.harness.discovery import context_problem
 from attention_kv_caceh.harness.engine_server import ServerProcess, engine_step_summary
-from attention_kv_caceh.harness.run import context_problem
 
 __all__ = [
     "ENGINE_BACKEND",
@@ -37,12 +37,11 @@ __all__ = [
     "check_context",
     "check_usage",
     "engine_flags",
-    "format_engine_steps",
     "run_against_engine",
+    "run_maybe_with_engine",
     "server_description",
 ]
 
-ENGINE_BACKEND = "engine"
 _DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 
 
@@ -146,19 +145,24 @@ def run_against_engine(
         return run(server.base_url, lambda: server_description(server, args))
 
 
-def format_engine_steps(server: dict[str, Any]) -> str:
-    """One line of the engine's own step record (exact, unlike the /metrics samples above it)."""
-    steps: dict[str, Any] = server["engine_steps"]
-    if "error" in steps:
-        return f"engine steps: not read ({steps['error']})"
+def run_maybe_with_engine(
+    args: argparse.Namespace,
+    command: str,
+    config: HarnessConfig,
+    run: Callable[[HarnessConfig, Callable[[], dict[str, Any]] | None], int],
+    error: Callable[[str], None],
+) -> int:
+    """`run(config, None)`, or with `--backend engine` `run(config at the server's URL, describe)`
+    while `serve` runs (`run_against_engine`); a serve that does not become healthy is one `error`
+    line and exit 1 (2 when serve refused the model or a flag: its own line is above)."""
+    if args.backend != ENGINE_BACKEND:
+        return run(config, None)
+    from attention_kv_caceh.harness.engine_server import ServerStartError
 
-    def ms(key: str) -> str:
-        value = steps.get(key)
-        return "-" if value is None else f"{value:.2f} ms"
-
-    return (
-        f"engine steps: {steps['num_steps']}   max running: {steps['max_num_running']}   "
-        f"max waiting: {steps['max_num_waiting']}   preemptions: {steps['num_preemptions']}   "
-        f"step time P50: {ms('median_step_time_ms')}   decode step P50: {ms('median_decode_step_time_ms')}"
-        f" (CPU {ms('median_decode_step_cpu_time_ms')})"
-    )
+    try:
+        return run_against_engine(
+            args, command, lambda url, describe: run(dataclasses.replace(config, base_url=url), describe)
+        )
+    except ServerStartError as exc:
+        error(f"serve --model {args.model}: {exc}")
+        return 2 if exc.returncode == 2 else 1

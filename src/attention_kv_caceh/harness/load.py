@@ -52,18 +52,22 @@ class LengthRange:
             raise ValueError(f"length range needs 1 <= low <= high, got {self.low}:{self.high}")
 
     @classmethod
-    def parse(cls, text: str, flag: str) -> LengthRange:
-        """Parse "N" or "LOW:HIGH". Raises ValueError naming `flag` and the text for bad input."""
+    def parse(cls, text: str) -> LengthRange:
+        """Parse "N" or "LOW:HIGH". Raises ValueError naming the text for bad input."""
         low_text, sep, high_text = text.partition(":")
         try:
             low = int(low_text)
             high = int(high_text) if sep else low
         except ValueError:
-            raise ValueError(f"{flag} {text!r}: expected N or LOW:HIGH (integers)") from None
-        try:
-            return cls(low, high)
-        except ValueError as exc:
-            raise ValueError(f"{flag} {text!r}: {exc}") from None
+            raise ValueError(f"expected N or LOW:HIGH (integers), got {text!r}") from None
+        if low < 1 or high < low:
+            raise ValueError(f"length range needs 1 <= LOW <= HIGH, got {text!r}")
+        return cls(low, high)
+
+    @classmethod
+    def of(cls, value: LengthRange | str) -> LengthRange:
+        """`value` itself, or parsed from its text (`parse`)."""
+        return value if isinstance(value, LengthRange) else cls.parse(value)
 
     def draw(self, rng: np.random.Generator, n: int) -> list[int]:
         """`n` lengths, all `low` when fixed."""

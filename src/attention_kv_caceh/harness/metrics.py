@@ -26,6 +26,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from attention_kv_caceh.options import ConfigError
+
 __all__ = [
     "NS_PER_MS",
     "GoodputSLO",
@@ -112,7 +114,7 @@ def compute_request_metrics(
 class GoodputSLO:
     """Service-level objectives in milliseconds (vLLM `bench serve --goodput ttft:MS tpot:MS e2el:MS`).
 
-    A None objective is not checked. Raises ValueError for a non-positive objective.
+    A None objective is not checked. Raises ConfigError for a non-positive objective.
     """
 
     ttft_ms: float | None = None
@@ -123,7 +125,12 @@ class GoodputSLO:
         for name in ("ttft_ms", "tpot_ms", "e2el_ms"):
             value: float | None = getattr(self, name)
             if value is not None and not value > 0:
-                raise ValueError(f"goodput objective {name} must be > 0 ms, got {value}")
+                raise ConfigError(name, f"must be > 0 ms, got {value}")
+
+    @classmethod
+    def of(cls, value: GoodputSLO | Sequence[str]) -> GoodputSLO:
+        """`value` itself, or parsed from its items (`parse_goodput`)."""
+        return value if isinstance(value, GoodputSLO) else parse_goodput(value)
 
     @property
     def empty(self) -> bool:
@@ -147,22 +154,22 @@ class GoodputSLO:
 def parse_goodput(items: Sequence[str]) -> GoodputSLO:
     """Parse `["ttft:500", "tpot:50", "e2el:2000"]` (ms) into a GoodputSLO.
 
-    Raises ValueError naming the offending item for an unknown metric, a repeated metric, a missing
-    colon or a value that is not a positive number.
+    Raises ValueError naming the offending item ("item 'ttft:x': ...") for an unknown metric, a repeated
+    metric, a missing colon or a value that is not a positive number.
     """
     values: dict[str, float] = {}
     for item in items:
         name, sep, raw = item.partition(":")
         name = name.strip().lower()
         if not sep or name not in ("ttft", "tpot", "e2el"):
-            raise ValueError(f"--goodput item {item!r}: expected ttft:MS, tpot:MS or e2el:MS")
+            raise ValueError(f"item {item!r}: expected ttft:MS, tpot:MS or e2el:MS")
         if name in values:
-            raise ValueError(f"--goodput item {item!r}: {name} given twice")
+            raise ValueError(f"item {item!r}: {name} given twice")
         try:
             value = float(raw)
         except ValueError:
-            raise ValueError(f"--goodput item {item!r}: {raw!r} is not a number of ms") from None
+            raise ValueError(f"item {item!r}: {raw!r} is not a number of ms") from None
         if not value > 0 or value == float("inf"):
-            raise ValueError(f"--goodput item {item!r}: the objective must be a positive finite ms")
+            raise ValueError(f"item {item!r}: the objective must be a positive finite ms")
         values[name] = value
     return GoodputSLO(ttft_ms=values.get("ttft"), tpot_ms=values.get("tpot"), e2el_ms=values.get("e2el"))

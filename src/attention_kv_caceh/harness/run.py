@@ -55,7 +55,7 @@ from attention_kv_caceh.harness.run_summary import LoadOutcome, run_summary
 from attention_kv_caceh.harness.server_counters import CounterSnapshot, RunCounters
 from attention_kv_caceh.harness.server_metrics import ServerMetricsPoller, metrics_url
 from attention_kv_caceh.harness.workers import WorkerPlan, run_worker_load, split_load
-from attention_kv_caceh.harness.workloads import TaggingBackend, plan_conversations, run_rounds
+from attention_kv_caceh.harness.workloads import Conversation, TaggingBackend, plan_conversations, run_rounds
 
 __all__ = [
     "BACKENDS",
@@ -247,6 +247,59 @@ async def _one_process_load(
     )
 
 
+def _conversations(config: HarnessConfig) -> list[Conversation]:
+    """The conversations of a multi-turn run (seeded by `[seed, 3]`)."""
+    return plan_conversations(
+        config.workload,
+        config.num_requests,
+        config.prompt_len,
+        config.output_len,
+        np.random.default_rng([config.seed, 3]),
+        config.dataset,
+    )
+
+
+async def _check_server(
+    config: HarnessConfig,
+    session: aiohttp.ClientSession,
+    model: str,
+    specs: list[RequestSpec],
+    headers: dict[str, str] | None,
+) -> int | None:
+    """Raise ContextLengthError when the served context (GET /v1/models) cannot fit the requests;
+    returns the server's KV block size for a trace run (None otherwise or when it is not told)."""
+    limit = await served_context(session, config.base_url, model, config.timeout_s)
+    if limit is not None:
+        what = f"max_model_len {limit} (GET /v1/models)"
+        problem = context_problem(config, limit, what) or dataset_context_problem(config, specs, limit)
+        if problem is not None:
+            raise ContextLengthError(problem)
+    if config.trace is None:
+        return None
+    return await asyncio.to_thread(read_server_block_size, config.base_url, headers)
+
+
+async def _prepare_client(backend: Backend, config: HarnessConfig, specs: list[RequestSpec]) -> None:
+    """The client's own work before the clock starts: the bodies of the requests that can go out at
+    once encoded (memory: one body each) and as many connections opened (one process only)."""
+    if isinstance(backend, OpenAIBackend) and config.workers == 1:
+        first = specs[: config.concurrency]
+        backend.prepare(first)
+        await backend.open_connections(len(first))
+
+
+def _poller(
+    config: HarnessConfig, simulated: SimulatedServer | None, headers: dict[str, str] | None
+) -> ServerMetricsPoller | None:
+    """The /metrics poller of the run (the simulated server's snapshots), or None (interval 0)."""
+    if config.server_metrics_interval_s <= 0:
+        return None
+    if simulated is not None:
+        return ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
+    url = metrics_url(config.base_url)
+    return ServerMetricsPoller(config.server_metrics_interval_s, url=url, headers=headers)
+
+
 async def run_harness(
     config: HarnessConfig,
     *,
@@ -266,18 +319,7 @@ async def run_harness(
     warm_specs, specs, offsets = plan_requests(config)
     model_used: str | None = None
     multi_turn = config.workload.kind == "multi-turn"
-    conversations = (
-        plan_conversations(
-            config.workload,
-            config.num_requests,
-            config.prompt_len,
-            config.output_len,
-            np.random.default_rng([config.seed, 3]),
-            config.dataset,
-        )
-        if multi_turn
-        else []
-    )
+    conversations = _conversations(config) if multi_turn else []
     if multi_turn:  # one arrival per conversation, from the same seeded stream as a random run's
         offsets = offsets[: len(conversations)]
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
@@ -301,16 +343,7 @@ async def run_harness(
             config, session, model_used, warm_specs, specs, [probe_spec()]
         )
         if session is not None and model_used is not None:
-            limit = await served_context(session, config.base_url, model_used, config.timeout_s)
-            if limit is not None:
-                what = f"max_model_len {limit} (GET /v1/models)"
-                problem = context_problem(config, limit, what) or dataset_context_problem(
-                    config, specs, limit
-                )
-                if problem is not None:
-                    raise ContextLengthError(problem)
-            if config.trace is not None:
-                block_size = await asyncio.to_thread(read_server_block_size, config.base_url, headers)
+            block_size = await _check_server(config, session, model_used, specs, headers)
         target = "the simulated server" if simulated is not None else config.base_url
         if config.smoke_test:
             await smoke_test(backend, smoke_spec, target)
@@ -318,19 +351,9 @@ async def run_harness(
             await run_requests(backend, warm_specs, [0.0] * len(warm_specs), config.concurrency)
         if simulated is not None:
             simulated.reset_stats()
-        if isinstance(backend, OpenAIBackend) and config.workers == 1:  # the client's own work, first
-            first = specs[: config.concurrency]  # those that can go out at once (memory: one body each)
-            backend.prepare(first)
-            await backend.open_connections(len(first))
+        await _prepare_client(backend, config, specs)
 
-        poller: ServerMetricsPoller | None = None
-        if config.server_metrics_interval_s > 0:
-            if simulated is not None:
-                poller = ServerMetricsPoller(config.server_metrics_interval_s, snapshot=simulated.snapshot)
-            else:
-                poller = ServerMetricsPoller(
-                    config.server_metrics_interval_s, url=metrics_url(config.base_url), headers=headers
-                )
+        poller = _poller(config, simulated, headers)
         await counters.read_before()
         frozen = False
         load = _Load(backend, specs, offsets, probe, counters, on_record, model_used, conversations)

@@ -1,8 +1,8 @@
 """The sampling fields a harness run sends with every request, as vLLM's `vllm bench serve` does.
 
-`--temperature --top-p --top-k --frequency-penalty --presence-penalty --repetition-penalty`: each is
-None unless given, and only the given ones go into the request body (`body_fields`), so a run that gives
-none leaves every choice to the server (vLLM and this project's `serve` then sample at temperature 1.0).
+`temperature`, `top_p`, `top_k`, `frequency_penalty`, `presence_penalty`, `repetition_penalty` (the
+flags of the same names): each is None unless given, and only the given ones go into the request body
+(`body_fields`), so a run that gives none leaves every choice to the server (vLLM and this project's `serve` then sample at temperature 1.0).
 The ranges are those the project's `serve` accepts (`engine/serving.py:sampling_params_for`), checked
 here so a bad value is a usage error before any request is sent. vLLM's `--min-p` is left out: the
 project's engine does not sample with min_p, and its server would ignore the field.
@@ -14,26 +14,32 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-__all__ = ["SamplingOptions", "flag_of"]
+from attention_kv_caceh.options import ConfigError, option
+
+__all__ = ["SamplingOptions"]
+
+_NOT_SENT = "not sent"
 
 
 @dataclass(frozen=True)
 class SamplingOptions:
-    """The sampling fields to send (None: not sent). Raises ValueError naming the flag for a value the
+    """The sampling fields to send (None: not sent). Raises ConfigError naming the field for a value the
     server would refuse: temperature not finite or < 0; top_p not in (0, 1]; top_k not an integer >= -1
     (-1 and 0 disable it); a frequency or presence penalty outside [-2, 2]; repetition_penalty outside
     [1e-100, 1e100] (vLLM takes any value > 0)."""
 
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    repetition_penalty: float | None = None
+    temperature: float | None = option(None, help="0 is greedy; >= 0", default_text=_NOT_SENT)
+    top_p: float | None = option(None, help="nucleus mass in (0, 1]", default_text=_NOT_SENT)
+    top_k: int | None = option(
+        None, help="keep the k most probable; -1 or 0: off", metavar="TOP_K", default_text=_NOT_SENT
+    )
+    frequency_penalty: float | None = option(None, help="OpenAI's, in [-2, 2]", default_text=_NOT_SENT)
+    presence_penalty: float | None = option(None, help="OpenAI's, in [-2, 2]", default_text=_NOT_SENT)
+    repetition_penalty: float | None = option(None, help="vLLM's, > 0 (1: off)", default_text=_NOT_SENT)
 
     def __post_init__(self) -> None:
-        def bad(name: str, expected: str, value: object) -> ValueError:
-            return ValueError(f"{flag_of(name)} must be {expected}, got {value}")
+        def bad(name: str, expected: str, value: object) -> ConfigError:
+            return ConfigError(name, f"must be {expected}, got {value}")
 
         t = self.temperature
         if t is not None and not (math.isfinite(t) and t >= 0):
@@ -55,12 +61,3 @@ class SamplingOptions:
     def body_fields(self) -> dict[str, Any]:
         """The given fields under their OpenAI names, in declaration order; {} when none is given."""
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
-
-    def given_flags(self) -> list[str]:
-        """The flags that were given, e.g. ["--temperature", "--top-k"]."""
-        return [flag_of(name) for name in self.body_fields()]
-
-
-def flag_of(name: str) -> str:
-    """The command-line flag of field `name` ("top_p" -> "--top-p")."""
-    return "--" + name.replace("_", "-")

@@ -1,7 +1,7 @@
 """A local OpenAI-compatible streaming server whose every byte and delay is scripted.
 
 Used by the tests (edge cases of token streams, known TTFT/ITL/queue times) and by the overhead benchmark
-(`overhead.py`). Only for 127.0.0.1. A `Script` is the HTTP status and a list of (delay, bytes) steps;
+(`overhead.py`). Only for 127.0.0.1. A `Script` (`scripted_streams.py`) is the HTTP status and a list of (delay, bytes) steps;
 `timed_token_script` builds the common case: the first token `ttft_s` after the request arrives, then
 one token every `itl_s`, scheduled on absolute deadlines (so the server's own lateness does not pile up),
 with vLLM-style continuous usage, a final usage-only chunk and `[DONE]`.
@@ -12,10 +12,8 @@ Run as a process: `python -m attention_kv_caceh.harness.scripted_server --ttft-m
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import socket
 import subprocess
@@ -26,6 +24,17 @@ from time import perf_counter_ns
 from typing import Any, cast
 
 from aiohttp import web
+
+from attention_kv_caceh.harness.scripted_streams import (
+    DONE,
+    Script,
+    Step,
+    chat_chunk,
+    completion_chunk,
+    sse,
+    timed_token_script,
+)
+from attention_kv_caceh.options import check_options, option
 
 __all__ = [
     "DONE",
@@ -40,95 +49,6 @@ __all__ = [
     "sse",
     "timed_token_script",
 ]
-
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> bytes:
-    """One `data:` event carrying `obj` as JSON."""
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
-
-
-def completion_chunk(
-    text: str | None, usage: dict[str, int] | None = None, *, finish_reason: str | None = None
-) -> bytes:
-    """A `/v1/completions` stream chunk; `text=None` gives a usage-only chunk (`choices: []`)."""
-    choices: list[dict[str, Any]] = (
-        [] if text is None else [{"index": 0, "text": text, "finish_reason": finish_reason}]
-    )
-    obj: dict[str, Any] = {"id": "cmpl-1", "object": "text_completion", "choices": choices}
-    if usage is not None:
-        obj["usage"] = usage
-    return sse(obj)
-
-
-def chat_chunk(
-    content: str | None = None,
-    *,
-    role: str | None = None,
-    usage: dict[str, int] | None = None,
-    no_choices: bool = False,
-    tool_arguments: str | None = None,
-    finish_reason: str | None = None,
-) -> bytes:
-    """A `/v1/chat/completions` stream chunk (a role-only chunk when only `role` is given);
-    `tool_arguments` puts a fragment of a tool call's arguments in `delta.tool_calls`."""
-    delta: dict[str, Any] = {}
-    if role is not None:
-        delta["role"] = role
-    if content is not None:
-        delta["content"] = content
-    if tool_arguments is not None:
-        delta["tool_calls"] = [{"index": 0, "function": {"arguments": tool_arguments}}]
-    choices: list[dict[str, Any]] = (
-        [] if no_choices else [{"index": 0, "delta": delta, "finish_reason": finish_reason}]
-    )
-    obj: dict[str, Any] = {"id": "chat-1", "object": "chat.completion.chunk", "choices": choices}
-    if usage is not None:
-        obj["usage"] = usage
-    return sse(obj)
-
-
-@dataclass(frozen=True)
-class Step:
-    """Wait `delay_s` (relative to the previous step, or absolute from the request's arrival when
-    `absolute` is set), then write `data`."""
-
-    delay_s: float
-    data: bytes
-    absolute: bool = False
-
-
-@dataclass(frozen=True)
-class Script:
-    """How to answer one request: a non-200 `status` answers `body` at once; a 200 streams `steps`;
-    `abort` then drops the connection without ending the chunked body (a stream cut mid-way);
-    `headers` are added to a non-200 answer (e.g. a `Location` for a redirect)."""
-
-    steps: tuple[Step, ...] = ()
-    status: int = 200
-    body: bytes = b""
-    abort: bool = False
-    headers: tuple[tuple[str, str], ...] = ()
-
-
-def timed_token_script(
-    ttft_s: float, itl_s: float, n_tokens: int, *, chat: bool = False, prompt_tokens: int = 8
-) -> Script:
-    """First token at `ttft_s` after arrival, token k at `ttft_s + k * itl_s` (absolute deadlines), each
-    chunk with cumulative usage; then a usage-only chunk and `[DONE]`. Chat streams open with a
-    role-only chunk at arrival."""
-    steps: list[Step] = []
-    if chat:
-        steps.append(Step(0.0, chat_chunk(role="assistant"), absolute=True))
-    for k in range(n_tokens):
-        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": k + 1}
-        data = chat_chunk(f" t{k}", usage=usage) if chat else completion_chunk(f" t{k}", usage)
-        steps.append(Step(ttft_s + k * itl_s, data, absolute=True))
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens}
-    final = chat_chunk(usage=usage, no_choices=True) if chat else completion_chunk(None, usage)
-    steps += [Step(0.0, final), Step(0.0, DONE)]
-    return Script(tuple(steps))
 
 
 class WordTokenizer:
@@ -489,17 +409,34 @@ def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int 
             proc.stdout.close()
 
 
+@dataclass(frozen=True)
+class ProcessOptions:
+    """The flags of the server's process form (`main`)."""
+
+    ttft_ms: float = option(50.0, help="time to first token (ms)", minimum=0.0)
+    itl_ms: float = option(10.0, help="inter-token delay (ms)", minimum=0.0)
+    port: int = option(0, help="port on 127.0.0.1 (0: any free)", minimum=0, maximum=65535)
+    metrics_padding: int = option(0, help="bytes of padding in the /metrics answer", minimum=0)
+
+    def __post_init__(self) -> None:
+        check_options(self)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Serve timed token streams until terminated (SIGTERM/SIGINT)."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--ttft-ms", type=float, default=50.0, help="time to first token (ms)")
-    parser.add_argument("--itl-ms", type=float, default=10.0, help="inter-token delay (ms)")
-    parser.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (0: any free)")
-    parser.add_argument(
-        "--metrics-padding", type=int, default=0, help="bytes of padding in the /metrics answer"
+    """Serve timed token streams until terminated (SIGTERM/SIGINT). Bad flags: one line, exit 2."""
+    from attention_kv_caceh.cli.common import HelpFormatter, OneLineParser, UsageError
+    from attention_kv_caceh.cli.flags import add_options, config_from_args
+
+    parser = OneLineParser(
+        description=__doc__.splitlines()[0] if __doc__ else None, formatter_class=HelpFormatter
     )
-    args = parser.parse_args(argv)
-    asyncio.run(_serve(args.ttft_ms, args.itl_ms, args.port, args.metrics_padding))
+    add_options(parser, ProcessOptions)
+    try:
+        options = config_from_args(ProcessOptions, parser.parse_args(argv))
+    except UsageError as exc:
+        print(f"scripted_server: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(options.ttft_ms, options.itl_ms, options.port, options.metrics_padding))
     return 0
 
 

@@ -15,7 +15,7 @@ The format, one JSON object a line (blank lines skipped):
   `--trace-block-size` sets another.
 
 Any other key of a row is reported once in a warning and not used. A row that breaks one of these
-rules is refused with its line number (ValueError, "--trace FILE line 7: ...").
+rules is refused with its line number (ConfigError naming `path`, "'FILE' line 7: ...").
 
 Equal hash ids give equal token blocks, exactly: block `h` is `block_size` token ids made from words
 drawn from a generator seeded by `h` alone (`block_words`), each block tokenized on its own and cut to
@@ -41,6 +41,7 @@ import numpy as np
 
 from attention_kv_caceh.harness.backends import RequestSpec
 from attention_kv_caceh.harness.load import SYNTHETIC_WORDS
+from attention_kv_caceh.options import ConfigError, check_options, option
 
 __all__ = [
     "TRACE_FORMATS",
@@ -68,28 +69,48 @@ _WORDS = SYNTHETIC_WORDS
 
 @dataclass(frozen=True)
 class TraceSettings:
-    """`--trace PATH` with `--trace-format`, `--trace-block-size` (None: the format's default) and
-    `--trace-speedup` (arrival gaps are divided by it). Raises ValueError naming the flag for a value
-    out of range; the file itself is read by `read_trace`."""
+    """`path` (--trace) with its `format`, `block_size` (None: the format's default) and `speedup`
+    (arrival gaps are divided by it). Raises ConfigError naming the field for a value out of range or a
+    path that is no regular file; the file itself is read by `read_trace`."""
 
-    path: str
-    format: TraceFormat = "mooncake"
-    block_size: int | None = None
-    speedup: float = 1.0
+    path: str = option(
+        flag="--trace",
+        metavar="FILE.jsonl",
+        help="replay a trace: one {timestamp, input_length, output_length, hash_ids} a line (vLLM's "
+        "timed_trace, Mooncake's); arrivals follow the timestamps, equal hash ids give equal token "
+        "blocks; --num-requests takes its first rows",
+        default_text="not used",
+    )
+    format: TraceFormat = option(
+        "mooncake",
+        flag="--trace-format",
+        choices=TRACE_FORMATS,
+        help="mooncake: timestamps in ms, 512 tokens per hash id; timed-trace: timestamps in s, 16 "
+        "tokens per hash id (vLLM's defaults)",
+        default_text="mooncake",
+    )
+    block_size: int | None = option(
+        None,
+        flag="--trace-block-size",
+        metavar="TOKENS",
+        minimum=1,
+        help="tokens per hash id (vLLM's --timed-trace-chunk-hash-size)",
+        default_text="the format's",
+    )
+    speedup: float = option(
+        1.0, flag="--trace-speedup", help="divide the trace's arrival gaps by this (2: twice as fast)"
+    )
 
     def __post_init__(self) -> None:
-        if self.format not in TRACE_FORMATS:
-            raise ValueError(f"--trace-format {self.format!r}: expected one of {', '.join(TRACE_FORMATS)}")
-        if self.block_size is not None and self.block_size < 1:
-            raise ValueError(f"--trace-block-size must be >= 1, got {self.block_size}")
+        check_options(self)
         if not (self.speedup > 0 and math.isfinite(self.speedup)):
-            raise ValueError(f"--trace-speedup must be a finite number > 0, got {self.speedup}")
+            raise ConfigError("speedup", f"must be a finite number > 0, got {self.speedup}")
         target = Path(self.path)
         if not target.is_file():
             what = (
                 "not a regular file (a folder, FIFO, device or socket)" if target.exists() else "no such file"
             )
-            raise ValueError(f"--trace {self.path!r}: {what}")
+            raise ConfigError("path", f"{self.path!r}: {what}")
 
     @property
     def tokens_per_hash(self) -> int:
@@ -150,7 +171,7 @@ def _row(where: str, number: int, obj: object, block: int, extra: set[str]) -> T
     if len(hash_ids) != need:
         raise ValueError(
             f"{where}: input_length {n} needs ceil({n} / {block}) = {need} hash ids of {block} tokens, "
-            f"got {len(hash_ids)} (set --trace-block-size to the trace's tokens per hash id)"
+            f"got {len(hash_ids)} (set the trace's block_size to its tokens per hash id)"
         )
     return TraceRow(number, float(ts), cast("int", n), cast("int", out), hash_ids)
 
@@ -160,13 +181,13 @@ def _read(path: str, block: int, _stamp: tuple[int, int]) -> tuple[TraceRow, ...
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--trace {path!r}: cannot read it: {exc}") from None
+        raise ValueError(f"{path!r}: cannot read it: {exc}") from None
     rows: list[TraceRow] = []
     extra: set[str] = set()
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        where = f"--trace {path!r} line {number}"
+        where = f"{path!r} line {number}"
         try:
             obj: object = json.loads(line)
         except json.JSONDecodeError as exc:
@@ -179,22 +200,24 @@ def _read(path: str, block: int, _stamp: tuple[int, int]) -> tuple[TraceRow, ...
             )
         rows.append(row)
         if len(rows) > _MAX_ROWS:
-            raise ValueError(f"--trace {path!r}: more than {_MAX_ROWS} rows")
+            raise ValueError(f"{path!r}: more than {_MAX_ROWS} rows")
     if not rows:
-        raise ValueError(f"--trace {path!r}: no rows")
+        raise ValueError(f"{path!r}: no rows")
     if extra:
-        logger.warning("--trace %s: keys not used: %s", path, ", ".join(sorted(extra)))
+        logger.warning("trace %s: keys not used: %s", path, ", ".join(sorted(extra)))
     return tuple(rows)
 
 
 def read_trace(settings: TraceSettings) -> tuple[TraceRow, ...]:
     """Every row of the trace file, checked (module docstring); read once per file version (cached
-    on its path, size and modification time). Raises ValueError naming the file and line."""
+    on its path, size and modification time). Raises ConfigError (field `path`) naming the file and line."""
     try:
         info = os.stat(settings.path)
+        return _read(settings.path, settings.tokens_per_hash, (info.st_size, info.st_mtime_ns))
     except OSError as exc:
-        raise ValueError(f"--trace {settings.path!r}: cannot read it: {exc}") from None
-    return _read(settings.path, settings.tokens_per_hash, (info.st_size, info.st_mtime_ns))
+        raise ConfigError("path", f"{settings.path!r}: cannot read it: {exc}", TraceSettings) from None
+    except ValueError as exc:
+        raise ConfigError("path", str(exc), TraceSettings) from None
 
 
 def trace_offsets_s(rows: Sequence[TraceRow], settings: TraceSettings) -> list[float]:

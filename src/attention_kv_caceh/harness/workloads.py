@@ -52,6 +52,7 @@ from attention_kv_caceh.harness.load import (
 from attention_kv_caceh.harness.records import RequestRecord
 from attention_kv_caceh.harness.server_counters import CounterSnapshot, counter_delta
 from attention_kv_caceh.harness.summary import stats_with_vllm_names
+from attention_kv_caceh.options import ConfigError, check_options, option
 
 __all__ = [
     "WORKLOADS",
@@ -79,32 +80,38 @@ _ROLES = {"user": "user", "human": "user", "assistant": "assistant", "gpt": "ass
 class Workload:
     """`kind` and its settings (`num_prefixes`, `prefix_len`: shared-prefix; `turns`: multi-turn).
 
-    Raises ValueError naming the flag for a value out of range.
+    Raises ConfigError naming the field for a value out of range.
     """
 
-    kind: WorkloadName = "random"
-    num_prefixes: int = 4
-    prefix_len: int = 256
-    turns: int = 4
+    kind: WorkloadName = option(
+        "random",
+        flag="--workload",
+        choices=WORKLOADS,
+        help="random: independent prompts; shared-prefix: one of --num-prefixes shared prefixes of "
+        "--prefix-len words, then --prompt-len words of its own; multi-turn: conversations of --turns "
+        "turns, each sending the whole history (with --dataset: its `conversation` lines replayed); copy: "
+        "repeat a passage of at least --prompt-len words with one change (copy-heavy, where speculative "
+        "decoding pays)",
+    )
+    num_prefixes: int = option(4, help="shared-prefix: how many prefixes", minimum=1)
+    prefix_len: int = option(
+        256, help="shared-prefix: words (one token each with a tokenizer) per prefix", minimum=1
+    )
+    turns: int = option(
+        4, help="multi-turn: turns per conversation; --num-requests must be a multiple", minimum=1
+    )
 
     def __post_init__(self) -> None:
-        if self.kind not in WORKLOADS:
-            raise ValueError(f"--workload {self.kind!r}: expected one of {', '.join(WORKLOADS)}")
-        for flag, value in (
-            ("--num-prefixes", self.num_prefixes),
-            ("--prefix-len", self.prefix_len),
-            ("--turns", self.turns),
-        ):
-            if value < 1:
-                raise ValueError(f"{flag} must be >= 1, got {value}")
+        check_options(self)
 
     def check_requests(self, num_requests: int) -> None:
-        """Raise ValueError when `num_requests` does not fit the workload (multi-turn: a multiple of
-        --turns)."""
+        """Raise ConfigError (naming `num_requests`) when `num_requests` does not fit the workload
+        (multi-turn: a multiple of `turns`)."""
         if self.kind == "multi-turn" and num_requests % self.turns:
-            raise ValueError(
-                f"--num-requests {num_requests}: with --workload multi-turn it must be a multiple of "
-                f"--turns {self.turns} (N / K conversations of K turns)"
+            raise ConfigError(
+                "num_requests",
+                f"{num_requests}: with workload multi-turn it must be a multiple of turns={self.turns} "
+                "(N / K conversations of K turns)",
             )
 
     def describe(self) -> dict[str, Any]:

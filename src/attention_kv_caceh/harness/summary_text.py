@@ -1,15 +1,19 @@
-"""Lines of a harness summary about the server's counters and the workload: one line of the server's
-prefix-cache, preemption and token counters over the run, the speculative-decoding acceptance over it,
-the per-turn table of a multi-turn run, a trace's ideal prefix-hit rate beside the measured one, the
-probes' latencies, and the client's own CPU."""
+"""The text of a harness summary, as `harness` prints it: the fixed-width table of the latency metrics
+(`format_summary`) with the throughput and server lines above it, and the lines about the server's
+counters and the workload below it: one line of the server's prefix-cache, preemption and token counters
+over the run, the speculative-decoding acceptance over it, the per-turn table of a multi-turn run, a
+trace's ideal prefix-hit rate beside the measured one, the probes' latencies, and the client's own CPU."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from attention_kv_caceh.harness.summary import METRIC_NAMES
+
 __all__ = [
     "client_cpu_line",
     "counter_line",
+    "format_summary",
     "per_turn_lines",
     "probe_line",
     "spec_decode_lines",
@@ -160,3 +164,53 @@ def summary_extra_lines(summary: dict[str, Any]) -> list[str]:
     if rows:
         lines += per_turn_lines(rows)
     return lines
+
+
+def _fmt(value: Any, width: int = 9) -> str:
+    if value is None:
+        return f"{'-':>{width}}"
+    if isinstance(value, int):
+        return f"{value:>{width}d}"
+    return f"{float(value):>{width}.2f}"
+
+
+def _server_peaks(summary: dict[str, Any]) -> str:
+    """The server's peaks, or why there are none (not polled, or too few /metrics samples)."""
+    samples = summary.get("server_metrics_samples")
+    running, waiting = summary.get("peak_server_running"), summary.get("peak_server_waiting")
+    if running is None and waiting is None and samples is not None:
+        return f"peak server running/waiting: not reported (only {samples} /metrics samples: too few)"
+    return (
+        f"peak server running: {_fmt(running, 0)}   peak server waiting: {_fmt(waiting, 0)}   "
+        f"(server: {summary.get('server_metrics_source') or 'not polled'})"
+    )
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The summary as a fixed-width text table (ms), with throughput and server lines above it and
+    `summary_extra_lines` below it."""
+    lines = [
+        f"requests: {summary['completed']} ok, {summary['failed']} failed "
+        f"{summary['failures'] or ''}".rstrip(),
+        f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
+        f"   output tokens/s: {summary['output_throughput']:.1f}"
+        f"   total tokens/s: {summary['total_token_throughput']:.1f}",
+        f"peak client in-flight: {_fmt(summary['max_client_in_flight'], 0)}   " + _server_peaks(summary),
+    ]
+    if summary.get("request_goodput") is not None:
+        lines.append(
+            f"goodput: {summary['request_goodput']:.2f} req/s "
+            f"({summary['good_requests']} of {summary['completed']} meet {summary['goodput_slo_ms']})"
+        )
+    lines += [f"warning: {w}" for w in summary.get("warnings", [])]
+    header = f"{'metric (ms)':<26}{'count':>7}" + "".join(
+        f"{h:>9}" for h in ("mean", "p50", "p90", "p95", "p99", "min", "max", "stdev")
+    )
+    lines += [header, "-" * len(header)]
+    for metric, label in METRIC_NAMES.items():
+        cells = [
+            summary[f"{prefix}_{metric}_ms"]
+            for prefix in ("mean", "median", "p90", "p95", "p99", "min", "max", "std")
+        ]
+        lines.append(f"{label:<26}{summary[f'count_{metric}']:>7d}" + "".join(_fmt(c) for c in cells))
+    return "\n".join(lines + summary_extra_lines(summary))
