@@ -28,6 +28,7 @@ from attention_kv_caceh.cli import main, serve
 from attention_kv_caceh.cli.common import UsageError
 from attention_kv_caceh.engine.async_llm import AsyncLLM
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.entrypoints import launcher
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.engine_fakes import CharTokenizer, expected_text, make_text_core, wait_for
 
@@ -92,7 +93,7 @@ class ServeCliTest(unittest.TestCase):
             "--kv-cache-memory 1000000000000000": ["--kv-cache-memory", str(10**15)],
             "--num-kv-blocks 1000000000000": ["--num-kv-blocks", str(10**12)],
             "--max-num-seqs": ["--max-num-seqs", "9", "--max-num-batched-tokens", "4"],
-            "--max-request-bytes-in-flight 999": [
+            "--max-request-bytes-in-flight: 999": [
                 *("--max-request-bytes", "1000", "--max-request-bytes-in-flight", "999"),
             ],
         }
@@ -293,19 +294,19 @@ class ServeChildTest(unittest.TestCase):
         self.assertEqual(proc.returncode, 2, err)
         self.assertIn("--port", err)
         self.assertNotIn("Traceback", err)
-        self.assertEqual(serve.url_of("::1", 8793), "http://[::1]:8793")
-        self.assertEqual(serve.url_of("127.0.0.1", 8793), "http://127.0.0.1:8793")
+        self.assertEqual(launcher.url_of("::1", 8793), "http://[::1]:8793")
+        self.assertEqual(launcher.url_of("127.0.0.1", 8793), "http://127.0.0.1:8793")
         for host, loopback in (("127.0.0.1", True), ("127.3.0.1", True), ("::1", True), ("localhost", True)):
-            self.assertIs(serve.is_loopback(host), loopback)
+            self.assertIs(launcher.is_loopback(host), loopback)
         for host in ("0.0.0.0", "::", "192.168.1.5", "example.org"):
-            self.assertFalse(serve.is_loopback(host))
+            self.assertFalse(launcher.is_loopback(host))
 
     def test_a_non_loopback_host_without_an_api_key_warns_on_stderr(self) -> None:
         out = io.StringIO()
         err = io.StringIO()
         args = parse(["--model", str(self.model), "--host", "0.0.0.0", "--port", "0"])
         with (
-            mock.patch.object(serve, "_DrainingServer") as server,
+            mock.patch.object(launcher, "DrainingServer") as server,
             mock.patch.object(AsyncLLM, "from_checkpoint") as loader,
             contextlib.redirect_stdout(out),
             contextlib.redirect_stderr(err),
@@ -315,10 +316,6 @@ class ServeChildTest(unittest.TestCase):
             self.assertEqual(serve.run(args), 0)
         self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
         self.assertIn("warning: listening on 0.0.0.0", err.getvalue())
-
-
-if __name__ == "__main__":
-    unittest.main()
 
 
 class ListeningSocketTest(unittest.TestCase):
@@ -333,7 +330,7 @@ class ListeningSocketTest(unittest.TestCase):
                 accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
                 writer.close()
 
-            listener = serve._listen("127.0.0.1", 0)  # pyright: ignore[reportPrivateUsage]
+            listener = launcher.listen("127.0.0.1", 0)
             server = await asyncio.start_server(handle, sock=listener)
             port = listener.getsockname()[1]
             _, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -344,3 +341,7 @@ class ListeningSocketTest(unittest.TestCase):
             return nodelay
 
         self.assertNotEqual(asyncio.run(go()), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import re
+import shlex
 import sys
 import unittest
 from pathlib import Path
@@ -155,6 +156,28 @@ class RequestWalkTest(unittest.TestCase):
                     self.assertTrue(hasattr(obj, part), f"{file} has no {attribute}")
                     obj = getattr(obj, part)
                 self.assertTrue(callable(obj))
+
+
+class ReadmeTourTest(unittest.TestCase):
+    def test_every_tour_command_parses_and_the_trace_row_reads_its_trace(self) -> None:
+        """Each command of the README's tour is one a reader can paste: its flags parse (a required one
+        is given), and the trace row's file is read with the block size it states."""
+        from attention_kv_caceh.cli import SUBCOMMANDS, build_parser
+        from attention_kv_caceh.cli import harness as harness_cli
+
+        text = (ROOT / "README.md").read_text(encoding="utf-8")
+        tour = text[text.index("## A tour") :].split("\n\n")[2]
+        commands = [re.findall(r"`([^`]+)`", row.split("|")[1])[0] for row in tour.splitlines()[2:]]
+        self.assertGreaterEqual(len(commands), 10)
+        for command in commands:
+            argv = shlex.split(command)
+            if "..." in argv:  # a row that names a flag's value for the reader to choose
+                continue
+            with self.subTest(command=command):
+                name = argv[0] if argv[0] in SUBCOMMANDS else ""
+                args = build_parser(name).parse_args(argv[1:] if name else argv)
+                if name == "harness":
+                    self.assertGreater(harness_cli.config_from_args(args).num_requests, 0)
 
 
 if __name__ == "__main__":

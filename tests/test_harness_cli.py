@@ -127,6 +127,7 @@ class CliTest(unittest.TestCase):
             "--prompt-len=8:2": "'8:2'",
             "--concurrency=0": "0",
             "--num-requests=-3": "-3",
+            "--num-requests=0": "0",  # refused, not read as "not given" (16 requests, or the trace's rows)
             "--request-rate=-1": "-1",
             "--burstiness=0": "0",
             "--seed=-1": "-1",

@@ -102,6 +102,12 @@ class ServeConfig:
             raise ConfigError("api_key", _API_KEY_REFUSED)
         if not math.isfinite(self.drain_timeout):
             raise ConfigError("drain_timeout", f"must be a finite number, got {self.drain_timeout}")
+        if self.bytes_in_flight < self.max_request_bytes:
+            raise ConfigError(
+                "max_request_bytes_in_flight",
+                f"{self.bytes_in_flight} is below --max-request-bytes {self.max_request_bytes}: a body of "
+                "the largest size could never be served",
+            )
 
     @property
     def bytes_in_flight(self) -> int:

@@ -3,10 +3,6 @@
 - `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
 - `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
   not be written); `main` prints one line and exits 1. Files already written stay complete.
-- flag types (`positive_int`, `nonnegative_int`, `nonnegative_float`, `seed_int`) for argparse's
-  `type=` of the commands whose flags are not option fields (`cli/flags.py` builds those).
-- `output_file(".csv")`: the argparse type of every output flag: refuses an empty path and a wrong
-  suffix while parsing, so no side-file name is ever derived from a bad path.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
 - `check_side_files`: a file written beside the raw file never replaces another run's raw file.
 - `check_markdown_file`: the `<stem>.md` written beside the raw file never replaces a Markdown file
@@ -22,10 +18,9 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,8 +29,6 @@ from attention_kv_caceh.files import (
     check_output_path,
     markdown_path,
     meta_path,
-    output_path,
-    path_problem,
 )
 
 __all__ = [
@@ -48,11 +41,6 @@ __all__ = [
     "check_markdown_file",
     "check_outputs",
     "check_side_files",
-    "nonnegative_float",
-    "nonnegative_int",
-    "output_file",
-    "output_folder",
-    "positive_int",
     "stdout_closed",
     "warn_if_blas_unpinned",
 ]
@@ -101,89 +89,6 @@ def warn_if_blas_unpinned(hint: str = "") -> None:
             f"OMP_NUM_THREADS=1{hint}); timings may vary with thread count",
             file=sys.stderr,
         )
-
-
-# ------------------------------------------------------------------------------------ flag types
-
-
-def _int(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    value = _int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    """argparse type: an integer >= 0."""
-    value = _int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def seed_int(text: str) -> int:
-    """argparse type: an engine request's seed, an integer in [0, 2**63 - 1] (what `serve` accepts for
-    `seed`, vLLM's signed 64-bit range without its negative half)."""
-    value = nonnegative_int(text)
-    if value > 2**63 - 1:
-        raise argparse.ArgumentTypeError(f"must be <= {2**63 - 1} (64-bit), got {value}")
-    return value
-
-
-def _finite_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
-    return value
-
-
-def nonnegative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = _finite_float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-# ------------------------------------------------------------------------------------ output paths
-
-
-def output_file(*suffixes: str) -> Callable[[str], Path]:
-    """argparse type factory for an output file flag: `type=output_file(".csv")`: `files.output_path`,
-    its ValueError ("empty path", a wrong suffix) an argparse.ArgumentTypeError naming the flag (exit 2)."""
-    parse = output_path(*suffixes)
-
-    def convert(text: str) -> Path:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = "output file"  # argparse's fallback message names the type
-    return convert
-
-
-def output_folder(text: str) -> Path:
-    """argparse type of an output folder flag (`--out-dir`): refuses "" ("empty path", which would
-    silently mean the current folder) with argparse.ArgumentTypeError (exit 2, naming the flag)."""
-    problem = path_problem(text)
-    if problem is not None:
-        raise argparse.ArgumentTypeError(problem)
-    return Path(text)
-
-
-output_folder.__name__ = "output folder"  # argparse's fallback message names the type
 
 
 def stdout_closed() -> None:

@@ -127,7 +127,9 @@ def config_from_args(args: argparse.Namespace, **values: Any) -> HarnessConfig:
     base_url = harness_engine.check_usage(args)  # the engine's own URL replaces it once it serves
     trace = _trace(args)
     try:
-        count = args.num_requests or (len(read_trace(trace)) if trace is not None else DEFAULT_NUM_REQUESTS)
+        count = args.num_requests
+        if count is None:  # 0 is given, and refused by HarnessConfig
+            count = len(read_trace(trace)) if trace is not None else DEFAULT_NUM_REQUESTS
     except ValueError as exc:
         raise flags.usage_error(TraceSettings, exc) from None
     given = argparse.Namespace(**{k: v for k, v in vars(args).items() if v is not None})

@@ -20,24 +20,14 @@ SIGKILL). A dead engine core makes /health answer 503 and new requests 503. Also
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import gc
-import ipaddress
 import os
-import signal
-import socket
 import sys
-import threading
-from collections.abc import Generator
-from types import FrameType
 from typing import TYPE_CHECKING
-
-import uvicorn
 
 from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
 from attention_kv_caceh.serve_args import ServeConfig
 
 if TYPE_CHECKING:
@@ -57,21 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser.add_argument_group("server"), ServeConfig, exclude=(*_LISTEN, "engine_core_cpu"))
 
 
-def is_loopback(host: str) -> bool:
-    """True for "localhost" and the loopback addresses (127.0.0.0/8, ::1); False for any other host."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
-
-
-def url_of(host: str, port: int) -> str:
-    """`http://HOST:PORT`, an IPv6 address in brackets (RFC 3986's IP-literal)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def _api_key(var: str | None) -> str | None:
     if var is None:
         return None
@@ -79,22 +54,6 @@ def _api_key(var: str | None) -> str | None:
     if not key:
         raise UsageError(f"--api-key-env {var}: the environment variable is not set or empty")
     return key
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening
-    # socket says TCP explicitly; with Nagle on, each streamed chunk on a reused connection waited for
-    # the client's delayed ACK (about 40 ms).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise UsageError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    return sock
 
 
 def run(args: argparse.Namespace) -> int:
@@ -115,18 +74,15 @@ def run(args: argparse.Namespace) -> int:
     fix_mmap_threshold()
     serve = config_from_args(ServeConfig, args)
     api_key = _api_key(serve.api_key_env)
-    in_flight = serve.bytes_in_flight
-    if in_flight < serve.max_request_bytes:
-        raise UsageError(
-            f"--max-request-bytes-in-flight {in_flight}: below --max-request-bytes "
-            f"{serve.max_request_bytes}, a body of the largest size could never be served"
-        )
     plan = plan_engine(serve.model, engine_config_kwargs(args))  # generate's checks: exit 2, no weights read
     spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(serve.engine_core_cpu)
     name = plan.source.name if serve.served_model_name is None else serve.served_model_name
-    sock = _listen(serve.host, serve.port)
+    try:
+        sock = listen(serve.host, serve.port)
+    except OSError as exc:
+        raise UsageError(f"cannot listen on {serve.host}:{serve.port}: {exc.strerror or exc}") from None
     llm: AsyncLLM | None = None
     try:
         try:
@@ -150,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
             chat_template=chat_template,
             drain_timeout_s=serve.drain_timeout,
             max_request_bytes=serve.max_request_bytes,
-            max_request_bytes_in_flight=in_flight,
+            max_request_bytes_in_flight=serve.bytes_in_flight,
             max_logprobs=serve.max_logprobs,
             max_seqs_per_request=serve.max_seqs_per_request,
             kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
@@ -161,13 +117,6 @@ def run(args: argparse.Namespace) -> int:
             },
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
         )
-        # vLLM's freeze_gc_heap: what startup built (modules, the app, the tokenizer) lives as long as the
-        # server, so the collector's oldest generation need not traverse it; a full collection stops
-        # every stream on the event loop for as long as it traverses (unfrozen when serving ends)
-        gc.collect()
-        gc.freeze()
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
-        port = sock.getsockname()[1]
         if not is_loopback(serve.host) and api_key is None:
             print(
                 f"{PROG} serve: warning: listening on {serve.host}, not a loopback address, without "
@@ -175,12 +124,12 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        server = _DrainingServer(config, llm, serve.drain_timeout)
-        with server.draining_on_signals():  # before the announcement: a SIGTERM right after it drains
+
+        def announce(port: int) -> None:
             print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
-            asyncio.run(server.serve(sockets=[sock]))
+
+        serve_http(app, llm, sock, serve.drain_timeout, announce)
     finally:
-        gc.unfreeze()  # a caller in the same process (a test) is not left with a frozen heap
         sock.close()
         if llm is not None:
             llm.client.close()  # idempotent: the core is already stopped after a drain
@@ -197,52 +146,6 @@ def _core_cpu(cpu: int | None) -> int | None:
     if cpu not in allowed:
         raise UsageError(f"--engine-core-cpu {cpu}: not one of the CPUs this process may use {allowed}")
     return cpu
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn's Server that drains the engine before it closes the connections.
-
-    Ctrl-C / SIGTERM: stop accepting, drain AsyncLLM (running requests get `drain_timeout_s`, the rest end
-    with a finish_reason "abort" chunk and `[DONE]`), then uvicorn's own shutdown closes the connections
-    that are now complete (no stream is cancelled mid-write). Its signal handlers return instead of
-    re-raising the signal after the shutdown (which would end the process by the signal, not exit 0).
-    """
-
-    def __init__(self, config: uvicorn.Config, llm: AsyncLLM, drain_timeout_s: float) -> None:
-        super().__init__(config)
-        self.llm = llm
-        self.drain_timeout_s = drain_timeout_s
-
-    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        for server in self.servers:
-            server.close()
-        await self.llm.shutdown(self.drain_timeout_s)
-        await super().shutdown(sockets)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None]:
-        yield  # `draining_on_signals` installed the handlers before the URL was announced
-
-    @contextlib.contextmanager
-    def draining_on_signals(self) -> Generator[None]:
-        """Ctrl-C / SIGTERM start the drain (uvicorn's should_exit) while the block runs."""
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach the main thread only
-            return
-
-        def handle(signum: int, frame: FrameType | None) -> None:
-            # A second signal during the drain is ignored: `uv run` and `timeout` forward a SIGTERM the
-            # process group already got, and uvicorn's force exit would skip the drain. The drain is
-            # bounded by --drain-timeout anyway.
-            self.should_exit = True
-
-        signals = (signal.SIGINT, signal.SIGTERM)
-        previous = {sig: signal.signal(sig, handle) for sig in signals}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
