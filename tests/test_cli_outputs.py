@@ -14,9 +14,9 @@ from pathlib import Path
 from unittest import mock
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.cli.common import MARKDOWN_HEADINGS
 from attention_kv_caceh.experiments import cache_growth, scan_run
 from attention_kv_caceh.files import check_output_path
+from attention_kv_caceh.report.readers import LAB_MARKDOWN_HEADINGS
 
 
 def quietly(argv: list[str]) -> tuple[int, str, str]:
@@ -239,7 +239,7 @@ class MarkdownBesideTheCsvTest(OutputFlagTestCase):
                 csv = f"{command}/a.csv"
                 self.assertEqual(self.run_command(command, csv)[0], 0)
                 written = (self.dir / command / "a.md").read_text(encoding="utf-8")
-                self.assertTrue(written.startswith(MARKDOWN_HEADINGS), written.splitlines()[0])
+                self.assertTrue(written.startswith(LAB_MARKDOWN_HEADINGS), written.splitlines()[0])
                 self.assertIn("`a.csv`", written.splitlines()[0])
                 (self.dir / command / "a.md").write_text(written + "\nstale line\n", encoding="utf-8")
                 self.assertEqual(self.run_command(command, csv)[0], 0)

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import asdict
 from pathlib import Path
 
 from attention_kv_caceh.cli.common import (
     PROG,
-    UsageError,
     check_markdown_file,
+    check_memory,
     check_outputs,
     check_side_files,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cli.flags import add_shaped_options, config_from_args, shaped_config
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
     estimate_run_bytes,
@@ -36,9 +35,7 @@ from attention_kv_caceh.experiments.cache_run import (
     cache_side_paths,
     record_cache_growth,
 )
-from attention_kv_caceh.experiments.shape import ShapeOptions
 from attention_kv_caceh.files import atomic_write_text
-from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.recorder import RunRecorder
 from attention_kv_caceh.report.cache_text import (
     cache_live_markdown,
@@ -59,19 +56,15 @@ CACHE_DEFAULTS = CacheGrowthConfig()
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `cache`: the fields of CacheOptions, CacheGrowthConfig and ShapeOptions."""
     d = CACHE_DEFAULTS
-    add_options(parser, CacheOptions, only=("csv",))
-    add_options(parser, CacheGrowthConfig, only=("steps", "batch_size"))
-    add_options(parser, ShapeOptions, default_texts=ShapeOptions.default_texts(d.num_heads, d.head_dim))
-    add_options(parser, CacheGrowthConfig, exclude=("steps", "batch_size"))
-    add_options(parser, CacheOptions, exclude=("csv",))
+    add_shaped_options(
+        parser, CacheGrowthConfig, CacheOptions, ("steps", "batch_size"), d.num_heads, d.head_dim
+    )
 
 
 def cache_config(args: argparse.Namespace) -> CacheGrowthConfig:
-    """The validated config; the shape from `presets.resolve_shape` (explicit flags win). Raises
-    UsageError naming the flag for a value the config rejects (--steps below 2: its flag's parse)."""
-    d = CACHE_DEFAULTS
-    shape = config_from_args(ShapeOptions, args).resolve(d.num_heads, d.head_dim)
-    return config_from_args(CacheGrowthConfig, args, ShapeOptions, **asdict(shape))
+    """The validated config (`flags.shaped_config`). Raises UsageError naming the flag for a value the
+    config rejects (--steps below 2: its flag's parse)."""
+    return shaped_config(CacheGrowthConfig, args, CACHE_DEFAULTS.num_heads, CACHE_DEFAULTS.head_dim)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,15 +74,12 @@ def run(args: argparse.Namespace) -> int:
     machine's memory, before any file is touched."""
     config, options = cache_config(args), config_from_args(CacheOptions, args)
     side = check_cache_outputs(options.csv, options.plot)
-    try:
-        check_memory(
-            estimate_run_bytes(config),
-            f"this run (N={config.steps}, B={config.batch_size}, H={config.num_heads}, "
-            f"H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}, {config.repeats} repeats)",
-            "--steps, --batch-size, --num-heads, --num-kv-heads, --head-dim or --repeats",
-        )
-    except MemoryBudgetError as exc:
-        raise UsageError(str(exc)) from None
+    check_memory(
+        estimate_run_bytes(config),
+        f"this run (N={config.steps}, B={config.batch_size}, H={config.num_heads}, "
+        f"H_kv={config.num_kv_heads}, D={config.head_dim}, {config.dtype}, {config.repeats} repeats)",
+        "--steps, --batch-size, --num-heads, --num-kv-heads, --head-dim or --repeats",
+    )
     card = kv_size_card(config)
     print("\n".join(setup_lines(config, card)))
     warn_if_blas_unpinned()

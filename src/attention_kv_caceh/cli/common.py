@@ -1,8 +1,9 @@
-"""What every subcommand of `attention-kv-caceh` shares: errors, flag types, output checks, warnings.
+"""What every subcommand of `attention-kv-caceh` shares: errors, output checks, warnings, the help format.
 
 - `UsageError`: bad input, found before any file is touched; `main` prints one line and exits 2.
 - `CommandFailed`: a failure after work started (an oracle mismatch, a failed request, a file that could
   not be written); `main` prints one line and exits 1. Files already written stay complete.
+- `check_memory`: the memory estimate of a run, too large a UsageError.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
 - `check_side_files`: a file written beside the raw file never replaces another run's raw file.
 - `check_markdown_file`: the `<stem>.md` written beside the raw file never replaces a Markdown file
@@ -32,13 +33,13 @@ from attention_kv_caceh.files import (
 )
 
 __all__ = [
-    "MARKDOWN_HEADINGS",
     "PROG",
     "CommandFailed",
     "HelpFormatter",
     "OneLineParser",
     "UsageError",
     "check_markdown_file",
+    "check_memory",
     "check_outputs",
     "check_side_files",
     "stdout_closed",
@@ -103,6 +104,17 @@ def stdout_closed() -> None:
         pass
 
 
+def check_memory(needed: int, what: str, lower: str) -> None:
+    """`memory.check_memory`, whose MemoryBudgetError (a run too large for this machine, both sizes and
+    the flags that lower it in its message) is here a UsageError: exit 2 before any file is touched."""
+    from attention_kv_caceh import memory
+
+    try:
+        memory.check_memory(needed, what, lower)
+    except memory.MemoryBudgetError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def check_outputs(
     outputs: Iterable[tuple[str, str | os.PathLike[str] | None, tuple[str, ...]]],
     inputs: Iterable[tuple[str, str | os.PathLike[str] | None]] = (),
@@ -136,32 +148,6 @@ def check_outputs(
         raise UsageError(str(exc)) from None
 
 
-def _raw_headers() -> set[tuple[str, ...]]:
-    """The headers of every raw CSV the commands write (scan samples, cache steps and memory, views)."""
-    from attention_kv_caceh.experiments.cache_growth_stats import CacheMemoryRow, CacheStepSample
-    from attention_kv_caceh.experiments.scan import SAMPLE_FIELDS
-    from attention_kv_caceh.experiments.views import VIEW_TABLE_COLUMNS
-
-    return {
-        SAMPLE_FIELDS,
-        tuple(CacheStepSample.__dataclass_fields__),
-        tuple(CacheMemoryRow.__dataclass_fields__),
-        VIEW_TABLE_COLUMNS,
-    }
-
-
-def _header(path: Path) -> tuple[str, ...]:
-    """The first CSV row of `path` (empty when unreadable or empty)."""
-    import csv
-
-    try:
-        with path.open(encoding="utf-8", newline="") as f:
-            rows = list(csv.reader([f.readline()]))
-    except (OSError, UnicodeDecodeError):
-        return ()
-    return tuple(rows[0]) if rows else ()
-
-
 def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None:
     """Refuse to replace another run's raw file with a file written beside this run's raw file.
 
@@ -170,10 +156,11 @@ def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None
     is another run's raw file, and UsageError names `flag`, the file and why, when
     - a `.meta.json` sits beside it and the command does not write that metadata itself (only raw
       files have metadata beside them), or
-    - its header is a raw file's header (`_raw_headers`) other than the one the command writes there.
+    - its header is a raw file's (`report.readers.raw_kind_of_file`) other than the one written there.
     A side file of an earlier run of the same command (same --csv) is replaced, as before.
     """
-    raw_headers: set[tuple[str, ...]] | None = None
+    from attention_kv_caceh.report.readers import classify_header, raw_kind_of_file
+
     for path, header in side_files.items():
         if not path.is_file():
             continue
@@ -181,9 +168,8 @@ def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None
         if meta not in side_files and meta.is_file():
             why = f"{meta} is beside it"
         else:
-            raw_headers = _raw_headers() if raw_headers is None else raw_headers
-            found = _header(path)
-            if found == header or found not in raw_headers:
+            found = raw_kind_of_file(path)
+            if found is None or found == classify_header(header):
                 continue
             why = "its header is a raw file's header"
         raise UsageError(
@@ -192,28 +178,18 @@ def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None
         )
 
 
-# How the first line of every Markdown file a lab command writes beside its raw CSV begins: the heading
-# of its section (`report.sections`: scan, cache growth, views).
-MARKDOWN_HEADINGS = ("### Batch-size scan: `", "### KV-cache growth: `", "### View/copy table: `")
-
-
 def check_markdown_file(flag: str, csv_path: str | os.PathLike[str]) -> None:
     """Refuse to replace a Markdown file beside the raw CSV that no lab command wrote.
 
     The command writes its section to `files.markdown_path(csv_path)` (`results/x.csv` ->
-    `results/x.md`). When that file exists and its first line does not begin with one of
-    MARKDOWN_HEADINGS (a user's notes, an empty or unreadable file), UsageError names `flag` and the
-    file. A Markdown file of an earlier lab run is replaced, as before. Nothing is written.
+    `results/x.md`). When that file exists and a lab command did not write it
+    (`report.readers.written_by_lab`: a user's notes, an empty or unreadable file), UsageError names
+    `flag` and the file. A Markdown file of an earlier lab run is replaced, as before. Nothing is written.
     """
+    from attention_kv_caceh.report.readers import written_by_lab
+
     path = markdown_path(csv_path)
-    if not path.is_file():
-        return
-    try:
-        with path.open(encoding="utf-8") as f:
-            first = f.readline(200)
-    except (OSError, UnicodeDecodeError):
-        first = ""
-    if not first.startswith(MARKDOWN_HEADINGS):
+    if path.is_file() and not written_by_lab(path):
         raise UsageError(
             f"{flag}: {str(path)!r} exists and was not written by a lab command (its first line is not "
             f"a section heading they write), and this run would replace it; choose another {flag} or "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.cli.common import UsageError, check_memory
 from attention_kv_caceh.cli.flags import Target, add_options, usage_error
 from attention_kv_caceh.engine.config import MODEL_HELP, EngineConfig
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
@@ -125,7 +125,6 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model_runner import ModelRunner
     from attention_kv_caceh.engine.tokenizer import Tokenizer
-    from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 
     source = model_source(model_flag)
     try:
@@ -159,15 +158,13 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         flag = "the default KV cache size"
     try:
         num_blocks = config.num_blocks_for(bytes_per_block)
-        check_memory(
-            num_blocks * bytes_per_block,
-            f"{flag}: a KV cache of {num_blocks} blocks of {bytes_per_block} bytes",
-            "--kv-cache-memory or --num-kv-blocks",
-        )
-    except MemoryBudgetError as exc:
-        raise UsageError(str(exc)) from None
     except ValueError as exc:
         raise UsageError(f"{flag}: {exc}") from None
+    check_memory(
+        num_blocks * bytes_per_block,
+        f"{flag}: a KV cache of {num_blocks} blocks of {bytes_per_block} bytes",
+        "--kv-cache-memory or --num-kv-blocks",
+    )
     engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None)
     return EnginePlan(
         engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 from attention_kv_caceh.cli.common import UsageError
 from attention_kv_caceh.options import ConfigError, Option, flag_of, option_fields
 
-__all__ = ["add_options", "config_from_args", "usage_error"]
+__all__ = ["add_options", "add_shaped_options", "config_from_args", "shaped_config", "usage_error"]
 
 T = TypeVar("T")
 
@@ -153,3 +153,28 @@ def config_from_args(
         return cls(**kwargs)
     except ValueError as exc:
         raise usage_error(cls, exc, *owners) from None
+
+
+def add_shaped_options(
+    parser: Target, config: type, options: type, lead: tuple[str, ...], num_heads: int, head_dim: int
+) -> None:
+    """The flags of a lab command over a model's attention shape (the scan, cache), in --help's order:
+    `options`' --csv, `config`'s `lead` fields, the shape (`ShapeOptions`, whose help shows the command's
+    defaults `num_heads` and `head_dim`), then the rest of `config`'s fields and of `options`'."""
+    from attention_kv_caceh.experiments.shape import ShapeOptions
+
+    add_options(parser, options, only=("csv",))
+    add_options(parser, config, only=lead)
+    add_options(parser, ShapeOptions, default_texts=ShapeOptions.default_texts(num_heads, head_dim))
+    add_options(parser, config, exclude=lead)
+    add_options(parser, options, exclude=("csv",))
+
+
+def shaped_config(cls: type[T], args: argparse.Namespace, num_heads: int, head_dim: int) -> T:
+    """The validated `cls` (ScanConfig, CacheGrowthConfig) of parsed flags, its shape resolved by
+    `ShapeOptions.resolve` (explicit flags, then the --model preset, then the command's `num_heads` and
+    `head_dim`). Raises UsageError naming the flag of a value either refuses."""
+    from attention_kv_caceh.experiments.shape import ShapeOptions
+
+    shape = config_from_args(ShapeOptions, args).resolve(num_heads, head_dim)
+    return config_from_args(cls, args, ShapeOptions, **dataclasses.asdict(shape))

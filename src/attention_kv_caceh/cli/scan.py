@@ -20,25 +20,22 @@ import json
 import os
 import sys
 from contextlib import nullcontext
-from dataclasses import asdict
 
 from attention_kv_caceh.cli.common import (
     PROG,
-    UsageError,
     check_markdown_file,
+    check_memory,
     check_outputs,
     check_side_files,
     warn_if_blas_unpinned,
 )
-from attention_kv_caceh.cli.flags import add_options, config_from_args, usage_error
+from attention_kv_caceh.cli.flags import add_shaped_options, config_from_args, shaped_config, usage_error
 from attention_kv_caceh.experiments.prediction import UserPrediction
 from attention_kv_caceh.experiments.scan import ScanConfig, build_inputs, estimate_scan_bytes
 from attention_kv_caceh.experiments.scan_impls import IMPLS, resolve_impls
 from attention_kv_caceh.experiments.scan_run import ScanOptions, ScanRun, record_scan
 from attention_kv_caceh.experiments.scan_stats import SUMMARY_FIELDS
-from attention_kv_caceh.experiments.shape import ShapeOptions
 from attention_kv_caceh.files import atomic_write_text, markdown_path, meta_path
-from attention_kv_caceh.memory import MemoryBudgetError, check_memory
 from attention_kv_caceh.options import ConfigError
 from attention_kv_caceh.recorder import RunRecorder
 from attention_kv_caceh.report.scan_text import (
@@ -62,22 +59,14 @@ _DEFAULTS = ScanConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of the batch-size scan: the fields of ScanOptions, ScanConfig and ShapeOptions."""
-    add_options(parser, ScanOptions, only=("csv",))
-    add_options(parser, ScanConfig, only=("batch_sizes", "seq_len"))
-    add_options(
-        parser,
-        ShapeOptions,
-        default_texts=ShapeOptions.default_texts(_DEFAULTS.num_heads, _DEFAULTS.head_dim),
-    )
-    add_options(parser, ScanConfig, exclude=("batch_sizes", "seq_len"))
-    add_options(parser, ScanOptions, exclude=("csv",))
+    d = _DEFAULTS
+    add_shaped_options(parser, ScanConfig, ScanOptions, ("batch_sizes", "seq_len"), d.num_heads, d.head_dim)
 
 
 def scan_config(args: argparse.Namespace) -> ScanConfig:
-    """The validated ScanConfig of parsed flags (the shape resolved: explicit flags, then the preset).
-    Raises UsageError naming the flag for a value the config rejects."""
-    shape = config_from_args(ShapeOptions, args).resolve(_DEFAULTS.num_heads, _DEFAULTS.head_dim)
-    return config_from_args(ScanConfig, args, ShapeOptions, **asdict(shape))
+    """The validated ScanConfig of parsed flags (`flags.shaped_config`). Raises UsageError naming the
+    flag for a value the config rejects."""
+    return shaped_config(ScanConfig, args, _DEFAULTS.num_heads, _DEFAULTS.head_dim)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,15 +81,12 @@ def run(args: argparse.Namespace) -> int:
         user = options.user_prediction(config.batch_sizes)
     except ConfigError as exc:
         raise usage_error(ScanOptions, exc) from None
-    try:
-        check_memory(
-            estimate_scan_bytes(config, len(IMPLS) if options.impl == "all" else 1),
-            f"this scan (B={max(config.batch_sizes)}, T={config.seq_len}, {config.repeats} repeats, "
-            f"H_kv={config.num_kv_heads}, D={config.head_dim})",
-            "--batch-sizes, --seq-len or --repeats",
-        )
-    except MemoryBudgetError as exc:
-        raise UsageError(str(exc)) from None
+    check_memory(
+        estimate_scan_bytes(config, len(IMPLS) if options.impl == "all" else 1),
+        f"this scan (B={max(config.batch_sizes)}, T={config.seq_len}, {config.repeats} repeats, "
+        f"H_kv={config.num_kv_heads}, D={config.head_dim})",
+        "--batch-sizes, --seq-len or --repeats",
+    )
     csv = options.csv
     beside = f"--csv {str(csv)!r}: the file beside it"
     side = (options.summary_csv, meta_path(csv), markdown_path(csv))

@@ -32,6 +32,7 @@ __all__ = [
     "DERIVED",
     "IDENTITY",
     "KINDS",
+    "LAB_MARKDOWN_HEADINGS",
     "OPTIONAL_COLUMNS",
     "RECORDED_KINDS",
     "SLOT",
@@ -39,7 +40,9 @@ __all__ = [
     "kind_of",
     "parse_csv",
     "parse_rows",
+    "raw_kind_of_file",
     "run_key",
+    "written_by_lab",
 ]
 
 
@@ -176,6 +179,35 @@ def kind_of(header: Sequence[str], meta: Mapping[str, Any] | None) -> tuple[str 
         shown = ", ".join(header) or "(empty)"
         return None, f"its metadata records kind {recorded!r}, but its header is not a {kind} CSV's: {shown}"
     return kind, None
+
+
+def raw_kind_of_file(path: Path) -> str | None:
+    """The raw kind (a key of KINDS) of the CSV at `path` told by its first line (`classify_header`), or
+    None: not a raw CSV (a summary, another file), empty, or unreadable. What `cli.common.check_side_files`
+    asks before a file beside a raw CSV is replaced."""
+    try:
+        with path.open(encoding="utf-8", newline="") as f:
+            rows = list(csv.reader([f.readline()]))
+    except (OSError, UnicodeDecodeError):
+        return None
+    kind = classify_header(rows[0]) if rows else None
+    return kind if kind in KINDS else None
+
+
+# How the first line of every Markdown file a lab command writes beside its raw CSV begins: the heading
+# of its section (`sections.py`: scan, cache growth; `views.py`: the view/copy table).
+LAB_MARKDOWN_HEADINGS = ("### Batch-size scan: `", "### KV-cache growth: `", "### View/copy table: `")
+
+
+def written_by_lab(path: Path) -> bool:
+    """True when the Markdown file at `path` begins with one of LAB_MARKDOWN_HEADINGS (a lab command
+    wrote it); False for any other file (a user's notes, an empty or unreadable one)."""
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = f.readline(200)
+    except (OSError, UnicodeDecodeError):
+        return False
+    return first.startswith(LAB_MARKDOWN_HEADINGS)
 
 
 # -------------------------------------------------------------------------------------- one value
