@@ -149,18 +149,11 @@ def _core_cpu(cpu: int | None) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m attention_kv_caceh.cli.serve`: parse, run, map errors to exit codes (2 usage, 1 failure)."""
-    parser = argparse.ArgumentParser(prog="attention-kv-caceh serve", description=HELP)
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as exc:
-        print(f"attention-kv-caceh serve: error: {exc}", file=sys.stderr)
-        return 2
-    except (CommandFailed, OSError) as exc:
-        print(f"attention-kv-caceh serve: error: {exc}", file=sys.stderr)
-        return 1
+    """`python -m attention_kv_caceh.cli.serve ARGS`: the same as `attention-kv-caceh serve ARGS` (one
+    parser, the one mapping of errors to exit codes in `cli.main`)."""
+    from attention_kv_caceh.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
