@@ -9,16 +9,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
-from attention_kv_caceh.cli.common import (
-    PROG,
-    check_markdown_file,
-    check_memory,
-    check_outputs,
-    check_side_files,
-    warn_if_blas_unpinned,
-)
+from attention_kv_caceh.cli.common import PROG, check_memory, check_raw_outputs, warn_if_blas_unpinned
 from attention_kv_caceh.cli.flags import add_shaped_options, config_from_args, shaped_config
 from attention_kv_caceh.experiments.cache_growth import (
     CacheGrowthConfig,
@@ -73,7 +65,13 @@ def run(args: argparse.Namespace) -> int:
     UsageError for invalid flags, an output that cannot be written, or a run too large for this
     machine's memory, before any file is touched."""
     config, options = cache_config(args), config_from_args(CacheOptions, args)
-    side = check_cache_outputs(options.csv, options.plot)
+    side = cache_side_paths(options.csv)
+    headers = {"memory": MEMORY_FIELDS, "summary": SUMMARY_FIELDS}
+    check_raw_outputs(
+        options.csv,
+        {path: headers.get(key, ()) for key, path in side.items()},
+        ("--plot", options.plot, (".png",)),
+    )
     check_memory(
         estimate_run_bytes(config),
         f"this run (N={config.steps}, B={config.batch_size}, H={config.num_heads}, "
@@ -132,19 +130,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: interrupted after the run: {kept}; the summary or plot is missing", file=sys.stderr)
         return 130
     return 0
-
-
-def check_cache_outputs(csv_path: Path, plot_path: Path | None) -> dict[str, Path]:
-    """Check every file `cache` may write (the CSV, the files beside it, the plot); returns the side
-    paths. Raises UsageError naming the flag and the path (`common.check_markdown_file` for a
-    `<stem>.md` beside the CSV that no lab command wrote)."""
-    side = cache_side_paths(csv_path)
-    beside = f"--csv {str(csv_path)!r}: the file beside it"
-    check_outputs(
-        [("--csv", csv_path, (".csv",)), ("--plot", plot_path, (".png",))]
-        + [(beside, path, ()) for path in side.values()]
-    )
-    headers = {"memory": MEMORY_FIELDS, "summary": SUMMARY_FIELDS}
-    check_side_files("--csv", {path: headers.get(key, ()) for key, path in side.items()})
-    check_markdown_file("--csv", csv_path)
-    return side

@@ -5,6 +5,7 @@
   not be written); `main` prints one line and exits 1. Files already written stay complete.
 - `check_memory`: the memory estimate of a run, too large a UsageError.
 - `check_outputs`: every file a command will write (raw, summary, metadata, plots) is checked up front.
+- `check_raw_outputs`: the three checks below for a lab command's raw CSV, the files beside it, its plot.
 - `check_side_files`: a file written beside the raw file never replaces another run's raw file.
 - `check_markdown_file`: the `<stem>.md` written beside the raw file never replaces a Markdown file
   that no lab command wrote (a user's notes).
@@ -41,6 +42,7 @@ __all__ = [
     "check_markdown_file",
     "check_memory",
     "check_outputs",
+    "check_raw_outputs",
     "check_side_files",
     "stdout_closed",
     "warn_if_blas_unpinned",
@@ -146,6 +148,20 @@ def check_outputs(
         check_not_inputs([(what, path) for what, path, _ in outputs], inputs)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
+
+
+def check_raw_outputs(
+    csv: Path, side: dict[Path, tuple[str, ...]], *others: tuple[str, Path | None, tuple[str, ...]]
+) -> None:
+    """Every file a lab command writes around its raw CSV, checked before the first sample: `--csv`, the
+    files beside it (`side`: each path -> the CSV header written there, () for a non-CSV; the `<stem>.md`
+    beside the CSV is always one) and `others` ((flag, path, suffixes): the plot). Raises UsageError
+    naming the flag (`check_outputs`, `check_side_files`, `check_markdown_file`). Nothing is created."""
+    beside = f"--csv {str(csv)!r}: the file beside it"
+    side = {**side, markdown_path(csv): ()}
+    check_outputs([("--csv", csv, (".csv",)), *((beside, path, ()) for path in side), *others])
+    check_side_files("--csv", side)
+    check_markdown_file("--csv", csv)
 
 
 def check_side_files(flag: str, side_files: dict[Path, tuple[str, ...]]) -> None:

@@ -21,14 +21,7 @@ import os
 import sys
 from contextlib import nullcontext
 
-from attention_kv_caceh.cli.common import (
-    PROG,
-    check_markdown_file,
-    check_memory,
-    check_outputs,
-    check_side_files,
-    warn_if_blas_unpinned,
-)
+from attention_kv_caceh.cli.common import PROG, check_memory, check_raw_outputs, warn_if_blas_unpinned
 from attention_kv_caceh.cli.flags import add_shaped_options, config_from_args, shaped_config, usage_error
 from attention_kv_caceh.experiments.prediction import UserPrediction
 from attention_kv_caceh.experiments.scan import ScanConfig, build_inputs, estimate_scan_bytes
@@ -74,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 
     Raises UsageError (nothing touched) for a bad shape, a run too large for this machine's memory, or
     an output file (the CSV, the summary and metadata beside it, the plot) that cannot be written, and
-    for a `<stem>.md` beside the CSV that no lab command wrote (`common.check_markdown_file`).
+    for a `<stem>.md` beside the CSV that no lab command wrote (`common.check_raw_outputs`).
     """
     config, options = scan_config(args), config_from_args(ScanOptions, args)
     try:
@@ -87,14 +80,11 @@ def run(args: argparse.Namespace) -> int:
         f"H_kv={config.num_kv_heads}, D={config.head_dim})",
         "--batch-sizes, --seq-len or --repeats",
     )
-    csv = options.csv
-    beside = f"--csv {str(csv)!r}: the file beside it"
-    side = (options.summary_csv, meta_path(csv), markdown_path(csv))
-    check_outputs(
-        [("--csv", csv, (".csv",)), *((beside, p, ()) for p in side), ("--plot", options.plot, (".png",))]
+    check_raw_outputs(
+        options.csv,
+        {options.summary_csv: SUMMARY_FIELDS, meta_path(options.csv): ()},
+        ("--plot", options.plot, (".png",)),
     )
-    check_side_files("--csv", {options.summary_csv: SUMMARY_FIELDS, meta_path(csv): ()})
-    check_markdown_file("--csv", csv)
 
     from threadpoolctl import threadpool_limits  # pyright: ignore[reportMissingTypeStubs]
 
