@@ -130,6 +130,15 @@ class ExitCodeTest(unittest.TestCase):
                 self.assertEqual(got, code)
                 self.assertEqual(len(err.strip().splitlines()), 1, err)
 
+    def test_a_word_that_is_no_subcommand_is_refused_with_the_nearest_one(self) -> None:
+        for word, hint in (("harnes", "'harness'"), ("serv", "'serve'"), ("qqq", "subcommands: cache")):
+            with self.subTest(word=word):
+                code, out, err = quietly([word])
+                self.assertEqual((code, out), (2, ""))
+                self.assertEqual(len(err.splitlines()), 1, err)
+                self.assertIn(repr(word), err)
+                self.assertIn(hint, err)
+
     def test_a_value_error_after_work_started_is_a_bug_not_a_usage_error(self) -> None:
         code, err = self.run_with(ValueError("surprise"))
         self.assertEqual(code, 1)

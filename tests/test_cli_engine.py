@@ -156,7 +156,7 @@ class TraceTest(EngineCommandCase):
 
         # One request at a time, 4 tokens each: prompt 0 ends at step 3, prompt 1 at step 7.
         with unittest.mock.patch.object(LLMEngine, "step", step):
-            code, _, err = self.generate(
+            code, out, err = self.generate(
                 "--prompt", *PROMPTS[:3], "--max-tokens", "4", "--ignore-eos", "--max-num-seqs", "1",
                 "--output", str(output), "--trace", str(trace),
             )  # fmt: skip
@@ -166,6 +166,8 @@ class TraceTest(EngineCommandCase):
         )
         self.assertEqual([r["index"] for r in read_jsonl(output)], [0, 1])
         self.assertEqual(len(read_jsonl(trace)), 9)
+        # the totals count prompt 2's first token too (step 8), not only the finished prompts' 4 + 4
+        self.assertIn("; 9 tokens generated in", out)
 
 
 class LoadLineTest(EngineCommandCase):
@@ -247,6 +249,7 @@ class UsageErrorTest(EngineCommandCase):
             ([*gen, "--model", m, "--prompt", "a", "--kv-cache-memory", str(10**15)], "--kv-cache-memory 1000000000000000"),
             ([*gen, "--model", m, "--prompt", "a", "--num-kv-blocks", str(10**12)], "--num-kv-blocks 1000000000000"),
             ([*gen, "--model", m, "--prompt", PROMPTS[1], "--max-model-len", "4"], "more than max_model_len 4"),
+            ([*gen, "--model", m, "--prompt", "a", "--max-model-len", "16", "--max-tokens", "17"], "--max-tokens 17"),
             (["generate", "--model", m, "--prompt", "a", "--max-tokens", "4", "--output", f"{o}/x.txt"], ".jsonl"),
             (["generate", "--model", m, "--prompt", "a", "--max-tokens", "4", "--output", f"{o}/a.jsonl", "--trace", f"{o}/a.jsonl"], "same file"),
             (["make-model", "--out", m], "non-empty folder"),

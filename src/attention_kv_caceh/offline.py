@@ -152,6 +152,12 @@ class OfflineRun:
             self.spec_steps.append(stats.spec_decoding)
             yield stats, done
 
+    @property
+    def num_generated_tokens(self) -> int:
+        """Output tokens generated so far, over every request (the unfinished ones of an interrupted run
+        included)."""
+        return sum(map(len, self.outputs.values()))
+
     def records(
         self, prompts: list[str], prompt_ids: list[list[int]], tokenizer: Tokenizer
     ) -> list[dict[str, Any]]:

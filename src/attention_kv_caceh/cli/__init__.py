@@ -120,6 +120,14 @@ class _Terminated:
 
 def _run(argv: list[str]) -> int:
     name = argv[0] if argv and argv[0] in SUBCOMMANDS and argv[0] else ""
+    if argv and not name and not argv[0].startswith("-"):  # the scan takes no positional argument
+        import difflib
+
+        close = difflib.get_close_matches(argv[0], [n for n in SUBCOMMANDS if n], n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UsageError(
+            f"{argv[0]!r} is not a subcommand ({hint}subcommands: {', '.join(n for n in SUBCOMMANDS if n)})"
+        )
     rest = argv[1:] if name else argv
     parser = build_parser(name)
     args = parser.parse_args(rest)

@@ -165,8 +165,7 @@ def _run_steps(
         table.footer()
         for r in records:
             print(text.record_line(r))
-        generated = sum(len(r["token_ids"]) for r in records)
-        print(text.totals_line(engine.num_steps, offline.totals, generated, elapsed))
+        print(text.totals_line(engine.num_steps, offline.totals, offline.num_generated_tokens, elapsed))
         if spec is not None:
             print(text.acceptance_line(offline.spec_steps, spec.num_speculative_tokens))
         if config.output is not None:

@@ -107,12 +107,16 @@ def trace_line(summary: dict[str, Any]) -> str | None:
         + (f" ({100 * rate_diff:+.1f} points)" if rate_diff is not None else "")
         + f", tolerance {p['tolerance_tokens']}"
     )
+    measured = (
+        "not measured"
+        if p["measured_hit_tokens"] is None
+        else f"measured {p['measured_hit_tokens']} of {_num(p['measured_query_tokens'])} "
+        f"({_pct(p['measured_hit_rate'])})"
+    )
     return (
         f"trace prefix cache: ideal hits {p['ideal_hit_tokens']} of {p['ideal_query_tokens']} tokens "
         f"({_pct(p['ideal_hit_rate'])}, unbounded cache in arrival order, block size {p['block_size']} from "
-        f"{p['block_size_source']}); measured {_num(p['measured_hit_tokens'])} of "
-        f"{_num(p['measured_query_tokens'])} ({_pct(p['measured_hit_rate'])}){difference}: "
-        f"{verdict}"
+        f"{p['block_size_source']}); {measured}{difference}: {verdict}"
     )
 
 
