@@ -191,17 +191,11 @@ def load_model_config(path: Path) -> tuple[ModelSource, ModelConfig]:
 
 
 def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: SamplingParams) -> None:
-    """UsageError for a --max-tokens above max_model_len (as the server answers 400), a prompt that
-    encodes to no token, is longer than max_model_len, or whose prompt +
+    """UsageError for a prompt that encodes to no token, is longer than max_model_len, or whose prompt +
     max_tokens can never fit the whole KV pool (the engine's one admission rule,
     `KVCacheConfig.check_request_fits`, and its message). Prompts are counted from 0."""
     from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, RequestTooLargeError
 
-    if params.max_tokens > plan.max_model_len:  # the server's 400 for the same max_tokens
-        raise UsageError(
-            f"--max-tokens {params.max_tokens}: more than max_model_len {plan.max_model_len} (one request "
-            "holds at most max_model_len tokens, its prompt included)"
-        )
     pool = KVCacheConfig(plan.num_blocks, plan.engine_config.block_size, plan.max_model_len)
     for i, ids in enumerate(prompt_ids):
         if not ids:

@@ -10,7 +10,8 @@ engine step (each StepStats, flushed as the step ends).
 Checks, in order: flags and output paths (exit 2, nothing read); then `engine_args.plan_engine`, the
 checks `serve` makes too: --model names a checkpoint, its config and tokenizer are read, a
 --max-model-len above the checkpoint's or a KV cache of no block or over the memory budget is refused
-(exit 2, no weights loaded); the prompts are tokenized and a prompt longer than max_model_len, or whose
+(exit 2, no weights loaded); a --max-tokens above max_model_len is refused (the server's 400 for the
+same max_tokens); the prompts are tokenized and a prompt longer than max_model_len, or whose
 prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
 engine cannot load is one line naming the file and key (exit 1). The first line printed says how long
 loading took and, of that, the warm-up (`engine/warmup.py`: a dummy forward pass that compiles, or loads
@@ -100,6 +101,11 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     plan = plan_engine(config.model, engine_config_kwargs(args))
+    if params.max_tokens > plan.max_model_len:  # a range check, as the server's 400 for max_tokens
+        raise UsageError(
+            f"--max-tokens {params.max_tokens}: more than max_model_len {plan.max_model_len} (one request "
+            "holds at most max_model_len tokens, its prompt included)"
+        )
     prompt_ids = [plan.tokenizer.encode(p) for p in prompts]
     check_prompts_fit(plan, prompt_ids, params)
 
