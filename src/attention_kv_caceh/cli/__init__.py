@@ -14,19 +14,19 @@ Convention (every subcommand follows it, so adding one is adding a module and a 
   `common.HelpFormatter`. `run` builds the configs (`flags.config_from_args`: a field's refusal is a
   UsageError naming its flag), then the library runs and `report/` writes the text that is printed.
 - `run` checks everything else that can be checked up front (flag combinations, every output path with
-  `common.check_outputs`, the memory estimate) and raises `common.UsageError` before
-  touching any file; after work has started it raises
-  `common.CommandFailed` (or returns 1 after printing one line); it returns 0 when done and 130 when it
-  caught a Ctrl-C and saved what it had. Heavy imports (NumPy, the experiments, aiohttp, matplotlib)
-  stay inside `run` or module level of the subcommand module, which `main` imports only when that
-  subcommand is chosen.
+  `common.check_outputs`, the memory estimate with `common.check_memory`) and raises `common.UsageError`
+  before touching any file; after work has started it raises `common.CommandFailed` (or returns 1 after
+  printing one line); it returns 0 when done and 130 when it caught a Ctrl-C and saved what it had.
+  Heavy imports (NumPy, the experiments, aiohttp, matplotlib) stay inside `run` or module level of the
+  subcommand module, which `main` imports only when that subcommand is chosen.
 
 Exit codes, mapped here and nowhere else: 0 done; 1 a failure after work started (`CommandFailed`, an
-`OSError` from a file, an oracle mismatch), one line on stderr; 2 bad usage (`UsageError`, a run too large for
-this machine's memory included), one line on stderr, no file touched; 130 Ctrl-C, 143 SIGTERM (treated like Ctrl-C: one line, every file complete,
-metadata `status: interrupted`). Any other exception is a bug: one line saying so, then its traceback,
-exit 1. A closed stdout (`| head`) exits 1 quietly (stdout pointed at os.devnull, as CPython's
-documentation of SIGPIPE recommends); the commands write their files before printing their results.
+`OSError` from a file, an oracle mismatch), one line on stderr; 2 bad usage (`UsageError`, a run too
+large for this machine's memory and a word that is no subcommand included), one line on stderr, no file
+touched; 130 Ctrl-C, 143 SIGTERM (treated like Ctrl-C: one line, every file complete, metadata `status:
+interrupted`). Any other exception is a bug: one line saying so, then its traceback, exit 1. A closed
+stdout (`| head`) exits 1 quietly (stdout pointed at os.devnull, as CPython's documentation of SIGPIPE
+recommends); the commands write their files before printing their results.
 """
 
 from __future__ import annotations
