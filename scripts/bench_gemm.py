@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from attention_kv_caceh import block_gemm, gemm
-from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.kernels import block_gemm, gemm
+from attention_kv_caceh.kernels.isa import compiled_variant
 
 COPIES = 16
 ROWS = (1, 2, 4, 8, 16, 32)

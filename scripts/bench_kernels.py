@@ -30,15 +30,15 @@ import numpy as np
 
 from attention_kv_caceh.attention import multihead_decode_step
 from attention_kv_caceh.cache import make_cache
-from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
 from attention_kv_caceh.experiments.fused import FusedDecodeStep, torch_sdpa_available, torch_sdpa_step
 from attention_kv_caceh.experiments.scan import ScanConfig, build_inputs, kv_bytes_per_step
-from attention_kv_caceh.kernels import (
+from attention_kv_caceh.kernels.decode_attention import (
     compile_seconds,
     paged_decode_attention,
     paged_decode_attention_into,
     prepare_paged_decode_attention,
 )
+from attention_kv_caceh.model_executor.paged_attention import pack_kv_blocks
 from attention_kv_caceh.oracle import check_close, tolerance_for
 
 SHAPES = {

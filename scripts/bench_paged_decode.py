@@ -24,8 +24,8 @@ import time
 
 import numpy as np
 
-from attention_kv_caceh.engine.paged_attention import allocate_kv_cache
-from attention_kv_caceh.kernels import paged_decode_attention_into
+from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
+from attention_kv_caceh.model_executor.paged_attention import allocate_kv_cache
 
 H, H_KV, D, BLOCK_SIZE = 12, 4, 64, 16
 

@@ -30,7 +30,7 @@ SLOTS=${SLOTS:-8}
 LLAMA_PORT=${LLAMA_PORT:-8300}
 SERVE_PORT=${SERVE_PORT:-8200}
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
-GGUF=$(uv run python -c "import sys; from attention_kv_caceh.engine.model_source import resolve_model; print(resolve_model(sys.argv[1]).path)" "$MODEL")
+GGUF=$(uv run python -c "import sys; from attention_kv_caceh.model_executor.model_source import resolve_model; print(resolve_model(sys.argv[1]).path)" "$MODEL")
 mkdir -p "$OUT"
 pids=()
 cleanup() { for p in "${pids[@]}"; do kill -TERM "-$p" 2>/dev/null || true; done; }

@@ -35,8 +35,12 @@ from typing import Any
 import numba
 import numpy as np
 
-from attention_kv_caceh import _kernels_jit as _jit
-from attention_kv_caceh.kernels import CONTIGUOUS_CHUNK, decode_attention_into, plain_decode_attention
+from attention_kv_caceh.kernels import _decode_attention_jit as _jit
+from attention_kv_caceh.kernels.decode_attention import (
+    CONTIGUOUS_CHUNK,
+    decode_attention_into,
+    plain_decode_attention,
+)
 from attention_kv_caceh.oracle import tolerance_for
 
 SHAPES = {  # B, H, H_kv, T, D
@@ -172,7 +176,7 @@ STEPS: list[tuple[str, str]] = [
     ("chunked", "scores per 1024-position chunk, one rescale"),
     ("v8", "V eight rows per pass over acc"),
     ("fast exp", "max on the way, vectorised float32 exp"),
-    ("tuned", "K prefetched 16 rows ahead (kernels.py)"),
+    ("tuned", "K prefetched 16 rows ahead (kernels/decode_attention.py)"),
 ]
 
 

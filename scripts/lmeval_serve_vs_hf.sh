@@ -21,7 +21,7 @@ SERVE_DTYPE=${SERVE_DTYPE:-float32}
 HF_DTYPE=${HF_DTYPE:-float64}
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
 mkdir -p "$OUT"
-GGUF=$(uv run python -c 'from attention_kv_caceh.engine.model_source import resolve_model; print(resolve_model("smollm2").path)')
+GGUF=$(uv run python -c 'from attention_kv_caceh.model_executor.model_source import resolve_model; print(resolve_model("smollm2").path)')
 "$LMEVAL_PY" -c 'import sys; from pathlib import Path; from transformers import AutoTokenizer
 p = Path(sys.argv[1]); AutoTokenizer.from_pretrained(p.parent, gguf_file=p.name).save_pretrained(sys.argv[2])' \
     "$GGUF" "$OUT/tokenizer"

@@ -22,14 +22,14 @@ from typing import Any
 import numpy as np
 
 import attention_kv_caceh.engine.core as core
-import attention_kv_caceh.engine.model as model_module
+import attention_kv_caceh.model_executor.model as model_module
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import Scheduler
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.model_executor.model import Model
 
 # Module-level functions that Model.forward and EngineCore.step call through their module's namespace.
 FORWARD_PARTS = (

@@ -34,10 +34,10 @@ from pathlib import Path
 import numpy as np
 
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
+from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.timing import capture_environment
 
 BLOCK = 16

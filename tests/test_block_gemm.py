@@ -1,4 +1,4 @@
-"""block_gemm.py: GGUF's Q8_0 / Q4_0 / Q4_1 blocks, decoded in float64 and multiplied in registers.
+"""kernels/block_gemm.py: GGUF's Q8_0 / Q4_0 / Q4_1 blocks, decoded in float64 and multiplied in registers.
 
 Blocks come from the `gguf` library's quantizers (what a GGUF file holds). Three oracles: the library's
 own `dequantize` for the float64 decoder, the format's step for how far blocks are from the weights
@@ -16,7 +16,7 @@ from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.block_gemm import (
+from attention_kv_caceh.kernels.block_gemm import (
     BLOCK_FORMATS,
     block_linear,
     block_linear_into,
@@ -25,8 +25,8 @@ from attention_kv_caceh.block_gemm import (
     quantize_weight,
     step_bound,
 )
+from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
 from attention_kv_caceh.oracle import tolerance_for
-from attention_kv_caceh.simd import ISAS, SimdVariant
 
 VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in ISAS]
 

@@ -172,7 +172,7 @@ class TraceTest(EngineCommandCase):
 
 class LoadLineTest(EngineCommandCase):
     def test_the_first_line_counts_the_kernels_the_load_compiled_and_loaded_from_the_cache(self) -> None:
-        from attention_kv_caceh.engine import warmup
+        from attention_kv_caceh.model_executor import warmup
 
         for counts, says in (
             ([(4, 1), (7, 3)], "3 kernel signatures compiled, 2 loaded from Numba's disk cache"),

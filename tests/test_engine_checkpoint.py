@@ -12,9 +12,13 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint, widen_bfloat16
-from attention_kv_caceh.engine.layers import rope_inv_freq
-from attention_kv_caceh.engine.model import Model, ModelConfig
+from attention_kv_caceh.model_executor.checkpoint import (
+    CheckpointError,
+    SafetensorsCheckpoint,
+    widen_bfloat16,
+)
+from attention_kv_caceh.model_executor.layers import rope_inv_freq
+from attention_kv_caceh.model_executor.model import Model, ModelConfig
 from attention_kv_caceh.toy_model.make_model import bfloat16_bits, write_random_checkpoint
 
 

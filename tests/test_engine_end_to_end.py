@@ -20,7 +20,7 @@ from attention_kv_caceh.engine.request import SamplingParams
 
 _HAVE_MODEL = all(
     importlib.util.find_spec(f"attention_kv_caceh.{m}") is not None
-    for m in ("engine.model", "engine.model_runner", "engine.tokenizer", "toy_model.make_model")
+    for m in ("model_executor.model", "engine.model_runner", "engine.tokenizer", "toy_model.make_model")
 )
 
 

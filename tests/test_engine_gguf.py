@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
-from attention_kv_caceh.engine.model_source import load_model_config
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint, unpermute_rows
+from attention_kv_caceh.model_executor.model_source import load_model_config
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.gguf_files import gguf_from_checkpoint, llama_cpp_permute, write
 
@@ -211,7 +211,7 @@ class ConvertedCheckpointTest(unittest.TestCase):
         cls._tmp.cleanup()
 
     def test_every_tensor_equals_the_folders_in_hugging_face_order(self) -> None:
-        from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint
+        from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint
 
         for arch in self.folders:
             with self.subTest(arch=arch):
@@ -222,7 +222,7 @@ class ConvertedCheckpointTest(unittest.TestCase):
                     np.testing.assert_array_equal(gguf.get(name, np.float32), hf.get(name, np.float32), name)
 
     def test_quantized_blocks_come_out_in_hugging_face_row_order(self) -> None:
-        from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint
+        from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint
 
         q8 = GGUFCheckpoint(gguf_from_checkpoint(self.folders["llama"], self.root / "llama-q8.gguf", T.Q8_0))
         hf = SafetensorsCheckpoint(self.folders["llama"])

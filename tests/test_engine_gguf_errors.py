@@ -17,10 +17,15 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader
 
 from attention_kv_caceh import cli
-from attention_kv_caceh.engine.checkpoint import CheckpointError
-from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-from attention_kv_caceh.engine.model_source import MODELS, gguf_file_of, load_model_config, resolve_model
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.model_source import (
+    MODELS,
+    gguf_file_of,
+    load_model_config,
+    resolve_model,
+)
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.gguf_files import gguf_from_checkpoint, write
 

@@ -21,7 +21,10 @@ from safetensors.numpy import load_file
 
 from attention_kv_caceh.attention import scaled_dot_product_attention
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.layers import (
+from attention_kv_caceh.engine.model_runner import ModelRunner
+from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
+from attention_kv_caceh.model_executor.layers import (
     LinearWeight,
     apply_rotary,
     compiled_rms_norm,
@@ -33,16 +36,13 @@ from attention_kv_caceh.engine.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-from attention_kv_caceh.engine.model import Model, resolve_gemm_path
-from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.engine.paged_attention import (
+from attention_kv_caceh.model_executor.model import Model, resolve_gemm_path
+from attention_kv_caceh.model_executor.paged_attention import (
     AttentionMetadata,
     pack_kv_blocks,
     paged_attention,
     write_kv,
 )
-from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.kernels import paged_decode_attention
 from attention_kv_caceh.oracle import reference_paged_decode_attention
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 

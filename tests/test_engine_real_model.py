@@ -13,11 +13,11 @@ import openai
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import Tokenizer
 from attention_kv_caceh.entrypoints.chat_utils import load_chat_template
+from attention_kv_caceh.model_executor.model import Model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 

@@ -24,13 +24,13 @@ from attention_kv_caceh import cli
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.core import EngineCoreOutput, EngineCoreOutputs
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.output_processor import OutputProcessor, RequestDelta
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.engine.spec_decode.metrics import SpecDecodingStats
+from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.engine_fakes import CharTokenizer, copy_letter_logits, expected_text
 from tests.serve_helpers import MODEL, fake_server

@@ -7,8 +7,8 @@ import tempfile
 import unittest
 from pathlib import Path
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
 from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 TEXT = "The keeper wrote: café, naïve, 日本, ☃ — and the lamp turned."

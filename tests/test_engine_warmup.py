@@ -28,7 +28,7 @@ from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
-from attention_kv_caceh.engine.warmup import numba_compile_counts
+from attention_kv_caceh.model_executor.warmup import numba_compile_counts
 
 
 def signatures():

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from attention_kv_caceh.block_gemm import dequantize_blocks, quantize_weight
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.layers import WEIGHT_FORMATS, LinearWeight, linear
-from attention_kv_caceh.engine.model import Model, compute_dtype, resolve_gemm_path, weight_format
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.gemm import bfloat16_bits, bfloat16_to_float32
-from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.kernels.block_gemm import dequantize_blocks, quantize_weight
+from attention_kv_caceh.kernels.gemm import bfloat16_bits, bfloat16_to_float32
+from attention_kv_caceh.kernels.isa import compiled_variant
+from attention_kv_caceh.model_executor.layers import WEIGHT_FORMATS, LinearWeight, linear
+from attention_kv_caceh.model_executor.model import Model, compute_dtype, resolve_gemm_path, weight_format
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.test_engine_model import FakeRequest, FakeSchedulerOutput
 
@@ -144,8 +144,8 @@ class GGUFBlocksTest(unittest.TestCase):
     """The real model (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding) from its file's bytes."""
 
     def test_the_files_blocks_are_kept_and_give_the_greedy_tokens_of_numpy_on_them(self) -> None:
-        from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-        from attention_kv_caceh.engine.model_source import resolve_model
+        from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+        from attention_kv_caceh.model_executor.model_source import resolve_model
 
         packed = Model.load("smollm2", "float32", "packed", "gguf")
         self.assertEqual({layer.gate_up_proj.format for layer in packed.layers}, {"q4_1"})

@@ -1,4 +1,4 @@
-"""gemm.py against its oracle, NumPy's x @ W.T in float64: every variant, tile height and padded panel.
+"""kernels/gemm.py against its oracle, NumPy's x @ W.T in float64: every variant, tile height and padded panel.
 
 Every variant's loops are built from the same LLVM IR whatever CPU runs them (a 16-lane vector is two
 8-lane ones to an AVX2 CPU), so each variant's tiles are checked here on any machine; which one
@@ -13,8 +13,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh import _gemm_jit
-from attention_kv_caceh.gemm import (
+from attention_kv_caceh.kernels import _gemm_jit
+from attention_kv_caceh.kernels.gemm import (
     bfloat16_bits,
     bfloat16_to_float32,
     fma_probe,
@@ -23,8 +23,8 @@ from attention_kv_caceh.gemm import (
     packed_linear_into,
     unpack_weight,
 )
+from attention_kv_caceh.kernels.isa import ISAS, SimdVariant, compiled_variant
 from attention_kv_caceh.oracle import tolerance_for
-from attention_kv_caceh.simd import ISAS, SimdVariant, compiled_variant
 
 HOST = compiled_variant()
 VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in ISAS]  # widening bfloat16 on each

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import unittest
 
-from attention_kv_caceh.simd import _classify, compiled_variant  # pyright: ignore[reportPrivateUsage]
+from attention_kv_caceh.kernels.isa import _classify, compiled_variant  # pyright: ignore[reportPrivateUsage]
 
 HOST = compiled_variant()
 X86_WITH_AVX2 = platform.machine().lower() in ("x86_64", "amd64") and HOST is not None
@@ -27,8 +27,8 @@ _AVX2_CHILD = r"""
 import json
 import numba
 import numpy as np
-from attention_kv_caceh import _gemm_jit, block_gemm, gemm
-from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.kernels import _gemm_jit, block_gemm, gemm
+from attention_kv_caceh.kernels.isa import compiled_variant
 
 found = compiled_variant()
 rng = np.random.default_rng(0)
@@ -48,8 +48,8 @@ for m in (1, 3, 8, 13):
         err = float(np.abs(block_gemm.block_linear(x, weight) - want).max() / np.abs(want).max())
         worst[weight.path] = max(worst.get(weight.path, 0.0), err)
 
-from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
-from attention_kv_caceh.kernels import paged_decode_attention
+from attention_kv_caceh.model_executor.paged_attention import pack_kv_blocks
+from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
 from attention_kv_caceh.oracle import reference_paged_decode_attention
 blocks = [rng.standard_normal((6, 16, 2, 64)).astype(np.float32) for _ in range(2)]  # [NB, BS, H_kv, D]
 k_cache, v_cache = pack_kv_blocks(*blocks)
@@ -89,8 +89,8 @@ class CompileTargetTest(unittest.TestCase):
     @unittest.skipUnless(X86_WITH_AVX2, "needs an x86-64 CPU with AVX2")
     def test_generic_x86_64_gets_no_variant_and_the_engine_keeps_numpy(self) -> None:
         code = (
-            "import json; from attention_kv_caceh.simd import compiled_variant; "
-            "from attention_kv_caceh.engine.model import resolve_gemm_path; "
+            "import json; from attention_kv_caceh.kernels.isa import compiled_variant; "
+            "from attention_kv_caceh.model_executor.model import resolve_gemm_path; "
             "print(json.dumps([compiled_variant() is None, resolve_gemm_path('auto', 'float32')[0]]))"
         )
         self.assertEqual(_child(code, "generic"), [True, "numpy"])

@@ -15,7 +15,13 @@ from attention_kv_caceh.harness.engine_server import ServerStartError, serve_com
 _HAVE_ENGINE = all(
     importlib.util.find_spec(f"attention_kv_caceh.{name}") is not None
     for name in (
-        *("engine.llm_engine", "engine.config", "engine.model", "engine.model_runner", "engine.tokenizer"),
+        *(
+            "engine.llm_engine",
+            "engine.config",
+            "model_executor.model",
+            "engine.model_runner",
+            "engine.tokenizer",
+        ),
         "toy_model.make_model",
     )
 )

@@ -8,8 +8,12 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.engine.paged_attention import pack_kv_blocks
-from attention_kv_caceh.kernels import decode_attention, paged_decode_attention, plain_decode_attention
+from attention_kv_caceh.kernels.decode_attention import (
+    decode_attention,
+    paged_decode_attention,
+    plain_decode_attention,
+)
+from attention_kv_caceh.model_executor.paged_attention import pack_kv_blocks
 from attention_kv_caceh.oracle import reference_attention, tolerance_for
 
 DTYPES = (np.float32, np.float64)

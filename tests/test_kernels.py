@@ -1,4 +1,4 @@
-"""kernels.py against its oracles: the float64 reference, the NumPy SDPA, and the contiguous kernel for
+"""kernels/decode_attention.py against its oracles: the float64 reference, the NumPy SDPA, and the contiguous kernel for
 the paged one (shuffled, shared and padded block tables)."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh import _paged_jit
 from attention_kv_caceh.attention import scaled_dot_product_attention
-from attention_kv_caceh.engine.paged_attention import allocate_kv_cache, pack_kv_blocks
-from attention_kv_caceh.kernels import (
+from attention_kv_caceh.kernels import _decode_attention_paged_jit
+from attention_kv_caceh.kernels.decode_attention import (
     CONTIGUOUS_CHUNK,
     compile_seconds,
     decode_attention,
@@ -21,6 +20,7 @@ from attention_kv_caceh.kernels import (
     prepare_decode_attention,
     prepare_paged_decode_attention,
 )
+from attention_kv_caceh.model_executor.paged_attention import allocate_kv_cache, pack_kv_blocks
 from attention_kv_caceh.oracle import reference_attention, tolerance_for
 
 DTYPES = (np.float32, np.float64)
@@ -265,14 +265,14 @@ class PagedKernelTest(unittest.TestCase):
     def test_vectorised_kernel_at_the_engines_shapes_equals_the_reference(
         self, lens: list[int], h_kv: int, group: int, d: int, seed: int
     ) -> None:
-        # Block size 16 and D 64 or 128 take the LLVM IR kernel (`_paged_jit._fold_block`); partial
+        # Block size 16 and D 64 or 128 take the LLVM IR kernel (`_decode_attention_paged_jit._fold_block`); partial
         # last blocks, empty contexts and every chunk of query heads with them.
         rng = np.random.default_rng(seed)
         b, t = len(lens), max(max(lens), 1)
         q = normal(rng, b, h_kv * group, d) * 3
         k, v = normal(rng, b, h_kv, t, d), normal(rng, b, h_kv, t, d)
         k_cache, v_cache, tables, context_lens = to_paged(k, v, lens, 16, rng)
-        self.assertGreaterEqual(_paged_jit.fast_shape(np.float32, d, 16, True), 0)
+        self.assertGreaterEqual(_decode_attention_paged_jit.fast_shape(np.float32, d, 16, True), 0)
         out = paged_decode_attention(q, k_cache, v_cache, tables, context_lens)
         for i, n in enumerate(lens):
             if n == 0:

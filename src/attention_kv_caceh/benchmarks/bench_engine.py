@@ -20,8 +20,8 @@ from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.options import ConfigError, check_options, option
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.model_config import ModelConfig
     from attention_kv_caceh.engine.tokenizer import Tokenizer
+    from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["BenchEngineConfig", "BenchResult", "bench_engine", "spec_prompts"]
 

@@ -47,11 +47,11 @@ from attention_kv_caceh.benchmarks.probes import (
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.core import StepStats
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.tokenizer import Tokenizer
+from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import capture_environment, summarize_samples
 

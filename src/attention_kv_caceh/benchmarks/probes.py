@@ -23,11 +23,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.engine.layers import linear
-from attention_kv_caceh.engine.model import Model
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.gemm import fma_probe
-from attention_kv_caceh.kernels import paged_decode_attention_into
+from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
+from attention_kv_caceh.kernels.gemm import fma_probe
+from attention_kv_caceh.model_executor.layers import linear
+from attention_kv_caceh.model_executor.model import Model
 
 __all__ = [
     "Probes",

@@ -70,10 +70,10 @@ def run(args: argparse.Namespace) -> int:
     check_outputs([("--json", config.json, (".json",))], [("--model", str(source.path))])
 
     from attention_kv_caceh.benchmarks.bench_engine import bench_engine, spec_prompts
-    from attention_kv_caceh.engine.checkpoint import CheckpointError
-    from attention_kv_caceh.engine.model import resolve_gemm_path
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.files import write_json_atomic
+    from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+    from attention_kv_caceh.model_executor.model import resolve_gemm_path
     from attention_kv_caceh.oracle import OracleMismatch
 
     opened = time.perf_counter()

@@ -34,10 +34,10 @@ from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.options import ConfigError, check_field, flag_of, option_fields
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.model_config import ModelConfig
-    from attention_kv_caceh.engine.model_source import ModelSource
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
+    from attention_kv_caceh.model_executor.model_config import ModelConfig
+    from attention_kv_caceh.model_executor.model_source import ModelSource
 
 __all__ = [
     "ENGINE_FLAGS",
@@ -122,9 +122,9 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     tensor's type and extent), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
-    from attention_kv_caceh.engine.checkpoint import CheckpointError
     from attention_kv_caceh.engine.model_runner import ModelRunner
     from attention_kv_caceh.engine.tokenizer import Tokenizer
+    from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
     source = model_source(model_flag)
     try:
@@ -174,8 +174,8 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
 def model_source(model_flag: str) -> ModelSource:
     """The checkpoint a --model value names (`engine.model_source.resolve_model`: a model name, a GGUF
     file, a folder holding one, or a Hugging Face folder); UsageError naming the value otherwise."""
-    from attention_kv_caceh.engine.checkpoint import CheckpointError
-    from attention_kv_caceh.engine.model_source import resolve_model
+    from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+    from attention_kv_caceh.model_executor.model_source import resolve_model
 
     try:
         return resolve_model(model_flag)
@@ -185,7 +185,7 @@ def model_source(model_flag: str) -> ModelSource:
 
 def load_model_config(path: Path) -> tuple[ModelSource, ModelConfig]:
     """`engine.model_source.load_model_config` (imported when called: the CLI starts without the engine)."""
-    from attention_kv_caceh.engine.model_source import load_model_config as load
+    from attention_kv_caceh.model_executor.model_source import load_model_config as load
 
     return load(path)
 

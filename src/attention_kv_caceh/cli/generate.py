@@ -14,7 +14,7 @@ checks `serve` makes too: --model names a checkpoint, its config and tokenizer a
 same max_tokens); the prompts are tokenized and a prompt longer than max_model_len, or whose
 prompt + --max-tokens can never fit the KV pool, is refused (exit 2, no weights loaded); a checkpoint the
 engine cannot load is one line naming the file and key (exit 1). The first line printed says how long
-loading took and, of that, the warm-up (`engine/warmup.py`: a dummy forward pass that compiles, or loads
+loading took and, of that, the warm-up (`model_executor/warmup.py`: a dummy forward pass that compiles, or loads
 from Numba's disk cache, every kernel a step calls, so no step time holds a compile) with how many
 kernel signatures it compiled and how many it loaded from the cache. Ctrl-C: one line, exit 130, the
 prompts that finished are written to --output and the trace holds every step that ran.
@@ -38,7 +38,7 @@ from attention_kv_caceh.cli.engine_args import (
     plan_engine,
 )
 from attention_kv_caceh.cli.flags import add_options, config_from_args
-from attention_kv_caceh.offline import GenerateConfig, OfflineRun, SamplingOptions
+from attention_kv_caceh.entrypoints.llm import GenerateConfig, OfflineRun, SamplingOptions
 from attention_kv_caceh.report import generate as text
 from attention_kv_caceh.report.generate import STEP_TABLE_HELP
 
@@ -111,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
 
     from attention_kv_caceh.engine.llm_engine import LLMEngine
     from attention_kv_caceh.engine.model_runner import ModelRunner
-    from attention_kv_caceh.engine.warmup import numba_compile_counts
-    from attention_kv_caceh.offline import load_seconds
+    from attention_kv_caceh.entrypoints.llm import load_seconds
+    from attention_kv_caceh.model_executor.warmup import numba_compile_counts
 
     t0, before = time.perf_counter(), numba_compile_counts()
     try:

@@ -28,7 +28,7 @@ from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
 from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
-from attention_kv_caceh.serve_args import ServeConfig
+from attention_kv_caceh.entrypoints.openai.cli_args import ServeConfig
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM

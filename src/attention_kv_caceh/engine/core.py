@@ -155,7 +155,8 @@ class EngineCore:
         Raises:
             ValueError / OSError: from loading, or a max_model_len above the checkpoint's.
         """
-        from .model import Model
+        from attention_kv_caceh.model_executor.model import Model
+
         from .model_runner import ModelRunner
         from .tokenizer import Tokenizer
 

@@ -34,14 +34,14 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
-from attention_kv_caceh.engine.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.engine.request import TokenLogprobs
 from attention_kv_caceh.engine.sampler import sample, token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
-from attention_kv_caceh.engine.warmup import warm_up
+from attention_kv_caceh.model_executor.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
+from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, allocate_kv_cache
+from attention_kv_caceh.model_executor.warmup import warm_up
 
 __all__ = ["ModelInputs", "ModelRunner", "ModelRunnerLike", "sample_tokens"]
 
@@ -106,7 +106,7 @@ class ModelRunner:
         self.warmup_s = self._warm_up()
 
     def _warm_up(self) -> float:
-        """Run the model once on dummy tokens (`engine/warmup.py:warm_up`), so that its first real step
+        """Run the model once on dummy tokens (`model_executor/warmup.py:warm_up`), so that its first real step
         compiles nothing: every Numba kernel a step calls is compiled (or loaded from Numba's disk cache)
         here for the argument types the model passes, its own weights and KV buffers included. The KV
         buffers are left zero-filled. Returns the seconds it took."""

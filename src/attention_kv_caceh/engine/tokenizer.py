@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
 __all__ = ["IncrementalDetokenizer", "TextDecoder", "Tokenizer"]
 
@@ -90,12 +90,12 @@ class Tokenizer:
         Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
         file cannot be parsed, or naming the key of a GGUF tokenizer that cannot be built.
         """
-        from attention_kv_caceh.engine.model_source import gguf_file_of
+        from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
         gguf = gguf_file_of(path)
         if gguf is not None:
-            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+            from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+            from attention_kv_caceh.model_executor.gguf_tokenizer import tokenizer_from_gguf
 
             return cls(*tokenizer_from_gguf(GGUFCheckpoint(gguf)))
         folder = Path(path)

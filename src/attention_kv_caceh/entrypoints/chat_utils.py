@@ -29,7 +29,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
 __all__ = ["PLAIN_CHAT_TEMPLATE", "ChatTemplate", "load_chat_template"]
 
@@ -96,11 +96,11 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
 
     Raises ValueError when the file exists but is not a JSON object, or the GGUF file is unreadable.
     """
-    from attention_kv_caceh.engine.model_source import gguf_file_of
+    from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
     gguf = gguf_file_of(model_dir)
     if gguf is not None:
-        from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+        from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
         return _chat_template_from_gguf(GGUFCheckpoint(gguf))
     path = Path(model_dir) / "tokenizer_config.json"

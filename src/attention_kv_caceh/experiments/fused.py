@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.cache import KVCache
-from attention_kv_caceh.kernels import decode_attention_into, prepare_decode_attention
+from attention_kv_caceh.kernels.decode_attention import decode_attention_into, prepare_decode_attention
 
 __all__ = [
     "FusedDecodeStep",

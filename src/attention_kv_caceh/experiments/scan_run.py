@@ -222,7 +222,7 @@ class ScanRun:
         """Before each save: the kernels' first-call compile (or disk-cache load) seconds, kept out of
         every sample, when the fused kernel runs."""
         if "fused" in self.impls:
-            from attention_kv_caceh.kernels import compile_seconds
+            from attention_kv_caceh.kernels.decode_attention import compile_seconds
 
             recorder.meta["kernel_compile_seconds"] = compile_seconds()
 

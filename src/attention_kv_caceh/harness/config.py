@@ -203,7 +203,7 @@ class HarnessConfig:
             )
         self._check_numbers()
         if self.tokenizer is not None:
-            from attention_kv_caceh.engine.model_source import gguf_file_of
+            from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
             path = Path(self.tokenizer)
             tokenizer_json = (path / "tokenizer.json").is_file() or (

@@ -67,15 +67,15 @@ class LocalTokenizer:
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer
 
-        from attention_kv_caceh.engine.model_source import gguf_file_of
+        from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
         self._words: dict[str, list[int]] = {}  # word or " word" -> its ids
         self._splits_at_spaces: bool | None = None  # checked at the first synthetic text
         self.name = str(path)
         gguf = gguf_file_of(path)  # CheckpointError (a ValueError) names the file
         if gguf is not None:
-            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+            from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+            from attention_kv_caceh.model_executor.gguf_tokenizer import tokenizer_from_gguf
 
             self._tokenizer, _ = tokenizer_from_gguf(GGUFCheckpoint(gguf))
             return

@@ -109,7 +109,7 @@ def write_checkpoint_folder(config: MakeModelConfig) -> tuple[list[Path], list[P
 
 def count_parameters(folder: Path) -> int:
     """Elements of every tensor in the folder's safetensors files (a tied LM head is stored once)."""
-    from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint
+    from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint
 
     ckpt = SafetensorsCheckpoint(folder)
     total = 0

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
 __all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
 

@@ -16,7 +16,7 @@ import math
 import numba
 import numpy as np
 
-from attention_kv_caceh._kernels_jit import _exp_nonpositive
+from attention_kv_caceh.kernels._decode_attention_jit import _exp_nonpositive
 
 __all__: list[str] = []
 
@@ -53,7 +53,7 @@ def silu_and_mul_rows(gate_up, out):
     """out = silu(gate) * up for gate_up = [gate | up] `[N, 2I]` -> out `[N, I]`.
 
     silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, where
-    e = exp(-|g|) <= 1, so no exp overflows (float32: `_kernels_jit._exp_f32`, about 1 ulp).
+    e = exp(-|g|) <= 1, so no exp overflows (float32: `_decode_attention_jit._exp_f32`, about 1 ulp).
     """
     n_rows, inter = out.shape
     for n in range(n_rows):

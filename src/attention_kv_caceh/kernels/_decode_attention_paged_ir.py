@@ -1,6 +1,6 @@
-"""The LLVM IR of the paged kernel's block fold, one emitter per phase; `_paged_jit._fold_block` calls them.
+"""The LLVM IR of the paged kernel's block fold, one emitter per phase; `_decode_attention_paged_jit._fold_block` calls them.
 
-Shapes and layout as `_paged_jit.py` describes: a K tile `[D, BS]` and a V tile `[BS, D]` float32 per
+Shapes and layout as `_decode_attention_paged_jit.py` describes: a K tile `[D, BS]` and a V tile `[BS, D]` float32 per
 (block, KV head), L float32 lanes per vector. Each `_emit_*` function appends the instructions of one
 phase of the fold to `builder` (llvmlite), for `_Shape`'s compile-time D, BS and query heads.
 """
@@ -16,9 +16,9 @@ from typing import Any, NamedTuple
 from llvmlite import ir
 from numba.core import cgutils
 
-from attention_kv_caceh import _simd_ir as v
+from attention_kv_caceh.kernels import ir as v
 
-# Cephes expf, as `_kernels_jit._exp_f32` (coefficients and range reduction there).
+# Cephes expf, as `_decode_attention_jit._exp_f32` (coefficients and range reduction there).
 _LOG2E, _LN2_HI, _LN2_LO = 1.44269504088896341, 0.693359375, -2.12194440e-4
 _EXP_P = (
     1.9875691500e-4,

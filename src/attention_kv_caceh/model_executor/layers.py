@@ -2,11 +2,11 @@
 
 What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, activation.py, and the
 unquantised GEMM of linear.py): each function is the formula, written on one or two array expressions;
-the linear layer's weights are packed once at load for the compiled kernels of `attention_kv_caceh.gemm`
+the linear layer's weights are packed once at load for the compiled kernels of `attention_kv_caceh.kernels.gemm`
 (float32 or bfloat16 panels; vLLM's CPU backend likewise packs weights for oneDNN at load) or kept as
-GGUF blocks for `attention_kv_caceh.block_gemm` (llama.cpp's Q8_0, Q4_0, Q4_1). `compiled_rms_norm`,
+GGUF blocks for `attention_kv_caceh.kernels.block_gemm` (llama.cpp's Q8_0, Q4_0, Q4_1). `compiled_rms_norm`,
 `compiled_silu_and_mul` and `compiled_rotary` are the same formulas as one compiled pass over each row
-(`_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
+(`_fused_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
 passes with temporaries, which at a decode batch costs more than the arithmetic. The NumPy functions
 are their oracles.
 
@@ -29,8 +29,8 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh import _layers_jit as _jit
-from attention_kv_caceh.block_gemm import (
+from attention_kv_caceh.kernels import _fused_layers_jit as _jit
+from attention_kv_caceh.kernels.block_gemm import (
     BLOCK_FORMATS,
     BlockWeight,
     block_linear_into,
@@ -38,7 +38,7 @@ from attention_kv_caceh.block_gemm import (
     dequantize_blocks,
     quantize_weight,
 )
-from attention_kv_caceh.gemm import (
+from attention_kv_caceh.kernels.gemm import (
     PackedWeight,
     bfloat16_bits,
     bfloat16_to_float32,
@@ -276,7 +276,7 @@ def compiled_silu_and_mul(gate_up: FloatArray) -> FloatArray:
     one compiled pass per row.
 
     sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows); float32
-    uses a vectorised exp of about one ulp (`_kernels_jit._exp_f32`), so it agrees with `silu_and_mul`
+    uses a vectorised exp of about one ulp (`_decode_attention_jit._exp_f32`), so it agrees with `silu_and_mul`
     (which uses tanh) to a few units in the last place.
     """
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)  # [N, I]

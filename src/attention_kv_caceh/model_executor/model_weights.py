@@ -25,10 +25,10 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.block_gemm import BLOCK_FORMATS, dequantize_blocks
-from attention_kv_caceh.engine.checkpoint import CheckpointError, SafetensorsCheckpoint
-from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-from attention_kv_caceh.engine.layers import LinearWeight
+from attention_kv_caceh.kernels.block_gemm import BLOCK_FORMATS, dequantize_blocks
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError, SafetensorsCheckpoint
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.layers import LinearWeight
 
 __all__ = ["Embedding", "WeightReader"]
 

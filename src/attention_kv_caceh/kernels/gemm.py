@@ -32,8 +32,8 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh import _gemm_jit as _jit
-from attention_kv_caceh.simd import SimdVariant, compiled_variant
+from attention_kv_caceh.kernels import _gemm_jit as _jit
+from attention_kv_caceh.kernels.isa import SimdVariant, compiled_variant
 
 __all__ = [
     "WEIGHT_DTYPES",

@@ -35,18 +35,18 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, cast
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
-from attention_kv_caceh.engine.model_config import ModelConfig
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
 __all__ = ["model_config_from_gguf"]
 
 
 def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
     """The ModelConfig of GGUF file `ckpt` (keys in the module docstring). Raises CheckpointError."""
-    from attention_kv_caceh.engine.gguf_checkpoint import GGUF_ARCHITECTURES
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUF_ARCHITECTURES
 
     arch = ckpt.arch
     source = ckpt.source

@@ -1,4 +1,4 @@
-"""LLVM IR building blocks for the linear-layer kernels (`_gemm_jit`, `_block_jit`); no kernel here.
+"""LLVM IR building blocks for the linear-layer kernels (`_gemm_jit`, `_block_gemm_jit`); no kernel here.
 
 The register tiles are written in LLVM IR through llvmlite (inside Numba `@intrinsic`s) with explicit
 `<L x float>` vectors, L the target's float32 lanes (`simd.ISAS`): written as Numba loops over an

@@ -1,6 +1,6 @@
-"""The compiled loops behind `block_gemm.py` (GGUF's Q8_0, Q4_0 and Q4_1 blocks); import `block_gemm`.
+"""The compiled loops behind `kernels/block_gemm.py` (GGUF's Q8_0, Q4_0 and Q4_1 blocks); import `block_gemm`.
 
-No argument checks here: `block_gemm.py` validates first. Legend: M rows of x, K input features
+No argument checks here: `kernels/block_gemm.py` validates first. Legend: M rows of x, K input features
 (a multiple of 32), N output features, L float32 lanes per vector (`simd.ISAS`), V = 32 / L vectors
 per block, MR rows of x and NR rows of W per register tile.
 
@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from attention_kv_caceh import _simd_ir as v
+from attention_kv_caceh.kernels import ir as v
 
 __all__: list[str] = []
 

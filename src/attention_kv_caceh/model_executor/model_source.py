@@ -23,8 +23,8 @@ import importlib.metadata
 from dataclasses import dataclass
 from pathlib import Path
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError, read_config_json
-from attention_kv_caceh.engine.model_config import ModelConfig
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError, read_config_json
+from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["MODELS", "ModelSource", "NamedModel", "gguf_file_of", "load_model_config", "resolve_model"]
 
@@ -141,6 +141,6 @@ def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
     if source.format == "hf":
         config = ModelConfig.from_hf_config(read_config_json(source.path), source.path / "config.json")
         return source, config
-    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
     return source, GGUFCheckpoint(source.path).config()

@@ -11,7 +11,7 @@ parallelism, sliding-window attention, and RoPE scalings other than "llama3".
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
 path (float32 activations on a CPU with AVX-512, AVX2 or NEON, the default there) the weights are kept
 here, at load, as the compiled kernels read them (`model_weights`: float32 or bfloat16 panels for
-`attention_kv_caceh.gemm`, GGUF blocks for `attention_kv_caceh.block_gemm`), each weight read once for
+`attention_kv_caceh.kernels.gemm`, GGUF blocks for `attention_kv_caceh.kernels.block_gemm`), each weight read once for
 all N rows of a step; on the "numpy" path (float64, other CPUs, or asked for) W keeps the Hugging Face
 layout `[out, in]` (the floats a compact format decodes to) and the product is `x @ W.T`, the packed
 path's oracle. q/k/v and gate/up are fused row-wise (one matmul each). A tied LM head shares the
@@ -38,10 +38,13 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.block_gemm import BLOCK_FORMATS, prepare_block_linear
-from attention_kv_caceh.engine.checkpoint import SafetensorsCheckpoint, read_config_json
-from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-from attention_kv_caceh.engine.layers import (
+from attention_kv_caceh.kernels.block_gemm import BLOCK_FORMATS, prepare_block_linear
+from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
+from attention_kv_caceh.kernels.gemm import prepare_packed_linear
+from attention_kv_caceh.kernels.isa import compiled_variant
+from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.layers import (
     GEMM_PATHS,
     LinearWeight,
     apply_rotary,
@@ -55,12 +58,9 @@ from attention_kv_caceh.engine.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-from attention_kv_caceh.engine.model_config import ModelConfig
-from attention_kv_caceh.engine.model_weights import WeightReader
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata, paged_attention, write_kv
-from attention_kv_caceh.gemm import prepare_packed_linear
-from attention_kv_caceh.kernels import paged_decode_attention_into
-from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.model_executor.model_config import ModelConfig
+from attention_kv_caceh.model_executor.model_weights import WeightReader
+from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 __all__ = [
     "ENGINE_DTYPES",
@@ -257,7 +257,7 @@ class Model:
         Raises CheckpointError for anything the checkpoint lacks or the model does not implement,
         ValueError as `Model()` does.
         """
-        from attention_kv_caceh.engine.model_source import gguf_file_of
+        from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
         gguf = gguf_file_of(path)
         if gguf is not None:

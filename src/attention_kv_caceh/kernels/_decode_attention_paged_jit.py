@@ -1,6 +1,6 @@
 """The compiled loops behind `kernels.paged_decode_attention`; import `kernels`, not this module.
 
-No argument checks here: `kernels.py` validates first. Shape legend as in attention.py; NB physical KV
+No argument checks here: `kernels/decode_attention.py` validates first. Shape legend as in attention.py; NB physical KV
 blocks of BS positions, G = H // H_kv query heads per KV head, L float32 lanes (`LANES`: 8, or 4 on NEON).
 
 Layout (vLLM's CPU layout): per block and KV head, a K tile `[D, BS]` (positions innermost) and a V
@@ -15,7 +15,7 @@ into g's running state (m, z, acc) with the online softmax (Milakov & Gimelshein
     s = q_g K_tile (positions past the context set to -inf);  m' = max(m, max s)
     p = exp(s - m');  z = z exp(m - m') + sum p;  acc = acc exp(m - m') + sum_t p[t] V_tile[t]
 so each block is read once, K tile then V tile, while it is in L1. The exp is the Cephes polynomial of
-`_kernels_jit._exp_f32` on vectors. While a tile is folded, the same head's tile of the table's next
+`_decode_attention_jit._exp_f32` on vectors. While a tile is folded, the same head's tile of the table's next
 block is prefetched into L2, a line every few steps: blocks lie in arbitrary places, so the CPU's own
 prefetchers cannot run ahead across them, and a burst of hints for a whole block at once mostly went
 unanswered (docs/kernels.md has the measurements).
@@ -37,9 +37,9 @@ import numpy as np
 from numba import types
 from numba.extending import intrinsic, overload
 
-from attention_kv_caceh import _simd_ir as v
-from attention_kv_caceh._kernels_jit import _exp_nonpositive
-from attention_kv_caceh._paged_ir import (
+from attention_kv_caceh.kernels import ir as v
+from attention_kv_caceh.kernels._decode_attention_jit import _exp_nonpositive
+from attention_kv_caceh.kernels._decode_attention_paged_ir import (
     _emit_operands,
     _emit_partial_block,
     _emit_rescaled_acc,
@@ -48,7 +48,7 @@ from attention_kv_caceh._paged_ir import (
     _emit_whole_block,
     _Shape,
 )
-from attention_kv_caceh.simd import compiled_variant
+from attention_kv_caceh.kernels.isa import compiled_variant
 
 __all__: list[str] = []
 

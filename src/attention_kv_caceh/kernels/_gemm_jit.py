@@ -1,6 +1,6 @@
-"""The compiled loops behind `gemm.py` (float32 and bfloat16 panels); import `gemm`, not this module.
+"""The compiled loops behind `kernels/gemm.py` (float32 and bfloat16 panels); import `gemm`, not this module.
 
-No argument checks here: `gemm.py` validates shapes and dtypes first. Legend: M rows of x (tokens),
+No argument checks here: `kernels/gemm.py` validates shapes and dtypes first. Legend: M rows of x (tokens),
 K input features, N output features, NR output features per weight panel, P = ceil(N / NR) panels,
 MR rows of x per register tile, L float32 lanes per vector (`simd.ISAS`).
 
@@ -25,7 +25,7 @@ output feature is adjacent, so one 32-bit lane holds both. Two ways to multiply:
   x and adds both products to float32 accumulators: 32 multiply-adds. x is rounded to bfloat16 first
   (to nearest even, once per call), as the instruction reads bfloat16 on both sides.
 
-The tiles are LLVM IR (`_simd_ir`); `_matmul` emits the whole loop nest for the variant code it is
+The tiles are LLVM IR (`ir`); `_matmul` emits the whole loop nest for the variant code it is
 given, a compile-time constant of each entry point (one entry point per variant, so the call from
 Python dispatches on the argument types alone).
 """
@@ -44,7 +44,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from attention_kv_caceh import _simd_ir as v
+from attention_kv_caceh.kernels import ir as v
 
 __all__: list[str] = []
 

@@ -41,8 +41,8 @@ import numpy.typing as npt
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
-from attention_kv_caceh.engine.model_config import ModelConfig
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUFCheckpoint", "QuantizedTensor", "dequantizable_types", "unpermute_rows"]
 
@@ -224,7 +224,7 @@ class GGUFCheckpoint:
 
     def config(self) -> ModelConfig:
         """The ModelConfig the metadata describes (`gguf_config.model_config_from_gguf`)."""
-        from attention_kv_caceh.engine.gguf_config import model_config_from_gguf
+        from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 
         return model_config_from_gguf(self)
 

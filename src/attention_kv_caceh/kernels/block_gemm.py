@@ -3,13 +3,13 @@
 A decode step reads every weight once, so at a batch of a few sequences its time is the weights' bytes
 over the read rate. float32 weights cost 4 bytes each; GGUF's blocks cost 34 / 32 (Q8_0), 18 / 32
 (Q4_0) and 20 / 32 (Q4_1) bytes: 32 weights share a float16 scale d (and, Q4_1, an offset m) and
-keep 8 or 4 bits each. llama.cpp reads its GGUF files this way; here the kernel of `_block_jit`
+keep 8 or 4 bits each. llama.cpp reads its GGUF files this way; here the kernel of `_block_gemm_jit`
 dequantizes each block in registers inside its inner loop (activations and sums stay float32), so the
 weights stay in memory exactly as the GGUF holds them: `BlockWeight.blocks` is ggml's row-major block
 array as uint8 `[N, K / 32 * block bytes]`, the bytes of the file's tensor data.
 
 Oracles. `dequantize_blocks` decodes blocks in float64, written from ggml's block definitions (table in
-`_block_jit`); the tests check it against the `gguf` library's `gguf.quants.dequantize`, and the
+`_block_gemm_jit`); the tests check it against the `gguf` library's `gguf.quants.dequantize`, and the
 kernel against NumPy's float64 product of x and the decoded weights (the same weights, so a float32
 tolerance applies). How far a block is from the weights it was made from is bounded by the format's
 step (`step_bound`): the difference between a weight and its decoded value is at most half a step
@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh import _block_jit as _jit
-from attention_kv_caceh.simd import SimdVariant, compiled_variant
+from attention_kv_caceh.kernels import _block_gemm_jit as _jit
+from attention_kv_caceh.kernels.isa import SimdVariant, compiled_variant
 
 __all__ = [
     "BLOCK_FORMATS",

@@ -1,7 +1,7 @@
-"""The Numba-compiled loops behind `kernels.py`; import `kernels`, not this module.
+"""The Numba-compiled loops behind `kernels/decode_attention.py`; import `decode_attention`, not this module.
 
 Everything here is `@njit` code with no Python objects in the loops and no argument checks: the
-callers in `kernels.py` validate shapes, dtypes and block tables first. Shape legend as in attention.py;
+callers in `kernels/decode_attention.py` validate shapes, dtypes and block tables first. Shape legend as in attention.py;
 G = H // H_kv query heads share one KV head.
 
 Contiguous layout, one (sequence, KV head) work item at a time (`_contiguous_item`): the G query rows
@@ -18,7 +18,7 @@ does not vectorise without `nnan`), exp(s - max) for float32 is `_exp_f32` (a po
 vectorises, where `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS`
 rows ahead (`_prefetch`, LLVM's prefetch intrinsic). Why this order, chunk size and unrolling:
 docs/kernels.md. `plain_serial` is the same attention as one readable loop nest, the reference the
-tuned kernels are tested against. The paged kernel's loops are in `_paged_jit`.
+tuned kernels are tested against. The paged kernel's loops are in `_decode_attention_paged_jit`.
 """
 
 # pyright: basic

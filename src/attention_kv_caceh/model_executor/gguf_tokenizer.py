@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any, cast
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from attention_kv_caceh.engine.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
 if TYPE_CHECKING:
-    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
 __all__ = ["PRE_TOKENIZERS", "tokenizer_from_gguf"]
 

@@ -22,8 +22,8 @@ Three kernels, one result. `plain_decode_attention` is the readable one: one loo
 tuned kernels are tested against. `decode_attention` is tuned for contiguous caches: positions in
 chunks of `CONTIGUOUS_CHUNK` (scores of the whole chunk first, then one rescale, then V eight rows at
 a time), the chunk's max tracked while the scores are computed, a vectorised float32 exp, and K
-prefetched a few rows ahead (`_kernels_jit`). `paged_decode_attention` folds one block at a time
-into the online softmax, its scores vectors across the block's positions (`_paged_jit`).
+prefetched a few rows ahead (`_decode_attention_jit`). `paged_decode_attention` folds one block at a time
+into the online softmax, its scores vectors across the block's positions (`_decode_attention_paged_jit`).
 docs/kernels.md walks from the plain kernel to the tuned ones and gives what each step bought, measured.
 
 Compile time: each kernel is compiled at its first call for the argument types it gets (dtype, and
@@ -44,8 +44,8 @@ import numba
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh import _kernels_jit as _jit
-from attention_kv_caceh import _paged_jit
+from attention_kv_caceh.kernels import _decode_attention_jit as _jit
+from attention_kv_caceh.kernels import _decode_attention_paged_jit
 
 __all__ = [
     "CONTIGUOUS_CHUNK",
@@ -187,12 +187,18 @@ def paged_decode_attention_into(
 
     Only for arguments `paged_decode_attention` accepts: a block id out of range reads out of bounds.
     """
-    fast = _paged_jit.fast_shape(q.dtype, q.shape[2], k_cache.shape[3], _tiles_contiguous(k_cache, v_cache))
+    fast = _decode_attention_paged_jit.fast_shape(
+        q.dtype, q.shape[2], k_cache.shape[3], _tiles_contiguous(k_cache, v_cache)
+    )
     if threads == 1:
-        _paged_jit.paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast)
+        _decode_attention_paged_jit.paged_serial(
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, fast
+        )
     else:
         _set_threads(threads)
-        _paged_jit.paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast)
+        _decode_attention_paged_jit.paged_parallel(
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, fast
+        )
 
 
 def paged_decode_attention(
@@ -310,7 +316,7 @@ def compile_seconds() -> dict[str, float]:
 def plain_decode_attention(
     q: FloatArray, k: FloatArray, v: FloatArray, *, scale: float | None = None
 ) -> FloatArray:
-    """The readable kernel (`_kernels_jit.plain_serial`): the same result as `decode_attention`.
+    """The readable kernel (`_decode_attention_jit.plain_serial`): the same result as `decode_attention`.
 
     One loop nest over (sequence, query head, position) with an online softmax, no tuning; kept as the
     reference the tuned kernels are tested against and as the first step of docs/kernels.md.

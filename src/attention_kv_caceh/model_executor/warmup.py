@@ -24,8 +24,8 @@ import numpy as np
 import numpy.typing as npt
 from numba.core.dispatcher import Dispatcher
 
-from attention_kv_caceh.engine.model import Model
-from attention_kv_caceh.engine.paged_attention import AttentionMetadata
+from attention_kv_caceh.model_executor.model import Model
+from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata
 
 __all__ = ["numba_compile_counts", "warm_up"]
 
@@ -69,7 +69,7 @@ def warm_up(model: Model, kv_caches: list[tuple[FloatArray, FloatArray]]) -> flo
     write their K/V into the first slots, whose blocks are zeroed again afterwards, so the buffers are
     left as they were made. The first decode step then runs the paged decode kernel
     (`kernels.paged_decode_attention_into`), the packed linear kernel and the compiled small layers of
-    `engine/layers.py` on signatures already compiled; a step with prefill tokens runs the same
+    `model_executor/layers.py` on signatures already compiled; a step with prefill tokens runs the same
     compiled functions (its attention is NumPy). Raises nothing beyond what `Model.forward` raises.
     """
     start = time.perf_counter()

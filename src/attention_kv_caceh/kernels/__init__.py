@@ -1,0 +1,14 @@
+"""The compiled kernels (Numba): vLLM's `csrc/cpu/`, ggml's `ggml-cpu/`. Importing this package imports no Numba.
+
+One module per op; its compiled loops sit beside it in `_<op>_jit.py` (and `_<op>_ir.py` where LLVM IR is
+written by hand). Outside this package, import the op's module, never a `_` module.
+
+- `decode_attention.py`: decode attention over a contiguous KV cache and over paged KV blocks, and the
+  plain reference kernel; loops in `_decode_attention_jit.py` (contiguous, plain) and
+  `_decode_attention_paged_jit.py` with its vector IR in `_decode_attention_paged_ir.py` (paged).
+- `kernels/gemm.py`: linear layers over float32 and bfloat16 weights packed once; loops in `_gemm_jit.py`.
+- `kernels/block_gemm.py`: linear layers over GGUF's block-quantized weights; loops in `_block_gemm_jit.py`.
+- `_fused_layers_jit.py`: RMSNorm, SiLU-and-mul and rotary embedding over rows, one pass each.
+- `isa.py`: the one table of instruction sets (AVX-512, AVX2, NEON) and which one Numba compiles for.
+- `ir.py`: the LLVM IR vocabulary the hand-written vector kernels share.
+"""
