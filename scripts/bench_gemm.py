@@ -3,7 +3,7 @@
 y = x W^T for x [M, K] and W [N, K] (default the `small` preset's gate_up shape, 2048 x 768), at
 M = 1, 2, 4, 8, 16, 32 rows, over COPIES different weights (100 MB of float32, beyond the last-level
 cache, as a decode step streams its 400 MB) so that every call reads its weights from memory. The
-paths: NumPy on float32, the packed kernel of this CPU's variant (`simd.compiled_variant`) on float32
+paths: NumPy on float32, the packed kernel of this CPU's variant (`isa.compiled_variant`) on float32
 and bfloat16 panels, and the block kernels on GGUF's Q8_0, Q4_0 and Q4_1 blocks (`--formats`). Each
 figure is the median over rounds of this thread's CPU time per weight (time.thread_time: on a shared
 machine, waiting for a core does not count), and its ratio to an np.dot read probe over the float32
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_kv_caceh.kernels import block_gemm, gemm
+from attention_kv_caceh.kernels import block_formats, block_gemm, dispatch, gemm
 from attention_kv_caceh.kernels.isa import compiled_variant
 
 COPIES = 16
@@ -94,8 +94,8 @@ def main() -> None:
     parser.add_argument(
         "--formats",
         nargs="+",
-        default=["float32", "bfloat16", *block_gemm.BLOCK_FORMATS],
-        choices=["float32", "bfloat16", *block_gemm.BLOCK_FORMATS],
+        default=list(dispatch.WEIGHT_FORMATS),
+        choices=list(dispatch.WEIGHT_FORMATS),
         help="weight formats of the packed paths",
     )
     args = parser.parse_args()
@@ -105,11 +105,11 @@ def main() -> None:
     paths: dict[str, Callable[[np.ndarray, int], Any]] = {"numpy x @ W.T": lambda x, j: x @ weights[j].T}
     stored: dict[str, np.ndarray] = {"numpy x @ W.T": weights[0]}  # W as each path holds it, for the oracle
     for fmt in args.formats if simd is not None else []:
-        if fmt in block_gemm.BLOCK_FORMATS:
-            blocks = [block_gemm.block_weight(block_gemm.quantize_weight(w, fmt), fmt) for w in weights]
+        if fmt in block_formats.BLOCK_FORMATS:
+            blocks = [block_gemm.block_weight(block_formats.quantize_weight(w, fmt), fmt) for w in weights]
             name = f"blocks {blocks[0].path}"
             paths[name] = lambda x, j, b=blocks: block_gemm.block_linear(x, b[j])
-            stored[name] = block_gemm.dequantize_blocks(blocks[0].blocks, fmt)
+            stored[name] = block_formats.dequantize_blocks(blocks[0].blocks, fmt)
         else:
             packs = [gemm.pack_weight(w, fmt) for w in weights]
             name = f"packed {packs[0].path}"

@@ -16,15 +16,15 @@ from gguf.quants import dequantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attention_kv_caceh.kernels.block_gemm import (
+from attention_kv_caceh.kernels import _block_gemm_jit
+from attention_kv_caceh.kernels.block_formats import (
     BLOCK_FORMATS,
-    block_linear,
-    block_linear_into,
-    block_weight,
+    FORMATS,
     dequantize_blocks,
     quantize_weight,
     step_bound,
 )
+from attention_kv_caceh.kernels.block_gemm import block_linear, block_linear_into, block_weight
 from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
 from attention_kv_caceh.oracle import tolerance_for
 
@@ -41,6 +41,19 @@ def _weights(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
 
 
 class DecoderTest(unittest.TestCase):
+    def test_every_row_matches_ggml_and_has_a_kernel_on_every_isa(self) -> None:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        for name, row in FORMATS.items():
+            with self.subTest(format=name):
+                self.assertEqual(
+                    GGML_QUANT_SIZES[GGMLQuantizationType[row.ggml_type]], (row.block, row.nbytes)
+                )
+                self.assertEqual(row.block * row.bits // 8 + row.scale_bytes, row.nbytes)
+                self.assertIn(name, _block_gemm_jit._DECODERS)  # pyright: ignore[reportPrivateUsage]
+                for isa in ISAS:
+                    self.assertIn((isa, name), _block_gemm_jit.ENTRY_POINTS)
+
     def test_hand_made_blocks_decode_as_ggml_defines_them(self) -> None:
         half = np.array([0.5, -2.0], dtype="<f2").view(np.uint8)  # d = 0.5, m = -2
         q8 = np.concatenate([half[:2], np.arange(-16, 16, dtype=np.int8).view(np.uint8)])[None]

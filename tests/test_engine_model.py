@@ -24,6 +24,7 @@ from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
+from attention_kv_caceh.kernels.dispatch import resolve_gemm_path
 from attention_kv_caceh.model_executor.layers import (
     LinearWeight,
     apply_rotary,
@@ -36,7 +37,7 @@ from attention_kv_caceh.model_executor.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
-from attention_kv_caceh.model_executor.model import Model, resolve_gemm_path
+from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.model_executor.paged_attention import (
     AttentionMetadata,
     pack_kv_blocks,

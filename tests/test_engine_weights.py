@@ -15,11 +15,17 @@ import numpy as np
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model_runner import ModelRunner
-from attention_kv_caceh.kernels.block_gemm import dequantize_blocks, quantize_weight
+from attention_kv_caceh.kernels.block_formats import dequantize_blocks, quantize_weight
+from attention_kv_caceh.kernels.dispatch import (
+    WEIGHT_FORMATS,
+    compute_dtype,
+    resolve_gemm_path,
+    weight_format,
+)
 from attention_kv_caceh.kernels.gemm import bfloat16_bits, bfloat16_to_float32
 from attention_kv_caceh.kernels.isa import compiled_variant
-from attention_kv_caceh.model_executor.layers import WEIGHT_FORMATS, LinearWeight, linear
-from attention_kv_caceh.model_executor.model import Model, compute_dtype, resolve_gemm_path, weight_format
+from attention_kv_caceh.model_executor.layers import LinearWeight, linear
+from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 from tests.test_engine_model import FakeRequest, FakeSchedulerOutput
 

@@ -27,7 +27,7 @@ _AVX2_CHILD = r"""
 import json
 import numba
 import numpy as np
-from attention_kv_caceh.kernels import _gemm_jit, block_gemm, gemm
+from attention_kv_caceh.kernels import _gemm_jit, block_formats, block_gemm, gemm
 from attention_kv_caceh.kernels.isa import compiled_variant
 
 found = compiled_variant()
@@ -41,10 +41,10 @@ for m in (1, 3, 8, 13):
         want = x.astype(np.float64) @ gemm.unpack_weight(packed).astype(np.float64).T
         err = float(np.abs(gemm.packed_linear(x, packed) - want).max() / np.abs(want).max())
         worst[packed.path] = max(worst.get(packed.path, 0.0), err)
-    for fmt in block_gemm.BLOCK_FORMATS:
-        blocks = block_gemm.quantize_weight(w, fmt)
+    for fmt in block_formats.BLOCK_FORMATS:
+        blocks = block_formats.quantize_weight(w, fmt)
         weight = block_gemm.block_weight(blocks, fmt)
-        want = x.astype(np.float64) @ block_gemm.dequantize_blocks(blocks, fmt).T
+        want = x.astype(np.float64) @ block_formats.dequantize_blocks(blocks, fmt).T
         err = float(np.abs(block_gemm.block_linear(x, weight) - want).max() / np.abs(want).max())
         worst[weight.path] = max(worst.get(weight.path, 0.0), err)
 
@@ -90,7 +90,7 @@ class CompileTargetTest(unittest.TestCase):
     def test_generic_x86_64_gets_no_variant_and_the_engine_keeps_numpy(self) -> None:
         code = (
             "import json; from attention_kv_caceh.kernels.isa import compiled_variant; "
-            "from attention_kv_caceh.model_executor.model import resolve_gemm_path; "
+            "from attention_kv_caceh.kernels.dispatch import resolve_gemm_path; "
             "print(json.dumps([compiled_variant() is None, resolve_gemm_path('auto', 'float32')[0]]))"
         )
         self.assertEqual(_child(code, "generic"), [True, "numpy"])

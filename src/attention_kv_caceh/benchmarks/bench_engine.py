@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from attention_kv_caceh.engine.config import model_option
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
+from attention_kv_caceh.kernels.dispatch import GEMM_CHOICES
 from attention_kv_caceh.options import ConfigError, check_options, option
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class BenchEngineConfig:
         help="linear layers: auto (packed where the CPU has AVX-512, AVX2 or NEON and activations are "
         "float32, else numpy), packed (the compiled kernel of that instruction set; to run the AVX2 "
         "one on an AVX-512 CPU, set NUMBA_CPU_NAME=znver3 NUMBA_CPU_FEATURES= ), or numpy (x @ W.T)",
-        choices=("auto", "packed", "numpy"),
+        choices=GEMM_CHOICES,
     )
     temperature: float = option(
         0.0,

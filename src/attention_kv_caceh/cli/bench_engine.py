@@ -72,8 +72,8 @@ def run(args: argparse.Namespace) -> int:
     from attention_kv_caceh.benchmarks.bench_engine import bench_engine, spec_prompts
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.files import write_json_atomic
+    from attention_kv_caceh.kernels.dispatch import resolve_gemm_path
     from attention_kv_caceh.model_executor.checkpoint import CheckpointError
-    from attention_kv_caceh.model_executor.model import resolve_gemm_path
     from attention_kv_caceh.oracle import OracleMismatch
 
     opened = time.perf_counter()

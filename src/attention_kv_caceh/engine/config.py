@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, QUANTIZATIONS
 from attention_kv_caceh.options import ConfigError, check_options, option
 
 from .spec_decode.config import SpeculativeConfig
@@ -38,8 +39,8 @@ DEFAULT_KV_CACHE_FRACTION = 0.25
 """Share of the available memory the KV cache takes when no size is given (vLLM's analogue: 0.9 of the GPU)."""
 DEFAULT_KV_CACHE_MAX_BYTES = 4 * 1024**3
 """Upper bound of the default KV cache size: 4 GiB, so a large machine is not claimed by a toy model."""
-SUPPORTED_DTYPES = ("float32", "float64", "bfloat16")
-SUPPORTED_QUANTIZATIONS = ("q8_0", "q4_0", "q4_1", "gguf")
+SUPPORTED_DTYPES = ENGINE_DTYPES
+SUPPORTED_QUANTIZATIONS = QUANTIZATIONS
 MODEL_HELP = (
     "the checkpoint: a model name (smollm2: SmolLM2-135M-Instruct, installed with the project), a .gguf "
     "file, a folder holding one, or a Hugging Face folder (make-model writes one) (default: none, required)"
@@ -107,7 +108,7 @@ class EngineConfig:
         enable_prefix_caching: share KV blocks between requests with equal prefixes.
         dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests), or
             "bfloat16": the linear layers' weights in bfloat16, activations and KV cache in float32
-            (`model.compute_dtype`).
+            (`dispatch.compute_dtype`).
         quantization: None, or the GGUF block format ("q8_0", "q4_0", "q4_1", llama.cpp's names) the
             linear layers keep their weights in (vLLM's `--quantization`), a float checkpoint quantized
             at load; or "gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as the file stores them.

@@ -39,7 +39,8 @@ from attention_kv_caceh.engine.request import TokenLogprobs
 from attention_kv_caceh.engine.sampler import sample, token_logprobs
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
-from attention_kv_caceh.model_executor.model import ENGINE_DTYPES, Model, ModelConfig, compute_dtype
+from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, compute_dtype
+from attention_kv_caceh.model_executor.model import Model, ModelConfig
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.model_executor.warmup import warm_up
 

@@ -1,17 +1,13 @@
 """The compiled loops behind `kernels/block_gemm.py` (GGUF's Q8_0, Q4_0 and Q4_1 blocks); import `block_gemm`.
 
 No argument checks here: `kernels/block_gemm.py` validates first. Legend: M rows of x, K input features
-(a multiple of 32), N output features, L float32 lanes per vector (`simd.ISAS`), V = 32 / L vectors
+(a multiple of 32), N output features, L float32 lanes per vector (`isa.ISAS`), V = 32 / L vectors
 per block, MR rows of x and NR rows of W per register tile.
 
 The weight stays as the GGUF file stores it (ggml's block layout): W `[N, K]` is N rows of K / 32
-blocks, each block 32 consecutive weights of one row, with its own scale:
-
-    format  bytes  block                                                    weight j
-    Q8_0    34     d (float16), q[32] (int8)                                d q[j]
-    Q4_0    18     d (float16), 16 bytes: q[j] = low nibble of byte j,      d (q[j] - 8)
-                   q[j + 16] its high nibble
-    Q4_1    20     d, m (float16), 16 bytes of nibbles as Q4_0              d q[j] + m
+blocks, each block 32 consecutive weights of one row, with its own scale; the formats' bytes, scale
+fields and decode are the rows of `block_formats` (its table), and `_DECODERS` holds each one's decode
+in registers.
 
 A tile computes y[m, n] = sum over k of x[m, k] W[n, k] for MR rows and NR weight rows. Per block:
 each of the NR rows' block is dequantized in registers (bytes widened to 32-bit lanes, converted to
@@ -36,13 +32,11 @@ from numba import types
 from numba.extending import intrinsic
 
 from attention_kv_caceh.kernels import ir as v
+from attention_kv_caceh.kernels.block_formats import FORMATS
 
 __all__: list[str] = []
 
 ROW_CHUNK = 64  # rows of x per pass over the weights
-BLOCK = 32  # weights per block (all three formats)
-FORMATS = {"q8_0": 34, "q4_0": 18, "q4_1": 20}  # bytes per block (ggml's block_q8_0, _q4_0, _q4_1)
-_SCALES = {"q8_0": 2, "q4_0": 2, "q4_1": 4}  # bytes before the quants: d, or d and m
 
 # isa -> (L, GROUP, {MR: (NR, S)}), tile heights in decreasing order. Registers of a tile: MR NR S
 # accumulators, NR dequantized vectors and NR (Q4_1: 2 NR) scales, one vector of x. Up to four rows of x,
@@ -57,32 +51,52 @@ BLOCK_SPECS = {
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in FORMATS]  # the literal each entry point passes
 
 
+def _q8_0(builder, lanes, quants, part, d, m):
+    raw = v.load_vec(builder, quants, part * lanes, v.vec(lanes, v.I8))
+    return builder.fmul(builder.sitofp(builder.sext(raw, v.vec(lanes, v.I32)), v.vec(lanes)), d), part * lanes
+
+
+def _nibbles(builder, lanes, quants, part):
+    """The 4-bit quants part * L .. of a block as `<L x i32>`, and where they sit in the block."""
+    ivec = v.vec(lanes, v.I32)
+    per_half = 16 // lanes  # vectors of nibbles in one half (16 weights) of the block
+    chunk, high = part % per_half, part // per_half
+    wide = builder.zext(v.load_vec(builder, quants, chunk * lanes, v.vec(lanes, v.I8)), ivec)
+    nibbles = builder.lshr(wide, v.splat(ivec, 4)) if high else builder.and_(wide, v.splat(ivec, 15))
+    return nibbles, high * 16 + chunk * lanes
+
+
+def _q4_0(builder, lanes, quants, part, d, m):
+    nibbles, at = _nibbles(builder, lanes, quants, part)
+    ivec, fvec = v.vec(lanes, v.I32), v.vec(lanes)
+    return builder.fmul(builder.sitofp(builder.sub(nibbles, v.splat(ivec, 8)), fvec), d), at
+
+
+def _q4_1(builder, lanes, quants, part, d, m):
+    nibbles, at = _nibbles(builder, lanes, quants, part)
+    return v.fma(builder, builder.sitofp(nibbles, v.vec(lanes)), d, m), at
+
+
+_DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}
+"""Format -> its register decode: (builder, L, quants (i8*), part, d, m) -> (`<L x float>` weights
+part * L .., their first index in the block). One entry per row of `block_formats.FORMATS`."""
+assert list(_DECODERS) == list(FORMATS)
+
+
 def _dequantize(builder, fmt, lanes, block, part, scales):
     """Weights part * L .. of the block at `block` (i8*), `<L x float>`, and where they sit in the block.
 
     The bytes are widened to 32-bit lanes first, so the nibbles come out with 32-bit `and` and shift.
     scales: (d, m) broadcasts, m None for Q8_0 and Q4_0."""
     d, m = scales
-    quants = v.at(builder, block, _SCALES[fmt])
-    ivec, fvec = v.vec(lanes, v.I32), v.vec(lanes)
-    if fmt == "q8_0":
-        raw = v.load_vec(builder, quants, part * lanes, v.vec(lanes, v.I8))
-        return builder.fmul(builder.sitofp(builder.sext(raw, ivec), fvec), d), part * lanes
-    per_half = 16 // lanes  # vectors of nibbles in one half (16 weights) of the block
-    chunk, high = part % per_half, part // per_half
-    wide = builder.zext(v.load_vec(builder, quants, chunk * lanes, v.vec(lanes, v.I8)), ivec)
-    nibbles = builder.lshr(wide, v.splat(ivec, 4)) if high else builder.and_(wide, v.splat(ivec, 15))
-    if fmt == "q4_0":
-        return builder.fmul(
-            builder.sitofp(builder.sub(nibbles, v.splat(ivec, 8)), fvec), d
-        ), high * 16 + chunk * lanes
-    return v.fma(builder, builder.sitofp(nibbles, fvec), d, m), high * 16 + chunk * lanes
+    quants = v.at(builder, block, FORMATS[fmt].scale_bytes)
+    return _DECODERS[fmt](builder, lanes, quants, part, d, m)
 
 
 def _scales(builder, fmt, lanes, block):
     """(d, m) of the block at `block` as broadcasts (m None unless Q4_1); Q4_1's two halves are read
     and widened together."""
-    if fmt != "q4_1":
+    if FORMATS[fmt].scales == ("d",):
         return v.broadcast(builder, v.half_to_float(builder, block), lanes), None
     pair = builder.load(builder.bitcast(block, v.vec(2, v.I16).as_pointer()), align=1)
     both = builder.fpext(builder.bitcast(pair, v.vec(2, ir.HalfType())), v.vec(2))
@@ -92,8 +106,8 @@ def _scales(builder, fmt, lanes, block):
 
 def _codegen(isa, fmt):
     lanes, group, tiles = BLOCK_SPECS[isa]
-    block_bytes = FORMATS[fmt]
-    parts = BLOCK // lanes  # V
+    block_bytes, block_size = FORMATS[fmt].nbytes, FORMATS[fmt].block
+    parts = block_size // lanes  # V
     heights = tuple(sorted(tiles, reverse=True))
 
     def codegen(context, builder, signature, args):
@@ -120,7 +134,7 @@ def _codegen(isa, fmt):
             with v.loop(builder, blocks) as b:
                 here = [v.at(builder, w_row, builder.mul(b, v.I64(block_bytes))) for w_row in w_rows]
                 scales = [_scales(builder, fmt, lanes, blk) for blk in here]
-                k0 = builder.mul(b, v.I64(BLOCK))
+                k0 = builder.mul(b, v.I64(block_size))
                 for part in range(parts):
                     w = [_dequantize(builder, fmt, lanes, here[j], part, scales[j]) for j in range(nr)]
                     offset = builder.add(k0, v.I64(w[0][1]))

@@ -14,9 +14,9 @@ of the group are scaled once, then the head's positions are read in chunks of at
   3. acc[g] += sum_t p[g, t] v_t, with v_t read once for the whole group.
 At the end out[g] = acc[g] / z[g] (`_finish`). K and V are each read once; the chunk's scores live in
 a [G, chunk] scratch. The chunk's max is tracked while the scores are computed (a separate max loop
-does not vectorise without `nnan`), exp(s - max) for float32 is `_exp_f32` (a polynomial LLVM
+does not vectorise without `nnan`), exp(s - max) for float32 is `_math_jit.exp_f32` (a polynomial LLVM
 vectorises, where `math.exp` is a scalar call per score), and the K pass prefetches `_PREFETCH_ROWS`
-rows ahead (`_prefetch`, LLVM's prefetch intrinsic). Why this order, chunk size and unrolling:
+rows ahead (`_math_jit.prefetch`, LLVM's prefetch intrinsic). Why this order, chunk size and unrolling:
 docs/kernels.md. `plain_serial` is the same attention as one readable loop nest, the reference the
 tuned kernels are tested against. The paged kernel's loops are in `_decode_attention_paged_jit`.
 """
@@ -30,83 +30,14 @@ import math
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba import prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba import prange
+
+from attention_kv_caceh.kernels._math_jit import exp_nonpositive, prefetch
 
 __all__: list[str] = []
 
 _PREFETCH_ROWS = 16  # K rows [D] prefetched ahead of the one being read (docs/kernels.md)
 _LINE_BYTES = 64  # one prefetch per cache line
-
-
-@intrinsic
-def _prefetch(typingctx, arr, index):
-    """Hint the CPU to load the cache line holding flat element `index` of arr's buffer (no fault)."""
-    if not isinstance(arr, types.Array) or not isinstance(index, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        data = context.make_array(signature.args[0])(context, builder, args[0]).data
-        i8p = ir.IntType(8).as_pointer()
-        address = builder.bitcast(builder.gep(data, [args[1]]), i8p)  # no inbounds: may point past the end
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [address, i32(0), i32(3), i32(1)])  # read, keep in all levels, data cache
-        return context.get_dummy_value()
-
-    return types.void(arr, index), codegen
-
-
-@intrinsic
-def _float32_from_bits(typingctx, bits):
-    """The float32 whose IEEE-754 bit pattern is the low 32 bits of an integer."""
-    if not isinstance(bits, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        width = signature.args[0].bitwidth
-        low = builder.trunc(args[0], ir.IntType(32)) if width > 32 else args[0]
-        return builder.bitcast(low, ir.FloatType())
-
-    return types.float32(bits), codegen
-
-
-# Cephes expf (S. L. Moshier, Cephes Math Library): exp(x) = 2^n exp(r), r = x - n ln 2 in
-# [-ln 2 / 2, ln 2 / 2] (ln 2 in two parts, Cody & Waite), exp(r) by a degree-7 polynomial; about
-# 1 ulp in float32 (measured max relative error 6e-8 against float64 exp on [-87, 0]).
-_LOG2E = np.float32(1.44269504088896341)
-_LN2_HI, _LN2_LO = np.float32(0.693359375), np.float32(-2.12194440e-4)
-_EXP_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2))
-_EXP_P4, _EXP_P5 = np.float32(1.6666665459e-1), np.float32(5.0000001201e-1)
-_EXP_LOWEST = np.float32(-87.0)  # exp(-87) = 1.6e-38, the smallest 2^n kept normal below
-_HALF, _ONE = np.float32(0.5), np.float32(1.0)
-
-
-@numba.njit(inline="always", fastmath={"contract"})
-def _exp_f32(x):
-    """exp(x) for float32 x <= 0, vectorisable; x below -87 gives exp(-87) (< 2e-38), not 0."""
-    x = max(x, _EXP_LOWEST)
-    n = np.floor(x * _LOG2E + _HALF)  # float32 (math.floor gives an int, which promotes to float64)
-    r = (x - n * _LN2_HI) - n * _LN2_LO
-    p = ((((_EXP_P[0] * r + _EXP_P[1]) * r + _EXP_P[2]) * r + _EXP_P[3]) * r + _EXP_P4) * r + _EXP_P5
-    y = p * r * r + r + _ONE
-    two_n = _float32_from_bits((np.int64(n) + 127) << 23)  # pyright: ignore[reportCallIssue]  # 2^n, n >= -126
-    return y * two_n
-
-
-def _exp_nonpositive(x):
-    """exp(x) for x <= 0 (the shifted scores): `_exp_f32` for float32, math.exp for float64."""
-    return math.exp(x)
-
-
-@overload(_exp_nonpositive, inline="always")
-def _exp_nonpositive_impl(x):
-    if x == types.float32:
-        return lambda x: _exp_f32(x)
-    return lambda x: math.exp(x)
 
 
 # Reassociation lets LLVM vectorise the dot-product reduction over D; no nnan/ninf, because the
@@ -154,7 +85,7 @@ def plain_serial(q, k, v, out, scale):
 def _prefetch_row(a, row, d_count):
     """Prefetch row `row` ([D] elements) of a C-contiguous [rows, ..., D] buffer, past its end too."""
     for c in range(0, d_count, _LINE_BYTES // a.itemsize):
-        _prefetch(a, row * d_count + c)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
+        prefetch(a, row * d_count + c)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
 
 
 @numba.njit(**_JIT)
@@ -170,7 +101,7 @@ def _softmax_update(n, m, m_new, z, acc, s):
         m[g] = top
         total = z[g] * alpha
         for t in range(n):
-            p = _exp_nonpositive(s[g, t] - top)
+            p = exp_nonpositive(s[g, t] - top)
             s[g, t] = p
             total += p
         z[g] = total

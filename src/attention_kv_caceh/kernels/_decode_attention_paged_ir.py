@@ -18,56 +18,6 @@ from numba.core import cgutils
 
 from attention_kv_caceh.kernels import ir as v
 
-# Cephes expf, as `_decode_attention_jit._exp_f32` (coefficients and range reduction there).
-_LOG2E, _LN2_HI, _LN2_LO = 1.44269504088896341, 0.693359375, -2.12194440e-4
-_EXP_P = (
-    1.9875691500e-4,
-    1.3981999507e-3,
-    8.3334519073e-3,
-    4.1665795894e-2,
-    1.6666665459e-1,
-    5.0000001201e-1,
-)
-
-
-def _vexp(builder, x):
-    """exp(x) lane by lane for x <= 0 (below -87: exp(-87) ~ 1.6e-38); float vector in, out."""
-    vtype = x.type
-    x = builder.select(builder.fcmp_ordered(">", x, v.splat(vtype, -87.0)), x, v.splat(vtype, -87.0))
-    floor = cgutils.get_or_insert_function(
-        builder.module, ir.FunctionType(vtype, [vtype]), f"llvm.floor.v{vtype.count}f32"
-    )
-    n = builder.call(floor, [v.fma(builder, x, v.splat(vtype, _LOG2E), v.splat(vtype, 0.5))])
-    r = v.fma(builder, n, v.splat(vtype, -_LN2_HI), x)
-    r = v.fma(builder, n, v.splat(vtype, -_LN2_LO), r)
-    p = v.splat(vtype, _EXP_P[0])
-    for c in _EXP_P[1:]:
-        p = v.fma(builder, p, r, v.splat(vtype, c))
-    y = v.fma(builder, builder.fmul(p, r), r, builder.fadd(r, v.splat(vtype, 1.0)))
-    ivec = v.vec(vtype.count, v.I32)
-    bits = builder.shl(builder.add(builder.fptosi(n, ivec), v.splat(ivec, 127)), v.splat(ivec, 23))
-    return builder.fmul(y, builder.bitcast(bits, vtype))
-
-
-def _hreduce(builder, vectors, op):
-    """max or sum (op "max" / "add") of all lanes of a list of equal float vectors."""
-    total = vectors[0]
-    for other in vectors[1:]:
-        total = _combine(builder, total, other, op)
-    lanes = total.type.count
-    while lanes > 1:
-        half = lanes // 2
-        lo = builder.shuffle_vector(total, total, ir.Constant(v.vec(half, v.I32), list(range(half))))
-        hi = builder.shuffle_vector(total, total, ir.Constant(v.vec(half, v.I32), list(range(half, lanes))))
-        total, lanes = _combine(builder, lo, hi, op), half
-    return builder.extract_element(total, v.I64(0))
-
-
-def _combine(builder, a, b, op):
-    if op == "add":
-        return builder.fadd(a, b)
-    return builder.select(builder.fcmp_ordered(">", a, b), a, b)
-
 
 @dataclass(frozen=True)
 class _Shape:
@@ -200,16 +150,18 @@ def _emit_state_update(builder, shape, scores, keep, state):
     lanes = shape.lanes
     zero = ir.Constant(shape.fvec, None)
     m_old, z_old = builder.load(state), builder.load(v.at(builder, state, 1))
-    top = _hreduce(builder, scores, "max")
+    top = v.hreduce(builder, scores, "max")
     m_new = builder.select(builder.fcmp_ordered(">", top, m_old), top, m_old)
     new = v.broadcast(builder, m_new, lanes)
     alpha = builder.extract_element(
-        _vexp(builder, builder.fsub(v.broadcast(builder, m_old, lanes), new)), v.I64(0)
+        v.vexp(builder, builder.fsub(v.broadcast(builder, m_old, lanes), new)), v.I64(0)
     )
-    p = [builder.select(keep[n], _vexp(builder, builder.fsub(scores[n], new)), zero) for n in range(shape.nv)]
+    p = [
+        builder.select(keep[n], v.vexp(builder, builder.fsub(scores[n], new)), zero) for n in range(shape.nv)
+    ]
     builder.store(m_new, state)
     builder.store(
-        builder.fadd(builder.fmul(z_old, alpha), _hreduce(builder, p, "add")),
+        builder.fadd(builder.fmul(z_old, alpha), v.hreduce(builder, p, "add")),
         v.at(builder, state, 1),
     )
     return p, v.broadcast(builder, alpha, lanes)

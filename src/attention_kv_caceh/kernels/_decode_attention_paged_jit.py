@@ -15,7 +15,7 @@ into g's running state (m, z, acc) with the online softmax (Milakov & Gimelshein
     s = q_g K_tile (positions past the context set to -inf);  m' = max(m, max s)
     p = exp(s - m');  z = z exp(m - m') + sum p;  acc = acc exp(m - m') + sum_t p[t] V_tile[t]
 so each block is read once, K tile then V tile, while it is in L1. The exp is the Cephes polynomial of
-`_decode_attention_jit._exp_f32` on vectors. While a tile is folded, the same head's tile of the table's next
+`_math_jit.exp_f32` on vectors. While a tile is folded, the same head's tile of the table's next
 block is prefetched into L2, a line every few steps: blocks lie in arbitrary places, so the CPU's own
 prefetchers cannot run ahead across them, and a burst of hints for a whole block at once mostly went
 unanswered (docs/kernels.md has the measurements).
@@ -38,7 +38,6 @@ from numba import types
 from numba.extending import intrinsic, overload
 
 from attention_kv_caceh.kernels import ir as v
-from attention_kv_caceh.kernels._decode_attention_jit import _exp_nonpositive
 from attention_kv_caceh.kernels._decode_attention_paged_ir import (
     _emit_operands,
     _emit_partial_block,
@@ -48,6 +47,7 @@ from attention_kv_caceh.kernels._decode_attention_paged_ir import (
     _emit_whole_block,
     _Shape,
 )
+from attention_kv_caceh.kernels._math_jit import exp_nonpositive
 from attention_kv_caceh.kernels.isa import compiled_variant
 
 __all__: list[str] = []
@@ -129,7 +129,7 @@ def _fold_block_plain(qs, k_cache, v_cache, block, head, g, valid, acc, state, s
     alpha = math.exp(state[g, 0] - top)
     total = state[g, 1] * alpha
     for t in range(valid):
-        p = _exp_nonpositive(s[t] - top)
+        p = exp_nonpositive(s[t] - top)
         s[t] = p
         total += p
     state[g, 0] = top

@@ -16,7 +16,7 @@ import math
 import numba
 import numpy as np
 
-from attention_kv_caceh.kernels._decode_attention_jit import _exp_nonpositive
+from attention_kv_caceh.kernels._math_jit import exp_nonpositive
 
 __all__: list[str] = []
 
@@ -53,7 +53,7 @@ def silu_and_mul_rows(gate_up, out):
     """out = silu(gate) * up for gate_up = [gate | up] `[N, 2I]` -> out `[N, I]`.
 
     silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, where
-    e = exp(-|g|) <= 1, so no exp overflows (float32: `_decode_attention_jit._exp_f32`, about 1 ulp).
+    e = exp(-|g|) <= 1, so no exp overflows (float32: `_math_jit.exp_f32`, about 1 ulp).
     """
     n_rows, inter = out.shape
     for n in range(n_rows):
@@ -63,7 +63,7 @@ def silu_and_mul_rows(gate_up, out):
         one = np.float32(1.0)  # stays float32 with float32 inputs (an int literal would promote to float64)
         for i in range(inter):
             g = gate[i]
-            e = _exp_nonpositive(-abs(g))
+            e = exp_nonpositive(-abs(g))
             dst[i] = g * (one if g >= 0 else e) / (one + e) * up[i]
 
 

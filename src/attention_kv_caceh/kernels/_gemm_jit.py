@@ -2,7 +2,7 @@
 
 No argument checks here: `kernels/gemm.py` validates shapes and dtypes first. Legend: M rows of x (tokens),
 K input features, N output features, NR output features per weight panel, P = ceil(N / NR) panels,
-MR rows of x per register tile, L float32 lanes per vector (`simd.ISAS`).
+MR rows of x per register tile, L float32 lanes per vector (`isa.ISAS`).
 
 float32 panels `[P, K, NR]`: panel p holds W[p NR : (p + 1) NR, :] transposed, so the NR weights that
 one input feature k meets are contiguous (one row of the panel). One tile computes a `[MR, NR]` block

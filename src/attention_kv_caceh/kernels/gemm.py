@@ -14,7 +14,7 @@ W[p NR : (p + 1) NR]^T, zero-padded when NR does not divide N; or, for bfloat16 
 features adjacent. Activations and sums are float32 either way. NumPy's `x @ W.T` in float64 (of the
 weights as packed) is the oracle the tests hold every variant to.
 
-Variants: one per instruction set (`simd.compiled_variant`): AVX-512 (16 float32 lanes, an 8 x 32 tile
+Variants: one per instruction set (`isa.compiled_variant`): AVX-512 (16 float32 lanes, an 8 x 32 tile
 in its 32 vector registers), AVX2 (8 lanes, 6 x 16 in 16 registers) and NEON (4 lanes, 8 x 12 in 32
 registers); bfloat16 weights are widened in registers, or, where the CPU has AVX-512 BF16, multiplied
 by `vdpbf16ps`, which rounds x to bfloat16 too. Where no variant applies, `pack_weight` refuses and
@@ -33,10 +33,10 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.kernels import _gemm_jit as _jit
+from attention_kv_caceh.kernels.dispatch import WEIGHT_DTYPES
 from attention_kv_caceh.kernels.isa import SimdVariant, compiled_variant
 
 __all__ = [
-    "WEIGHT_DTYPES",
     "PackedWeight",
     "bfloat16_bits",
     "bfloat16_to_float32",
@@ -49,7 +49,6 @@ __all__ = [
 ]
 
 F32Array = npt.NDArray[np.float32]
-WEIGHT_DTYPES = ("float32", "bfloat16")
 
 
 def bfloat16_bits(a: npt.NDArray[Any]) -> npt.NDArray[np.uint16]:
@@ -114,7 +113,7 @@ def pack_weight(
     weight: npt.NDArray[Any], dtype: str = "float32", variant: SimdVariant | None = None
 ) -> PackedWeight:
     """Pack W `[N, K]` (float32, or any float when dtype is "bfloat16") into the panels of the variant
-    `variant` (default `simd.compiled_variant()`). Copies; W is left as it is. bfloat16 rounds to
+    `variant` (default `isa.compiled_variant()`). Copies; W is left as it is. bfloat16 rounds to
     nearest even.
 
     Raises ValueError for a weight that is not a non-empty 2-D array (float32 for dtype "float32"), a

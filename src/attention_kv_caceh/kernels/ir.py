@@ -1,7 +1,8 @@
-"""LLVM IR building blocks for the linear-layer kernels (`_gemm_jit`, `_block_gemm_jit`); no kernel here.
+"""LLVM IR building blocks for the hand-written vector kernels (`_gemm_jit`, `_block_gemm_jit`,
+`_decode_attention_paged_ir`); no kernel here.
 
 The register tiles are written in LLVM IR through llvmlite (inside Numba `@intrinsic`s) with explicit
-`<L x float>` vectors, L the target's float32 lanes (`simd.ISAS`): written as Numba loops over an
+`<L x float>` vectors, L the target's float32 lanes (`isa.ISAS`): written as Numba loops over an
 accumulator array, LLVM kept the accumulators in memory (docs/kernels.md). Accumulators live in
 allocas of the function's entry block, which LLVM's mem2reg turns into registers. Pointers are typed
 (llvmlite's view); offsets count elements of the pointer's type.
@@ -16,6 +17,8 @@ from contextlib import contextmanager
 
 from llvmlite import ir
 from numba.core import cgutils
+
+from attention_kv_caceh.kernels._math_jit import EXP_COEFFS, EXP_LOWEST, LN2_HI, LN2_LO, LOG2E
 
 __all__: list[str] = []
 
@@ -150,3 +153,43 @@ def row_tiles(builder, start, end, heights, emit):
         with builder.if_then(builder.icmp_signed("<=", builder.add(here, I64(h)), end)):
             emit(h, here)
             builder.store(builder.add(here, I64(h)), row)
+
+
+def vexp(builder, x):
+    """exp(x) lane by lane for x <= 0 (below -87: exp(-87) ~ 1.6e-38); float vector in, out. Cephes expf,
+    the coefficients and range reduction of `_math_jit.exp_f32`."""
+    vtype = x.type
+    x = builder.select(builder.fcmp_ordered(">", x, splat(vtype, EXP_LOWEST)), x, splat(vtype, EXP_LOWEST))
+    floor = cgutils.get_or_insert_function(
+        builder.module, ir.FunctionType(vtype, [vtype]), f"llvm.floor.v{vtype.count}f32"
+    )
+    n = builder.call(floor, [fma(builder, x, splat(vtype, LOG2E), splat(vtype, 0.5))])
+    r = fma(builder, n, splat(vtype, -LN2_HI), x)
+    r = fma(builder, n, splat(vtype, -LN2_LO), r)
+    p = splat(vtype, EXP_COEFFS[0])
+    for c in EXP_COEFFS[1:]:
+        p = fma(builder, p, r, splat(vtype, c))
+    y = fma(builder, builder.fmul(p, r), r, builder.fadd(r, splat(vtype, 1.0)))
+    ivec = vec(vtype.count, I32)
+    bits = builder.shl(builder.add(builder.fptosi(n, ivec), splat(ivec, 127)), splat(ivec, 23))
+    return builder.fmul(y, builder.bitcast(bits, vtype))
+
+
+def hreduce(builder, vectors, op):
+    """max or sum (op "max" / "add") of all lanes of a list of equal float vectors."""
+    total = vectors[0]
+    for other in vectors[1:]:
+        total = _combine(builder, total, other, op)
+    lanes = total.type.count
+    while lanes > 1:
+        half = lanes // 2
+        lo = builder.shuffle_vector(total, total, ir.Constant(vec(half, I32), list(range(half))))
+        hi = builder.shuffle_vector(total, total, ir.Constant(vec(half, I32), list(range(half, lanes))))
+        total, lanes = _combine(builder, lo, hi, op), half
+    return builder.extract_element(total, I64(0))
+
+
+def _combine(builder, a, b, op):
+    if op == "add":
+        return builder.fadd(a, b)
+    return builder.select(builder.fcmp_ordered(">", a, b), a, b)

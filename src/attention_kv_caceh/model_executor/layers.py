@@ -30,14 +30,9 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.kernels import _fused_layers_jit as _jit
-from attention_kv_caceh.kernels.block_gemm import (
-    BLOCK_FORMATS,
-    BlockWeight,
-    block_linear_into,
-    block_weight,
-    dequantize_blocks,
-    quantize_weight,
-)
+from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, dequantize_blocks, quantize_weight
+from attention_kv_caceh.kernels.block_gemm import BlockWeight, block_linear_into, block_weight
+from attention_kv_caceh.kernels.dispatch import GEMM_PATHS, WEIGHT_FORMATS
 from attention_kv_caceh.kernels.gemm import (
     PackedWeight,
     bfloat16_bits,
@@ -48,8 +43,6 @@ from attention_kv_caceh.kernels.gemm import (
 )
 
 __all__ = [
-    "GEMM_PATHS",
-    "WEIGHT_FORMATS",
     "LinearWeight",
     "apply_rotary",
     "compiled_rms_norm",
@@ -65,15 +58,6 @@ __all__ = [
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
-GEMM_PATHS = ("packed", "numpy")
-"""How `linear` multiplies: "packed", the compiled kernels of `gemm` (float32 or bfloat16 panels packed
-at load) and `block_gemm` (GGUF blocks as stored); "numpy", `x @ W.T` (any float dtype, and the oracle
-of the packed path: the same weights, decoded to floats)."""
-
-WEIGHT_FORMATS = ("float32", "bfloat16", *BLOCK_FORMATS)
-"""How a linear layer's weights are stored: float32, bfloat16 (the top half of each float32), or one of
-GGUF's block formats ("q8_0", "q4_0", "q4_1": `block_gemm`)."""
-
 
 def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
     """RMSNorm over the last axis: x / sqrt(mean(x^2) + eps) * weight (Zhang & Sennrich, 2019).
@@ -88,13 +72,13 @@ def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
 
 @dataclass(frozen=True)
 class LinearWeight:
-    """The weight W `[C_out, C_in]` of a bias-free linear layer, stored for one of `GEMM_PATHS`.
+    """The weight W `[C_out, C_in]` of a bias-free linear layer, stored for one of `dispatch.GEMM_PATHS`.
 
     Exactly one of three is set; build with `LinearWeight.of` or `LinearWeight.from_blocks`:
     `weight`, the "numpy" path: W itself as floats, Hugging Face's `[out, in]` layout (for a compact
     format, the values that format decodes to); `packed`, the "packed" path for float32 or bfloat16
     (`gemm.PackedWeight`); `blocks`, the "packed" path for a GGUF block format (`block_gemm.BlockWeight`).
-    format: one of WEIGHT_FORMATS (float64 when a float64 numpy weight is kept as it is).
+    format: one of `dispatch.WEIGHT_FORMATS` (float64 when a float64 numpy weight is kept as it is).
     """
 
     weight: FloatArray | None
@@ -105,7 +89,7 @@ class LinearWeight:
     @classmethod
     def of(cls, weight: FloatArray, path: str, fmt: str = "float32") -> LinearWeight:
         """W `[C_out, C_in]` (floats) for `path`, stored as `fmt` (bfloat16 rounds to nearest even, a
-        block format quantizes with `block_gemm.quantize_weight`). "packed" copies W into the kernel's
+        block format quantizes with `block_formats.quantize_weight`). "packed" copies W into the kernel's
         layout; "numpy" keeps W (float32 format) or the floats `fmt` decodes to, in W's dtype.
 
         Raises ValueError for a path outside GEMM_PATHS, a format outside WEIGHT_FORMATS, (packed) a
@@ -128,7 +112,7 @@ class LinearWeight:
         cls, blocks: npt.NDArray[np.uint8], fmt: str, path: str, dtype: npt.DTypeLike = np.float32
     ) -> LinearWeight:
         """W from its GGUF blocks uint8 `[C_out, C_in / 32 * block bytes]` (as a GGUF file stores them):
-        kept as they are for "packed", decoded (`block_gemm.dequantize_blocks`) to `dtype` for "numpy".
+        kept as they are for "packed", decoded (`block_formats.dequantize_blocks`) to `dtype` for "numpy".
         Raises ValueError as `block_gemm.block_weight` does, or for a path outside GEMM_PATHS."""
         if path == "packed":
             return cls(None, None, block_weight(blocks, fmt), fmt)

@@ -38,14 +38,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.kernels.block_gemm import BLOCK_FORMATS, prepare_block_linear
+from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
+from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
+from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path, weight_format
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
-from attention_kv_caceh.kernels.isa import compiled_variant
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 from attention_kv_caceh.model_executor.layers import (
-    GEMM_PATHS,
     LinearWeight,
     apply_rotary,
     compiled_rms_norm,
@@ -62,86 +62,9 @@ from attention_kv_caceh.model_executor.model_config import ModelConfig
 from attention_kv_caceh.model_executor.model_weights import WeightReader
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, paged_attention, write_kv
 
-__all__ = [
-    "ENGINE_DTYPES",
-    "GEMM_CHOICES",
-    "QUANTIZATIONS",
-    "Model",
-    "ModelConfig",
-    "compute_dtype",
-    "resolve_gemm_path",
-    "weight_format",
-]
+__all__ = ["Model", "ModelConfig"]
 
 FloatArray = npt.NDArray[np.floating[Any]]
-ENGINE_DTYPES = ("float32", "float64", "bfloat16")
-"""vLLM's `--dtype` words: float32 and float64 keep weights, activations and KV cache in that dtype;
-bfloat16 keeps the linear layers' weights in bfloat16 and computes in float32 (activations, sums, KV)."""
-GEMM_CHOICES = ("auto", *GEMM_PATHS)
-QUANTIZATIONS = (*BLOCK_FORMATS, "gguf")
-"""`quantization` values (vLLM's `--quantization`): a GGUF block format (llama.cpp's names) the linear
-layers' weights are kept in, a float checkpoint quantized at load (`block_gemm.quantize_weight`); or
-"gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as its bytes (`engine.model_weights`)."""
-
-
-def compute_dtype(dtype: str) -> np.dtype[Any]:
-    """The dtype activations, sums and the KV cache have for engine `dtype` (bfloat16 -> float32).
-    Raises ValueError for a dtype outside ENGINE_DTYPES."""
-    if dtype not in ENGINE_DTYPES:
-        raise ValueError(f"dtype must be one of {ENGINE_DTYPES}, got {dtype!r}")
-    return np.dtype(np.float32 if dtype == "bfloat16" else dtype)
-
-
-def weight_format(dtype: str, quantization: str | None) -> str:
-    """How the linear layers store their weights: the quantization's block format, else the dtype.
-    Raises ValueError for an unknown dtype or quantization, or a quantization with bfloat16."""
-    compute_dtype(dtype)
-    if quantization is None:
-        return dtype
-    if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
-    if dtype == "bfloat16":
-        raise ValueError(
-            f"quantization {quantization!r} keeps its own block format: use dtype float32, not bfloat16"
-        )
-    return quantization
-
-
-def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> tuple[str, str]:
-    """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, and a
-    one-line note naming the kernel variant (`simd.compiled_variant`).
-
-    "auto" takes "packed" where a kernel variant exists for the CPU Numba compiles for and the activations
-    are float32 (dtype float32 or bfloat16), "numpy" otherwise: float64, a CPU without AVX2, AVX-512
-    or NEON, or asked for; the numpy path multiplies by the floats the weight format decodes to.
-    Raises ValueError for a `gemm` outside GEMM_CHOICES, an unknown dtype or quantization (as
-    `weight_format`), or "packed" with float64 or without a kernel variant.
-    """
-    if gemm not in GEMM_CHOICES:
-        raise ValueError(f"gemm must be one of {GEMM_CHOICES}, got {gemm!r}")
-    fmt = weight_format(dtype, quantization)
-    float32 = compute_dtype(dtype) == np.float32
-    if gemm == "packed" and not float32:
-        raise ValueError(
-            f"the packed GEMM path needs float32 activations (dtype float32 or bfloat16), got {dtype!r}"
-        )
-    simd = compiled_variant()
-    if gemm == "packed" and simd is None:
-        raise ValueError("the packed GEMM path has no kernel for this CPU (no AVX2, AVX-512 or NEON variant)")
-    if gemm == "numpy" or not float32 or simd is None:
-        why = (
-            "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON variant")
-        )
-        return (
-            "numpy",
-            f"GEMM path: numpy (x @ W.T on {fmt} weights decoded to {compute_dtype(dtype)}; {why})",
-        )
-    how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
-    if fmt == "gguf":
-        how = "the file's Q8_0 / Q4_0 / Q4_1 blocks dequantized in registers, other types float32 panels"
-    if fmt == "bfloat16":
-        how += ", vdpbf16ps" if simd.bf16_dot else ", widened in registers"
-    return "packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})"
 
 
 @dataclass(frozen=True)
@@ -263,7 +186,7 @@ class Model:
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
             return cls(checkpoint.config(), checkpoint, dtype, gemm, quantization)
-        if quantization == "gguf":
+        if quantization == GGUF:
             raise ValueError(
                 f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"
             )

@@ -3,7 +3,7 @@
 What vLLM's `model_loader` and `LinearMethodBase.create_weights` do between them, at this project's
 size: every tensor is read once; norms, biases and the embedding table become arrays of the compute
 dtype; each linear layer (q/k/v and gate/up fused row-wise, as the model multiplies them) becomes a
-`layers.LinearWeight` in the model's weight format (`model.weight_format`). With quantization "gguf"
+`layers.LinearWeight` in the model's weight format (`dispatch.weight_format`). With quantization "gguf"
 (vLLM's name for a GGUF checkpoint) the tensors a GGUF file stores as Q8_0, Q4_0 or Q4_1 are kept as
 its own bytes (`GGUFCheckpoint.quantized`) for `block_gemm`'s kernels; a fused layer whose parts have
 other or different types is dequantized and packed as float32 panels (a note says which). The
@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.kernels.block_gemm import BLOCK_FORMATS, dequantize_blocks
+from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, dequantize_blocks
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError, SafetensorsCheckpoint
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 from attention_kv_caceh.model_executor.layers import LinearWeight
@@ -72,7 +72,7 @@ class WeightReader:
     """Reads `checkpoint`'s tensors for a Model: `tensor` (floats of `dtype`, shape checked), `linear`
     (fused rows in the weight format `fmt` for GEMM `path`), `embedding`, `tied_head`.
 
-    fmt: a `layers.WEIGHT_FORMATS` name, "float64" (kept as read), or "gguf" (the file's blocks).
+    fmt: a `dispatch.WEIGHT_FORMATS` name, "float64" (kept as read), or "gguf" (the file's blocks).
     kernels records the formats of the packed kernels the layers use (to compile them at load), and
     notes the layers that could not keep their file's format. Raises (from the constructor)
     ValueError for "gguf" on a checkpoint that is not a GGUF file.
