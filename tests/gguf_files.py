@@ -147,3 +147,57 @@ def gguf_from_checkpoint(
             extra(w)
 
     return write(out, arch, metadata, tensors)
+
+
+def gguf_of_types(
+    folder: Path,
+    out: Path,
+    types: dict[str, GGMLQuantizationType],
+    blocks: Callable[[GGMLQuantizationType, int, int], np.ndarray],
+    hidden: int = 256,
+    inter: int = 512,
+    layers: int = 2,
+) -> Path:
+    """A llama GGUF file of `hidden` x `inter` shapes (4 heads, 2 KV heads of hidden / 4) with the
+    tokenizer of make-model `folder`: each 2-D tensor (llama.cpp name; `types` gives its type,
+    default Q8_0) filled by `blocks(type, rows, cols)` (uint8 blocks, or floats for F32 / F16), norms
+    F32 ones. q/k rows are whatever `blocks` makes (random weights need no permutation)."""
+    config: dict[str, Any] = json.loads((folder / "config.json").read_text())
+    vocab, heads, kv_heads, head_dim = config["vocab_size"], 4, 2, hidden // 4
+    shapes = {"token_embd.weight": (vocab, hidden), "output.weight": (vocab, hidden)}
+    for i in range(layers):
+        shapes |= {
+            f"blk.{i}.attn_q.weight": (heads * head_dim, hidden),
+            f"blk.{i}.attn_k.weight": (kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_v.weight": (kv_heads * head_dim, hidden),
+            f"blk.{i}.attn_output.weight": (hidden, heads * head_dim),
+            f"blk.{i}.ffn_gate.weight": (inter, hidden),
+            f"blk.{i}.ffn_up.weight": (inter, hidden),
+            f"blk.{i}.ffn_down.weight": (hidden, inter),
+        }
+    tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {}
+    for name, (rows, cols) in shapes.items():
+        qtype = types.get(name, GGMLQuantizationType.Q8_0)
+        tensors[name] = (blocks(qtype, rows, cols), qtype)
+    for i in range(layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            tensors[f"blk.{i}.{norm}.weight"] = (np.ones(hidden, np.float32), GGMLQuantizationType.F32)
+    tensors["output_norm.weight"] = (np.ones(hidden, np.float32), GGMLQuantizationType.F32)
+    tokenizer = tokenizer_metadata(folder, "gpt2", config.get("bos_token_id"))
+
+    def metadata(w: GGUFWriter) -> None:
+        w.add_block_count(layers)
+        w.add_context_length(config["max_position_embeddings"])
+        w.add_embedding_length(hidden)
+        w.add_feed_forward_length(inter)
+        w.add_head_count(heads)
+        w.add_head_count_kv(kv_heads)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_rope_dimension_count(head_dim)
+        w.add_rope_freq_base(config["rope_theta"])
+        w.add_layer_norm_rms_eps(config["rms_norm_eps"])
+        w.add_vocab_size(vocab)
+        tokenizer(w)
+
+    return write(out, "llama", metadata, tensors)

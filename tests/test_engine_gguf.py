@@ -100,6 +100,31 @@ def reference_dequantize(blocks: np.ndarray, qtype: GGMLQuantizationType) -> np.
                     start = 128 * h + 32 * shift + 16 * l16
                     out[:, start : start + 16] = (d * (s & 0xF))[:, None] * vals - (dmin * (s >> 4))[:, None]
         return out
+    if qtype == T.Q3_K:  # hmask 32, qs 64 (2 bits), 12 bytes of 16 6-bit scales, d; 16 weights a scale
+        hmask, qs = b[:, :32], b[:, 32:96]
+        aux = blocks[:, 96:108].copy().view("<u4").astype(np.int64)  # [n, 3]: ggml's kmask unpacking
+        k1, k2 = 0x03030303, 0x0F0F0F0F
+        words = [
+            (aux[:, 0] & k2) | (((aux[:, 2] >> 0) & k1) << 4),
+            (aux[:, 1] & k2) | (((aux[:, 2] >> 2) & k1) << 4),
+            ((aux[:, 0] >> 4) & k2) | (((aux[:, 2] >> 4) & k1) << 4),
+            ((aux[:, 1] >> 4) & k2) | (((aux[:, 2] >> 6) & k1) << 4),
+        ]
+        scales = np.stack(words, axis=1).astype("<u4").view(np.int8).astype(np.float64) - 32  # [n, 16]
+        d = _f16(blocks, 108)
+        out = np.empty((n, 256))
+        s = 0
+        for h in range(2):  # 128 weights per 32 bytes of qs
+            q = qs[:, 32 * h : 32 * h + 32]
+            for shift in range(4):
+                bit = 4 * h + shift  # bit of hmask: one per 32 weights
+                for l16 in range(2):
+                    low = (q[:, 16 * l16 : 16 * l16 + 16] >> (2 * shift)) & 3
+                    high = (hmask[:, 16 * l16 : 16 * l16 + 16] >> bit) & 1
+                    start = 128 * h + 32 * shift + 16 * l16
+                    out[:, start : start + 16] = (d * scales[:, s])[:, None] * (low - 4 * (1 - high))
+                    s += 1
+        return out
     raise AssertionError(qtype)
 
 

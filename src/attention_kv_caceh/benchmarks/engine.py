@@ -295,6 +295,7 @@ def run_engine_benchmark(
         "gemm_path": model.gemm_path,
         "gemm_note": model.gemm_note,
         "weight_format": model.weight_format,
+        "weight_notes": model.weight_notes,
         "quantization": quantization,
         "temperature": temperature,
         "seed": seed,

@@ -27,7 +27,7 @@ around the engine live outside it too: `benchmarks/` (the throughput and specula
 benchmarks) and `toy_model/` (random test checkpoints).
 
 Left out, against vLLM v1 as a whole: GPU workers and tensor, pipeline, data and expert parallelism; CUDA
-graphs and torch.compile; quantization other than GGUF's Q8_0, Q4_0 and Q4_1 blocks; LoRA, multimodal inputs,
+graphs and torch.compile; quantization other than GGUF's block types (the IQ family too); LoRA, multimodal inputs,
 pooling models and structured outputs; KV connectors (disaggregated prefill, KV offloading); sliding-window
 and hybrid attention; speculative methods other than `ngram`.
 """

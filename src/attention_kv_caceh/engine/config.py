@@ -109,9 +109,10 @@ class EngineConfig:
         dtype: dtype of the model and its KV cache, "float32" or "float64" (equivalence tests), or
             "bfloat16": the linear layers' weights in bfloat16, activations and KV cache in float32
             (`dispatch.compute_dtype`).
-        quantization: None, or the GGUF block format ("q8_0", "q4_0", "q4_1", llama.cpp's names) the
-            linear layers keep their weights in (vLLM's `--quantization`), a float checkpoint quantized
-            at load; or "gguf": a GGUF file's own Q8_0 / Q4_0 / Q4_1 tensors, as the file stores them.
+        quantization: None, or the GGUF block format ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1",
+            llama.cpp's names) the linear layers keep their weights in (vLLM's `--quantization`), a
+            float checkpoint quantized at load; or "gguf": a GGUF file's own tensors of every type of
+            `block_formats` (Q4_0 to Q8_0, the k-quants Q2_K to Q6_K, F32, F16, BF16), as stored.
             Not with dtype "bfloat16".
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
 
@@ -153,7 +154,8 @@ class EngineConfig:
     quantization: str | None = option(
         None,
         help="keep the linear layers' weights in a GGUF block format (llama.cpp's names), quantizing a "
-        "float checkpoint at load, or gguf: a GGUF file's own Q8_0/Q4_0/Q4_1 tensors as stored "
+        "float checkpoint at load, or gguf: a GGUF file's own tensors as stored (Q4_0 to Q8_0, Q2_K to "
+        "Q6_K, F32, F16, BF16; a note names any other) "
         "(default: none, weights in --dtype)",
         choices=SUPPORTED_QUANTIZATIONS,
     )

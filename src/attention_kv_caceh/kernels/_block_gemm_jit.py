@@ -1,17 +1,19 @@
-"""The compiled loops behind `kernels/block_gemm.py` (GGUF's Q8_0, Q4_0 and Q4_1 blocks); import `block_gemm`.
+"""The compiled loops behind `kernels/block_gemm.py` (every GGUF type of `block_formats`); import `block_gemm`.
 
 No argument checks here: `kernels/block_gemm.py` validates first. Legend: M rows of x, K input features
-(a multiple of 32), N output features, L float32 lanes per vector (`isa.ISAS`), V = 32 / L vectors
-per block, MR rows of x and NR rows of W per register tile.
+(a multiple of the block C: 32, or 256 for the k-quants; 32 values for a float type), N output
+features, L float32 lanes per vector (`isa.ISAS`), V = C / L vectors per block, MR rows of x and NR
+rows of W per register tile.
 
-The weight stays as the GGUF file stores it (ggml's block layout): W `[N, K]` is N rows of K / 32
-blocks, each block 32 consecutive weights of one row, with its own scale; the formats' bytes, scale
-fields and decode are the rows of `block_formats` (its table), and `_DECODERS` holds each one's decode
-in registers.
+The weight stays as the GGUF file stores it (ggml's block layout): W `[N, K]` is N rows of K / C
+blocks, each block C consecutive weights of one row, with its own scales; the formats' bytes, scale
+fields and decode are the rows of `block_formats` (its table), and `_block_gemm_ir.DECODERS` holds
+each one's decode in registers.
 
 A tile computes y[m, n] = sum over k of x[m, k] W[n, k] for MR rows and NR weight rows. Per block:
-each of the NR rows' block is dequantized in registers (bytes widened to 32-bit lanes, converted to
-float, times d (plus m, or minus 8 d), one FMA per vector) into V vectors of L weights, and each of the
+each of the NR rows' block is dequantized in registers (bytes widened to 32-bit lanes, the bits of
+each quant picked out, converted to float, times its scale (plus its offset), one multiply or FMA
+per vector; `_block_gemm_ir`) into V vectors of L weights, and each of the
 MR rows of x meets them with V FMAs into its accumulators (L partial sums each, split over S chains
 so that consecutive FMAs do not wait on one another); at the end of the row each accumulator is
 summed across its lanes. The NR dequantized vectors serve MR rows: the dequantizing costs 1 / MR of
@@ -27,11 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 import numba
-from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
 from attention_kv_caceh.kernels import ir as v
+from attention_kv_caceh.kernels._block_gemm_ir import DECODERS
 from attention_kv_caceh.kernels.block_formats import FORMATS
 
 __all__: list[str] = []
@@ -51,62 +53,10 @@ BLOCK_SPECS = {
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in FORMATS]  # the literal each entry point passes
 
 
-def _q8_0(builder, lanes, quants, part, d, m):
-    raw = v.load_vec(builder, quants, part * lanes, v.vec(lanes, v.I8))
-    return builder.fmul(builder.sitofp(builder.sext(raw, v.vec(lanes, v.I32)), v.vec(lanes)), d), part * lanes
-
-
-def _nibbles(builder, lanes, quants, part):
-    """The 4-bit quants part * L .. of a block as `<L x i32>`, and where they sit in the block."""
-    ivec = v.vec(lanes, v.I32)
-    per_half = 16 // lanes  # vectors of nibbles in one half (16 weights) of the block
-    chunk, high = part % per_half, part // per_half
-    wide = builder.zext(v.load_vec(builder, quants, chunk * lanes, v.vec(lanes, v.I8)), ivec)
-    nibbles = builder.lshr(wide, v.splat(ivec, 4)) if high else builder.and_(wide, v.splat(ivec, 15))
-    return nibbles, high * 16 + chunk * lanes
-
-
-def _q4_0(builder, lanes, quants, part, d, m):
-    nibbles, at = _nibbles(builder, lanes, quants, part)
-    ivec, fvec = v.vec(lanes, v.I32), v.vec(lanes)
-    return builder.fmul(builder.sitofp(builder.sub(nibbles, v.splat(ivec, 8)), fvec), d), at
-
-
-def _q4_1(builder, lanes, quants, part, d, m):
-    nibbles, at = _nibbles(builder, lanes, quants, part)
-    return v.fma(builder, builder.sitofp(nibbles, v.vec(lanes)), d, m), at
-
-
-_DECODERS = {"q8_0": _q8_0, "q4_0": _q4_0, "q4_1": _q4_1}
-"""Format -> its register decode: (builder, L, quants (i8*), part, d, m) -> (`<L x float>` weights
-part * L .., their first index in the block). One entry per row of `block_formats.FORMATS`."""
-assert list(_DECODERS) == list(FORMATS)
-
-
-def _dequantize(builder, fmt, lanes, block, part, scales):
-    """Weights part * L .. of the block at `block` (i8*), `<L x float>`, and where they sit in the block.
-
-    The bytes are widened to 32-bit lanes first, so the nibbles come out with 32-bit `and` and shift.
-    scales: (d, m) broadcasts, m None for Q8_0 and Q4_0."""
-    d, m = scales
-    quants = v.at(builder, block, FORMATS[fmt].scale_bytes)
-    return _DECODERS[fmt](builder, lanes, quants, part, d, m)
-
-
-def _scales(builder, fmt, lanes, block):
-    """(d, m) of the block at `block` as broadcasts (m None unless Q4_1); Q4_1's two halves are read
-    and widened together."""
-    if FORMATS[fmt].scales == ("d",):
-        return v.broadcast(builder, v.half_to_float(builder, block), lanes), None
-    pair = builder.load(builder.bitcast(block, v.vec(2, v.I16).as_pointer()), align=1)
-    both = builder.fpext(builder.bitcast(pair, v.vec(2, ir.HalfType())), v.vec(2))
-    d, m = (v.broadcast(builder, builder.extract_element(both, v.I64(i)), lanes) for i in (0, 1))
-    return d, m
-
-
 def _codegen(isa, fmt):
     lanes, group, tiles = BLOCK_SPECS[isa]
-    block_bytes, block_size = FORMATS[fmt].nbytes, FORMATS[fmt].block
+    block_bytes, block_size = FORMATS[fmt].chunk_bytes, FORMATS[fmt].chunk
+    decode = DECODERS[fmt]
     parts = block_size // lanes  # V
     heights = tuple(sorted(tiles, reverse=True))
 
@@ -133,10 +83,10 @@ def _codegen(isa, fmt):
             ]
             with v.loop(builder, blocks) as b:
                 here = [v.at(builder, w_row, builder.mul(b, v.I64(block_bytes))) for w_row in w_rows]
-                scales = [_scales(builder, fmt, lanes, blk) for blk in here]
+                memos = [{} for _ in here]  # each row's scales, decoded at their first part
                 k0 = builder.mul(b, v.I64(block_size))
                 for part in range(parts):
-                    w = [_dequantize(builder, fmt, lanes, here[j], part, scales[j]) for j in range(nr)]
+                    w = [decode(builder, lanes, here[j], part, memos[j]) for j in range(nr)]
                     offset = builder.add(k0, v.I64(w[0][1]))
                     for i in range(rows):
                         xv = v.load_vec(builder, x_rows[i], offset, v.vec(lanes))
@@ -208,44 +158,224 @@ def avx512_q4_1(x, w, y):
 
 
 @numba.njit(**_JIT)
-def avx2_q8_0(x, w, y):
+def avx512_q5_0(x, w, y):
     _block_matmul(x, w, y, 3)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q4_0(x, w, y):
+def avx512_q5_1(x, w, y):
     _block_matmul(x, w, y, 4)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q4_1(x, w, y):
+def avx512_q2_k(x, w, y):
     _block_matmul(x, w, y, 5)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q8_0(x, w, y):
+def avx512_q3_k(x, w, y):
     _block_matmul(x, w, y, 6)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_0(x, w, y):
+def avx512_q4_k(x, w, y):
     _block_matmul(x, w, y, 7)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_1(x, w, y):
+def avx512_q5_k(x, w, y):
     _block_matmul(x, w, y, 8)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx512_q6_k(x, w, y):
+    _block_matmul(x, w, y, 9)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx512_f32(x, w, y):
+    _block_matmul(x, w, y, 10)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx512_f16(x, w, y):
+    _block_matmul(x, w, y, 11)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx512_bf16(x, w, y):
+    _block_matmul(x, w, y, 12)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q8_0(x, w, y):
+    _block_matmul(x, w, y, 13)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_0(x, w, y):
+    _block_matmul(x, w, y, 14)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_1(x, w, y):
+    _block_matmul(x, w, y, 15)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q5_0(x, w, y):
+    _block_matmul(x, w, y, 16)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q5_1(x, w, y):
+    _block_matmul(x, w, y, 17)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q2_k(x, w, y):
+    _block_matmul(x, w, y, 18)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q3_k(x, w, y):
+    _block_matmul(x, w, y, 19)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_k(x, w, y):
+    _block_matmul(x, w, y, 20)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q5_k(x, w, y):
+    _block_matmul(x, w, y, 21)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q6_k(x, w, y):
+    _block_matmul(x, w, y, 22)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_f32(x, w, y):
+    _block_matmul(x, w, y, 23)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_f16(x, w, y):
+    _block_matmul(x, w, y, 24)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_bf16(x, w, y):
+    _block_matmul(x, w, y, 25)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q8_0(x, w, y):
+    _block_matmul(x, w, y, 26)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_0(x, w, y):
+    _block_matmul(x, w, y, 27)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_1(x, w, y):
+    _block_matmul(x, w, y, 28)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_0(x, w, y):
+    _block_matmul(x, w, y, 29)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_1(x, w, y):
+    _block_matmul(x, w, y, 30)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q2_k(x, w, y):
+    _block_matmul(x, w, y, 31)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q3_k(x, w, y):
+    _block_matmul(x, w, y, 32)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_k(x, w, y):
+    _block_matmul(x, w, y, 33)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_k(x, w, y):
+    _block_matmul(x, w, y, 34)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q6_k(x, w, y):
+    _block_matmul(x, w, y, 35)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_f32(x, w, y):
+    _block_matmul(x, w, y, 36)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_f16(x, w, y):
+    _block_matmul(x, w, y, 37)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_bf16(x, w, y):
+    _block_matmul(x, w, y, 38)  # pyright: ignore[reportCallIssue]
 
 
 ENTRY_POINTS = {
     ("avx512", "q8_0"): avx512_q8_0,
     ("avx512", "q4_0"): avx512_q4_0,
     ("avx512", "q4_1"): avx512_q4_1,
+    ("avx512", "q5_0"): avx512_q5_0,
+    ("avx512", "q5_1"): avx512_q5_1,
+    ("avx512", "q2_k"): avx512_q2_k,
+    ("avx512", "q3_k"): avx512_q3_k,
+    ("avx512", "q4_k"): avx512_q4_k,
+    ("avx512", "q5_k"): avx512_q5_k,
+    ("avx512", "q6_k"): avx512_q6_k,
+    ("avx512", "f32"): avx512_f32,
+    ("avx512", "f16"): avx512_f16,
+    ("avx512", "bf16"): avx512_bf16,
     ("avx2", "q8_0"): avx2_q8_0,
     ("avx2", "q4_0"): avx2_q4_0,
     ("avx2", "q4_1"): avx2_q4_1,
+    ("avx2", "q5_0"): avx2_q5_0,
+    ("avx2", "q5_1"): avx2_q5_1,
+    ("avx2", "q2_k"): avx2_q2_k,
+    ("avx2", "q3_k"): avx2_q3_k,
+    ("avx2", "q4_k"): avx2_q4_k,
+    ("avx2", "q5_k"): avx2_q5_k,
+    ("avx2", "q6_k"): avx2_q6_k,
+    ("avx2", "f32"): avx2_f32,
+    ("avx2", "f16"): avx2_f16,
+    ("avx2", "bf16"): avx2_bf16,
     ("neon", "q8_0"): neon_q8_0,
     ("neon", "q4_0"): neon_q4_0,
     ("neon", "q4_1"): neon_q4_1,
+    ("neon", "q5_0"): neon_q5_0,
+    ("neon", "q5_1"): neon_q5_1,
+    ("neon", "q2_k"): neon_q2_k,
+    ("neon", "q3_k"): neon_q3_k,
+    ("neon", "q4_k"): neon_q4_k,
+    ("neon", "q5_k"): neon_q5_k,
+    ("neon", "q6_k"): neon_q6_k,
+    ("neon", "f32"): neon_f32,
+    ("neon", "f16"): neon_f16,
+    ("neon", "bf16"): neon_bf16,
 }
 assert list(ENTRY_POINTS) == _KEYS  # entry i passes code i

@@ -1,18 +1,22 @@
-"""Linear layers over GGUF's block-quantized weights (Q8_0, Q4_0, Q4_1), kept as the file stores them.
+"""Linear layers over GGUF's block-quantized weights (every type of `block_formats`), kept as the file stores them.
 
 A decode step reads every weight once, so at a batch of a few sequences its time is the weights' bytes
 over the read rate. float32 weights cost 4 bytes each; GGUF's blocks cost 34 / 32 (Q8_0), 18 / 32
 (Q4_0) and 20 / 32 (Q4_1) bytes: 32 weights share a float16 scale d (and, Q4_1, an offset m) and
-keep 8 or 4 bits each. llama.cpp reads its GGUF files this way; here the kernel of `_block_gemm_jit`
+keep 8 or 4 bits each; the k-quants keep super-blocks of 256 weights with a 4- to 8-bit scale per
+16 or 32 (Q4_K: 144 / 256 bytes, Q6_K: 210 / 256); F16 and BF16 two bytes a weight. llama.cpp reads its GGUF files this way; here the kernel of `_block_gemm_jit`
 dequantizes each block in registers inside its inner loop (activations and sums stay float32), so the
 weights stay in memory exactly as the GGUF holds them: `BlockWeight.blocks` is ggml's row-major block
-array as uint8 `[N, K / 32 * block bytes]`, the bytes of the file's tensor data.
+array as uint8 `[N, K / block * block bytes]`, the bytes of the file's tensor data (a float type's
+rows must be whole chunks of 32 values, `block_formats.KERNEL_CHUNK`).
 
 Oracles. The formats, their float64 decode (`block_formats.dequantize_blocks`), the bound on how far a
 block is from the weights it was made from (`block_formats.step_bound`) and the reference quantizer
 (`block_formats.quantize_weight`) are the rows of `block_formats`; the tests check the decode against the
-`gguf` library's `gguf.quants.dequantize`, and the kernel against NumPy's float64 product of x and the
-decoded weights (the same weights, so a float32 tolerance applies).
+`gguf` library's `gguf.quants.dequantize` (bit-equal in float32), and the kernel against NumPy's float64
+product of x and the decoded weights: the kernel decodes each weight to its float32 rounding (one
+rounding of the exact a q + b, `_block_gemm_ir`), then sums in float32, so the error is bounded by
+K float32 roundings of sum |x| |w| (`oracle.tolerance_for`).
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ U8Array = npt.NDArray[np.uint8]
 class BlockWeight:
     """A weight `[N, K]` as ggml blocks of one format, for the kernel variant `isa`.
 
-    blocks: uint8 `[N, K / 32 * block bytes]`, C-contiguous (row n holds W[n]'s K / 32 blocks).
+    blocks: uint8 `[N, K / block * block bytes]`, C-contiguous (row n holds W[n]'s blocks).
     """
 
     blocks: U8Array
@@ -54,7 +58,7 @@ class BlockWeight:
     def in_features(self) -> int:
         """K."""
         row = FORMATS[self.format]
-        return int(self.blocks.shape[1]) // row.nbytes * row.block
+        return int(self.blocks.shape[1]) // row.chunk_bytes * row.chunk
 
     @property
     def nbytes(self) -> int:
@@ -68,16 +72,18 @@ class BlockWeight:
 
 
 def block_weight(blocks: npt.NDArray[Any], fmt: str, variant: SimdVariant | None = None) -> BlockWeight:
-    """Wrap ggml blocks (uint8 `[N, K / 32 * block bytes]`, or the flat bytes of N rows reshaped so)
+    """Wrap ggml blocks (uint8 `[N, K / block * block bytes]`, or the flat bytes of N rows reshaped so)
     for the kernel `variant` (default `isa.compiled_variant()`); no copy when already C-contiguous.
 
     Raises ValueError for an unknown format, blocks that are not a non-empty 2-D uint8 array whose
-    rows are whole blocks, or no kernel variant.
+    rows are whole blocks (whole chunks of 32 values for a float type), or no kernel variant.
     """
-    size = block_format(fmt).nbytes
+    row = block_format(fmt)
+    size = row.chunk_bytes
     if blocks.dtype != np.uint8 or blocks.ndim != 2 or 0 in blocks.shape or blocks.shape[1] % size:
         raise ValueError(
-            f"{fmt} blocks must be uint8 [N, K / 32 * {size}] with N, K >= 1, got {blocks.dtype} {blocks.shape}"
+            f"{fmt} blocks must be uint8 [N, K / {row.chunk} * {size}] with N, K >= 1, got "
+            f"{blocks.dtype} {blocks.shape}"
         )
     simd = variant if variant is not None else compiled_variant()
     if simd is None:
@@ -107,8 +113,8 @@ def prepare_block_linear(fmt: str, variant: SimdVariant | None = None) -> float:
     start = time.perf_counter()
     _, group, _ = _jit.BLOCK_SPECS[(variant or compiled_variant() or _no_variant()).isa]
     row = block_format(fmt)
-    blocks = np.zeros((group + 1, row.nbytes), dtype=np.uint8)  # [N, one block]
-    block_linear(np.zeros((15, row.block), dtype=np.float32), block_weight(blocks, fmt, variant))
+    blocks = np.zeros((group + 1, row.chunk_bytes), dtype=np.uint8)  # [N, one block]
+    block_linear(np.zeros((15, row.chunk), dtype=np.float32), block_weight(blocks, fmt, variant))
     return time.perf_counter() - start
 
 

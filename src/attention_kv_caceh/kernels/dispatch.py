@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
+from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, QUANTIZED_FORMATS
 from attention_kv_caceh.kernels.isa import compiled_variant
 
 __all__ = [
@@ -42,11 +42,12 @@ WEIGHT_DTYPES = ("float32", "bfloat16")
 """The float weight formats the packed GEMM kernels (`gemm`) hold."""
 GGUF = "gguf"
 """The quantization that keeps a GGUF file's own blocks."""
-QUANTIZATIONS = (*BLOCK_FORMATS, GGUF)
-"""`quantization` values (vLLM's `--quantization`, module docstring)."""
-WEIGHT_FORMATS = (*WEIGHT_DTYPES, *BLOCK_FORMATS)
-"""How a linear layer's weights are stored: float32, bfloat16 (the top half of each float32), or one of
-GGUF's block formats."""
+QUANTIZATIONS = (*QUANTIZED_FORMATS, GGUF)
+"""`quantization` values (vLLM's `--quantization`, module docstring): the block formats the `gguf`
+library can quantize a float checkpoint to, or "gguf" (every type of `block_formats`, as stored)."""
+WEIGHT_FORMATS = (*WEIGHT_DTYPES, *QUANTIZED_FORMATS)
+"""How a float weight can be stored at load: float32, bfloat16 (the top half of each float32), or one of
+GGUF's quantized block formats. A GGUF file's tensors keep their own type (`block_formats.BLOCK_FORMATS`)."""
 GEMM_PATHS = ("packed", "numpy")
 """How `layers.linear` multiplies (module docstring)."""
 GEMM_CHOICES = ("auto", *GEMM_PATHS)
@@ -107,8 +108,7 @@ def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) ->
         )
     how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
     if fmt == GGUF:
-        blocks = " / ".join(name.upper() for name in BLOCK_FORMATS)
-        how = f"the file's {blocks} blocks dequantized in registers, other types float32 panels"
+        how = "the file's tensors as stored, each type decoded in registers"
     if fmt == "bfloat16":
         how += ", vdpbf16ps" if simd.bf16_dot else ", widened in registers"
     return "packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})"

@@ -44,7 +44,14 @@ from gguf.quants import dequantize
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 
-__all__ = ["GGUF_ARCHITECTURES", "GGUFCheckpoint", "QuantizedTensor", "dequantizable_types", "unpermute_rows"]
+__all__ = [
+    "GGUF_ARCHITECTURES",
+    "GGUFCheckpoint",
+    "QuantizedTensor",
+    "dequantizable_types",
+    "gguf_name",
+    "unpermute_rows",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -315,6 +322,11 @@ def _hf_name(gguf_name: str) -> str | None:
         return None
     layer, part, kind = match.groups()
     return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+
+
+def gguf_name(hf_name: str) -> str:
+    """The llama.cpp name of a Hugging Face tensor name (for messages): "blk.3.ffn_up.weight"."""
+    return _gguf_name(hf_name)
 
 
 def _gguf_name(hf_name: str) -> str:

@@ -4,7 +4,8 @@ What vLLM keeps in `model_executor/layers/` (layernorm.py, rotary_embedding.py, 
 unquantised GEMM of linear.py): each function is the formula, written on one or two array expressions;
 the linear layer's weights are packed once at load for the compiled kernels of `attention_kv_caceh.kernels.gemm`
 (float32 or bfloat16 panels; vLLM's CPU backend likewise packs weights for oneDNN at load) or kept as
-GGUF blocks for `attention_kv_caceh.kernels.block_gemm` (llama.cpp's Q8_0, Q4_0, Q4_1). `compiled_rms_norm`,
+GGUF blocks for `attention_kv_caceh.kernels.block_gemm` (every type of `block_formats`: Q4_0 to Q8_0,
+the k-quants, F16, BF16, F32; a fused layer's parts each in its own type). `compiled_rms_norm`,
 `compiled_silu_and_mul` and `compiled_rotary` are the same formulas as one compiled pass over each row
 (`_fused_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
 passes with temporaries, which at a decode batch costs more than the arithmetic. The NumPy functions
@@ -74,17 +75,21 @@ def rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:
 class LinearWeight:
     """The weight W `[C_out, C_in]` of a bias-free linear layer, stored for one of `dispatch.GEMM_PATHS`.
 
-    Exactly one of three is set; build with `LinearWeight.of` or `LinearWeight.from_blocks`:
-    `weight`, the "numpy" path: W itself as floats, Hugging Face's `[out, in]` layout (for a compact
-    format, the values that format decodes to); `packed`, the "packed" path for float32 or bfloat16
-    (`gemm.PackedWeight`); `blocks`, the "packed" path for a GGUF block format (`block_gemm.BlockWeight`).
-    format: one of `dispatch.WEIGHT_FORMATS` (float64 when a float64 numpy weight is kept as it is).
+    Exactly one of four is set; build with `LinearWeight.of`, `LinearWeight.from_blocks` or
+    `LinearWeight.from_parts`: `weight`, the "numpy" path: W itself as floats, Hugging Face's `[out, in]`
+    layout (for a compact format, the values that format decodes to); `packed`, the "packed" path for
+    float32 or bfloat16 (`gemm.PackedWeight`); `blocks`, the "packed" path for a GGUF block format
+    (`block_gemm.BlockWeight`); `stacked`, the "packed" path for a fused layer whose row-stacked parts
+    a GGUF file stores in different types (one `BlockWeight` each, rows in order).
+    format: one of `dispatch.WEIGHT_FORMATS` (float64 when a float64 numpy weight is kept as it is), or
+    the parts' formats joined by "+" ("q4_k+q6_k") for a stacked or decoded mixed weight.
     """
 
     weight: FloatArray | None
     packed: PackedWeight | None
     blocks: BlockWeight | None = None
     format: str = "float32"
+    stacked: tuple[BlockWeight, ...] = ()
 
     @classmethod
     def of(cls, weight: FloatArray, path: str, fmt: str = "float32") -> LinearWeight:
@@ -120,9 +125,33 @@ class LinearWeight:
             raise ValueError(f"GEMM path must be one of {GEMM_PATHS}, got {path!r}")
         return cls(dequantize_blocks(blocks, fmt).astype(dtype), None, None, fmt)
 
+    @classmethod
+    def from_parts(
+        cls, parts: list[tuple[npt.NDArray[np.uint8], str]], path: str, dtype: npt.DTypeLike = np.float32
+    ) -> LinearWeight:
+        """W the row-stacked parts, each GGUF blocks uint8 `[C_out_i, C_in / block * bytes]` of its own
+        format (as a GGUF file stores a fused layer's tensors): one `BlockWeight` per run of
+        consecutive parts of one format for "packed", the parts decoded and stacked for "numpy".
+        Raises ValueError as `from_blocks`, or for parts of different input widths."""
+        formats = "+".join(dict.fromkeys(fmt for _, fmt in parts))
+        runs: list[tuple[list[npt.NDArray[np.uint8]], str]] = []
+        for blocks, fmt in parts:
+            if runs and runs[-1][1] == fmt:
+                runs[-1][0].append(blocks)
+            else:
+                runs.append(([blocks], fmt))
+        weights = [cls.from_blocks(np.concatenate(run), fmt, path, dtype) for run, fmt in runs]
+        if len({w.shape[1] for w in weights}) != 1:
+            raise ValueError(f"parts of a stacked weight must share C_in, got {[w.shape for w in weights]}")
+        if path == "numpy":
+            return cls(np.concatenate([w.dense() for w in weights]).astype(dtype), None, None, formats)
+        return cls(None, None, None, formats, tuple(w.blocks for w in weights if w.blocks is not None))
+
     @property
     def shape(self) -> tuple[int, int]:
         """(C_out, C_in)."""
+        if self.stacked:
+            return sum(p.out_features for p in self.stacked), self.stacked[0].in_features
         if self.packed is not None:
             return self.packed.out_features, self.packed.in_features
         if self.blocks is not None:
@@ -139,6 +168,8 @@ class LinearWeight:
     @property
     def nbytes(self) -> int:
         """Bytes one product reads: the stored weights (panels with their padding, or blocks)."""
+        if self.stacked:
+            return sum(p.nbytes for p in self.stacked)
         for stored in (self.packed, self.blocks, self.weight):
             if stored is not None:
                 return int(stored.nbytes)
@@ -146,7 +177,9 @@ class LinearWeight:
 
     @property
     def kernel(self) -> str:
-        """What multiplies by it, e.g. "avx2 float32", "avx512 q4_1", "numpy float64"."""
+        """What multiplies by it, e.g. "avx2 float32", "avx512 q4_1", "avx2 q4_k + avx2 q6_k", "numpy float64"."""
+        if self.stacked:
+            return " + ".join(dict.fromkeys(p.path for p in self.stacked))
         if self.packed is not None:
             return self.packed.path
         if self.blocks is not None:
@@ -155,6 +188,8 @@ class LinearWeight:
 
     def dense(self) -> FloatArray:
         """W `[C_out, C_in]` as floats (a decoded copy for the packed path, for oracles)."""
+        if self.stacked:
+            return np.concatenate([dequantize_blocks(p.blocks, p.format) for p in self.stacked])
         if self.packed is not None:
             return unpack_weight(self.packed)
         if self.blocks is not None:
@@ -172,6 +207,14 @@ def linear(x: FloatArray, weight: LinearWeight) -> FloatArray:
     bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16).
     """
     packed, blocks = weight.packed, weight.blocks
+    if weight.stacked:  # each part's kernel writes its columns of the output
+        out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)  # [N, C_out]
+        x = np.ascontiguousarray(x)
+        row = 0
+        for part in weight.stacked:
+            block_linear_into(x, part, out[:, row : row + part.out_features])  # [N, C_out_i], rows strided
+            row += part.out_features
+        return out
     if blocks is not None:
         out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
         block_linear_into(np.ascontiguousarray(x), blocks, out)

@@ -174,7 +174,7 @@ class Model:
         """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
         Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
         name (`model_source.resolve_model`). quantization None: weights in the dtype (a GGUF file's are
-        dequantized here); a block format: quantized at load; "gguf": a GGUF file's Q8_0 / Q4_0 / Q4_1
+        dequantized here); a block format: quantized at load; "gguf": a GGUF file's tensors of every block type
         tensors kept as the file stores them.
 
         Raises CheckpointError for anything the checkpoint lacks or the model does not implement,

@@ -4,11 +4,14 @@ What vLLM's `model_loader` and `LinearMethodBase.create_weights` do between them
 size: every tensor is read once; norms, biases and the embedding table become arrays of the compute
 dtype; each linear layer (q/k/v and gate/up fused row-wise, as the model multiplies them) becomes a
 `layers.LinearWeight` in the model's weight format (`dispatch.weight_format`). With quantization "gguf"
-(vLLM's name for a GGUF checkpoint) the tensors a GGUF file stores as Q8_0, Q4_0 or Q4_1 are kept as
-its own bytes (`GGUFCheckpoint.quantized`) for `block_gemm`'s kernels; a fused layer whose parts have
-other or different types is dequantized and packed as float32 panels (a note says which). The
-embedding table of a block format stays in blocks too, and a token's row is decoded when it is looked
-up; a tied LM head then is the same blocks.
+(vLLM's name for a GGUF checkpoint) every tensor is kept as the file's own bytes
+(`GGUFCheckpoint.quantized`) for `block_gemm`'s kernels, whatever its type among
+`block_formats.BLOCK_FORMATS` (Q4_0 to Q8_0, the k-quants, F32, F16, BF16); a fused layer whose parts
+the file stores in different types (a Q4_K_M file's Q4_K q/k and Q6_K v) keeps one block weight per
+part. A tensor of another type (the IQ family), or a float type whose rows are not whole chunks of 32,
+is dequantized and packed as float32 panels, and a note names it and says why (logged, and listed in
+`notes`). The embedding table stays in blocks too, and a token's row is decoded when it is looked up;
+a tied LM head then is the same blocks.
 
 Shape legend: V vocabulary, D_model hidden size.
 
@@ -19,18 +22,35 @@ for other backends.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, dequantize_blocks
+from attention_kv_caceh.kernels.block_formats import FORMATS, dequantize_blocks
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError, SafetensorsCheckpoint
-from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint, QuantizedTensor, gguf_name
 from attention_kv_caceh.model_executor.layers import LinearWeight
 
-__all__ = ["Embedding", "WeightReader"]
+__all__ = ["Embedding", "WeightReader", "why_not_kept"]
+
+logger = logging.getLogger(__name__)
+
+
+def why_not_kept(tensor: QuantizedTensor) -> str | None:
+    """Why the block kernels cannot multiply `tensor` as the file stores it, or None when they can:
+    a type outside `block_formats.BLOCK_FORMATS` (the IQ family, F64), or a 2-D float tensor whose
+    rows are not whole chunks of 32 values."""
+    fmt = tensor.ggml_type.lower()
+    if fmt not in FORMATS:
+        family = "an IQ type, " if fmt.startswith("iq") else ""
+        return f"{tensor.ggml_type} is {family}not a type the block kernels decode"
+    if len(tensor.shape) != 2 or tensor.shape[1] % FORMATS[fmt].chunk:
+        return f"{tensor.ggml_type} rows of {tensor.shape[-1]} values are not whole chunks of {FORMATS[fmt].chunk}"
+    return None
+
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
@@ -99,34 +119,41 @@ class WeightReader:
             )
         return self.checkpoint.get(name, self.dtype)
 
-    def _blocks(self, parts: list[tuple[str, tuple[int, int]]]) -> tuple[npt.NDArray[np.uint8], str] | None:
-        """The GGUF blocks of the parts stacked row-wise, when all are one block format; else None."""
+    def _blocks(
+        self, parts: list[tuple[str, tuple[int, int]]]
+    ) -> list[tuple[npt.NDArray[np.uint8], str]] | None:
+        """Each part's GGUF blocks and format, when the block kernels can multiply every part as the
+        file stores it; else None, with a note naming the parts that cannot and why."""
         checkpoint = self.checkpoint
         assert isinstance(checkpoint, GGUFCheckpoint)
         stored = [checkpoint.quantized(name) for name, _ in parts]
-        formats = {t.ggml_type.lower() for t in stored}
-        fmt = next(iter(formats))
         for tensor, (name, shape) in zip(stored, parts, strict=True):
             if tensor.shape != shape:
                 raise CheckpointError(
                     f"{checkpoint.source}: tensor {name!r} has shape {tensor.shape}, expected {shape}"
                 )
-        if len(formats) != 1 or fmt not in BLOCK_FORMATS:
+        refused = [(t.name, why) for t in stored if (why := why_not_kept(t)) is not None]
+        if refused:
+            names = ", ".join(f"{name} ({gguf_name(name)}: {why})" for name, why in refused)
+            note = f"{' + '.join(name for name, _ in parts)}: dequantized to float32 panels: {names}"
+            logger.warning("%s: %s", checkpoint.source, note)
+            self.notes.append(note)
             return None
-        return np.ascontiguousarray(np.concatenate([t.data for t in stored])), fmt
+        # the bytes as stored (a float type's values too: F32 / F16 come as float arrays)
+        return [(t.data.view(np.uint8).reshape(t.shape[0], -1), t.ggml_type.lower()) for t in stored]
 
     def linear(self, parts: list[tuple[str, tuple[int, int]]]) -> LinearWeight:
         """The linear layer whose weight is the tensors `parts` (name, (rows, in)) stacked row-wise."""
         if self.fmt == "gguf":
             found = self._blocks(parts)
             if found is not None:
-                blocks, fmt = found
+                formats = {fmt for _, fmt in found}
                 if self.path == "packed":
-                    self.kernels.add(fmt)
-                return LinearWeight.from_blocks(blocks, fmt, self.path, self.dtype)
-            self.notes.append(
-                f"{' + '.join(name for name, _ in parts)}: not one Q8_0/Q4_0/Q4_1 type, float32"
-            )
+                    self.kernels.update(formats)
+                if len(formats) == 1:
+                    blocks = np.ascontiguousarray(np.concatenate([data for data, _ in found]))
+                    return LinearWeight.from_blocks(blocks, found[0][1], self.path, self.dtype)
+                return LinearWeight.from_parts(found, self.path, self.dtype)
         weight = np.concatenate([self.tensor(name, shape) for name, shape in parts])
         stored = "float32" if self.fmt in ("float64", "gguf") else self.fmt  # float64: kept as read
         if self.path == "packed":
@@ -138,7 +165,7 @@ class WeightReader:
         if self.fmt == "gguf":
             found = self._blocks([(name, shape)])
             if found is not None:
-                return Embedding(None, found[0], found[1], self.dtype, shape)
+                return Embedding(None, np.ascontiguousarray(found[0][0]), found[0][1], self.dtype, shape)
         return Embedding(self.tensor(name, shape), None, str(self.dtype), self.dtype, shape)
 
     def tied_head(self, embedding: Embedding) -> LinearWeight:
