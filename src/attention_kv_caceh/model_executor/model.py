@@ -45,6 +45,7 @@ from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gem
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 from attention_kv_caceh.model_executor.layers import (
     LinearWeight,
     apply_rotary,
@@ -185,7 +186,7 @@ class Model:
         gguf = gguf_file_of(path)
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
-            return cls(checkpoint.config(), checkpoint, dtype, gemm, quantization)
+            return cls(model_config_from_gguf(checkpoint), checkpoint, dtype, gemm, quantization)
         if quantization == GGUF:
             raise ValueError(
                 f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"
