@@ -19,7 +19,7 @@ embedding array on the numpy path and is a packed copy of it on the packed path 
 file's blocks, the same blocks). The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
 passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
 RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
-`kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
+`decode_attention.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
 read in place through its block table, no gather); the test-only NumPy reference
 `oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
 a step once (`ModelRunner.prepare_inputs`).
