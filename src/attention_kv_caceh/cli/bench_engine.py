@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     try:
-        note = resolve_gemm_path(config.gemm, config.dtype, config.quantization)[1]
+        note = resolve_gemm_path(config.gemm, config.dtype, config.quantization).note
         EngineConfig(dtype=config.dtype, quantization=config.quantization)
     except ValueError as exc:
         raise UsageError(

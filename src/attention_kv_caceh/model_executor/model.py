@@ -41,7 +41,7 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
 from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
-from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path, weight_format
+from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
@@ -106,15 +106,14 @@ class Model:
         quantization: str | None = None,
     ) -> None:
         """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
-        the linear layers' weights as `weight_format(dtype, quantization)` for the GEMM path
+        the linear layers' weights as `dispatch.weight_format(dtype, quantization)` for the GEMM path
         (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
         Raises ValueError for a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
         format with an input width that is not a multiple of 32), CheckpointError (naming the file
         and key) for a missing tensor or one of the wrong shape.
         """
-        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype, quantization)
-        self.weight_format = weight_format(dtype, quantization)
+        self.gemm_path, self.gemm_note, self.weight_format = resolve_gemm_path(gemm, dtype, quantization)
         self.config = config
         self.dtype = compute_dtype(dtype)
         c = config
