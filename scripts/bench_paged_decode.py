@@ -3,7 +3,7 @@
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 uv run python scripts/bench_paged_decode.py --num-seqs 8 32
 
 Shapes as the `small` preset's engine: `--layers` KV caches (default 12), each as the engine allocates
-it (`engine.paged_attention.allocate_kv_cache`: block size 16, H_kv=4, D=64, float32), H=12 query
+it (`model_executor.paged_attention.allocate_kv_cache`: block size 16, H_kv=4, D=64, float32), H=12 query
 heads, every sequence `--context-len` positions (default 192, the mean context of 128 prompt + 128
 output tokens) in blocks drawn in shuffled order from a pool twice the size needed, as the engine's
 block tables scatter them. One step calls `paged_decode_attention_into` once per layer, on one thread.

@@ -4,7 +4,7 @@
     OPENBLAS_NUM_THREADS=1 uv run python scripts/kernel_steps.py --shape default --rounds 3
 
 Steps (docs/kernels.md explains each):
-  0 plain       kernels.plain_decode_attention: one loop nest, a rescale per position, float64 sums
+  0 plain       decode_attention.plain_decode_attention: one loop nest, a rescale per position, float64 sums
   1 fastmath    the same source compiled with the tuned kernels' fastmath flags (reassociation lets
                 LLVM vectorise the dot product over D)
   2 chunked     per (sequence, KV head): scores of 1024 positions first (each K row read once for the

@@ -154,7 +154,7 @@ class WorkersCommandTest(unittest.TestCase):
     def test_the_jsonl_of_two_workers_is_one_processs_file_and_ctrl_c_keeps_what_finished(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             server = subprocess.Popen(
-                [sys.executable, "-m", "attention_kv_caceh.harness.scripted_server", "--ttft-ms", "5",
+                [sys.executable, "-m", "attention_kv_caceh.cli.scripted_server", "--ttft-ms", "5",
                  "--itl-ms", "50"],
                 stdout=subprocess.PIPE, text=True,
             )  # fmt: skip

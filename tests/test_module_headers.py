@@ -1,4 +1,4 @@
-"""Every engine and entrypoints module's header names its vLLM counterpart and says what it leaves out (or
+"""Every engine, model_executor and entrypoints module's header names its vLLM counterpart and says what it leaves out (or
 that vLLM has none).
 
 A reader who knows vLLM's source should learn from the first lines of each module which vLLM file it mirrors
@@ -15,9 +15,11 @@ from pathlib import Path
 
 import attention_kv_caceh.engine
 import attention_kv_caceh.entrypoints
+import attention_kv_caceh.model_executor
 
 ENGINE = Path(attention_kv_caceh.engine.__file__).parent
 ENTRYPOINTS = Path(attention_kv_caceh.entrypoints.__file__).parent
+MODEL_EXECUTOR = Path(attention_kv_caceh.model_executor.__file__).parent
 # "Left out: ...", "... leaves out ...", or "vLLM has no counterpart: ..."; wrapped lines are joined first.
 _OMISSIONS = re.compile(r"\b(left out|leaves out|no counterpart)\b", re.IGNORECASE)
 
@@ -54,6 +56,9 @@ class ModuleHeaderTest(unittest.TestCase):
 
     def test_every_entrypoints_module_names_vllm_and_what_it_leaves_out(self) -> None:
         self.check_headers(ENTRYPOINTS, at_least=10)
+
+    def test_every_model_executor_module_names_vllm_and_what_it_leaves_out(self) -> None:
+        self.check_headers(MODEL_EXECUTOR, at_least=10)
 
     def check_headers(self, root: Path, at_least: int) -> None:
         modules = engine_modules(root)

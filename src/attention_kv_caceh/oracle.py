@@ -179,7 +179,7 @@ def reference_paged_decode_attention(
     `[B]` -> `[B, H, D]` in q's dtype; scale 1/sqrt(D). The blocks of all B requests are gathered into
     one `[B, T, H_kv, D]` copy of K and of V (T = the longest context), positions >= context_lens[b]
     are masked out, and the softmax is written out in two passes: an implementation that shares nothing
-    with the compiled `kernels.paged_decode_attention` (online softmax, blocks read in place), which the
+    with the compiled `decode_attention.paged_decode_attention` (online softmax, blocks read in place), which the
     tests hold to it. No argument checks (a test oracle).
     """
     b, h, d = q.shape

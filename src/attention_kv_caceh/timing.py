@@ -1,4 +1,5 @@
-"""Timing primitives: raw samples, one statistics function, and the environment that produced them.
+"""Timing primitives: raw samples, one statistics function, the saturation rule, and the environment
+that produced them.
 
 Every figure this project reports is computed by `summarize_samples` from raw samples that are also
 written to disk, so any number in a table can be recomputed from the raw file. `measure` follows one
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import itertools
 import math
 import os
 import platform
@@ -25,10 +27,12 @@ import numpy as np
 from threadpoolctl import threadpool_info  # pyright: ignore[reportMissingTypeStubs]
 
 __all__ = [
+    "SATURATION_GAIN",
     "THREAD_ENV_VARS",
     "Sample",
     "blas_threads_pinned",
     "capture_environment",
+    "doubling_gains_xy",
     "measure",
     "memory_limit_bytes",
     "summarize_samples",
@@ -228,3 +232,18 @@ def _clock_resolution() -> float:
 
     res = time.get_clock_info("perf_counter").resolution
     return float(res) if math.isfinite(res) else float("nan")
+
+
+SATURATION_GAIN = 0.10
+"""Doubling the load must raise throughput by at least this much, or it has saturated: the batch-size
+scan's rule (`experiments.scan_stats.saturation_point`) and a sweep's knee (`harness.sweep.find_knee`)."""
+
+
+def doubling_gains_xy(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
+    """(x1, x2, gain per doubling) for consecutive (x, y) points sorted by x (x > 0, y > 0): the
+    saturation rule for any load axis (batch size, client concurrency, request rate) and any
+    throughput. gain = (y2 / y1) ** (1 / log2(x2 / x1)) - 1."""
+    rows = sorted(points)
+    return [
+        (x1, x2, (y2 / y1) ** (1 / math.log2(x2 / x1)) - 1) for (x1, y1), (x2, y2) in itertools.pairwise(rows)
+    ]

@@ -34,7 +34,12 @@ import time
 
 from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
 from attention_kv_caceh.cli.common import CommandFailed, UsageError, check_outputs, warn_if_blas_unpinned
-from attention_kv_caceh.cli.engine_args import add_engine_arguments, load_model_config, model_source
+from attention_kv_caceh.cli.engine_args import (
+    add_engine_arguments,
+    check_gguf_source,
+    load_model_config,
+    model_source,
+)
 from attention_kv_caceh.cli.flags import add_options, config_from_args
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.report import engine_bench as text
@@ -85,16 +90,13 @@ def run(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     try:
-        note = resolve_gemm_path(config.gemm, config.dtype, config.quantization)[1]
+        note = resolve_gemm_path(config.gemm, config.dtype, config.quantization).note
         EngineConfig(dtype=config.dtype, quantization=config.quantization)
     except ValueError as exc:
         raise UsageError(
             f"--gemm {config.gemm} --dtype {config.dtype} --quantization {config.quantization}: {exc}"
         ) from None
-    if config.quantization == "gguf" and source.format != "gguf":
-        raise UsageError(
-            f"--quantization gguf keeps a GGUF file's blocks; --model {config.model} is not a GGUF file"
-        )
+    check_gguf_source(config.quantization, source, config.model)
     limit = model_config.max_position_embeddings
     if config.prompt_len + config.output_len > limit:
         raise UsageError(

@@ -4,7 +4,7 @@ The engine flags are EngineConfig's fields (`engine/config.py`, vLLM's names, de
 `options.option`); `add_engine_arguments` puts them on `generate`, `serve`, `bench-engine` (a subset: it
 sizes its own KV pool) and `harness --backend engine` (which passes the ones given on to `serve`).
 
-Both commands build an engine from a checkpoint (`engine.model_source`: a model name such as `smollm2`, a
+Both commands build an engine from a checkpoint (`model_executor.model_source`: a model name such as `smollm2`, a
 GGUF file, a folder holding one, or a Hugging Face folder) and the same engine flags. Everything that can
 be refused from the flags, the checkpoint's config (`config.json` or the GGUF metadata) and its tokenizer
 alone is refused here, with the same exit code in both commands: a --model that names no checkpoint, a
@@ -45,6 +45,7 @@ __all__ = [
     "MODEL_METAVAR",
     "EnginePlan",
     "add_engine_arguments",
+    "check_gguf_source",
     "check_prompts_fit",
     "engine_config_kwargs",
     "engine_flags_given",
@@ -131,10 +132,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
     except ValueError as exc:
         raise usage_error(EngineConfig, exc) from None
-    if config.quantization == "gguf" and source.format != "gguf":
-        raise UsageError(
-            f"--quantization gguf keeps a GGUF file's blocks; --model {model_flag} is not a GGUF file"
-        )
+    check_gguf_source(config.quantization, source, model_flag)
     try:
         _, model_config = load_model_config(source.path)
         tokenizer = Tokenizer.load(source.path)
@@ -171,8 +169,16 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     )
 
 
+def check_gguf_source(quantization: str | None, source: ModelSource, model_flag: str) -> None:
+    """UsageError for --quantization gguf (a GGUF file's own blocks) on a --model that is no GGUF file."""
+    if quantization == "gguf" and source.format != "gguf":
+        raise UsageError(
+            f"--quantization gguf keeps a GGUF file's blocks; --model {model_flag} is not a GGUF file"
+        )
+
+
 def model_source(model_flag: str) -> ModelSource:
-    """The checkpoint a --model value names (`engine.model_source.resolve_model`: a model name, a GGUF
+    """The checkpoint a --model value names (`model_executor.model_source.resolve_model`: a model name, a GGUF
     file, a folder holding one, or a Hugging Face folder); UsageError naming the value otherwise."""
     from attention_kv_caceh.model_executor.checkpoint import CheckpointError
     from attention_kv_caceh.model_executor.model_source import resolve_model
@@ -184,7 +190,7 @@ def model_source(model_flag: str) -> ModelSource:
 
 
 def load_model_config(path: Path) -> tuple[ModelSource, ModelConfig]:
-    """`engine.model_source.load_model_config` (imported when called: the CLI starts without the engine)."""
+    """`model_executor.model_source.load_model_config` (imported when called: the CLI starts without the engine)."""
     from attention_kv_caceh.model_executor.model_source import load_model_config as load
 
     return load(path)

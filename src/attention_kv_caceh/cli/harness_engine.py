@@ -61,7 +61,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 def check_usage(args: argparse.Namespace) -> str:
     """Check the backend/flag combination; returns the base URL the run should use until a server's is
     known. Raises UsageError: --backend engine without --model, with a --model that names no checkpoint
-    (`engine.model_source.resolve_model`) or a folder lacking tokenizer.json when no --tokenizer is given,
+    (`model_executor.model_source.resolve_model`) or a folder lacking tokenizer.json when no --tokenizer is given,
     or with --base-url; an engine flag with another backend."""
     given = engine_flags(args)
     if args.backend != ENGINE_BACKEND:

@@ -1,6 +1,6 @@
 """`attention-kv-caceh overhead`: the harness's own ITL and TTFT error against the scripted server.
 
-Flags (`experiments.overhead.OverheadConfig`, `--json`) -> config -> `measure_overheads` (the scripted
+Flags (`harness.overhead_run.OverheadConfig`, `--json`) -> config -> `measure_overheads` (the scripted
 server in a child process on 127.0.0.1, one token every `--itl-ms` on absolute deadlines; one run per
 `--concurrency`) -> print P50/P99 (mean, max) of measured minus scripted ITL and TTFT in ms
 (`report.overhead`). Bad flags exit 2 before the server starts; a failed request exits 1.
@@ -14,8 +14,8 @@ from pathlib import Path
 
 from attention_kv_caceh.cli.common import CommandFailed, check_outputs
 from attention_kv_caceh.cli.flags import add_options, config_from_args
-from attention_kv_caceh.experiments.overhead import OverheadConfig, measure_overheads
 from attention_kv_caceh.files import output_path
+from attention_kv_caceh.harness.overhead_run import OverheadConfig, measure_overheads
 from attention_kv_caceh.options import option
 
 __all__ = ["HELP", "add_arguments", "run"]

@@ -1,4 +1,4 @@
-"""A small serving engine: vLLM v1's design (scheduler, paged KV blocks, prefix caching) at nano-vllm's size.
+"""A small serving engine core: vLLM v1's design (scheduler, paged KV blocks, prefix caching), in NumPy.
 
 Modules, most named after the vLLM v1 file they correspond to:
 
@@ -16,8 +16,9 @@ Modules, most named after the vLLM v1 file they correspond to:
 - `spec_decode/`: speculative decoding as vLLM v1 does it for `ngram`: SpeculativeConfig, the n-gram
   proposer, draft verification (the rejection sampler) and the acceptance counts.
 
-The model side (model, layers, paged_attention, checkpoint loading, tokenizer, model_runner with the paged K/V buffers) lives in
-its own modules; the engine talks to it only through `SchedulerOutput` and logits. The server side runs
+The model side (model, layers, paged_attention, warm-up, checkpoint loading) is `attention_kv_caceh.model_executor`,
+which imports nothing of engine/; `model_runner` (with the paged K/V buffers) drives it from here, and the
+engine talks to it only through `SchedulerOutput` and logits. The server side runs
 in the API process (`async_llm`: AsyncLLM, an MPClient to the engine-core process plus an output thread;
 `parallel_sampling`: a request of `n` samples as `n` child requests;
 `output_processor`: one incremental detokenizer per request, stop strings, per-request timestamps and

@@ -14,7 +14,7 @@ One step, as vLLM's `EngineCore.step`: `scheduler.schedule()` -> `model_runner.e
 ModelRunnerOutput) -> `scheduler.update_from_output()` (the EngineCoreOutputs: one EngineCoreOutput per
 request that got tokens); with speculative decoding the n-gram proposer then drafts the next tokens of
 every request that runs on (vLLM's runner proposes right after sampling; `EngineConfig.speculative_config`),
-and `stats.make_step_stats` adds the step's StepStats. The core knows token ids only: text, stop strings and
+and `Scheduler.make_stats` adds the step's StepStats. The core knows token ids only: text, stop strings and
 per-request timestamps belong to the front end's OutputProcessor (output_processor.py).
 
 EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as vLLM does:
@@ -64,7 +64,7 @@ from .outputs import (
 from .request import Request, RequestStatus
 from .scheduler import Scheduler
 from .spec_decode.ngram_proposer import NgramProposer
-from .stats import StepStats, make_step_stats
+from .stats import StepStats
 
 __all__ = [
     "STEP_STATS_MAXLEN",
@@ -265,8 +265,8 @@ class EngineCore:
         self._propose(outputs, len(scheduler_output.scheduled_requests))
         cpu_ms = (time.thread_time() - cpu0) * 1e3  # read inside the wall interval
         wall_ms = (time.perf_counter() - t0) * 1e3
-        outputs.step_stats = make_step_stats(
-            self.scheduler, scheduler_output, model_runner_output, self.num_steps, wall_ms, cpu_ms
+        outputs.step_stats = self.scheduler.make_stats(
+            scheduler_output, model_runner_output, self.num_steps, wall_ms, cpu_ms
         )
         self.step_stats.append(outputs.step_stats)
         self.num_steps += 1

@@ -20,7 +20,9 @@ things of glibc's malloc keep such memory resident after the request has freed i
 Both are no-ops off glibc (musl and macOS have no mallopt/malloc_trim of this kind).
 
 vLLM has no counterpart in its code: for its CPU backend its documentation recommends preloading TCMalloc
-(`LD_PRELOAD`) in place of glibc's allocator.
+(`LD_PRELOAD`) in place of glibc's allocator. Left out: another allocator (TCMalloc, jemalloc), a cap on
+the number of arenas (`M_ARENA_MAX`), and trimming in the engine-core process (only the API server's
+middleware, where request bodies arrive, calls `release_freed_memory`).
 """
 
 from __future__ import annotations

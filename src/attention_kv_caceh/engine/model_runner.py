@@ -1,7 +1,7 @@
 """ModelRunner: owns the paged KV buffers and turns a SchedulerOutput into one model forward; sample_tokens.
 
-What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`, `sample_tokens`)
-at nano-vllm's size: lay the scheduled requests' new tokens out as one flattened batch, compute each
+What vLLM v1's `v1/worker/gpu_model_runner.py` does (`_prepare_inputs`, `execute_model`, `sample_tokens`),
+for one CPU process: lay the scheduled requests' new tokens out as one flattened batch, compute each
 token's position and KV slot from its request's block table, run the model once, and return the logits of
 each request's last scheduled token; a request that asks for prompt logprobs also gets those of its prompt
 positions (vLLM's `_get_prompt_logprobs_dict`), appended to `request.prompt_logprobs`. Then

@@ -3,7 +3,7 @@
 Corresponds to vLLM v1's `vllm/v1/core/sched/scheduler.py` (schedule, update_from_output, finish_requests)
 and `output.py` (SchedulerOutput). Left out: priorities, structured output, encoder inputs, KV transfer,
 async scheduling, the partial-prefill limits (long_prefill_token_threshold), vLLM's per-client output
-lists (one front end here), and make_stats (stats.py:make_step_stats builds the step's StepStats).
+lists (one front end here), and make_stats (`Scheduler.make_stats` builds the step's StepStats).
 
 There are no separate prefill and decode phases. Every request has `num_tokens` tokens (prompt + output) of
 which `num_computed_tokens` are in the KV cache; a step gives each scheduled request n tokens to compute,
@@ -46,6 +46,8 @@ from .config import EngineConfig
 from .kv_cache_manager import KVCacheConfig, KVCacheManager
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, encode_logprobs_payloads
 from .request import Request, RequestStatus, check_stop
+from .spec_decode.metrics import SpecDecodingStats
+from .stats import StepStats
 
 __all__ = ["Scheduler", "SchedulerOutput"]
 
@@ -348,6 +350,45 @@ class Scheduler:
                 )
             )
         return EngineCoreOutputs(outputs)
+
+    def make_stats(
+        self,
+        scheduler_output: SchedulerOutput,
+        model_runner_output: ModelRunnerOutput,
+        step_index: int,
+        step_time_ms: float,
+        step_cpu_ms: float,
+    ) -> StepStats:
+        """The StepStats of the step `update_from_output` just applied: the queues and the pool now,
+        the prefix-cache lookups since its schedule() began, and with speculative decoding each verified
+        request's drafts and accepted count (before a stop trimmed its tokens, as vLLM counts them)."""
+        spec = self.config.speculative_config
+        spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
+        drafts = scheduler_output.scheduled_spec_decode_tokens
+        if spec_stats is not None:
+            for rid, tokens in zip(
+                model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+            ):
+                if drafts.get(rid):
+                    spec_stats.observe_draft(len(drafts[rid]), len(tokens) - 1)
+        kv = self.kv_cache_manager
+        queries0, hits0 = self.prefix_cache_at_schedule
+        return StepStats(
+            step_index=step_index,
+            num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
+            num_prefill_tokens=scheduler_output.num_prefill_tokens,
+            num_decode_tokens=scheduler_output.num_decode_tokens,
+            num_running=self.num_running,
+            num_waiting=self.num_waiting,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            num_preemptions=len(scheduler_output.preempted_request_ids),
+            prefix_cache_queries=kv.prefix_cache_queries - queries0,
+            prefix_cache_hits=kv.prefix_cache_hits - hits0,
+            step_time_ms=step_time_ms,
+            step_cpu_ms=step_cpu_ms,
+            spec_decoding=spec_stats,
+        )
 
 
 def _check_model_runner_output(scheduler_output: SchedulerOutput, output: ModelRunnerOutput) -> None:

@@ -8,8 +8,8 @@ the start of the first core step that scheduled it (the core's clock: time.monot
 every process of the machine); E2E latency from arrival to the moment the front end received the
 finishing output. Times are `time.monotonic()` differences in seconds.
 
-StepStats plays the part of vLLM's SchedulerStats: `make_step_stats` builds one per step from the
-scheduler after `update_from_output` (vLLM's Scheduler.make_stats and make_spec_decoding_stats), with the
+StepStats plays the part of vLLM's SchedulerStats: `scheduler.Scheduler.make_stats` builds one per step
+after `update_from_output` (vLLM's Scheduler.make_stats and make_spec_decoding_stats), with the
 wall and CPU times the core measured around the step.
 
 Left out: SchedulerStats' KV-cache eviction events and connector fields, the per-request phase times (prefill,
@@ -20,15 +20,10 @@ IterationStats' `n` of each new request, LoRA request states, and KV-connector a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from attention_kv_caceh.engine.spec_decode.metrics import SpecDecodingStats
 
-if TYPE_CHECKING:
-    from attention_kv_caceh.engine.outputs import ModelRunnerOutput
-    from attention_kv_caceh.engine.scheduler import Scheduler, SchedulerOutput
-
-__all__ = ["FinishedRequestStats", "IterationStats", "StepStats", "make_step_stats"]
+__all__ = ["FinishedRequestStats", "IterationStats", "StepStats"]
 
 
 @dataclass(frozen=True)
@@ -65,46 +60,6 @@ class StepStats:
     step_time_ms: float
     step_cpu_ms: float = 0.0
     spec_decoding: SpecDecodingStats | None = None
-
-
-def make_step_stats(
-    scheduler: Scheduler,
-    scheduler_output: SchedulerOutput,
-    model_runner_output: ModelRunnerOutput,
-    step_index: int,
-    step_time_ms: float,
-    step_cpu_ms: float,
-) -> StepStats:
-    """The StepStats of the step `scheduler.update_from_output` just applied: the queues and the pool now,
-    the prefix-cache lookups since its schedule() began, and with speculative decoding each verified
-    request's drafts and accepted count (before a stop trimmed its tokens, as vLLM counts them)."""
-    spec = scheduler.config.speculative_config
-    spec_stats = None if spec is None else SpecDecodingStats(spec.num_speculative_tokens)
-    drafts = scheduler_output.scheduled_spec_decode_tokens
-    if spec_stats is not None:
-        for rid, tokens in zip(
-            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
-        ):
-            if drafts.get(rid):
-                spec_stats.observe_draft(len(drafts[rid]), len(tokens) - 1)
-    kv = scheduler.kv_cache_manager
-    queries0, hits0 = scheduler.prefix_cache_at_schedule
-    return StepStats(
-        step_index=step_index,
-        num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
-        num_prefill_tokens=scheduler_output.num_prefill_tokens,
-        num_decode_tokens=scheduler_output.num_decode_tokens,
-        num_running=scheduler.num_running,
-        num_waiting=scheduler.num_waiting,
-        num_free_blocks=kv.num_free_blocks,
-        kv_cache_usage=kv.usage,
-        num_preemptions=len(scheduler_output.preempted_request_ids),
-        prefix_cache_queries=kv.prefix_cache_queries - queries0,
-        prefix_cache_hits=kv.prefix_cache_hits - hits0,
-        step_time_ms=step_time_ms,
-        step_cpu_ms=step_cpu_ms,
-        spec_decoding=spec_stats,
-    )
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ from typing import Any
 
 from attention_kv_caceh.experiments.calibration import Calibration, bytes_moved_per_step
 from attention_kv_caceh.experiments.scan import ScanConfig
-from attention_kv_caceh.experiments.scan_stats import SATURATION_GAIN, saturation_point
+from attention_kv_caceh.experiments.scan_stats import saturation_point
+from attention_kv_caceh.timing import SATURATION_GAIN
 
 __all__ = [
     "BANDWIDTH",

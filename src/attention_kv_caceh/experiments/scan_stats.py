@@ -11,18 +11,15 @@ are `report/scan_text.py`. Running the scan (config, inputs, timed steps) is `sc
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 
 from attention_kv_caceh.experiments.scan_impls import IMPLS
-from attention_kv_caceh.timing import Sample, summarize_samples
+from attention_kv_caceh.timing import SATURATION_GAIN, Sample, doubling_gains_xy, summarize_samples
 
 __all__ = [
-    "SATURATION_GAIN",
     "SUMMARY_FIELDS",
     "doubling_gains",
-    "doubling_gains_xy",
     "saturation_point",
     "scan_table",
     "scan_tables",
@@ -48,8 +45,6 @@ SUMMARY_FIELDS: tuple[str, ...] = (
     "probe_read_gb_s",
     "bandwidth_ratio",
 )
-# Doubling B must raise positions/s by at least this much, or the scan has saturated.
-SATURATION_GAIN = 0.10
 
 
 def scan_table(
@@ -139,16 +134,6 @@ def doubling_gains(table: Sequence[Mapping[str, float]]) -> list[tuple[int, int,
     """
     points = [(r["batch_size"], r["positions_per_s"]) for r in table]
     return [(int(b1), int(b2), gain) for b1, b2, gain in doubling_gains_xy(points)]
-
-
-def doubling_gains_xy(points: Sequence[tuple[float, float]]) -> list[tuple[float, float, float]]:
-    """(x1, x2, gain per doubling) for consecutive (x, y) points sorted by x (x > 0, y > 0): the
-    saturation rule for any load axis (batch size, client concurrency, request rate) and any
-    throughput. gain = (y2 / y1) ** (1 / log2(x2 / x1)) - 1."""
-    rows = sorted(points)
-    return [
-        (x1, x2, (y2 / y1) ** (1 / math.log2(x2 / x1)) - 1) for (x1, y1), (x2, y2) in itertools.pairwise(rows)
-    ]
 
 
 def saturation_point(table: Sequence[Mapping[str, float]], gain: float = SATURATION_GAIN) -> int | None:

@@ -53,7 +53,7 @@ _SPLIT_CHECK = " ".join([*SYNTHETIC_WORDS, *reversed(SYNTHETIC_WORDS), *SYNTHETI
 class LocalTokenizer:
     """A `tokenizer.json` (a file, or a folder holding one) read with the `tokenizers` library, or the
     tokenizer of a GGUF checkpoint (a .gguf file, a folder holding one, a model name such as smollm2:
-    `engine.model_source`), built from its metadata.
+    `model_executor.model_source`), built from its metadata.
 
     Synthetic text (words of SYNTHETIC_WORDS one space apart) is encoded from its words' ids, each word
     encoded once, first and after a space (`_word_ids`): encoding a whole prompt cost about 0.5 ms of

@@ -6,8 +6,8 @@ Used by the tests (edge cases of token streams, known TTFT/ITL/queue times) and 
 one token every `itl_s`, scheduled on absolute deadlines (so the server's own lateness does not pile up),
 with vLLM-style continuous usage, a final usage-only chunk and `[DONE]`.
 
-Run as a process: `python -m attention_kv_caceh.harness.scripted_server --ttft-ms 50 --itl-ms 10` prints
-`PORT <n>` and serves every request with `max_tokens` tokens until it is terminated.
+Run as a process (`scripted_server_process`, or `python -m attention_kv_caceh.cli.scripted_server --ttft-ms 50
+--itl-ms 10`): it prints `PORT <n>` and serves every request with `max_tokens` tokens until it is terminated.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ from attention_kv_caceh.harness.scripted_streams import (
     sse,
     timed_token_script,
 )
-from attention_kv_caceh.options import check_options, option
 
 __all__ = [
     "DONE",
@@ -350,7 +349,11 @@ def _max_tokens(payload: dict[str, Any]) -> int:
     return int(value) if isinstance(value, int) and value > 0 else 16
 
 
-async def _serve(ttft_ms: float, itl_ms: float, port: int, metrics_padding: int = 0) -> None:
+async def serve_timed(
+    ttft_ms: float, itl_ms: float, port: int, metrics_padding: int, ready: Callable[[int], None]
+) -> None:
+    """Serve `timed_token_script` streams (every request its `max_tokens` tokens) on 127.0.0.1:`port`
+    until SIGTERM or SIGINT; calls `ready(port)` once listening. The process form is `cli/scripted_server.py`."""
     server: ScriptedServer | None = None
 
     def script_for(payload: dict[str, Any], path: str) -> Script:
@@ -364,7 +367,7 @@ async def _serve(ttft_ms: float, itl_ms: float, port: int, metrics_padding: int 
         script_for, port=port, live_metrics=True, metrics_padding=metrics_padding, counters=True
     )
     await server.start()
-    print(f"PORT {server.port}", flush=True)
+    ready(server.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -384,7 +387,7 @@ def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int 
         [
             sys.executable,
             "-m",
-            "attention_kv_caceh.harness.scripted_server",
+            "attention_kv_caceh.cli.scripted_server",
             f"--ttft-ms={ttft_ms}",
             f"--itl-ms={itl_ms}",
             f"--metrics-padding={metrics_padding}",
@@ -407,38 +410,3 @@ def scripted_server_process(ttft_ms: float, itl_ms: float, metrics_padding: int 
             proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
-
-
-@dataclass(frozen=True)
-class ProcessOptions:
-    """The flags of the server's process form (`main`)."""
-
-    ttft_ms: float = option(50.0, help="time to first token (ms)", minimum=0.0)
-    itl_ms: float = option(10.0, help="inter-token delay (ms)", minimum=0.0)
-    port: int = option(0, help="port on 127.0.0.1 (0: any free)", minimum=0, maximum=65535)
-    metrics_padding: int = option(0, help="bytes of padding in the /metrics answer", minimum=0)
-
-    def __post_init__(self) -> None:
-        check_options(self)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Serve timed token streams until terminated (SIGTERM/SIGINT). Bad flags: one line, exit 2."""
-    from attention_kv_caceh.cli.common import HelpFormatter, OneLineParser, UsageError
-    from attention_kv_caceh.cli.flags import add_options, config_from_args
-
-    parser = OneLineParser(
-        description=__doc__.splitlines()[0] if __doc__ else None, formatter_class=HelpFormatter
-    )
-    add_options(parser, ProcessOptions)
-    try:
-        options = config_from_args(ProcessOptions, parser.parse_args(argv))
-    except UsageError as exc:
-        print(f"scripted_server: error: {exc}", file=sys.stderr)
-        return 2
-    asyncio.run(_serve(options.ttft_ms, options.itl_ms, options.port, options.metrics_padding))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from attention_kv_caceh.experiments.scan_stats import SATURATION_GAIN, doubling_gains_xy
+from attention_kv_caceh.timing import SATURATION_GAIN, doubling_gains_xy
 
 __all__ = [
     "CSV_FIELDS",

@@ -6,12 +6,15 @@ written by hand). Outside this package, import the op's module, never a `_` modu
 - `decode_attention.py`: decode attention over a contiguous KV cache and over paged KV blocks, and the
   plain reference kernel; loops in `_decode_attention_jit.py` (contiguous, plain) and
   `_decode_attention_paged_jit.py` with its vector IR in `_decode_attention_paged_ir.py` (paged).
-- `kernels/gemm.py`: linear layers over float32 and bfloat16 weights packed once; loops in `_gemm_jit.py`.
-- `kernels/block_gemm.py`: linear layers over GGUF's block-quantized weights (every type of
-  `block_formats.py`); loops in `_block_gemm_jit.py`, each type's register decode in `_block_gemm_ir.py`.
-- `block_formats.py`: one row per GGUF type (bytes, fields, NumPy decode, step bound, quantizer).
-- `dispatch.py`: the dtype, quantization and GEMM-path names, and which kernel serves a format.
-- `_fused_layers_jit.py`: RMSNorm, SiLU-and-mul and rotary embedding over rows, one pass each.
+- `gemm.py`: linear layers over float32 and bfloat16 weights packed once; loops in `_gemm_jit.py`.
+- `block_gemm.py`: linear layers over GGUF's block-quantized weights (every type of `block_formats.py`);
+  loops in `_block_gemm_jit.py`, each type's register decode in `_block_gemm_ir.py`.
+- `fused_layers.py`: RMSNorm, SiLU-and-mul and rotary embedding, one pass over each row; loops in
+  `_fused_layers_jit.py`.
+- `block_formats.py`: one row per GGUF type (bytes, fields in file order, NumPy decode, step bound,
+  quantizer).
+- `dispatch.py`: the dtype, quantization and weight-format names, and which kernel serves a format.
 - `isa.py`: the one table of instruction sets (AVX-512, AVX2, NEON) and which one Numba compiles for.
-- `ir.py`: the LLVM IR vocabulary the hand-written vector kernels share.
+- `ir.py`: the LLVM IR vocabulary the hand-written vector kernels share (and the vector exp).
+- `_math_jit.py`: exp for float32, the prefetch hint and a bit cast, one copy for every kernel.
 """

@@ -1,4 +1,4 @@
-"""The compiled loops behind `kernels.paged_decode_attention`; import `kernels`, not this module.
+"""The compiled loops behind `decode_attention.paged_decode_attention`; import `decode_attention`, not this module.
 
 No argument checks here: `kernels/decode_attention.py` validates first. Shape legend as in attention.py; NB physical KV
 blocks of BS positions, G = H // H_kv query heads per KV head, L float32 lanes (`LANES`: 8, or 4 on NEON).

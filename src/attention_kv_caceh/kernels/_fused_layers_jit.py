@@ -1,8 +1,8 @@
-"""The Numba-compiled loops behind `engine.layers`' compiled small layers; import `engine.layers`, not this.
+"""The Numba-compiled loops behind `fused_layers` (the model's compiled small layers); import `fused_layers`.
 
-Each loop is one of `engine.layers`' NumPy formulas, fused into one pass over its rows so that no
+Each loop is one of `model_executor.layers`' NumPy formulas, fused into one pass over its rows so that no
 temporary array is written (NumPy evaluates `x / sqrt(mean(x^2) + eps) * w` as five passes with four
-temporaries). No argument checks: `engine.layers` documents the shapes and the model passes them
+temporaries). No argument checks: `model_executor.layers` documents the shapes and the model passes them
 right. Legend as there: N rows (tokens), C features, I MLP width, D head dim.
 """
 

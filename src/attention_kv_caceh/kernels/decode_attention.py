@@ -11,7 +11,7 @@ together, so each KV head is read once for its whole group.
 Two layouts (shape legend as in attention.py; NB physical KV blocks, BS positions per block):
 - contiguous, the lab's caches: q `[B, H, D]` (or `[B, H, 1, D]`), k and v `[B, H_kv, T, D]`, any
   strides (a PreallocatedKVCache's view of its larger buffer is read in place, never copied);
-- paged, the engine's (vLLM's CPU layout, `engine.paged_attention.allocate_kv_cache`): k_cache
+- paged, the engine's (vLLM's CPU layout, `model_executor.paged_attention.allocate_kv_cache`): k_cache
   `[NB, H_kv, D, BS]` (positions innermost) and v_cache `[NB, H_kv, BS, D]`, each (block, head) tile
   contiguous, block_tables `[B, max_blocks]` int32 padded with -1, context_lens `[B]` int32; sequence
   b's position t lives in block block_tables[b, t // BS] at offset t % BS.
@@ -215,7 +215,7 @@ def paged_decode_attention(
     """Decode attention over a paged KV cache (vLLM's CPU layout), one pass over each sequence's blocks.
 
     q `[B, H, D]` (or `[B, H, 1, D]`); k_cache `[NB, H_kv, D, BS]` and v_cache `[NB, H_kv, BS, D]` (any
-    strides; `engine.paged_attention.allocate_kv_cache` makes them, with each block one contiguous
+    strides; `model_executor.paged_attention.allocate_kv_cache` makes them, with each block one contiguous
     stretch); block_tables `[B, max_blocks]` int32, row b listing sequence b's blocks in position order
     (entries past its last block are ignored, -1 by convention); context_lens `[B]` int32,
     0 <= context_lens[b] <= max_blocks * BS. A sequence with context length 0 gets a zero output.

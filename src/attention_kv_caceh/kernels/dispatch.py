@@ -15,7 +15,7 @@ the model and the layers read them. Nothing here imports Numba.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,6 +31,7 @@ __all__ = [
     "QUANTIZATIONS",
     "WEIGHT_DTYPES",
     "WEIGHT_FORMATS",
+    "GemmPath",
     "compute_dtype",
     "resolve_gemm_path",
     "weight_format",
@@ -77,9 +78,18 @@ def weight_format(dtype: str, quantization: str | None) -> str:
     return quantization
 
 
-def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> tuple[str, str]:
-    """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, and a
-    one-line note naming the kernel variant (`isa.compiled_variant`).
+class GemmPath(NamedTuple):
+    """What `resolve_gemm_path` chose: the GEMM path ("packed" or "numpy"), a one-line note naming the
+    kernel variant, and the weight format (`weight_format`) the linear layers keep."""
+
+    path: str
+    note: str
+    weight_format: str
+
+
+def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) -> GemmPath:
+    """The GEMM path for `gemm` ("auto", "packed" or "numpy"), engine `dtype` and `quantization`, a
+    one-line note naming the kernel variant (`isa.compiled_variant`), and the weight format.
 
     "auto" takes "packed" where a kernel variant exists for the CPU Numba compiles for and the activations
     are float32 (dtype float32 or bfloat16), "numpy" otherwise: float64, a CPU without AVX2, AVX-512
@@ -102,13 +112,14 @@ def resolve_gemm_path(gemm: str, dtype: str, quantization: str | None = None) ->
         why = (
             "asked for" if gemm == "numpy" else (dtype if not float32 else "no AVX2, AVX-512 or NEON variant")
         )
-        return (
+        return GemmPath(
             "numpy",
             f"GEMM path: numpy (x @ W.T on {fmt} weights decoded to {compute_dtype(dtype)}; {why})",
+            fmt,
         )
     how = "GGUF blocks dequantized in registers" if fmt in BLOCK_FORMATS else f"{fmt} panels packed at load"
     if fmt == GGUF:
         how = "the file's tensors as stored, each type decoded in registers"
     if fmt == "bfloat16":
         how += ", vdpbf16ps" if simd.bf16_dot else ", widened in registers"
-    return "packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})"
+    return GemmPath("packed", f"GEMM path: packed {simd.isa} {fmt} ({how}; {simd.describe()})", fmt)

@@ -42,7 +42,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 from gguf.quants import dequantize
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
-from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -170,7 +169,7 @@ class GGUFCheckpoint:
     """The tensors and metadata of one GGUF file, tensors by Hugging Face name.
 
     Same interface as `SafetensorsCheckpoint` (`names`, `in`, `shape(name)`, `get(name, dtype)`,
-    `source`), plus `quantized(name)`, `metadata(key)` and `config()`. The file is parsed once per
+    `source`), plus `quantized(name)` and `metadata(key)` (its ModelConfig: `gguf_config.model_config_from_gguf`). The file is parsed once per
     process and version (a small cache), memory-mapped, and each tensor is read when asked for.
 
     Raises CheckpointError (from the constructor) for a file that is not GGUF, truncated or corrupt, an
@@ -228,12 +227,6 @@ class GGUFCheckpoint:
                 f"{', '.join(GGUF_ARCHITECTURES)}"
             )
         return cast(str, arch)
-
-    def config(self) -> ModelConfig:
-        """The ModelConfig the metadata describes (`gguf_config.model_config_from_gguf`)."""
-        from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
-
-        return model_config_from_gguf(self)
 
     # -- tensors ---------------------------------------------------------------------------------
 

@@ -33,21 +33,17 @@ of the GGUF vocabulary into a fast tokenizer, which gguf_tokenizer.py does here.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.gguf_checkpoint import GGUF_ARCHITECTURES, GGUFCheckpoint
 from attention_kv_caceh.model_executor.model_config import ModelConfig
-
-if TYPE_CHECKING:
-    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
 
 __all__ = ["model_config_from_gguf"]
 
 
 def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
     """The ModelConfig of GGUF file `ckpt` (keys in the module docstring). Raises CheckpointError."""
-    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUF_ARCHITECTURES
-
     arch = ckpt.arch
     source = ckpt.source
 

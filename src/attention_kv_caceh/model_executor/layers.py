@@ -7,7 +7,7 @@ the linear layer's weights are packed once at load for the compiled kernels of `
 GGUF blocks for `attention_kv_caceh.kernels.block_gemm` (every type of `block_formats`: Q4_0 to Q8_0,
 the k-quants, F16, BF16, F32; a fused layer's parts each in its own type). `compiled_rms_norm`,
 `compiled_silu_and_mul` and `compiled_rotary` are the same formulas as one compiled pass over each row
-(`_fused_layers_jit`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
+(`kernels.fused_layers`, Numba; vLLM's fused CPU ops in `csrc/cpu/`): NumPy evaluates each formula as several
 passes with temporaries, which at a decode batch costs more than the arithmetic. The NumPy functions
 are their oracles.
 
@@ -30,7 +30,7 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 
-from attention_kv_caceh.kernels import _fused_layers_jit as _jit
+from attention_kv_caceh.kernels import fused_layers
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, dequantize_blocks, quantize_weight
 from attention_kv_caceh.kernels.block_gemm import BlockWeight, block_linear_into, block_weight
 from attention_kv_caceh.kernels.dispatch import GEMM_PATHS, WEIGHT_FORMATS
@@ -294,7 +294,7 @@ def compiled_rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArr
     rounded once to x's dtype, so it agrees with `rms_norm` to about one unit in the last place.
     """
     out = np.empty_like(x)  # [N, C]
-    _jit.rms_norm_rows(x, weight, eps, out)
+    fused_layers.rms_norm_rows(x, weight, eps, out)
     return out
 
 
@@ -303,11 +303,11 @@ def compiled_silu_and_mul(gate_up: FloatArray) -> FloatArray:
     one compiled pass per row.
 
     sigmoid(g) = 1 / (1 + e) for g >= 0 and e / (1 + e) below, e = exp(-|g|) (never overflows); float32
-    uses a vectorised exp of about one ulp (`_decode_attention_jit._exp_f32`), so it agrees with `silu_and_mul`
+    uses a vectorised exp of about one ulp (`kernels._math_jit.exp_f32`), so it agrees with `silu_and_mul`
     (which uses tanh) to a few units in the last place.
     """
     out = np.empty((gate_up.shape[0], gate_up.shape[1] // 2), dtype=gate_up.dtype)  # [N, I]
-    _jit.silu_and_mul_rows(gate_up, out)
+    fused_layers.silu_and_mul_rows(gate_up, out)
     return out
 
 
@@ -319,7 +319,7 @@ def compiled_rotary(src: FloatArray, start: int, heads: int, cos: FloatArray, si
     """
     d = cos.shape[1]
     out = np.empty((src.shape[0], heads, d), dtype=src.dtype)  # [N, heads, D]
-    _jit.rotary_rows(src, start, cos, sin, out)
+    fused_layers.rotary_rows(src, start, cos, sin, out)
     return out
 
 

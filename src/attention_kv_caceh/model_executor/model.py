@@ -19,7 +19,7 @@ embedding array on the numpy path and is a packed copy of it on the packed path 
 file's blocks, the same blocks). The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
 passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
 RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
-`kernels.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
+`decode_attention.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
 read in place through its block table, no gather); the test-only NumPy reference
 `oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
 a step once (`ModelRunner.prepare_inputs`).
@@ -41,10 +41,11 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
 from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
-from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path, weight_format
+from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 from attention_kv_caceh.model_executor.layers import (
     LinearWeight,
     apply_rotary,
@@ -105,15 +106,14 @@ class Model:
         quantization: str | None = None,
     ) -> None:
         """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
-        the linear layers' weights as `weight_format(dtype, quantization)` for the GEMM path
+        the linear layers' weights as `dispatch.weight_format(dtype, quantization)` for the GEMM path
         (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
         Raises ValueError for a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
         format with an input width that is not a multiple of 32), CheckpointError (naming the file
         and key) for a missing tensor or one of the wrong shape.
         """
-        self.gemm_path, self.gemm_note = resolve_gemm_path(gemm, dtype, quantization)
-        self.weight_format = weight_format(dtype, quantization)
+        self.gemm_path, self.gemm_note, self.weight_format = resolve_gemm_path(gemm, dtype, quantization)
         self.config = config
         self.dtype = compute_dtype(dtype)
         c = config
@@ -185,7 +185,7 @@ class Model:
         gguf = gguf_file_of(path)
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
-            return cls(checkpoint.config(), checkpoint, dtype, gemm, quantization)
+            return cls(model_config_from_gguf(checkpoint), checkpoint, dtype, gemm, quantization)
         if quantization == GGUF:
             raise ValueError(
                 f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"

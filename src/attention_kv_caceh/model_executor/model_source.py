@@ -142,5 +142,6 @@ def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
         config = ModelConfig.from_hf_config(read_config_json(source.path), source.path / "config.json")
         return source, config
     from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 
-    return source, GGUFCheckpoint(source.path).config()
+    return source, model_config_from_gguf(GGUFCheckpoint(source.path))

@@ -10,7 +10,7 @@ as one contiguous stretch. Each
 request's attention gathers its blocks into a contiguous `[H_kv, T, D]` copy and calls the lab's
 `scaled_dot_product_attention` (GQA without repeating K/V, bottom-right causal mask), so the paged
 layout changes only where K/V are stored, never the arithmetic. A step whose requests are all decoding
-(one query each) takes the compiled `kernels.paged_decode_attention_into` instead (vLLM's
+(one query each) takes the compiled `decode_attention.paged_decode_attention_into` instead (vLLM's
 `paged_attention_v1`), which reads the blocks in place. Nothing here checks its arguments: the model
 runner builds and validates a step's metadata once (`ModelRunner.prepare_inputs`).
 

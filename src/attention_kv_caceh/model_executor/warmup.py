@@ -68,7 +68,7 @@ def warm_up(model: Model, kv_caches: list[tuple[FloatArray, FloatArray]]) -> flo
     `[num_blocks, H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`). The dummy tokens (id 0)
     write their K/V into the first slots, whose blocks are zeroed again afterwards, so the buffers are
     left as they were made. The first decode step then runs the paged decode kernel
-    (`kernels.paged_decode_attention_into`), the packed linear kernel and the compiled small layers of
+    (`decode_attention.paged_decode_attention_into`), the packed linear kernel and the compiled small layers of
     `model_executor/layers.py` on signatures already compiled; a step with prefill tokens runs the same
     compiled functions (its attention is NumPy). Raises nothing beyond what `Model.forward` raises.
     """

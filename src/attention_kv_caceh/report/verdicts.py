@@ -18,7 +18,8 @@ from attention_kv_caceh.experiments.prediction_check import (
     Verdict,
     model_saturation,
 )
-from attention_kv_caceh.experiments.scan_stats import SATURATION_GAIN, doubling_gains
+from attention_kv_caceh.experiments.scan_stats import doubling_gains
+from attention_kv_caceh.timing import SATURATION_GAIN
 
 __all__ = [
     "VERDICT_MARK",

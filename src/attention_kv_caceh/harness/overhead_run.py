@@ -1,8 +1,8 @@
 """The harness's own overhead as a lab measurement: its config (the scripted server's delays, the
 concurrencies) and the loop that starts the server and yields one row per concurrency.
 
-`harness.overhead.measure_overhead` measures one concurrency against a running scripted server
-(`harness.scripted_server`, a child process on 127.0.0.1); `measure_overheads` runs it at each
+`overhead.measure_overhead` measures one concurrency against a running scripted server
+(`scripted_server`, a child process on 127.0.0.1); `measure_overheads` runs it at each
 `OverheadConfig.concurrency` in turn. The table is `report/overhead.py`.
 """
 
@@ -22,7 +22,7 @@ __all__ = ["OverheadConfig", "measure_overheads"]
 class OverheadConfig:
     """The concurrencies to measure and the server's script: one token every `itl_ms` after a first
     one at `ttft_ms`, `tokens` per request, max(16, waves x concurrency) requests per run. Raises
-    ConfigError naming the field (a run above `harness.config.MAX_REQUESTS` requests included)."""
+    ConfigError naming the field (a run above `config.MAX_REQUESTS` requests included)."""
 
     concurrency: tuple[int, ...] = option(
         (1, 64, 256),
