@@ -266,8 +266,16 @@ def _plain(dtype: str) -> Callable[[U8Array], Fields]:
     return fields
 
 
-def _row(name: str, block: int, layout: tuple[tuple[str, int], ...], bits: int, sub: int,
-         fields: Callable[[U8Array], Fields], step: float | None) -> BlockFormat:  # fmt: skip
+def _row(
+    name: str,
+    block: int,
+    layout: tuple[tuple[str, int], ...],
+    bits: int,
+    sub: int,
+    fields: Callable[[U8Array], Fields],
+    step: float | None,
+) -> BlockFormat:
+    """A row whose bytes per block are the sum of its fields'."""
     return BlockFormat(name, block, sum(size for _, size in layout), layout, bits, sub, fields, step)
 
 

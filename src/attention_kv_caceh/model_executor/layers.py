@@ -207,14 +207,12 @@ def linear(x: FloatArray, weight: LinearWeight) -> FloatArray:
     bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16).
     """
     packed, blocks = weight.packed, weight.blocks
-    if weight.stacked:  # each part's kernel writes its columns of the output
-        out = np.empty((x.shape[0], weight.shape[0]), dtype=np.float32)  # [N, C_out]
+    if weight.stacked:  # each part's kernel into its own buffer (the kernels' C-contiguous signature)
         x = np.ascontiguousarray(x)
-        row = 0
-        for part in weight.stacked:
-            block_linear_into(x, part, out[:, row : row + part.out_features])  # [N, C_out_i], rows strided
-            row += part.out_features
-        return out
+        outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in weight.stacked]
+        for part, part_out in zip(weight.stacked, outs, strict=True):
+            block_linear_into(x, part, part_out)  # [N, C_out_i]
+        return np.concatenate(outs, axis=1)  # [N, C_out]
     if blocks is not None:
         out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
         block_linear_into(np.ascontiguousarray(x), blocks, out)
