@@ -165,8 +165,8 @@ class WeightReader:
         if self.fmt == "gguf":
             found = self._blocks([(name, shape)])
             if found is not None:
-                # a writable copy, as the linear layers' blocks are (one kernel signature for both)
-                return Embedding(None, found[0][0].copy(), found[0][1], self.dtype, shape)
+                # a writable ndarray copy, as the linear layers' blocks are (one kernel signature for both)
+                return Embedding(None, np.array(found[0][0]), found[0][1], self.dtype, shape)
         return Embedding(self.tensor(name, shape), None, str(self.dtype), self.dtype, shape)
 
     def tied_head(self, embedding: Embedding) -> LinearWeight:
