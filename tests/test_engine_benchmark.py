@@ -147,7 +147,9 @@ class TestEngineBenchmark(unittest.TestCase):
         config = json.loads((self.qwen / "config.json").read_text())
         params = result.environment["num_parameters"]
         padding = panel_padding_bytes(config, panel_width(result.environment["gemm_path"]))
-        self.assertEqual(result.rows[0].weight_bytes_per_decode_step, 4 * (params + 2 * config["hidden_size"]) + padding)
+        self.assertEqual(
+            result.rows[0].weight_bytes_per_decode_step, 4 * (params + 2 * config["hidden_size"]) + padding
+        )
 
     def test_a_batched_run_that_differs_from_the_solo_run_is_refused(self) -> None:
         with (
