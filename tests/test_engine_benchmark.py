@@ -1,7 +1,7 @@
 """The engine benchmark's arithmetic and its oracle gate, on tiny random checkpoints and tiny lengths.
 
 Oracles: the bytes a decode step reads recomputed here from config.json and the panel width of the kernel
-variant in effect (`simd.compiled_variant`; NumPy's path has no padding), the decode contexts of
+variant in effect (the packer's width for one output; NumPy's path has no padding), the decode contexts of
 requests that run in lockstep (prompt P, output O: contexts P + 1 .. P + O - 1), and a model runner
 that corrupts batched logits, which the gate must refuse. No assertion depends on how fast anything ran.
 """
@@ -17,25 +17,23 @@ from unittest import mock
 
 import numpy as np
 
-from attention_kv_caceh import _gemm_jit  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.benchmarks import engine as benchmark
 from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
+from attention_kv_caceh.gemm import pack_weight
 from attention_kv_caceh.oracle import OracleMismatch
-from attention_kv_caceh.simd import compiled_variant
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 PROMPT, OUT = 5, 6  # prompt and output lengths
 
 
 def panel_width(gemm_path: str) -> int:
-    """NR of the float32 panels the packed path stores (`_gemm_jit.PANEL_SPECS` of the variant in effect:
-    32 on AVX-512, 12 on AVX2 and NEON), 1 for NumPy's unpadded weights."""
-    variant = compiled_variant()
-    if gemm_path != "packed" or variant is None:
+    """NR of the float32 panels the packed path stores on this variant (32 on AVX-512, 12 on AVX2 and
+    NEON): the padded width of a one-output weight as the packer lays it out; 1 for NumPy's path."""
+    if gemm_path != "packed":
         return 1
-    return _gemm_jit.PANEL_SPECS[(variant.isa, "f32")][1]
+    return pack_weight(np.ones((1, 1), dtype=np.float32)).padded_out_features
 
 
 def linear_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:

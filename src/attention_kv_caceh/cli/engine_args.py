@@ -138,10 +138,6 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     try:
         _, model_config = load_model_config(source.path)
         tokenizer = Tokenizer.load(source.path)
-        if source.format == "gguf":
-            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-
-            GGUFCheckpoint(source.path).check_finite()
     except CheckpointError as exc:
         raise UsageError(str(exc)) from None
     try:
