@@ -1,12 +1,16 @@
 """Keep-alive connections a server closes: the harness retries a request once, on a fresh connection, when
 a reused connection failed before any byte of the response, and never after a byte.
 
-The server here speaks HTTP/1.1 over asyncio streams and closes connections the way cpp-httplib's server
-(llama.cpp's `llama-server`) does: after a number of requests on one connection, and after the
-connection sat idle past its keep-alive timeout. The moment a server's close and a client's next
-request cross on the wire is made deterministic: the server closes the connection when that request
-arrives, without answering it. Oracles: the server's own log of every request it received, answered or
-not, with its arrival time (`perf_counter_ns`, the clock of the records). No test depends on timing.
+The server here speaks HTTP/1.1 over asyncio streams and closes connections the ways cpp-httplib's server
+(llama.cpp's `llama-server`) does: right after every streamed response while its headers announce
+`Keep-Alive: timeout=5, max=100` (llama-server's content provider returns false after its last chunk,
+which cpp-httplib takes as a cancelled write and closes), after a number of requests on one connection
+(100), and after the connection sat idle past its keep-alive timeout (5 s). The moment a server's close
+and a client's next request cross on the wire is made deterministic: the server closes the connection
+when that request arrives, without answering it (llama-server's close after every stream is then a
+limit of one request a connection). Oracles: the server's own log of every
+request it received, answered or not, with its arrival time (`perf_counter_ns`, the clock of the
+records). No test depends on timing.
 """
 
 from __future__ import annotations
@@ -86,7 +90,8 @@ class ClosingServer:
                 conn.served += 1
                 self.answered.append((prompt, arrival))
                 writer.write(
-                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n"
+                    b"Keep-Alive: timeout=5, max=100\r\n\r\n"
                 )
                 for i, step in enumerate(timed_token_script(0.0, 0.0, TOKENS).steps):
                     writer.write(b"%x\r\n%s\r\n" % (len(step.data), step.data))
@@ -131,6 +136,23 @@ class KeepAliveTest(unittest.TestCase):
                 else:
                     self.assertIsNone(r.first_error)
 
+    def test_a_server_that_closes_after_every_stream_loses_no_request(self) -> None:
+        server = ClosingServer(max_requests=1)  # llama-server: no second request on a connection
+
+        async def main() -> list[RequestRecord]:
+            url = await server.start()
+            try:
+                async with load_session() as session:
+                    backend = OpenAIBackend(session, base_url=url, model="m", endpoint="completions")
+                    return await run(backend, specs(40), 4)
+            finally:
+                await server.stop()
+
+        records = asyncio.run(main())
+        self.check_each_answered_once(server, records)
+        self.assertGreater(len(server.unanswered), 0)
+        self.assertTrue(all(c.served <= 1 for c in server.connections))
+
     def test_a_connection_closed_after_its_nth_request_is_retried_on_a_fresh_one(self) -> None:
         server = ClosingServer(max_requests=3)
 
@@ -150,7 +172,9 @@ class KeepAliveTest(unittest.TestCase):
         summary = summarize_run(records, 1.0)
         self.assertEqual(summary["num_retried_fresh_connection"], len(server.unanswered))
         self.assertIn(f"retried on a fresh connection: {len(server.unanswered)}", format_summary(summary))
-        self.assertEqual(records[0].to_json()["retried_fresh_connection"], records[0].retried_fresh_connection)
+        self.assertEqual(
+            records[0].to_json()["retried_fresh_connection"], records[0].retried_fresh_connection
+        )
 
     def test_connections_closed_after_their_keep_alive_timeout_are_retried(self) -> None:
         server = ClosingServer()
