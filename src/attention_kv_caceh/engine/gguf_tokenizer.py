@@ -100,10 +100,10 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         merges.append((pair[0], pair[1]))
     splits, ignore_merges = PRE_TOKENIZERS[cast(str, pre)]
     vocab: dict[str, int] = {}
-    for i, token in enumerate(tokens):
-        if token in vocab:
-            raise fail("tokenizer.ggml.tokens", f"token {token!r} is both id {vocab[token]} and id {i}")
-        vocab[token] = i
+    for i, piece in enumerate(tokens):
+        if piece in vocab:
+            raise fail("tokenizer.ggml.tokens", f"token {piece!r} is both id {vocab[piece]} and id {i}")
+        vocab[piece] = i
     for i, (left, right) in enumerate(merges):
         for part in (left, right, left + right):  # BPE needs both sides and what they merge into
             if part not in vocab:

@@ -255,7 +255,8 @@ def set_aside_non_finite(
     spec = scheduler_output.scheduled_spec_decode_tokens
     if logits.ndim != 2:
         return [], logits  # sample_tokens refuses the shape
-    bad_rows = ~(np.abs(logits) <= _MAX_LOGIT).all(axis=1)  # NaN fails the comparison  # [R + D]
+    finite_rows = np.asarray((np.abs(logits) <= _MAX_LOGIT).all(axis=1), dtype=bool)  # [R + D]; NaN fails
+    bad_rows = ~finite_rows
     if not bad_rows.any():
         return [], logits
     failed: list[str] = []
