@@ -78,10 +78,15 @@ def write(
 
 
 def tokenizer_metadata(
-    folder: Path, pre: str = "gpt2", bos_id: int | None = None, model: str = "gpt2"
+    folder: Path,
+    pre: str = "gpt2",
+    bos_id: int | None = None,
+    model: str = "gpt2",
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Callable[[GGUFWriter], None]:
     """tokenizer.ggml.* from a make-model folder's tokenizer.json and tokenizer_config.json (the BOS id
-    from config.json, as llama.cpp's converter takes it)."""
+    from config.json, as llama.cpp's converter takes it). `edit` may change the lists first, in place:
+    {"tokens": [str], "merges": [str], "token_types": [int] or an int (written as one int32)}."""
     tok = json.loads((folder / "tokenizer.json").read_text())
     config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
@@ -91,13 +96,20 @@ def tokenizer_metadata(
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
     special = {a["content"] for a in tok["added_tokens"] if a["special"]}
     merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    types = [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    lists: dict[str, Any] = {"tokens": tokens, "merges": merges, "token_types": types}
+    if edit is not None:
+        edit(lists)
 
     def add(w: GGUFWriter) -> None:
         w.add_tokenizer_model(model)
         w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
-        w.add_token_merges(merges)
+        w.add_token_list(lists["tokens"])
+        if isinstance(lists["token_types"], int):
+            w.add_int32("tokenizer.ggml.token_type", lists["token_types"])
+        else:
+            w.add_token_types(lists["token_types"])
+        w.add_token_merges(lists["merges"])
         if bos_id is not None:
             w.add_bos_token_id(bos_id)
         w.add_eos_token_id(vocab[config["eos_token"]])
@@ -114,9 +126,13 @@ def gguf_from_checkpoint(
     extra: Callable[[GGUFWriter], None] | None = None,
     tokenizer_model: str = "gpt2",
     pre: str = "gpt2",
+    edit_tokenizer: Callable[[dict[str, Any]], None] | None = None,
+    edit_tensors: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> Path:
     """`folder` (a make-model checkpoint) as the GGUF file llama.cpp's converter would write, the 2-D
-    weights stored as `qtype` (norms and biases F32, as the converter keeps them)."""
+    weights stored as `qtype` (norms and biases F32, as the converter keeps them). `edit_tokenizer` is
+    `tokenizer_metadata`'s `edit`; `edit_tensors` may change the float tensors (by llama.cpp name, in
+    place) before they are stored."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
     arch = ARCH[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -127,7 +143,11 @@ def gguf_from_checkpoint(
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
         tensors[gguf_name(name)] = (array, qtype if array.ndim == 2 else GGMLQuantizationType.F32)
-    tokenizer = tokenizer_metadata(folder, pre, config.get("bos_token_id"), tokenizer_model)
+    if edit_tensors is not None:
+        arrays = {name: np.array(array, dtype=np.float32) for name, (array, _) in tensors.items()}
+        edit_tensors(arrays)
+        tensors = {name: (arrays[name], qt) for name, (_, qt) in tensors.items()}
+    tokenizer = tokenizer_metadata(folder, pre, config.get("bos_token_id"), tokenizer_model, edit_tokenizer)
 
     def metadata(w: GGUFWriter) -> None:
         w.add_block_count(config["num_hidden_layers"])

@@ -24,7 +24,8 @@ EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as
     output thread: output_queue -> encode -> socket
 
 An exception inside a step fails the requests that step was running (each gets an EngineCoreOutput with
-finish_reason "error"; their blocks are freed) and the loop goes on. Any other exception ends the loop:
+finish_reason "error"; their blocks are freed) and the loop goes on; a request whose logits are not
+finite fails alone (`model_runner.set_aside_non_finite`), the step's others keep their tokens. Any other exception ends the loop:
 the core sends `engine_dead` and exits, and the front end fails every open request. In a process of its
 own, the core exits when its parent dies (PR_SET_PDEATHSIG on Linux, and a check of getppid() by the
 input thread on every platform), ignores SIGINT (Ctrl-C reaches the whole process group; the front end
@@ -53,7 +54,7 @@ import zmq
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheConfig
-from .model_runner import ModelRunnerLike, sample_tokens
+from .model_runner import NON_FINITE_LOGITS, ModelRunnerLike, sample_tokens, set_aside_non_finite
 from .outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -260,8 +261,11 @@ class EngineCore:
         if on_schedule is not None:
             on_schedule()
         logits = self.model_runner.execute_model(scheduler_output)  # [R + D, V]
+        non_finite, logits = set_aside_non_finite(scheduler_output, logits)
         model_runner_output = sample_tokens(scheduler_output, logits)
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        if non_finite:
+            self._fail_non_finite(outputs, non_finite)
         self._propose(outputs, len(scheduler_output.scheduled_requests))
         cpu_ms = (time.thread_time() - cpu0) * 1e3  # read inside the wall interval
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -272,6 +276,16 @@ class EngineCore:
         self.num_steps += 1
         outputs.step_start, outputs.step_end = start, time.monotonic()
         return self.snapshot(outputs)
+
+    def _fail_non_finite(self, outputs: EngineCoreOutputs, request_ids: list[str]) -> None:
+        """Replace the step's outputs of requests whose logits were not finite by errors, and abort them
+        (their blocks are freed); the step's other requests keep their tokens and run on."""
+        failed = set(request_ids)
+        self.abort_requests(request_ids)
+        logger.error("non-finite logits: failing requests %s", ", ".join(request_ids))
+        message = f"engine step failed: {NON_FINITE_LOGITS}"
+        kept = [o for o in outputs.outputs if o.request_id not in failed]
+        outputs.outputs = kept + [EngineCoreOutput(rid, [], "error", message) for rid in request_ids]
 
     def _propose(self, outputs: EngineCoreOutputs, batch_size: int) -> None:
         """Draft the next tokens of every request that got tokens and runs on, `Request.spec_token_ids`;

@@ -36,7 +36,7 @@ import numpy.typing as npt
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
 from attention_kv_caceh.engine.request import TokenLogprobs
-from attention_kv_caceh.engine.sampler import sample, token_logprobs
+from attention_kv_caceh.engine.sampler import _MAX_LOGIT, sample, token_logprobs  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
 from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, compute_dtype
@@ -44,9 +44,20 @@ from attention_kv_caceh.model_executor.model import Model, ModelConfig
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.model_executor.warmup import warm_up
 
-__all__ = ["ModelInputs", "ModelRunner", "ModelRunnerLike", "sample_tokens"]
+__all__ = [
+    "NON_FINITE_LOGITS",
+    "ModelInputs",
+    "ModelRunner",
+    "ModelRunnerLike",
+    "sample_tokens",
+    "set_aside_non_finite",
+]
 
 FloatArray = npt.NDArray[np.floating[Any]]
+NON_FINITE_LOGITS = (
+    f"the model's logits for this request contain NaN, an infinity or a value past +-{_MAX_LOGIT:.4g} "
+    "(its weights or activations are not finite)"
+)
 
 
 @dataclass(frozen=True)
@@ -232,6 +243,33 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[rows])  # [n_p, V]
             for j, p in enumerate(range(start, end)):
                 r.prompt_logprobs.append(token_logprobs(logits[j], r.prompt_token_ids[p + 1], k))
+
+
+def set_aside_non_finite(
+    scheduler_output: SchedulerOutput, logits: FloatArray
+) -> tuple[list[str], FloatArray]:
+    """The requests of the step whose rows to sample (`sample_tokens`'s) hold a NaN, an infinity or a
+    value past float32's range, and the logits with those rows set to zero (a copy; `logits` itself
+    when there is none), so that the others sample as they would have. The caller fails those requests.
+    Rows of a partial prefill chunk are not sampled and not looked at. logits: `[R + D, V]`."""
+    reqs = scheduler_output.scheduled_requests
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if logits.ndim != 2:
+        return [], logits  # sample_tokens refuses the shape
+    finite_rows = np.asarray((np.abs(logits) <= _MAX_LOGIT).all(axis=1), dtype=bool)  # [R + D]; NaN fails
+    bad_rows = ~finite_rows
+    if not bad_rows.any():
+        return [], logits
+    failed: list[str] = []
+    cleaned = logits.copy()
+    start = 0
+    for r in reqs:
+        rows = slice(start, start + 1 + len(spec.get(r.request_id, ())))
+        start = rows.stop
+        if (scheduler_output.samples_token(r) or spec.get(r.request_id)) and bad_rows[rows].any():
+            failed.append(r.request_id)
+            cleaned[rows] = 0.0
+    return failed, cleaned
 
 
 def sample_tokens(scheduler_output: SchedulerOutput, logits: FloatArray) -> ModelRunnerOutput:

@@ -22,8 +22,11 @@ llama architecture is permuted: llama.cpp runs qwen2 and qwen3 with the halves c
 
 Every problem with the file (not GGUF, truncated, a tensor type the library does not define or cannot
 dequantize, an architecture or setting the model does not implement, a missing or mistyped metadata
-key) is one `CheckpointError` naming the file and the value, raised when the file is opened, before
-any weight is read.
+key, a tensor whose data offset is not a multiple of `general.alignment`) is one `CheckpointError`
+naming the file and the value, raised when the file is opened, before any weight is read.
+`check_finite` then scans what costs one pass over the memory map: every F32 / F16 / F64 / BF16
+tensor, and the float16 scales of the block types in `_BLOCK_SCALES` (their integer quants cannot be
+non-finite); the other types' blocks (IQ, TQ, MXFP4, NVFP4) are not scanned.
 """
 
 from __future__ import annotations
@@ -72,6 +75,20 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
+_Q = GGMLQuantizationType
+# block type -> byte offsets of its float16 scales inside one block (ggml-common.h's block_* structs)
+_BLOCK_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    _Q.Q4_0: (0,),
+    _Q.Q4_1: (0, 2),
+    _Q.Q5_0: (0,),
+    _Q.Q5_1: (0, 2),
+    _Q.Q8_0: (0,),
+    _Q.Q2_K: (80, 82),
+    _Q.Q3_K: (108,),
+    _Q.Q4_K: (0, 2),
+    _Q.Q5_K: (0, 2),
+    _Q.Q6_K: (208,),
+}
 
 
 def dequantizable_types() -> tuple[str, ...]:
@@ -188,7 +205,14 @@ class GGUFCheckpoint:
             )
         readable = set(dequantizable_types())
         size = len(self._reader.data)
+        alignment = int(self._reader.alignment)
         for tensor in self._tensors.values():
+            offset = tensor.data_offset - self._reader.data_offset
+            if offset % alignment:
+                raise CheckpointError(
+                    f"{self.source}: tensor {tensor.name!r}: data offset {offset:,} is not a multiple of "
+                    f"the alignment {alignment} (general.alignment; a corrupt tensor table)"
+                )
             if tensor.tensor_type.name not in readable:
                 raise CheckpointError(
                     f"{self.source}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
@@ -199,6 +223,26 @@ class GGUFCheckpoint:
                     f"{self.source}: truncated GGUF file: tensor {tensor.name!r} ends at byte "
                     f"{tensor.data_offset + tensor.n_bytes:,}, the file has {size:,}"
                 )
+
+    def check_finite(self) -> None:
+        """Raise CheckpointError naming the first tensor the model reads that holds a NaN or an infinity:
+        a float tensor (F32, F16, F64, BF16) with such a value, or a block type of `_BLOCK_SCALES` with
+        such a scale (module docstring). One pass over those bytes of the memory-mapped file; other
+        block types are not scanned."""
+        for tensor in self._reader.tensors:
+            if _hf_name(tensor.name) is None:
+                continue
+            bad = _non_finite(tensor)
+            if bad is None:
+                continue
+            count, first, what = bad
+            row_len = int(tensor.shape[0])  # GGUF lists the innermost dimension first
+            block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+            row = first * (1 if what == "values" else block) // row_len
+            raise CheckpointError(
+                f"{self.source}: tensor {tensor.name!r} ({tensor.tensor_type.name}): {count:,} NaN or "
+                f"infinite {what}, the first in row {row}"
+            )
 
     # -- metadata --------------------------------------------------------------------------------
 
@@ -297,6 +341,32 @@ class GGUFCheckpoint:
                 f"{self.source}: key '{self.arch}.{key}': must be an integer, got {value!r}"
             )
         return value
+
+
+def _non_finite(tensor: ReaderTensor) -> tuple[int, int, str] | None:
+    """(how many, flat index of the first, "values" or "block scales") of a tensor's non-finite
+    values (float types) or scales (`_BLOCK_SCALES`), None when all are finite or not scanned."""
+    qtype = tensor.tensor_type
+    data = np.asarray(tensor.data)
+    if qtype in _PLAIN_FLOATS:
+        bad = ~np.isfinite(data.reshape(-1))
+        what = "values"
+    elif qtype == _Q.BF16:
+        bits = data.reshape(-1).view(np.uint16)
+        bad = (bits & 0x7F80) == 0x7F80  # exponent all ones: an infinity or a NaN
+        what = "values"
+    elif qtype in _BLOCK_SCALES:
+        type_size = GGML_QUANT_SIZES[qtype][1]
+        blocks = data.reshape(-1).view(np.uint8).reshape(-1, type_size)
+        bad = np.zeros(blocks.shape[0], dtype=bool)
+        for at in _BLOCK_SCALES[qtype]:
+            scale = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16).reshape(-1)
+            bad |= ~np.isfinite(scale)
+        what = "block scales"
+    else:
+        return None
+    count = int(np.count_nonzero(bad))
+    return None if count == 0 else (count, int(np.argmax(bad)), what)
 
 
 def _hf_name(gguf_name: str) -> str | None:

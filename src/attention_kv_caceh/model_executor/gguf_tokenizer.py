@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from gguf import GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -35,6 +36,16 @@ if TYPE_CHECKING:
 __all__ = ["PRE_TOKENIZERS", "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+_INTEGERS = {
+    GGUFValueType.INT8,
+    GGUFValueType.UINT8,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT64,
+    GGUFValueType.UINT64,
+}
 # GPT-2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2): contractions, letters, digits, other, spaces
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -60,7 +71,9 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
     `bos_token`, `pad_token`, `chat_template`) for `tokenizer.Tokenizer`.
 
     Raises CheckpointError naming the key for a tokenizer model other than "gpt2", a pre-tokenizer outside
-    PRE_TOKENIZERS, a missing vocabulary, a malformed merge, or a special-token id outside the vocabulary.
+    PRE_TOKENIZERS, a missing vocabulary, a token listed twice, a malformed merge or one naming a token
+    (or a merged token) outside the vocabulary, token types that are not one integer per token, or a
+    special-token id outside the vocabulary.
     """
     source = ckpt.source
 
@@ -86,8 +99,23 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
             raise fail("tokenizer.ggml.merges", f"merge {i} is {merge!r}, not two tokens and one space")
         merges.append((pair[0], pair[1]))
     splits, ignore_merges = PRE_TOKENIZERS[cast(str, pre)]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    vocab: dict[str, int] = {}
+    for i, piece in enumerate(tokens):
+        if piece in vocab:
+            raise fail("tokenizer.ggml.tokens", f"token {piece!r} is both id {vocab[piece]} and id {i}")
+        vocab[piece] = i
+    for i, (left, right) in enumerate(merges):
+        for part in (left, right, left + right):  # BPE needs both sides and what they merge into
+            if part not in vocab:
+                raise fail(
+                    "tokenizer.ggml.merges",
+                    f"merge {i} ({left!r} {right!r}) needs {part!r}, which is not in the "
+                    f"{len(tokens)}-token vocabulary (tokenizer.ggml.tokens)",
+                )
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    except Exception as err:  # the tokenizers library's own checks (a plain Exception from Rust)
+        raise fail("tokenizer.ggml.merges", f"the tokenizers library refuses the BPE model: {err}") from err
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
@@ -95,11 +123,24 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    types: Any = ckpt.metadata("tokenizer.ggml.token_type") or []
+    types: Any = []
+    if ckpt.metadata_type("tokenizer.ggml.token_type"):
+        kinds = ckpt.metadata_type("tokenizer.ggml.token_type")
+        types = ckpt.metadata("tokenizer.ggml.token_type")
+        if len(kinds) != 2 or kinds[0] != GGUFValueType.ARRAY or kinds[1] not in _INTEGERS:
+            raise fail(
+                "tokenizer.ggml.token_type",
+                f"must be an array of integers (one per token), got {' of '.join(k.name for k in kinds)}",
+            )
+        if len(types) != len(tokens):
+            raise fail(
+                "tokenizer.ggml.token_type",
+                f"{len(types)} token types for {len(tokens)} tokens (tokenizer.ggml.tokens)",
+            )
     for wanted, special in ((_CONTROL, True), (_USER_DEFINED, False)):
         added = [
             AddedToken(token, special=special, normalized=False)
-            for token, kind_ in zip(tokens, cast(list[int], types), strict=False)
+            for token, kind_ in zip(tokens, cast(list[int], types), strict=True)
             if kind_ == wanted
         ]
         if added:
@@ -138,8 +179,6 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
 
 
 def _strings(ckpt: GGUFCheckpoint, key: str, fail: Any) -> list[str]:
-    from gguf import GGUFValueType
-
     if ckpt.metadata_type(key) != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
         raise fail(key, "missing, or not an array of strings")
     return cast(list[str], ckpt.metadata(key))

@@ -136,7 +136,9 @@ def _starts_with_gguf_magic(path: Path) -> bool:
 
 def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
     """The checkpoint `value` names and its ModelConfig (config.json, or the GGUF file's metadata),
-    without reading any weight. Raises CheckpointError naming the file and the key."""
+    without dequantizing any weight (a GGUF file's float tensors and block scales are scanned for NaN
+    and infinities: `GGUFCheckpoint.check_finite`). Raises CheckpointError naming the file and the key
+    or tensor."""
     source = resolve_model(value)
     if source.format == "hf":
         config = ModelConfig.from_hf_config(read_config_json(source.path), source.path / "config.json")
@@ -144,4 +146,7 @@ def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
     from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
     from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 
-    return source, model_config_from_gguf(GGUFCheckpoint(source.path))
+    checkpoint = GGUFCheckpoint(source.path)
+    config = model_config_from_gguf(checkpoint)
+    checkpoint.check_finite()
+    return source, config
