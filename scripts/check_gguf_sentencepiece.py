@@ -25,10 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from attention_kv_caceh.engine.tokenizer import Tokenizer
 
-from attention_kv_caceh.engine.tokenizer import Tokenizer  # noqa: E402
-from tests.gguf_files import write_sentencepiece  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the suite's tests.gguf_files
+from tests.gguf_files import write_sentencepiece
 
 CORPUS = [
     "hello world",
@@ -82,8 +82,12 @@ def ours(path: Path) -> dict[str, list[object]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--transformers-python", required=True, help="python of an environment with transformers")
-    parser.add_argument("files", nargs="*", type=Path, help="GGUF files (default: the suite's tiny vocabulary)")
+    parser.add_argument(
+        "--transformers-python", required=True, help="python of an environment with transformers"
+    )
+    parser.add_argument(
+        "files", nargs="*", type=Path, help="GGUF files (default: the suite's tiny vocabulary)"
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         files: list[Path] = [f.resolve() for f in args.files]

@@ -197,4 +197,9 @@ def write_sentencepiece(path: Path, **flags: bool) -> Path:
             w.add_bool(f"tokenizer.ggml.{name}", value)
         w.add_chat_template("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}")
 
-    return write(path, "llama", metadata, {"token_embd.weight": (np.zeros((len(tokens), 64)), GGMLQuantizationType.F32)})
+    return write(
+        path,
+        "llama",
+        metadata,
+        {"token_embd.weight": (np.zeros((len(tokens), 64)), GGMLQuantizationType.F32)},
+    )

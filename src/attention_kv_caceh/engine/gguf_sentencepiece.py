@@ -20,7 +20,9 @@ vocabulary (a file of this model lists none): every split of a piece into two pi
 by the whole piece's score, highest first, then the longer left part, then the longer right part, then
 the file order of the piece and the ids of the parts (transformers' `generate_merges`). Control pieces
 become special added tokens, user-defined ones plain added tokens (both matched whole in text). The
-decoder maps "▁" back to a space, "<0xNN>" pieces to their bytes, and strips the prefix space.
+decoder maps "▁" back to a space, "<0xNN>" pieces to their bytes, and strips the prefix space. A text
+that starts with a space gets no second "▁" (Metaspace prepends only where none is), so its decode
+lacks that space, as transformers' does.
 
 Left out: Unigram models (`tokenizer.ggml.model = "t5"`), WordPiece ("bert"), the precompiled
 normalization map (`tokenizer.ggml.precompiled_charsmap`), and the per-family adjustments transformers
@@ -81,7 +83,10 @@ def sentencepiece_from_gguf(ckpt: GGUFCheckpoint, tokens: list[str]) -> tuple[HF
 
     scores = ckpt.metadata_array("tokenizer.ggml.scores")
     if scores is None or scores.dtype.kind != "f" or scores.shape != (len(tokens),):
-        raise fail("tokenizer.ggml.scores", f"must be one float per token ({len(tokens)}), got {ckpt.metadata_type('tokenizer.ggml.scores')}")
+        raise fail(
+            "tokenizer.ggml.scores",
+            f"must be one float per token ({len(tokens)}), got {ckpt.metadata_type('tokenizer.ggml.scores')}",
+        )
     types = ckpt.metadata_array("tokenizer.ggml.token_type")
     if types is not None and types.shape != (len(tokens),):
         raise fail("tokenizer.ggml.token_type", f"{types.shape[0]} types for {len(tokens)} tokens")
@@ -91,7 +96,9 @@ def sentencepiece_from_gguf(ckpt: GGUFCheckpoint, tokens: list[str]) -> tuple[HF
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < len(tokens):
-            raise fail(f"tokenizer.ggml.{key}", f"{value!r} is not an id of the {len(tokens)}-token vocabulary")
+            raise fail(
+                f"tokenizer.ggml.{key}", f"{value!r} is not an id of the {len(tokens)}-token vocabulary"
+            )
         return tokens[value]
 
     def flag(key: str, default: bool) -> bool:
@@ -112,13 +119,21 @@ def sentencepiece_from_gguf(ckpt: GGUFCheckpoint, tokens: list[str]) -> tuple[HF
     steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     tok.decoder = decoders.Sequence([*steps, decoders.Strip(content=" ", left=1)] if prefix else steps)
     kinds = [] if types is None else cast(list[int], types.tolist())
-    control = [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, kinds) if k == _CONTROL]
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for t, k in zip(tokens, kinds, strict=False)
+        if k == _CONTROL
+    ]
     # bos/eos/unk/pad are special even where the file types them otherwise (transformers adds them so)
     named = {t for t in (bos, eos, unk, pad) if t is not None} - {a.content for a in control}
     control += [AddedToken(t, special=True, normalized=False) for t in sorted(named, key=vocab.__getitem__)]
     if control:
         tok.add_special_tokens(control)
-    user = [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, kinds) if k == _USER_DEFINED]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for t, k in zip(tokens, kinds, strict=False)
+        if k == _USER_DEFINED
+    ]
     if user:
         tok.add_tokens(user)
     add_bos = flag("add_bos_token", True) and bos is not None
