@@ -203,3 +203,42 @@ def write_sentencepiece(path: Path, **flags: bool) -> Path:
         metadata,
         {"token_embd.weight": (np.zeros((len(tokens), 64)), GGMLQuantizationType.F32)},
     )
+
+
+def split_gguf(source: Path, prefix: Path, parts: int, first_without_tensors: bool = False) -> list[Path]:
+    """`source` rewritten as llama.cpp's `gguf-split --split` lays a model out: `parts` files named
+    `<prefix>-0000i-of-0000n.gguf`, the first holding every key of `source`, each holding `split.no`
+    (u16, 0-based), `split.count` (u16) and `split.tensors.count` (i32) and a consecutive share of the
+    tensors (none in the first with `first_without_tensors`, as `--no-tensor-first-split` does)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(source)
+    tensors = list(reader.tensors)
+    carriers = parts - 1 if first_without_tensors else parts
+    per = -(-len(tensors) // carriers)
+    shares = [tensors[i * per : (i + 1) * per] for i in range(carriers)]
+    if first_without_tensors:
+        shares.insert(0, [])
+    paths: list[Path] = []
+    for no, share in enumerate(shares):
+        path = prefix.with_name(f"{prefix.name}-{no + 1:05d}-of-{parts:05d}.gguf")
+        writer = GGUFWriter(str(path), str(reader.fields["general.architecture"].contents()))
+        if no == 0:
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub)
+        else:
+            del writer.kv_data[0]["general.architecture"]  # the other parts hold only the split keys
+        writer.add_key_value("split.no", no, GGUFValueType.UINT16)
+        writer.add_key_value("split.count", parts, GGUFValueType.UINT16)
+        writer.add_key_value("split.tensors.count", len(tensors), GGUFValueType.INT32)
+        for tensor in share:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths
