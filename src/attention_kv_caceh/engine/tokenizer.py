@@ -90,7 +90,8 @@ class Tokenizer:
 
         `path` may also name a GGUF file (a `.gguf` file, a folder holding one, or a model name of
         `model_source.MODELS`): the tokenizer is then built from the file's metadata
-        (`gguf_tokenizer.tokenizer_from_gguf`).
+        (`gguf_tokenizer.tokenizer_from_gguf`), once per process and file version, the same Tokenizer
+        for every call.
 
         Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
         file cannot be parsed, or naming the key of a GGUF tokenizer that cannot be built.
@@ -99,10 +100,8 @@ class Tokenizer:
 
         gguf = gguf_file_of(path)
         if gguf is not None:
-            from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
-            from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
-
-            return cls(*tokenizer_from_gguf(GGUFCheckpoint(gguf)))
+            stat = gguf.stat()
+            return _gguf_tokenizer(str(gguf), stat.st_size, stat.st_mtime_ns)
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -218,6 +217,18 @@ class Tokenizer:
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Tokenizer:
+    """The Tokenizer of a GGUF file, built once per process and file version (size, mtime): a start loads
+    it for the engine, the prompts and the server, and building a 49,152-token vocabulary costs about
+    a second. Shared: a Tokenizer is not changed after it is built."""
+    del size, mtime_ns  # part of the cache key only
+    from attention_kv_caceh.engine.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.engine.gguf_tokenizer import tokenizer_from_gguf
+
+    return Tokenizer(*tokenizer_from_gguf(GGUFCheckpoint(path)))
 
 
 def _pieces(text: str, size: int) -> list[str]:
