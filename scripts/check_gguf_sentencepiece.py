@@ -6,7 +6,7 @@ gguf_file=name)` there for each file, then compares the ids (with and without sp
 the decoded text with the engine's `Tokenizer.load(file)`:
 
     uv run python scripts/check_gguf_sentencepiece.py --transformers-python /path/to/venv/bin/python \
-        [FILE.gguf ...]
+        [--texts LINES.txt] [FILE.gguf ...]
 
 Without files it writes the suite's tiny vocabulary (tests/gguf_files.py: `write_sentencepiece`) with
 each setting of add_bos_token / add_eos_token / add_space_prefix and checks those; the ids the suite's
@@ -88,7 +88,10 @@ def main() -> int:
     parser.add_argument(
         "files", nargs="*", type=Path, help="GGUF files (default: the suite's tiny vocabulary)"
     )
+    parser.add_argument("--texts", type=Path, help="a UTF-8 file whose lines are checked too")
     args = parser.parse_args()
+    if args.texts is not None:
+        CORPUS.extend(args.texts.read_text(encoding="utf-8").splitlines())
     with tempfile.TemporaryDirectory() as tmp:
         files: list[Path] = [f.resolve() for f in args.files]
         expected: set[Path] = set()  # files where transformers is known to differ
