@@ -214,6 +214,10 @@ class MalformedTest(unittest.TestCase):
         far = 1 << 30
         self.assertIn("'v'", self.refused(self.patched(at, struct.pack("<Q", far)), "far.gguf"))
 
+    def test_too_many_dimensions(self) -> None:
+        at = self.reader.tensors[0].field.offset + 8 + len("w")  # after the name "w"
+        self.assertIn("5 dimensions", self.refused(self.patched(at, struct.pack("<I", 5)), "dims.gguf"))
+
     def test_an_unknown_tensor_type(self) -> None:
         at = self.tensor_field_offset(0) - 4
         self.assertIn("200", self.refused(self.patched(at, struct.pack("<I", 200)), "ttype.gguf"))

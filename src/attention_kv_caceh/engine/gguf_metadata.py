@@ -137,7 +137,7 @@ class GGUFFile:
         kv_count = self._u64(16, "the key count")
         offset = 24
         self._fields: dict[str, _Field] = {}
-        # a key needs at least 12 bytes, a tensor info 28: a count past that is corrupt, not a long loop
+        # a key takes at least 13 bytes, a tensor info 24: a count past that is corrupt, not a long loop
         self._check_count(kv_count, 12, offset, "keys")
         for _ in range(kv_count):
             key, offset = self._string(offset, "a key name")
@@ -148,12 +148,12 @@ class GGUFFile:
             offset = self._value(offset + 4, raw, key, field, field.types, depth=0)
             self._fields[key] = field
         self.alignment = self._alignment()
-        self._check_count(tensor_count, 28, offset, "tensors")
+        self._check_count(tensor_count, 24, offset, "tensors")
         infos: list[tuple[str, tuple[int, ...], int, int]] = []
         for _ in range(tensor_count):
             name, offset = self._string(offset, "a tensor name")
             n_dims = self._u32(offset, f"tensor {name!r}: its dimension count")
-            if n_dims > 8:
+            if n_dims > 4:  # GGML_MAX_DIMS; llama.cpp refuses more too
                 raise self._error(f"tensor {name!r}: {n_dims} dimensions (GGML has at most 4)")
             dims = tuple(self._u64(offset + 4 + 8 * i, f"tensor {name!r}: its dims") for i in range(n_dims))
             offset += 4 + 8 * n_dims
