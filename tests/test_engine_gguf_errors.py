@@ -124,7 +124,7 @@ class RefusalTest(unittest.TestCase):
         self.assert_refused(bad, "Q8_1", "blk.0.ffn_up.weight")
 
     def test_a_tokenizer_model_or_pre_tokenizer_that_is_not_built(self) -> None:
-        for key, value in (("tokenizer.ggml.model", "llama"), ("tokenizer.ggml.pre", "falcon")):
+        for key, value in (("tokenizer.ggml.model", "t5"), ("tokenizer.ggml.pre", "falcon")):
             with self.subTest(key=key):
                 kwargs = {"tokenizer_model": value} if key.endswith("model") else {"pre": value}
                 path = self.variant(f"{value}.gguf", **kwargs)
@@ -135,6 +135,12 @@ class RefusalTest(unittest.TestCase):
                 code, _, err = generate(path)
                 self.assertEqual(code, 2, err)
                 self.assertIn(repr(value), err)
+
+    def test_a_sentencepiece_vocabulary_without_scores(self) -> None:
+        path = self.variant("llama-noscores.gguf", tokenizer_model="llama")
+        with self.assertRaises(CheckpointError) as caught:
+            Tokenizer.load(path)
+        self.assertIn("tokenizer.ggml.scores", str(caught.exception))
 
     def test_settings_the_model_does_not_implement(self) -> None:
         cases = {

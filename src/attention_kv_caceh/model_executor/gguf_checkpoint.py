@@ -1,13 +1,14 @@
 """Read a GGUF file (llama.cpp's one-file checkpoint): tensors by Hugging Face name, the model config from metadata.
 
 What vLLM's `model_executor/model_loader/gguf_loader.py` and `weight_utils.gguf_quant_weights_iterator`
-do, at this project's size: the file is parsed by the `gguf` library (llama.cpp's own Python reader,
-`GGUFReader`, which memory-maps it), tensors are renamed from llama.cpp's names (`blk.3.attn_q.weight`)
+do, at this project's size: the header is read by `gguf_metadata.py` (lazily, over a memory map; the
+`gguf` library's `GGUFReader` parses every key, seconds for a large vocabulary), a split model's parts
+are joined by `gguf_split.py`, tensors are renamed from llama.cpp's names (`blk.3.attn_q.weight`)
 to Hugging Face's (`model.layers.3.self_attn.q_proj.weight`) and dequantized with `gguf.quants.dequantize`
 (every type the library implements: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to
 Q6_K, the IQ and TQ types, MXFP4, NVFP4; F64 is read as it is). `quantized(name)` hands out a tensor as
 the file stores it (its type, its shape, its raw blocks), for kernels that compute on the blocks.
-Left out: split files (`*-00001-of-00003.gguf`), architectures other than llama / qwen2 / qwen3 and
+Left out: architectures other than llama / qwen2 / qwen3 and
 anything those do not use (MoE experts, sliding windows, RoPE scaling).
 
 **llama.cpp's Q/K row order.** llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of a head, Hugging
@@ -31,8 +32,6 @@ non-finite); the other types' blocks (IQ, TQ, MXFP4, NVFP4) are not scanned.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import logging
 import re
 from dataclasses import dataclass
@@ -41,10 +40,12 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.gguf_metadata import TensorInfo, open_gguf
+from attention_kv_caceh.model_executor.gguf_split import split_parts
 
 __all__ = ["GGUF_ARCHITECTURES", "GGUFCheckpoint", "QuantizedTensor", "dequantizable_types", "unpermute_rows"]
 
@@ -52,7 +53,6 @@ logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face class whose tensors and settings it carries
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -140,41 +140,6 @@ class QuantizedTensor:
     type_size: int
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    """One parsed reader per file version (parsing the metadata of a 49,152-token vocabulary takes seconds)."""
-    del size, mtime_ns  # part of the cache key only
-    return GGUFReader(path)
-
-
-def _open(file: Path) -> GGUFReader:
-    """The parsed file, or CheckpointError: not GGUF, a type gguf does not define, truncated or corrupt."""
-    try:
-        stat = file.stat()
-        with file.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as err:
-        raise CheckpointError(f"{file}: cannot read it ({err.strerror or err})") from err
-    if magic != GGUF_MAGIC:
-        raise CheckpointError(f"{file}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
-    try:
-        return _reader(str(file), stat.st_size, stat.st_mtime_ns)
-    except ValueError as err:
-        unknown = re.match(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGMLQuantizationType", str(err))
-        if unknown:
-            raise CheckpointError(
-                f"{file}: a tensor has GGML type {unknown.group(1)}, which gguf "
-                f"{importlib.metadata.version('gguf')} does not define"
-            ) from err
-        raise CheckpointError(
-            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err})"
-        ) from err
-    except (IndexError, OSError, UnicodeDecodeError, KeyError, OverflowError) as err:
-        raise CheckpointError(
-            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err!r})"
-        ) from err
-
-
 class GGUFCheckpoint:
     """The tensors and metadata of one GGUF file, tensors by Hugging Face name.
 
@@ -189,11 +154,12 @@ class GGUFCheckpoint:
 
     def __init__(self, file: str | Path) -> None:
         self.source = Path(file)
-        self._reader = _open(self.source)
+        self._file = open_gguf(self.source)
+        self.parts = split_parts(self._file)
         self.arch = self._architecture()
-        self._tensors: dict[str, ReaderTensor] = {}
+        self._tensors: dict[str, TensorInfo] = {}
         ignored: list[str] = []
-        for tensor in self._reader.tensors:
+        for tensor in (t for part in self.parts for t in part.tensors):
             hf = _hf_name(tensor.name)
             if hf is None:
                 ignored.append(tensor.name)
@@ -204,24 +170,11 @@ class GGUFCheckpoint:
                 "%s: ignoring tensors the model does not read: %s", self.source, ", ".join(ignored)
             )
         readable = set(dequantizable_types())
-        size = len(self._reader.data)
-        alignment = int(self._reader.alignment)
-        for tensor in self._tensors.values():
-            offset = tensor.data_offset - self._reader.data_offset
-            if offset % alignment:
-                raise CheckpointError(
-                    f"{self.source}: tensor {tensor.name!r}: data offset {offset:,} is not a multiple of "
-                    f"the alignment {alignment} (general.alignment; a corrupt tensor table)"
-                )
+        for tensor in self._tensors.values():  # each lies inside its file (gguf_metadata checks)
             if tensor.tensor_type.name not in readable:
                 raise CheckpointError(
                     f"{self.source}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
                     f"cannot be dequantized (readable: {', '.join(sorted(readable))})"
-                )
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise CheckpointError(
-                    f"{self.source}: truncated GGUF file: tensor {tensor.name!r} ends at byte "
-                    f"{tensor.data_offset + tensor.n_bytes:,}, the file has {size:,}"
                 )
 
     def check_finite(self) -> None:
@@ -229,14 +182,12 @@ class GGUFCheckpoint:
         a float tensor (F32, F16, F64, BF16) with such a value, or a block type of `_BLOCK_SCALES` with
         such a scale (module docstring). One pass over those bytes of the memory-mapped file; other
         block types are not scanned."""
-        for tensor in self._reader.tensors:
-            if _hf_name(tensor.name) is None:
-                continue
+        for tensor in self._tensors.values():
             bad = _non_finite(tensor)
             if bad is None:
                 continue
             count, first, what = bad
-            row_len = int(tensor.shape[0])  # GGUF lists the innermost dimension first
+            row_len = int(tensor.dims[0])  # GGUF lists the innermost dimension first
             block = GGML_QUANT_SIZES[tensor.tensor_type][0]
             row = first * (1 if what == "values" else block) // row_len
             raise CheckpointError(
@@ -247,14 +198,17 @@ class GGUFCheckpoint:
     # -- metadata --------------------------------------------------------------------------------
 
     def metadata(self, key: str, default: Any = None) -> Any:
-        """Metadata value `key` as Python (int, float, bool, str, or a list of them), or `default`."""
-        field = self._reader.get_field(key)
-        return default if field is None else field.contents()
+        """Metadata value `key` as Python (int, float, bool, str, or a list of them), or `default`.
+        The keys are the first part's (a split file's other parts hold only the split.* keys)."""
+        return self._file.value(key, default)
 
     def metadata_type(self, key: str) -> list[GGUFValueType]:
         """The GGUF value types of `key` ([ARRAY, STRING] for a list of strings), [] when absent."""
-        field = self._reader.get_field(key)
-        return [] if field is None else list(field.types)
+        return self._file.types(key)
+
+    def metadata_array(self, key: str) -> npt.NDArray[Any] | None:
+        """A numeric array key as a read-only NumPy view of the file (token scores), or None."""
+        return self._file.array(key)
 
     def _architecture(self) -> str:
         arch = self.metadata("general.architecture")
@@ -274,13 +228,13 @@ class GGUFCheckpoint:
 
     @property
     def gguf_names(self) -> list[str]:
-        """Every tensor name in the file (llama.cpp's names), in file order."""
-        return [t.name for t in self._reader.tensors]
+        """Every tensor name in the file (llama.cpp's names), in file order (part after part)."""
+        return [t.name for part in self.parts for t in part.tensors]
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
 
-    def _tensor(self, name: str) -> ReaderTensor:
+    def _tensor(self, name: str) -> TensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
@@ -288,7 +242,7 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor `name` in Hugging Face layout (`[out, in]`; GGUF lists dims innermost first)."""
-        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        return tuple(reversed(self._tensor(name).dims))
 
     def quantized(self, name: str) -> QuantizedTensor:
         """Tensor `name` as stored (see QuantizedTensor), q/k rows reordered as `get` reorders them."""
@@ -343,7 +297,7 @@ class GGUFCheckpoint:
         return value
 
 
-def _non_finite(tensor: ReaderTensor) -> tuple[int, int, str] | None:
+def _non_finite(tensor: TensorInfo) -> tuple[int, int, str] | None:
     """(how many, flat index of the first, "values" or "block scales") of a tensor's non-finite
     values (float types) or scales (`_BLOCK_SCALES`), None when all are finite or not scanned."""
     qtype = tensor.tensor_type

@@ -2,11 +2,12 @@
 template is read by entrypoints/chat_utils.py).
 
 vLLM hands a GGUF file's tokenizer to transformers (`AutoTokenizer.from_pretrained(..., gguf_file=...)`,
-`vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. Left out:
-SentencePiece vocabularies (`tokenizer.ggml.model` "llama", Llama 2's), WordPiece and Unigram ones.
+`vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. SentencePiece
+vocabularies (`tokenizer.ggml.model` "llama", Llama 2's) are built by gguf_sentencepiece.py. Left out:
+WordPiece and Unigram vocabularies.
 A GGUF file has no `tokenizer.json`; llama.cpp stores the vocabulary under `tokenizer.ggml.*`:
 
-    tokenizer.ggml.model         "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM); nothing else is built
+    tokenizer.ggml.model         "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM); "llama": SentencePiece
     tokenizer.ggml.pre           which pre-tokenizer split the text when the merges were learned
     tokenizer.ggml.tokens        the vocabulary, id = position
     tokenizer.ggml.merges        "left right" pairs, highest priority first
@@ -70,10 +71,10 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
     """The `tokenizers` Tokenizer the metadata describes, and a tokenizer_config-like dict (`eos_token`,
     `bos_token`, `pad_token`, `chat_template`) for `tokenizer.Tokenizer`.
 
-    Raises CheckpointError naming the key for a tokenizer model other than "gpt2", a pre-tokenizer outside
-    PRE_TOKENIZERS, a missing vocabulary, a token listed twice, a malformed merge or one naming a token
-    (or a merged token) outside the vocabulary, token types that are not one integer per token, or a
-    special-token id outside the vocabulary.
+    Raises CheckpointError naming the key for a tokenizer model other than "gpt2" or "llama", a
+    pre-tokenizer outside PRE_TOKENIZERS, a missing vocabulary, a token listed twice, a malformed merge or
+    one naming a token (or a merged token) outside the vocabulary, token types that are not one integer
+    per token, or a special-token id outside the vocabulary.
     """
     source = ckpt.source
 
@@ -81,9 +82,14 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         return CheckpointError(f"{source}: key {key!r}: {why}")
 
     kind = ckpt.metadata("tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece
+        from attention_kv_caceh.model_executor.gguf_sentencepiece import sentencepiece_from_gguf
+
+        return sentencepiece_from_gguf(ckpt, _strings(ckpt, "tokenizer.ggml.tokens", fail))
     if kind != "gpt2":
         raise fail(
-            "tokenizer.ggml.model", f"tokenizer {kind!r} is not implemented (only 'gpt2', byte-level BPE)"
+            "tokenizer.ggml.model",
+            f"tokenizer {kind!r} is not implemented (only 'gpt2', byte-level BPE, and 'llama', SentencePiece)",
         )
     pre = ckpt.metadata("tokenizer.ggml.pre", "gpt2")
     if pre not in PRE_TOKENIZERS:
