@@ -118,7 +118,9 @@ class RealModelStructuredTest(unittest.TestCase):
         engine = self.engine()
         text = self.run_one(engine, "Describe a person as JSON.", json_params(PERSON), max_tokens=40)
         jsonschema.validate(json.loads(text), PERSON)
-        text = self.run_one(engine, "Is the sky blue?", StructuredOutputsParams(choice=("yes", "no", "maybe")))
+        text = self.run_one(
+            engine, "Is the sky blue?", StructuredOutputsParams(choice=("yes", "no", "maybe"))
+        )
         self.assertIn(text, ("yes", "no", "maybe"))
         pattern = r"[A-Z][a-z]{1,8}, [0-9]{1,3}"
         text = self.run_one(engine, "Name a city and a number.", StructuredOutputsParams(regex=pattern))
@@ -126,9 +128,10 @@ class RealModelStructuredTest(unittest.TestCase):
         lark = 'start: "(" num ("+" num)* ")"\nnum: /[0-9]{1,3}/'
         text = self.run_one(engine, "Write a sum.", StructuredOutputsParams(grammar=lark), max_tokens=24)
         matcher = llguidance.LLMatcher(self.lltok, llguidance.grammar_from("lark", lark), log_level=0)
-        self.assertEqual(matcher.validate_tokens(self.tokenizer.encode(text, add_special_tokens=False)), len(
-            self.tokenizer.encode(text, add_special_tokens=False)
-        ))
+        self.assertEqual(
+            matcher.validate_tokens(self.tokenizer.encode(text, add_special_tokens=False)),
+            len(self.tokenizer.encode(text, add_special_tokens=False)),
+        )
         self.assertIsNotNone(re.fullmatch(r"\([0-9]{1,3}(\+[0-9]{1,3})*\)", text), text)
 
     def test_json_object_without_whitespace_and_with_bounded_runs(self) -> None:
@@ -183,7 +186,9 @@ class RealModelStructuredTest(unittest.TestCase):
         bitmask = np.full((1, (self.lltok.vocab_size + 31) // 32), -1, dtype=np.int32)
         grammar.fill_bitmask(bitmask, 0)
         mask = allowed_tokens(bitmask[0], self.lltok.vocab_size)
-        oracle = llguidance.LLMatcher(self.lltok, llguidance.grammar_from("json", json.dumps(PERSON)), log_level=0)
+        oracle = llguidance.LLMatcher(
+            self.lltok, llguidance.grammar_from("json", json.dumps(PERSON)), log_level=0
+        )
         # the oracle: a fresh matcher of the schema with llguidance's default options agrees on the
         # string-interior position, where whitespace options play no part
         self.assertTrue(oracle.consume_tokens(prefix))
@@ -221,7 +226,9 @@ class RealModelStructuredTest(unittest.TestCase):
 
     def test_the_request_stops_when_its_grammar_is_complete(self) -> None:
         engine = self.engine()
-        params = SamplingParams(max_tokens=30, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=("yes", "no")))
+        params = SamplingParams(
+            max_tokens=30, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=("yes", "no"))
+        )
         (out,) = engine.generate([self.prompt("Yes or no?")], params)
         self.assertIn(self.tokenizer.decode(out), ("yes", "no"))
         self.assertLess(len(out), 30)

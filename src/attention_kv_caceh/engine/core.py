@@ -176,7 +176,7 @@ class EngineCore:
         eos = tokenizer.eos_token_id
         if eos is None and eos_ids:
             eos = eos_ids[0]
-        stop_ids = tuple(dict.fromkeys([*([] if eos is None else [eos]), *eos_ids]))
+        stop_ids = tuple(dict.fromkeys([int(t) for t in ([] if eos is None else [eos]) + list(eos_ids)]))
         return cls(
             cfg,
             runner,

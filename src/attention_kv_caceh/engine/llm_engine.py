@@ -107,7 +107,9 @@ class LLMEngine:
         eos = eos_token_id if eos_token_id is not None else (tokenizer.eos_token_id if tokenizer else None)
         manager = None
         if isinstance(tokenizer, Tokenizer):  # a `tokenizers` tokenizer: llguidance can read it
-            stop_ids = tuple(dict.fromkeys([*([] if eos is None else [eos]), *extra_eos_token_ids]))
+            stop_ids = tuple(
+                dict.fromkeys([int(t) for t in ([] if eos is None else [eos]) + list(extra_eos_token_ids)])
+            )
             manager = StructuredOutputManager(tokenizer.backend_json(), stop_ids)
         core = EngineCore(
             config,

@@ -266,7 +266,11 @@ def sample_tokens(
     masked = frozenset[str]() if grammar_output is None else grammar_output.structured_output_request_ids
 
     def rows_mask(i: int) -> npt.NDArray[np.int32] | None:
-        return bitmask[starts[i] : starts[i + 1]] if bitmask is not None and reqs[i].request_id in masked else None
+        return (
+            bitmask[starts[i] : starts[i + 1]]
+            if bitmask is not None and reqs[i].request_id in masked
+            else None
+        )
 
     plain = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r) and num_rows[i] == 1]
     masks = [m[0] if (m := rows_mask(i)) is not None else None for i in plain]
@@ -277,7 +281,9 @@ def sample_tokens(
         drafts = spec.get(r.request_id)
         if drafts:
             rows, mask = logits[starts[i] : starts[i + 1]], rows_mask(i)
-            sampled[i] = verify_draft(rows, r, drafts) if mask is None else verify_draft(rows, r, drafts, mask)
+            sampled[i] = (
+                verify_draft(rows, r, drafts) if mask is None else verify_draft(rows, r, drafts, mask)
+            )
     logprobs: list[list[TokenLogprobs]] | None = None
     if any(r.sampling_params.logprobs is not None for r in reqs):
         logprobs = []

@@ -146,9 +146,7 @@ class StructuredOutputManager:
         tokens the step accepts (Scheduler.update_from_output)."""
         spec = scheduler_output.scheduled_spec_decode_tokens
         requests = scheduler_output.scheduled_requests
-        structured = [
-            r for r in requests if self.should_advance(r) and scheduler_output.samples_token(r)
-        ]
+        structured = [r for r in requests if self.should_advance(r) and scheduler_output.samples_token(r)]
         if not structured:
             return None
         num_rows = sum(1 + len(spec.get(r.request_id, ())) for r in requests)

@@ -100,7 +100,9 @@ def _structural_tag_grammar(text: str) -> str:
             raise GrammarCompileError("each structural_tag structure needs a string `begin` and `end`")
         trigger = next((t for t in triggers if begin.startswith(t)), None)
         if trigger is None:
-            raise GrammarCompileError(f"structure begin {begin!r} starts with none of the triggers {triggers}")
+            raise GrammarCompileError(
+                f"structure begin {begin!r} starts with none of the triggers {triggers}"
+            )
         tags.append(
             llguidance.StructTag(trigger=trigger, begin=begin, grammar=s.get("schema") or {}, end=end)
         )

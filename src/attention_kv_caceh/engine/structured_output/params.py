@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json as _json
 from dataclasses import dataclass
+from typing import cast
 
 __all__ = ["STRUCTURED_OUTPUT_KINDS", "StructuredOutputsParams"]
 
@@ -75,7 +76,7 @@ class StructuredOutputsParams:
                 except (TypeError, ValueError) as exc:
                     raise ValueError(f"structured_outputs.{name} is not valid JSON: {exc}") from exc
         if self.choice is not None and (
-            not self.choice or any(not isinstance(c, str) for c in self.choice)
+            not self.choice or any(not isinstance(c, str) for c in cast(tuple[object, ...], self.choice))
         ):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
         if self.json_object is False:

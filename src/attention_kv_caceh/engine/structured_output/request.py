@@ -45,7 +45,7 @@ class StructuredOutputRequest:
     @property
     def grammar(self) -> GuidanceGrammar | None:
         """The compiled grammar; None while compiling or after a compile error."""
-        if self._grammar is None and self.future is not None and self.future.done():
-            if self.future.exception() is None:
-                self._grammar = self.future.result()
+        future = self.future
+        if self._grammar is None and future is not None and future.done() and future.exception() is None:
+            self._grammar = future.result()
         return self._grammar
