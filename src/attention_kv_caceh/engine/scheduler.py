@@ -358,7 +358,7 @@ class Scheduler:
             num_rejected = len(spec.get(rid, ())) - (len(tokens) - 1)
             request.num_computed_tokens += n - num_rejected
             kept: list[int] = []
-            stopped = False
+            stopped = grammar_stop = False
             so = request.structured_output_request
             grammar = None if so is None else so.grammar
             for token in tokens:
@@ -372,7 +372,7 @@ class Scheduler:
                         )
                     if not stopped and grammar.is_terminated():  # the grammar is complete: "stop"
                         request.status = RequestStatus.FINISHED_STOPPED
-                        stopped = True
+                        stopped = grammar_stop = True
                 if stopped:
                     break
             if logprobs is not None and logprobs[i]:  # none for tokens trimmed after a stop
@@ -391,6 +391,7 @@ class Scheduler:
                     new_logprobs=encode_logprobs_payloads(request, len(kept)),
                     num_cached_tokens=request.num_cached_tokens,
                     num_preemptions=request.num_preemptions,
+                    grammar_stop=grammar_stop,
                 )
             )
         return EngineCoreOutputs(outputs)
