@@ -97,7 +97,9 @@ class StructuredServerTest(unittest.TestCase):
             tool_call_parser="hermes",
         )
         cls.server = ServerThread(cls.app).__enter__()
-        cls.client = openai.OpenAI(base_url=cls.server.base_url + "/v1", api_key="none", max_retries=0, timeout=120)
+        cls.client = openai.OpenAI(
+            base_url=cls.server.base_url + "/v1", api_key="none", max_retries=0, timeout=120
+        )
 
     @classmethod
     def tearDownClass(cls) -> None:
@@ -127,7 +129,9 @@ class StructuredServerTest(unittest.TestCase):
             "additionalProperties": False,
         }
         fmt = {"type": "json_schema", "json_schema": {"name": "c", "schema": schema, "strict": True}}
-        reply = self.chat(messages=_ask("Some colors?"), response_format=fmt, max_tokens=40, n=2, temperature=1, seed=3)
+        reply = self.chat(
+            messages=_ask("Some colors?"), response_format=fmt, max_tokens=40, n=2, temperature=1, seed=3
+        )
         self.assertEqual(len(reply.choices), 2)
         for choice in reply.choices:
             self.assertEqual(choice.finish_reason, "stop")
@@ -136,17 +140,26 @@ class StructuredServerTest(unittest.TestCase):
         text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         jsonschema.validate(json.loads(text), schema)
         completion = self.client.completions.create(
-            model="smollm2", prompt="Colors:", max_tokens=40, temperature=0, extra_body={"response_format": fmt}
+            model="smollm2",
+            prompt="Colors:",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"response_format": fmt},
         )
         jsonschema.validate(json.loads(completion.choices[0].text), schema)
 
     def test_structured_outputs_choice_and_regex(self) -> None:
         reply = self.chat(
-            messages=_ask("Is water wet?"), max_tokens=8, extra_body={"structured_outputs": {"choice": ["yes", "no"]}}
+            messages=_ask("Is water wet?"),
+            max_tokens=8,
+            extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
         )
         self.assertIn(reply.choices[0].message.content, ("yes", "no"))
         reply = self.chat(
-            messages=_ask("A date?"), max_tokens=16, logprobs=True, extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]"}}
+            messages=_ask("A date?"),
+            max_tokens=16,
+            logprobs=True,
+            extra_body={"structured_outputs": {"regex": r"20[0-9]{2}-[01][0-9]"}},
         )
         self.assertIsNotNone(re.fullmatch(r"20[0-9]{2}-[01][0-9]", reply.choices[0].message.content or ""))
         self.assertIsNotNone(reply.choices[0].logprobs)
@@ -183,11 +196,20 @@ class StructuredServerTest(unittest.TestCase):
         named = {"type": "function", "function": {"name": "get_weather"}}
         for choice, names in ((named, {"get_weather"}), ("required", {"get_weather", "get_time"})):
             with self.subTest(tool_choice=choice):
-                reply = self.chat(messages=_ask("Weather in Paris?"), tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60)
+                reply = self.chat(
+                    messages=_ask("Weather in Paris?"),
+                    tools=[WEATHER, TIME],
+                    tool_choice=choice,
+                    max_tokens=60,
+                )
                 self.assertEqual(reply.choices[0].finish_reason, "tool_calls")
                 self.check_calls(reply.choices[0].message.tool_calls, names)
                 stream = self.chat(
-                    messages=_ask("Weather in Paris?"), tools=[WEATHER, TIME], tool_choice=choice, max_tokens=60, stream=True
+                    messages=_ask("Weather in Paris?"),
+                    tools=[WEATHER, TIME],
+                    tool_choice=choice,
+                    max_tokens=60,
+                    stream=True,
                 )
                 calls: dict[int, dict[str, str]] = {}
                 reasons: list[str] = []
@@ -209,7 +231,9 @@ class StructuredServerTest(unittest.TestCase):
                     jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
 
     def test_auto_is_served_with_the_flags_and_refused_without(self) -> None:
-        reply = self.chat(messages=_ask("Weather in Paris?"), tools=[WEATHER], tool_choice="auto", max_tokens=24)
+        reply = self.chat(
+            messages=_ask("Weather in Paris?"), tools=[WEATHER], tool_choice="auto", max_tokens=24
+        )
         message = reply.choices[0].message
         self.assertTrue(message.content or message.tool_calls)
         chat = self.app.state.openai_serving_chat
