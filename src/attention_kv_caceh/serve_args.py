@@ -88,6 +88,7 @@ class ServeConfig:
         None,
         help="how tool calls are read from the model's text for `tool_choice: auto` (vLLM's flag)",
         choices=("hermes",),
+        default_text="none",
     )
     drain_timeout: float = option(
         30.0, help="seconds running requests get to finish at Ctrl-C / SIGTERM", metavar="S", minimum=0.0
