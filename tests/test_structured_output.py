@@ -233,6 +233,25 @@ class RealModelStructuredTest(unittest.TestCase):
         self.assertIn(self.tokenizer.decode(out), ("yes", "no"))
         self.assertLess(len(out), 30)
 
+    def test_a_structural_tag_constrains_the_tagged_segment_only(self) -> None:
+        tag = {
+            "structures": [
+                {
+                    "begin": "<function=f>",
+                    "schema": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                    "end": "</function>",
+                }
+            ],
+            "triggers": ["<function="],
+        }
+        grammar = compile_grammar(StructuredOutputsParams(structural_tag=json.dumps(tag)), self.lltok)
+        good = self.tokenizer.encode('Sure. <function=f>{"a": 1}</function> done', add_special_tokens=False)
+        self.assertEqual(grammar.validate_tokens(good), good)
+        bad = self.tokenizer.encode('Sure. <function=f>{"a": "x"}', add_special_tokens=False)
+        self.assertLess(len(grammar.validate_tokens(bad)), len(bad))
+        with self.assertRaises(GrammarCompileError):
+            compile_grammar(StructuredOutputsParams(structural_tag='{"structures": []}'), self.lltok)
+
     def test_core_requests_carry_the_params_over_msgpack(self) -> None:
         import msgspec
 
