@@ -195,6 +195,10 @@ class Tokenizer:
             ids = self._tok.encode_batch_fast([piece], add_special_tokens=False)[0].ids
             yield (before if i == 0 else []) + ids + (after if i == len(pieces) - 1 else [])
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON (what llguidance builds its tokenizer view from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
