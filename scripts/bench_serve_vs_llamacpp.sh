@@ -18,6 +18,9 @@
 # Environment: MODEL (a GGUF file or model name; default smollm2), PAIRS (3), OUT
 # (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (1),
 # SLOTS (8), LLAMA_PORT (8300), SERVE_PORT (8200).
+# A run that fails (the harness exits non-zero: a request failed, a server died, the 900 s timeout) is
+# reported in the table as failed with its count of failed requests; the other runs still run, and the
+# script exits 1 when any run failed (0 when all finished with every request ok).
 set -euo pipefail
 MODEL=${MODEL:-smollm2}
 PAIRS=${PAIRS:-3}
@@ -71,6 +74,7 @@ with open(path, "w") as f:
     f.writelines(json.dumps({"prompt": r, "output_len": output_len}) + "\n" for r in rows)
 PY
 }
+failed_runs=0  # a failed run is reported in the table and the others still run
 for pair in $(seq "$PAIRS"); do
   for c in ${@:-1 8}; do
     dataset=()
@@ -81,25 +85,50 @@ for pair in $(seq "$PAIRS"); do
     for server in llamacpp:$LLAMA_PORT serve:$SERVE_PORT; do
       name=${server%%:*}; port=${server##*:}
       echo "$name c$c pair $pair: load $(cut -d' ' -f1 /proc/loadavg)"
+      run="$OUT/$name-c$c-p$pair"
+      rm -f "$run.json" "$run.rc"
+      rc=0
       timeout 900 uv run attention-kv-caceh harness --backend openai-completions \
         --base-url "http://127.0.0.1:$port" --tokenizer "$MODEL" --num-requests "$((c * 2))" --concurrency "$c" \
         --prompt-len "$PROMPT_LEN" --output-len "$OUTPUT_LEN" --ignore-eos --warmup-requests 0 \
         --temperature "$TEMPERATURE" --seed "$((pair * 1000 + c))" --label "$name-c$c-p$pair" \
-        "${dataset[@]}" --summary-json "$OUT/$name-c$c-p$pair.json" > "$OUT/$name-c$c-p$pair.log" 2>&1
+        "${dataset[@]}" --summary-json "$run.json" > "$run.log" 2>&1 || rc=$?
+      echo "$rc" > "$run.rc"
+      if [ "$rc" -ne 0 ]; then
+        failed_runs=$((failed_runs + 1))
+        echo "$name c$c pair $pair: failed (exit $rc; $run.log)" >&2
+      fi
     done
   done
 done
-uv run python - "$OUT" "$PAIRS" ${@:-1 8} <<'PY'
-import json, statistics, sys
+uv run python - "$OUT" "$PAIRS" ${@:-1 8} <<'PY' || failed_runs=$((failed_runs + 1))
+import json, os, statistics, sys
 out, pairs, sizes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-def tput(name, c, p):
-    return json.load(open(f"{out}/{name}-c{c}-p{p}.json"))["output_throughput"]
-print(f"{'C':>4} {'pair':>4} {'llama.cpp tok/s':>16} {'serve tok/s':>12} {'serve / llama.cpp':>18}")
+def run(name, c, p):
+    """(output tok/s, None) for a run that finished with every request ok, else (None, what failed)."""
+    path = f"{out}/{name}-c{c}-p{p}"
+    if not os.path.exists(path + ".rc"):
+        return None, "not run"
+    rc = open(path + ".rc").read().strip()
+    if not os.path.exists(path + ".json"):
+        return None, f"failed: exit {rc}, no summary"
+    summary = json.load(open(path + ".json"))
+    if summary["failed"] or rc != "0":
+        return None, f"failed: {summary['failed']} of {summary['num_requests']} requests"
+    return summary["output_throughput"], None
+print(f"{'C':>4} {'pair':>4} {'llama.cpp tok/s':>26} {'serve tok/s':>26} {'serve / llama.cpp':>18}")
 for c in sizes:
     ratios = []
     for p in range(1, pairs + 1):
-        v, s = tput("llamacpp", c, p), tput("serve", c, p)
-        ratios.append(s / v)
-        print(f"{c:>4} {p:>4} {v:>16.1f} {s:>12.1f} {s / v:>18.3f}")
-    print(f"{c:>4} median serve / llama.cpp {statistics.median(ratios):.3f}")
+        (v, v_err), (s, s_err) = run("llamacpp", c, p), run("serve", c, p)
+        ratio = f"{s / v:.3f}" if v and s else "-"
+        if v and s:
+            ratios.append(s / v)
+        print(f"{c:>4} {p:>4} {v_err or f'{v:.1f}':>26} {s_err or f'{s:.1f}':>26} {ratio:>18}")
+    median = f"{statistics.median(ratios):.3f}" if ratios else "- (no pair finished)"
+    print(f"{c:>4} median serve / llama.cpp {median} over {len(ratios)} of {pairs} pairs")
 PY
+if [ "$failed_runs" -gt 0 ]; then
+  echo "$failed_runs run(s) failed: see the table and their logs in $OUT" >&2
+  exit 1
+fi

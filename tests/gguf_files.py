@@ -78,10 +78,15 @@ def write(
 
 
 def tokenizer_metadata(
-    folder: Path, pre: str = "gpt2", bos_id: int | None = None, model: str = "gpt2"
+    folder: Path,
+    pre: str = "gpt2",
+    bos_id: int | None = None,
+    model: str = "gpt2",
+    edit: Callable[[dict[str, Any]], None] | None = None,
 ) -> Callable[[GGUFWriter], None]:
     """tokenizer.ggml.* from a make-model folder's tokenizer.json and tokenizer_config.json (the BOS id
-    from config.json, as llama.cpp's converter takes it)."""
+    from config.json, as llama.cpp's converter takes it). `edit` may change the lists first, in place:
+    {"tokens": [str], "merges": [str], "token_types": [int] or an int (written as one int32)}."""
     tok = json.loads((folder / "tokenizer.json").read_text())
     config = json.loads((folder / "tokenizer_config.json").read_text())
     vocab: dict[str, int] = dict(tok["model"]["vocab"])
@@ -91,13 +96,20 @@ def tokenizer_metadata(
     assert [vocab[t] for t in tokens] == list(range(len(tokens)))
     special = {a["content"] for a in tok["added_tokens"] if a["special"]}
     merges = [" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]]
+    types = [TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens]
+    lists: dict[str, Any] = {"tokens": tokens, "merges": merges, "token_types": types}
+    if edit is not None:
+        edit(lists)
 
     def add(w: GGUFWriter) -> None:
         w.add_tokenizer_model(model)
         w.add_tokenizer_pre(pre)
-        w.add_token_list(tokens)
-        w.add_token_types([TokenType.CONTROL if t in special else TokenType.NORMAL for t in tokens])
-        w.add_token_merges(merges)
+        w.add_token_list(lists["tokens"])
+        if isinstance(lists["token_types"], int):
+            w.add_int32("tokenizer.ggml.token_type", lists["token_types"])
+        else:
+            w.add_token_types(lists["token_types"])
+        w.add_token_merges(lists["merges"])
         if bos_id is not None:
             w.add_bos_token_id(bos_id)
         w.add_eos_token_id(vocab[config["eos_token"]])
@@ -114,9 +126,13 @@ def gguf_from_checkpoint(
     extra: Callable[[GGUFWriter], None] | None = None,
     tokenizer_model: str = "gpt2",
     pre: str = "gpt2",
+    edit_tokenizer: Callable[[dict[str, Any]], None] | None = None,
+    edit_tensors: Callable[[dict[str, np.ndarray]], None] | None = None,
 ) -> Path:
     """`folder` (a make-model checkpoint) as the GGUF file llama.cpp's converter would write, the 2-D
-    weights stored as `qtype` (norms and biases F32, as the converter keeps them)."""
+    weights stored as `qtype` (norms and biases F32, as the converter keeps them). `edit_tokenizer` is
+    `tokenizer_metadata`'s `edit`; `edit_tensors` may change the float tensors (by llama.cpp name, in
+    place) before they are stored."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text())
     arch = ARCH[config["architectures"][0]]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
@@ -127,7 +143,11 @@ def gguf_from_checkpoint(
         elif arch == "llama" and ".k_proj." in name:
             array = llama_cpp_permute(array, kv_heads)
         tensors[gguf_name(name)] = (array, qtype if array.ndim == 2 else GGMLQuantizationType.F32)
-    tokenizer = tokenizer_metadata(folder, pre, config.get("bos_token_id"), tokenizer_model)
+    if edit_tensors is not None:
+        arrays = {name: np.array(array, dtype=np.float32) for name, (array, _) in tensors.items()}
+        edit_tensors(arrays)
+        tensors = {name: (arrays[name], qt) for name, (_, qt) in tensors.items()}
+    tokenizer = tokenizer_metadata(folder, pre, config.get("bos_token_id"), tokenizer_model, edit_tokenizer)
 
     def metadata(w: GGUFWriter) -> None:
         w.add_block_count(config["num_hidden_layers"])
@@ -201,3 +221,98 @@ def gguf_of_types(
         tokenizer(w)
 
     return write(out, "llama", metadata, tensors)
+
+
+# A tiny SentencePiece-style vocabulary (tokenizer.ggml.model "llama"), as llama.cpp's converter lays
+# out Llama 2's: <unk>, <s>, </s>, the 256 byte pieces <0x00>..<0xFF>, then pieces by score (merged
+# pieces first, highest score first; single characters last), a user-defined and a control token.
+SP_PIECES = [
+    "▁hello", "▁world", "▁the", "llo", "▁h", "▁w", "or", "he", "ll", "th", "▁t", "ld", "▁▁", "12", "日本",
+    "▁", "e", "h", "l", "o", "w", "r", "d", "t", "1", "2", "3", "日", "本", "a", "n", "i", "s",
+]  # fmt: skip
+SP_USER_DEFINED = "<|tool|>"
+SP_CONTROL = "<|end|>"
+
+
+def sentencepiece_tokens() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of the tiny vocabulary above (gguf.TokenType values)."""
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *SP_PIECES]
+    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL, *[TokenType.BYTE] * 256]
+    types += [TokenType.NORMAL] * len(SP_PIECES)
+    scores = [0.0] * 259 + [-float(i) for i in range(len(SP_PIECES))]
+    tokens += [SP_USER_DEFINED, SP_CONTROL, "<unused0>"]
+    types += [TokenType.USER_DEFINED, TokenType.CONTROL, TokenType.UNUSED]
+    scores += [0.0, 0.0, 0.0]
+    return tokens, scores, [int(t) for t in types]
+
+
+def write_sentencepiece(path: Path, **flags: bool) -> Path:
+    """A GGUF file holding the tiny SentencePiece vocabulary and a llama config of one small layer
+    (enough for transformers' AutoTokenizer and AutoConfig); `flags` set tokenizer.ggml.<name>
+    (add_bos_token, add_eos_token, add_space_prefix), absent when not given."""
+    tokens, scores, types = sentencepiece_tokens()
+
+    def metadata(w: GGUFWriter) -> None:
+        w.add_block_count(1)
+        w.add_context_length(64)
+        w.add_embedding_length(64)
+        w.add_feed_forward_length(128)
+        w.add_head_count(2)
+        w.add_head_count_kv(2)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_tokenizer_model("llama")
+        w.add_token_list(tokens)
+        w.add_token_scores(scores)
+        w.add_token_types(types)
+        w.add_bos_token_id(1)
+        w.add_eos_token_id(2)
+        w.add_unk_token_id(0)
+        for name, value in flags.items():
+            w.add_bool(f"tokenizer.ggml.{name}", value)
+        w.add_chat_template("{% for m in messages %}<|user|>{{ m['content'] }}<|end|>{% endfor %}")
+
+    return write(
+        path,
+        "llama",
+        metadata,
+        {"token_embd.weight": (np.zeros((len(tokens), 64)), GGMLQuantizationType.F32)},
+    )
+
+
+def split_gguf(source: Path, prefix: Path, parts: int, first_without_tensors: bool = False) -> list[Path]:
+    """`source` rewritten as llama.cpp's `gguf-split --split` lays a model out: `parts` files named
+    `<prefix>-0000i-of-0000n.gguf`, the first holding every key of `source`, each holding `split.no`
+    (u16, 0-based), `split.count` (u16) and `split.tensors.count` (i32) and a consecutive share of the
+    tensors (none in the first with `first_without_tensors`, as `--no-tensor-first-split` does)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    reader = GGUFReader(source)
+    tensors = list(reader.tensors)
+    carriers = parts - 1 if first_without_tensors else parts
+    per = -(-len(tensors) // carriers)
+    shares = [tensors[i * per : (i + 1) * per] for i in range(carriers)]
+    if first_without_tensors:
+        shares.insert(0, [])
+    paths: list[Path] = []
+    for no, share in enumerate(shares):
+        path = prefix.with_name(f"{prefix.name}-{no + 1:05d}-of-{parts:05d}.gguf")
+        writer = GGUFWriter(str(path), str(reader.fields["general.architecture"].contents()))
+        if no == 0:
+            for key, field in reader.fields.items():
+                if key.startswith("GGUF.") or key == "general.architecture":
+                    continue
+                sub = field.types[-1] if field.types[0] == GGUFValueType.ARRAY else None
+                writer.add_key_value(key, field.contents(), field.types[0], sub)
+        else:
+            del writer.kv_data[0]["general.architecture"]  # the other parts hold only the split keys
+        writer.add_key_value("split.no", no, GGUFValueType.UINT16)
+        writer.add_key_value("split.count", parts, GGUFValueType.UINT16)
+        writer.add_key_value("split.tensors.count", len(tensors), GGUFValueType.INT32)
+        for tensor in share:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        paths.append(path)
+    return paths

@@ -1,6 +1,7 @@
 """The engine benchmark's arithmetic and its oracle gate, on tiny random checkpoints and tiny lengths.
 
-Oracles: the bytes a decode step reads recomputed here from config.json alone, the decode contexts of
+Oracles: the bytes a decode step reads recomputed here from config.json and the panel width of the kernel
+variant in effect (the packer's width for one output; NumPy's path has no padding), the decode contexts of
 requests that run in lockstep (prompt P, output O: contexts P + 1 .. P + O - 1), and a model runner
 that corrupts batched logits, which the gate must refuse. No assertion depends on how fast anything ran.
 """
@@ -20,14 +21,39 @@ from attention_kv_caceh.benchmarks import engine as benchmark
 from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
+from attention_kv_caceh.kernels.gemm import pack_weight
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
 
 PROMPT, OUT = 5, 6  # prompt and output lengths
 
 
-def weights_read_per_step(config: dict[str, Any], num_seqs: int) -> int:
-    """float32 bytes of every layer, the final norm, the LM head and num_seqs embedding rows."""
+def panel_width(gemm_path: str) -> int:
+    """NR of the float32 panels the packed path stores on this variant (32 on AVX-512, 12 on AVX2 and
+    NEON): the padded width of a one-output weight as the packer lays it out; 1 for NumPy's path."""
+    if gemm_path != "packed":
+        return 1
+    return pack_weight(np.ones((1, 1), dtype=np.float32)).padded_out_features
+
+
+def linear_shapes(config: dict[str, Any]) -> list[tuple[int, int]]:
+    """(N, K) of every linear weight a decode step reads: each layer's fused qkv, o, fused gate/up and
+    down projections, and the LM head."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    h, h_kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = config.get("head_dim") or hidden // h
+    layer = [((h + 2 * h_kv) * d, hidden), (hidden, h * d), (2 * inter, hidden), (hidden, inter)]
+    return config["num_hidden_layers"] * layer + [(config["vocab_size"], hidden)]
+
+
+def panel_padding_bytes(config: dict[str, Any], nr: int) -> int:
+    """float32 bytes of the zero columns packing adds: N rounded up to a multiple of NR, for each weight."""
+    return 4 * sum((-(-n // nr) * nr - n) * k for n, k in linear_shapes(config))
+
+
+def weights_read_per_step(config: dict[str, Any], num_seqs: int, nr: int) -> int:
+    """float32 bytes of every layer, the final norm, the LM head and num_seqs embedding rows, linear
+    weights padded to panels of width nr."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     h, h_kv = config["num_attention_heads"], config["num_key_value_heads"]
     d = config.get("head_dim") or hidden // h
@@ -37,7 +63,7 @@ def weights_read_per_step(config: dict[str, Any], num_seqs: int) -> int:
     if config["model_type"] == "qwen3":  # q_norm and k_norm
         layer += 2 * d
     items = config["num_hidden_layers"] * layer + hidden + config["vocab_size"] * hidden + num_seqs * hidden
-    return 4 * items
+    return 4 * items + panel_padding_bytes(config, nr)
 
 
 def linear_weights(config: dict[str, Any]) -> int:
@@ -77,6 +103,7 @@ class TestEngineBenchmark(unittest.TestCase):
             result = run_engine_benchmark(folder, (1, 3), prompt_len=PROMPT, output_len=OUT, probe_every=2)
             self.assertEqual([r.max_num_seqs for r in result.rows], [1, 3])
             self.assertEqual(result.environment["dtype"], "float32")
+            nr = panel_width(result.environment["gemm_path"])
             for row in result.rows:
                 r = row.max_num_seqs
                 with self.subTest(folder=folder.name, max_num_seqs=r):
@@ -86,7 +113,7 @@ class TestEngineBenchmark(unittest.TestCase):
                     self.assertEqual(
                         row.mean_context_len, PROMPT + OUT / 2
                     )  # mean of PROMPT + 1 .. PROMPT + OUT - 1
-                    self.assertEqual(row.weight_bytes_per_decode_step, weights_read_per_step(config, r))
+                    self.assertEqual(row.weight_bytes_per_decode_step, weights_read_per_step(config, r, nr))
                     kv_per_position = 2 * config["num_hidden_layers"] * config["num_key_value_heads"]
                     kv_per_position *= 4 * (
                         config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
@@ -115,9 +142,12 @@ class TestEngineBenchmark(unittest.TestCase):
 
     def test_tied_lm_head_is_counted_once(self) -> None:
         result = run_engine_benchmark(self.qwen, (2,), prompt_len=PROMPT, output_len=OUT, probe_every=3)
-        hidden = json.loads((self.qwen / "config.json").read_text())["hidden_size"]
+        config = json.loads((self.qwen / "config.json").read_text())
         params = result.environment["num_parameters"]
-        self.assertEqual(result.rows[0].weight_bytes_per_decode_step, 4 * (params + 2 * hidden))
+        padding = panel_padding_bytes(config, panel_width(result.environment["gemm_path"]))
+        self.assertEqual(
+            result.rows[0].weight_bytes_per_decode_step, 4 * (params + 2 * config["hidden_size"]) + padding
+        )
 
     def test_a_batched_run_that_differs_from_the_solo_run_is_refused(self) -> None:
         with (

@@ -92,7 +92,7 @@ class StopCheckTest(unittest.TestCase):
     def test_finish_reasons(self) -> None:
         self.assertEqual(
             [s.finish_reason for s in RequestStatus],
-            [None, None, None, "stop", "length", "abort"],
+            [None, None, None, None, "stop", "length", "abort"],  # WAITING_FOR_FSM is not finished
         )
 
     def test_invalid_sampling_params_are_refused(self) -> None:

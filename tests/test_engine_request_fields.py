@@ -356,7 +356,8 @@ class ServerFieldsTest(_Checkpoint):
             (comp, '{"prompt": "a", "best_of": 2}', "best_of"),
             (
                 chat,
-                f'{{"messages": {msgs}, "response_format": {{"type": "json_object"}}}}',
+                f'{{"messages": {msgs}, "response_format": {{"type": "json_schema", "json_schema": '
+                '{"name": "x", "schema": {"type": "strin"}}}}',
                 "response_format",
             ),
             (chat, f'{{"messages": {msgs}, "tools": [{{"type": "function"}}]}}', "tools"),

@@ -7,6 +7,7 @@ Every variant's loops are built from the same LLVM IR whatever CPU runs them (a 
 
 from __future__ import annotations
 
+import os
 import unittest
 
 import numpy as np
@@ -127,6 +128,16 @@ class FmaProbeTest(unittest.TestCase):
             self.assertGreater(fma_probe(0.001, variant), 0.0)
         with self.assertRaises(ValueError):
             fma_probe(0.0)
+
+
+class VariantInEffectTest(unittest.TestCase):
+    def test_the_variant_a_second_run_asks_for_is_the_one_compiled(self) -> None:
+        """`.ci/run` repeats the variant-dependent tests under AVX2 with EXPECT_KERNEL_ISA=avx2: a
+        NUMBA_CPU_NAME that Numba ignored would otherwise repeat the host's variant unnoticed."""
+        wanted = os.environ.get("EXPECT_KERNEL_ISA")
+        if wanted is None:
+            self.skipTest("EXPECT_KERNEL_ISA is not set (only .ci/run's second run sets it)")
+        self.assertEqual(None if HOST is None else HOST.isa, wanted)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,16 @@ class SamplingOptionsTest(unittest.TestCase):
         self.assertEqual([flag_of(SamplingOptions, name) for name in given.body_fields()],
                          ["--temperature", "--top-k", "--repetition-penalty"])  # fmt: skip
 
+    def test_a_response_format_that_is_not_one_is_refused(self) -> None:
+        from attention_kv_caceh.harness.sampling import (
+            _response_format,  # pyright: ignore[reportPrivateUsage]
+        )
+
+        self.assertEqual(_response_format('{"type": "json_object"}'), {"type": "json_object"})
+        for bad in ("{", '{"type": "yaml"}', '{"type": "json_schema"}', "[]"):
+            with self.subTest(text=bad), self.assertRaises(ValueError):
+                _response_format(bad)
+
     def test_values_the_server_refuses_raise_naming_the_field(self) -> None:
         cases: dict[str, dict[str, Any]] = {
             "--temperature": {"temperature": -0.5},
@@ -100,6 +110,12 @@ class SamplingBodyTest(unittest.IsolatedAsyncioTestCase):
                     self.assertEqual(
                         sent, {"temperature": 0.7, "top_p": 0.9, "top_k": 20, "presence_penalty": 0.5}
                     )
+
+    async def test_a_response_format_reaches_every_body(self) -> None:
+        fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+        payloads = await self.payloads("openai-chat", SamplingOptions(response_format=fmt))
+        self.assertEqual(len(payloads), 5)
+        self.assertTrue(all(body["response_format"] == fmt for body in payloads))
 
     async def test_no_sampling_field_is_sent_when_none_is_given(self) -> None:
         for backend in ("openai-completions", "openai-chat"):

@@ -120,7 +120,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     `config_kwargs` are EngineConfig fields (None where a flag was not given). Raises UsageError, naming
     the flag or the file and key: --model naming no checkpoint, a config.json, GGUF file or tokenizer the
     engine cannot read or does not implement (a GGUF file is checked whole here: header, metadata, every
-    tensor's type and extent), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
+    tensor's type, extent and alignment, NaN or infinite floats and block scales: `check_finite`), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
     from attention_kv_caceh.engine.model_runner import ModelRunner

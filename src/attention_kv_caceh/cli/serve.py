@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
                 "enable_prefix_caching": str(plan.engine_config.enable_prefix_caching),
             },
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            enable_auto_tool_choice=serve.enable_auto_tool_choice,
+            tool_call_parser=serve.tool_call_parser,
         )
         if not is_loopback(serve.host) and api_key is None:
             print(

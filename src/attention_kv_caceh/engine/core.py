@@ -9,7 +9,8 @@ async scheduling (scheduling step N+1 while step N's outputs are processed: `_pr
 the place it would go), LoRA and multimodal inputs, and the ROUTER/DEALER handshake (one front end talks
 to one core over PUSH/PULL sockets).
 
-One step, as vLLM's `EngineCore.step`: `scheduler.schedule()` -> `model_runner.execute_model()` and
+One step, as vLLM's `EngineCore.step`: `scheduler.schedule()` -> `model_runner.execute_model()`, the
+StructuredOutputManager's token bitmask for the step's structured rows (engine/structured_output/), and
 `sample_tokens()` (the sampler, and the rejection sampler for requests with draft tokens: a
 ModelRunnerOutput) -> `scheduler.update_from_output()` (the EngineCoreOutputs: one EngineCoreOutput per
 request that got tokens); with speculative decoding the n-gram proposer then drafts the next tokens of
@@ -24,7 +25,8 @@ EngineCoreProc runs a core in its own process (serve) or in a thread (tests), as
     output thread: output_queue -> encode -> socket
 
 An exception inside a step fails the requests that step was running (each gets an EngineCoreOutput with
-finish_reason "error"; their blocks are freed) and the loop goes on. Any other exception ends the loop:
+finish_reason "error"; their blocks are freed) and the loop goes on; a request whose logits are not
+finite fails alone (`model_runner.set_aside_non_finite`), the step's others keep their tokens. Any other exception ends the loop:
 the core sends `engine_dead` and exits, and the front end fails every open request. In a process of its
 own, the core exits when its parent dies (PR_SET_PDEATHSIG on Linux, and a check of getppid() by the
 input thread on every platform), ignores SIGINT (Ctrl-C reaches the whole process group; the front end
@@ -53,7 +55,7 @@ import zmq
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
 from .kv_cache_manager import KVCacheConfig
-from .model_runner import ModelRunnerLike, sample_tokens
+from .model_runner import NON_FINITE_LOGITS, ModelRunnerLike, sample_tokens, set_aside_non_finite
 from .outputs import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -65,6 +67,7 @@ from .request import Request, RequestStatus
 from .scheduler import Scheduler
 from .spec_decode.ngram_proposer import NgramProposer
 from .stats import StepStats
+from .structured_output import StructuredOutputManager
 
 __all__ = [
     "STEP_STATS_MAXLEN",
@@ -102,6 +105,8 @@ class EngineCore:
         extra_eos_token_ids: more end-of-sequence ids (a checkpoint may list several); like vLLM, they are
             added to a request's stop_token_ids unless it sets ignore_eos.
         max_step_stats: how many of the newest StepStats `step_stats` keeps.
+        structured_output_manager: compiles the grammars of requests with structured_outputs and fills
+            their masks (None: such requests are refused when added).
 
     Raises:
         ValueError: num_blocks or max_model_len is neither given nor in the config, or max_step_stats < 1.
@@ -117,6 +122,7 @@ class EngineCore:
         eos_token_id: int | None = None,
         extra_eos_token_ids: tuple[int, ...] = (),
         max_step_stats: int = STEP_STATS_MAXLEN,
+        structured_output_manager: StructuredOutputManager | None = None,
     ) -> None:
         blocks = num_blocks if num_blocks is not None else config.num_kv_blocks
         if blocks is None:
@@ -136,6 +142,7 @@ class EngineCore:
             get_request_block_hasher(config.block_size) if config.enable_prefix_caching else None
         )
         self.step_stats: deque[StepStats] = deque(maxlen=max_step_stats)
+        self.structured_output_manager = structured_output_manager
         self.num_steps = 0
         spec = config.speculative_config
         self.proposer: NgramProposer | None = None
@@ -167,9 +174,11 @@ class EngineCore:
         num_blocks = cfg.num_blocks_for(bytes_per_block)
         runner = ModelRunner(model, cfg, num_blocks)
         eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
-        eos = Tokenizer.load(model_path).eos_token_id
+        tokenizer = Tokenizer.load(model_path)
+        eos = tokenizer.eos_token_id
         if eos is None and eos_ids:
             eos = eos_ids[0]
+        stop_ids = tuple(dict.fromkeys([int(t) for t in ([] if eos is None else [eos]) + list(eos_ids)]))
         return cls(
             cfg,
             runner,
@@ -177,6 +186,7 @@ class EngineCore:
             max_model_len=max_model_len,
             eos_token_id=eos,
             extra_eos_token_ids=eos_ids,
+            structured_output_manager=StructuredOutputManager(tokenizer.backend_json(), stop_ids),
         )
 
     @property
@@ -210,10 +220,20 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         """Queue a Request built by preprocess_add_request; it runs from the next step.
 
+        A request with structured_outputs gets its grammar compile submitted here (it waits in
+        WAITING_FOR_FSM until the grammar is ready).
+
         Raises:
-            ValueError: an id in use, a prompt over max_model_len, or a request that cannot fit in the
-                whole KV pool (see Scheduler.add_request).
+            ValueError: an id in use, a prompt over max_model_len, a request that cannot fit in the
+                whole KV pool (see Scheduler.add_request), or structured_outputs on a core without a
+                StructuredOutputManager.
         """
+        if request.use_structured_output:
+            if self.structured_output_manager is None:
+                raise ValueError("structured_outputs needs a tokenizer this engine core was not given")
+            self.scheduler.add_request(request)
+            self.structured_output_manager.grammar_init(request)
+            return
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -255,13 +275,20 @@ class EngineCore:
         """
         t0, cpu0, start = time.perf_counter(), time.thread_time(), time.monotonic()
         scheduler_output = self.scheduler.schedule()
+        rejected = self.scheduler.take_rejected()  # grammars that failed to compile
         if scheduler_output.total_num_scheduled_tokens == 0:
-            return self.snapshot(EngineCoreOutputs())
+            return self.snapshot(EngineCoreOutputs(rejected))
         if on_schedule is not None:
             on_schedule()
         logits = self.model_runner.execute_model(scheduler_output)  # [R + D, V]
-        model_runner_output = sample_tokens(scheduler_output, logits)
+        manager = self.structured_output_manager
+        grammar_output = None if manager is None else manager.grammar_bitmask(scheduler_output)
+        non_finite, logits = set_aside_non_finite(scheduler_output, logits)
+        model_runner_output = sample_tokens(scheduler_output, logits, grammar_output)
         outputs = self.scheduler.update_from_output(scheduler_output, model_runner_output)
+        outputs.outputs[:0] = rejected
+        if non_finite:
+            self._fail_non_finite(outputs, non_finite)
         self._propose(outputs, len(scheduler_output.scheduled_requests))
         cpu_ms = (time.thread_time() - cpu0) * 1e3  # read inside the wall interval
         wall_ms = (time.perf_counter() - t0) * 1e3
@@ -272,6 +299,16 @@ class EngineCore:
         self.num_steps += 1
         outputs.step_start, outputs.step_end = start, time.monotonic()
         return self.snapshot(outputs)
+
+    def _fail_non_finite(self, outputs: EngineCoreOutputs, request_ids: list[str]) -> None:
+        """Replace the step's outputs of requests whose logits were not finite by errors, and abort them
+        (their blocks are freed); the step's other requests keep their tokens and run on."""
+        failed = set(request_ids)
+        self.abort_requests(request_ids)
+        logger.error("non-finite logits: failing requests %s", ", ".join(request_ids))
+        message = f"engine step failed: {NON_FINITE_LOGITS}"
+        kept = [o for o in outputs.outputs if o.request_id not in failed]
+        outputs.outputs = kept + [EngineCoreOutput(rid, [], "error", message) for rid in request_ids]
 
     def _propose(self, outputs: EngineCoreOutputs, batch_size: int) -> None:
         """Draft the next tokens of every request that got tokens and runs on, `Request.spec_token_ids`;
@@ -284,7 +321,9 @@ class EngineCore:
         for output in outputs.outputs:
             if not output.finished:
                 request = self.scheduler.requests[output.request_id]
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids, k)
+                drafts = self.proposer.propose(request.all_token_ids, k)
+                # vLLM's update_draft_token_ids: drafts stop at the first token the grammar rejects
+                request.spec_token_ids = StructuredOutputManager.validate_draft_tokens(request, drafts)
 
     def fail_running(self, exc: BaseException) -> EngineCoreOutputs:
         """After a step raised `exc`: abort the requests it was running (all unfinished ones when none
@@ -309,6 +348,7 @@ _ids_decoder = msgspec.msgpack.Decoder(list[str])
 _utility_decoder = msgspec.msgpack.Decoder(tuple[int, str])
 
 _Input = tuple[bytes, Any]
+_WAKE = b"wake"  # an input of the core's own: a grammar finished compiling
 
 
 class EngineCoreProc:
@@ -337,6 +377,11 @@ class EngineCoreProc:
         self._output_thread = threading.Thread(
             target=self._process_output_socket, args=(output_address,), name="core-output", daemon=True
         )
+        if core.structured_output_manager is not None:  # a compiled grammar wakes an idle busy loop
+            core.structured_output_manager.on_grammar_ready = self._wake
+
+    def _wake(self) -> None:
+        self.input_queue.put_nowait((_WAKE, None))
 
     def run(self) -> None:
         """Start the IO threads, announce readiness, run the busy loop; on a fatal error send engine_dead."""
@@ -393,6 +438,8 @@ class EngineCoreProc:
             self._push(EngineCoreOutputs())
 
     def _handle_client_request(self, kind: bytes, payload: Any) -> None:
+        if kind == _WAKE:
+            return
         if kind == RequestType.ADD:
             if isinstance(payload, EngineCoreOutput):  # the input thread refused it
                 self._push(EngineCoreOutputs([payload]))
@@ -425,6 +472,8 @@ class EngineCoreProc:
             self._push(self.core.fail_running(exc))
             return True
         if outputs.step_stats is None:
+            if outputs.outputs:  # requests whose grammar failed to compile
+                self._push(outputs)
             return False
         self._push(outputs)
         return True

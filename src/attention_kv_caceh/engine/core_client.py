@@ -87,8 +87,13 @@ class InprocClient:
         self.core.abort_requests(request_ids)
 
     def get_output(self) -> EngineCoreOutputs:
-        """One engine step's outputs (empty when nothing was scheduled)."""
-        return self.core.step()
+        """One engine step's outputs (empty when nothing was scheduled; then, while a grammar is
+        compiling, it first waits up to 50 ms for one to finish rather than spin)."""
+        outputs = self.core.step()
+        manager = self.core.structured_output_manager
+        if outputs.step_stats is None and not outputs.outputs and manager is not None:
+            manager.wait_for_grammar(0.05)
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         """See EngineCore.reset_prefix_cache."""

@@ -28,6 +28,7 @@ from .core_client import InprocClient
 from .output_processor import OutputProcessor, RequestDelta
 from .request import Request, SamplingParams, TokenLogprobs, decode_logprobs_payloads
 from .scheduler import Scheduler
+from .structured_output import StructuredOutputManager
 from .tokenizer import Tokenizer
 
 __all__ = ["STEP_STATS_MAXLEN", "LLMEngine", "ModelRunnerLike", "RequestOutput", "StepStats", "TokenizerLike"]
@@ -104,6 +105,12 @@ class LLMEngine:
         max_step_stats: int = STEP_STATS_MAXLEN,
     ) -> None:
         eos = eos_token_id if eos_token_id is not None else (tokenizer.eos_token_id if tokenizer else None)
+        manager = None
+        if isinstance(tokenizer, Tokenizer):  # a `tokenizers` tokenizer: llguidance can read it
+            stop_ids = tuple(
+                dict.fromkeys([int(t) for t in ([] if eos is None else [eos]) + list(extra_eos_token_ids)])
+            )
+            manager = StructuredOutputManager(tokenizer.backend_json(), stop_ids)
         core = EngineCore(
             config,
             model_runner,
@@ -112,6 +119,7 @@ class LLMEngine:
             eos_token_id=eos,
             extra_eos_token_ids=extra_eos_token_ids,
             max_step_stats=max_step_stats,
+            structured_output_manager=manager,
         )
         self._init(core, tokenizer)
 

@@ -19,8 +19,10 @@ drafts is laid out for the compiled decode kernel with one row per token: row i 
 blocks up to its own position (context length position + 1), which is the causal mask of the
 request's queries, so verification never takes the gather-and-matmul prefill path.
 
-Left out: persistent input buffers, CUDA graphs, pipeline/tensor parallelism, structured-output bitmasks,
-and batched sampling kernels (one request's row at a time).
+A step with structured outputs passes `sample_tokens` the core's GrammarOutput (vLLM's `grammar_output`
+argument): the sampler and the rejection sampler apply each masked row before choosing a token.
+
+Left out: persistent input buffers, CUDA graphs, pipeline/tensor parallelism, and batched sampling kernels (one request's row at a time).
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
 """
@@ -36,17 +38,29 @@ import numpy.typing as npt
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
 from attention_kv_caceh.engine.request import TokenLogprobs
-from attention_kv_caceh.engine.sampler import sample, token_logprobs
+from attention_kv_caceh.engine.sampler import _MAX_LOGIT, sample, token_logprobs  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
+from attention_kv_caceh.engine.structured_output import GrammarOutput
 from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, compute_dtype
 from attention_kv_caceh.model_executor.model import Model, ModelConfig
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.model_executor.warmup import warm_up
 
-__all__ = ["ModelInputs", "ModelRunner", "ModelRunnerLike", "sample_tokens"]
+__all__ = [
+    "NON_FINITE_LOGITS",
+    "ModelInputs",
+    "ModelRunner",
+    "ModelRunnerLike",
+    "sample_tokens",
+    "set_aside_non_finite",
+]
 
 FloatArray = npt.NDArray[np.floating[Any]]
+NON_FINITE_LOGITS = (
+    f"the model's logits for this request contain NaN, an infinity or a value past +-{_MAX_LOGIT:.4g} "
+    "(its weights or activations are not finite)"
+)
 
 
 @dataclass(frozen=True)
@@ -234,8 +248,40 @@ class ModelRunner:
                 r.prompt_logprobs.append(token_logprobs(logits[j], r.prompt_token_ids[p + 1], k))
 
 
-def sample_tokens(scheduler_output: SchedulerOutput, logits: FloatArray) -> ModelRunnerOutput:
+def set_aside_non_finite(
+    scheduler_output: SchedulerOutput, logits: FloatArray
+) -> tuple[list[str], FloatArray]:
+    """The requests of the step whose rows to sample (`sample_tokens`'s) hold a NaN, an infinity or a
+    value past float32's range, and the logits with those rows set to zero (a copy; `logits` itself
+    when there is none), so that the others sample as they would have. The caller fails those requests.
+    Rows of a partial prefill chunk are not sampled and not looked at. logits: `[R + D, V]`."""
+    reqs = scheduler_output.scheduled_requests
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    if logits.ndim != 2:
+        return [], logits  # sample_tokens refuses the shape
+    finite_rows = np.asarray((np.abs(logits) <= _MAX_LOGIT).all(axis=1), dtype=bool)  # [R + D]; NaN fails
+    bad_rows = ~finite_rows
+    if not bad_rows.any():
+        return [], logits
+    failed: list[str] = []
+    cleaned = logits.copy()
+    start = 0
+    for r in reqs:
+        rows = slice(start, start + 1 + len(spec.get(r.request_id, ())))
+        start = rows.stop
+        if (scheduler_output.samples_token(r) or spec.get(r.request_id)) and bad_rows[rows].any():
+            failed.append(r.request_id)
+            cleaned[rows] = 0.0
+    return failed, cleaned
+
+
+def sample_tokens(
+    scheduler_output: SchedulerOutput, logits: FloatArray, grammar_output: GrammarOutput | None = None
+) -> ModelRunnerOutput:
     """The tokens one step yields, from the logits `[R + D, V]` `execute_model` returned.
+
+    `grammar_output`: the step's grammar bitmask `[R + D, W]` (rows laid out as the logits); the rows
+    of its structured requests are masked before sampling (the logprobs stay those of the raw rows).
 
     A request whose last token the step computed, without drafts, gets one token from its row
     (`sampler.sample`); one with d scheduled drafts gets its 1 + d rows verified
@@ -255,13 +301,28 @@ def sample_tokens(scheduler_output: SchedulerOutput, logits: FloatArray) -> Mode
         )
     starts = np.cumsum([0, *num_rows])  # request i's rows: starts[i] : starts[i + 1]
     sampled: list[list[int]] = [[] for _ in reqs]
+    bitmask = None if grammar_output is None else grammar_output.grammar_bitmask  # [R + D, W]
+    masked = frozenset[str]() if grammar_output is None else grammar_output.structured_output_request_ids
+
+    def rows_mask(i: int) -> npt.NDArray[np.int32] | None:
+        return (
+            bitmask[starts[i] : starts[i + 1]]
+            if bitmask is not None and reqs[i].request_id in masked
+            else None
+        )
+
     plain = [i for i, r in enumerate(reqs) if scheduler_output.samples_token(r) and num_rows[i] == 1]
-    for i, token in zip(plain, sample(logits[starts[plain]], [reqs[i] for i in plain]), strict=True):
+    masks = [m[0] if (m := rows_mask(i)) is not None else None for i in plain]
+    tokens = sample(logits[starts[plain]], [reqs[i] for i in plain], masks if bitmask is not None else None)
+    for i, token in zip(plain, tokens, strict=True):
         sampled[i] = [token]
     for i, r in enumerate(reqs):
         drafts = spec.get(r.request_id)
         if drafts:
-            sampled[i] = verify_draft(logits[starts[i] : starts[i + 1]], r, drafts)
+            rows, mask = logits[starts[i] : starts[i + 1]], rows_mask(i)
+            sampled[i] = (
+                verify_draft(rows, r, drafts) if mask is None else verify_draft(rows, r, drafts, mask)
+            )
     logprobs: list[list[TokenLogprobs]] | None = None
     if any(r.sampling_params.logprobs is not None for r in reqs):
         logprobs = []

@@ -339,7 +339,9 @@ class OutputProcessor:
                 if itl is not None:
                     itls.append(itl)
                 generation_tokens += len(new_ids)
-            text, stopped, kept = state.text_delta_each(new_ids, reason is not None, reason == "stop")
+            text, stopped, kept = state.text_delta_each(
+                new_ids, reason is not None, reason == "stop" and not output.grammar_stop
+            )
             if stopped:
                 reason = "stop"
                 to_abort.append(output.request_id)

@@ -90,6 +90,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
             (`encode_logprobs_payloads`); None when the request asked for no logprobs.
         num_cached_tokens: prompt tokens the prefix cache served at the request's latest admission.
         num_preemptions: times the request was preempted so far.
+        grammar_stop: finish_reason "stop" came from a complete grammar (structured outputs), not from
+            an eos or stop token: the last token is output text like any other.
     """
 
     request_id: str
@@ -99,6 +101,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: Any = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    grammar_stop: bool = False
 
     @property
     def finished(self) -> bool:

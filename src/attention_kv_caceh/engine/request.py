@@ -2,9 +2,11 @@
 
 Corresponds to vLLM v1's `vllm/v1/request.py` (Request, RequestStatus), `vllm/sampling_params.py` (the
 fields used here) and `check_stop` in `vllm/v1/core/sched/utils.py`. Left out: multimodal inputs, LoRA,
-stop strings (the API process applies them), min_p, bad words, structured output.
+stop strings (the API process applies them), min_p, bad words. A request with `structured_outputs`
+carries its StructuredOutputRequest (engine/structured_output/) and waits in WAITING_FOR_FSM until its
+grammar is compiled.
 
-Life cycle: WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting queue -> RUNNING)* ->
+Life cycle: (WAITING_FOR_FSM ->) WAITING -> RUNNING -> (PREEMPTED, back at the front of the waiting queue -> RUNNING)* ->
 FINISHED_STOPPED | FINISHED_LENGTH_CAPPED | FINISHED_ABORTED. A preempted request keeps its output tokens;
 they are recomputed with the prompt when it runs again (preemption by recompute).
 
@@ -26,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from .structured_output.params import StructuredOutputsParams
+from .structured_output.request import StructuredOutputRequest
+
 # A request's block hasher (see block_pool.get_request_block_hasher): the hashes of the full blocks of
 # request.all_token_ids that request.block_hashes does not cover yet.
 BlockHasher = Callable[["Request"], list[bytes]]
@@ -46,9 +51,11 @@ __all__ = [
 
 
 class RequestStatus(enum.Enum):
-    """Where a request is in its life cycle (vLLM v1's RequestStatus, without the structured-output states)."""
+    """Where a request is in its life cycle (vLLM v1's RequestStatus; WAITING_FOR_FSM: its grammar is
+    being compiled)."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -171,9 +178,12 @@ class SamplingParams:
             request then skips the prefix cache, as vLLM does, so every position is computed).
         include_stop_str_in_output: keep the stop string, or the stop token's text, in the output.
         skip_special_tokens: leave special tokens out of the text (the OutputProcessor's detokenizer).
+        structured_outputs: a constraint the output must satisfy (a JSON schema, a regex, a choice, a
+            grammar ...; StructuredOutputsParams), or None.
 
     Raises:
-        ValueError: a field is out of its range.
+        ValueError: a field is out of its range, or min_tokens > 0 with structured_outputs (the grammar
+            may allow only eos where min_tokens forbids it).
     """
 
     max_tokens: int = 16
@@ -193,6 +203,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -229,6 +240,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 0):
                 raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+        if self.structured_outputs is not None and self.min_tokens:
+            raise ValueError("min_tokens cannot be combined with structured_outputs")
 
     @property
     def has_penalties(self) -> bool:
@@ -268,6 +281,8 @@ class Request:
             sampling_params.seed, so its draws do not depend on the other requests in the batch.
         spec_token_ids: draft tokens proposed after the latest step (speculative decoding), to be
             verified at the next one; not part of all_token_ids (vLLM's `spec_token_ids`).
+        structured_output_request: the constraint and its grammar when sampling_params has
+            structured_outputs, else None (vLLM's `structured_output_request`).
 
     Raises:
         ValueError: an empty prompt or a negative token id.
@@ -301,8 +316,17 @@ class Request:
         self.generator = np.random.default_rng(sampling_params.seed)
         self.spec_token_ids: list[int] = []
         self.block_hasher = block_hasher
+        so = sampling_params.structured_outputs
+        self.structured_output_request = None if so is None else StructuredOutputRequest(so)
+        if so is not None:
+            self.status = RequestStatus.WAITING_FOR_FSM
         if block_hasher is not None:
             self.block_hashes.extend(block_hasher(self))
+
+    @property
+    def use_structured_output(self) -> bool:
+        """The request has a structured-output constraint."""
+        return self.structured_output_request is not None
 
     @property
     def all_token_ids(self) -> list[int]:

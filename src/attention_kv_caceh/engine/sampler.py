@@ -2,8 +2,10 @@
 
 Corresponds to vLLM v1's `vllm/v1/sample/sampler.py`, `ops/topk_topp_sampler.py`, `ops/penalties.py`, the
 logit-bias and min-tokens logits processors and `vllm/model_executor/layers/utils.py` (apply_penalties),
-one request (one row of the batch) at a time, each with its own SamplingParams. Left out: min_p, bad words,
-allowed token ids, vectorized kernels over the whole batch.
+one request (one row of the batch) at a time, each with its own SamplingParams. A structured request's
+row is masked by its grammar's bitmask row last, after the penalties (structured_output/utils.py), so
+only tokens its grammar allows can be drawn. Left out: min_p, bad words, allowed token ids, vectorized
+kernels over the whole batch.
 
 Per row, in vLLM's order: the logprobs are taken first, from the raw logits (vLLM's default
 `raw_logprobs`); then the logit bias is added; eos and the stop token ids are masked (-inf) while the
@@ -43,6 +45,7 @@ import numpy as np
 import numpy.typing as npt
 
 from .request import Request, SamplingParams, TokenLogprobs
+from .structured_output.utils import apply_token_bitmask
 
 __all__ = ["apply_logits_processors", "sample", "sample_row", "token_logprobs"]
 
@@ -136,14 +139,19 @@ def sample_row(
     return j if order is None else int(order[j])
 
 
-def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -> list[int]:
+def sample(
+    logits: npt.NDArray[np.floating[Any]],
+    requests: Sequence[Request],
+    masks: Sequence[npt.NDArray[np.int32] | None] | None = None,
+) -> list[int]:
     """Next token of each request: row i of `logits` `[R, V]` belongs to requests[i]. The logprobs of
     the sampled tokens come from the same raw rows (`token_logprobs`; the model runner's
-    `sample_tokens` takes them).
+    `sample_tokens` takes them). `masks[i]`: request i's grammar bitmask row `[W]` int32, or None.
 
     Raises:
         ValueError: logits is not 2-D with one row per request, or holds a NaN, an infinity or a value
-            past float32's range (see the module docstring: the penalties' bounds assume it).
+            past float32's range (see the module docstring: the penalties' bounds assume it); a mask
+            that allows no token.
     """
     if logits.ndim != 2 or logits.shape[0] != len(requests):
         raise ValueError(f"logits must be [R={len(requests)}, V], got shape {logits.shape}")
@@ -154,5 +162,8 @@ def sample(logits: npt.NDArray[np.floating[Any]], requests: Sequence[Request]) -
         params = request.sampling_params
         plain = not params.logit_bias and not params.has_penalties and params.min_tokens == 0
         row = logits[i] if plain else apply_logits_processors(logits[i], request)
+        mask = None if masks is None else masks[i]
+        if mask is not None:
+            row = apply_token_bitmask(row, mask)
         tokens.append(sample_row(row, params, request.generator))
     return tokens

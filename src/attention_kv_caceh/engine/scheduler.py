@@ -1,7 +1,9 @@
 """Scheduler: vLLM v1's token-budget loop with chunked prefill, prefix caching and preemption by recompute.
 
 Corresponds to vLLM v1's `vllm/v1/core/sched/scheduler.py` (schedule, update_from_output, finish_requests)
-and `output.py` (SchedulerOutput). Left out: priorities, structured output, encoder inputs, KV transfer,
+and `output.py` (SchedulerOutput), with its structured-output part (WAITING_FOR_FSM requests passed
+over until their grammar is compiled, the grammar advanced over accepted tokens, a complete grammar
+finishing the request). Left out: priorities, encoder inputs, KV transfer,
 async scheduling, the partial-prefill limits (long_prefill_token_threshold), vLLM's per-client output
 lists (one front end here), and make_stats (`Scheduler.make_stats` builds the step's StepStats).
 
@@ -18,7 +20,9 @@ from one token budget (`max_num_batched_tokens`):
 2. Then, if nothing was preempted this step, waiting requests in order while fewer than max_num_seqs run
    and budget remains: a prefix-cache hit sets their starting num_computed_tokens, and the rest of the
    prompt (or its first chunk) is scheduled. A request that does not fit stops admission (first come,
-   first served: no later request overtakes it).
+   first served: no later request overtakes it). A request whose grammar is still compiling
+   (WAITING_FOR_FSM) is passed over and keeps its place; one whose grammar failed to compile is
+   finished and reported "rejected" with the compile error (`take_rejected`).
 
 A token is sampled for a request only when the step computes its last token (c + n == num_tokens, and
 its scheduled drafts after it); a partial prefill chunk samples nothing. update_from_output takes the
@@ -125,6 +129,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_at_schedule = (0, 0)
         self._finished_ids: list[str] = []
+        self._rejected: list[EngineCoreOutput] = []
 
     # ---- admission ------------------------------------------------------------------------------------
 
@@ -145,7 +150,9 @@ class Scheduler:
                 f"{self.max_model_len}"
             )
         self.kv_cache_config.check_request_fits(request.num_prompt_tokens, request.sampling_params.max_tokens)
-        request.status = RequestStatus.WAITING
+        so = request.structured_output_request
+        waiting_for_fsm = so is not None and not so.is_grammar_ready
+        request.status = RequestStatus.WAITING_FOR_FSM if waiting_for_fsm else RequestStatus.WAITING
         self.requests[rid] = request
         self.waiting.append(request)
 
@@ -241,8 +248,13 @@ class Scheduler:
             break  # the request itself was preempted: nothing after it is running any more
 
         new_ids: list[str] = []
+        skipped: list[Request] = []  # WAITING_FOR_FSM: keep their place, let the others past
         while not preempted and self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
             request = self.waiting[0]
+            if not self._grammar_ready(request):
+                if request.status == RequestStatus.WAITING_FOR_FSM:
+                    skipped.append(self.waiting.popleft())
+                continue
             hit_blocks, num_hit = kv.get_computed_blocks(request)
             n = min(request.num_tokens - num_hit, budget)
             if kv.allocate_slots(request, n, hit_blocks) is None:
@@ -257,6 +269,7 @@ class Scheduler:
             num_tokens[request.request_id] = n
             new_ids.append(request.request_id)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))
 
         computed = {r.request_id: r.num_computed_tokens for r in scheduled}
         num_decode = sum(
@@ -282,6 +295,29 @@ class Scheduler:
             preempted_request_ids=preempted,
             finished_request_ids=list(finished_ids),
         )
+
+    def _grammar_ready(self, request: Request) -> bool:
+        """Whether the waiting request at the front may be admitted: its grammar (if any) is compiled.
+        A compile error finishes it (FINISHED_ABORTED, reported "rejected" by take_rejected)."""
+        so = request.structured_output_request
+        if so is None or request.status != RequestStatus.WAITING_FOR_FSM:
+            return True
+        if not so.is_grammar_ready:
+            return False
+        error = so.compile_error
+        if error is None:
+            request.status = RequestStatus.WAITING
+            return True
+        self.waiting.popleft()
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._finish(request)
+        self._rejected.append(EngineCoreOutput(request.request_id, [], "rejected", error))
+        return False
+
+    def take_rejected(self) -> list[EngineCoreOutput]:
+        """The "rejected" outputs of requests whose grammar failed to compile since the last call."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -324,11 +360,21 @@ class Scheduler:
             num_rejected = len(spec.get(rid, ())) - (len(tokens) - 1)
             request.num_computed_tokens += n - num_rejected
             kept: list[int] = []
-            stopped = False
+            stopped = grammar_stop = False
+            so = request.structured_output_request
+            grammar = None if so is None else so.grammar
             for token in tokens:
                 request.append_output_token(token)
                 kept.append(token)
                 stopped = check_stop(request, self.max_model_len)
+                if grammar is not None:
+                    if not grammar.accept_tokens([token]):
+                        raise ValueError(
+                            f"request {rid!r}: token {token} breaks its grammar ({grammar.error})"
+                        )
+                    if not stopped and grammar.is_terminated():  # the grammar is complete: "stop"
+                        request.status = RequestStatus.FINISHED_STOPPED
+                        stopped = grammar_stop = True
                 if stopped:
                     break
             if logprobs is not None and logprobs[i]:  # none for tokens trimmed after a stop
@@ -347,6 +393,7 @@ class Scheduler:
                     new_logprobs=encode_logprobs_payloads(request, len(kept)),
                     num_cached_tokens=request.num_cached_tokens,
                     num_preemptions=request.num_preemptions,
+                    grammar_stop=grammar_stop,
                 )
             )
         return EngineCoreOutputs(outputs)

@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import models
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
@@ -47,6 +49,7 @@ MAX_COMPOSED = 4
 """The most characters Unicode composition turns into one: the longest canonical decomposition (U+1F82
 is alpha and three marks); a test checks it against `unicodedata`."""
 
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a SentencePiece byte-fallback piece
 _REPLACEMENT = "\ufffd"  # what a decoder emits for bytes that are not (yet) a whole UTF-8 character
 
 
@@ -78,6 +81,8 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._specials = _cuts_at_spaces(tokenizer)  # None: long texts are encoded whole
         self.max_token_chars = _chars_per_token(tokenizer)
+        model = tokenizer.model
+        self._byte_fallback = isinstance(model, models.BPE) and model.byte_fallback  # SentencePiece-style
 
     @classmethod
     def load(cls, path: str | Path) -> Tokenizer:
@@ -85,7 +90,8 @@ class Tokenizer:
 
         `path` may also name a GGUF file (a `.gguf` file, a folder holding one, or a model name of
         `model_source.MODELS`): the tokenizer is then built from the file's metadata
-        (`gguf_tokenizer.tokenizer_from_gguf`).
+        (`gguf_tokenizer.tokenizer_from_gguf`), once per process and file version, the same Tokenizer
+        for every call.
 
         Raises CheckpointError (a ValueError) naming the file when tokenizer.json is missing or either
         file cannot be parsed, or naming the key of a GGUF tokenizer that cannot be built.
@@ -94,10 +100,8 @@ class Tokenizer:
 
         gguf = gguf_file_of(path)
         if gguf is not None:
-            from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
-            from attention_kv_caceh.model_executor.gguf_tokenizer import tokenizer_from_gguf
-
-            return cls(*tokenizer_from_gguf(GGUFCheckpoint(gguf)))
+            stat = gguf.stat()
+            return _gguf_tokenizer(str(gguf), stat.st_size, stat.st_mtime_ns)
         folder = Path(path)
         file = folder / "tokenizer.json"
         if not file.is_file():
@@ -191,6 +195,10 @@ class Tokenizer:
             ids = self._tok.encode_batch_fast([piece], add_special_tokens=False)[0].ids
             yield (before if i == 0 else []) + ids + (after if i == len(pieces) - 1 else [])
 
+    def backend_json(self) -> str:
+        """The `tokenizers` tokenizer as its JSON (what llguidance builds its tokenizer view from)."""
+        return self._tok.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`. Ids the tokenizer does not know (a model's padding rows) decode to nothing."""
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -200,15 +208,31 @@ class Tokenizer:
 
         A byte-level BPE token (GPT-2's alphabet: each byte written as one printable character) maps back
         to its raw bytes, so half of a multi-byte character gives its bytes, not U+FFFD. Any other token
-        gives the UTF-8 of its decoded text. An id the tokenizer does not know gives b"".
+        gives the UTF-8 of its decoded text. A SentencePiece piece with byte fallback gives its byte
+        ("<0x0A>" gives one newline byte) or its text with "▁" read as a space. An id the tokenizer does not know gives b"".
         """
         piece = self._tok.id_to_token(token_id)
         if piece is None:
             return b""
+        if self._byte_fallback:
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte.group(1), 16)]) if byte else piece.replace("\u2581", " ").encode("utf-8")
         table = _byte_level_decoder()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return self.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=4)
+def _gguf_tokenizer(path: str, size: int, mtime_ns: int) -> Tokenizer:
+    """The Tokenizer of a GGUF file, built once per process and file version (size, mtime): a start loads
+    it for the engine, the prompts and the server, and building a 49,152-token vocabulary costs about
+    a second. Shared: a Tokenizer is not changed after it is built."""
+    del size, mtime_ns  # part of the cache key only
+    from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
+    from attention_kv_caceh.model_executor.gguf_tokenizer import tokenizer_from_gguf
+
+    return Tokenizer(*tokenizer_from_gguf(GGUFCheckpoint(path)))
 
 
 def _pieces(text: str, size: int) -> list[str]:

@@ -6,13 +6,14 @@ Face checkpoint keeps its template in `tokenizer_config.json` under `chat_templa
 It is rendered the way transformers renders it: a
 sandboxed Jinja2 environment with `trim_blocks` and `lstrip_blocks`, `raise_exception(msg)`, a `tojson`
 that keeps non-ASCII characters, `strftime_now(fmt)`, and the variables `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`.
+`add_generation_prompt`, `bos_token`, `eos_token`, and `tools` when the request gives them (as
+`apply_chat_template(tools=...)`; assistant messages keep their `tool_calls`, tool messages their
+`tool_call_id`).
 
 Without a template the server uses `PLAIN_CHAT_TEMPLATE`: one line `role: content` per message, then
 `assistant: ` when a generation prompt is asked for.
 
-Left out: multimodal content parts (images, audio, video), tools and tool calls passed to the template,
-`chat_template_kwargs`, a template given on the command line (`--chat-template`), and the detection of the
+Left out: multimodal content parts (images, audio, video), `chat_template_kwargs`, a template given on the command line (`--chat-template`), and the detection of the
 template's content format (a list of text parts is joined into one string here).
 """
 
@@ -59,8 +60,14 @@ class ChatTemplate:
     bos_token: str = ""
     eos_token: str = ""
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for `messages` (each with `role` and `content`).
+    def render(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text for `messages` (each with `role` and `content`, maybe `tool_calls`), with
+        `tools` (OpenAI's tool objects) when given.
 
         Raises ValueError when the template fails (a syntax error, or its own `raise_exception`).
         """
@@ -75,6 +82,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                tools=tools,
             )
         except TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc

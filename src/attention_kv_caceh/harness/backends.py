@@ -17,6 +17,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from time import perf_counter_ns
+from types import SimpleNamespace
 from typing import Any, Literal, Protocol
 
 import aiohttp
@@ -194,13 +195,59 @@ def load_session() -> aiohttp.ClientSession:
     """The HTTP session of a load: no connection limit (the harness's semaphore bounds concurrency, not
     aiohttp's default pool of 100), no cookie jar (servers set none a benchmark needs) and no
     decompression (SSE is not compressed): each of those costs every request a little CPU. An idle
-    connection is kept KEEPALIVE_S, less than servers keep one (uvicorn's and cpp-httplib's 5 s): a
-    connection the server is closing just then would fail the request sent on it."""
+    connection is kept KEEPALIVE_S, less than servers keep one (uvicorn's and cpp-httplib's 5 s). The
+    session reports which requests went out on a reused connection (`REUSE_TRACE`), so that
+    `OpenAIBackend` can retry one the server had closed (see there)."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S),
         cookie_jar=aiohttp.DummyCookieJar(),
         auto_decompress=False,
+        trace_configs=[REUSE_TRACE],
     )
+
+
+def _fresh_session() -> aiohttp.ClientSession:
+    """A session whose every request opens a connection of its own (closed after it): a retry's."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(force_close=True),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+    )
+
+
+class _Attempt:
+    """Per-request trace context: whether aiohttp sent the request on a pooled (reused) connection."""
+
+    __slots__ = ("reused",)
+
+    def __init__(self) -> None:
+        self.reused = False
+
+
+async def _on_reuse(
+    session: aiohttp.ClientSession, context: SimpleNamespace, params: aiohttp.TraceConnectionReuseconnParams
+) -> None:
+    del session, params
+    attempt = getattr(context, "trace_request_ctx", None)
+    if isinstance(attempt, _Attempt):
+        attempt.reused = True
+
+
+REUSE_TRACE = aiohttp.TraceConfig()
+"""aiohttp trace that marks a request's `_Attempt` (its `trace_request_ctx`) when its connection was
+taken from the pool."""
+REUSE_TRACE.on_connection_reuseconn.append(_on_reuse)
+
+
+def _closed_before_answering(exc: aiohttp.ClientError, record: RequestRecord) -> bool:
+    """The connection closed or failed before any byte of the response: no status line or header
+    parsed (aiohttp's ServerDisconnectedError carries the partial message when one had begun), no
+    event, and not a failure to connect (ClientConnectorError)."""
+    if record.http_status is not None or record.token_times_ns:
+        return False
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # a RawResponseMessage: the response had begun
+    return isinstance(exc, aiohttp.ClientOSError) and not isinstance(exc, aiohttp.ClientConnectorError)
 
 
 KEEPALIVE_S = 2.0
@@ -323,33 +370,86 @@ class OpenAIBackend:
             body["ignore_eos"] = True
         return body
 
+    async def _stream(
+        self,
+        session: aiohttp.ClientSession,
+        spec: RequestSpec,
+        record: RequestRecord,
+        decoder: OpenAIStreamDecoder,
+        answer: AnswerText | None,
+        timeout: aiohttp.ClientTimeout,
+        attempt: _Attempt | None,
+    ) -> bool:
+        """One send of `spec` on `session` and its stream into `record`: True when a 200 stream was
+        read, False for an HTTP error status (recorded in `record`). Raises what aiohttp and the
+        decoder raise."""
+        async with session.post(
+            self._url, data=self._body(spec), headers=self.headers, timeout=timeout, trace_request_ctx=attempt
+        ) as response:
+            record.http_status = response.status
+            if response.status != 200:
+                body = await response.text(errors="replace")
+                record.fail(
+                    "http_error",
+                    body.strip()[:500] or "(empty body)",
+                    perf_counter_ns(),
+                )
+                return False
+            async for chunk in response.content.iter_any():
+                now = perf_counter_ns()
+                if answer is not None:
+                    answer.feed(chunk)
+                record.add_token_events(now, decoder.feed(chunk))
+                if decoder.failure is not None:
+                    raise decoder.failure
+                if decoder.done:
+                    await _read_to_end(response.content)
+                    break
+        return True
+
+    async def _retry_on_a_fresh_connection(
+        self,
+        spec: RequestSpec,
+        record: RequestRecord,
+        decoder: OpenAIStreamDecoder,
+        answer: AnswerText | None,
+    ) -> bool:
+        """The one retry (see `generate`), within what is left of the request's timeout; returns what
+        `_stream` returns."""
+        record.retried_fresh_connection = True
+        spent_s = (perf_counter_ns() - (record.sent_ns or perf_counter_ns())) / 1e9
+        left_s = (self.timeout.total or 0.0) - spent_s
+        if left_s <= 0:
+            raise TimeoutError
+        async with _fresh_session() as fresh:
+            return await self._stream(
+                fresh, spec, record, decoder, answer, aiohttp.ClientTimeout(total=left_s), None
+            )
+
     async def generate(self, spec: RequestSpec, record: RequestRecord) -> None:
-        """Send `spec`, timestamp every token-bearing event into `record`, record any failure."""
+        """Send `spec`, timestamp every token-bearing event into `record`, record any failure.
+
+        A request sent on a reused keep-alive connection (`load_session`'s `REUSE_TRACE` says so) that
+        the server had closed, so that the connection failed before any byte of the response came, is
+        sent once more on a fresh connection, as HTTP clients do for an idempotent request on a stale
+        connection (urllib3, browsers): the server never received it. `record.retried_fresh_connection`
+        says so; its latencies still count from the first send (`sent_ns`), and the retry gets what is
+        left of the timeout. A request that got any byte of its response, or that failed on a fresh
+        connection, is never sent again.
+        """
         decoder = OpenAIStreamDecoder(self.max_event_bytes)
         answer = AnswerText() if self.keep_answers else None
+        attempt = _Attempt()
         try:
-            async with self.session.post(
-                self._url, data=self._body(spec), headers=self.headers, timeout=self.timeout
-            ) as response:
-                record.http_status = response.status
-                if response.status != 200:
-                    body = await response.text(errors="replace")
-                    record.fail(
-                        "http_error",
-                        body.strip()[:500] or "(empty body)",
-                        perf_counter_ns(),
-                    )
-                    return
-                async for chunk in response.content.iter_any():
-                    now = perf_counter_ns()
-                    if answer is not None:
-                        answer.feed(chunk)
-                    record.add_token_events(now, decoder.feed(chunk))
-                    if decoder.failure is not None:
-                        raise decoder.failure
-                    if decoder.done:
-                        await _read_to_end(response.content)
-                        break
+            try:
+                streamed = await self._stream(
+                    self.session, spec, record, decoder, answer, self.timeout, attempt
+                )
+            except aiohttp.ClientError as exc:
+                if not (attempt.reused and _closed_before_answering(exc, record)):
+                    raise
+                record.first_error = classify_client_error(exc, after_headers=False)[1]
+                streamed = await self._retry_on_a_fresh_connection(spec, record, decoder, answer)
         except StreamErrorEvent as exc:
             record.fail("stream_error", str(exc), perf_counter_ns())
         except EventTooLargeError as exc:
@@ -364,7 +464,8 @@ class OpenAIBackend:
             kind, message = classify_client_error(exc, after_headers=record.http_status is not None)
             record.fail(kind, message, perf_counter_ns())
         else:
-            self._finish(decoder, record)
+            if streamed:
+                self._finish(decoder, record)
         finally:
             if answer is not None:
                 self.answers[spec.request_id] = answer.text

@@ -67,6 +67,8 @@ JSONL_KEYS = (
     "workload_group",
     "turn",
     "probe",
+    "retried_fresh_connection",
+    "first_error",
 )
 
 
@@ -93,7 +95,10 @@ class RequestRecord:
     clients do), True when `[DONE]` came, None when not known (simulated, failed before the end).
     `group`, `turn`: the workload group and turn of the request (`RequestSpec`), None for the random
     workload. `probe`: a one-token probe sent beside the load (`probes.py`), kept out of the load's
-    statistics.
+    statistics. `retried_fresh_connection`: the first send went out on a reused keep-alive connection
+    that the server had closed (it failed before any byte of the response) and the request was sent
+    once more on a fresh one (`backends.OpenAIBackend.generate`); `first_error` is what the first send
+    met (None without a retry). Its latencies count from the first send.
     """
 
     request_id: int
@@ -119,6 +124,8 @@ class RequestRecord:
     turn: int | None = None
     requested_output_tokens: int | None = None
     probe: bool = False
+    retried_fresh_connection: bool = False
+    first_error: str | None = None
 
     def add_token_event(self, time_ns: int, num_tokens: int) -> None:
         """Record one token-bearing event at `time_ns` carrying `num_tokens` tokens."""
@@ -199,4 +206,6 @@ class RequestRecord:
             "workload_group": self.group,
             "turn": self.turn,
             "probe": self.probe,
+            "retried_fresh_connection": self.retried_fresh_connection,
+            "first_error": self.first_error,
         }

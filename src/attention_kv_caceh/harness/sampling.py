@@ -1,7 +1,8 @@
 """The sampling fields a harness run sends with every request, as vLLM's `vllm bench serve` does.
 
-`temperature`, `top_p`, `top_k`, `frequency_penalty`, `presence_penalty`, `repetition_penalty` (the
-flags of the same names): each is None unless given, and only the given ones go into the request body
+`temperature`, `top_p`, `top_k`, `frequency_penalty`, `presence_penalty`, `repetition_penalty`, and
+`response_format` (a JSON object, e.g. `{"type": "json_object"}`: a structured workload, whose grammar
+masks the server pays for on every step) (the flags of the same names): each is None unless given, and only the given ones go into the request body
 (`body_fields`), so a run that gives none leaves every choice to the server (vLLM and this project's `serve` then sample at temperature 1.0).
 The ranges are those the project's `serve` accepts (`engine/serving.py:sampling_params_for`), checked
 here so a bad value is a usage error before any request is sent. vLLM's `--min-p` is left out: the
@@ -10,6 +11,7 @@ project's engine does not sample with min_p, and its server would ignore the fie
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -19,6 +21,22 @@ from attention_kv_caceh.options import ConfigError, option
 __all__ = ["SamplingOptions"]
 
 _NOT_SENT = "not sent"
+
+
+def _response_format(text: str) -> dict[str, Any]:
+    """The parse of `--response-format`: a JSON object whose `type` is text, json_object or json_schema
+    (with a `json_schema.schema` object); ValueError otherwise, which the CLI reports naming the flag."""
+    try:
+        obj: Any = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON ({exc})") from exc
+    if not isinstance(obj, dict) or obj.get("type") not in ("text", "json_object", "json_schema"):
+        raise ValueError('must be a JSON object with "type" text, json_object or json_schema')
+    fmt: dict[str, Any] = obj  # pyright: ignore[reportUnknownVariableType]
+    spec: Any = fmt.get("json_schema")
+    if fmt["type"] == "json_schema" and not (isinstance(spec, dict) and isinstance(spec.get("schema"), dict)):  # pyright: ignore[reportUnknownMemberType]
+        raise ValueError('json_schema needs {"json_schema": {"name": ..., "schema": {...}}}')
+    return fmt
 
 
 @dataclass(frozen=True)
@@ -36,6 +54,13 @@ class SamplingOptions:
     frequency_penalty: float | None = option(None, help="OpenAI's, in [-2, 2]", default_text=_NOT_SENT)
     presence_penalty: float | None = option(None, help="OpenAI's, in [-2, 2]", default_text=_NOT_SENT)
     repetition_penalty: float | None = option(None, help="vLLM's, > 0 (1: off)", default_text=_NOT_SENT)
+    response_format: dict[str, Any] | None = option(
+        None,
+        help='OpenAI\'s, as JSON: {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}',
+        metavar="JSON",
+        parse=_response_format,
+        default_text=_NOT_SENT,
+    )
 
     def __post_init__(self) -> None:
         def bad(name: str, expected: str, value: object) -> ConfigError:

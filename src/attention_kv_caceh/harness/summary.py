@@ -180,6 +180,8 @@ def summarize_run(
         "failures": dict(sorted(failures.items())),
         # ok streams that ended with a finish_reason and a clean close but no `data: [DONE]`
         "num_without_done_marker": sum(1 for r in ok if r.done_marker is False),
+        # sent once more on a fresh connection after a reused one failed before any response byte
+        "num_retried_fresh_connection": sum(1 for r in records if r.retried_fresh_connection),
         "total_input_tokens": input_tokens,
         # over successful requests whose actual prompt length is known
         "total_requested_prompt_tokens": requested if known else None,

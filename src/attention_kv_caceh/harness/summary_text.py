@@ -190,12 +190,19 @@ def _server_peaks(summary: dict[str, Any]) -> str:
     )
 
 
+def _retried(summary: dict[str, Any]) -> str:
+    """ ", retried on a fresh connection: N" when any request was (`OpenAIBackend.generate`)."""
+    n = summary.get("num_retried_fresh_connection") or 0
+    return f", retried on a fresh connection: {n}" if n else ""
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The summary as a fixed-width text table (ms), with throughput and server lines above it and
     `summary_extra_lines` below it."""
     lines = [
         f"requests: {summary['completed']} ok, {summary['failed']} failed "
-        f"{summary['failures'] or ''}".rstrip(),
+        f"{summary['failures'] or ''}".rstrip()
+        + _retried(summary),
         f"duration: {summary['duration']:.3f} s   requests/s: {summary['request_throughput']:.2f}"
         f"   output tokens/s: {summary['output_throughput']:.1f}"
         f"   total tokens/s: {summary['total_token_throughput']:.1f}",

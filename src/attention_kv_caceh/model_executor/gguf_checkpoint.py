@@ -1,13 +1,14 @@
 """Read a GGUF file (llama.cpp's one-file checkpoint): tensors by Hugging Face name, the model config from metadata.
 
 What vLLM's `model_executor/model_loader/gguf_loader.py` and `weight_utils.gguf_quant_weights_iterator`
-do, at this project's size: the file is parsed by the `gguf` library (llama.cpp's own Python reader,
-`GGUFReader`, which memory-maps it), tensors are renamed from llama.cpp's names (`blk.3.attn_q.weight`)
+do, at this project's size: the header is read by `gguf_metadata.py` (lazily, over a memory map; the
+`gguf` library's `GGUFReader` parses every key, seconds for a large vocabulary), a split model's parts
+are joined by `gguf_split.py`, tensors are renamed from llama.cpp's names (`blk.3.attn_q.weight`)
 to Hugging Face's (`model.layers.3.self_attn.q_proj.weight`) and dequantized with `gguf.quants.dequantize`
 (every type the library implements: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to
 Q6_K, the IQ and TQ types, MXFP4, NVFP4; F64 is read as it is). `quantized(name)` hands out a tensor as
 the file stores it (its type, its shape, its raw blocks), for kernels that compute on the blocks.
-Left out: split files (`*-00001-of-00003.gguf`), architectures other than llama / qwen2 / qwen3 and
+Left out: architectures other than llama / qwen2 / qwen3 and
 anything those do not use (MoE experts, sliding windows, RoPE scaling).
 
 **llama.cpp's Q/K row order.** llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of a head, Hugging
@@ -22,14 +23,15 @@ llama architecture is permuted: llama.cpp runs qwen2 and qwen3 with the halves c
 
 Every problem with the file (not GGUF, truncated, a tensor type the library does not define or cannot
 dequantize, an architecture or setting the model does not implement, a missing or mistyped metadata
-key) is one `CheckpointError` naming the file and the value, raised when the file is opened, before
-any weight is read.
+key, a tensor whose data offset is not a multiple of `general.alignment`) is one `CheckpointError`
+naming the file and the value, raised when the file is opened, before any weight is read.
+`check_finite` then scans what costs one pass over the memory map: every F32 / F16 / F64 / BF16
+tensor, and the float16 scales of the block types in `_BLOCK_SCALES` (their integer quants cannot be
+non-finite); the other types' blocks (IQ, TQ, MXFP4, NVFP4) are not scanned.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import logging
 import re
 from dataclasses import dataclass
@@ -38,10 +40,12 @@ from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from gguf.quants import dequantize
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.gguf_metadata import TensorInfo, open_gguf
+from attention_kv_caceh.model_executor.gguf_split import split_parts
 
 __all__ = [
     "GGUF_ARCHITECTURES",
@@ -56,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face class whose tensors and settings it carries
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-GGUF_MAGIC = b"GGUF"
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -79,6 +82,20 @@ _LAYER_NAMES = {
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
+_Q = GGMLQuantizationType
+# block type -> byte offsets of its float16 scales inside one block (ggml-common.h's block_* structs)
+_BLOCK_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    _Q.Q4_0: (0,),
+    _Q.Q4_1: (0, 2),
+    _Q.Q5_0: (0,),
+    _Q.Q5_1: (0, 2),
+    _Q.Q8_0: (0,),
+    _Q.Q2_K: (80, 82),
+    _Q.Q3_K: (108,),
+    _Q.Q4_K: (0, 2),
+    _Q.Q5_K: (0, 2),
+    _Q.Q6_K: (208,),
+}
 
 
 def dequantizable_types() -> tuple[str, ...]:
@@ -130,41 +147,6 @@ class QuantizedTensor:
     type_size: int
 
 
-@functools.lru_cache(maxsize=2)
-def _reader(path: str, size: int, mtime_ns: int) -> GGUFReader:
-    """One parsed reader per file version (parsing the metadata of a 49,152-token vocabulary takes seconds)."""
-    del size, mtime_ns  # part of the cache key only
-    return GGUFReader(path)
-
-
-def _open(file: Path) -> GGUFReader:
-    """The parsed file, or CheckpointError: not GGUF, a type gguf does not define, truncated or corrupt."""
-    try:
-        stat = file.stat()
-        with file.open("rb") as fh:
-            magic = fh.read(4)
-    except OSError as err:
-        raise CheckpointError(f"{file}: cannot read it ({err.strerror or err})") from err
-    if magic != GGUF_MAGIC:
-        raise CheckpointError(f"{file}: not a GGUF file (it starts with {magic!r}, not {GGUF_MAGIC!r})")
-    try:
-        return _reader(str(file), stat.st_size, stat.st_mtime_ns)
-    except ValueError as err:
-        unknown = re.match(r"(?:np\.\w+\()?(\d+)\)? is not a valid GGMLQuantizationType", str(err))
-        if unknown:
-            raise CheckpointError(
-                f"{file}: a tensor has GGML type {unknown.group(1)}, which gguf "
-                f"{importlib.metadata.version('gguf')} does not define"
-            ) from err
-        raise CheckpointError(
-            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err})"
-        ) from err
-    except (IndexError, OSError, UnicodeDecodeError, KeyError, OverflowError) as err:
-        raise CheckpointError(
-            f"{file}: truncated or corrupt GGUF file ({stat.st_size:,} bytes; the gguf reader: {err!r})"
-        ) from err
-
-
 class GGUFCheckpoint:
     """The tensors and metadata of one GGUF file, tensors by Hugging Face name.
 
@@ -179,11 +161,12 @@ class GGUFCheckpoint:
 
     def __init__(self, file: str | Path) -> None:
         self.source = Path(file)
-        self._reader = _open(self.source)
+        self._file = open_gguf(self.source)
+        self.parts = split_parts(self._file)
         self.arch = self._architecture()
-        self._tensors: dict[str, ReaderTensor] = {}
+        self._tensors: dict[str, TensorInfo] = {}
         ignored: list[str] = []
-        for tensor in self._reader.tensors:
+        for tensor in (t for part in self.parts for t in part.tensors):
             hf = _hf_name(tensor.name)
             if hf is None:
                 ignored.append(tensor.name)
@@ -194,30 +177,45 @@ class GGUFCheckpoint:
                 "%s: ignoring tensors the model does not read: %s", self.source, ", ".join(ignored)
             )
         readable = set(dequantizable_types())
-        size = len(self._reader.data)
-        for tensor in self._tensors.values():
+        for tensor in self._tensors.values():  # each lies inside its file (gguf_metadata checks)
             if tensor.tensor_type.name not in readable:
                 raise CheckpointError(
                     f"{self.source}: tensor {tensor.name!r} has type {tensor.tensor_type.name}, which "
                     f"cannot be dequantized (readable: {', '.join(sorted(readable))})"
                 )
-            if tensor.data_offset + tensor.n_bytes > size:
-                raise CheckpointError(
-                    f"{self.source}: truncated GGUF file: tensor {tensor.name!r} ends at byte "
-                    f"{tensor.data_offset + tensor.n_bytes:,}, the file has {size:,}"
-                )
+
+    def check_finite(self) -> None:
+        """Raise CheckpointError naming the first tensor the model reads that holds a NaN or an infinity:
+        a float tensor (F32, F16, F64, BF16) with such a value, or a block type of `_BLOCK_SCALES` with
+        such a scale (module docstring). One pass over those bytes of the memory-mapped file; other
+        block types are not scanned."""
+        for tensor in self._tensors.values():
+            bad = _non_finite(tensor)
+            if bad is None:
+                continue
+            count, first, what = bad
+            row_len = int(tensor.dims[0])  # GGUF lists the innermost dimension first
+            block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+            row = first * (1 if what == "values" else block) // row_len
+            raise CheckpointError(
+                f"{self.source}: tensor {tensor.name!r} ({tensor.tensor_type.name}): {count:,} NaN or "
+                f"infinite {what}, the first in row {row}"
+            )
 
     # -- metadata --------------------------------------------------------------------------------
 
     def metadata(self, key: str, default: Any = None) -> Any:
-        """Metadata value `key` as Python (int, float, bool, str, or a list of them), or `default`."""
-        field = self._reader.get_field(key)
-        return default if field is None else field.contents()
+        """Metadata value `key` as Python (int, float, bool, str, or a list of them), or `default`.
+        The keys are the first part's (a split file's other parts hold only the split.* keys)."""
+        return self._file.value(key, default)
 
     def metadata_type(self, key: str) -> list[GGUFValueType]:
         """The GGUF value types of `key` ([ARRAY, STRING] for a list of strings), [] when absent."""
-        field = self._reader.get_field(key)
-        return [] if field is None else list(field.types)
+        return self._file.types(key)
+
+    def metadata_array(self, key: str) -> npt.NDArray[Any] | None:
+        """A numeric array key as a read-only NumPy view of the file (token scores), or None."""
+        return self._file.array(key)
 
     def _architecture(self) -> str:
         arch = self.metadata("general.architecture")
@@ -237,13 +235,13 @@ class GGUFCheckpoint:
 
     @property
     def gguf_names(self) -> list[str]:
-        """Every tensor name in the file (llama.cpp's names), in file order."""
-        return [t.name for t in self._reader.tensors]
+        """Every tensor name in the file (llama.cpp's names), in file order (part after part)."""
+        return [t.name for part in self.parts for t in part.tensors]
 
     def __contains__(self, name: object) -> bool:
         return name in self._tensors
 
-    def _tensor(self, name: str) -> ReaderTensor:
+    def _tensor(self, name: str) -> TensorInfo:
         try:
             return self._tensors[name]
         except KeyError:
@@ -251,7 +249,7 @@ class GGUFCheckpoint:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor `name` in Hugging Face layout (`[out, in]`; GGUF lists dims innermost first)."""
-        return tuple(int(d) for d in reversed(self._tensor(name).shape.tolist()))
+        return tuple(reversed(self._tensor(name).dims))
 
     def quantized(self, name: str) -> QuantizedTensor:
         """Tensor `name` as stored (see QuantizedTensor), q/k rows reordered as `get` reorders them."""
@@ -304,6 +302,32 @@ class GGUFCheckpoint:
                 f"{self.source}: key '{self.arch}.{key}': must be an integer, got {value!r}"
             )
         return value
+
+
+def _non_finite(tensor: TensorInfo) -> tuple[int, int, str] | None:
+    """(how many, flat index of the first, "values" or "block scales") of a tensor's non-finite
+    values (float types) or scales (`_BLOCK_SCALES`), None when all are finite or not scanned."""
+    qtype = tensor.tensor_type
+    data = np.asarray(tensor.data)
+    if qtype in _PLAIN_FLOATS:
+        bad = ~np.isfinite(data.reshape(-1))
+        what = "values"
+    elif qtype == _Q.BF16:
+        bits = data.reshape(-1).view(np.uint16)
+        bad = (bits & 0x7F80) == 0x7F80  # exponent all ones: an infinity or a NaN
+        what = "values"
+    elif qtype in _BLOCK_SCALES:
+        type_size = GGML_QUANT_SIZES[qtype][1]
+        blocks = data.reshape(-1).view(np.uint8).reshape(-1, type_size)
+        bad = np.zeros(blocks.shape[0], dtype=bool)
+        for at in _BLOCK_SCALES[qtype]:
+            scale = np.ascontiguousarray(blocks[:, at : at + 2]).view(np.float16).reshape(-1)
+            bad |= ~np.isfinite(scale)
+        what = "block scales"
+    else:
+        return None
+    count = int(np.count_nonzero(bad))
+    return None if count == 0 else (count, int(np.argmax(bad)), what)
 
 
 def _hf_name(gguf_name: str) -> str | None:

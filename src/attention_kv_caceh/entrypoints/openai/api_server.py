@@ -125,6 +125,8 @@ def build_app(
     cache_config: Mapping[str, str] | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     num_speculative_tokens: int = 0,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `async_llm` under the model name `served_model_name`.
 
@@ -137,6 +139,8 @@ def build_app(
     whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
     `cache_config`: the KV cache's settings for `/metrics`' `vllm:cache_config_info` (see ServerMetrics).
     `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
+    `enable_auto_tool_choice`, `tool_call_parser`: vLLM's flags for `tool_choice: auto` (a parser name of
+    tool_parsers.TOOL_PARSERS; ValueError for another, or auto without one).
     `max_seqs_per_request` caps the engine requests one request fans out to (its prompts times `n`;
     above it a 400 names the count and the limit).
     Raises ValueError for max_model_len < 2, max_queue < 0, max_request_bytes < 1, max_logprobs < 0,
@@ -183,6 +187,7 @@ def build_app(
     app.state.metrics = metrics
     app.state.openai_serving_completion = serving(OpenAIServingCompletion)
     app.state.openai_serving_chat = serving(OpenAIServingChat)
+    app.state.openai_serving_chat.configure_tools(enable_auto_tool_choice, tool_call_parser)
     app.state.openai_serving_tokenization = serving(OpenAIServingTokenization)
     _add_exception_handlers(app)
     app.add_middleware(BodySizeMiddleware, max_bytes=max_request_bytes)

@@ -79,6 +79,17 @@ class ServeConfig:
         help="most engine requests one request may fan out to (its prompts times `n`; above it: 400)",
         minimum=1,
     )
+    enable_auto_tool_choice: bool = option(
+        False,
+        help="serve `tool_choice: auto` (vLLM's flag; needs --tool-call-parser)",
+        default_text="off",
+    )
+    tool_call_parser: str | None = option(
+        None,
+        help="how tool calls are read from the model's text for `tool_choice: auto` (vLLM's flag)",
+        choices=("hermes",),
+        default_text="none",
+    )
     drain_timeout: float = option(
         30.0, help="seconds running requests get to finish at Ctrl-C / SIGTERM", metavar="S", minimum=0.0
     )
@@ -100,6 +111,8 @@ class ServeConfig:
             raise ConfigError("served_model_name", f"must name the model, got {self.served_model_name!r}")
         if self.api_key is not None:
             raise ConfigError("api_key", _API_KEY_REFUSED)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ConfigError("enable_auto_tool_choice", "needs --tool-call-parser (hermes)")
         if not math.isfinite(self.drain_timeout):
             raise ConfigError("drain_timeout", f"must be a finite number, got {self.drain_timeout}")
         if self.bytes_in_flight < self.max_request_bytes:

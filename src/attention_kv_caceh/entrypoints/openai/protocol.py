@@ -8,8 +8,13 @@ strings, `stop_token_ids`, `min_tokens`, `ignore_eos`, the frequency / presence 
 `continuous_usage_stats`), and vLLM's `/tokenize` and `/detokenize` bodies. `prompt` takes vLLM's four
 forms: a string, a list of strings, a list of token ids, a list of token-id lists.
 
-Fields other servers accept and this one does not serve (`best_of`, `suffix`, `response_format`, `tools`,
-`tool_choice`, a request-level `chat_template`) are parsed so that setting them is a 400 naming the field
+Structured outputs: OpenAI's `response_format` (`text`, `json_object`, `json_schema` with `name`,
+`schema`, `strict`) and vLLM's `structured_outputs` object (ResponseFormat, StructuredOutputsRequest; turned
+into the engine's StructuredOutputsParams by structured_outputs.py). Tools (chat): `tools`, `tool_choice`,
+`parallel_tool_calls`, and assistant messages with `tool_calls` and `tool` messages with `tool_call_id`.
+
+Fields other servers accept and this one does not serve (`best_of`, `suffix`, a request-level
+`chat_template`, vLLM's removed `guided_*` fields) are parsed so that setting them is a 400 naming the field
 (`refused_field`), not silently ignored. Any other unknown top-level field is kept in `model_extra`: the
 server logs one warning naming them, as vLLM does, and serves the request.
 
@@ -23,8 +28,8 @@ one plain sentence naming the field and its accepted forms. Errors use OpenAI's 
 exceptions and the HTTP status as `code` (as vLLM does).
 
 Left out: the request bodies of vLLM's other endpoints (embeddings, pooling, score and rerank, transcription,
-the Responses API), and of these two vLLM's extra fields for structured outputs, beam search, `min_p`,
-`prompt_logprobs`, `truncate_prompt_tokens`, tools and multimodal content; such a field is refused or warned
+the Responses API), and of these two vLLM's beam search, `min_p`, `prompt_logprobs`,
+`truncate_prompt_tokens` and multimodal content; such a field is refused or warned
 about as above.
 """
 
@@ -51,12 +56,18 @@ __all__ = [
     "INT64_MIN",
     "ChatCompletionRequest",
     "ChatMessage",
+    "ChatTool",
     "CompletionRequest",
     "DetokenizeRequest",
     "GenerationRequest",
     "Int",
+    "JsonSchemaFormat",
+    "NamedToolChoice",
+    "ResponseFormat",
     "StreamOptions",
+    "StructuredOutputsRequest",
     "TokenizeRequest",
+    "ToolCall",
     "error_body",
     "error_response",
     "refused_field",
@@ -211,10 +222,12 @@ class StreamOptions(_Base):
 _REFUSED: dict[str, tuple[object, ...]] = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "response_format": (None, {"type": "text"}),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
     "chat_template": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
 }
 
 
@@ -226,6 +239,71 @@ def refused_field(body: BaseModel) -> str | None:
         if value not in neutral:
             return name
     return None
+
+
+class JsonSchemaFormat(_Base):
+    """`response_format.json_schema`: `name`, `description`, `schema` (a JSON Schema object), `strict`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text = "response"
+    description: Text | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Base):
+    """OpenAI's `response_format`: `{"type": "text" | "json_object" | "json_schema", "json_schema": ...}`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Base):
+    """vLLM's `structured_outputs` body (the fields of its StructuredOutputsParams): exactly one of `json`
+    (a schema object or its JSON text), `regex`, `choice`, `grammar`, `json_object`, `structural_tag`;
+    with the options `disable_any_whitespace`, `disable_additional_properties`, `whitespace_pattern`,
+    `disable_fallback` (accepted: one backend, nothing to fall back to)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | Text | None = Field(None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = None
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+    structural_tag: dict[str, Any] | Text | None = None
+    disable_any_whitespace: StrictBool = False
+    disable_additional_properties: StrictBool = False
+    whitespace_pattern: Text | None = None
+    disable_fallback: StrictBool = False
+
+
+class FunctionDefinition(_Base):
+    """A tool's `function`: `name`, `description`, `parameters` (a JSON Schema object), `strict`."""
+
+    name: Text
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class ChatTool(_Base):
+    """One entry of `tools`: `{"type": "function", "function": {...}}`."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Base):
+    name: Text
+
+
+class NamedToolChoice(_Base):
+    """`tool_choice: {"type": "function", "function": {"name": ...}}`."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class GenerationRequest(_TopLevel):
@@ -251,12 +329,11 @@ class GenerationRequest(_TopLevel):
     skip_special_tokens: StrictBool = True
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
     # refused unless neutral (refused_field)
     best_of: Any = None
     suffix: Any = None
-    response_format: Any = None
-    tools: Any = None
-    tool_choice: Any = None
     chat_template: Any = None
 
     @property
@@ -320,11 +397,28 @@ class _TextPart(_Base):
     text: Text
 
 
+class ToolCallFunction(_Base):
+    name: Text
+    arguments: Text
+
+
+class ToolCall(_Base):
+    """An assistant message's tool call: `id`, `type` "function", `function` `{name, arguments}`."""
+
+    id: Text = ""
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Base):
-    """One chat message; `content` is a string or a list of text parts (joined)."""
+    """One chat message; `content` is a string or a list of text parts (joined); an assistant message
+    may carry `tool_calls`, a `tool` message its `tool_call_id` (and optionally `name`)."""
 
     role: ChatRole
     content: Text | list[_TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    name: Text | None = None
 
     def text(self) -> str:
         """The message's text."""
@@ -340,6 +434,9 @@ class ChatCompletionRequest(GenerationRequest):
     `logprobs: true`) adds the k most probable alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
     add_generation_prompt: StrictBool = True
     logprobs: StrictBool = False
     top_logprobs: Int | None = None

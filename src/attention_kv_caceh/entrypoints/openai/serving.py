@@ -6,7 +6,7 @@ size. `sampling_params_for` turns a request body into the engine's SamplingParam
 chunk builders give OpenAI's stream shapes; the fan-out over prompts and `n` samples and the
 response bodies are in serving_response.py.
 
-Left out: tool calling and its parsers, reasoning parsers, structured outputs (`response_format`, refused),
+Left out: reasoning parsers,
 beam search, multimodal content, LoRA model names, a request-level chat template (refused), and `best_of` and
 `suffix` (refused).
 """
@@ -327,7 +327,7 @@ def chat_chunk(
     request_id: str,
     model: str,
     created: int,
-    delta: dict[str, str] | None,
+    delta: dict[str, Any] | None,
     finish_reason: str | None = None,
     usage_obj: dict[str, int] | None = None,
     *,

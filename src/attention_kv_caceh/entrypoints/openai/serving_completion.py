@@ -9,7 +9,8 @@ prompt is counted whole (its 400 gives its exact length) but its ids are cut at 
 keeps the list built with the GIL held bounded by the context, whatever the body's size. max_tokens
 defaults to 16, OpenAI's and vLLM's default for this endpoint.
 
-Left out: `suffix` and `best_of` (refused by protocol.py), beam search, prompt embeddings, LoRA model
+`response_format` and `structured_outputs` are compiled first (structured_outputs.py: a 400 when they
+cannot be). Left out: `suffix`, `best_of` and `tools` (refused), beam search, prompt embeddings, LoRA model
 names, and vLLM's `prompt_logprobs` field (echo with logprobs gives the prompt's logprobs).
 """
 
@@ -37,11 +38,14 @@ class OpenAIServingCompletion(OpenAIServing):
         """The completion of `body`, streamed or whole. Raises HTTPError (4xx, 503) as the checks do."""
         self.check_generation(body, _num_prompts(body.prompt))  # before any tokenizing
         _check_no_empty_text(body.prompt)
+        if body.model_extra and ({"tools", "tool_choice"} & set(body.model_extra)):
+            raise HTTPError(400, "tools are served by /v1/chat/completions only", "tools")
         response_id = f"cmpl-{uuid.uuid4().hex}"
+        structured = await asyncio.to_thread(self.structured_outputs.params_for, body)
         prompts = await asyncio.to_thread(
             self.completion_prompts, body.prompt, with_text=body.echo, max_length=self.max_model_len
         )
-        choices = self.admit(response_id, prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS)
+        choices = self.admit(response_id, prompts, body, COMPLETIONS_DEFAULT_MAX_TOKENS, structured)
         return await self.respond(raw, response_id, choices, body)
 
     def completion_prompts(

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Coroutine
@@ -31,6 +33,7 @@ from attention_kv_caceh.engine.core_client import EngineDeadError
 from attention_kv_caceh.engine.kv_cache_manager import RequestTooLargeError
 from attention_kv_caceh.engine.output_processor import EngineDrainingError
 from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.structured_output.params import StructuredOutputsParams
 from attention_kv_caceh.entrypoints.chat_utils import ChatTemplate
 from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -54,6 +57,8 @@ from attention_kv_caceh.entrypoints.openai.serving_response import (
     stream_events,
     whole_response,
 )
+from attention_kv_caceh.entrypoints.openai.structured_outputs import StructuredOutputsValidator
+from attention_kv_caceh.entrypoints.openai.tool_calls import ToolsPlan
 
 __all__ = ["OpenAIServing", "PromptTokens"]
 
@@ -98,6 +103,13 @@ class OpenAIServing:
         self.kv_capacity_tokens = kv_capacity_tokens
         self.max_seqs_per_request = max_seqs_per_request
         self.created = int(time.time())
+        # a `tokenizers` tokenizer (engine/tokenizer.py) is what llguidance reads
+        backend_json: Any = getattr(tokenizer, "backend_json", None)
+        eos: Any = getattr(tokenizer, "eos_token_id", None)
+        self.structured_outputs = StructuredOutputsValidator(
+            str(backend_json()) if callable(backend_json) else None,
+            (int(eos),) if isinstance(eos, int) else (),
+        )
 
     def show_models(self) -> dict[str, Any]:
         """GET /v1/models: the one served model's card (vLLM's OpenAIServingModels.show_available_models)."""
@@ -162,10 +174,26 @@ class OpenAIServing:
                 out.append(item)
         return out
 
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-        """The conversation as the chat template writes it. Raises ValueError when the template fails."""
-        rendered = [{"role": m.role, "content": m.text()} for m in messages]
-        return self.chat_template.render(rendered, add_generation_prompt)
+    def render_chat(
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The conversation as the chat template writes it, with `tools` when given; an assistant
+        message's tool calls reach the template with their arguments as objects (as vLLM passes them).
+        Raises ValueError when the template fails."""
+        rendered: list[dict[str, Any]] = []
+        for m in messages:
+            entry: dict[str, Any] = {"role": m.role, "content": m.text()}
+            if m.tool_calls:
+                entry["tool_calls"] = [_template_tool_call(c.model_dump()) for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                entry["tool_call_id"] = m.tool_call_id
+            if m.name is not None:
+                entry["name"] = m.name
+            rendered.append(entry)
+        return self.chat_template.render(rendered, add_generation_prompt, tools)
 
     def _check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """HTTPError 400 when a prompt of `num_prompt_tokens` and `params.max_tokens` could never fit the
@@ -188,10 +216,12 @@ class OpenAIServing:
         prompts: list[PromptTokens],
         body: CompletionRequest | ChatCompletionRequest,
         default_max_tokens: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> list[Choice]:
         """Validate every prompt first, then add them all (or none), each fanned out to `body.n` samples by
         AsyncLLM.add_parallel_request (one call per prompt); `default_max_tokens` is the endpoint's
-        max_tokens when the body gives none (None: the rest of the context). Raises HTTPError 400 for a
+        max_tokens when the body gives none (None: the rest of the context); `structured_outputs`: the
+        compiled constraint every choice follows (`StructuredOutputsValidator.params_for`). Raises HTTPError 400 for a
         bad sampling field or a request the KV cache could never hold, 503 for a full queue, a draining
         server or a dead engine core."""
         echo = isinstance(body, CompletionRequest) and body.echo
@@ -209,6 +239,8 @@ class OpenAIServing:
                     max_logprobs=self.max_logprobs,
                 )
             )
+            if structured_outputs is not None:
+                params[-1] = dataclasses.replace(params[-1], structured_outputs=structured_outputs)
             self._check_kv_capacity(num_prompt_tokens, params[-1])
         self._check_queue(len(prompts) * body.n)
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
@@ -247,18 +279,28 @@ class OpenAIServing:
         response_id: str,
         choices: list[Choice],
         body: CompletionRequest | ChatCompletionRequest,
+        tools: ToolsPlan | None = None,
     ) -> Response:
         """The choices as an SSE stream (`body.stream`) or one JSON response; a client that disconnects
-        before the whole response is ready cancels it (499, never read)."""
+        before the whole response is ready cancels it (499, never read). `tools`: read each chat
+        choice's output as tool calls."""
         model = self.served_model_name
         if body.stream:
-            return _sse_response(stream_events(response_id, choices, body, self.tokenizer, model))
+            return _sse_response(stream_events(response_id, choices, body, self.tokenizer, model, tools))
         try:
             return await _unless_disconnected(
-                raw, whole_response(response_id, choices, body, self.tokenizer, model)
+                raw, whole_response(response_id, choices, body, self.tokenizer, model, tools)
             )
         finally:
             close_all(choices)  # also when the work was cancelled before it started
+
+
+def _template_tool_call(call: dict[str, Any]) -> dict[str, Any]:
+    """A tool call for the chat template: `function.arguments` parsed into an object when it is JSON."""
+    function = dict(call.get("function") or {})
+    with contextlib.suppress(json.JSONDecodeError):
+        function["arguments"] = json.loads(function.get("arguments") or "{}")
+    return {**call, "function": function}
 
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, Response]) -> Response:

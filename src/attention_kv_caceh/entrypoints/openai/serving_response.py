@@ -8,7 +8,9 @@ interleaves the choices' chunks as they come, each index finishing once; `whole_
 sorted by index. Usage counts each prompt once and every completion token. `echo` puts the prompt's text
 (and, with logprobs, its tokens' logprobs, the first null) before each choice's text; `max_tokens: 0`
 with `echo` returns the prompt alone (the engine samples one token, which is dropped, as vLLM does).
-Logprobs objects come from engine/logprobs.py.
+Logprobs objects come from engine/logprobs.py. A chat request with tools (tool_calls.py's ToolsPlan)
+has each choice's output read as tool calls: the message's `tool_calls` (whole) or OpenAI's `tool_calls`
+deltas (streamed), and finish_reason "tool_calls" when the output made calls and stopped on its own.
 
 Left out: vLLM's gathering of a request's samples in the engine's output processor (each sample has its
 own stream, interleaved or gathered here), and beam search.
@@ -42,6 +44,7 @@ from attention_kv_caceh.entrypoints.openai.protocol import (
     error_response,
 )
 from attention_kv_caceh.entrypoints.openai.serving import DONE, chat_chunk, completion_chunk, sse, usage
+from attention_kv_caceh.entrypoints.openai.tool_calls import ToolCallStream, ToolsPlan
 
 __all__ = ["Choice", "close_all", "stream_events", "whole_response"]
 
@@ -201,6 +204,7 @@ async def stream_events(
     body: CompletionRequest | ChatCompletionRequest,
     tokenizer: TextDecoder,
     model: str,
+    tools: ToolsPlan | None = None,
 ) -> AsyncIterator[bytes]:
     """The choices as SSE events in OpenAI's shapes, interleaved as their tokens come.
 
@@ -216,6 +220,9 @@ async def stream_events(
     chat = isinstance(body, ChatCompletionRequest)
     include_usage, continuous = _stream_flags(body)
     created = int(time.time())
+    tool_streams: dict[int, ToolCallStream] = {}
+    if chat and tools is not None:
+        tool_streams = {c.index: tools.new_stream() for c in choices}
 
     def chunk(
         choice: Choice | None,
@@ -255,11 +262,32 @@ async def stream_events(
                 continue
             text, logprobs = _apply_delta(choice, delta, body, tokenizer, chat=chat)
             per_chunk = _usage_of(choices) if continuous else None
-            if text or logprobs is not None or (delta.new_token_ids and delta.finish_reason is None):
+            parser = tool_streams.get(choice.index)
+            if parser is not None:
+                final = delta.finish_reason is not None
+                for i, tool_delta in enumerate(
+                    parser.feed(text, final) or ([{}] if delta.new_token_ids and not final else [])
+                ):
+                    lp = logprobs if i == 0 else None
+                    yield sse(
+                        chat_chunk(
+                            response_id,
+                            model,
+                            created,
+                            tool_delta,
+                            None,
+                            per_chunk,
+                            index=choice.index,
+                            logprobs=lp,
+                        )
+                    )
+            elif text or logprobs is not None or (delta.new_token_ids and delta.finish_reason is None):
                 yield chunk(choice, text, None, logprobs, per_chunk)
             if delta.finish_reason is not None:
                 choice.finished = True
                 reason = "length" if choice.echo_only else delta.finish_reason
+                if parser is not None and parser.num_calls and reason == "stop":
+                    reason = "tool_calls"
                 yield chunk(choice, "", reason, None, per_chunk)
             if choice.echo_only:
                 choice.finished = True
@@ -283,8 +311,10 @@ async def whole_response(
     body: CompletionRequest | ChatCompletionRequest,
     tokenizer: TextDecoder,
     model: str,
+    tools: ToolsPlan | None = None,
 ) -> Response:
-    """The choices gathered into one OpenAI response (choices sorted by index), or an error response."""
+    """The choices gathered into one OpenAI response (choices sorted by index), or an error response;
+    with `tools`, each chat message's tool calls read from its output."""
     chat = isinstance(body, ChatCompletionRequest)
     reasons: dict[int, str] = {}
     try:
@@ -314,7 +344,12 @@ async def whole_response(
             else:
                 logprobs = _completion_logprobs(choice, tokenizer, 0, 0)[0]
         if chat:
-            message = {"role": "assistant", "content": text}
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if tools is not None:
+                content, calls = tools.new_stream().whole(text)
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                if calls and reason == "stop":
+                    reason = "tool_calls"
             out.append(
                 {"index": choice.index, "message": message, "logprobs": logprobs, "finish_reason": reason}
             )
