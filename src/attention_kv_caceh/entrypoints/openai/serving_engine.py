@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -225,8 +224,7 @@ class OpenAIServing:
         bad sampling field or a request the KV cache could never hold, 503 for a full queue, a draining
         server or a dead engine core."""
         echo = isinstance(body, CompletionRequest) and body.echo
-        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        echo_only = echo and given == 0
+        echo_only = echo and body.requested_max_tokens[1] == 0
         params: list[SamplingParams] = []
         for _ids, _text, num_prompt_tokens in prompts:
             params.append(
@@ -236,11 +234,9 @@ class OpenAIServing:
                     self.max_model_len,
                     default_max_tokens,
                     vocab_size=self.tokenizer.vocab_size,
-                    max_logprobs=self.max_logprobs,
+                    structured_outputs=structured_outputs,
                 )
             )
-            if structured_outputs is not None:
-                params[-1] = dataclasses.replace(params[-1], structured_outputs=structured_outputs)
             self._check_kv_capacity(num_prompt_tokens, params[-1])
         self._check_queue(len(prompts) * body.n)
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
