@@ -10,8 +10,10 @@ Oracle: the calls counted per thread against the numbers written out here.
 from __future__ import annotations
 
 import collections
+import tempfile
 import threading
 import unittest
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -98,6 +100,23 @@ class EngineCopiesTest(unittest.TestCase):
         self.assertEqual(sum(counter.calls.values()), 0)
         self.assertEqual(seeds, [5, 6, 7])
         self.assertEqual(request.sampling_params.stop_token_ids, (11, 12))
+
+
+class GGUFSourceTest(unittest.TestCase):
+    def test_gguf_on_a_safetensors_folder_is_refused_once_by_the_weight_reader(self) -> None:
+        from attention_kv_caceh.model_executor import model_weights
+        from attention_kv_caceh.model_executor.model import Model
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_random_checkpoint(Path(tmp) / "tiny", "llama", "tiny", seed=1)
+            reader = mock.Mock(wraps=model_weights.WeightReader)
+            with (
+                mock.patch("attention_kv_caceh.model_executor.model.WeightReader", reader),
+                self.assertRaisesRegex(ValueError, "gguf"),
+            ):
+                Model.load(folder, quantization="gguf")
+            self.assertEqual(reader.call_count, 1)  # the check is the reader's, not load's beforehand
 
 
 if __name__ == "__main__":
