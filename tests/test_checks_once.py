@@ -119,5 +119,26 @@ class GGUFSourceTest(unittest.TestCase):
             self.assertEqual(reader.call_count, 1)  # the check is the reader's, not load's beforehand
 
 
+class BenchEngineChecksTest(unittest.TestCase):
+    def test_bench_engine_refuses_a_checkpoint_as_plan_engine_does_in_the_same_order(self) -> None:
+        """--quantization gguf on a Hugging Face folder whose tokenizer is also missing: both commands
+        name the first of plan_engine's checks that fails, the GGUF one (bench-engine once read the
+        tokenizer first, its own copy of the checks in its own order)."""
+        from attention_kv_caceh.cli.common import UsageError
+        from attention_kv_caceh.cli.engine_args import plan_engine
+        from attention_kv_caceh.toy_model.make_model import write_random_checkpoint
+        from tests.test_cli_engine import quietly
+
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_random_checkpoint(Path(tmp) / "tiny", "llama", "tiny", seed=1)
+            (folder / "tokenizer.json").unlink()
+            with self.assertRaises(UsageError) as caught:
+                plan_engine(str(folder), {"quantization": "gguf"})
+            code, _out, err = quietly(["bench-engine", "--model", str(folder), "--quantization", "gguf"])
+        self.assertEqual(code, 2)
+        self.assertIn(str(caught.exception), err)
+        self.assertIn("--quantization gguf", err)
+
+
 if __name__ == "__main__":
     unittest.main()
