@@ -21,7 +21,7 @@ from attention_kv_caceh.engine.core import EngineCore
 from attention_kv_caceh.engine.outputs import EngineCoreRequest
 from attention_kv_caceh.engine.parallel_sampling import ParentRequest
 from attention_kv_caceh.engine.request import SamplingParams
-from attention_kv_caceh.entrypoints.openai import serving_engine
+from attention_kv_caceh.entrypoints.openai import serving, serving_engine
 from tests.engine_fakes import make_text_core
 from tests.serve_helpers import MODEL, fake_server
 from tests.test_engine_server_limits import request_json
@@ -51,6 +51,7 @@ class ServerChecksOnceTest(unittest.TestCase):
             thread,
             mock.patch.object(SamplingParams, "__post_init__", counter.hook),
             mock.patch.object(serving_engine, "check_request_fields", fields),
+            mock.patch.object(serving, "check_request_fields", fields),
         ):
             body: dict[str, Any] = {
                 "model": MODEL,
@@ -62,7 +63,7 @@ class ServerChecksOnceTest(unittest.TestCase):
             status, answer = request_json(thread.base_url, body)
             self.assertEqual(status, 200, answer)
             self.assertEqual(len(answer["choices"]), 6)
-        self.assertEqual(fields.call_count, 1)
+        self.assertEqual(fields.call_count, 1)  # checked once, not again per prompt
         # the core's msgpack decode is not counted: msgspec holds the __post_init__ of when its Decoder
         # was built
         self.assertEqual(sum(counter.calls.values()), 2)  # one per prompt; the six samples' are copies
