@@ -134,7 +134,7 @@ class ServerFieldsTest(_Checkpoint):
         super().setUpClass()
         cls.core, cls.llm = cls.async_llm()
         cls.tok = Tokenizer.load(cls.folder)
-        app = build_app(cls.llm, cls.tok, MODEL, 96, kv_capacity_tokens=64 * 4)
+        app = build_app(cls.llm, cls.tok, MODEL, 96)
         cls.server = ServerThread(app)
         cls.server.__enter__()
         cls.url = cls.server.base_url
@@ -422,7 +422,7 @@ class ServerFieldsTest(_Checkpoint):
 class KVPoolTooSmallTest(_Checkpoint):
     def test_a_request_that_can_never_fit_the_kv_pool_is_a_400_up_front(self) -> None:
         _core, llm = self.async_llm(num_kv_blocks=4)  # 16 positions
-        app = build_app(llm, Tokenizer.load(self.folder), MODEL, 96, kv_capacity_tokens=16)
+        app = build_app(llm, Tokenizer.load(self.folder), MODEL, 96)
         with ServerThread(app) as server:
             body = {"prompt": [5] * 10, "max_tokens": 8, "stream": True}
             status, err = request("POST", server.base_url + "/v1/completions", json=body)

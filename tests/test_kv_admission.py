@@ -53,9 +53,7 @@ def _refusals(
         cli_error = str(exc)
     pool = KVCacheConfig(num_blocks, block_size, max_model_len)
     llm = types.SimpleNamespace(kv_cache_config=pool)
-    serving = OpenAIServing(
-        cast("Any", llm), CharTokenizer(), "m", max_model_len, kv_capacity_tokens=pool.kv_capacity_tokens
-    )
+    serving = OpenAIServing(cast("Any", llm), CharTokenizer(), "m", max_model_len)
     try:
         serving._check_kv_capacity(num_prompt, params)  # pyright: ignore[reportPrivateUsage]
     except HTTPError as exc:

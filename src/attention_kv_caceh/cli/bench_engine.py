@@ -30,15 +30,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
 from attention_kv_caceh.cli.common import CommandFailed, UsageError, check_outputs, warn_if_blas_unpinned
 from attention_kv_caceh.cli.engine_args import (
     add_engine_arguments,
-    check_gguf_source,
-    load_model_config,
     model_source,
+    open_checkpoint,
 )
 from attention_kv_caceh.cli.flags import add_options, config_from_args
 from attention_kv_caceh.engine.config import EngineConfig
@@ -75,20 +73,15 @@ def run(args: argparse.Namespace) -> int:
     check_outputs([("--json", config.json, (".json",))], [("--model", str(source.path))])
 
     from attention_kv_caceh.benchmarks.bench_engine import bench_engine, spec_prompts
-    from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.files import write_json_atomic
     from attention_kv_caceh.kernels.dispatch import resolve_gemm_path
     from attention_kv_caceh.model_executor.checkpoint import CheckpointError
     from attention_kv_caceh.oracle import OracleMismatch
 
-    opened = time.perf_counter()
-    try:
-        _, model_config = load_model_config(source.path)  # parses a GGUF file once; Model.load reuses it
-        open_s = time.perf_counter() - opened
-        # the requests stream text as a server's do: a tokenizer is checked before any weight is read
-        tokenizer = Tokenizer.load(source.path)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+    # plan_engine's checks of the checkpoint (open_checkpoint); not plan_engine itself: the benchmark
+    # sizes one KV pool per max_num_seqs to its requests (no --max-model-len, --num-kv-blocks or
+    # --kv-cache-memory), so the pool and context checks below are its own
+    model_config, tokenizer, open_s = open_checkpoint(source, config.quantization, config.model)
     try:
         note = resolve_gemm_path(config.gemm, config.dtype, config.quantization).note
         EngineConfig(dtype=config.dtype, quantization=config.quantization)
@@ -96,7 +89,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--gemm {config.gemm} --dtype {config.dtype} --quantization {config.quantization}: {exc}"
         ) from None
-    check_gguf_source(config.quantization, source, config.model)
     limit = model_config.max_position_embeddings
     if config.prompt_len + config.output_len > limit:
         raise UsageError(

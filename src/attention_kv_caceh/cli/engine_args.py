@@ -50,6 +50,7 @@ __all__ = [
     "engine_config_kwargs",
     "engine_flags_given",
     "model_source",
+    "open_checkpoint",
     "plan_engine",
 ]
 
@@ -124,20 +125,13 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
     from attention_kv_caceh.engine.model_runner import ModelRunner
-    from attention_kv_caceh.engine.tokenizer import Tokenizer
-    from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
     source = model_source(model_flag)
     try:
         config = EngineConfig(**config_kwargs)  # pyright: ignore[reportArgumentType]
     except ValueError as exc:
         raise usage_error(EngineConfig, exc) from None
-    check_gguf_source(config.quantization, source, model_flag)
-    try:
-        _, model_config = load_model_config(source.path)
-        tokenizer = Tokenizer.load(source.path)
-    except CheckpointError as exc:
-        raise UsageError(str(exc)) from None
+    model_config, tokenizer, _ = open_checkpoint(source, config.quantization, model_flag)
     try:
         max_model_len = config.resolve_max_model_len(model_config.max_position_embeddings)
     except ValueError as exc:
@@ -167,6 +161,31 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     return EnginePlan(
         engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source
     )
+
+
+def open_checkpoint(
+    source: ModelSource, quantization: str | None, model_flag: str
+) -> tuple[ModelConfig, Tokenizer, float]:
+    """The checks of a checkpoint every engine command makes before any weight is read, and what they
+    read: (the model's config, its tokenizer, the seconds reading the config took: a GGUF file is parsed
+    and checked whole here, and Model.load reuses it). `quantization` is the engine's (checked by
+    `check_gguf_source`); `model_flag` the --model value. UsageError for either check or a config or
+    tokenizer the engine cannot read."""
+    import time
+
+    from attention_kv_caceh.engine.tokenizer import Tokenizer
+    from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+
+    check_gguf_source(quantization, source, model_flag)
+    try:
+        opened = time.perf_counter()
+        _, model_config = load_model_config(source.path)
+        open_s = time.perf_counter() - opened
+        # the requests stream text as a server's do: a tokenizer is checked before any weight is read
+        tokenizer = Tokenizer.load(source.path)
+    except CheckpointError as exc:
+        raise UsageError(str(exc)) from None
+    return model_config, tokenizer, open_s
 
 
 def check_gguf_source(quantization: str | None, source: ModelSource, model_flag: str) -> None:

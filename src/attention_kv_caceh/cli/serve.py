@@ -109,7 +109,6 @@ def run(args: argparse.Namespace) -> int:
             max_request_bytes_in_flight=serve.bytes_in_flight,
             max_logprobs=serve.max_logprobs,
             max_seqs_per_request=serve.max_seqs_per_request,
-            kv_capacity_tokens=plan.num_blocks * plan.engine_config.block_size,
             cache_config={
                 "block_size": str(plan.engine_config.block_size),
                 "num_gpu_blocks": str(plan.num_blocks),

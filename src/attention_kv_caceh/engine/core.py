@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
-import dataclasses
 import logging
 import os
 import queue
@@ -212,7 +211,7 @@ class EngineCore:
         params = request.sampling_params
         extra = tuple(t for t in self.extra_eos_token_ids if t not in params.stop_token_ids)
         if extra and not params.ignore_eos:
-            params = dataclasses.replace(params, stop_token_ids=params.stop_token_ids + extra)
+            params = params.derive(stop_token_ids=params.stop_token_ids + extra)
         return Request(
             request.request_id, request.prompt_token_ids, params, self.eos_token_id, self._block_hasher
         )

@@ -18,7 +18,6 @@ caller interleaves or gathers them (entrypoints/openai/serving_response.py).
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
@@ -130,5 +129,5 @@ class ParentRequest:
         if self.n == 1:
             return self.request_id, self.params
         seed = self.params.seed
-        params = self.params if seed is None else dataclasses.replace(self.params, seed=seed + index)
+        params = self.params if seed is None else self.params.derive(seed=seed + index)
         return f"{index}_{self.request_id}", params

@@ -20,6 +20,7 @@ where the metrics read them, as vLLM v1 does.
 
 from __future__ import annotations
 
+import copy
 import enum
 import math
 from collections.abc import Callable, Sequence
@@ -242,6 +243,17 @@ class SamplingParams:
                 raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
         if self.structured_outputs is not None and self.min_tokens:
             raise ValueError("min_tokens cannot be combined with structured_outputs")
+
+    def derive(self, **changes: Any) -> SamplingParams:
+        """A copy with `changes`, not validated again: the engine's own copies of params validated once
+        where they were built (a sample's `seed + i`, the checkpoint's extra eos ids). Each change must
+        keep the fields in range; a caller's new params go through the constructor."""
+        derived = copy.copy(self)  # copies the fields without __init__, so __post_init__ does not run
+        for name, value in changes.items():
+            if name not in self.__dataclass_fields__:
+                raise TypeError(f"SamplingParams has no field {name!r}")
+            object.__setattr__(derived, name, value)  # frozen: the one way to set a field
+        return derived
 
     @property
     def has_penalties(self) -> bool:

@@ -41,7 +41,7 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
 from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
-from attention_kv_caceh.kernels.dispatch import GGUF, compute_dtype, resolve_gemm_path
+from attention_kv_caceh.kernels.dispatch import compute_dtype, resolve_gemm_path
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
@@ -178,7 +178,7 @@ class Model:
         tensors kept as the file stores them.
 
         Raises CheckpointError for anything the checkpoint lacks or the model does not implement,
-        ValueError as `Model()` does.
+        ValueError as `Model()` does ("gguf" on a checkpoint that is no GGUF file: WeightReader's check).
         """
         from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
@@ -186,10 +186,6 @@ class Model:
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
             return cls(model_config_from_gguf(checkpoint), checkpoint, dtype, gemm, quantization)
-        if quantization == GGUF:
-            raise ValueError(
-                f"quantization 'gguf' keeps a GGUF file's blocks; {path} is not a GGUF checkpoint"
-            )
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
         return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization)
 

@@ -121,7 +121,6 @@ def build_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     max_request_bytes_in_flight: int | None = None,
     max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-    kv_capacity_tokens: int | None = None,
     cache_config: Mapping[str, str] | None = None,
     max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     num_speculative_tokens: int = 0,
@@ -135,8 +134,8 @@ def build_app(
     see cli/serve.py). `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. A body larger than
     `max_request_bytes` is a 413; large bodies served at once may total `max_request_bytes_in_flight`
     bytes (None: 4 * max_request_bytes), past it a 503 with Retry-After (body_budget.py). `max_logprobs` caps `logprobs` / `top_logprobs` (vLLM's --max-logprobs).
-    `kv_capacity_tokens` (the KV pool's blocks * block_size) refuses up front, with a 400, a request
-    whose prompt and max_tokens could never fit in the pool; None leaves that check to the engine.
+    A request whose prompt and max_tokens could never fit in the KV pool the engine core reported is
+    refused up front with a 400 (OpenAIServing._check_kv_capacity).
     `cache_config`: the KV cache's settings for `/metrics`' `vllm:cache_config_info` (see ServerMetrics).
     `num_speculative_tokens`: the engine's K (0: speculative decoding off), for vLLM's spec-decode metrics.
     `enable_auto_tool_choice`, `tool_call_parser`: vLLM's flags for `tool_choice: auto` (a parser name of
@@ -173,7 +172,6 @@ def build_app(
             chat_template=chat_template,
             max_queue=max_queue,
             max_logprobs=max_logprobs,
-            kv_capacity_tokens=kv_capacity_tokens,
             max_seqs_per_request=max_seqs_per_request,
         )
 

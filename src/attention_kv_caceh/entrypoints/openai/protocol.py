@@ -337,6 +337,14 @@ class GenerationRequest(_TopLevel):
     chat_template: Any = None
 
     @property
+    def requested_max_tokens(self) -> tuple[str, int | None]:
+        """(the field's name, its value): `max_completion_tokens` when given (it wins, as in OpenAI's
+        API), else `max_tokens` (None: neither given)."""
+        if self.max_completion_tokens is not None:
+            return "max_completion_tokens", self.max_completion_tokens
+        return "max_tokens", self.max_tokens
+
+    @property
     def stop_strings(self) -> list[str]:
         """`stop` as a list of strings, empty ones included (serving refuses them, as vLLM does)."""
         if self.stop is None:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from attention_kv_caceh.engine.request import MAX_LOGIT_BIAS, MAX_REPETITION_PENALTY, SamplingParams
+from attention_kv_caceh.engine.structured_output.params import StructuredOutputsParams
 from attention_kv_caceh.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -155,7 +156,7 @@ def sampling_params_for(
     default_max_tokens: int | None,
     *,
     vocab_size: int | None = None,
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     """SamplingParams for a prompt of `num_prompt_tokens` tokens (with `n` > 1, AsyncLLM gives sample `i`
     the seed `seed + i`, engine/parallel_sampling.py).
@@ -165,8 +166,10 @@ def sampling_params_for(
     `max_model_len - num_prompt_tokens`, as vLLM's `get_max_tokens` caps it: a request whose prompt and
     max_tokens pass the context is served with fewer tokens (finish_reason "length"), not refused.
     `max_tokens: 0` is accepted with `echo` only (the engine then runs one token, which the response
-    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it. Raises HTTPError(400), naming the field as `param`, for the checks
-    of `check_request_fields`, an empty prompt, a prompt of `max_model_len` tokens or more (the message
+    drops). `temperature` defaults to 1.0 as in OpenAI's API; `top_k` of 0 or -1 disables it.
+    `structured_outputs`: the compiled constraint the output follows (None: none). The body has passed
+    `check_request_fields` (OpenAIServing.check_generation, once per request, before any tokenizing).
+    Raises HTTPError(400), naming the field as `param`, for an empty prompt, a prompt of `max_model_len` tokens or more (the message
     gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
     out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
     not in [0, max_tokens] after the cap, a frequency or presence penalty outside [-2, 2], a
@@ -174,7 +177,6 @@ def sampling_params_for(
     (stop_token_ids, logit_bias) outside [0, vocab_size), or min_tokens with stop_token_ids that list
     every token id (nothing could be sampled).
     """
-    check_request_fields(body, max_logprobs)
     echo = isinstance(body, CompletionRequest) and body.echo
     max_tokens, room = _max_tokens(body, num_prompt_tokens, max_model_len, default_max_tokens, echo)
     temperature = 1.0 if body.temperature is None else body.temperature
@@ -223,6 +225,7 @@ def sampling_params_for(
         stop=_stop_strings(body.stop_strings),
         include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens,
+        structured_outputs=structured_outputs,
     )
 
 
@@ -240,8 +243,7 @@ def _max_tokens(
     if num_prompt_tokens >= max_model_len:
         raise prompt_too_long(max_model_len, num_prompt_tokens, exact=True)
     room = max_model_len - num_prompt_tokens
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    param, max_tokens = body.requested_max_tokens
     if max_tokens is None:
         max_tokens = room if default_max_tokens is None else default_max_tokens
     if max_tokens == 0 and echo:

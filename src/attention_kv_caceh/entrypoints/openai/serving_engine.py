@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import json
 import logging
@@ -75,8 +74,8 @@ class OpenAIServing:
 
     `chat_template` None uses chat_utils' PLAIN_CHAT_TEMPLATE. `max_queue` (None: no bound) refuses with
     503 a request that would make more than that many requests wait beyond the engine's `max_num_seqs`.
-    `max_logprobs` caps `logprobs` / `top_logprobs`; `kv_capacity_tokens` (None: the engine checks)
-    refuses up front a prompt and max_tokens that could never fit the KV pool; `max_seqs_per_request`
+    `max_logprobs` caps `logprobs` / `top_logprobs`; a prompt and max_tokens that could never fit the
+    KV pool the engine core reported are refused up front; `max_seqs_per_request`
     caps the engine requests one request fans out to. The arguments are checked by `build_app`.
     """
 
@@ -90,7 +89,6 @@ class OpenAIServing:
         chat_template: ChatTemplate | None = None,
         max_queue: int | None = None,
         max_logprobs: int = DEFAULT_MAX_LOGPROBS,
-        kv_capacity_tokens: int | None = None,
         max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
     ) -> None:
         self.async_llm = async_llm
@@ -100,7 +98,6 @@ class OpenAIServing:
         self.chat_template = chat_template if chat_template is not None else ChatTemplate()
         self.max_queue = max_queue
         self.max_logprobs = max_logprobs
-        self.kv_capacity_tokens = kv_capacity_tokens
         self.max_seqs_per_request = max_seqs_per_request
         self.created = int(time.time())
         # a `tokenizers` tokenizer (engine/tokenizer.py) is what llguidance reads
@@ -198,10 +195,10 @@ class OpenAIServing:
     def _check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """HTTPError 400 when a prompt of `num_prompt_tokens` and `params.max_tokens` could never fit the
         KV pool the engine core reported (`KVCacheConfig.check_request_fits`, the engine's one rule and
-        message; `param` "prompt" when the prompt alone does not fit, else "max_tokens"). With
-        `kv_capacity_tokens` None, or no pool reported, the check is the engine's."""
+        message; `param` "prompt" when the prompt alone does not fit, else "max_tokens"). With no pool
+        reported, the check is the engine's."""
         pool = self.async_llm.kv_cache_config
-        if self.kv_capacity_tokens is None or pool is None:
+        if pool is None:
             return
         try:
             pool.check_request_fits(num_prompt_tokens, params.max_tokens)
@@ -225,8 +222,7 @@ class OpenAIServing:
         bad sampling field or a request the KV cache could never hold, 503 for a full queue, a draining
         server or a dead engine core."""
         echo = isinstance(body, CompletionRequest) and body.echo
-        given = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        echo_only = echo and given == 0
+        echo_only = echo and body.requested_max_tokens[1] == 0
         params: list[SamplingParams] = []
         for _ids, _text, num_prompt_tokens in prompts:
             params.append(
@@ -236,11 +232,9 @@ class OpenAIServing:
                     self.max_model_len,
                     default_max_tokens,
                     vocab_size=self.tokenizer.vocab_size,
-                    max_logprobs=self.max_logprobs,
+                    structured_outputs=structured_outputs,
                 )
             )
-            if structured_outputs is not None:
-                params[-1] = dataclasses.replace(params[-1], structured_outputs=structured_outputs)
             self._check_kv_capacity(num_prompt_tokens, params[-1])
         self._check_queue(len(prompts) * body.n)
         choices: list[Choice] = []  # index = prompt_index * n + i, as vLLM numbers them
