@@ -4,7 +4,7 @@
 `response_format` (a JSON object, e.g. `{"type": "json_object"}`: a structured workload, whose grammar
 masks the server pays for on every step) (the flags of the same names): each is None unless given, and only the given ones go into the request body
 (`body_fields`), so a run that gives none leaves every choice to the server (vLLM and this project's `serve` then sample at temperature 1.0).
-The ranges are those the project's `serve` accepts (`engine/serving.py:sampling_params_for`), checked
+The ranges are those the project's `serve` accepts (`entrypoints/openai/serving.py:sampling_params_for`), checked
 here so a bad value is a usage error before any request is sent. vLLM's `--min-p` is left out: the
 project's engine does not sample with min_p, and its server would ignore the field.
 """
