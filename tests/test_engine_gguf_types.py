@@ -122,7 +122,7 @@ class EveryTypeAsStoredTest(unittest.TestCase):
         np.testing.assert_array_equal(parts[0], np.concatenate(stored[:2]))
         np.testing.assert_array_equal(parts[1], stored[2])
         # a decode step reads the file's tensor bytes: every tensor once, the embedding's rows aside
-        tensors = sum(int(t.n_bytes) for t in file._reader.tensors)  # pyright: ignore[reportPrivateUsage]
+        tensors = sum(int(t.n_bytes) for part in file.parts for t in part.tensors)
         embedding = int(file.quantized("model.embed_tokens.weight").data.nbytes)
         self.assertEqual(decode_weight_bytes(model, 0), tensors - embedding)
 
