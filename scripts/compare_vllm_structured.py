@@ -106,6 +106,12 @@ CASES: list[tuple[str, str, str, dict[str, Any]]] = [
         {"structured_outputs": {"json": PERSON, "disable_any_whitespace": True}},
     ),
     (
+        "json_schema object, whitespace_pattern",
+        "completions",
+        "Give a person as JSON with a name and an age.",
+        {"structured_outputs": {"json": PERSON, "whitespace_pattern": r"[\x20\x0A\x0D\x09]*"}},
+    ),
+    (
         "json_schema array of enums",
         "completions",
         "List two or three colours of a flag as a JSON array.",
@@ -265,18 +271,25 @@ def extract(endpoint: str, status: int, answer: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def compact(case: tuple[str, str, str, dict[str, Any]]) -> bool:
+    """Whether the case asks for `disable_any_whitespace` (vLLM 0.32 takes it from the server's
+    `--structured-outputs-config` only, so those cases go to a second vLLM server started with it)."""
+    return bool(case[3].get("structured_outputs", {}).get("disable_any_whitespace"))
+
+
 def run_server(
     which: str, args: argparse.Namespace, prompts: list[list[int]], out_dir: Path
 ) -> dict[str, Any]:
     port = free_port()
     ckpt = str(args.checkpoint)
     env = dict(os.environ)
-    if which == "vllm":
+    if which.startswith("vllm"):
+        config = {"backend": "guidance", "disable_any_whitespace": which == "vllm-compact"}
         cmd = [
             args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", ckpt,
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1",
             "--max-model-len", "2048", "--enforce-eager",
-            "--structured-outputs-config", json.dumps({"backend": "guidance"}),
+            "--structured-outputs-config", json.dumps(config),
         ]  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         versions = subprocess.run(
@@ -306,6 +319,8 @@ def run_server(
         model_id = model["data"][0]["id"]
         for case, prompt_ids in zip(CASES, prompts, strict=True):
             name, endpoint = case[0], case[1]
+            if which == "vllm-compact" and not compact(case):
+                continue
             path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
             t = time.monotonic()
             status, answer = post(
@@ -328,15 +343,21 @@ def first_difference(a: list[str], b: list[str]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def table(ours: dict[str, Any], vllm: dict[str, Any]) -> str:
+def table(ours: dict[str, Any], vllm: dict[str, Any], vllm_compact: dict[str, Any] | None) -> str:
+    """Markdown table of the cases; the `disable_any_whitespace` cases take vLLM's answer from the
+    server started with it (vllm_compact) when there is one."""
     lines = [
         f"ours: {ours.get('versions')}; vLLM: {vllm.get('versions')}",
         "| case | tokens equal | first difference (ours / vLLM, logprob) | ours | vLLM |",
         "|---|---|---|---|---|",
     ]
-    for name, *_ in CASES:
+    for case in CASES:
+        name = case[0]
         a = ours["cases"].get(name, {})
         b = vllm["cases"].get(name, {})
+        if compact(case) and vllm_compact is not None:
+            b = vllm_compact["cases"].get(name, {})
+            name += " (vLLM: server-wide disable_any_whitespace)"
         if a.get("status") != 200 or b.get("status") != 200:
             eq, diff = "n/a", f"status {a.get('status')} / {b.get('status')}"
         else:
@@ -365,7 +386,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--vllm-python", default="/tmp/vllmenv/bin/python", help="python of the vLLM venv")
     p.add_argument("--checkpoint", type=Path, required=True, help="Hugging Face folder (float32)")
-    p.add_argument("--servers", nargs="+", choices=["ours", "vllm"], default=["ours", "vllm"])
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        choices=["ours", "vllm", "vllm-compact"],
+        default=["ours", "vllm", "vllm-compact"],
+        help="servers to run (vllm-compact: vLLM with disable_any_whitespace, for the cases that ask for it)",
+    )
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--startup-timeout", type=float, default=600.0, help="s to wait for a server")
     p.add_argument("--request-timeout", type=float, default=300.0, help="s limit of one request")
@@ -388,10 +415,11 @@ def main() -> int:
     except (RuntimeError, OSError, subprocess.SubprocessError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         rc = 1
-    saved = {w: args.out_dir / f"{w}.json" for w in ("ours", "vllm")}
-    if all(path.exists() for path in saved.values()):
-        ours, vllm = (json.loads(path.read_text()) for path in saved.values())
-        text = table(ours, vllm)
+    saved = {w: args.out_dir / f"{w}.json" for w in ("ours", "vllm", "vllm-compact")}
+    if saved["ours"].exists() and saved["vllm"].exists():
+        ours, vllm = (json.loads(saved[w].read_text()) for w in ("ours", "vllm"))
+        c = saved["vllm-compact"]
+        text = table(ours, vllm, json.loads(c.read_text()) if c.exists() else None)
         (args.out_dir / "table.md").write_text(text + "\n")
         print(text)
     return rc
