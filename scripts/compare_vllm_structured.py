@@ -19,13 +19,20 @@ encoded once here with `tokenizers`), so both servers see the same prompt; the t
 The servers run one after the other, each on a free loopback port, each stopped (its process group,
 SIGTERM then SIGKILL) before the next starts and on errors or Ctrl-C; every request and every
 subprocess has a time limit. This server: `python -m attention_kv_caceh.benchmark serve --model DIR
---dtype float32 --max-num-seqs 1`; vLLM: `VENV/bin/python -m vllm.entrypoints.openai.api_server --model
-DIR --dtype float32 --max-num-seqs 1 --enforce-eager --structured-outputs-config '{"backend":
-"guidance"}'` with VLLM_CPU_KVCACHE_SPACE=1 (the venv as in scripts/compare_vllm.py's header). The
-checkpoint is a float32 Hugging Face folder both load (e.g. SmolLM2-135M-Instruct dequantized from the
-project's GGUF with transformers' `gguf_file=` and saved as safetensors). Each server's answers are
-saved as JSON in --out-dir; `--servers` runs only some of them and the table is built from the JSONs
-there. It is a development tool: not part of the package and not run in CI.
+--dtype float32 --max-num-seqs 1 --enable-auto-tool-choice --tool-call-parser hermes`; vLLM:
+`VENV/bin/python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --max-num-seqs 1
+--enforce-eager --structured-outputs-config '{"backend": "guidance"}'` with the same tool flags (vLLM
+refuses a named or `required` tool choice without `--tool-call-parser`) and VLLM_CPU_KVCACHE_SPACE=1
+(the venv as in scripts/compare_vllm.py's header). vLLM 0.32's guidance backend takes
+`disable_any_whitespace` from the server's `--structured-outputs-config` only (a request's field is
+accepted and not used) and never uses `whitespace_pattern`; so the cases that ask for
+`disable_any_whitespace` are also sent to a second vLLM server (`vllm-compact`) started with
+`"disable_any_whitespace": true`, and the table takes vLLM's answer for them from it.
+
+The checkpoint is a float32 Hugging Face folder both load (e.g. SmolLM2-135M-Instruct dequantized
+from the project's GGUF with transformers' `gguf_file=`, its state dict saved as safetensors). Each
+server's answers are saved as JSON in --out-dir; `--servers` runs only some of them and the table is
+built from the JSONs there. It is a development tool: not part of the package and not run in CI.
 
     uv run python scripts/compare_vllm_structured.py --vllm-python VENV/bin/python \
         --checkpoint HF_DIR --out-dir /tmp/so-vs-vllm
@@ -290,6 +297,7 @@ def run_server(
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1",
             "--max-model-len", "2048", "--enforce-eager",
             "--structured-outputs-config", json.dumps(config),
+            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         ]  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         versions = subprocess.run(
@@ -301,7 +309,7 @@ def run_server(
         cmd = [
             sys.executable, "-m", "attention_kv_caceh.benchmark", "serve", "--model", ckpt,
             "--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--max-num-seqs", "1",
-            "--max-model-len", "2048",
+            "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         ]  # fmt: skip
         import importlib.metadata as md
 
