@@ -257,18 +257,19 @@ def extract(endpoint: str, status: int, answer: dict[str, Any]) -> dict[str, Any
     """{status, text, tokens, logprobs, finish_reason, error} of one answer (first choice)."""
     if status != 200:
         return {"status": status, "error": str(answer.get("error", answer))[:300]}
-    choice = answer["choices"][0]
+    choice: dict[str, Any] = answer["choices"][0]
     out: dict[str, Any] = {"status": status, "finish_reason": choice.get("finish_reason")}
     if endpoint == "completions":
-        lp = choice.get("logprobs") or {}
+        lp: dict[str, Any] = choice.get("logprobs") or {}
         out |= {"text": choice.get("text"), "tokens": lp.get("tokens"), "logprobs": lp.get("token_logprobs")}
     else:
-        msg = choice.get("message") or {}
-        calls = msg.get("tool_calls") or []
-        text = msg.get("content") or ""
+        msg: dict[str, Any] = choice.get("message") or {}
+        calls: list[dict[str, Any]] = msg.get("tool_calls") or []
+        text: str = msg.get("content") or ""
         if calls:
             text = json.dumps([[c["function"]["name"], c["function"]["arguments"]] for c in calls])
-        content = (choice.get("logprobs") or {}).get("content") or []
+        chat_lp: dict[str, Any] = choice.get("logprobs") or {}
+        content: list[dict[str, Any]] = chat_lp.get("content") or []
         out |= {
             "text": text,
             "tokens": [c.get("token") for c in content] or None,
