@@ -352,13 +352,43 @@ def first_difference(a: list[str], b: list[str]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+END_TOKEN = "<|im_end|>"  # the checkpoint's end-of-turn token, as both servers print it
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> tuple[str, str, str]:
+    """(tokens equal, first difference, largest logprob difference) of two answers to one case.
+
+    "yes + end token": vLLM's tokens are ours and then END_TOKEN: once its grammar is complete, vLLM
+    masks everything but the end token and samples it (counted in completion_tokens); this server
+    finishes the request when the grammar is complete, without that last step."""
+    if a.get("status") != 200 or b.get("status") != 200:
+        return "n/a", f"status {a.get('status')} / {b.get('status')}", ""
+    ta: list[str] | None = a.get("tokens")
+    tb: list[str] | None = b.get("tokens")
+    if ta is None or tb is None:  # no logprobs on one side: compare the text
+        return "text " + ("yes" if a["text"] == b["text"] else "no"), "", ""
+    la: list[float] = a["logprobs"]
+    lb: list[float] = b["logprobs"]
+    common = min(len(ta), len(tb))
+    dlp = max((abs(x - y) for x, y in zip(la[:common], lb[:common], strict=True)), default=0.0)
+    i = first_difference(ta, tb)
+    if i is None:
+        return "yes", f"{len(ta)} tokens", f"{dlp:.3f}"
+    if tb[:-1] == ta and tb[-1] == END_TOKEN and a.get("finish_reason") == "stop":
+        return "yes + end token", f"{len(ta)} / {len(tb)} tokens", f"{dlp:.3f}"
+    pa = f"{ta[i]!r} {la[i]:.3f}" if i < len(ta) else "(end)"
+    pb = f"{tb[i]!r} {lb[i]:.3f}" if i < len(tb) else "(end)"
+    return "no", f"token {i}: {pa} / {pb}", f"{dlp:.3f}"
+
+
 def table(ours: dict[str, Any], vllm: dict[str, Any], vllm_compact: dict[str, Any] | None) -> str:
     """Markdown table of the cases; the `disable_any_whitespace` cases take vLLM's answer from the
     server started with it (vllm_compact) when there is one."""
     lines = [
         f"ours: {ours.get('versions')}; vLLM: {vllm.get('versions')}",
-        "| case | tokens equal | first difference (ours / vLLM, logprob) | ours | vLLM |",
-        "|---|---|---|---|---|",
+        "",
+        "| case | tokens equal | tokens (ours / vLLM) or first difference | max \\|Δ logprob\\| | output (ours) | vLLM's, where not the same text |",
+        "|---|---|---|---|---|---|",
     ]
     for case in CASES:
         name = case[0]
@@ -367,27 +397,15 @@ def table(ours: dict[str, Any], vllm: dict[str, Any], vllm_compact: dict[str, An
         if compact(case) and vllm_compact is not None:
             b = vllm_compact["cases"].get(name, {})
             name += " (vLLM: server-wide disable_any_whitespace)"
-        if a.get("status") != 200 or b.get("status") != 200:
-            eq, diff = "n/a", f"status {a.get('status')} / {b.get('status')}"
-        else:
-            ta, tb = a.get("tokens"), b.get("tokens")
-            if ta is None or tb is None:  # no logprobs on one side: compare the text
-                eq = "text " + ("yes" if a["text"] == b["text"] else "no")
-                diff = ""
-            else:
-                i = first_difference(ta, tb)
-                eq = "yes" if i is None else "no"
-                diff = f"{len(ta)} tokens"
-                if i is not None:
-                    pa = f"{ta[i]!r} {a['logprobs'][i]:.3f}" if i < len(ta) else "(end)"
-                    pb = f"{tb[i]!r} {b['logprobs'][i]:.3f}" if i < len(tb) else "(end)"
-                    diff = f"token {i}: {pa} / {pb}"
+        eq, diff, dlp = compare(a, b)
 
         def cell(x: dict[str, Any]) -> str:
             text = x.get("text") if x.get("status") == 200 else x.get("error")
-            return json.dumps(text)[:90].replace("|", "\\|")
+            return "`" + json.dumps(text)[:80].replace("|", "\\|").replace("`", "'") + "`"
 
-        lines.append(f"| {name} | {eq} | {diff.replace('|', chr(92) + '|')} | {cell(a)} | {cell(b)} |")
+        same = a.get("status") == b.get("status") == 200 and a.get("text") == b.get("text")
+        diff = diff.replace("|", "\\|")
+        lines.append(f"| {name} | {eq} | {diff} | {dlp} | {cell(a)} | {'same' if same else cell(b)} |")
     return "\n".join(lines)
 
 
@@ -397,7 +415,7 @@ def main() -> int:
     p.add_argument("--checkpoint", type=Path, required=True, help="Hugging Face folder (float32)")
     p.add_argument(
         "--servers",
-        nargs="+",
+        nargs="*",
         choices=["ours", "vllm", "vllm-compact"],
         default=["ours", "vllm", "vllm-compact"],
         help="servers to run (vllm-compact: vLLM with disable_any_whitespace, for the cases that ask for it)",
