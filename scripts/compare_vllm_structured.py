@@ -34,7 +34,11 @@ accepted and not used) and never uses `whitespace_pattern`; so the cases that as
 `"disable_any_whitespace": true`, and the table takes vLLM's answer for them from it.
 
 The checkpoint is a float32 Hugging Face folder both load (e.g. SmolLM2-135M-Instruct dequantized
-from the project's GGUF with transformers' `gguf_file=`, its state dict saved as safetensors). Each
+from the project's GGUF with transformers' `gguf_file=`, its state dict saved as safetensors, with
+`architectures` and a top-level `rope_theta` in config.json). transformers 5 writes the chat template
+to `chat_template.jinja`, which `serve` does not read (it takes `chat_template` from
+tokenizer_config.json, else its plain template): copy it into tokenizer_config.json, or the chat cases
+get different prompts on the two sides. Each
 server's answers are saved as JSON in --out-dir; `--servers` runs only some of them and the table is
 built from the JSONs there. It is a development tool: not part of the package and not run in CI.
 
