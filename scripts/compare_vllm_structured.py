@@ -9,8 +9,10 @@ tokens can part only where the model would leave the smaller grammar. For each c
 (json_schema objects, arrays, enums, nested with bounds, json_object, choice, regex, a Lark grammar, a
 named and a `required` tool call) the script sends one request to each server, temperature 0 and a
 fixed `max_tokens`, with logprobs of the sampled tokens, and prints a table: the case, whether the
-token strings are equal, the first differing position with both tokens and their logprobs, and the
-text of each side.
+token strings are equal ("yes + end token": vLLM samples the end-of-turn token after its grammar is
+complete, this server finishes without that step), the token counts or the first differing position
+with both tokens and their logprobs, the largest logprob difference (this server reports the raw
+logits' logprobs, vLLM those of the masked logits), and the text of each side.
 
 The completions cases send the prompt as token ids (the checkpoint's chat template rendered and
 encoded once here with `tokenizers`), so both servers see the same prompt; the tool cases go to
@@ -19,18 +21,17 @@ encoded once here with `tokenizers`), so both servers see the same prompt; the t
 The servers run one after the other, each on a free loopback port, each stopped (its process group,
 SIGTERM then SIGKILL) before the next starts and on errors or Ctrl-C; every request and every
 subprocess has a time limit. This server: `python -m attention_kv_caceh.benchmark serve --model DIR
---dtype float32 --max-num-seqs 1 --enable-auto-tool-choice --tool-call-parser hermes`; vLLM:
-`VENV/bin/python -m vllm.entrypoints.openai.api_server --model DIR --dtype float32 --max-num-seqs 1
---enforce-eager --structured-outputs-config '{"backend": "guidance"}'` with the same tool flags (vLLM
-refuses a named or `required` tool choice without `--tool-call-parser`), VLLM_CPU_KVCACHE_SPACE=1 and
-VLLM_ENFORCE_STRICT_TOOL_CALLING=0 (with its default, 1, vLLM constrains a named or `required` tool
-choice with xgrammar's builtin hermes structural tag, which its guidance backend answers with a 400,
-"Invalid grammar specification: 'triggers'"; with 0 it uses the JSON schema of the arguments, or of the
-array of calls, as this server does)
-(the venv as in scripts/compare_vllm.py's header). vLLM 0.32's guidance backend takes
-`disable_any_whitespace` from the server's `--structured-outputs-config` only (a request's field is
-accepted and not used) and never uses `whitespace_pattern`; so the cases that ask for
-`disable_any_whitespace` are also sent to a second vLLM server (`vllm-compact`) started with
+--dtype float32 --max-num-seqs 1 --enable-auto-tool-choice --tool-call-parser hermes`; vLLM (the venv
+as in scripts/compare_vllm.py's header): `VENV/bin/python -m vllm.entrypoints.openai.api_server --model
+DIR --dtype float32 --max-num-seqs 1 --enforce-eager --structured-outputs-config '{"backend":
+"guidance"}'` with the same tool flags (vLLM refuses a named or `required` tool choice without
+`--tool-call-parser`), VLLM_CPU_KVCACHE_SPACE=1 and VLLM_ENFORCE_STRICT_TOOL_CALLING=0 (with its
+default, 1, vLLM constrains a named or `required` tool choice with xgrammar's builtin hermes structural
+tag, which its guidance backend answers with a 400, "Invalid grammar specification: 'triggers'"; with 0
+it uses the JSON schema of the arguments, or of the array of calls, as this server does). vLLM 0.32's
+guidance backend takes `disable_any_whitespace` from the server's `--structured-outputs-config` only (a
+request's field is accepted and not used) and never uses `whitespace_pattern`; so the cases that ask
+for `disable_any_whitespace` are also sent to a second vLLM server (`vllm-compact`) started with
 `"disable_any_whitespace": true`, and the table takes vLLM's answer for them from it.
 
 The checkpoint is a float32 Hugging Face folder both load (e.g. SmolLM2-135M-Instruct dequantized
@@ -38,9 +39,9 @@ from the project's GGUF with transformers' `gguf_file=`, its state dict saved as
 `architectures` and a top-level `rope_theta` in config.json). transformers 5 writes the chat template
 to `chat_template.jinja`, which `serve` does not read (it takes `chat_template` from
 tokenizer_config.json, else its plain template): copy it into tokenizer_config.json, or the chat cases
-get different prompts on the two sides. Each
-server's answers are saved as JSON in --out-dir; `--servers` runs only some of them and the table is
-built from the JSONs there. It is a development tool: not part of the package and not run in CI.
+get different prompts on the two sides. Each server's answers are saved as JSON in --out-dir;
+`--servers` runs only some of them (none: only the table, from the JSONs there). It is a development
+tool: not part of the package and not run in CI.
 
     uv run python scripts/compare_vllm_structured.py --vllm-python VENV/bin/python \
         --checkpoint HF_DIR --out-dir /tmp/so-vs-vllm
