@@ -174,6 +174,29 @@ class RealModelStructuredTest(unittest.TestCase):
         with self.assertRaises(GrammarCompileError):
             compile_grammar(StructuredOutputsParams(regex="(?<=a)b"), self.lltok)
 
+    def test_a_grammar_the_engine_gives_up_on_in_a_step_fails_that_request_alone(self) -> None:
+        # 3,000 choices compile, but llguidance refuses a parser row of more than 2,000 items when the
+        # first token is accepted (ParserTooComplex): that request fails, the step's others run on
+        engine = self.engine()
+        many = tuple("x" * (i + 1) for i in range(3000))
+        prompt = self.prompt("Hello")
+        engine.add_request(
+            "big",
+            prompt,
+            SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(choice=many)),
+        )
+        engine.add_request("plain", prompt, SamplingParams(max_tokens=6))
+        core_outputs: list[Any] = []
+        client = engine.engine_core_client
+        while engine.has_unfinished_requests():
+            core_outputs.extend(client.get_output().outputs)
+        reasons = {o.request_id: o.finish_reason for o in core_outputs if o.finished}
+        self.assertEqual(reasons, {"big": "error", "plain": "length"})
+        plain_tokens = sum(len(o.new_token_ids) for o in core_outputs if o.request_id == "plain")
+        self.assertEqual(plain_tokens, 6)
+        error = next(o.error for o in core_outputs if o.request_id == "big")
+        self.assertIn("grammar", error or "")
+
     def test_the_step_mask_is_what_the_matcher_accepts_token_by_token(self) -> None:
         so = json_params(PERSON)
         manager = StructuredOutputManager(self.tokenizer.backend_json(), [2])

@@ -361,22 +361,29 @@ class Scheduler:
             request.num_computed_tokens += n - num_rejected
             kept: list[int] = []
             stopped = grammar_stop = False
+            grammar_error: str | None = None
             so = request.structured_output_request
             grammar = None if so is None else so.grammar
             for token in tokens:
+                if grammar is not None and not grammar.accept_tokens([token]):
+                    # the grammar engine gave up (a grammar too complex for it, say): this request
+                    # alone fails; the step's other requests keep their tokens
+                    grammar_error = f"token {token} breaks its grammar ({grammar.error})"
+                    break
                 request.append_output_token(token)
                 kept.append(token)
                 stopped = check_stop(request, self.max_model_len)
-                if grammar is not None:
-                    if not grammar.accept_tokens([token]):
-                        raise ValueError(
-                            f"request {rid!r}: token {token} breaks its grammar ({grammar.error})"
-                        )
-                    if not stopped and grammar.is_terminated():  # the grammar is complete: "stop"
-                        request.status = RequestStatus.FINISHED_STOPPED
-                        stopped = grammar_stop = True
+                if grammar is not None and not stopped and grammar.is_terminated():
+                    request.status = RequestStatus.FINISHED_STOPPED  # the grammar is complete: "stop"
+                    stopped = grammar_stop = True
                 if stopped:
                     break
+            if grammar_error is not None:
+                self.running.remove(request)
+                request.status = RequestStatus.FINISHED_ABORTED
+                self._finish(request)
+                outputs.append(EngineCoreOutput(rid, [], "error", f"structured output: {grammar_error}"))
+                continue
             if logprobs is not None and logprobs[i]:  # none for tokens trimmed after a stop
                 request.output_logprobs.extend(logprobs[i][: len(kept)])
             # tokens trimmed after a stop were computed as drafts but are not the request's
