@@ -118,6 +118,16 @@ class PlanToolsTest(unittest.TestCase):
         calls = rstream.whole('[{"name": "f", "parameters": {"a": 2}}]')[1]
         self.assertEqual(json.loads(calls[0]["function"]["arguments"]), {"a": 2})
 
+    def test_a_required_array_cut_by_max_tokens_keeps_its_text_as_content(self) -> None:
+        required = plan_tools(request(tools=[TOOL], tool_choice="required"), False, None)
+        assert required is not None
+        cut = '[{"name": "f", "param'
+        self.assertEqual(required.new_stream().whole(cut), (cut, []))
+        stream = required.new_stream()
+        deltas = stream.feed(cut[:5], False) + stream.feed(cut[5:], True)
+        self.assertEqual(deltas, [{"content": cut}])
+        self.assertEqual(stream.num_calls, 0)
+
 
 if __name__ == "__main__":
     unittest.main()

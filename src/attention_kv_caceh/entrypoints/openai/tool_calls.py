@@ -152,16 +152,20 @@ class ToolCallStream:
             call = {"id": make_tool_call_id(), "type": "function"}
             return None, [{**call, "function": {"name": self.plan.function_name, "arguments": text}}]
         if mode == "required":
-            return None, self._required_calls(text)
+            calls = self._required_calls(text)
+            # cut by max_tokens, no call is whole: the partial text is the content, never dropped
+            return (text, []) if calls is None else (None, calls)
         if self._parser is not None:
             return self._parser.extract_tool_calls(text)
         return text, []
 
-    def _required_calls(self, text: str) -> list[dict[str, Any]]:
+    def _required_calls(self, text: str) -> list[dict[str, Any]] | None:
+        """The calls of a whole `required` array; None when the text is no whole JSON value (cut by
+        max_tokens)."""
         try:
             items: Any = json.loads(text)
-        except json.JSONDecodeError:  # cut by max_tokens: no call is whole
-            return []
+        except json.JSONDecodeError:
+            return None
         calls: list[dict[str, Any]] = []
         for item in cast(list[Any], items) if isinstance(items, list) else []:
             if isinstance(item, dict):
@@ -200,6 +204,8 @@ class ToolCallStream:
             if not final:
                 return []
             calls = self._required_calls(self._text)
+            if calls is None:  # cut by max_tokens: the partial text as content, as whole() gives it
+                return [{"content": self._text}] if self._text else []
             self.num_calls = len(calls)
             return [{"tool_calls": [{"index": i, **c}]} for i, c in enumerate(calls)]
         if self._parser is not None:
