@@ -11,6 +11,7 @@ import unittest
 from pathlib import Path
 
 import attention_kv_caceh
+from tests.test_layering import find_cycle
 
 PACKAGE = Path(attention_kv_caceh.__file__).parent
 ROOT = "attention_kv_caceh"
@@ -54,29 +55,6 @@ def top_level_imports(name: str, known: set[str]) -> set[str]:
             found.add(node.module)
             found |= {f"{node.module}.{alias.name}" for alias in node.names}
     return {m for m in found if m in known and m != name}
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import circle as a list of modules (first == last), or None."""
-    state: dict[str, int] = {}  # 1 on the stack, 2 done
-    stack: list[str] = []
-
-    def visit(node: str) -> list[str] | None:
-        state[node] = 1
-        stack.append(node)
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                return [*stack[stack.index(nxt) :], nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        stack.pop()
-        state[node] = 2
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
 
 
 class LayoutTest(unittest.TestCase):
