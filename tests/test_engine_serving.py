@@ -266,6 +266,20 @@ class ChatTemplateTest(unittest.TestCase):
         rendered = template.render([{"role": "user", "content": "hi"}])
         self.assertEqual(rendered, "<s><|user|>hi</s><|assistant|>")
 
+    def test_chat_template_jinja_is_read_and_wins_over_the_config_key(self) -> None:
+        # transformers writes the template to chat_template.jinja and prefers that file when loading
+        jinja_source = "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
+        with tempfile.TemporaryDirectory() as d:
+            (Path(d) / "chat_template.jinja").write_text(jinja_source, encoding="utf-8")
+            alone = load_chat_template(d)  # no tokenizer_config.json at all
+            config = {"chat_template": "{{ 'from the config' }}", "eos_token": "</s>"}
+            (Path(d) / "tokenizer_config.json").write_text(json.dumps(config))
+            both = load_chat_template(d)
+        assert alone is not None and both is not None
+        messages = [{"role": "user", "content": "hi"}]
+        self.assertEqual(alone.render(messages), "[user]hi")
+        self.assertEqual(both.render(messages), "[user]hi</s>")
+
     def test_no_config_means_no_template_and_a_failing_template_is_a_value_error(self) -> None:
         with tempfile.TemporaryDirectory() as d:
             self.assertIsNone(load_chat_template(d))

@@ -98,11 +98,14 @@ def _token_text(value: Any) -> str:
 
 
 def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
-    """The chat template in `model_dir/tokenizer_config.json`, or None when there is none. For a GGUF
-    file (`model_source.gguf_file_of`: a file, a folder holding one, a model name), the template in its
-    `tokenizer.chat_template` metadata.
+    """The chat template of a Hugging Face folder, or None when there is none: `model_dir/chat_template.jinja`
+    when that file exists (transformers writes the template there and, when loading, prefers it over the
+    `chat_template` key of `tokenizer_config.json`), else that key; the BOS/EOS texts from
+    `tokenizer_config.json`. For a GGUF file (`model_source.gguf_file_of`: a file, a folder holding one, a
+    model name), the template in its `tokenizer.chat_template` metadata.
 
-    Raises ValueError when the file exists but is not a JSON object, or the GGUF file is unreadable.
+    Raises ValueError when tokenizer_config.json exists but is not a JSON object, chat_template.jinja is not
+    readable UTF-8 text, or the GGUF file is unreadable.
     """
     from attention_kv_caceh.model_executor.model_source import gguf_file_of
 
@@ -112,16 +115,22 @@ def load_chat_template(model_dir: str | Path) -> ChatTemplate | None:
 
         return _chat_template_from_gguf(GGUFCheckpoint(gguf))
     path = Path(model_dir) / "tokenizer_config.json"
-    if not path.is_file():
-        return None
-    try:
-        raw: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not readable JSON ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
-    config = cast(dict[str, Any], raw)
+    jinja = Path(model_dir) / "chat_template.jinja"
+    config: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            raw: Any = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: not readable JSON ({exc})") from exc
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        config = cast(dict[str, Any], raw)
     template: Any = config.get("chat_template")
+    if jinja.is_file():
+        try:
+            template = jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{jinja}: not readable UTF-8 text ({exc})") from exc
     if isinstance(template, list):
         named: dict[str, str] = {}
         for item in cast(list[Any], template):
