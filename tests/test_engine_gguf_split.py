@@ -93,6 +93,20 @@ class SplitTest(unittest.TestCase):
         self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
         self.assertIn(parts[2].name, err.getvalue())
 
+    def test_a_folder_missing_a_part_names_that_part(self) -> None:
+        for missing in (1, 0):  # part 2 of 3, then part 1 of 3
+            with self.subTest(missing=missing + 1):
+                parts = self.copy_parts(f"folder-missing-{missing + 1}")
+                parts[missing].unlink()
+                out, err = io.StringIO(), io.StringIO()
+                with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                    code = cli.main(
+                        ["generate", "--model", str(parts[0].parent), "--prompt", "a", "--max-tokens", "2"]
+                    )
+                self.assertEqual((code, out.getvalue()), (2, ""))
+                self.assertEqual(len(err.getvalue().splitlines()), 1, err.getvalue())
+                self.assertIn(parts[missing].name, err.getvalue())
+
     def test_a_later_part_given_first_is_refused_naming_the_first(self) -> None:
         with self.assertRaises(CheckpointError) as caught:
             GGUFCheckpoint(self.parts[1])

@@ -46,15 +46,27 @@ def part_path(prefix: Path, no: int, count: int) -> Path:
 
 
 def first_part(files: list[Path]) -> Path | None:
-    """The first part when `files` are exactly the parts of one split model (any order), else None."""
+    """The first part when `files` (two or more, any order) are all parts of one split model, even with
+    parts missing (`split_parts` then names the first missing one), else None.
+
+    Raises CheckpointError when they are parts of one split model but part 1 is not among them.
+    """
     names = [PART_NAME.fullmatch(f.name) for f in files]
     if len(files) < 2 or any(m is None for m in names):
         return None
     keys = {(m.group("prefix"), int(m.group("count"))) for m in names if m is not None}
-    numbers = sorted(int(m.group("no")) for m in names if m is not None)
-    if len(keys) != 1 or numbers != list(range(1, len(files) + 1)) or keys.pop()[1] != len(files):
+    if len(keys) != 1:
         return None
-    return next(f for f, m in zip(files, names, strict=True) if m is not None and m.group("no") == "00001")
+    prefix, count = keys.pop()
+    first = next(
+        (f for f, m in zip(files, names, strict=True) if m is not None and m.group("no") == "00001"), None
+    )
+    if first is None:
+        missing = part_path(files[0].with_name(prefix), 0, count)
+        raise CheckpointError(
+            f"{missing}: missing part 1 of {count} of a split model (the folder holds the others)"
+        )
+    return first
 
 
 def _integer(file: GGUFFile, key: str) -> int | None:
