@@ -404,6 +404,13 @@ class ServerFieldsTest(_Checkpoint):
         self.assertEqual(len(logs.records), 1)
         self.assertIn("frobnicate", logs.output[0])
         self.assertIn("zz", logs.output[0])
+        # a field refused by name is a 400 naming it, and is not also logged as an ignored field
+        with self.assertLogs("attention_kv_caceh.entrypoints.openai.api_server", logging.WARNING) as logs:
+            status, body = self.post(comp, '{"prompt": "a", "max_tokens": 1, "guided_json": {}, "zz": 2}')
+        self.assertEqual((status, body["error"]["param"]), (400, "guided_json"))
+        self.assertEqual(len(logs.records), 1)
+        self.assertIn("zz", logs.output[0])
+        self.assertNotIn("guided_json", logs.output[0])
 
     def test_tokenize_and_detokenize_accept_what_prompt_accepts(self) -> None:
         status, one = self.post("/tokenize", {"prompt": "ab cd", "add_special_tokens": False})

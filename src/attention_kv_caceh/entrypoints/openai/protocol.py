@@ -205,8 +205,9 @@ class _TopLevel(BaseModel):
 
     @property
     def ignored_fields(self) -> list[str]:
-        """The body's fields this server does not know, sorted."""
-        return sorted(self.model_extra or {})
+        """The body's fields this server does not know, sorted; the fields it refuses by name (`_REFUSED`,
+        a 400 when set to a value that asks for something) are known, never called ignored."""
+        return sorted(name for name in self.model_extra or {} if name not in _REFUSED)
 
 
 class StreamOptions(_Base):
