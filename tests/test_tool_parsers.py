@@ -52,6 +52,9 @@ class HermesParserTest(unittest.TestCase):
         self.assertEqual(Hermes2ProToolParser().extract_tool_calls(broken), (broken, []))
 
     def test_every_split_streams_the_same_calls(self) -> None:
+        whole_arguments = [
+            c["function"]["arguments"] for c in Hermes2ProToolParser().extract_tool_calls(TEXT)[1]
+        ]
         rng = random.Random(0)
         splits = [[1] * len(TEXT)] + [[rng.randint(1, 12) for _ in range(len(TEXT))] for _ in range(20)]
         for sizes in splits:
@@ -68,6 +71,8 @@ class HermesParserTest(unittest.TestCase):
             self.assertEqual(content, "Let me check. ")
             got = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
             self.assertEqual(got, CALLS)
+            # the fragments concatenate to the arguments' own text: no space from after the colon
+            self.assertEqual([calls[i]["arguments"] for i in sorted(calls)], whole_arguments)
             self.assertTrue(all(c["id"].startswith("chatcmpl-tool-") for c in calls.values()))
 
 

@@ -25,7 +25,9 @@ TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
 _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _NAME = re.compile(r'"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+# the arguments' key, found once the value's first character has come (a space streamed after the colon is
+# not the value's)
+_ARGUMENTS = re.compile(r'"(?:arguments|parameters)"\s*:\s*(?=\S)')
 
 
 def make_tool_call_id() -> str:
