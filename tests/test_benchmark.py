@@ -244,9 +244,31 @@ class ScanCliTest(unittest.TestCase):
         self.assertEqual([r["batch_size"] for r in rows], ["1"] * 5 + ["2"] * 2)
         self.assertEqual([r["repeat"] for r in rows[5:]], ["0", "1"])
         meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
-        self.assertEqual(meta["incomplete_batch"], {"batch_size": 2, "samples": 2})
+        self.assertEqual(meta["incomplete_batch"], {"batch_size": 2, "samples": 2, "cut_during": "numpy"})
         summary = read_csv(self.csv.parent / "benchmark-summary.csv")
         self.assertEqual([r["batch_size"] for r in summary], ["1"])  # the incomplete B is not summarised
+
+    def test_interrupt_in_the_read_probe_says_the_samples_are_whole(self) -> None:
+        real = scan.measure
+        probes = 0
+
+        def cut_second_probe(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal probes
+            if fn is np.dot:
+                probes += 1
+                if probes == 2:  # B = 2: every timed step taken, then Ctrl-C in its read probe
+                    raise KeyboardInterrupt
+            return real(fn, *args, **kwargs)
+
+        with mock.patch.object(scan, "measure", cut_second_probe):
+            code, _, _ = run_cli(
+                "--csv", str(self.csv), "--batch-sizes", "1,2", "--repeats", "3", "--warmup", "0"
+            )
+        self.assertEqual(code, 130)
+        rows = read_csv(self.csv)
+        self.assertEqual([r["batch_size"] for r in rows], ["1"] * 3 + ["2"] * 3)
+        meta = json.loads((self.csv.parent / "benchmark.csv.meta.json").read_text())
+        self.assertEqual(meta["incomplete_batch"], {"batch_size": 2, "samples": 3, "cut_during": "probe"})
 
 
 class SigtermTest(unittest.TestCase):

@@ -201,12 +201,15 @@ def prefilled_cache(
 
 
 class BatchInterrupted(KeyboardInterrupt):
-    """A KeyboardInterrupt inside `run_batch`; `samples` holds every sample taken at that B before it
-    (the batch size is incomplete: some implementation or the read probe has fewer than `repeats`)."""
+    """A KeyboardInterrupt inside `run_batch`; `samples` holds every sample taken at that B before it,
+    `stage` what was running when it came: an implementation's name (that one has fewer than `repeats`
+    samples, those after it none) or "probe" (every implementation has its samples; the read probe, which
+    the table's ratio needs, has none)."""
 
-    def __init__(self, samples: Sequence[Sample]) -> None:
+    def __init__(self, samples: Sequence[Sample], stage: str) -> None:
         super().__init__()
         self.samples: tuple[Sample, ...] = tuple(samples)
+        self.stage = stage
 
 
 def _time_impl(
@@ -262,7 +265,7 @@ def run_batch(
             failures.append((impl, str(exc)))
             continue
         except KeyboardInterrupt:
-            raise BatchInterrupted(samples + _samples(config, b, impl, taken)) from None
+            raise BatchInterrupted(samples + _samples(config, b, impl, taken), impl) from None
         errors.append((impl, max_err))
         samples += _samples(config, b, impl, taken)
     if not errors:
@@ -274,7 +277,7 @@ def run_batch(
     try:
         probe_ms = measure(np.dot, probe, probe, warmup=config.warmup, repeats=config.repeats)
     except KeyboardInterrupt:
-        raise BatchInterrupted(samples) from None
+        raise BatchInterrupted(samples, "probe") from None
     return BatchResult(
         b,
         tuple(samples),

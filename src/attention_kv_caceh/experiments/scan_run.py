@@ -152,8 +152,8 @@ class ScanRun:
     """One scan's state as it runs, what its files are rewritten from.
 
     predictions: impl -> its roofline prediction (implementations whose calibration passed);
-    results: every finished B; partial: the samples of a B cut short by Ctrl-C (raw rows only);
-    failures: impl -> where its oracle failed ("B=2: ...", "calibration (B=1, T=1): ...").
+    results: every finished B; partial: the samples of a B cut short by Ctrl-C (raw rows only), and
+    partial_stage what the Ctrl-C cut (`scan.BatchInterrupted.stage`); failures: impl -> where its oracle failed ("B=2: ...", "calibration (B=1, T=1): ...").
     """
 
     config: ScanConfig
@@ -162,6 +162,7 @@ class ScanRun:
     predictions: dict[str, ScanPrediction] = field(default_factory=lambda: dict[str, ScanPrediction]())
     results: list[BatchResult] = field(default_factory=lambda: list[BatchResult]())
     partial: tuple[Sample, ...] = ()
+    partial_stage: str = ""
     failures: dict[str, str] = field(default_factory=lambda: dict[str, str]())
 
     @property
@@ -286,7 +287,7 @@ def record_scan(run: ScanRun, recorder: RunRecorder, user: UserPrediction) -> It
             yield ScanEvent("all-failed", batch_size=b, message=str(exc))
             return
         except BatchInterrupted as exc:
-            _keep_partial(run, recorder, exc.samples)
+            _keep_partial(run, recorder, exc.samples, exc.stage)
             raise
         for impl, message in result.oracle_failures:
             alive.remove(impl)
@@ -296,10 +297,16 @@ def record_scan(run: ScanRun, recorder: RunRecorder, user: UserPrediction) -> It
         _record_batch(run, recorder, result)
 
 
-def _keep_partial(run: ScanRun, recorder: RunRecorder, samples: Sequence[Sample]) -> None:
-    """The samples of a B cut short go into the raw CSV (not the tables); the metadata names the B."""
+def _keep_partial(run: ScanRun, recorder: RunRecorder, samples: Sequence[Sample], stage: str) -> None:
+    """The samples of a B cut short go into the raw CSV (not the tables); the metadata names the B and
+    the stage the Ctrl-C cut (an implementation, or "probe": the samples are whole, the read probe not)."""
     if not samples:
         return
     run.partial = tuple(samples)
-    recorder.meta["incomplete_batch"] = {"batch_size": samples[0].batch_size, "samples": len(samples)}
+    run.partial_stage = stage
+    recorder.meta["incomplete_batch"] = {
+        "batch_size": samples[0].batch_size,
+        "samples": len(samples),
+        "cut_during": stage,
+    }
     recorder.add(asdict(s) for s in samples)

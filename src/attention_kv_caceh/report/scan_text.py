@@ -220,9 +220,14 @@ def scan_live_markdown(name: str, run: ScanRun, meta: Mapping[str, Any]) -> str:
     tables (the status line says so)."""
     status = f"Status: {meta['status']}.\n\n"
     if run.partial:
+        cut = (
+            "its read probe was cut (every implementation's samples were taken)"
+            if run.partial_stage == "probe"
+            else f"cut during {run.partial_stage or 'its timing'}"
+        )
         status = (
-            f"Status: {meta['status']}; B = {run.partial[0].batch_size} incomplete: its {len(run.partial)} "
-            "samples are in the raw CSV, not in this summary or the verdicts.\n\n"
+            f"Status: {meta['status']}; B = {run.partial[0].batch_size} incomplete, {cut}: its "
+            f"{len(run.partial)} samples are in the raw CSV, not in this summary or the verdicts.\n\n"
         )
     samples = run.samples
     if not samples:
