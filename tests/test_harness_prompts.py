@@ -126,6 +126,16 @@ class ExactPromptTest(unittest.IsolatedAsyncioTestCase):
         self.assertEqual([r.prompt_tokens for r in result.records], [36] * 6)  # the server's count
         self.assertEqual(sum("chat template" in w for w in s["warnings"]), 1, s["warnings"])
 
+    async def test_a_chat_template_longer_than_the_requested_length_is_not_exact(self) -> None:
+        # the server's template alone is 4 tokens: a 2-token chat prompt cannot be built
+        async with tokenizing_server() as server:
+            result = await run_harness(config(server.base_url, "openai-chat", prompt_len=LengthRange(2, 2)))
+        s = result.summary
+        self.assertEqual(s["failed"], 0, s["failures"])
+        self.assertTrue(all(r.prompt_tokens is not None and r.prompt_tokens > 2 for r in result.records))
+        self.assertEqual(s["prompt_lengths"], "approximate")
+        self.assertEqual(sum("approximate" in w for w in s["warnings"]), 1, s["warnings"])
+
     async def test_a_local_chat_count_is_never_recorded_as_what_the_server_saw(self) -> None:
         # a chat server without usage: the length it saw is unknown, not the template-less local count
         with tempfile.TemporaryDirectory() as tmp:

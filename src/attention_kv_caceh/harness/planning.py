@@ -136,6 +136,8 @@ def prompt_lengths(
     Exact: prompts built with the server's /tokenize, or with a local tokenizer for `/v1/completions`;
     chat prompts built with a local tokenizer only where the server's usage reported, for every
     successful request, exactly the requested length (the template's tokens are not in the local count).
+    In every case a server count that differs from the requested length makes them approximate (a chat
+    template with more tokens than --prompt-len, a server tokenizing otherwise than the local one).
     """
     measured = (
         f"the server counted {off_pct:+.1f} % against the requested tokens"
@@ -153,5 +155,15 @@ def prompt_lengths(
         return "approximate", (
             f"prompt lengths are approximate: --tokenizer {tokenizer.name} has no chat template, and the "
             f"server counts the template's tokens of /v1/chat/completions too: {measured}"
+        )
+    ok = [
+        r for r in records if r.ok and r.prompt_tokens is not None and r.requested_prompt_tokens is not None
+    ]
+    off = [r for r in ok if r.prompt_tokens != r.requested_prompt_tokens]
+    if off:  # the server's own counts are the judge: e.g. a chat template longer than --prompt-len
+        return "approximate", (
+            f"prompt lengths are approximate: {len(off)} of {len(ok)} requests' server-counted prompt tokens "
+            f"differ from the requested length (first: {off[0].prompt_tokens} for {off[0].requested_prompt_tokens}"
+            f" requested): {measured}"
         )
     return "exact", None
