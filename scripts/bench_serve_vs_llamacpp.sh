@@ -101,33 +101,7 @@ for pair in $(seq "$PAIRS"); do
     done
   done
 done
-uv run python - "$OUT" "$PAIRS" ${@:-1 8} <<'PY' || failed_runs=$((failed_runs + 1))
-import json, os, statistics, sys
-out, pairs, sizes = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-def run(name, c, p):
-    """(output tok/s, None) for a run that finished with every request ok, else (None, what failed)."""
-    path = f"{out}/{name}-c{c}-p{p}"
-    if not os.path.exists(path + ".rc"):
-        return None, "not run"
-    rc = open(path + ".rc").read().strip()
-    if not os.path.exists(path + ".json"):
-        return None, f"failed: exit {rc}, no summary"
-    summary = json.load(open(path + ".json"))
-    if summary["failed"] or rc != "0":
-        return None, f"failed: {summary['failed']} of {summary['num_requests']} requests"
-    return summary["output_throughput"], None
-print(f"{'C':>4} {'pair':>4} {'llama.cpp tok/s':>26} {'serve tok/s':>26} {'serve / llama.cpp':>18}")
-for c in sizes:
-    ratios = []
-    for p in range(1, pairs + 1):
-        (v, v_err), (s, s_err) = run("llamacpp", c, p), run("serve", c, p)
-        ratio = f"{s / v:.3f}" if v and s else "-"
-        if v and s:
-            ratios.append(s / v)
-        print(f"{c:>4} {p:>4} {v_err or f'{v:.1f}':>26} {s_err or f'{s:.1f}':>26} {ratio:>18}")
-    median = f"{statistics.median(ratios):.3f}" if ratios else "- (no pair finished)"
-    print(f"{c:>4} median serve / llama.cpp {median} over {len(ratios)} of {pairs} pairs")
-PY
+uv run python "$(dirname "$0")/pair_table.py" "$OUT" "$PAIRS" llamacpp llama.cpp ${@:-1 8} || failed_runs=$((failed_runs + 1))
 if [ "$failed_runs" -gt 0 ]; then
   echo "$failed_runs run(s) failed: see the table and their logs in $OUT" >&2
   exit 1
