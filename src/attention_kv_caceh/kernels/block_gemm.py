@@ -31,6 +31,7 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels import _block_gemm_jit as _jit
 from attention_kv_caceh.kernels.block_formats import FORMATS, block_format
 from attention_kv_caceh.kernels.isa import SimdVariant, compiled_variant
+from attention_kv_caceh.kernels.threads import chunk_rows, row_split
 
 __all__ = ["BlockWeight", "block_linear", "block_linear_into", "block_weight", "prepare_block_linear"]
 
@@ -91,19 +92,29 @@ def block_weight(blocks: npt.NDArray[Any], fmt: str, variant: SimdVariant | None
     return BlockWeight(np.ascontiguousarray(blocks), fmt, simd.isa)
 
 
-def block_linear_into(x: F32Array, weight: BlockWeight, out: F32Array) -> None:
+def block_linear_into(x: F32Array, weight: BlockWeight, out: F32Array, threads: int = 1) -> None:
     """The hot path of `block_linear`: no checks, no allocation. x `[M, K]` float32 with unit-stride
-    rows; out `[M, N]` float32 with unit-stride rows; anything else reads or writes out of bounds."""
-    _jit.ENTRY_POINTS[(weight.isa, weight.format)](x, weight.blocks, out)
+    rows; out `[M, N]` float32 with unit-stride rows; anything else reads or writes out of bounds.
+    threads > 1: W's rows split into chunks (whole groups of the kernel's tiles) over that many of
+    Numba's threads (`threads.row_split`; the calling thread's count must be at least `threads`); the
+    result is bit-identical."""
+    kernel = _jit.ENTRY_POINTS[(weight.isa, weight.format)]
+    _, group, _ = _jit.BLOCK_SPECS[weight.isa]
+    rows = weight.blocks.shape[0]
+    if threads == 1 or rows <= group:
+        kernel(x, weight.blocks, out)
+        return
+    row_split(kernel)(x, weight.blocks, out, chunk_rows(rows, threads, group), 1, threads)
 
 
-def block_linear(x: npt.NDArray[Any], weight: BlockWeight) -> F32Array:
+def block_linear(x: npt.NDArray[Any], weight: BlockWeight, threads: int = 1) -> F32Array:
     """y = x W^T: x `[M, K]` float32 -> `[M, N]` float32 for W the weight's blocks (dequantized in the
-    kernel's registers; sums in float32). Raises ValueError for an x that is not float32 `[M, K]`."""
+    kernel's registers; sums in float32); threads as `block_linear_into` (the same result for every
+    count). Raises ValueError for an x that is not float32 `[M, K]`."""
     if x.ndim != 2 or x.dtype != np.float32 or x.shape[1] != weight.in_features:
         raise ValueError(f"x must be float32 [M, {weight.in_features}], got {x.dtype} {x.shape}")
     out = np.empty((x.shape[0], weight.out_features), dtype=np.float32)  # [M, N]
-    block_linear_into(np.ascontiguousarray(x), weight, out)
+    block_linear_into(np.ascontiguousarray(x), weight, out, threads)
     return out
 
 

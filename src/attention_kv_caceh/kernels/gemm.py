@@ -35,6 +35,7 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels import _gemm_jit as _jit
 from attention_kv_caceh.kernels.dispatch import WEIGHT_DTYPES
 from attention_kv_caceh.kernels.isa import SimdVariant, compiled_variant
+from attention_kv_caceh.kernels.threads import chunk_rows, row_split
 
 __all__ = [
     "PackedWeight",
@@ -158,30 +159,39 @@ def unpack_weight(packed: PackedWeight) -> F32Array:
     return np.ascontiguousarray(dense[:n, :k])
 
 
-def packed_linear_into(x: F32Array, packed: PackedWeight, out: F32Array) -> None:
+def packed_linear_into(x: F32Array, packed: PackedWeight, out: F32Array, threads: int = 1) -> None:
     """The hot path of `packed_linear`: no checks, no allocation (except a padded copy of x for
     bfloat16 panels of odd K).
 
     x `[M, K]` float32 with unit-stride rows; out `[M, padded_out_features]` float32, unit-stride rows;
-    anything else gives undefined results (reads or writes out of bounds).
+    anything else gives undefined results (reads or writes out of bounds). threads > 1: the panels
+    split into chunks over that many of Numba's threads (`threads.row_split`; the calling thread's
+    count must be at least `threads`, `threads.set_threads`); the result is bit-identical.
     """
     if packed.kind == "bf16" and packed.in_features % 2:
         x = np.pad(x, ((0, 0), (0, 1)))  # the widening kernel reads x in pairs
-    _jit.ENTRY_POINTS[(packed.isa, packed.kind)](x, packed.panels, out)
+    kernel = _jit.ENTRY_POINTS[(packed.isa, packed.kind)]
+    panels = packed.panels.shape[0]
+    if threads == 1 or panels == 1:
+        kernel(x, packed.panels, out)
+        return
+    nr = packed.panels.shape[2]
+    row_split(kernel)(x, packed.panels, out, chunk_rows(panels, threads), nr, threads)
 
 
-def packed_linear(x: npt.NDArray[Any], packed: PackedWeight) -> F32Array:
+def packed_linear(x: npt.NDArray[Any], packed: PackedWeight, threads: int = 1) -> F32Array:
     """y = x W^T: x `[M, K]` float32 -> `[M, N]` float32, C-contiguous.
 
     float32 panels: sums run over k in order, one float32 FMA per term; the result differs from
     NumPy's in the last bits only. bfloat16 panels: W as rounded to bfloat16, x as given (widening) or
-    rounded to bfloat16 (`vdpbf16ps`). Raises ValueError for an x that is not float32 `[M, K]`.
+    rounded to bfloat16 (`vdpbf16ps`). threads: as `packed_linear_into` (the same result for every
+    count). Raises ValueError for an x that is not float32 `[M, K]`.
     """
     if x.ndim != 2 or x.dtype != np.float32 or x.shape[1] != packed.in_features:
         raise ValueError(f"x must be float32 [M, {packed.in_features}], got {x.dtype} {x.shape}")
     rows = np.ascontiguousarray(x)
     out = np.empty((x.shape[0], packed.padded_out_features), dtype=np.float32)  # [M, P NR]
-    packed_linear_into(rows, packed, out)
+    packed_linear_into(rows, packed, out, threads)
     if packed.padded_out_features == packed.out_features:
         return out
     return np.ascontiguousarray(out[:, : packed.out_features])  # [M, N]
