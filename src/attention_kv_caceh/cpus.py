@@ -21,12 +21,13 @@ from pathlib import Path
 __all__ = [
     "CGROUP_ROOT",
     "CpuSet",
-    "check_threads",
     "cgroup_cpu_quota",
+    "check_threads",
     "default_threads",
     "numba_pool_size",
-    "parse_cpu_max",
     "parse_cfs_quota",
+    "parse_cpu_max",
+    "threads_note",
     "usable_cpus",
 ]
 
@@ -152,11 +153,18 @@ def check_threads(threads: object, cpus: CpuSet | None = None) -> int:
     """`threads` as an int, or ValueError naming it: not an int >= 1, more than the usable CPUs, or
     more than Numba's pool (`numba_pool_size`)."""
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+        raise ValueError(f"must be an int >= 1, got {threads!r}")
     found = cpus or usable_cpus()
     if threads > found.count:
-        raise ValueError(f"threads {threads} exceeds the {found.describe()}")
+        raise ValueError(f"{threads} exceeds the {found.describe()}")
     pool = numba_pool_size()
     if threads > pool:
-        raise ValueError(f"threads {threads} exceeds Numba's thread pool of {pool} (NUMBA_NUM_THREADS)")
+        raise ValueError(f"{threads} exceeds Numba's thread pool of {pool} (NUMBA_NUM_THREADS)")
     return threads
+
+
+def threads_note(threads: int, cpus: CpuSet | None = None) -> str:
+    """The line a command prints at startup, e.g. "engine core: 2 threads on CPUs 0-1 (2 usable)"."""
+    return (
+        f"engine core: {threads} thread{'s' if threads != 1 else ''} on {(cpus or usable_cpus()).describe()}"
+    )

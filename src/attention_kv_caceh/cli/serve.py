@@ -20,6 +20,7 @@ SIGKILL). A dead engine core makes /health answer 503 and new requests 503. Also
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING
 from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cpus import CpuSet, default_threads, numba_pool_size, threads_note
+from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
 from attention_kv_caceh.entrypoints.openai.cli_args import ServeConfig
 
@@ -78,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     spec = plan.engine_config.speculative_config
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(serve.engine_core_cpu)
+    plan = dataclasses.replace(plan, engine_config=_core_threads(plan.engine_config, cpu))
     name = plan.source.name if serve.served_model_name is None else serve.served_model_name
     try:
         sock = listen(serve.host, serve.port)
@@ -127,7 +131,10 @@ def run(args: argparse.Namespace) -> int:
             )
 
         def announce(port: int) -> None:
+            print(threads_note(threads, None if cpu is None else CpuSet((cpu,), None)), flush=True)
             print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
+
+        threads = plan.engine_config.resolved_threads()
 
         serve_http(app, llm, sock, serve.drain_timeout, announce)
     finally:
@@ -135,6 +142,19 @@ def run(args: argparse.Namespace) -> int:
         if llm is not None:
             llm.client.close()  # idempotent: the core is already stopped after a drain
     return 0
+
+
+def _core_threads(config: EngineConfig, cpu: int | None) -> EngineConfig:
+    """The engine config with its threads fixed here: --threads, or the default of a server (one CPU
+    left to this process on four or more; 1 with --engine-core-cpu). UsageError for --threads above 1
+    with --engine-core-cpu (the core then has one CPU)."""
+    if cpu is not None:
+        if config.threads not in (None, 1):
+            raise UsageError(f"--threads {config.threads}: --engine-core-cpu {cpu} gives the core one CPU")
+        return dataclasses.replace(config, threads=1)
+    if config.threads is not None:
+        return config
+    return dataclasses.replace(config, threads=min(default_threads(serving=True), numba_pool_size()))
 
 
 def _core_cpu(cpu: int | None) -> int | None:

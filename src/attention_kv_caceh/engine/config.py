@@ -3,7 +3,8 @@
 Corresponds to the parts of vLLM's `SchedulerConfig` (max_num_seqs, max_num_batched_tokens), `CacheConfig`
 (block_size, num_gpu_blocks, enable_prefix_caching), `ModelConfig` (max_model_len, dtype, quantization:
 GGUF block formats only) and `VllmConfig.speculative_config` the engine uses. Left out: everything about
-devices and parallelism, and the quantization methods other than GGUF's blocks.
+devices and parallelism (one process; `threads` is the engine core's thread count, as vLLM-CPU's
+`VLLM_CPU_OMP_THREADS_BIND` gives its worker's threads), and the quantization methods other than GGUF's blocks.
 
 KV cache size. vLLM profiles a forward pass and gives the KV cache `gpu_memory_utilization` (0.9) of the
 GPU's memory minus what the weights and activations took. On a CPU shared with other processes there is
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attention_kv_caceh.cpus import check_threads, default_threads, numba_pool_size
 from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, QUANTIZATIONS
 from attention_kv_caceh.options import ConfigError, check_options, option
 
@@ -115,11 +117,14 @@ class EngineConfig:
             `block_formats` (Q4_0 to Q8_0, the k-quants Q2_K to Q6_K, F32, F16, BF16), as stored.
             Not with dtype "bfloat16".
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
+        threads: threads the engine core computes a step on (Numba's pool, `kernels.threads`); None:
+            `cpus.default_threads()` in the core's process (`resolved_threads`). Checked against the
+            CPUs this process may use and NUMBA_NUM_THREADS (`cpus.check_threads`).
 
     Raises:
         ConfigError (a ValueError naming the field): a count is not a positive int, both cache sizes
             are given, the dtype or the quantization is unknown, or a quantization is given with dtype
-            "bfloat16".
+            "bfloat16", or threads below 1 or above the usable CPUs or Numba's pool.
     """
 
     max_num_seqs: int = option(8, help="most requests running at once (one step's batch)", minimum=1)
@@ -167,6 +172,12 @@ class EngineConfig:
         metavar="JSON",
         parse=_speculative_config,
     )
+    threads: int | None = option(
+        None,
+        help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
+        "its cgroup's quota; serve: one less on four or more, for the API process)",
+        metavar="N",
+    )
 
     def __post_init__(self) -> None:
         for name in _COUNTS[:3]:
@@ -186,6 +197,11 @@ class EngineConfig:
                 "num_kv_blocks",
                 f"give it ({self.num_kv_blocks}) or kv_cache_memory ({self.kv_cache_memory}), not both",
             )
+        if self.threads is not None:
+            try:
+                check_threads(self.threads)
+            except ValueError as exc:
+                raise ConfigError("threads", str(exc)) from None
         if self.quantization is not None and self.dtype == "bfloat16":
             raise ConfigError(
                 "quantization", f"{self.quantization!r} needs dtype float32 or float64, got bfloat16"
@@ -220,6 +236,10 @@ class EngineConfig:
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({source}) holds no block of {bytes_per_block} bytes")
         return num_blocks
+
+    def resolved_threads(self) -> int:
+        """`threads`, or (None) `cpus.default_threads()` of this process, at most Numba's pool."""
+        return min(default_threads(), numba_pool_size()) if self.threads is None else self.threads
 
     def resolve_max_model_len(self, checkpoint_max_len: int) -> int:
         """The effective max_model_len: the checkpoint's, or this config's when it is lower.

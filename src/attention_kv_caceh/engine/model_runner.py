@@ -43,6 +43,7 @@ from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
 from attention_kv_caceh.engine.structured_output import GrammarOutput
 from attention_kv_caceh.kernels.dispatch import ENGINE_DTYPES, compute_dtype
+from attention_kv_caceh.kernels.threads import set_threads
 from attention_kv_caceh.model_executor.model import Model, ModelConfig
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, allocate_kv_cache
 from attention_kv_caceh.model_executor.warmup import warm_up
@@ -96,7 +97,8 @@ class ModelRunner:
     block. warmup_s: seconds the warm-up run at construction took (a dummy forward pass that compiles,
     or loads from Numba's disk cache, every kernel a step calls), so no step time includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
-    `bench-engine` reads to replay a decode step's attention alone.
+    `bench-engine` reads to replay a decode step's attention alone. threads: the Numba threads every
+    step computes on (`config.resolved_threads()`), set in the thread that runs each step.
     """
 
     def __init__(self, model: Model, config: EngineConfig, num_blocks: int) -> None:
@@ -118,7 +120,14 @@ class ModelRunner:
             for _ in range(c.num_hidden_layers)
         ]
         self.last_inputs: ModelInputs | None = None
+        self.threads = config.resolved_threads()
+        self._use_threads()
         self.warmup_s = self._warm_up()
+
+    def _use_threads(self) -> None:
+        """This runner's thread count for the calling thread (Numba's count is per thread) and the model."""
+        set_threads(self.threads)
+        self.model.threads = self.threads
 
     def _warm_up(self) -> float:
         """Run the model once on dummy tokens (`model_executor/warmup.py:warm_up`), so that its first real step
@@ -221,6 +230,7 @@ class ModelRunner:
         """
         inputs = self.prepare_inputs(scheduler_output)
         self.last_inputs = inputs
+        self._use_threads()
         hidden = self.model.forward(
             inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
         )  # [N, D_model]

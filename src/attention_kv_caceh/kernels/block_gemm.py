@@ -22,8 +22,9 @@ K float32 roundings of sum |x| |w| (`oracle.tolerance_for`).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -98,7 +99,7 @@ def block_linear_into(x: F32Array, weight: BlockWeight, out: F32Array, threads: 
     threads > 1: W's rows split into chunks (whole groups of the kernel's tiles) over that many of
     Numba's threads (`threads.row_split`; the calling thread's count must be at least `threads`); the
     result is bit-identical."""
-    kernel = _jit.ENTRY_POINTS[(weight.isa, weight.format)]
+    kernel = cast(Callable[..., None], _jit.ENTRY_POINTS[(weight.isa, weight.format)])
     _, group, _ = _jit.BLOCK_SPECS[weight.isa]
     rows = weight.blocks.shape[0]
     if threads == 1 or rows <= group:

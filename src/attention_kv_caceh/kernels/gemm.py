@@ -170,7 +170,7 @@ def packed_linear_into(x: F32Array, packed: PackedWeight, out: F32Array, threads
     """
     if packed.kind == "bf16" and packed.in_features % 2:
         x = np.pad(x, ((0, 0), (0, 1)))  # the widening kernel reads x in pairs
-    kernel = _jit.ENTRY_POINTS[(packed.isa, packed.kind)]
+    kernel = cast(Callable[..., None], _jit.ENTRY_POINTS[(packed.isa, packed.kind)])
     panels = packed.panels.shape[0]
     if threads == 1 or panels == 1:
         kernel(x, packed.panels, out)

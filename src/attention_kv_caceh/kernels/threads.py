@@ -43,7 +43,7 @@ CHUNKS_PER_THREAD = 8
 if "NUMBA_THREADING_LAYER" not in os.environ:
     cast(Any, numba).config.THREADING_LAYER = "omp"
     try:  # libgomp missing: Numba's default order (tbb, omp, workqueue)
-        import numba.np.ufunc.omppool  # noqa: F401  # pyright: ignore[reportMissingImports]
+        import numba.np.ufunc.omppool  # pyright: ignore[reportMissingImports]
     except ImportError:
         cast(Any, numba).config.THREADING_LAYER = "default"
 
@@ -66,10 +66,10 @@ def current_threads() -> int:
 def threading_layer() -> str:
     """The threading layer Numba chose ("omp", "tbb", "workqueue"); launches one region if none ran."""
     try:
-        return str(numba.threading_layer())
+        return str(cast(Any, numba).threading_layer())
     except ValueError:  # no parallel region ran yet
         _jit.empty_region(np.zeros(1, np.int64))
-        return str(numba.threading_layer())
+        return str(cast(Any, numba).threading_layer())
 
 
 def chunk_rows(rows: int, threads: int, align: int = 1) -> int:
@@ -92,7 +92,7 @@ def launch_overhead_us(threads: int, launches: int = 2000) -> float:
     set_threads(threads)
     out = np.zeros(threads, np.int64)
     _jit.empty_region(out)  # compile or load
-    samples = []
+    samples: list[float] = []
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(launches):

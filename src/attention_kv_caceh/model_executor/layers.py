@@ -198,30 +198,31 @@ class LinearWeight:
         return self.weight
 
 
-def linear(x: FloatArray, weight: LinearWeight) -> FloatArray:
+def linear(x: FloatArray, weight: LinearWeight, threads: int = 1) -> FloatArray:
     """A bias-free linear layer, x @ W^T: x `[N, C_in]` -> `[N, C_out]` in x's dtype.
 
     The packed path (`gemm.packed_linear_into` or `block_gemm.block_linear_into`, no checks: x must be
     float32 `[N, C_in]`) reads each weight once for all N rows; the numpy path is `x @ W.T`. Both
     compute the same sums over the same weights and may differ in the last bits (summation order;
-    bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16).
+    bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16). threads: the packed path's
+    output rows split over that many of Numba's threads (`kernels.threads`; bit-identical results).
     """
     packed, blocks = weight.packed, weight.blocks
     if weight.stacked:  # each part's kernel into its own buffer (the kernels' C-contiguous signature)
         x = np.ascontiguousarray(x)
         outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in weight.stacked]
         for part, part_out in zip(weight.stacked, outs, strict=True):
-            block_linear_into(x, part, part_out)  # [N, C_out_i]
+            block_linear_into(x, part, part_out, threads)  # [N, C_out_i]
         return np.concatenate(outs, axis=1)  # [N, C_out]
     if blocks is not None:
         out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
-        block_linear_into(np.ascontiguousarray(x), blocks, out)
+        block_linear_into(np.ascontiguousarray(x), blocks, out, threads)
         return out
     if packed is None:
         assert weight.weight is not None
         return x @ weight.weight.T  # [N, C_out]
     out = np.empty((x.shape[0], packed.padded_out_features), dtype=np.float32)  # [N, C_out padded]
-    packed_linear_into(np.ascontiguousarray(x), packed, out)
+    packed_linear_into(np.ascontiguousarray(x), packed, out, threads)
     return out if packed.padded_out_features == packed.out_features else out[:, : packed.out_features]
 
 

@@ -160,6 +160,7 @@ class Model:
         self.weight_notes = read.notes  # layers that could not keep the file's format
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         self.gemm_compile_s = 0.0
+        self.threads = 1  # Numba threads of the GEMMs and the decode attention (the model runner sets it)
         if self.gemm_path == "packed":
             kernels = sum(
                 prepare_block_linear(f) if f in BLOCK_FORMATS else prepare_packed_linear(f)
@@ -232,7 +233,9 @@ class Model:
         decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
         scale = 1.0 / math.sqrt(d)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            qkv = linear(norm(x, layer.input_layernorm, eps), layer.qkv_proj)  # [N, (H + 2 H_kv) D]
+            qkv = linear(
+                norm(x, layer.input_layernorm, eps), layer.qkv_proj, self.threads
+            )  # [N, (H + 2 H_kv) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
             v = qkv[:, (h + h_kv) * d :].reshape(n, h_kv, d)  # [N, H_kv, D]
@@ -248,16 +251,20 @@ class Model:
             if decode:  # one query per request: [R, H, D] with R == N
                 q = np.ascontiguousarray(q)  # [R, H, D]
                 tables = metadata.block_tables  # [R, max_blocks]
-                paged_decode_attention_into(q, k_cache, v_cache, tables, context_lens, decode_out, scale)
+                paged_decode_attention_into(
+                    q, k_cache, v_cache, tables, context_lens, decode_out, scale, self.threads
+                )
                 attn = decode_out
             else:
                 attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
-            out = linear(attn.reshape(n, h * d), layer.o_proj)  # [N, D_model]
+            out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads)  # [N, D_model]
             x = x + (out if layer.o_bias is None else out + layer.o_bias)
-            gate_up = linear(norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj)  # [N, 2 I]
-            x = x + linear(silu_mul(gate_up), layer.down_proj)  # [N, I] -> [N, D_model]
+            gate_up = linear(
+                norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj, self.threads
+            )  # [N, 2 I]
+            x = x + linear(silu_mul(gate_up), layer.down_proj, self.threads)  # [N, I] -> [N, D_model]
         return norm(x, self.norm, eps)  # [N, D_model]
 
     def compute_logits(self, hidden: FloatArray) -> FloatArray:
         """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype."""
-        return linear(hidden, self.lm_head)  # [R, V]
+        return linear(hidden, self.lm_head, self.threads)  # [R, V]
