@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from attention_kv_caceh.cpus import check_threads
 from attention_kv_caceh.engine.config import model_option
 from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.kernels.dispatch import GEMM_CHOICES
@@ -82,6 +83,15 @@ class BenchEngineConfig:
     json: str | None = option(
         None, help="rows and environment as JSON (default: not written)", metavar="PATH.json"
     )
+    threads: tuple[int, ...] | None = option(
+        None,
+        help="one run per value, on that many engine threads, the read probe on as many; then a "
+        "thread table (default: one run on the engine's default threads, the read probe on one)",
+        metavar="N",
+        nargs="+",
+        parse=int,
+        minimum=1,
+    )
     max_num_batched_tokens: int = 512
     block_size: int = 16
     dtype: str = "float32"
@@ -94,6 +104,16 @@ class BenchEngineConfig:
                 "output_len", f"must be >= 2 (one prefill token and one decode step), got {self.output_len}"
             )
         check_options(self)
+        for count in self.threads or ():
+            try:
+                check_threads(count)
+            except ValueError as exc:
+                raise ConfigError("threads", str(exc)) from None
+        if self.threads is not None and self.speculative_config is not None:
+            raise ConfigError(
+                "threads",
+                "is not taken with --speculative-config (that comparison runs on the default threads)",
+            )
         if not math.isfinite(self.temperature):
             raise ConfigError("temperature", f"must be a finite number, got {self.temperature}")
         if self.max_num_batched_tokens < max(self.max_num_seqs):
@@ -147,6 +167,15 @@ def bench_engine(
         "temperature": config.temperature,
         "quantization": config.quantization,
     }
+    if config.speculative_config is None and config.threads is not None:
+        from attention_kv_caceh.benchmarks.thread_table import run_thread_sweep
+
+        rows, environment = run_thread_sweep(
+            model, config.threads, config.sizes, prompt_len=config.prompt_len,
+            output_len=config.output_len, dtype=config.dtype, seed=config.seed, tokenizer=tokenizer,
+            **common,
+        )  # fmt: skip
+        return BenchResult(rows, environment)
     if config.speculative_config is None:
         from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.benchmarks.engine_rows import EngineBenchResult, EngineBenchRow
 from attention_kv_caceh.benchmarks.probes import (
     Probes,
     attention_replay,
@@ -65,102 +66,6 @@ __all__ = [
     "resident_bytes",
     "run_engine_benchmark",
 ]
-
-
-@dataclass(frozen=True)
-class EngineBenchRow:
-    """One max_num_seqs setting of `run_engine_benchmark`.
-
-    Attributes:
-        max_num_seqs: the engine's limit, and the number of requests submitted.
-        prompt_len, output_len: tokens per request (random prompt ids; every request yields output_len).
-        num_output_tokens: output tokens of all requests (max_num_seqs * output_len).
-        total_time_s: wall time from the first step to the last (prefill and decode), seconds.
-        output_tokens_per_s: num_output_tokens / total_time_s (vLLM's output throughput).
-        num_decode_steps: steps that computed only decode tokens (StepStats.num_prefill_tokens == 0).
-        decode_time_s: sum of those steps' step_time_ms, seconds (the decode phase; the steps run back
-            to back, so this is its wall time less the Python loop between steps).
-        decode_tokens_per_s: output tokens of those steps / decode_time_s.
-        decode_step_ms_p50, decode_step_ms_p95: percentiles of those steps' step_time_ms
-            (`timing.summarize_samples`, linear interpolation).
-        decode_step_cpu_ms_p50: median CPU time of the benchmark's thread over those steps (the engine
-            steps in it), ms: unlike the wall time, it leaves out the time a shared machine's other
-            processes held the core, so its ratios between rows stay comparable under changing load.
-        core_step_cpu_ms_p50: median of those steps' StepStats.step_cpu_ms: the core's step alone,
-            without the output processing decode_step_cpu_ms_p50 holds; what a server's engine steps
-            report as median_decode_step_cpu_time_ms.
-        mean_num_seqs: mean requests per pure-decode step.
-        mean_context_len: mean context length (positions attended) of a request in those steps.
-        weight_bytes_per_decode_step: `decode_weight_bytes` at mean_num_seqs.
-        kv_bytes_per_decode_step: `decode_kv_bytes` at mean_num_seqs * mean_context_len positions.
-        bytes_per_decode_step: the sum of the two, rounded to whole bytes.
-        decode_gb_per_s: bytes_per_decode_step / decode_step_ms_p50, in 1e9 bytes per second.
-        probe_gb_per_s: read rate of np.dot(buf, buf) over a float buffer of about
-            bytes_per_decode_step (the lockstep estimate, within a few KV positions), median of the
-            samples timed between this run's decode steps; 1e9 bytes per second.
-        probe_ratio: decode_gb_per_s / probe_gb_per_s (1.0 = the step reads its bytes as fast as np.dot).
-        linear_ms: the step's linear layers replayed alone at max_num_seqs rows (every layer's qkv, o,
-            gate_up and down projections and the LM head, random inputs), median of the replays timed
-            between this run's decode steps; milliseconds.
-        linear_share: linear_ms / decode_step_ms_p50.
-        attention_ms: the latest decode step's paged attention replayed alone (`kernels.
-            paged_decode_attention_into` for every layer, over the engine's KV caches with that step's
-            block tables and context lengths, random queries), median of the replays timed between
-            this run's decode steps; milliseconds (NaN when no pure-decode step preceded a probe).
-        attention_share: attention_ms / decode_step_ms_p50.
-        linear_gflop_per_s: 2 * max_num_seqs * `linear_parameters` / linear_ms, in 1e9 flops per second.
-        fma_gflop_per_s: `gemm.fma_probe` (float32 FMAs in registers, one thread), median of the probes
-            timed between this run's decode steps; 1e9 flops per second.
-        fma_ratio: linear_gflop_per_s / fma_gflop_per_s (1.0 = the linear layers run at the FMA peak).
-        gemm_path: the GEMM path of the linear layers ("packed" or "numpy", `Model.gemm_path`).
-        gemm_kernel: the kernel that multiplies the layers' weights (`LinearWeight.kernel` of the
-            first layer's qkv projection, e.g. "avx2 float32", "avx512 q4_1", "numpy float64").
-        oracle_tokens: first tokens of request 0 checked against its solo run.
-    """
-
-    max_num_seqs: int
-    prompt_len: int
-    output_len: int
-    num_output_tokens: int
-    total_time_s: float
-    output_tokens_per_s: float
-    num_decode_steps: int
-    decode_time_s: float
-    decode_tokens_per_s: float
-    decode_step_ms_p50: float
-    decode_step_ms_p95: float
-    decode_step_cpu_ms_p50: float
-    core_step_cpu_ms_p50: float
-    mean_num_seqs: float
-    mean_context_len: float
-    weight_bytes_per_decode_step: int
-    kv_bytes_per_decode_step: int
-    bytes_per_decode_step: int
-    decode_gb_per_s: float
-    probe_gb_per_s: float
-    probe_ratio: float
-    linear_ms: float
-    linear_share: float
-    attention_ms: float
-    attention_share: float
-    linear_gflop_per_s: float
-    fma_gflop_per_s: float
-    fma_ratio: float
-    gemm_path: str
-    gemm_kernel: str
-    oracle_tokens: int
-
-
-@dataclass(frozen=True)
-class EngineBenchResult:
-    """The rows of `run_engine_benchmark`, in max_num_seqs_list order, and what produced them
-    (`timing.capture_environment()` plus the model, dtype and parameter count), and what loading cost:
-    `load_s` (seconds of `Model.load`: reading, dequantizing, packing the weights), `rss_before_load_bytes`
-    and `rss_after_load_bytes` (`resident_bytes()`, None without /proc), `weight_bytes` (the weights a
-    decode step reads as stored, `decode_weight_bytes` without embedding rows)."""
-
-    rows: tuple[EngineBenchRow, ...]
-    environment: dict[str, Any]
 
 
 class _RecordingRunner:
@@ -237,6 +142,7 @@ def run_engine_benchmark(
     gemm: str = "auto",
     temperature: float = 0.0,
     quantization: str | None = None,
+    threads: int | None = None,
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 
@@ -251,7 +157,9 @@ def run_engine_benchmark(
     machine's load). With detokenize, requests stream text through the tokenizer as a server's would:
     `tokenizer`, or (None) the one Tokenizer.load reads from model_dir after the weights are loaded.
     gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"); quantization: the
-    GGUF block format of the linear weights (`Model`'s quantization; None: dtype). The oracle holds
+    GGUF block format of the linear weights (`Model`'s quantization; None: dtype). threads: the
+    engine's threads (`EngineConfig.threads`), the replays' too, and the read probe's
+    (`kernels.threads.read_probe`); None: the engine's default and np.dot's one thread. The oracle holds
     at any temperature: request 0's generator draws the same numbers alone as in the batch.
 
     Raises:
@@ -284,7 +192,7 @@ def run_engine_benchmark(
     setup = _Setup(
         model, tokenizer, SamplingParams(max_tokens=output_len, ignore_eos=True, temperature=temperature, seed=seed),
         prompt_len, output_len, block_size, max_num_batched_tokens, oracle_tokens, probe_every, seed, dtype,
-        quantization,
+        quantization, threads,
     )  # fmt: skip
     rows = tuple(engine_benchmark_rows(setup, seqs))
     environment = capture_environment() | {
@@ -348,6 +256,7 @@ class _Setup:
     seed: int
     dtype: str
     quantization: str | None
+    threads: int | None = None
 
 
 def engine_benchmark_rows(setup: _Setup, seqs: list[int]) -> Iterator[EngineBenchRow]:
@@ -371,6 +280,7 @@ def _bench_one(setup: _Setup, num_seqs: int, rng: np.random.Generator) -> Engine
         enable_prefix_caching=False,
         dtype=setup.dtype,
         quantization=setup.quantization,
+        threads=setup.threads,
     )
     prompts = rng.integers(0, model.config.vocab_size, size=(num_seqs, setup.prompt_len)).tolist()
     engine = _engine(model, setup.tokenizer, config)
@@ -389,10 +299,11 @@ def _bench_one(setup: _Setup, num_seqs: int, rng: np.random.Generator) -> Engine
     np.dot(probe, probe)  # touch the pages once, outside any timing
     replay = linear_replay(model, num_seqs, np.random.default_rng([seed, num_seqs]))
     replay()  # the same: first touches outside any timing
-    probes = Probes(probe, replay, attention_replay(model, runner.runner, seed))
+    probes = Probes(probe, replay, attention_replay(model, runner.runner, seed), threads=setup.threads)
     outputs, total_s, cpu_ms = _run(engine, prompts, setup.sampling, probes, setup.probe_every)
     if not probes.read_ms:  # fewer pure-decode steps than expected: probe after the run
         probes()
+    probes.close()
     oracle = setup.oracle_tokens
     if outputs[0][:oracle] != solo[0]:
         raise OracleMismatch(
@@ -465,4 +376,5 @@ def _row(
         gemm_path=model.gemm_path,
         gemm_kernel=model.layers[0].qkv_proj.kernel,
         oracle_tokens=setup.oracle_tokens,
+        threads=model.threads,
     )

@@ -2,8 +2,8 @@
 
 A decode step reads every weight once and each request's KV cache (`decode_weight_bytes`,
 `decode_kv_bytes`), and its linear layers do 2 flops per weight per request (`linear_parameters`). The
-probes (`Probes`) time, between the steps of the same run so that they see the same load: np.dot over
-a buffer of a step's bytes (the lab's read probe, as `experiments.calibration.read_probe` times it), the
+probes (`Probes`) time, between the steps of the same run so that they see the same load: np.dot (or,
+at a given thread count, `read_probe` on as many threads) over a buffer of a step's bytes (the lab's read probe, as `experiments.calibration.read_probe` times it), the
 step's linear layers replayed alone (`linear_replay`), `gemm.fma_probe` for as long, and the latest
 step's paged decode attention replayed alone (`attention_replay`).
 
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,11 +70,11 @@ def linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Call
 
     def replay() -> None:
         for layer in model.layers:
-            linear(x, layer.qkv_proj)
-            linear(attn, layer.o_proj)
-            linear(x, layer.gate_up_proj)
-            linear(inter, layer.down_proj)
-        linear(x, model.lm_head)
+            linear(x, layer.qkv_proj, model.threads)
+            linear(attn, layer.o_proj, model.threads)
+            linear(x, layer.gate_up_proj, model.threads)
+            linear(inter, layer.down_proj, model.threads)
+        linear(x, model.lm_head, model.threads)
 
     return replay
 
@@ -102,7 +103,9 @@ def attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[[
 
         def replay() -> None:
             for k_cache, v_cache in runner.kv_caches:
-                paged_decode_attention_into(q, k_cache, v_cache, meta.block_tables, context_lens, out, scale)
+                paged_decode_attention_into(
+                    q, k_cache, v_cache, meta.block_tables, context_lens, out, scale, model.threads
+                )
 
         return replay
 
@@ -114,7 +117,8 @@ class Probes:
     """What is timed between decode steps, one sample each per call: np.dot over `buffer` (the read
     probe, ms), the linear-layer `replay` (ms), `gemm.fma_probe` (flop/s) for as long as the replay
     took, so that on a shared machine both get the same share of the CPU, and the `attention` replay
-    (ms, when it ran)."""
+    (ms, when it ran). threads: the read probe is `read_probe` on that many threads instead of one
+    np.dot (None)."""
 
     buffer: npt.NDArray[np.floating[Any]]
     replay: Callable[[], None]
@@ -123,10 +127,26 @@ class Probes:
     linear_ms: list[float] = field(default_factory=list[float])
     fma_flops: list[float] = field(default_factory=list[float])
     attention_ms: list[float] = field(default_factory=list[float])
+    threads: int | None = None
+    _executor: ThreadPoolExecutor | None = field(default=None, init=False, repr=False)
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="read-probe")
+        return self._executor
+
+    def close(self) -> None:
+        """Stop the read probe's threads (if it started any)."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
 
     def __call__(self) -> None:
         start = time.perf_counter()
-        np.dot(self.buffer, self.buffer)
+        if self.threads is None:
+            np.dot(self.buffer, self.buffer)
+        else:
+            read_probe(self.buffer, self.threads, self._pool())
         self.read_ms.append((time.perf_counter() - start) * 1e3)
         start = time.perf_counter()
         self.replay()
@@ -137,6 +157,23 @@ class Probes:
             start = time.perf_counter()
             attention()
             self.attention_ms.append((time.perf_counter() - start) * 1e3)
+
+
+READ_CHUNKS_PER_THREAD = 8
+
+
+def read_probe(buffer: npt.NDArray[np.floating[Any]], threads: int, pool: ThreadPoolExecutor) -> float:
+    """The read probe on `threads` threads: np.dot of each of READ_CHUNKS_PER_THREAD * threads slices
+    of the 1-D `buffer` with itself, the slices taken by `pool`'s threads as they come free (np.dot
+    releases the GIL); returns the sum. Time it for the read rate at that thread count."""
+    if threads == 1:
+        return float(np.dot(buffer, buffer))
+    parts: list[npt.NDArray[np.floating[Any]]] = np.array_split(buffer, READ_CHUNKS_PER_THREAD * threads)
+
+    def dot(part: npt.NDArray[np.floating[Any]]) -> float:
+        return float(np.dot(part, part))
+
+    return float(sum(pool.map(dot, parts)))
 
 
 def decode_kv_bytes(model: Model, num_positions: float) -> float:

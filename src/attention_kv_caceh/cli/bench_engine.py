@@ -2,7 +2,10 @@
 
 Runs `benchmarks.engine.run_engine_benchmark` (through `benchmarks.bench_engine.bench_engine`) (random token-id prompts, ignore_eos, all requests
 submitted at once, as vLLM's offline throughput benchmark does; greedy unless --temperature is above 0,
-then every request samples with its own generator seeded with --seed) and prints one row per max_num_seqs:
+then every request samples with its own generator seeded with --seed) and prints one row per max_num_seqs
+(with `--threads 1 2 ...`: one table per thread count, then the thread table of
+`benchmarks.thread_table`: tokens/s, step P50 and the bytes a step reads against the read probe on as
+many threads; the JSON line then holds threads too):
 output tokens/s, the decode step's P50/P95 (wall) and P50 of the CPU time (what a shared machine's
 other processes do not change), the bytes one decode step reads (every weight once plus
 the KV cache of every running request) and that rate against the same run's read probe, then the
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
 from attention_kv_caceh.cli.common import CommandFailed, UsageError, check_outputs, warn_if_blas_unpinned
@@ -39,6 +43,7 @@ from attention_kv_caceh.cli.engine_args import (
     open_checkpoint,
 )
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cpus import threads_note
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.report import engine_bench as text
 
@@ -57,7 +62,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_options(parser, BenchEngineConfig, only=("model", "max_num_seqs", "prompt_len", "output_len"))
     group = parser.add_argument_group("engine (the KV pool is sized to the requests; prefix caching off)")
     add_engine_arguments(group, only=_ENGINE)
-    add_options(parser, BenchEngineConfig, only=("workload", "pairs", "gemm", "temperature", "seed", "json"))
+    add_options(
+        parser,
+        BenchEngineConfig,
+        only=("workload", "pairs", "gemm", "temperature", "seed", "json", "threads"),
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +76,12 @@ def run(args: argparse.Namespace) -> int:
     --json."""
     engine = {name: getattr(args, name) for name in _ENGINE}
     config = config_from_args(
-        BenchEngineConfig, args, EngineConfig, max_num_seqs=tuple(args.max_num_seqs), **engine
+        BenchEngineConfig,
+        args,
+        EngineConfig,
+        max_num_seqs=tuple(args.max_num_seqs),
+        threads=None if args.threads is None else tuple(args.threads),
+        **engine,
     )
     source = model_source(config.model)
     check_outputs([("--json", config.json, (".json",))], [("--model", str(source.path))])
@@ -122,7 +136,12 @@ def run(args: argparse.Namespace) -> int:
         raise CommandFailed(str(exc)) from None
     if spec is None:
         print(text.format_load(result.environment, source.path, open_s))
-        print(text.format_rows(result.rows))
+        for count in config.threads or (None,):
+            rows = [r for r in result.rows if count is None or r["threads"] == count]
+            print(threads_note(rows[0]["threads"]))
+            print(text.format_rows(rows))
+        if config.threads is not None:
+            print(format_thread_table(result.rows))
     else:
         print(text.format_spec_rows(result.rows))
     if config.json:
@@ -130,5 +149,30 @@ def run(args: argparse.Namespace) -> int:
             write_json_atomic(config.json, {"environment": result.environment, "rows": result.rows})
         except OSError as exc:
             raise CommandFailed(f"could not write --json {config.json}: {exc}") from None
-    print(json.dumps(text.summary(config.sizes, result.rows, speculative=spec is not None)))
+    if config.threads is None:
+        print(json.dumps(text.summary(config.sizes, result.rows, speculative=spec is not None)))
+    else:
+        summary = {
+            key: [r[key] for r in result.rows] for key in ("threads", "max_num_seqs", "output_tokens_per_s")
+        }
+        print(json.dumps(summary))
     return 0
+
+
+def format_thread_table(rows: list[dict[str, Any]]) -> str:
+    """The thread table: per (threads, max_num_seqs), output tokens/s, the decode step's P50, the bytes
+    it reads, their rate and the read probe's at that thread count, and the ratio."""
+    from attention_kv_caceh.benchmarks.thread_table import thread_table_rows
+
+    lines = [
+        "thread table: the read probe on as many threads as the engine",
+        f"{'threads':>7} {'seqs':>5} {'tok/s':>9} {'step P50 ms':>11} {'MB/step':>9} {'GB/s':>7} "
+        f"{'probe GB/s':>10} {'vs probe':>8}",
+    ]
+    for r in thread_table_rows(rows):
+        lines.append(
+            f"{r['threads']:>7} {r['max_num_seqs']:>5} {r['output_tokens_per_s']:>9.1f} "
+            f"{r['decode_step_ms_p50']:>11.2f} {r['bytes_per_decode_step'] / 1e6:>9.1f} "
+            f"{r['decode_gb_per_s']:>7.2f} {r['probe_gb_per_s']:>10.2f} {r['probe_ratio']:>8.2f}"
+        )
+    return "\n".join(lines)

@@ -59,12 +59,12 @@ def row_split(kernel):
         chunks = (rows + chunk_rows - 1) // chunk_rows
         counter = np.zeros(1, np.int64)
         for _ in numba.prange(workers):
-            c = _take(counter)
+            c = _take(counter)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
             while c < chunks:
                 r0 = c * chunk_rows
                 r1 = min(rows, r0 + chunk_rows)
                 kernel(x, w[r0:r1], y[:, r0 * cols : r1 * cols])
-                c = _take(counter)
+                c = _take(counter)  # pyright: ignore[reportCallIssue]
 
     _DRIVERS[kernel] = drive
     return drive
