@@ -9,6 +9,7 @@ block format). The oracle of the kernels' values stays the float64 product (`tes
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from attention_kv_caceh.cli.common import UsageError
+from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_flags_given
 from attention_kv_caceh.cpus import (
     CpuSet,
     cgroup_cpu_quota,
@@ -125,6 +128,14 @@ class CheckThreadsTest(unittest.TestCase):
 
 
 class FlagTest(unittest.TestCase):
+    def test_the_harness_engine_backend_passes_threads_on_to_serve(self) -> None:
+        parser = argparse.ArgumentParser()
+        add_engine_arguments(parser, defaults=False)
+        self.assertEqual(engine_flags_given(parser.parse_args(["--threads", "1"])), ["--threads", "1"])
+        self.assertEqual(engine_flags_given(parser.parse_args([])), [])
+        with self.assertRaisesRegex(UsageError, "--threads: .*0"):
+            engine_flags_given(parser.parse_args(["--threads", "0"]))
+
     def test_a_bad_threads_flag_exits_2_naming_the_value(self) -> None:
         too_many = str(usable_cpus().count + 7)
         cases = [

@@ -177,6 +177,7 @@ class EngineConfig:
         help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
         "its cgroup's quota; serve: one less on four or more, for the API process)",
         metavar="N",
+        minimum=1,
     )
 
     def __post_init__(self) -> None:

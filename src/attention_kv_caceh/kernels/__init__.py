@@ -14,6 +14,8 @@ written by hand). Outside this package, import the op's module, never a `_` modu
 - `block_formats.py`: one row per GGUF type (bytes, fields in file order, NumPy decode, step bound,
   quantizer).
 - `dispatch.py`: the dtype, quantization and weight-format names, and which kernel serves a format.
+- `threads.py`: one pool of Numba threads for a step (the threading layer, the per-thread count) and the
+  output-row split every GEMM's kernel runs under; the driver in `_parallel_jit.py`.
 - `isa.py`: the one table of instruction sets (AVX-512, AVX2, NEON) and which one Numba compiles for.
 - `ir.py`: the LLVM IR vocabulary the hand-written vector kernels share (and the vector exp).
 - `_math_jit.py`: exp for float32, the prefetch hint and a bit cast, one copy for every kernel.
