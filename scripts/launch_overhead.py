@@ -68,7 +68,7 @@ def launches_per_step(model_name: str, quantization: str | None, threads: int, s
 
     gemm.row_split = counting_split(gemm.row_split)  # type: ignore[assignment]
     block_gemm.row_split = counting_split(block_gemm.row_split)  # type: ignore[assignment]
-    parallel = paged.paged_parallel
+    parallel: Any = getattr(paged, "paged_parallel")  # noqa: B009
 
     def attention(*args: Any) -> None:
         counts["attention"] += 1
@@ -95,7 +95,9 @@ def launches_per_step(model_name: str, quantization: str | None, threads: int, s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser = argparse.ArgumentParser(
+        description="launch cost of a parallel region, per layer and per decode step"
+    )
     parser.add_argument("--layer", nargs="+", default=["omp", "workqueue"], help="threading layers to time")
     parser.add_argument("--threads", type=int, default=2, help="engine threads of the step (part 2)")
     parser.add_argument("--model", default="smollm2")
@@ -105,7 +107,10 @@ def main() -> int:
     counts = sorted({1, args.threads})
     layers = [layer_costs(layer, counts) for layer in args.layer]
     for row in layers:
-        print(f"{row['layer']:>10}: " + ", ".join(f"{t} threads {us:.2f} us" for t, us in row.get("us", {}).items()))
+        print(
+            f"{row['layer']:>10}: "
+            + ", ".join(f"{t} threads {us:.2f} us" for t, us in row.get("us", {}).items())
+        )
     from attention_kv_caceh.kernels import threads
 
     steps = {}

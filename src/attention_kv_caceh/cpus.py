@@ -144,9 +144,9 @@ def default_threads(serving: bool = False, cpus: CpuSet | None = None) -> int:
 
 def numba_pool_size() -> int:
     """The size of Numba's thread pool (`NUMBA_NUM_THREADS`, fixed when Numba starts)."""
-    import numba
+    from numba.core import config
 
-    return int(numba.config.NUMBA_NUM_THREADS)  # pyright: ignore[reportAttributeAccessIssue]
+    return int(getattr(config, "NUMBA_NUM_THREADS"))  # noqa: B009  (set by Numba at import)
 
 
 def check_threads(threads: object, cpus: CpuSet | None = None) -> int:
