@@ -131,7 +131,11 @@ def run(args: argparse.Namespace) -> int:
             )
 
         def announce(port: int) -> None:
-            print(threads_note(threads, None if cpu is None else CpuSet((cpu,), None)), flush=True)
+            print(
+                threads_note(threads, None if cpu is None else CpuSet((cpu,), None)),
+                file=sys.stderr,
+                flush=True,
+            )
             print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
 
         threads = plan.engine_config.resolved_threads()
