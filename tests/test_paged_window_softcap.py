@@ -27,12 +27,12 @@ def make_case(
     k_cache[...] = rng.standard_normal(k_cache.shape)
     v_cache[...] = rng.standard_normal(v_cache.shape)
     ids = 1 + rng.permutation(num_blocks - 1)
-    tables = np.full((len(lens), max(per_seq + [1]) + 1), -1, np.int32)
+    tables = np.full((len(lens), max([*per_seq, 1]) + 1), -1, np.int32)
     at = 0
     for b, n in enumerate(per_seq):
         tables[b, :n] = ids[at : at + n]
         at += n
-    q = (rng.standard_normal((len(lens), h_kv * group, d)) * 3).astype(dtype)
+    q = np.asarray(rng.standard_normal((len(lens), h_kv * group, d)) * 3, dtype=dtype)
     return q, k_cache, v_cache, tables, np.array(lens, np.int32)
 
 
@@ -49,8 +49,20 @@ def poison_before_window(
     return poisoned
 
 
-def as64(*arrays: np.ndarray) -> list[np.ndarray]:
-    return [a.astype(np.float64) for a in arrays]
+def reference(
+    q: np.ndarray,
+    k_cache: np.ndarray,
+    v_cache: np.ndarray,
+    tables: np.ndarray,
+    lens: np.ndarray,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> np.ndarray:
+    """The float64 oracle on float64 copies of the inputs."""
+    f64 = np.float64
+    return reference_paged_decode_attention(
+        q.astype(f64), k_cache.astype(f64), v_cache.astype(f64), tables, lens, window=window, softcap=softcap
+    )
 
 
 class WindowTest(unittest.TestCase):
@@ -63,9 +75,7 @@ class WindowTest(unittest.TestCase):
                 poisoned = poison_before_window(k_cache, v_cache, tables, context_lens, window, block_size)
                 out = paged_decode_attention(q, k_cache, v_cache, poisoned, context_lens, window=window)
                 lens_used = [n for n in lens if n > 0]
-                want = reference_paged_decode_attention(
-                    *as64(q, k_cache, v_cache), poisoned, np.maximum(context_lens, 1), window=window
-                )
+                want = reference(q, k_cache, v_cache, poisoned, np.maximum(context_lens, 1), window=window)
                 rtol, atol = tolerance_for(dtype, d + min(window, max(lens_used)))
                 for b, n in enumerate(lens):
                     if n == 0:
@@ -113,16 +123,14 @@ class SoftcapTest(unittest.TestCase):
                 out = paged_decode_attention(
                     q, k_cache, v_cache, tables, context_lens, softcap=cap, window=window
                 )
-                want = reference_paged_decode_attention(
-                    *as64(q, k_cache, v_cache), tables, context_lens, softcap=cap, window=window
-                )
+                want = reference(q, k_cache, v_cache, tables, context_lens, window, cap)
                 rtol, atol = tolerance_for(dtype, d + max(lens))
                 # a capped score off by at most cap * r (r: tanh's relative error) moves each weight by
                 # a factor within exp(+-2 cap r), so the output by at most 4 cap r max|v| (for small cap r)
                 r = TANH_RTOL_F32 if dtype == np.float32 else 16 * np.finfo(np.float64).eps
                 atol += 4 * cap * r * float(np.abs(v_cache[1:]).max())
                 np.testing.assert_allclose(out, want, rtol=rtol, atol=atol)
-                plain = reference_paged_decode_attention(*as64(q, k_cache, v_cache), tables, context_lens)
+                plain = reference(q, k_cache, v_cache, tables, context_lens)
                 self.assertGreater(float(np.abs(want - plain).max()), 10 * atol)  # the cap matters here
 
     def test_ir_kernel_float32(self) -> None:

@@ -67,7 +67,22 @@ the vector registers."""
 
 @intrinsic
 def _fold_block(
-    typingctx, qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, d_lit, bs_lit, heads_lit
+    typingctx,
+    qs,
+    k_cache,
+    v_cache,
+    block,
+    head,
+    g0,
+    first,
+    valid,
+    acc,
+    state,
+    ahead,
+    cap,
+    d_lit,
+    bs_lit,
+    heads_lit,
 ):
     """Fold block `block` of KV head `head` into the state of query heads g0 .. g0 + heads - 1.
 
@@ -91,7 +106,8 @@ def _fold_block(
         probs, alphas = _emit_softmax(builder, shape, chains, ops)
         accs = _emit_rescaled_acc(builder, shape, ops.acc_rows, alphas)
         whole_block = builder.and_(
-            builder.icmp_signed("==", ops.valid, v.I64(block_size)), builder.icmp_signed("==", ops.first, v.I64(0))
+            builder.icmp_signed("==", ops.valid, v.I64(block_size)),
+            builder.icmp_signed("==", ops.first, v.I64(0)),
         )
         with builder.if_else(whole_block) as (whole, part):
             with whole:
@@ -164,25 +180,39 @@ def _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc,
 @overload(_fold, inline="always")
 def _fold_impl(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast):
     if qs.dtype != types.float32:
-        return lambda qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast: (
-            _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap)
+        return (
+            lambda qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast: (
+                _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap)
+            )
         )
 
     def impl(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast):
         if fast == 0:  # D 64, BS 16
             if heads == 4:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 4)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 4
+                )  # pyright: ignore[reportCallIssue]
             elif heads == 3:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 3)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 3
+                )  # pyright: ignore[reportCallIssue]
             elif heads == 2:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 2)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 2
+                )  # pyright: ignore[reportCallIssue]
             else:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 1)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 1
+                )  # pyright: ignore[reportCallIssue]
         elif fast == 1:  # D 128, BS 16
             if heads == 2:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 2)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 2
+                )  # pyright: ignore[reportCallIssue]
             else:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 1)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 1
+                )  # pyright: ignore[reportCallIssue]
         else:
             _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap)
 
@@ -199,7 +229,9 @@ def fast_shape(dtype, d_count, block_size, tiles_contiguous):
 
 
 @numba.njit(**_JIT)
-def _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast, b, qs, acc, state, s):
+def _sequence(
+    q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast, b, qs, acc, state, s
+):
     """Sequence b: the blocks of its window (all of them for window 0) in table order, each folded
     into the H query heads' state; the blocks wholly before the window are never read."""
     h_count, d_count = q.shape[1], q.shape[2]
@@ -243,7 +275,23 @@ def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, wi
     state = np.empty((h_count, 2), q.dtype)
     s = np.empty(k_cache.shape[3], q.dtype)
     for b in range(q.shape[0]):
-        _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast, b, qs, acc, state, s)
+        _sequence(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            out,
+            scale,
+            window,
+            cap,
+            fast,
+            b,
+            qs,
+            acc,
+            state,
+            s,
+        )
 
 
 @numba.njit(parallel=True, **_JIT)
@@ -255,4 +303,20 @@ def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, 
         acc = np.empty((h_count, d_count), q.dtype)
         state = np.empty((h_count, 2), q.dtype)
         s = np.empty(k_cache.shape[3], q.dtype)
-        _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast, b, qs, acc, state, s)
+        _sequence(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            out,
+            scale,
+            window,
+            cap,
+            fast,
+            b,
+            qs,
+            acc,
+            state,
+            s,
+        )

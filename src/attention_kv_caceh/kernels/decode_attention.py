@@ -296,14 +296,13 @@ def paged_decode_attention(
 
 def _check_window_softcap(window: object, softcap: object) -> None:
     """ValueError unless window is None or an integer >= 1 and softcap None or a finite float > 0."""
-    if window is not None and (
-        isinstance(window, bool) or not isinstance(window, int | np.integer) or int(window) < 1
-    ):
-        raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
+    if window is not None:
+        whole = isinstance(window, int | np.integer) and not isinstance(window, bool)
+        if not whole or int(cast(Any, window)) < 1:
+            raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
     if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, int | float | np.integer | np.floating):
-            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
-        if not (math.isfinite(float(softcap)) and float(softcap) > 0):
+        number = isinstance(softcap, int | float | np.integer | np.floating) and not isinstance(softcap, bool)
+        if not number or not (math.isfinite(float(cast(Any, softcap))) and float(cast(Any, softcap)) > 0):
             raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
 
