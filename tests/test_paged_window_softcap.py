@@ -32,7 +32,7 @@ def make_case(
     for b, n in enumerate(per_seq):
         tables[b, :n] = ids[at : at + n]
         at += n
-    q = np.asarray(rng.standard_normal((len(lens), h_kv * group, d)) * 3, dtype=dtype)
+    q: np.ndarray = np.asarray(rng.standard_normal((len(lens), h_kv * group, d)) * 3, dtype=np.dtype(dtype))
     return q, k_cache, v_cache, tables, np.array(lens, np.int32)
 
 
