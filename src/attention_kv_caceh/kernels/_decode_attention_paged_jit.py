@@ -20,6 +20,10 @@ block is prefetched into L2, a line every few steps: blocks lie in arbitrary pla
 prefetchers cannot run ahead across them, and a burst of hints for a whole block at once mostly went
 unanswered (docs/kernels.md has the measurements).
 
+A sliding window starts the loop at the block of the window's first position (earlier blocks are
+never read) and masks below it in that block; a softcap c maps the scores to c tanh(s / c) before the
+mask (`ir.vtanh`; docs/kernels.md, "Sliding window and softcap").
+
 The IR kernel covers float32 with (D, BS) = (64, 16) or (128, 16) (`_SHAPES`); everything else
 (float64, other sizes) takes `_fold_block_plain`, the same steps as Numba loops.
 """

@@ -206,7 +206,7 @@ def vtanh(builder, x):
     |x| < 0.625: x + x z P(z), relative error <= 1.3e-7 (Cephes). |x| >= 0.625: e = exp(-2|x|) by
     `vexp` (relative error about 1.2e-7; clamped below -87, so tanh is 1 from |x| = 43.5), then
     sign(x) (1 - e) / (1 + e): with e <= 0.287 no cancellation, e's error enters damped by
-    2e / (1 - e^2) <= 0.63, and three roundings add 3 u (u = 6e-8): <= 3e-7 relative. So both
+    2e / (1 - e^2) <= 0.63, and the three operations after it add 3 u (u = 6e-8): <= 3e-7 relative. So both
     branches are within 3e-7 relative (2.5 float32 eps) of tanh(x); NaN in, NaN out."""
     vtype = x.type
     fabs = cgutils.get_or_insert_function(
