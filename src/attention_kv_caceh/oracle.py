@@ -170,9 +170,17 @@ def reference_paged_decode_attention(
     v_cache: FloatArray,
     block_tables: npt.NDArray[np.integer[Any]],
     context_lens: npt.NDArray[np.integer[Any]],
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> FloatArray:
     """Decode attention over a paged cache in NumPy: request b's one query attends to its positions
     0 .. context_lens[b] - 1 (context_lens >= 1), read through block_tables (vLLM's CPU layout).
+
+    window W: only positions t > context_lens[b] - 1 - W (the last W) are attended, and the table's
+    entries of blocks wholly before them are not looked at (they may be -1, or blocks of anything,
+    NaN included). softcap c: scores s (after the scale) become c tanh(s / c) before the softmax
+    (Gemma 2).
 
     q `[B, H, D]`, k_cache `[num_blocks, H_kv, D, block_size]` (positions innermost), v_cache
     `[num_blocks, H_kv, block_size, D]`, block_tables `[B, max_blocks]` (padded with -1), context_lens
@@ -185,17 +193,24 @@ def reference_paged_decode_attention(
     b, h, d = q.shape
     _, h_kv, _, block_size = k_cache.shape
     lens = context_lens.astype(np.int64)  # [B]
+    starts = np.zeros_like(lens) if window is None else np.maximum(lens - window, 0)  # [B], first attended
     max_blocks = -(-int(lens.max()) // block_size)
-    needed = lens[:, None] > np.arange(max_blocks, dtype=np.int64)[None, :] * block_size  # [B, max_blocks]
+    block_starts = np.arange(max_blocks, dtype=np.int64)[None, :] * block_size  # [1, max_blocks]
+    needed = (lens[:, None] > block_starts) & (starts[:, None] < block_starts + block_size)  # [B, max_blocks]
     safe = np.where(needed, block_tables[:, :max_blocks], 0)  # padding reads block 0, never attended below
     t = int(lens.max())
     g = h // h_kv
     keys = k_cache[safe].transpose(0, 1, 4, 2, 3).reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D], a copy
     values = v_cache[safe].transpose(0, 1, 3, 2, 4).reshape(b, -1, h_kv, d)[:, :t]  # [B, T, H_kv, D]
     q_g = q.reshape(b, h_kv, g, d) * q.dtype.type(1 / math.sqrt(d))  # [B, H_kv, G, D], scaled
+    positions = np.arange(t, dtype=np.int64)[None, :]  # [1, T]
+    keep = (lens[:, None] > positions) & (starts[:, None] <= positions)  # [B, T]
+    keys = np.where(keep[:, :, None, None], keys, 0.0)  # what is not attended may be NaN
+    values = np.where(keep[:, :, None, None], values, 0.0)
     scores = q_g @ keys.transpose(0, 2, 3, 1)  # [B, H_kv, G, T]
-    keep = lens[:, None] > np.arange(t, dtype=np.int64)[None, :]  # [B, T]
-    scores = np.where(keep[:, None, None, :], scores, -np.inf)  # position 0 is always kept
+    if softcap is not None:
+        scores = softcap * np.tanh(scores / softcap)
+    scores = np.where(keep[:, None, None, :], scores, -np.inf)  # each row keeps one position at least
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)  # [B, H_kv, G, T], unnormalised weights
     scores /= scores.sum(axis=-1, keepdims=True)

@@ -59,7 +59,9 @@ class _Operands(NamedTuple):
     q_rows: list[Any]  # per folded head h: row g0 + h of qs [H, D]
     acc_rows: list[Any]  # ... of acc [H, D]
     states: list[Any]  # ... of state [H, 2], (m, z)
-    valid: Any  # positions of the block in the context, 1 .. BS
+    first: Any  # the block's first position inside the window, 0 .. valid - 1 (i64)
+    valid: Any  # positions of the block in the context, 1 .. BS (i64)
+    cap: Any  # the softcap c (float), 0 for none
 
 
 def _i64(builder, x):
@@ -80,16 +82,17 @@ def _emit_operands(context, builder, signature, args, shape):
     """Emit the address arithmetic of `_fold_block`'s arguments: the tiles of this block and of the
     next one, the rows of the folded heads in qs, acc and state; an `_Operands`."""
     qa, ka, va, aa, sa = (
-        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 7, 8)
+        context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 1, 2, 8, 9)
     )
-    blk, head, g0, valid, ahead = (_i64(builder, args[i]) for i in (3, 4, 5, 6, 9))
+    blk, head, g0, first, valid, ahead = (_i64(builder, args[i]) for i in (3, 4, 5, 6, 7, 10))
+    cap = args[11] if args[11].type == v.F32 else builder.fptrunc(args[11], v.F32)
     k_tile, v_tile = _tile(builder, ka, blk, head), _tile(builder, va, blk, head)
     k_next, v_next = _tile(builder, ka, ahead, head), _tile(builder, va, ahead, head)
     rows = [builder.add(g0, v.I64(h)) for h in range(shape.heads)]
     q_rows = [v.at(builder, qa.data, builder.mul(r, v.I64(shape.d_count))) for r in rows]
     acc_rows = [v.at(builder, aa.data, builder.mul(r, v.I64(shape.d_count))) for r in rows]
     states = [v.at(builder, sa.data, builder.mul(r, v.I64(2))) for r in rows]
-    return _Operands(k_tile, v_tile, k_next, v_next, q_rows, acc_rows, states, valid)
+    return _Operands(k_tile, v_tile, k_next, v_next, q_rows, acc_rows, states, first, valid, cap)
 
 
 def _emit_score_chains(builder, shape, k_tile, k_next, q_rows):
@@ -127,19 +130,36 @@ def _emit_score_chains(builder, shape, k_tile, k_next, q_rows):
     return chains
 
 
-def _emit_masked_scores(builder, shape, chains, h, keep):
-    """Emit head h's scores s [BS] as nv <L x float>: its chains summed, -inf past the context
-    (keep: per score vector an <L x i1>, true for positions below valid)."""
+def _emit_raw_scores(builder, shape, chains):
+    """Head h's scores s [BS] as nv <L x float> for every folded head: its chains summed."""
     nv, splits = shape.nv, shape.splits
-    minus_inf = v.splat(shape.fvec, float("-inf"))
-    scores = []
-    for n in range(nv):
-        parts = [builder.load(chains[(h * nv + n) * splits + u]) for u in range(splits)]
-        total = parts[0]
-        for part in parts[1:]:
-            total = builder.fadd(total, part)
-        scores.append(builder.select(keep[n], total, minus_inf))
-    return scores
+    heads = []
+    for h in range(shape.heads):
+        scores = []
+        for n in range(nv):
+            parts = [builder.load(chains[(h * nv + n) * splits + u]) for u in range(splits)]
+            total = parts[0]
+            for part in parts[1:]:
+                total = builder.fadd(total, part)
+            scores.append(total)
+        heads.append(scores)
+    return heads
+
+
+def _emit_softcap(builder, shape, scores, cap):
+    """Emit s -> c tanh(s / c) on every score vector when cap c (float) > 0, else s unchanged; one
+    branch for all folded heads. Returns scores of the same structure (a list per head)."""
+    slots = [[cgutils.alloca_once(builder, shape.fvec) for _ in row] for row in scores]
+    for row, slot_row in zip(scores, slots, strict=True):
+        for x, slot in zip(row, slot_row, strict=True):
+            builder.store(x, slot)
+    with builder.if_then(builder.fcmp_ordered(">", cap, ir.Constant(v.F32, 0.0))):
+        c = v.broadcast(builder, cap, shape.lanes)
+        inv = v.broadcast(builder, builder.fdiv(ir.Constant(v.F32, 1.0), cap), shape.lanes)
+        for row, slot_row in zip(scores, slots, strict=True):
+            for x, slot in zip(row, slot_row, strict=True):
+                builder.store(builder.fmul(c, v.vtanh(builder, builder.fmul(x, inv))), slot)
+    return [[builder.load(slot) for slot in slot_row] for slot_row in slots]
 
 
 def _emit_state_update(builder, shape, scores, keep, state):
@@ -167,19 +187,26 @@ def _emit_state_update(builder, shape, scores, keep, state):
     return p, v.broadcast(builder, alpha, lanes)
 
 
-def _emit_softmax(builder, shape, chains, states, valid):
-    """Emit the scores and the state update of every folded head (states: float* per head, valid:
-    i64). Returns probs (per head, nv <L x float> of p) and alphas (per head, <L x float>)."""
+def _emit_softmax(builder, shape, chains, ops):
+    """Emit the scores (softcapped when ops.cap > 0, -inf outside [ops.first, ops.valid)) and the
+    state update of every folded head. Returns probs (per head, nv <L x float> of p) and alphas (per
+    head, <L x float>)."""
     lanes = shape.lanes
     index = [
         ir.Constant(v.vec(lanes, v.I32), list(range(n * lanes, (n + 1) * lanes))) for n in range(shape.nv)
     ]
-    limit = v.broadcast(builder, builder.trunc(valid, v.I32), lanes)
-    keep = [builder.icmp_signed("<", index[n], limit) for n in range(shape.nv)]
+    low = v.broadcast(builder, builder.trunc(ops.first, v.I32), lanes)
+    limit = v.broadcast(builder, builder.trunc(ops.valid, v.I32), lanes)
+    keep = [
+        builder.and_(builder.icmp_signed(">=", index[n], low), builder.icmp_signed("<", index[n], limit))
+        for n in range(shape.nv)
+    ]
+    minus_inf = v.splat(shape.fvec, float("-inf"))
+    capped = _emit_softcap(builder, shape, _emit_raw_scores(builder, shape, chains), ops.cap)
     probs, alphas = [], []
     for h in range(shape.heads):
-        scores = _emit_masked_scores(builder, shape, chains, h, keep)
-        p, alpha = _emit_state_update(builder, shape, scores, keep, states[h])
+        scores = [builder.select(keep[n], capped[h][n], minus_inf) for n in range(shape.nv)]
+        p, alpha = _emit_state_update(builder, shape, scores, keep, ops.states[h])
         probs.append(p)
         alphas.append(alpha)
     return probs, alphas
@@ -223,16 +250,18 @@ def _emit_whole_block(builder, shape, accs, v_tile, v_next, probs):
         _emit_add_row(builder, shape, accs, v_tile, v.I64(t), p_t)
 
 
-def _emit_partial_block(builder, shape, accs, v_tile, probs, valid):
-    """Emit the V accumulation of the context's last block: rows t < valid (i64) only, in a loop (the
-    rows past it may hold anything), p spilled to a float32 [heads, BS] alloca to be read per row."""
+def _emit_partial_block(builder, shape, accs, v_tile, probs, first, valid):
+    """Emit the V accumulation of a block the context or the window cuts (the context's last block,
+    the window's first): rows first <= t < valid (i64) only, in a loop (the rows outside may hold
+    anything), p spilled to a float32 [heads, BS] alloca to be read per row."""
     block_size = shape.block_size
     spill = cgutils.alloca_once(builder, ir.ArrayType(v.F32, shape.heads * block_size))
     base = builder.bitcast(spill, v.F32.as_pointer())
     for h in range(shape.heads):
         for n in range(shape.nv):
             v.store_vec(builder, probs[h][n], base, h * block_size + n * shape.lanes)
-    with v.loop(builder, valid) as t:
+    with v.loop(builder, builder.sub(valid, first)) as row:
+        t = builder.add(row, first)
         p_t = [
             v.broadcast(
                 builder, builder.load(v.at(builder, base, builder.add(t, v.I64(h * block_size)))), shape.lanes

@@ -20,6 +20,10 @@ block is prefetched into L2, a line every few steps: blocks lie in arbitrary pla
 prefetchers cannot run ahead across them, and a burst of hints for a whole block at once mostly went
 unanswered (docs/kernels.md has the measurements).
 
+A sliding window starts the loop at the block of the window's first position (earlier blocks are
+never read) and masks below it in that block; a softcap c maps the scores to c tanh(s / c) before the
+mask (`ir.vtanh`; docs/kernels.md, "Sliding window and softcap").
+
 The IR kernel covers float32 with (D, BS) = (64, 16) or (128, 16) (`_SHAPES`); everything else
 (float64, other sizes) takes `_fold_block_plain`, the same steps as Numba loops.
 """
@@ -67,14 +71,29 @@ the vector registers."""
 
 @intrinsic
 def _fold_block(
-    typingctx, qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, d_lit, bs_lit, heads_lit
+    typingctx,
+    qs,
+    k_cache,
+    v_cache,
+    block,
+    head,
+    g0,
+    first,
+    valid,
+    acc,
+    state,
+    ahead,
+    cap,
+    d_lit,
+    bs_lit,
+    heads_lit,
 ):
     """Fold block `block` of KV head `head` into the state of query heads g0 .. g0 + heads - 1.
 
     qs `[H, D]` float32 (q already times the scale), k_cache `[NB, H_kv, D, BS]` and v_cache
-    `[NB, H_kv, BS, D]` float32 with contiguous tiles, valid: positions of the block in the context
-    (1 .. BS), acc `[H, D]` and state `[H, 2]` (m, z) float32, updated in place; ahead: the block
-    whose tiles are prefetched. d_lit, bs_lit, heads_lit: D, BS and the number of query heads,
+    `[NB, H_kv, BS, D]` float32 with contiguous tiles; the block's positions first .. valid - 1 are
+    attended (0 <= first < valid <= BS: valid ends the context, first starts the window), acc `[H, D]` and state `[H, 2]` (m, z) float32, updated in place; ahead: the block
+    whose tiles are prefetched; cap: the softcap c (scores s -> c tanh(s / c)), 0 for none. d_lit, bs_lit, heads_lit: D, BS and the number of query heads,
     compile-time constants. The heads share each load of the K and V tiles, and their chains of
     dependent steps (scores, max, exp, sums) interleave. The phases, one emitter each: scores
     (`_emit_score_chains`), online softmax (`_emit_softmax`), acc rescaled (`_emit_rescaled_acc`),
@@ -88,20 +107,24 @@ def _fold_block(
     def codegen(context, builder, signature, args):
         ops = _emit_operands(context, builder, signature, args, shape)
         chains = _emit_score_chains(builder, shape, ops.k_tile, ops.k_next, ops.q_rows)
-        probs, alphas = _emit_softmax(builder, shape, chains, ops.states, ops.valid)
+        probs, alphas = _emit_softmax(builder, shape, chains, ops)
         accs = _emit_rescaled_acc(builder, shape, ops.acc_rows, alphas)
-        with builder.if_else(builder.icmp_signed("==", ops.valid, v.I64(block_size))) as (whole, part):
+        whole_block = builder.and_(
+            builder.icmp_signed("==", ops.valid, v.I64(block_size)),
+            builder.icmp_signed("==", ops.first, v.I64(0)),
+        )
+        with builder.if_else(whole_block) as (whole, part):
             with whole:
                 _emit_whole_block(builder, shape, accs, ops.v_tile, ops.v_next, probs)
             with part:
-                _emit_partial_block(builder, shape, accs, ops.v_tile, probs, ops.valid)
+                _emit_partial_block(builder, shape, accs, ops.v_tile, probs, ops.first, ops.valid)
         for h in range(heads):
             for e in range(shape.dv):
                 v.store_vec(builder, builder.load(accs[h * shape.dv + e]), ops.acc_rows[h], e * LANES)
         return context.get_dummy_value()
 
     sig = types.void(
-        qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, d_lit, bs_lit, heads_lit
+        qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, d_lit, bs_lit, heads_lit
     )
     return sig, codegen
 
@@ -116,19 +139,21 @@ _JIT: dict[str, Any] = {
 
 
 @numba.njit(**_JIT)
-def _fold_block_plain(qs, k_cache, v_cache, block, head, g, valid, acc, state, s):
+def _fold_block_plain(qs, k_cache, v_cache, block, head, g, first, valid, acc, state, s, cap):
     """`_fold_block` as Numba loops, for any dtype and size; s: a scratch row `[BS]`."""
     d_count = qs.shape[1]
     top = state[g, 0]
-    for t in range(valid):
+    for t in range(first, valid):
         dot = qs[g, 0] * 0.0
         for d in range(d_count):
             dot += qs[g, d] * k_cache[block, head, d, t]
+        if cap > 0:
+            dot = cap * math.tanh(dot / cap)
         s[t] = dot
         top = max(top, dot)
     alpha = math.exp(state[g, 0] - top)
     total = state[g, 1] * alpha
-    for t in range(valid):
+    for t in range(first, valid):
         p = exp_nonpositive(s[t] - top)
         s[t] = p
         total += p
@@ -136,13 +161,13 @@ def _fold_block_plain(qs, k_cache, v_cache, block, head, g, valid, acc, state, s
     state[g, 1] = total
     for d in range(d_count):
         acc[g, d] *= alpha
-    for t in range(valid):
+    for t in range(first, valid):
         p = s[t]
         for d in range(d_count):
             acc[g, d] += p * v_cache[block, head, t, d]
 
 
-def _fold(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s, ahead, fast):
+def _fold(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast):
     """Fold one block of one KV head into query heads g0 .. g0 + heads - 1: the IR kernel for the
     (D, BS) it is specialised for (fast: the index in _SHAPES; heads <= CHUNKS[fast]), else (fast -1,
     or not float32) the Numba loops, one head at a time."""
@@ -150,36 +175,50 @@ def _fold(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s, ah
 
 
 @numba.njit(**_JIT)
-def _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s):
+def _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap):
     """`_fold` by the Numba loops, one query head at a time."""
     for g in range(g0, g0 + heads):
-        _fold_block_plain(qs, k_cache, v_cache, block, head, g, valid, acc, state, s)
+        _fold_block_plain(qs, k_cache, v_cache, block, head, g, first, valid, acc, state, s, cap)
 
 
 @overload(_fold, inline="always")
-def _fold_impl(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s, ahead, fast):
+def _fold_impl(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast):
     if qs.dtype != types.float32:
-        return lambda qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s, ahead, fast: (
-            _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s)
+        return (
+            lambda qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast: (
+                _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap)
+            )
         )
 
-    def impl(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s, ahead, fast):
+    def impl(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, ahead, cap, fast):
         if fast == 0:  # D 64, BS 16
             if heads == 4:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 64, 16, 4)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 4
+                )  # pyright: ignore[reportCallIssue]
             elif heads == 3:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 64, 16, 3)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 3
+                )  # pyright: ignore[reportCallIssue]
             elif heads == 2:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 64, 16, 2)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 2
+                )  # pyright: ignore[reportCallIssue]
             else:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 64, 16, 1)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 64, 16, 1
+                )  # pyright: ignore[reportCallIssue]
         elif fast == 1:  # D 128, BS 16
             if heads == 2:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 128, 16, 2)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 2
+                )  # pyright: ignore[reportCallIssue]
             else:
-                _fold_block(qs, k_cache, v_cache, block, head, g0, valid, acc, state, ahead, 128, 16, 1)  # pyright: ignore[reportCallIssue]
+                _fold_block(
+                    qs, k_cache, v_cache, block, head, g0, first, valid, acc, state, ahead, cap, 128, 16, 1
+                )  # pyright: ignore[reportCallIssue]
         else:
-            _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, valid, acc, state, s)
+            _fold_plain(qs, k_cache, v_cache, block, head, g0, heads, first, valid, acc, state, s, cap)
 
     return impl
 
@@ -194,8 +233,11 @@ def fast_shape(dtype, d_count, block_size, tiles_contiguous):
 
 
 @numba.njit(**_JIT)
-def _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast, b, qs, acc, state, s):
-    """Sequence b: its blocks in table order, each folded into the H query heads' state."""
+def _sequence(
+    q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast, b, qs, acc, state, s
+):
+    """Sequence b: the blocks of its window (all of them for window 0) in table order, each folded
+    into the H query heads' state; the blocks wholly before the window are never read."""
     h_count, d_count = q.shape[1], q.shape[2]
     h_kv, block_size = k_cache.shape[1], k_cache.shape[3]
     g_count = h_count // h_kv
@@ -208,15 +250,17 @@ def _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast,
         state[g, 1] = 0.0
     n_ctx = context_lens[b]
     n_blocks = (n_ctx + block_size - 1) // block_size
-    for i in range(n_blocks):
+    start = max(0, n_ctx - window) if window > 0 else 0  # the window's first position
+    for i in range(start // block_size, n_blocks):
         block = block_tables[b, i]
         ahead = block_tables[b, i + 1] if i + 1 < n_blocks else block  # prefetched while block i is folded
         valid = min(block_size, n_ctx - i * block_size)
+        first = max(0, start - i * block_size)
         for j in range(h_kv):
             g = j * g_count
             while g < (j + 1) * g_count:
                 heads = min(chunk, (j + 1) * g_count - g)
-                _fold(qs, k_cache, v_cache, block, j, g, heads, valid, acc, state, s, ahead, fast)
+                _fold(qs, k_cache, v_cache, block, j, g, heads, first, valid, acc, state, s, ahead, cap, fast)
                 g += heads
     for g in range(h_count):
         inv = 1.0 / state[g, 1] if state[g, 1] > 0 else 0.0
@@ -225,20 +269,37 @@ def _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast,
 
 
 @numba.njit(**_JIT)
-def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast):
+def paged_serial(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast):
     """q [B, H, D], k_cache [NB, H_kv, D, BS], v_cache [NB, H_kv, BS, D], block_tables [B, max_blocks],
-    context_lens [B] -> out [B, H, D]; fast: `fast_shape` of the arguments."""
+    context_lens [B] -> out [B, H, D]; window: the positions attended (the last ones), 0 for all; cap:
+    the softcap in q's dtype, 0 for none; fast: `fast_shape` of the arguments."""
     h_count, d_count = q.shape[1], q.shape[2]
     qs = np.empty((h_count, d_count), q.dtype)
     acc = np.empty((h_count, d_count), q.dtype)
     state = np.empty((h_count, 2), q.dtype)
     s = np.empty(k_cache.shape[3], q.dtype)
     for b in range(q.shape[0]):
-        _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast, b, qs, acc, state, s)
+        _sequence(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            out,
+            scale,
+            window,
+            cap,
+            fast,
+            b,
+            qs,
+            acc,
+            state,
+            s,
+        )
 
 
 @numba.njit(parallel=True, **_JIT)
-def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast):
+def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, cap, fast):
     """As `paged_serial`, the B sequences spread over Numba's threads."""
     h_count, d_count = q.shape[1], q.shape[2]
     for b in numba.prange(q.shape[0]):
@@ -246,4 +307,20 @@ def paged_parallel(q, k_cache, v_cache, block_tables, context_lens, out, scale, 
         acc = np.empty((h_count, d_count), q.dtype)
         state = np.empty((h_count, 2), q.dtype)
         s = np.empty(k_cache.shape[3], q.dtype)
-        _sequence(q, k_cache, v_cache, block_tables, context_lens, out, scale, fast, b, qs, acc, state, s)
+        _sequence(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            context_lens,
+            out,
+            scale,
+            window,
+            cap,
+            fast,
+            b,
+            qs,
+            acc,
+            state,
+            s,
+        )

@@ -182,22 +182,28 @@ def paged_decode_attention_into(
     out: FloatArray,
     scale: float,
     threads: int = 1,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The hot path of `paged_decode_attention`: no checks, no allocation. q and out `[B, H, D]`.
 
     Only for arguments `paged_decode_attention` accepts: a block id out of range reads out of bounds.
+    window and softcap as there (None: off).
     """
     fast = _decode_attention_paged_jit.fast_shape(
         q.dtype, q.shape[2], k_cache.shape[3], _tiles_contiguous(k_cache, v_cache)
     )
+    w = 0 if window is None else min(int(window), 2**62)  # int64 in the kernel
+    cap = 0.0 if softcap is None else float(softcap)
     if threads == 1:
         _decode_attention_paged_jit.paged_serial(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, fast
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, w, cap, fast
         )
     else:
         _set_threads(threads)
         _decode_attention_paged_jit.paged_parallel(
-            q, k_cache, v_cache, block_tables, context_lens, out, scale, fast
+            q, k_cache, v_cache, block_tables, context_lens, out, scale, w, cap, fast
         )
 
 
@@ -211,6 +217,8 @@ def paged_decode_attention(
     scale: float | None = None,
     out: FloatArray | None = None,
     threads: int = 1,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> FloatArray:
     """Decode attention over a paged KV cache (vLLM's CPU layout), one pass over each sequence's blocks.
 
@@ -220,11 +228,18 @@ def paged_decode_attention(
     (entries past its last block are ignored, -1 by convention); context_lens `[B]` int32,
     0 <= context_lens[b] <= max_blocks * BS. A sequence with context length 0 gets a zero output.
     Every block id a sequence uses must be in [0, NB); blocks may be shared between sequences and
-    appear in any order. scale, out and threads as in `decode_attention`. Returns out `[B, H, D]` (q's
-    shape and dtype).
+    appear in any order. scale, out and threads as in `decode_attention`.
+
+    window W (sliding-window attention, as Mistral's and Gemma 2's local layers; vLLM's
+    `sliding_window`): the query at position p = context_lens[b] - 1 attends only keys at positions
+    p - W < t <= p, the last W; the table's blocks wholly before that are never read (their entries may
+    be -1 or blocks reused by other sequences). softcap c (Gemma 2's attention logit softcapping):
+    each score s, after the scale, becomes c tanh(s / c) before the softmax. Returns out `[B, H, D]`
+    (q's shape and dtype).
 
     Raises ValueError for wrong shapes or dtypes (block_tables and context_lens must be int32), a
-    context length outside its range, or a used block id outside [0, NB).
+    context length outside its range, a used block id outside [0, NB), a window that is not an
+    integer >= 1, or a softcap that is not a finite number > 0.
     """
     q, k_cache, v_cache = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
     block_tables, context_lens = np.asarray(block_tables), np.asarray(context_lens)
@@ -251,9 +266,12 @@ def paged_decode_attention(
     capacity = block_tables.shape[1] * block_size
     if np.any(context_lens < 0) or np.any(context_lens > capacity):
         raise ValueError(f"context_lens {context_lens.tolist()} must be in [0, max_blocks * BS = {capacity}]")
-    blocks_used: npt.NDArray[np.int64] = (context_lens.astype(np.int64) + block_size - 1) // block_size  # [B]
+    _check_window_softcap(window, softcap)
+    lens64 = context_lens.astype(np.int64)
+    blocks_used: npt.NDArray[np.int64] = (lens64 + block_size - 1) // block_size  # [B]
+    start = np.zeros_like(lens64) if window is None else np.maximum(lens64 - min(int(window), 2**62), 0)
     slots: npt.NDArray[np.int64] = np.arange(block_tables.shape[1], dtype=np.int64)  # [max_blocks]
-    used = slots[None, :] < blocks_used[:, None]  # [B, max_blocks]
+    used = (slots[None, :] < blocks_used[:, None]) & (slots[None, :] >= (start // block_size)[:, None])
     ids = block_tables[used]
     if np.any(ids < 0) or np.any(ids >= num_blocks):
         bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
@@ -262,9 +280,30 @@ def paged_decode_attention(
     if threads != 1:
         _set_threads(threads)
     paged_decode_attention_into(
-        q3, k_cache, v_cache, block_tables, context_lens, _as_rows(result, "out"), _scale(scale, d), threads
+        q3,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        _as_rows(result, "out"),
+        _scale(scale, d),
+        threads,
+        window=window,
+        softcap=softcap,
     )
     return result
+
+
+def _check_window_softcap(window: object, softcap: object) -> None:
+    """ValueError unless window is None or an integer >= 1 and softcap None or a finite float > 0."""
+    if window is not None:
+        whole = isinstance(window, int | np.integer) and not isinstance(window, bool)
+        if not whole or int(cast(Any, window)) < 1:
+            raise ValueError(f"window must be None or an integer >= 1, got {window!r}")
+    if softcap is not None:
+        number = isinstance(softcap, int | float | np.integer | np.floating) and not isinstance(softcap, bool)
+        if not number or not (math.isfinite(float(cast(Any, softcap))) and float(cast(Any, softcap)) > 0):
+            raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
 
 
 def _timed_first_call(name: str, call: Any, *args: Any) -> float:
