@@ -70,7 +70,7 @@ class IntBlockGemmTest(unittest.TestCase):
     def test_every_variant_matches_exact_integer_arithmetic(self) -> None:
         rng = np.random.default_rng(0)
         for variant in VARIANTS:
-            lanes = _block_gemm_int_jit.BLOCK_SPECS[variant.isa][0]
+            lanes = _block_gemm_int_jit.host_dot(variant.isa)[1]
             for fmt in INT_FORMATS:
                 for m, n, k in ((1, 1, 32), (7, 5, 96), (9, 13, 160)):
                     x, blocks = _case(rng, m, n, k, fmt)

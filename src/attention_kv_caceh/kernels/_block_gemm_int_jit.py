@@ -24,8 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import numba
+from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from attention_kv_caceh.kernels import ir as v
@@ -41,34 +43,72 @@ _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in INT_FORMATS]
 
 
 def _weight_quants(builder, fmt, block):
-    """The block's 32 weight quants as `<32 x i16>` (ggml's order: low nibbles, then high ones)."""
+    """The block's 32 weight quants as `<32 x i8>` (ggml's order: low nibbles, then high ones), and
+    whether they are signed (Q4_0, Q8_0) or not (Q4_1: 0 .. 15)."""
     if fmt == "q8_0":
-        return builder.sext(v.load_vec(builder, block, 2, v.vec(32, v.I8)), v.vec(32, v.I16))
-    start = 4 if fmt == "q4_1" else 2
-    raw = builder.zext(v.load_vec(builder, block, start, v.vec(16, v.I8)), v.vec(16, v.I16))
-    low = builder.and_(raw, v.splat(v.vec(16, v.I16), 15))
-    high = builder.lshr(raw, v.splat(v.vec(16, v.I16), 4))
+        return v.load_vec(builder, block, 2, v.vec(32, v.I8)), True
+    raw = v.load_vec(builder, block, 4 if fmt == "q4_1" else 2, v.vec(16, v.I8))
+    low = builder.and_(raw, v.splat(v.vec(16, v.I8), 15))
+    high = builder.lshr(raw, v.splat(v.vec(16, v.I8), 4))
     q = builder.shuffle_vector(low, high, ir.Constant(v.vec(32, v.I32), list(range(32))))
-    return q if fmt == "q4_1" else builder.sub(q, v.splat(v.vec(32, v.I16), 8))
+    if fmt == "q4_1":
+        return q, False
+    return builder.sub(q, v.splat(v.vec(32, v.I8), 8)), True
 
 
-def _dot(builder, wq, xq, lanes):
-    """`<L x i32>` whose lanes sum to wq . xq (two `<32 x i16>`), by pairs then halving."""
-    prod = builder.mul(wq, xq)  # [32] int16, exact
-    even = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(0, 32, 2))))
-    odd = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(1, 32, 2))))
-    acc = builder.add(builder.sext(even, v.vec(16, v.I32)), builder.sext(odd, v.vec(16, v.I32)))
-    width = 16
-    while width > lanes:
-        half = width // 2
-        lo = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half))))
-        hi = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half, width))))
-        acc, width = builder.add(lo, hi), half
-    return acc
+def _x86(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _dot(builder, wq, signed, xq, lanes, how):
+    """`<L x i32>` whose lanes sum to wq . xq (two `<32 x i8>`), each lane the sum of 4 or more
+    neighbouring products. how: "vnni" (`vpdpbusd`: u8 x s8, four products summed into each int32
+    lane), "pmadd" (`vpmaddubsw`: u8 x s8 pairs -> int16, saturating, not reached as |2 w x| <= 2 * 128
+    * 127; then `vpmaddwd` by ones: int16 pairs -> int32), or "generic" (int16 products, pairs in 32
+    bits, halving). The x86 forms need the unsigned operand: signed weights go as |w| with the sign
+    moved onto x (`vpsignb`)."""
+    if how == "generic":
+        wide = v.vec(32, v.I16)
+        prod = builder.mul((builder.sext if signed else builder.zext)(wq, wide), builder.sext(xq, wide))
+        even = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(0, 32, 2))))
+        odd = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(1, 32, 2))))
+        acc = builder.add(builder.sext(even, v.vec(16, v.I32)), builder.sext(odd, v.vec(16, v.I32)))
+        width = 16
+        while width > lanes:
+            half = width // 2
+            lo = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half))))
+            hi = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half, width))))
+            acc, width = builder.add(lo, hi), half
+        return acc
+    bytes32 = v.vec(32, v.I8)
+    if signed:
+        xq = _x86(builder, "llvm.x86.avx2.psign.b", bytes32, [xq, wq])
+        wq = _x86(builder, "llvm.abs.v32i8", bytes32, [wq, ir.Constant(ir.IntType(1), 0)])
+    if how == "vnni":
+        ints = v.vec(8, v.I32)
+        a, b = builder.bitcast(wq, ints), builder.bitcast(xq, ints)
+        return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", ints, [ir.Constant(ints, None), a, b])
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v.vec(16, v.I16), [wq, xq])
+    ones = v.splat(v.vec(16, v.I16), 1)
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, ones])
+
+
+def host_dot(isa):
+    """The integer dot product the host compiles for `isa`'s kernel (`_dot`'s how) and its int32 lanes."""
+    features = llvm.get_host_cpu_features()
+    if isa != "neon" and features.get("avx2", False):
+        return (
+            "vnni"
+            if isa == "avx512" and features.get("avx512vnni", False) and features.get("avx512vl", False)
+            else "pmadd"
+        ), 8
+    return "generic", BLOCK_SPECS[isa][0]
 
 
 def _codegen(isa, fmt):
-    lanes, heights = BLOCK_SPECS[isa]
+    heights = BLOCK_SPECS[isa][1]
+    how, lanes = host_dot(isa)
     block_bytes = _BLOCK_BYTES[fmt]
 
     def codegen(context, builder, signature, args):
@@ -95,13 +135,13 @@ def _codegen(isa, fmt):
             s_rows = [v.at(builder, sa.data, builder.mul(ri, d_stride)) for ri in r]
             with v.loop(builder, blocks) as b:
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
-                wq = _weight_quants(builder, fmt, here)
+                wq, signed = _weight_quants(builder, fmt, here)
                 dw = v.half_to_float(builder, here)
                 mw = v.half_to_float(builder, v.at(builder, here, 2)) if fmt == "q4_1" else None
                 k0 = builder.mul(b, v.I64(32))
                 for i in range(rows):
-                    xq = builder.sext(v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8)), v.vec(32, v.I16))
-                    dot = builder.sitofp(_dot(builder, wq, xq, lanes), v.vec(lanes))
+                    xq = v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8))
+                    dot = builder.sitofp(_dot(builder, wq, signed, xq, lanes, how), v.vec(lanes))
                     scale = builder.fmul(dw, builder.load(v.at(builder, d_rows[i], b)))
                     total = v.fma(builder, dot, v.broadcast(builder, scale, lanes), builder.load(acc[i]))
                     builder.store(total, acc[i])
