@@ -35,7 +35,7 @@ from attention_kv_caceh.kernels import ir as v
 __all__: list[str] = []
 
 # isa -> (L int32 lanes, row tile heights in decreasing order)
-BLOCK_SPECS = {"avx512": (16, (4, 2, 1)), "avx2": (8, (4, 2, 1)), "neon": (4, (4, 2, 1))}
+BLOCK_SPECS = {"avx512": (16, (8, 4, 2, 1)), "avx2": (8, (8, 4, 2, 1)), "neon": (4, (4, 2, 1))}
 INT_FORMATS = ("q4_1", "q4_0", "q8_0")
 """Weight formats with an integer-dot kernel, in the order of the entry points' codes."""
 _BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34}
@@ -148,7 +148,8 @@ def _codegen(isa, fmt):
                     if mw is not None:
                         sx = builder.load(v.at(builder, s_rows[i], b))
                         builder.store(
-                            builder.fadd(builder.fmul(mw, sx), builder.load(offsets[i])), offsets[i]
+                            _x86(builder, "llvm.fma.f32", v.F32, [mw, sx, builder.load(offsets[i])]),
+                            offsets[i],
                         )
             for i in range(rows):
                 total = v.hsum(builder, builder.load(acc[i]))
