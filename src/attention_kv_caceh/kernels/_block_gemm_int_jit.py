@@ -27,7 +27,7 @@ import numba
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from attention_kv_caceh.kernels import ir as v
@@ -95,14 +95,15 @@ def _dot(builder, wq, signed, xq, lanes, how):
 
 
 def host_dot(isa):
-    """The integer dot product the host compiles for `isa`'s kernel (`_dot`'s how) and its int32 lanes."""
-    features = llvm.get_host_cpu_features()
+    """The integer dot product compiled for `isa`'s kernel (`_dot`'s how) and its int32 lanes, from
+    the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else this host)."""
+    if config.CPU_NAME:
+        features = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").split(",") if f}
+    else:
+        features = dict(llvm.get_host_cpu_features())
     if isa != "neon" and features.get("avx2", False):
-        return (
-            "vnni"
-            if isa == "avx512" and features.get("avx512vnni", False) and features.get("avx512vl", False)
-            else "pmadd"
-        ), 8
+        vnni = isa == "avx512" and features.get("avx512vnni", False) and features.get("avx512vl", False)
+        return ("vnni" if vnni else "pmadd"), 8
     return "generic", BLOCK_SPECS[isa][0]
 
 
