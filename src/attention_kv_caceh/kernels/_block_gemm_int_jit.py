@@ -97,8 +97,8 @@ def _dot(builder, wq, signed, xq, lanes, how):
 def host_dot(isa):
     """The integer dot product compiled for `isa`'s kernel (`_dot`'s how) and its int32 lanes, from
     the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else this host)."""
-    if config.CPU_NAME:
-        features = {f[1:]: f[0] == "+" for f in (config.CPU_FEATURES or "").split(",") if f}
+    if getattr(config, "CPU_NAME", None):
+        features = {f[1:]: f[0] == "+" for f in (getattr(config, "CPU_FEATURES", None) or "").split(",") if f}
     else:
         features = dict(llvm.get_host_cpu_features())
     if isa != "neon" and features.get("avx2", False):
