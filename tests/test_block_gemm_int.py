@@ -18,7 +18,7 @@ from attention_kv_caceh.kernels import _block_gemm_int_jit
 from attention_kv_caceh.kernels.activation_quant import activation_format_for, quantize_activations
 from attention_kv_caceh.kernels.block_formats import quantize_weight
 from attention_kv_caceh.kernels.block_gemm import block_weight
-from attention_kv_caceh.kernels.block_gemm_int import INT_FORMATS, int_linear, int_linear_quantized
+from attention_kv_caceh.kernels.block_gemm_int import INT_FORMATS, dot_form, int_linear, int_linear_quantized
 from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
 
 VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in _block_gemm_int_jit.BLOCK_SPECS]
@@ -70,7 +70,7 @@ class IntBlockGemmTest(unittest.TestCase):
     def test_every_variant_matches_exact_integer_arithmetic(self) -> None:
         rng = np.random.default_rng(0)
         for variant in VARIANTS:
-            lanes = _block_gemm_int_jit.host_dot(variant.isa)[1]
+            lanes = dot_form(variant.isa)[1]
             for fmt in INT_FORMATS:
                 for m, n, k in ((1, 1, 32), (7, 5, 96), (9, 13, 160)):
                     x, blocks = _case(rng, m, n, k, fmt)

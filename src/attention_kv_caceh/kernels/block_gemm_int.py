@@ -26,10 +26,23 @@ from attention_kv_caceh.kernels.activation_quant import (
 )
 from attention_kv_caceh.kernels.block_gemm import BlockWeight
 
-__all__ = ["INT_FORMATS", "has_int_kernel", "int_linear", "int_linear_into", "int_linear_quantized"]
+__all__ = [
+    "INT_FORMATS",
+    "dot_form",
+    "has_int_kernel",
+    "int_linear",
+    "int_linear_into",
+    "int_linear_quantized",
+]
 
 INT_FORMATS = _jit.INT_FORMATS
 F32Array = npt.NDArray[np.float32]
+
+
+def dot_form(isa: str) -> tuple[str, int]:
+    """(the integer dot product compiled for `isa`: "vnni", "pmadd" or "generic"; its int32 lanes L)."""
+    how, lanes = _jit.host_dot(isa)
+    return str(how), int(lanes)
 
 
 def has_int_kernel(weight: BlockWeight) -> bool:
