@@ -94,7 +94,7 @@ def _dot(builder, wq, signed, xq, lanes, how):
     return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, ones])
 
 
-def host_dot(isa):
+def host_dot(isa: str) -> tuple[str, int]:
     """The integer dot product compiled for `isa`'s kernel (`_dot`'s how) and its int32 lanes, from
     the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else this host)."""
     if getattr(config, "CPU_NAME", None):

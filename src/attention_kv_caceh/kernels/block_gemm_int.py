@@ -41,8 +41,7 @@ F32Array = npt.NDArray[np.float32]
 
 def dot_form(isa: str) -> tuple[str, int]:
     """(the integer dot product compiled for `isa`: "vnni", "pmadd" or "generic"; its int32 lanes L)."""
-    how, lanes = _jit.host_dot(isa)
-    return str(how), int(lanes)
+    return _jit.host_dot(isa)
 
 
 def has_int_kernel(weight: BlockWeight) -> bool:
