@@ -1,0 +1,228 @@
+"""Integer-dot block kernels: 8-bit activations (`activation_quant`) times GGUF weight blocks; import `block_gemm_int`.
+
+No argument checks here: `kernels/block_gemm_int.py` validates first. Legend as `_block_gemm_jit`:
+M rows of x, K input features (a multiple of 32), N output features, L int32 lanes per vector
+(`BLOCK_SPECS`), MR rows of x per tile.
+
+Per block of 32 (ggml's `ggml_vec_dot_q4_1_q8_1` and its siblings, ggml-cpu/arch/x86/quants.c):
+the weight's 32 quants qw (0 .. 15 for Q4_1, q - 8 for Q4_0, the int8 of Q8_0) and the row of x's
+32 quants qx (int8) are widened to 16 bits and multiplied (|qw qx| <= 128 * 127 fits in int16), the
+products of neighbouring lanes are added in 32 bits (the shape of `vpmaddwd`, which LLVM selects on
+x86), and the 16 sums are folded to L lanes; those lanes, converted to float32 (exact: at most
+32 * 128 * 127 in magnitude), meet one FMA with the broadcast of d_w d_x (one float32 rounding) into
+the row's accumulator, and Q4_1 adds m_w s_x (s_x = d_x sum(qx), `activation_quant`) into a scalar
+accumulator. At the end of the row the lanes are summed. So y[m, n] is
+sum_b d_w d_x (qw . qx) + m_w s_x with K / 32 + log2 L + 2 float32 roundings per term, whatever
+tile or chunk of rows of W or x it is computed in.
+"""
+
+# pyright: basic
+# (Numba compiles these from their argument types at the first call; they carry no annotations.)
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils, config
+from numba.extending import intrinsic
+
+from attention_kv_caceh.kernels import ir as v
+
+__all__: list[str] = []
+
+# isa -> (L int32 lanes, row tile heights in decreasing order)
+BLOCK_SPECS = {"avx512": (16, (8, 4, 2, 1)), "avx2": (8, (8, 4, 2, 1)), "neon": (4, (4, 2, 1))}
+INT_FORMATS = ("q4_1", "q4_0", "q8_0")
+"""Weight formats with an integer-dot kernel, in the order of the entry points' codes."""
+_BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34}
+_KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in INT_FORMATS]
+
+
+def _weight_quants(builder, fmt, block):
+    """The block's 32 weight quants as `<32 x i8>` (ggml's order: low nibbles, then high ones), and
+    whether they are signed (Q4_0, Q8_0) or not (Q4_1: 0 .. 15)."""
+    if fmt == "q8_0":
+        return v.load_vec(builder, block, 2, v.vec(32, v.I8)), True
+    raw = v.load_vec(builder, block, 4 if fmt == "q4_1" else 2, v.vec(16, v.I8))
+    low = builder.and_(raw, v.splat(v.vec(16, v.I8), 15))
+    high = builder.lshr(raw, v.splat(v.vec(16, v.I8), 4))
+    q = builder.shuffle_vector(low, high, ir.Constant(v.vec(32, v.I32), list(range(32))))
+    if fmt == "q4_1":
+        return q, False
+    return builder.sub(q, v.splat(v.vec(32, v.I8), 8)), True
+
+
+def _x86(builder, name, ret, args):
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def _dot(builder, wq, signed, xq, lanes, how):
+    """`<L x i32>` whose lanes sum to wq . xq (two `<32 x i8>`), each lane the sum of 4 or more
+    neighbouring products. how: "vnni" (`vpdpbusd`: u8 x s8, four products summed into each int32
+    lane), "pmadd" (`vpmaddubsw`: u8 x s8 pairs -> int16, saturating, not reached as |2 w x| <= 2 * 128
+    * 127; then `vpmaddwd` by ones: int16 pairs -> int32), or "generic" (int16 products, pairs in 32
+    bits, halving). The x86 forms need the unsigned operand: signed weights go as |w| with the sign
+    moved onto x (`vpsignb`)."""
+    if how == "generic":
+        wide = v.vec(32, v.I16)
+        prod = builder.mul((builder.sext if signed else builder.zext)(wq, wide), builder.sext(xq, wide))
+        even = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(0, 32, 2))))
+        odd = builder.shuffle_vector(prod, prod, ir.Constant(v.vec(16, v.I32), list(range(1, 32, 2))))
+        acc = builder.add(builder.sext(even, v.vec(16, v.I32)), builder.sext(odd, v.vec(16, v.I32)))
+        width = 16
+        while width > lanes:
+            half = width // 2
+            lo = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half))))
+            hi = builder.shuffle_vector(acc, acc, ir.Constant(v.vec(half, v.I32), list(range(half, width))))
+            acc, width = builder.add(lo, hi), half
+        return acc
+    bytes32 = v.vec(32, v.I8)
+    if signed:
+        xq = _x86(builder, "llvm.x86.avx2.psign.b", bytes32, [xq, wq])
+        wq = _x86(builder, "llvm.abs.v32i8", bytes32, [wq, ir.Constant(ir.IntType(1), 0)])
+    if how == "vnni":
+        ints = v.vec(8, v.I32)
+        a, b = builder.bitcast(wq, ints), builder.bitcast(xq, ints)
+        return _x86(builder, "llvm.x86.avx512.vpdpbusd.256", ints, [ir.Constant(ints, None), a, b])
+    pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v.vec(16, v.I16), [wq, xq])
+    ones = v.splat(v.vec(16, v.I16), 1)
+    return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, ones])
+
+
+def host_dot(isa: str) -> tuple[str, int]:
+    """The integer dot product compiled for `isa`'s kernel (`_dot`'s how) and its int32 lanes, from
+    the CPU Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES when set, else this host)."""
+    if getattr(config, "CPU_NAME", None):
+        features = {f[1:]: f[0] == "+" for f in (getattr(config, "CPU_FEATURES", None) or "").split(",") if f}
+    else:
+        features = dict(llvm.get_host_cpu_features())
+    if isa != "neon" and features.get("avx2", False):
+        vnni = isa == "avx512" and features.get("avx512vnni", False) and features.get("avx512vl", False)
+        return ("vnni" if vnni else "pmadd"), 8
+    return "generic", BLOCK_SPECS[isa][0]
+
+
+def _codegen(isa, fmt):
+    heights = BLOCK_SPECS[isa][1]
+    how, lanes = host_dot(isa)
+    block_bytes = _BLOCK_BYTES[fmt]
+
+    def codegen(context, builder, signature, args):
+        qa, da, sa, wa, ya = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in range(5)
+        )
+        q_stride = builder.extract_value(qa.strides, 0)  # bytes
+        d_stride = builder.udiv(builder.extract_value(da.strides, 0), v.I64(4))
+        y_stride = builder.udiv(builder.extract_value(ya.strides, 0), v.I64(4))
+        m_count = builder.extract_value(qa.shape, 0)
+        n_count = builder.extract_value(wa.shape, 0)
+        row_bytes = builder.extract_value(wa.shape, 1)
+        blocks = builder.udiv(row_bytes, v.I64(block_bytes))
+        w_data = builder.bitcast(wa.data, v.I8.as_pointer())
+        q_data = builder.bitcast(qa.data, v.I8.as_pointer())
+
+        def tile(rows, row0, n):
+            acc = v.zeroed(builder, v.vec(lanes), rows)
+            offsets = v.zeroed(builder, v.F32, rows) if fmt == "q4_1" else []
+            w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
+            r = [builder.add(row0, v.I64(i)) for i in range(rows)]
+            q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
+            d_rows = [v.at(builder, da.data, builder.mul(ri, d_stride)) for ri in r]
+            s_rows = [v.at(builder, sa.data, builder.mul(ri, d_stride)) for ri in r]
+            with v.loop(builder, blocks) as b:
+                here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
+                wq, signed = _weight_quants(builder, fmt, here)
+                dw = v.half_to_float(builder, here)
+                mw = v.half_to_float(builder, v.at(builder, here, 2)) if fmt == "q4_1" else None
+                k0 = builder.mul(b, v.I64(32))
+                for i in range(rows):
+                    xq = v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8))
+                    dot = builder.sitofp(_dot(builder, wq, signed, xq, lanes, how), v.vec(lanes))
+                    scale = builder.fmul(dw, builder.load(v.at(builder, d_rows[i], b)))
+                    total = v.fma(builder, dot, v.broadcast(builder, scale, lanes), builder.load(acc[i]))
+                    builder.store(total, acc[i])
+                    if mw is not None:
+                        sx = builder.load(v.at(builder, s_rows[i], b))
+                        builder.store(
+                            _x86(builder, "llvm.fma.f32", v.F32, [mw, sx, builder.load(offsets[i])]),
+                            offsets[i],
+                        )
+            for i in range(rows):
+                total = v.hsum(builder, builder.load(acc[i]))
+                if offsets:
+                    total = builder.fadd(total, builder.load(offsets[i]))
+                out = builder.add(builder.mul(r[i], y_stride), n)
+                builder.store(total, v.at(builder, ya.data, out))
+
+        with v.loop(builder, n_count) as n:
+            v.row_tiles(builder, v.I64(0), m_count, heights, lambda rows, row0: tile(rows, row0, n))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _int_matmul(typingctx, q, d, s, w, y, code):
+    """y `[M, N]` = x W^T for x's quants q int8 `[M, K]`, scales d and sums s float32 `[M, K / 32]`
+    (`activation_quant`) and W the blocks uint8 `[N, K / 32 * bytes]` of `_KEYS[code]`; q, d, s and y
+    with unit-stride rows, W C-contiguous."""
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    return types.void(q, d, s, w, y, code), _codegen(*_KEYS[code.literal_value])
+
+
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+@numba.njit(**_JIT)
+def avx512_q4_1(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 0)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
+
+
+@numba.njit(**_JIT)
+def avx512_q4_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 1)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx512_q8_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 2)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_1(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 3)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 4)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q8_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 5)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_1(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 6)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 7)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q8_0(q, d, s, w, y):
+    _int_matmul(q, d, s, w, y, 8)  # pyright: ignore[reportCallIssue]
+
+
+ENTRY_POINTS = {key: globals()[f"{key[0]}_{key[1]}"] for key in _KEYS}
+"""(isa, weight format) -> its compiled kernel (q, d, s, w, y)."""
