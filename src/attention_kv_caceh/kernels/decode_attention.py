@@ -182,11 +182,19 @@ def paged_decode_attention_into(
     out: FloatArray,
     scale: float,
     threads: int = 1,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> None:
     """The hot path of `paged_decode_attention`: no checks, no allocation. q and out `[B, H, D]`.
 
     Only for arguments `paged_decode_attention` accepts: a block id out of range reads out of bounds.
+    window / softcap (sliding-window layers, Gemma 2's soft-capped scores) take the NumPy
+    `_windowed_paged_decode`, which reads only the blocks a window reaches.
     """
+    if window is not None or softcap is not None:
+        _windowed_paged_decode(q, k_cache, v_cache, block_tables, context_lens, out, scale, window, softcap)
+        return
     fast = _decode_attention_paged_jit.fast_shape(
         q.dtype, q.shape[2], k_cache.shape[3], _tiles_contiguous(k_cache, v_cache)
     )
@@ -201,6 +209,50 @@ def paged_decode_attention_into(
         )
 
 
+def _windowed_paged_decode(
+    q: FloatArray,
+    k_cache: FloatArray,
+    v_cache: FloatArray,
+    block_tables: IntArray,
+    context_lens: IntArray,
+    out: FloatArray,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    """Decode attention with a sliding window and/or soft-capped scores, in NumPy, into out `[B, H, D]`.
+
+    Sequence b's query sits at position L - 1 (L = context_lens[b]) and attends to positions
+    max(0, L - window) .. L - 1 (all of them without a window): transformers' `sliding_window_overlay`,
+    keys s with s > p - window. Only the blocks holding those positions are read, from block
+    (L - window) // BS on; the table entries before it are never looked at (the KV cache manager may
+    have freed those blocks). Scores s * (q . k) become softcap * tanh(scores / softcap) when softcap
+    is set (Gemma 2), then a softmax over the window. In q's dtype; a sequence with L = 0 gets zeros.
+    """
+    _, h_kv, d, block_size = k_cache.shape
+    h = q.shape[1]
+    g = h // h_kv
+    dt = q.dtype.type
+    for b in range(q.shape[0]):
+        length = int(context_lens[b])
+        if length == 0:
+            out[b] = 0
+            continue
+        begin = 0 if window is None else max(0, length - window)  # the first position the query sees
+        first, last = begin // block_size, -(-length // block_size)
+        blocks = block_tables[b, first:last]
+        lo, hi = begin - first * block_size, length - first * block_size
+        keys = k_cache[blocks].transpose(1, 0, 3, 2).reshape(h_kv, -1, d)[:, lo:hi]  # [H_kv, T', D]
+        values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, lo:hi]  # [H_kv, T', D]
+        rows = q[b].reshape(h_kv, g, d) * dt(scale)  # [H_kv, G, D]
+        scores = rows @ keys.transpose(0, 2, 1)  # [H_kv, G, T']
+        if softcap is not None:
+            scores = dt(softcap) * np.tanh(scores / dt(softcap))
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        weights /= weights.sum(axis=-1, keepdims=True)
+        out[b] = (weights @ values).reshape(h, d)  # [H, D]
+
+
 def paged_decode_attention(
     q: FloatArray,
     k_cache: FloatArray,
@@ -211,6 +263,8 @@ def paged_decode_attention(
     scale: float | None = None,
     out: FloatArray | None = None,
     threads: int = 1,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> FloatArray:
     """Decode attention over a paged KV cache (vLLM's CPU layout), one pass over each sequence's blocks.
 
@@ -220,11 +274,14 @@ def paged_decode_attention(
     (entries past its last block are ignored, -1 by convention); context_lens `[B]` int32,
     0 <= context_lens[b] <= max_blocks * BS. A sequence with context length 0 gets a zero output.
     Every block id a sequence uses must be in [0, NB); blocks may be shared between sequences and
-    appear in any order. scale, out and threads as in `decode_attention`. Returns out `[B, H, D]` (q's
-    shape and dtype).
+    appear in any order. scale, out and threads as in `decode_attention`. window: sequence b attends
+    only to its last `window` positions (a sliding-window layer; the blocks before them are neither
+    read nor checked); softcap: scores become softcap * tanh(scores / softcap) (Gemma 2). Returns out
+    `[B, H, D]` (q's shape and dtype).
 
     Raises ValueError for wrong shapes or dtypes (block_tables and context_lens must be int32), a
-    context length outside its range, or a used block id outside [0, NB).
+    context length outside its range, a used block id outside [0, NB), a window below 1 or a softcap
+    that is not > 0.
     """
     q, k_cache, v_cache = np.asarray(q), np.asarray(k_cache), np.asarray(v_cache)
     block_tables, context_lens = np.asarray(block_tables), np.asarray(context_lens)
@@ -251,9 +308,16 @@ def paged_decode_attention(
     capacity = block_tables.shape[1] * block_size
     if np.any(context_lens < 0) or np.any(context_lens > capacity):
         raise ValueError(f"context_lens {context_lens.tolist()} must be in [0, max_blocks * BS = {capacity}]")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 or None, got {window}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     blocks_used: npt.NDArray[np.int64] = (context_lens.astype(np.int64) + block_size - 1) // block_size  # [B]
     slots: npt.NDArray[np.int64] = np.arange(block_tables.shape[1], dtype=np.int64)  # [max_blocks]
     used = slots[None, :] < blocks_used[:, None]  # [B, max_blocks]
+    if window is not None:  # the blocks wholly before the window are not read
+        first_used = np.maximum(context_lens.astype(np.int64) - window, 0) // block_size  # [B]
+        used &= slots[None, :] >= first_used[:, None]
     ids = block_tables[used]
     if np.any(ids < 0) or np.any(ids >= num_blocks):
         bad = int(ids[(ids < 0) | (ids >= num_blocks)][0])
@@ -262,7 +326,16 @@ def paged_decode_attention(
     if threads != 1:
         _set_threads(threads)
     paged_decode_attention_into(
-        q3, k_cache, v_cache, block_tables, context_lens, _as_rows(result, "out"), _scale(scale, d), threads
+        q3,
+        k_cache,
+        v_cache,
+        block_tables,
+        context_lens,
+        _as_rows(result, "out"),
+        _scale(scale, d),
+        threads,
+        window=window,
+        softcap=softcap,
     )
     return result
 
