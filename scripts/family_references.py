@@ -99,10 +99,7 @@ def patched(mod: object) -> None:
 
     def rope_forward(self: torch.nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type=None):
         config = self.config
-        if layer_type is None:
-            params = config.rope_parameters
-        else:
-            params = config.rope_parameters[layer_type]
+        params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
         dim = config.head_dim
         inv = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         if params.get("rope_type") == "linear":
@@ -167,7 +164,9 @@ def write_family(name: str, out: Path, max_tokens: int) -> None:
     model.to(torch.bfloat16).save_pretrained(folder)
     write_tokenizer(folder)
     patched(sys.modules[type(model).__module__])
-    ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64, attn_implementation="eager").eval()
+    ref = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float64, attn_implementation="eager"
+    ).eval()
     tokens, gaps = [], []
     for prompt in prompts():
         t, gap = greedy(ref, prompt, max_tokens)
@@ -191,7 +190,10 @@ def check_gguf(folder: Path, ref: torch.nn.Module) -> None:
             if not torch.equal(theirs[key], value):
                 raise SystemExit(f"{folder.name}: GGUF tensor {key} differs after transformers' GGUF load")
         cfg = loaded.config
-        assert cfg.sliding_window == ref.config.sliding_window, (cfg.sliding_window, ref.config.sliding_window)
+        assert cfg.sliding_window == ref.config.sliding_window, (
+            cfg.sliding_window,
+            ref.config.sliding_window,
+        )
         print(folder.name, "GGUF: transformers reads back", len(theirs), "equal tensors")
 
 

@@ -73,14 +73,14 @@ def gemma_gguf(folder: Path, out: Path, qtype: GGMLQuantizationType = GGMLQuanti
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_key_length(config["head_dim"])
     writer.add_value_length(config["head_dim"])
-    rope = config.get("rope_parameters") or {}
-    full = rope.get("full_attention", rope)
+    rope: dict[str, Any] = config.get("rope_parameters") or {}
+    full: dict[str, Any] = rope.get("full_attention", rope)
     writer.add_rope_freq_base(full["rope_theta"])
     if "sliding_attention" in rope:
         writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
     if full.get("rope_type") == "linear":
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(full["factor"])
+        writer.add_rope_scaling_factor(float(full["factor"]))
     if arch_name == "gemma2":
         writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
         writer.add_final_logit_softcapping(config["final_logit_softcapping"])

@@ -1,4 +1,4 @@
-"""The config.json keys of Gemma 2 and Gemma 3 (transformers' `Gemma2Config`, `Gemma3TextConfig`) as ModelConfig fields.
+"""The config.json keys of Gemma 2 and Gemma 3 and of RoPE (transformers' `Gemma2Config`, `Gemma3TextConfig`) as ModelConfig fields.
 
 What vLLM reads from these configs in `model_executor/models/gemma2.py` and `gemma3.py` (via transformers'
 config classes): the GeGLU activation, `query_pre_attn_scalar`, the logit soft-capping of Gemma 2, the
@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from attention_kv_caceh.model_executor.model_config import rope_settings
+__all__ = ["gemma_layer_types", "gemma_settings", "rope_settings"]
 
-__all__ = ["gemma_layer_types", "gemma_settings"]
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 _GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
     # the config classes' defaults (Gemma2Config, Gemma3TextConfig)
@@ -122,3 +122,50 @@ def gemma_settings(
             "rope_local_base_freq", hf.get("rope_local_base_freq", d["local_theta"])
         )
     return out
+
+
+def rope_settings(hf: dict[str, Any], fail: Any, number: Any, theta: float = 10000.0) -> tuple[float, Any]:
+    """(rope_theta, rope_scaling) of a config with one RoPE for every layer.
+
+    transformers >= 5 writes `rope_parameters` (rope_theta and the scaling type inside one object);
+    older configs have a top-level `rope_theta` and an optional `rope_scaling`. `theta`: the default."""
+    rope_key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
+    rope_params: Any = hf.get(rope_key)
+    rope_scaling = _rope_scaling(rope_params, fail, rope_key)
+    rope_theta: Any = hf.get("rope_theta", theta)
+    if rope_key == "rope_parameters" and isinstance(rope_params, dict):
+        rope_theta = cast("dict[str, Any]", rope_params).get("rope_theta", rope_theta)
+    return number("rope_theta", rope_theta), rope_scaling
+
+
+def _rope_scaling(value: Any, fail: Any, key: str = "rope_scaling") -> dict[str, float] | None:
+    """None for no scaling ("default" or no type too), the llama3 parameters, {"factor": f} for "linear",
+    or CheckpointError via `fail`; a `partial_rotary_factor` below 1 is refused too.
+
+    `key` is the config key the object came from: `rope_scaling` (transformers < 5) or
+    `rope_parameters` (transformers >= 5, which also holds `rope_theta`).
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise fail(key, f"expected an object or null, got {value!r}")
+    params: dict[str, Any] = dict(value)  # pyright: ignore[reportUnknownArgumentType]
+    partial: Any = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise fail(key, f"partial_rotary_factor {partial!r} (RoPE over part of a head) is not implemented")
+    kind = params.get("rope_type", params.get("type"))
+    if kind in ("default", None):
+        return None
+    if kind == "linear":
+        factor: Any = params.get("factor")
+        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
+            raise fail(key, f"linear scaling needs a factor > 0, got {factor!r}")
+        return {"factor": float(factor)}
+    if kind != "llama3":
+        raise fail(
+            key, f"rope type {kind!r} is not implemented (supported: none, 'default', 'llama3', 'linear')"
+        )
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
+    if missing:
+        raise fail(key, f"llama3 scaling lacks {missing}")
+    return {k: float(params[k]) for k in _LLAMA3_ROPE_KEYS}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
+from attention_kv_caceh.model_executor.family_config import gemma_settings, rope_settings
 
 __all__ = ["GEMMA_ARCHITECTURES", "LAYER_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
@@ -33,7 +34,6 @@ SUPPORTED_ARCHITECTURES = (
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,6 @@ class ModelConfig:
         hidden_activation other than "gelu_pytorch_tanh"), mlp_bias, a sliding window on Qwen2 / Qwen3,
         or a rope_scaling type other than none/"default"/"llama3"/"linear".
         """
-        from attention_kv_caceh.model_executor.family_config import gemma_settings
 
         def fail(key: str, why: str) -> CheckpointError:
             return CheckpointError(f"{source}: key {key!r}: {why}")
@@ -267,20 +266,6 @@ def _llama_settings(
     }
 
 
-def rope_settings(hf: dict[str, Any], fail: Any, number: Any, theta: float = 10000.0) -> tuple[float, Any]:
-    """(rope_theta, rope_scaling) of a config with one RoPE for every layer.
-
-    transformers >= 5 writes `rope_parameters` (rope_theta and the scaling type inside one object);
-    older configs have a top-level `rope_theta` and an optional `rope_scaling`. `theta`: the default."""
-    rope_key = "rope_parameters" if "rope_parameters" in hf else "rope_scaling"
-    rope_params: Any = hf.get(rope_key)
-    rope_scaling = _rope_scaling(rope_params, fail, rope_key)
-    rope_theta: Any = hf.get("rope_theta", theta)
-    if rope_key == "rope_parameters" and isinstance(rope_params, dict):
-        rope_theta = cast("dict[str, Any]", rope_params).get("rope_theta", rope_theta)
-    return number("rope_theta", rope_theta), rope_scaling
-
-
 def _first_architecture(archs: object) -> str:
     """config.json lists `architectures`; the first names the model class."""
     text = repr(archs)
@@ -288,36 +273,3 @@ def _first_architecture(archs: object) -> str:
         items = cast("list[object]", archs)
         text = str(items[0]) if items else text
     return text
-
-
-def _rope_scaling(value: Any, fail: Any, key: str = "rope_scaling") -> dict[str, float] | None:
-    """None for no scaling ("default" or no type too), the llama3 parameters, {"factor": f} for "linear",
-    or CheckpointError via `fail`; a `partial_rotary_factor` below 1 is refused too.
-
-    `key` is the config key the object came from: `rope_scaling` (transformers < 5) or
-    `rope_parameters` (transformers >= 5, which also holds `rope_theta`).
-    """
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise fail(key, f"expected an object or null, got {value!r}")
-    params: dict[str, Any] = dict(value)  # pyright: ignore[reportUnknownArgumentType]
-    partial: Any = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise fail(key, f"partial_rotary_factor {partial!r} (RoPE over part of a head) is not implemented")
-    kind = params.get("rope_type", params.get("type"))
-    if kind in ("default", None):
-        return None
-    if kind == "linear":
-        factor: Any = params.get("factor")
-        if isinstance(factor, bool) or not isinstance(factor, int | float) or not factor > 0:
-            raise fail(key, f"linear scaling needs a factor > 0, got {factor!r}")
-        return {"factor": float(factor)}
-    if kind != "llama3":
-        raise fail(
-            key, f"rope type {kind!r} is not implemented (supported: none, 'default', 'llama3', 'linear')"
-        )
-    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in params]
-    if missing:
-        raise fail(key, f"llama3 scaling lacks {missing}")
-    return {k: float(params[k]) for k in _LLAMA3_ROPE_KEYS}
