@@ -1,7 +1,7 @@
-"""Gemma 3 and Gemma 2 against transformers: the engine's greedy tokens equal transformers' float64 greedy.
+"""Gemma 3, Gemma 2 and Phi-3 against transformers: the engine's greedy tokens equal transformers' float64 greedy.
 
 Oracle: tests/data/<family>/reference.json, written with the tiny checkpoint beside it by
-scripts/family_references.py (transformers' Gemma3ForCausalLM / Gemma2ForCausalLM, float64 throughout,
+scripts/family_references.py (transformers' Gemma3ForCausalLM / Gemma2ForCausalLM / Phi3ForCausalLM, float64 throughout,
 full recompute per token). The engine runs the same folder, and the GGUF file llama.cpp's converter
 would write for it (tests/gguf_families.py, norms stored as 1 + w), through chunked prefill (8 tokens a
 step), preemption (a pool too small for all three prompts) and prefix-cache hits, with prompts longer
@@ -38,7 +38,8 @@ from attention_kv_caceh.model_executor.paged_attention import (
 from tests.gguf_families import gemma_gguf
 
 DATA = Path(__file__).parent / "data"
-FAMILIES = ("gemma3", "gemma2")
+FAMILIES = ("gemma3", "gemma2")  # as Hugging Face folders and as GGUF files
+HF_FAMILIES = (*FAMILIES, "phi3")  # Phi-3: the folder only (its GGUF architecture is not implemented)
 
 
 def reference(family: str) -> dict[str, Any]:
@@ -68,22 +69,23 @@ class GemmaFamiliesTest(unittest.TestCase):
         self.assertGreater(engine.scheduler.kv_cache_manager.prefix_cache_hits, 0)
 
     def test_prompts_cross_the_sliding_window(self) -> None:
-        for family in FAMILIES:
+        for family in HF_FAMILIES:
             model = Model.load(DATA / family, "float64")
             window = model.config.sliding_window
             self.assertIsNotNone(window)
             assert window is not None
             self.assertTrue(all(len(p) > window for p in reference(family)["prompts"][:2]))
             self.assertIn("sliding_attention", model.config.layer_types)
-            self.assertIn("full_attention", model.config.layer_types)
+            if family != "phi3":  # Phi-3: the window on every layer
+                self.assertIn("full_attention", model.config.layer_types)
 
     def test_hf_folder_float64_equals_transformers(self) -> None:
-        for family in FAMILIES:
+        for family in HF_FAMILIES:
             with self.subTest(family=family):
                 self.check(DATA / family, family, "float64")
 
     def test_hf_folder_float32_equals_transformers(self) -> None:
-        for family in FAMILIES:
+        for family in HF_FAMILIES:
             with self.subTest(family=family):
                 self.assertGreater(min(reference(family)["min_gap"]), 1e-3)
                 self.check(DATA / family, family, "float32")
@@ -212,6 +214,17 @@ class FamilyConfigTest(unittest.TestCase):
             ("gemma2", {"hidden_activation": "gelu"}, "hidden_activation"),
             ("gemma2", {"layer_types": ["sliding_attention"]}, "layer_types"),
             ("gemma2", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_parameters"),
+            (
+                "phi3",
+                {"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [2.0]}},
+                "rope_parameters",
+            ),
+            (
+                "phi3",
+                {"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}},
+                "rope_parameters",
+            ),
+            ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
         ]
         for family, changes, key in cases:
             with self.subTest(key=key, changes=changes):

@@ -1,13 +1,13 @@
-"""Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 decoders in NumPy: one forward over a step's flattened batch.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 decoders in NumPy: one forward over a step's flattened batch.
 
-What vLLM keeps in `model_executor/models/llama.py`, `qwen2.py` / `qwen3.py` and `gemma2.py` / `gemma3.py`:
+What vLLM keeps in `model_executor/models/llama.py`, `qwen2.py` / `qwen3.py` and `gemma2.py` / `gemma3.py`, `phi3.py`:
 the decoder stack reads
 the tokens of every scheduled request as one `[N, D_model]` matrix with per-token positions, so prefill
 chunks and decode tokens of different requests share each weight read; only attention looks at which
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's, its sliding window on
-every layer. Gemma (`ModelConfig.gemma_norms`) scales the embeddings by sqrt(D_model), normalises with
+every layer; Phi-3 stores q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`), as the model fuses them. Gemma (`ModelConfig.gemma_norms`) scales the embeddings by sqrt(D_model), normalises with
 (1 + w) (the 1 added here at load for a Hugging Face folder; llama.cpp's converter stores 1 + w in a
 GGUF file), adds a norm after attention and after the MLP, gates with the tanh GELU, scales scores by
 query_pre_attn_scalar^-1/2, interleaves sliding-window layers with global ones (Gemma 3: each kind
@@ -133,7 +133,7 @@ class Model:
         get = read.tensor
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
-        gemma = c.gemma_norms
+        gemma, phi3 = c.gemma_norms, c.architecture == "Phi3ForCausalLM"
         # Gemma's RMSNorm scales by (1 + w); a GGUF file holds 1 + w already (llama.cpp's converter adds it)
         offset = 1.0 if gemma and not isinstance(checkpoint, GGUFCheckpoint) else 0.0
 
@@ -148,6 +148,11 @@ class Model:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             proj = ("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)
+            qkv_parts = [(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]
+            gate_up_parts = [(f"{p}mlp.{n}.weight", (inter, hidden)) for n in ("gate_proj", "up_proj")]
+            if phi3:  # stored fused, in the order the model fuses them
+                qkv_parts = [(a + "qkv_proj.weight", (q_dim + 2 * kv_dim, hidden))]
+                gate_up_parts = [(p + "mlp.gate_up_proj.weight", (2 * inter, hidden))]
             qkv_bias = (
                 np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj]) if c.qkv_bias else None
             )
@@ -155,19 +160,14 @@ class Model:
             self.layers.append(
                 _Layer(
                     input_layernorm=norm_weight(p + "input_layernorm.weight", hidden),
-                    qkv_proj=read.linear([(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]),
+                    qkv_proj=read.linear(qkv_parts),
                     qkv_bias=qkv_bias,
                     q_norm=norm_weight(a + "q_norm.weight", c.head_dim) if c.qk_norm else None,
                     k_norm=norm_weight(a + "k_norm.weight", c.head_dim) if c.qk_norm else None,
                     o_proj=read.linear([(a + "o_proj.weight", (hidden, q_dim))]),
                     o_bias=get(a + "o_proj.bias", (hidden,)) if c.o_proj_bias else None,
                     post_attention_layernorm=norm_weight(pre_mlp, hidden),
-                    gate_up_proj=read.linear(
-                        [
-                            (f"{p}mlp.gate_proj.weight", (inter, hidden)),
-                            (f"{p}mlp.up_proj.weight", (inter, hidden)),
-                        ]
-                    ),
+                    gate_up_proj=read.linear(gate_up_parts),
                     down_proj=read.linear([(p + "mlp.down_proj.weight", (hidden, inter))]),
                     attn_out_norm=norm_weight(p + "post_attention_layernorm.weight", hidden)
                     if gemma

@@ -31,6 +31,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "Phi3ForCausalLM",
 )
 GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -241,16 +242,21 @@ class ModelConfig:
 def _llama_settings(
     hf: dict[str, Any], arch: str, layers: int, fail: Any, integer: Any, number: Any
 ) -> dict[str, Any]:
-    """The ModelConfig fields of a Llama / Mistral / Qwen2 / Qwen3 config that differ by family: the
-    activation (SiLU only), RoPE and the sliding window (Mistral's, on every layer; refused on Qwen2 /
-    Qwen3, whose `max_window_layers` split is not implemented), plus the defaults of absent keys."""
+    """The ModelConfig fields of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 config that differ by family:
+    the activation (SiLU only), RoPE (Phi-3's LongRoPE is refused by key) and the sliding window
+    (Mistral's and Phi-3's, on every layer; refused on Qwen2 / Qwen3, whose `max_window_layers` split is
+    not implemented), plus the defaults of absent keys."""
     if hf.get("hidden_act", "silu") != "silu":
         raise fail("hidden_act", f"only 'silu' (SwiGLU) is implemented, got {hf['hidden_act']!r}")
-    window_on = hf.get("use_sliding_window", arch == "MistralForCausalLM")
+    every_layer = ("MistralForCausalLM", "Phi3ForCausalLM")  # transformers applies their window everywhere
+    window_on = hf.get("use_sliding_window", arch in every_layer)
     window: Any = hf.get("sliding_window")
+    partial: Any = hf.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise fail("partial_rotary_factor", f"RoPE over part of a head ({partial!r}) is not implemented")
     sliding: dict[str, Any] = {}
     if window_on and window is not None:
-        if arch != "MistralForCausalLM":
+        if arch not in every_layer:
             raise fail("sliding_window", f"sliding-window attention of {arch} is not implemented ({window})")
         sliding = {
             "sliding_window": integer("sliding_window", window),
