@@ -171,7 +171,9 @@ def write_family(name: str, out: Path, max_tokens: int) -> None:
             if p.dim() == 2:
                 p.normal_(0.0, EMBED_STD if "embed" in pname else 1.0 / math.sqrt(p.shape[1]))
             elif pname == "model.norm.weight":
-                p.normal_(4.0 if name != "phi3" else 5.0, NORM_STD)  # a final norm of about 5 widens the logits' spread
+                p.normal_(
+                    4.0 if name != "phi3" else 5.0, NORM_STD
+                )  # a final norm of about 5 widens the logits' spread
             else:
                 p.normal_(0.0 if name != "phi3" else 1.0, NORM_STD)  # Gemma's norms scale by 1 + w
     folder = out / name

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import tempfile
 import unittest
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,15 @@ if __name__ == "__main__":
     unittest.main()
 
 
-def _loop_attention(q, keys, values, positions, scale, window, cap):  # type: ignore[no-untyped-def]
+def _loop_attention(
+    q: np.ndarray,
+    keys: np.ndarray,
+    values: np.ndarray,
+    positions: Iterable[int],
+    scale: float,
+    window: int | None,
+    cap: float | None,
+) -> np.ndarray:
     """Float64 loop: each query (position p) over the keys at s <= p, s > p - window, capped scores."""
     import math
 
@@ -140,7 +149,7 @@ class WindowedAttentionTest(unittest.TestCase):
             vb[self.table[0, pos // self.bs], pos % self.bs] = self.values[pos]
         self.kb, self.vb = kb, vb
 
-    def caches(self, window: int | None, first_query: int):  # type: ignore[no-untyped-def]
+    def caches(self, window: int | None, first_query: int) -> tuple[np.ndarray, np.ndarray]:
         kb, vb = self.kb.copy(), self.vb.copy()
         if window is not None:  # blocks wholly before the first query's window: garbage
             for b in range(max(0, first_query - window + 1) // self.bs):
@@ -279,9 +288,10 @@ class GemmaGGUFMetadataTest(unittest.TestCase):
                     json.loads((DATA / family / "config.json").read_text())
                 )
                 # the file stores floats as float32 (rms_norm_eps 1e-6 comes back rounded)
-                fields = dataclasses.asdict(from_file) | {"eos_token_ids": from_folder.eos_token_ids}
+                fields: dict[str, Any] = dataclasses.asdict(from_file)
+                fields["eos_token_ids"] = from_folder.eos_token_ids
                 for key, value in dataclasses.asdict(from_folder).items():
                     if isinstance(value, float):
-                        self.assertAlmostEqual(fields[key], value, delta=1e-7 * abs(value), msg=key)
+                        self.assertAlmostEqual(float(fields[key]), value, delta=1e-7 * abs(value), msg=key)
                     else:
                         self.assertEqual(fields[key], value, msg=key)

@@ -1,14 +1,14 @@
 """ModelConfig: the architecture settings of a Hugging Face `config.json` that the NumPy model implements.
 
 What vLLM's `transformers_utils/config.py` + `config/model.py` do for one folder: read the keys the Llama /
-Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 classes of Hugging Face transformers define (`LlamaConfig`,
+Mistral / Qwen2 / Qwen3 / Gemma 2 / Gemma 3 / Phi-3 classes of Hugging Face transformers define (`LlamaConfig`,
 `Gemma3TextConfig`, ...), fill their documented defaults, and refuse, with one CheckpointError naming the
 file and key, a setting the NumPy model would silently get wrong (another architecture, activation, a RoPE
 scaling other than llama3's or linear, a sliding window where it is not implemented). The Gemma keys are
 read by `family_config.py`.
 
-Left out: hub configs and `trust_remote_code`, every architecture but these six, RoPE scaling other than
-llama3's and linear, Qwen2's sliding windows, mixture-of-experts, quantization configs, and the rest of vLLM's
+Left out: hub configs and `trust_remote_code`, every architecture but these seven, RoPE scaling other than
+llama3's and linear (Phi-3's LongRoPE), Qwen2's sliding windows, mixture-of-experts, quantization configs, and the rest of vLLM's
 ModelConfig (dtype resolution, max_model_len derivation, tokenizer mode, pooling and multimodal settings).
 """
 
