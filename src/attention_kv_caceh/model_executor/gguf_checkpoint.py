@@ -8,8 +8,11 @@ to Hugging Face's (`model.layers.3.self_attn.q_proj.weight`) and dequantized wit
 (every type the library implements: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, the K-quants Q2_K to
 Q6_K, the IQ and TQ types, MXFP4, NVFP4; F64 is read as it is). `quantized(name)` hands out a tensor as
 the file stores it (its type, its shape, its raw blocks), for kernels that compute on the blocks.
-Left out: architectures other than llama / qwen2 / qwen3 and
-anything those do not use (MoE experts, sliding windows, RoPE scaling).
+Gemma 2 / Gemma 3 name their norms differently (`ffn_norm` is Gemma's pre_feedforward_layernorm,
+`post_attention_norm` its post_attention_layernorm, `post_ffw_norm` its post_feedforward_layernorm:
+the gguf library's `TensorNameMap`), and the converter stores each Gemma norm weight as 1 + w (the
+model adds no 1 for a GGUF file). Left out: architectures other than llama / qwen2 / qwen3 / gemma2 /
+gemma3 and anything those do not use (MoE experts, RoPE scaling other than linear).
 
 **llama.cpp's Q/K row order.** llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of a head, Hugging
 Face's Llama the two halves (x[i], x[i + D/2]); its converter (`convert_hf_to_gguf.py`,
@@ -59,7 +62,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # general.architecture -> the Hugging Face class whose tensors and settings it carries
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -80,6 +89,13 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms per layer (llama.cpp's names for its sandwich norms)
+_GEMMA_LAYER_NAMES = _LAYER_NAMES | {
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
 _Q = GGMLQuantizationType
@@ -166,8 +182,9 @@ class GGUFCheckpoint:
         self.arch = self._architecture()
         self._tensors: dict[str, TensorInfo] = {}
         ignored: list[str] = []
+        self._layer_names = _ARCH_LAYER_NAMES.get(self.arch, _LAYER_NAMES)
         for tensor in (t for part in self.parts for t in part.tensors):
-            hf = _hf_name(tensor.name)
+            hf = _hf_name(tensor.name, self._layer_names)
             if hf is None:
                 ignored.append(tensor.name)
             else:
@@ -245,7 +262,9 @@ class GGUFCheckpoint:
         try:
             return self._tensors[name]
         except KeyError:
-            raise CheckpointError(f"{self.source}: missing tensor {name!r} ({_gguf_name(name)})") from None
+            raise CheckpointError(
+                f"{self.source}: missing tensor {name!r} ({_gguf_name(name, self._layer_names)})"
+            ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Shape of tensor `name` in Hugging Face layout (`[out, in]`; GGUF lists dims innermost first)."""
@@ -289,7 +308,9 @@ class GGUFCheckpoint:
         try:
             return unpermute_rows(rows, heads)
         except ValueError as err:
-            raise CheckpointError(f"{self.source}: tensor {_gguf_name(name)!r}: {err}") from err
+            raise CheckpointError(
+                f"{self.source}: tensor {_gguf_name(name, self._layer_names)!r}: {err}"
+            ) from err
 
     def _heads(self, key: str, fallback: str | None = None) -> int:
         value: Any = self.metadata(f"{self.arch}.{key}")
@@ -330,15 +351,16 @@ def _non_finite(tensor: TensorInfo) -> tuple[int, int, str] | None:
     return None if count == 0 else (count, int(np.argmax(bad)), what)
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a llama.cpp tensor name, or None for one the model does not read."""
+def _hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str | None:
+    """The Hugging Face name of a llama.cpp tensor name (`layer_names`: the architecture's per-layer
+    names), or None for one the model does not read."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     match = _LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in _LAYER_NAMES:
+    if match is None or match.group(2) not in layer_names:
         return None
     layer, part, kind = match.groups()
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    return f"model.layers.{layer}.{layer_names[part]}.{kind}"
 
 
 def gguf_name(hf_name: str) -> str:
@@ -346,14 +368,14 @@ def gguf_name(hf_name: str) -> str:
     return _gguf_name(hf_name)
 
 
-def _gguf_name(hf_name: str) -> str:
+def _gguf_name(hf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
     """The llama.cpp name of a Hugging Face tensor name (for messages)."""
     for gguf_name, hf in _GLOBAL_NAMES.items():
         if hf == hf_name:
             return gguf_name
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
     if match:
-        for part, hf in _LAYER_NAMES.items():
+        for part, hf in layer_names.items():
             if hf == match.group(2):
                 return f"blk.{match.group(1)}.{part}.{match.group(3)}"
     return hf_name

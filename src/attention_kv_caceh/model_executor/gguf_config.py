@@ -1,7 +1,7 @@
 """ModelConfig from a GGUF file's metadata: llama.cpp's keys for the settings a Hugging Face config.json holds.
 
-What vLLM leaves to transformers' `integrations/ggml.py` (GGUF metadata -> a config) for the three
-architectures the engine runs. The keys are llama.cpp's (`gguf.Keys.LLM`, prefixed by the
+What vLLM leaves to transformers' `integrations/ggml.py` (GGUF metadata -> a config) for the five
+architectures the engine runs (llama, qwen2, qwen3, gemma2, gemma3). The keys are llama.cpp's (`gguf.Keys.LLM`, prefixed by the
 architecture, `llama.block_count`):
 
     config.json                GGUF metadata
@@ -19,15 +19,29 @@ architecture, `llama.block_count`):
     eos_token_id               tokenizer.ggml.eos_token_id, then eot / eom ids (end-of-turn tokens)
     bos_token_id               tokenizer.ggml.bos_token_id
     attention_bias             a `blk.0.attn_q.bias` / `blk.0.attn_output.bias` tensor (Qwen2: q/k/v)
+    rope_scaling (linear)      {arch}.rope.scaling.type "linear", {arch}.rope.scaling.factor
+
+Gemma 2 / Gemma 3 (llama.cpp's `src/models/gemma2.cpp` / `gemma3.cpp` decide what a file leaves out):
+
+    sliding_window             {arch}.attention.sliding_window (Gemma 2 default 4096; Gemma 3 without
+                               it: no sliding layers)
+    layer_types                {arch}.attention.sliding_window_pattern: a per-layer list of bools
+                               (true = sliding) or n (layer i sliding when i % n < n - 1); default
+                               n = 2 (Gemma 2), 6 (Gemma 3)
+    rope_local_base_freq       {arch}.rope.freq_base_swa (Gemma 3, default 10000; Gemma 2: freq_base)
+    attn / final_logit_softcapping   {arch}.attn_logit_softcapping (Gemma 2, default 50),
+                               {arch}.final_logit_softcapping (Gemma 2 default 30; Gemma 3 none, 0 = off)
+    query_pre_attn_scalar      not stored: llama.cpp scales by 1/sqrt(head_dim), or by
+                               1/sqrt(hidden / heads) for the 27B models (46 layers Gemma 2, 62 Gemma 3)
 
 Refused, naming the key: a missing or mistyped required key, per-layer head counts that differ, a RoPE
 over part of a head (`rope.dimension_count` below head_dim), RoPE scaling (`rope.scaling.type` other
-than none, or llama3's `rope_freqs.weight` tensor), a sliding window, mixture-of-experts, and values
-ModelConfig refuses (heads that do not divide, ...).
+than none or linear, or llama3's `rope_freqs.weight` tensor), a sliding window outside Gemma,
+mixture-of-experts, and values ModelConfig refuses (heads that do not divide, ...).
 
-Left out: the many other architectures transformers maps (Qwen2-MoE, Phi-3, Gemma, Falcon, ...), RoPE scaling
-from GGUF metadata (a config.json's llama3 scaling is honoured, model_config.py), and transformers' conversion
-of the GGUF vocabulary into a fast tokenizer, which gguf_tokenizer.py does here.
+Left out: the many other architectures transformers maps (Qwen2-MoE, Phi-3, Falcon, ...), RoPE scaling
+from GGUF metadata other than linear (a config.json's llama3 scaling is honoured, model_config.py), and
+transformers' conversion of the GGUF vocabulary into a fast tokenizer, which gguf_tokenizer.py does here.
 """
 
 from __future__ import annotations
@@ -76,11 +90,18 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
         return float(value)
 
     p = f"{arch}."
-    for key in (p + "expert_count", p + "attention.sliding_window"):
+    gemma = arch in ("gemma2", "gemma3")
+    for key in (p + "expert_count",) if gemma else (p + "expert_count", p + "attention.sliding_window"):
         if ckpt.metadata(key):
             raise fail(key, f"not implemented ({ckpt.metadata(key)!r})")
     scaling = ckpt.metadata(p + "rope.scaling.type")
-    if scaling not in (None, "none"):
+    rope_scaling: dict[str, float] | None = None
+    if scaling == "linear":
+        factor = number(p + "rope.scaling.factor")
+        if factor <= 0:
+            raise fail(p + "rope.scaling.factor", f"must be > 0, got {factor}")
+        rope_scaling = {"factor": factor}
+    elif scaling not in (None, "none"):
         raise fail(p + "rope.scaling.type", f"RoPE scaling {scaling!r} is not implemented")
     if "rope_freqs.weight" in ckpt.gguf_names:
         raise CheckpointError(
@@ -109,12 +130,16 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
             eos_ids.append(int(token))
     bos = ckpt.metadata("tokenizer.ggml.bos_token_id")
     bias = "model.layers.0.self_attn.q_proj.bias" in ckpt
+    layers = integer(p + "block_count")
+    extra = (
+        _gemma_settings(ckpt, arch, layers, hidden, heads, head_dim, fail, integer, number) if gemma else {}
+    )
     try:
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[arch],
             vocab_size=vocab,
             hidden_size=hidden,
-            num_hidden_layers=integer(p + "block_count"),
+            num_hidden_layers=layers,
             num_attention_heads=heads,
             num_key_value_heads=integer(p + "attention.head_count_kv", heads, per_layer=True),
             head_dim=head_dim,
@@ -127,7 +152,59 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
             bos_token_id=None if bos is None else integer("tokenizer.ggml.bos_token_id"),
             qkv_bias=arch == "qwen2" or bias,
             o_proj_bias="model.layers.0.self_attn.o_proj.bias" in ckpt,
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3"),
+            rope_scaling=rope_scaling,
+            **extra,
         )
     except ValueError as err:  # __post_init__: a value out of range
         raise CheckpointError(f"{source}: {err}") from err
+
+
+def _gemma_settings(
+    ckpt: GGUFCheckpoint,
+    arch: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    head_dim: int,
+    fail: Any,
+    integer: Any,
+    number: Any,
+) -> dict[str, Any]:
+    """The Gemma fields of ModelConfig from a gemma2 / gemma3 file (keys in the module docstring)."""
+    p = f"{arch}."
+    gemma2 = arch == "gemma2"
+    window_key = p + "attention.sliding_window"
+    window = integer(window_key, 4096 if gemma2 else 0)
+    pattern_key = p + "attention.sliding_window_pattern"
+    pattern: Any = ckpt.metadata(pattern_key)
+    if window <= 0:
+        layer_types: tuple[str, ...] = ()
+    elif isinstance(pattern, list):
+        flags = cast(list[Any], pattern)
+        if len(flags) != layers or not all(isinstance(f, bool) for f in flags):
+            raise fail(pattern_key, f"expected {layers} booleans, got {pattern!r}")
+        layer_types = tuple("sliding_attention" if f else "full_attention" for f in flags)
+    else:
+        n = integer(pattern_key, 2 if gemma2 else 6)
+        if n < 0:
+            raise fail(pattern_key, f"must be >= 0, got {n}")
+        # llama.cpp's set_swa_pattern: n = 0 makes every layer sliding
+        layer_types = tuple(
+            "sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)
+        )
+    final_cap = number(p + "final_logit_softcapping", 30.0 if gemma2 else 0.0)
+    big = layers == (46 if gemma2 else 62)  # the 27B models: llama.cpp's LLM_TYPE_27B
+    theta = number(p + "rope.freq_base", 10000.0)
+    if gemma2 and number(p + "rope.freq_base_swa", theta) != theta:
+        raise fail(p + "rope.freq_base_swa", "a RoPE base of Gemma 2's sliding layers apart from freq_base")
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "gemma_norms": True,
+        "query_pre_attn_scalar": float(hidden // heads if big else head_dim),
+        "attn_logit_softcapping": number(p + "attn_logit_softcapping", 50.0) if gemma2 else None,
+        "final_logit_softcapping": final_cap or None,
+        "sliding_window": window if window > 0 else None,
+        "layer_types": layer_types,
+        "rope_local_theta": None if gemma2 else number(p + "rope.freq_base_swa", 10000.0),
+    }

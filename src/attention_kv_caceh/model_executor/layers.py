@@ -14,10 +14,13 @@ are their oracles.
 Shape legend (as in `attention_kv_caceh.attention`): N tokens of a flattened batch, H query heads,
 H_kv key/value heads, D head dim, D_model the model width, I the MLP width.
 
+Gemma's GeGLU (`gelu_tanh_and_mul`, vLLM's `GeluAndMul(approximate="tanh")`) and logit soft-capping
+(`softcap`) are NumPy only (no compiled pass).
+
 Left out: the tensor-parallel linear classes (column / row parallel, their weight loaders), quantized linear
-methods other than GGUF blocks (AWQ, GPTQ, FP8), RoPE variants other than plain and llama3 (YaRN, dynamic NTK,
-multimodal RoPE), LayerNorm and other activations (GELU, ...), and the vocabulary-parallel embedding and
-logits processor.
+methods other than GGUF blocks (AWQ, GPTQ, FP8), RoPE variants other than plain, linear and llama3 (YaRN,
+dynamic NTK, LongRoPE, multimodal RoPE), LayerNorm and other activations (exact GELU, ...), and the
+vocabulary-parallel embedding and logits processor.
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ __all__ = [
     "compiled_rms_norm",
     "compiled_rotary",
     "compiled_silu_and_mul",
+    "gelu_tanh_and_mul",
     "linear",
     "prepare_compiled_layers",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",
     "silu_and_mul",
+    "softcap",
 ]
 
 FloatArray = npt.NDArray[np.floating[Any]]
@@ -229,7 +234,8 @@ def linear(x: FloatArray, weight: LinearWeight, threads: int = 1) -> FloatArray:
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float] | None = None) -> FloatArray:
     """Inverse frequencies of rotary embedding, float64 `[D/2]`: theta^(-2i/D) for i in 0 .. D/2-1.
 
-    Su et al. (2021), RoFormer, eq. 15. `scaling` is None, or the "llama3" parameters (`factor`,
+    Su et al. (2021), RoFormer, eq. 15. `scaling` is None, {"factor": f} (linear scaling, Hugging Face's
+    `_compute_linear_scaling_rope_parameters`: every frequency divided by f), or the "llama3" parameters (`factor`,
     `low_freq_factor`, `high_freq_factor`, `original_max_position_embeddings`) of Hugging Face's
     `_compute_llama3_parameters`: wavelengths longer than original/low_freq_factor are divided by
     `factor`, those shorter than original/high_freq_factor are kept, and the band between is blended
@@ -238,6 +244,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, float] | None 
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
     if scaling is None:
         return inv_freq
+    if set(scaling) == {"factor"}:  # linear
+        return inv_freq / scaling["factor"]
     factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
     original = scaling["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq  # [D/2]
@@ -283,6 +291,24 @@ def silu_and_mul(gate_up: FloatArray) -> FloatArray:
     gate, up = gate_up[..., :inter], gate_up[..., inter:]  # [N, I] each
     half = gate.dtype.type(0.5)
     return gate * (half + half * np.tanh(half * gate)) * up  # [N, I]
+
+
+def gelu_tanh_and_mul(gate_up: FloatArray) -> FloatArray:
+    """GeGLU's gating (Shazeer, 2020) with the tanh GELU (Hendrycks & Gimpel, 2016; PyTorch's
+    `gelu(approximate="tanh")`, transformers' "gelu_pytorch_tanh"): gelu(gate) * up, gate_up = [gate | up]
+    `[N, 2I]` -> `[N, I]`, with gelu(g) = g / 2 * (1 + tanh(sqrt(2 / pi) * (g + 0.044715 g^3))).
+    """
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]  # [N, I] each
+    t = gate.dtype.type
+    inner = t(math.sqrt(2.0 / math.pi)) * (gate + t(0.044715) * gate * gate * gate)
+    return t(0.5) * gate * (t(1.0) + np.tanh(inner)) * up  # [N, I]
+
+
+def softcap(x: FloatArray, cap: float) -> FloatArray:
+    """Logit soft-capping (Gemma 2): cap * tanh(x / cap), in x's dtype, bounded by +-cap."""
+    c = x.dtype.type(cap)
+    return c * np.tanh(x / c)
 
 
 def compiled_rms_norm(x: FloatArray, weight: FloatArray, eps: float) -> FloatArray:

@@ -1,12 +1,18 @@
-"""Llama, Mistral, Qwen2 and Qwen3 decoders in NumPy: one forward over a step's flattened batch.
+"""Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 and Phi-3 decoders in NumPy: one forward over a step's flattened batch.
 
-What vLLM keeps in `model_executor/models/llama.py` and `qwen2.py` / `qwen3.py`: the decoder stack reads
+What vLLM keeps in `model_executor/models/llama.py`, `qwen2.py` / `qwen3.py` and `gemma2.py` / `gemma3.py`, `phi3.py`:
+the decoder stack reads
 the tokens of every scheduled request as one `[N, D_model]` matrix with per-token positions, so prefill
 chunks and decode tokens of different requests share each weight read; only attention looks at which
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
-(`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's. Left out: tensor
-parallelism, sliding-window attention, and RoPE scalings other than "llama3".
+(`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's, its sliding window on
+every layer; Phi-3 stores q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`), as the model fuses them. Gemma (`ModelConfig.gemma_norms`) scales the embeddings by sqrt(D_model), normalises with
+(1 + w) (the 1 added here at load for a Hugging Face folder; llama.cpp's converter stores 1 + w in a
+GGUF file), adds a norm after attention and after the MLP, gates with the tanh GELU, scales scores by
+query_pre_attn_scalar^-1/2, interleaves sliding-window layers with global ones (Gemma 3: each kind
+with its own RoPE base), and Gemma 2 soft-caps scores and logits. Left out: tensor parallelism, RoPE
+scalings other than "llama3" and linear, and Gemma 3's vision tower.
 
 Each linear layer is `layers.linear(x, W)` = x W^T over a `layers.LinearWeight`: on the "packed" GEMM
 path (float32 activations on a CPU with AVX-512, AVX2 or NEON, the default there) the weights are kept
@@ -52,12 +58,14 @@ from attention_kv_caceh.model_executor.layers import (
     compiled_rms_norm,
     compiled_rotary,
     compiled_silu_and_mul,
+    gelu_tanh_and_mul,
     linear,
     prepare_compiled_layers,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
     silu_and_mul,
+    softcap,
 )
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 from attention_kv_caceh.model_executor.model_weights import WeightReader
@@ -79,9 +87,13 @@ class _Layer:
     k_norm: FloatArray | None  # [D]   (Qwen3)
     o_proj: LinearWeight  # [D_model, H D]
     o_bias: FloatArray | None  # [D_model]
-    post_attention_layernorm: FloatArray  # [D_model]
+    post_attention_layernorm: FloatArray  # [D_model], before the MLP (Gemma: pre_feedforward_layernorm)
     gate_up_proj: LinearWeight  # [2 I, D_model] = gate_proj; up_proj
     down_proj: LinearWeight  # [D_model, I]
+    attn_out_norm: FloatArray | None = None  # [D_model]   (Gemma: post_attention_layernorm)
+    mlp_out_norm: FloatArray | None = None  # [D_model]   (Gemma: post_feedforward_layernorm)
+    window: int | None = None  # sliding window of this layer, None for full attention
+    local_rope: bool = False  # RoPE with rope_local_theta (Gemma 3's sliding layers)
 
 
 class Model:
@@ -121,6 +133,14 @@ class Model:
         get = read.tensor
         q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         hidden, inter = c.hidden_size, c.intermediate_size
+        gemma, phi3 = c.gemma_norms, c.architecture == "Phi3ForCausalLM"
+        # Gemma's RMSNorm scales by (1 + w); a GGUF file holds 1 + w already (llama.cpp's converter adds it)
+        offset = 1.0 if gemma and not isinstance(checkpoint, GGUFCheckpoint) else 0.0
+
+        def norm_weight(name: str, size: int) -> FloatArray:
+            weight = get(name, (size,))
+            return weight + self.dtype.type(offset) if offset else weight
+
         self.embedding = read.embedding("model.embed_tokens.weight", (c.vocab_size, hidden))  # [V, D_model]
         self.embed_tokens = self.embedding.table  # [V, D_model] floats, or None when kept as GGUF blocks
         self.layers: list[_Layer] = []
@@ -128,29 +148,38 @@ class Model:
             p = f"model.layers.{i}."
             a = p + "self_attn."
             proj = ("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)
+            qkv_parts = [(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]
+            gate_up_parts = [(f"{p}mlp.{n}.weight", (inter, hidden)) for n in ("gate_proj", "up_proj")]
+            if phi3:  # stored fused, in the order the model fuses them
+                qkv_parts = [(a + "qkv_proj.weight", (q_dim + 2 * kv_dim, hidden))]
+                gate_up_parts = [(p + "mlp.gate_up_proj.weight", (2 * inter, hidden))]
             qkv_bias = (
                 np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj]) if c.qkv_bias else None
             )
+            pre_mlp = p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm") + ".weight"
             self.layers.append(
                 _Layer(
-                    input_layernorm=get(p + "input_layernorm.weight", (hidden,)),
-                    qkv_proj=read.linear([(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]),
+                    input_layernorm=norm_weight(p + "input_layernorm.weight", hidden),
+                    qkv_proj=read.linear(qkv_parts),
                     qkv_bias=qkv_bias,
-                    q_norm=get(a + "q_norm.weight", (c.head_dim,)) if c.qk_norm else None,
-                    k_norm=get(a + "k_norm.weight", (c.head_dim,)) if c.qk_norm else None,
+                    q_norm=norm_weight(a + "q_norm.weight", c.head_dim) if c.qk_norm else None,
+                    k_norm=norm_weight(a + "k_norm.weight", c.head_dim) if c.qk_norm else None,
                     o_proj=read.linear([(a + "o_proj.weight", (hidden, q_dim))]),
                     o_bias=get(a + "o_proj.bias", (hidden,)) if c.o_proj_bias else None,
-                    post_attention_layernorm=get(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_proj=read.linear(
-                        [
-                            (f"{p}mlp.gate_proj.weight", (inter, hidden)),
-                            (f"{p}mlp.up_proj.weight", (inter, hidden)),
-                        ]
-                    ),
+                    post_attention_layernorm=norm_weight(pre_mlp, hidden),
+                    gate_up_proj=read.linear(gate_up_parts),
                     down_proj=read.linear([(p + "mlp.down_proj.weight", (hidden, inter))]),
+                    attn_out_norm=norm_weight(p + "post_attention_layernorm.weight", hidden)
+                    if gemma
+                    else None,
+                    mlp_out_norm=norm_weight(p + "post_feedforward_layernorm.weight", hidden)
+                    if gemma
+                    else None,
+                    window=c.layer_window(i),
+                    local_rope=c.rope_local_theta is not None and c.layer_window(i) is not None,
                 )
             )
-        self.norm = get("model.norm.weight", (hidden,))  # [D_model]
+        self.norm = norm_weight("model.norm.weight", hidden)  # [D_model]
         # Tied embeddings: the LM head is the embedding matrix, as in transformers, which ties them
         # even when a file also stores lm_head.weight (usually it is omitted).
         if c.tie_word_embeddings:
@@ -159,6 +188,11 @@ class Model:
             self.lm_head = read.linear([("lm_head.weight", (c.vocab_size, hidden))])  # [V, D_model]
         self.weight_notes = read.notes  # layers that could not keep the file's format
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
+        # Gemma 3's sliding layers: their own base, unscaled
+        local = c.rope_local_theta
+        self.local_inv_freq = None if local is None else rope_inv_freq(c.head_dim, local)  # [D/2]
+        self.embed_scale = self.dtype.type(math.sqrt(hidden)) if gemma else None  # in the activation dtype
+        self.act_and_mul = gelu_tanh_and_mul if c.hidden_act == "gelu_pytorch_tanh" else None
         self.gemm_compile_s = 0.0
         self.threads = 1  # Numba threads of the GEMMs and the decode attention (the model runner sets it)
         if self.gemm_path == "packed":
@@ -214,6 +248,8 @@ class Model:
         at metadata.slot_mapping. Each layer (Touvron et al., 2023, Llama):
             h = x + o_proj(attention(rope(q), rope(k), v)),  q, k, v = qkv_proj(rms_norm(x))
             x' = h + down_proj(silu(gate_proj(rms_norm(h))) * up_proj(rms_norm(h)))
+        Gemma (Gemma Team, 2024) wraps each of the two in a second norm, gates with the tanh GELU:
+            h = x + rms_norm(o_proj(attention(...))),  x' = h + rms_norm(down_proj(gelu(...) * up_proj(...)))
         No checks: the arguments are those `ModelRunner.prepare_inputs` validated (token ids in the
         vocabulary, positions and slots inside each request's blocks) and caches of the engine dtype.
         """
@@ -223,16 +259,22 @@ class Model:
         eps = c.rms_norm_eps
         compiled = self.gemm_path == "packed"  # float32: the compiled small layers too
         norm = compiled_rms_norm if compiled else rms_norm
-        silu_mul = compiled_silu_and_mul if compiled else silu_and_mul
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.dtype)  # [N, D] each
+        act_mul = self.act_and_mul or (compiled_silu_and_mul if compiled else silu_and_mul)
+        tables = rope_cos_sin(positions, self.inv_freq, self.dtype)  # cos, sin [N, D] each
+        local = (
+            None if self.local_inv_freq is None else rope_cos_sin(positions, self.local_inv_freq, self.dtype)
+        )
         x = self.embedding.lookup(input_ids)  # [N, D_model]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         decode = metadata.is_pure_decode
         # The compiled decode kernel's arguments, made once per step: int32 lengths, its output buffer
-        # (rewritten by every layer; R == N in a decode step) and the scale 1 / sqrt(D).
+        # (rewritten by every layer; R == N in a decode step) and the scale (1 / sqrt(D) but for Gemma).
         context_lens = metadata.context_lens.astype(np.int32)  # [R]
         decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
-        scale = 1.0 / math.sqrt(d)
+        scale, cap = c.attention_scale, c.attn_logit_softcapping
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            cos, sin = local if layer.local_rope and local is not None else tables
             qkv = linear(
                 norm(x, layer.input_layernorm, eps), layer.qkv_proj, self.threads
             )  # [N, (H + 2 H_kv) D]
@@ -250,21 +292,37 @@ class Model:
             write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
             if decode:  # one query per request: [R, H, D] with R == N
                 q = np.ascontiguousarray(q)  # [R, H, D]
-                tables = metadata.block_tables  # [R, max_blocks]
+                blocks = metadata.block_tables  # [R, max_blocks]
                 paged_decode_attention_into(
-                    q, k_cache, v_cache, tables, context_lens, decode_out, scale, self.threads
+                    q,
+                    k_cache,
+                    v_cache,
+                    blocks,
+                    context_lens,
+                    decode_out,
+                    scale,
+                    self.threads,
+                    window=layer.window,
+                    softcap=cap,
                 )
                 attn = decode_out
-            else:
-                attn = paged_attention(q, k_cache, v_cache, metadata)  # [N, H, D]
+            else:  # [N, H, D]
+                attn = paged_attention(
+                    q, k_cache, v_cache, metadata, scale=scale, window=layer.window, softcap=cap
+                )
             out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads)  # [N, D_model]
-            x = x + (out if layer.o_bias is None else out + layer.o_bias)
+            out = out if layer.o_bias is None else out + layer.o_bias
+            x = x + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
             gate_up = linear(
                 norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj, self.threads
             )  # [N, 2 I]
-            x = x + linear(silu_mul(gate_up), layer.down_proj, self.threads)  # [N, I] -> [N, D_model]
+            mlp = linear(act_mul(gate_up), layer.down_proj, self.threads)  # [N, I] -> [N, D_model]
+            x = x + (mlp if layer.mlp_out_norm is None else norm(mlp, layer.mlp_out_norm, eps))
         return norm(x, self.norm, eps)  # [N, D_model]
 
     def compute_logits(self, hidden: FloatArray) -> FloatArray:
-        """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype."""
-        return linear(hidden, self.lm_head, self.threads)  # [R, V]
+        """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype
+        (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
+        logits = linear(hidden, self.lm_head, self.threads)  # [R, V]
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else softcap(logits, cap)

@@ -14,12 +14,18 @@ layout changes only where K/V are stored, never the arithmetic. A step whose req
 `paged_attention_v1`), which reads the blocks in place. Nothing here checks its arguments: the model
 runner builds and validates a step's metadata once (`ModelRunner.prepare_inputs`).
 
+Sliding windows (Mistral, Gemma) and soft-capped scores (Gemma 2) take `_window_attention`, the same
+arithmetic written out with their mask: a sliding layer's query at position p sees the keys at
+p - window < s <= p (transformers' `sliding_window_overlay`), and the gather starts at the block
+holding the first query's first key, so no block that lies wholly before every query's window is read
+(the KV cache manager may have freed it, and its table entry may name a block another request now uses).
+
 Shape legend: N scheduled tokens (all requests, flattened), R scheduled requests, H query heads, H_kv
 KV heads, D head dim, T a request's context length, max_blocks the longest block table.
 
 Left out: the GPU backends (FlashAttention, FlashInfer, Triton) and a fused varlen kernel for prefill (a
-prefill here gathers its blocks into a copy), cascade attention, sliding windows, ALiBi, logit soft-capping,
-an FP8 KV cache, and the multi-partition `paged_attention_v2`.
+prefill here gathers its blocks into a copy), cascade attention, ALiBi, an FP8 KV cache, and the
+multi-partition `paged_attention_v2`.
 """
 
 from __future__ import annotations
@@ -105,26 +111,76 @@ def write_kv(
 
 
 def paged_attention(
-    q: FloatArray, k_cache: FloatArray, v_cache: FloatArray, metadata: AttentionMetadata
+    q: FloatArray,
+    k_cache: FloatArray,
+    v_cache: FloatArray,
+    metadata: AttentionMetadata,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> FloatArray:
     """Causal attention of each request's queries over its context, read through its block table.
 
     q `[N, H, D]` (already rotated), caches as `allocate_kv_cache` makes them, already holding this
     step's K/V (see `write_kv`) -> output `[N, H, D]`. Request r's n queries are its last n positions of
     context_lens[r]: query i sees positions 0 .. context_len - n + i, the bottom-right causal mask of
-    `attention_kv_caceh.attention.causal_mask`. Scale 1/sqrt(D).
+    `attention_kv_caceh.attention.causal_mask`. scale: the factor of q k^T (None: 1/sqrt(D)). window:
+    a sliding layer's window W (None: full attention): query position p sees only positions > p - W, and
+    the blocks before the first query's window are not read. softcap: scores become
+    softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2; None: off).
     """
     _, h_kv, d, block_size = k_cache.shape
     out = np.empty_like(q)  # [N, H, D]
     for r in range(metadata.context_lens.shape[0]):
         start, end = int(metadata.query_start_loc[r]), int(metadata.query_start_loc[r + 1])
         t = int(metadata.context_lens[r])
-        blocks = metadata.block_tables[r, : -(-t // block_size)]  # [ceil(T / block_size)]
-        keys = k_cache[blocks].transpose(1, 0, 3, 2).reshape(h_kv, -1, d)[:, :t]  # [H_kv, T, D], a copy
-        values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :t]  # [H_kv, T, D]
-        q_r = q[start:end].transpose(1, 0, 2)[None]  # [1, H, n, D]
-        k_r = keys[None]  # [1, H_kv, T, D]
-        v_r = values[None]  # [1, H_kv, T, D]
-        o_r, _ = scaled_dot_product_attention(q_r, k_r, v_r, is_causal=True)  # [1, H, n, D]
-        out[start:end] = o_r[0].transpose(1, 0, 2)  # [n, H, D]
+        first = 0 if window is None else max(0, t - (end - start) - window + 1) // block_size
+        blocks = metadata.block_tables[r, first : -(-t // block_size)]  # [ceil(T / block_size) - first]
+        length = t - first * block_size  # positions first * block_size .. t - 1
+        keys = k_cache[blocks].transpose(1, 0, 3, 2).reshape(h_kv, -1, d)[:, :length]  # [H_kv, T', D], a copy
+        values = v_cache[blocks].transpose(1, 0, 2, 3).reshape(h_kv, -1, d)[:, :length]  # [H_kv, T', D]
+        q_r = q[start:end].transpose(1, 0, 2)  # [H, n, D]
+        if window is None and softcap is None:
+            o_r, _ = scaled_dot_product_attention(
+                q_r[None], keys[None], values[None], is_causal=True, scale=scale
+            )
+            o_r = o_r[0]  # [H, n, D]
+        else:
+            o_r = _window_attention(q_r, keys, values, t, scale, window, softcap)
+        out[start:end] = o_r.transpose(1, 0, 2)  # [n, H, D]
     return out
+
+
+def _window_attention(
+    q: FloatArray,
+    keys: FloatArray,
+    values: FloatArray,
+    context_len: int,
+    scale: float | None,
+    window: int | None,
+    softcap: float | None,
+) -> FloatArray:
+    """softmax(mask(cap(q k^T * scale))) v for one request: q `[H, n, D]` at positions context_len - n ..
+    context_len - 1, keys and values `[H_kv, T', D]` the last T' positions of its context -> `[H, n, D]`.
+
+    The mask keeps key position s for query position p when s <= p and (no window) or s > p - window;
+    each query keeps at least its own key. In q's dtype; GQA as `scaled_dot_product_attention` (the G
+    query heads of a KV head as rows of one product)."""
+    h, n, d = q.shape
+    h_kv, length, _ = keys.shape
+    dt = q.dtype.type
+    s = dt(d**-0.5 if scale is None else scale)
+    q_rows = q.reshape(h_kv, (h // h_kv) * n, d)  # [H_kv, G n, D]
+    scores = ((q_rows * s) @ keys.transpose(0, 2, 1)).reshape(h_kv, h // h_kv, n, length)  # [H_kv, G, n, T']
+    if softcap is not None:
+        scores = dt(softcap) * np.tanh(scores / dt(softcap))
+    q_pos: IntArray = np.arange(context_len - n, context_len, dtype=np.int64)[:, None]  # [n, 1]
+    k_pos: IntArray = np.arange(context_len - length, context_len, dtype=np.int64)[None, :]  # [1, T']
+    keep: npt.NDArray[np.bool_] = k_pos <= q_pos
+    if window is not None:
+        keep &= k_pos > q_pos - window
+    scores = np.where(keep, scores, dt(-np.inf))
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    weights = scores / scores.sum(axis=-1, keepdims=True)  # [H_kv, G, n, T']
+    return (weights.reshape(h_kv, -1, length) @ values).reshape(h, n, d)  # [H, n, D]
