@@ -20,9 +20,11 @@ from typing import Any, cast
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig"]
+__all__ = ["LAYER_TYPES", "SUPPORTED_ARCHITECTURES", "ModelConfig"]
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+"""The entries of ModelConfig.layer_types (Hugging Face transformers' names)."""
 _LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 
 
@@ -33,6 +35,9 @@ class ModelConfig:
     qkv_bias / o_proj_bias: biases on the q/k/v and o projections (Qwen2: q/k/v only; Llama, Mistral
     and Qwen3: both or neither, `attention_bias`). qk_norm: Qwen3's per-head RMSNorm of q and k.
     rope_scaling: None or the "llama3" parameters. eos_token_ids: every end-of-sequence id listed.
+    sliding_window: keys a sliding layer's query at position p attends, (p - sliding_window, p]; None:
+    no sliding layer. layer_types: one entry per layer, "full_attention" or "sliding_attention"
+    (transformers' `layer_types`); empty: every layer full attention.
 
     Raises ValueError for non-positive sizes or heads that do not divide.
     """
@@ -55,6 +60,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     qk_norm: bool = False
     rope_scaling: dict[str, float] | None = None
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         sizes = {
@@ -77,6 +84,17 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.layer_types and len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries, num_hidden_layers={self.num_hidden_layers}"
+            )
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
+        if bad:
+            raise ValueError(f"layer_types entry {bad[0]!r} is not one of {LAYER_TYPES}")
+        if "sliding_attention" in self.layer_types and self.sliding_window is None:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is None")
         if self.rope_theta <= 0 or self.rms_norm_eps <= 0:
             raise ValueError(
                 f"rope_theta and rms_norm_eps must be > 0, got {self.rope_theta}, {self.rms_norm_eps}"
