@@ -29,6 +29,7 @@ from .single_type_kv_cache_manager import FullAttentionManager, SingleTypeKVCach
 __all__ = [
     "KVCacheCoordinator",
     "KVCacheGroupSpec",
+    "KVCacheGroups",
     "kv_cache_groups_for",
     "layer_buffer_index",
     "max_blocks_needed",
@@ -46,6 +47,10 @@ class KVCacheGroupSpec:
 
     layer_indices: tuple[int, ...]
     sliding_window: int | None = None
+
+
+KVCacheGroups = tuple[KVCacheGroupSpec, ...]
+"""A model's KV cache groups, in order (group 0's block table is request.block_ids)."""
 
 
 def kv_cache_groups_for(
@@ -96,7 +101,10 @@ def layer_buffer_index(groups: Sequence[KVCacheGroupSpec], num_layers: int) -> t
 
 
 def max_blocks_needed(
-    groups: Sequence[KVCacheGroupSpec], num_positions: int, block_size: int, max_num_batched_tokens: int | None
+    groups: Sequence[KVCacheGroupSpec],
+    num_positions: int,
+    block_size: int,
+    max_num_batched_tokens: int | None,
 ) -> int:
     """The most blocks of all groups one request of num_positions KV positions holds at once.
 
@@ -194,11 +202,11 @@ class KVCacheCoordinator:
                 return hits, length
             length = shortest
 
-    def _per_group(
-        self, blocks: Sequence[Sequence[KVCacheBlock]]
-    ) -> Sequence[Sequence[KVCacheBlock]]:
+    def _per_group(self, blocks: Sequence[Sequence[KVCacheBlock]]) -> Sequence[Sequence[KVCacheBlock]]:
         if not blocks:
             return [()] * len(self.managers)
         if len(blocks) != len(self.managers):
-            raise ValueError(f"{len(blocks)} groups of computed blocks for {len(self.managers)} KV cache groups")
+            raise ValueError(
+                f"{len(blocks)} groups of computed blocks for {len(self.managers)} KV cache groups"
+            )
         return blocks

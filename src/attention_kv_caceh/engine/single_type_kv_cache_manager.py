@@ -116,7 +116,9 @@ class SingleTypeKVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds in this group, tail first, and empty its table."""
         table = self.table(request)
-        self.block_pool.free_blocks([self.block_pool.blocks[i] for i in reversed(table) if i != NULL_BLOCK_ID])
+        self.block_pool.free_blocks(
+            [self.block_pool.blocks[i] for i in reversed(table) if i != NULL_BLOCK_ID]
+        )
         if self.group_id == 0:
             request.block_ids = []
         else:
@@ -126,7 +128,9 @@ class SingleTypeKVCacheManager:
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Free the blocks no later query reads (full attention: none)."""
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
         """The cached blocks of the longest hit of at most max_length tokens: here the leading run of
         block hashes found in the pool (a prefix of the request)."""
         hits: list[KVCacheBlock] = []
@@ -154,12 +158,13 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
         super().__init__(block_pool, block_size, group_id)
         self.sliding_window = sliding_window
+        self._window = sliding_window
 
     def remove_skipped_blocks(self, request: Request, num_computed_tokens: int) -> None:
         """Free the blocks wholly before position num_computed_tokens - W + 1 (the first key the next
         query reads), from the nearest backwards until an entry already freed; entries become -1."""
         table = self.table(request)
-        first_useful_block = max(num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        first_useful_block = max(num_computed_tokens - self._window + 1, 0) // self.block_size
         removed: list[KVCacheBlock] = []
         for i in range(min(first_useful_block, len(table)) - 1, -1, -1):
             if table[i] == NULL_BLOCK_ID:
@@ -168,12 +173,14 @@ class SlidingWindowManager(SingleTypeKVCacheManager):
             table[i] = NULL_BLOCK_ID
         self.block_pool.free_blocks(removed)
 
-    def find_longest_cache_hit(self, block_hashes: Sequence[BlockHash], max_length: int) -> list[KVCacheBlock]:
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> list[KVCacheBlock]:
         """The longest hit of at most max_length tokens whose window is cached: searching from the right,
         the first run of cdiv(W - 1, block_size) cached blocks ends the hit (the blocks before the run are
         NULL_BLOCK: no query after the hit reads them); a shorter run starting at block 0 is a hit too."""
         max_blocks = min(max_length // self.block_size, len(block_hashes))
-        needed = _cdiv(self.sliding_window - 1, self.block_size)
+        needed = _cdiv(self._window - 1, self.block_size)
         if needed == 0:  # a window of one key: the query reads only its own position
             return [NULL_BLOCK] * max_blocks
         hits = [NULL_BLOCK] * max_blocks
