@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
-from .kv_cache_coordinator import KVCacheCoordinator, KVCacheGroupSpec, max_blocks_needed
+from .kv_cache_coordinator import KVCacheCoordinator, KVCacheGroups, KVCacheGroupSpec, max_blocks_needed
 from .request import Request, max_final_num_tokens
 
-__all__ = ["KVCacheConfig", "KVCacheManager", "RequestTooLargeError", "cdiv"]
+__all__ = ["KVCacheConfig", "KVCacheGroups", "KVCacheManager", "RequestTooLargeError", "cdiv"]
 
 
 def cdiv(a: int, b: int) -> int:

@@ -47,8 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv_cache_coordinator import KVCacheGroups as Groups
-from .kv_cache_manager import KVCacheConfig, KVCacheManager
+from .kv_cache_manager import KVCacheConfig, KVCacheGroups, KVCacheManager
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, encode_logprobs_payloads
 from .request import Request, RequestStatus, check_stop
 from .spec_decode.metrics import SpecDecodingStats
@@ -118,15 +117,16 @@ class Scheduler:
             the latest schedule() began (the step's lookups are the difference).
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, groups: Groups = ()):
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, groups: KVCacheGroups = ()):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config, self.max_model_len, bs, g = config, max_model_len, config.block_size, groups
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, g)
-        self.kv_cache_config = KVCacheConfig(num_blocks, bs, max_model_len, g, config.max_num_batched_tokens)
+        chunk = config.max_num_batched_tokens if g else None  # bounds only a sliding group's blocks
+        self.kv_cache_config = KVCacheConfig(num_blocks, bs, max_model_len, g, chunk)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache_at_schedule = (0, 0)
         self._finished_ids: list[str] = []
