@@ -96,9 +96,9 @@ class KVCacheManagerTest(unittest.TestCase):
         prompt = list(range(1, 9))  # 2 full blocks
         _run_prefill(kv, _req("a", prompt))
         hits, n = kv.get_computed_blocks(_req("b", prompt))
-        self.assertEqual((len(hits), n), (1, 4))
+        self.assertEqual((len(hits[0]), n), (1, 4))
         hits, n = kv.get_computed_blocks(_req("c", [*prompt, 9]))
-        self.assertEqual((len(hits), n), (2, 8))
+        self.assertEqual((len(hits[0]), n), (2, 8))
 
     def test_equal_blocks_after_different_prefixes_do_not_hit(self) -> None:
         kv = KVCacheManager(10, 2)

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
-from .kv_cache_manager import KVCacheConfig, KVCacheManager
+from .kv_cache_manager import KVCacheConfig, KVCacheGroups, KVCacheManager
 from .outputs import EngineCoreOutput, EngineCoreOutputs, ModelRunnerOutput, encode_logprobs_payloads
 from .request import Request, RequestStatus, check_stop
 from .spec_decode.metrics import SpecDecodingStats
@@ -105,6 +105,7 @@ class Scheduler:
         config: EngineConfig (max_num_seqs, max_num_batched_tokens, block_size, enable_prefix_caching).
         num_blocks: KV blocks in the pool (the model runner allocated as many).
         max_model_len: most tokens of a request (resolved from the checkpoint and the config).
+        groups: the model's KV cache groups (`kv_cache_coordinator`); empty: one full-attention group.
 
     Attributes:
         waiting: deque of requests not running (WAITING, or PREEMPTED at the front).
@@ -116,16 +117,16 @@ class Scheduler:
             the latest schedule() began (the step's lookups are the difference).
     """
 
-    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_blocks: int, max_model_len: int, groups: KVCacheGroups = ()):
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        self.config = config
-        self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.kv_cache_config = KVCacheConfig(num_blocks, config.block_size, max_model_len)
+        self.config, self.max_model_len, bs, g = config, max_model_len, config.block_size, groups
+        self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, g)
+        chunk = config.max_num_batched_tokens if g else None  # bounds only a sliding group's blocks
+        self.kv_cache_config = KVCacheConfig(num_blocks, bs, max_model_len, g, chunk)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_cache_at_schedule = (0, 0)
         self._finished_ids: list[str] = []
@@ -225,8 +226,7 @@ class Scheduler:
             n = min(request.num_tokens + len(drafts) - c, budget)
             # drafts scheduled: what the budget leaves after the request's own tokens, and no position the
             # token the step yields could not follow (max_model_len)
-            num_spec = min(max(0, c + n - request.num_tokens), self.max_model_len - 1 - request.num_tokens)
-            num_spec = max(num_spec, 0)
+            num_spec = max(0, min(c + n - request.num_tokens, self.max_model_len - 1 - request.num_tokens))
             n = min(n, request.num_tokens - c + num_spec)
             while kv.allocate_slots(request, n) is None:
                 if num_spec:  # the drafts give way first: the request decodes without them
