@@ -4,9 +4,11 @@
 # one llama.cpp run, then one `serve` run, each C requests of PROMPT_LEN prompt tokens and OUTPUT_LEN
 # output tokens (ignore_eos), at TEMPERATURE (default 0, greedy) on both. Every run has its own prompt
 # seed, so no run finds another run's prompts in either server's prefix cache. `serve` computes on the
-# file's own blocks (--quantization gguf) in its engine core's one thread; llama-server runs THREADS
-# compute threads (default 1, the same) with SLOTS parallel sequences (default 8). Both bind 127.0.0.1
-# and are stopped when the script exits (also on errors and Ctrl-C).
+# file's own blocks (--quantization gguf); llama-server runs SLOTS parallel sequences (default 8). With
+# THREADS unset both run at their own default thread count (llama.cpp's `-t` default; serve's
+# `--threads` default, the CPUs this process may use); THREADS=N passes N to both (`--threads N` to
+# serve, `--threads N --threads-batch N` to llama-server). Both bind 127.0.0.1 and are stopped when the
+# script exits (also on errors and Ctrl-C).
 #
 #   LLAMA_SERVER=/path/to/llama-server scripts/bench_serve_vs_llamacpp.sh [C ...]   (default: 1 8)
 #
@@ -16,7 +18,7 @@
 # it runs one request at a time, and is started with --interrupt_requests False, since by default a new
 # request cuts the stream of the running one short).
 # Environment: MODEL (a GGUF file or model name; default smollm2), PAIRS (3), OUT
-# (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (1),
+# (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (unset),
 # SLOTS (8), LLAMA_PORT (8300), SERVE_PORT (8200).
 # A run that fails (the harness exits non-zero: a request failed, a server died, the 900 s timeout) is
 # reported in the table as failed with its count of failed requests; the other runs still run, and the
@@ -28,7 +30,11 @@ OUT=${OUT:-results/serve-vs-llamacpp}
 PROMPT_LEN=${PROMPT_LEN:-128}
 OUTPUT_LEN=${OUTPUT_LEN:-64}
 TEMPERATURE=${TEMPERATURE:-0}
-THREADS=${THREADS:-1}
+THREADS=${THREADS:-}
+llama_threads=(); serve_threads=()
+if [ -n "$THREADS" ]; then
+  llama_threads=(--threads "$THREADS" --threads-batch "$THREADS"); serve_threads=(--threads "$THREADS")
+fi
 SLOTS=${SLOTS:-8}
 LLAMA_PORT=${LLAMA_PORT:-8300}
 SERVE_PORT=${SERVE_PORT:-8200}
@@ -40,25 +46,27 @@ cleanup() { for p in "${pids[@]}"; do kill -TERM "-$p" 2>/dev/null || true; done
 trap cleanup EXIT INT TERM
 CTX=$((SLOTS * (PROMPT_LEN + OUTPUT_LEN + 64)))
 if [ -n "${LLAMA_SERVER:-}" ]; then
-  setsid "$LLAMA_SERVER" --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" --threads "$THREADS" \
-    --threads-batch "$THREADS" --parallel "$SLOTS" --ctx-size "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
+  setsid "$LLAMA_SERVER" --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" "${llama_threads[@]}" \
+    --parallel "$SLOTS" --ctx-size "$CTX" > "$OUT/llamacpp-server.log" 2>&1 &
   "$LLAMA_SERVER" --version > "$OUT/versions.txt" 2>&1 || true
 else
   : "${LLAMACPP_PYTHON:?set LLAMA_SERVER (the llama-server binary) or LLAMACPP_PYTHON}"
   setsid "$LLAMACPP_PYTHON" -m llama_cpp.server --model "$GGUF" --host 127.0.0.1 --port "$LLAMA_PORT" \
-    --n_threads "$THREADS" --n_threads_batch "$THREADS" --n_ctx "$CTX" --interrupt_requests False > "$OUT/llamacpp-server.log" 2>&1 &
+    ${THREADS:+--n_threads "$THREADS" --n_threads_batch "$THREADS"} --n_ctx "$CTX" --interrupt_requests False > "$OUT/llamacpp-server.log" 2>&1 &
   "$LLAMACPP_PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" > "$OUT/versions.txt"
 fi
 pids+=($!)
 setsid uv run attention-kv-caceh serve --model "$MODEL" --quantization gguf --host 127.0.0.1 \
-  --port "$SERVE_PORT" --max-num-seqs 32 > "$OUT/serve-server.log" 2>&1 &
+  --port "$SERVE_PORT" --max-num-seqs 32 "${serve_threads[@]}" > "$OUT/serve-server.log" 2>&1 &
 pids+=($!)
 for port in "$LLAMA_PORT" "$SERVE_PORT"; do
   for _ in $(seq 300); do curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null && break; sleep 2; done
   curl -sf "http://127.0.0.1:$port/v1/models" > /dev/null || { echo "server on port $port not ready" >&2; exit 1; }
 done
-echo "threads: llama.cpp $THREADS compute thread(s), $SLOTS slots; serve: one engine-core thread (BLAS pinned to 1)" \
-  | tee -a "$OUT/versions.txt"
+{ echo "threads: ${THREADS:-the default of each server} ($SLOTS llama.cpp slots; BLAS pinned to 1)"
+  grep -m1 -i "system_info\|n_threads" "$OUT/llamacpp-server.log" || true
+  grep -m1 -i "thread" "$OUT/serve-server.log" || true
+} | tee -a "$OUT/versions.txt"
 # llama-cpp-python's server takes a prompt only as text (a list of token ids is refused with HTTP 500),
 # while the harness sends its exact-length prompts as ids: with LLAMACPP_PYTHON both sides instead get
 # the same text prompts from a dataset per run (PROMPT_LEN token ids of the model's tokenizer drawn at
