@@ -231,7 +231,9 @@ class Model:
         if not self.config.tie_word_embeddings:
             sizes.append(self.lm_head.size)
         for layer in self.layers:
-            sizes += [a.size for a in vars(layer).values() if a is not None]
+            sizes += [
+                a.size for a in vars(layer).values() if a is not None and not isinstance(a, int)
+            ]  # not window, local_rope
         return sum(int(size) for size in sizes)
 
     def forward(
