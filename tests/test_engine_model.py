@@ -66,6 +66,7 @@ class FakeSchedulerOutput:
     scheduled_requests: list[FakeRequest]
     num_scheduled_tokens: dict[str, int]
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict[str, list[int]])
+    block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict[str, tuple[list[int], ...]])
 
 
 def reference_logits(folder: Path, token_ids: list[int]) -> np.ndarray:

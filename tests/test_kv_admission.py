@@ -46,12 +46,12 @@ def _refusals(
         Scheduler(config, num_blocks, max_model_len).add_request(Request("r", prompt, params))
     except RequestTooLargeError as exc:
         scheduler_error = str(exc)
-    plan = types.SimpleNamespace(num_blocks=num_blocks, engine_config=config, max_model_len=max_model_len)
+    pool = KVCacheConfig(num_blocks, block_size, max_model_len)
+    plan = types.SimpleNamespace(kv_cache_config=pool, max_model_len=max_model_len)
     try:
         check_prompts_fit(cast("Any", plan), [prompt], params)
     except UsageError as exc:
         cli_error = str(exc)
-    pool = KVCacheConfig(num_blocks, block_size, max_model_len)
     llm = types.SimpleNamespace(kv_cache_config=pool)
     serving = OpenAIServing(cast("Any", llm), CharTokenizer(), "m", max_model_len)
     try:

@@ -24,7 +24,8 @@ import numpy as np
 
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
-from attention_kv_caceh.engine.request import SamplingParams
+from attention_kv_caceh.engine.model_runner import ModelRunner
+from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
@@ -47,11 +48,23 @@ def reference(family: str) -> dict[str, Any]:
     return json.loads((DATA / family / "reference.json").read_text())
 
 
+# Pools small enough that the three prompts preempt one another. A block holds one layer's K/V in
+# Gemma 3 (groups of one layer: five sliding, one full), two in Gemma 2, three in Phi-3 (one sliding
+# group), so the counts differ; Phi-3's 6 blocks (24 positions) hold less than one request's 32
+# positions, which only freeing the blocks behind the window allows.
+NUM_KV_BLOCKS = {"gemma3": 34, "gemma2": 14, "phi3": 6}
+
+
 def run_engine(path: Path, dtype: str) -> tuple[list[list[int]], list[int], LLMEngine]:
     """(tokens of the three reference prompts run together, of prompt 1 run again, the engine)."""
-    ref = reference(path.parent.name if path.suffix == ".gguf" else path.name)
+    family = path.parent.name if path.suffix == ".gguf" else path.name
+    ref = reference(family)
     config = EngineConfig(
-        dtype=dtype, num_kv_blocks=14, block_size=4, max_num_seqs=3, max_num_batched_tokens=8
+        dtype=dtype,
+        num_kv_blocks=NUM_KV_BLOCKS[family],
+        block_size=4,
+        max_num_seqs=3,
+        max_num_batched_tokens=8,
     )
     engine = LLMEngine.from_pretrained(str(path), config)
     params = SamplingParams(max_tokens=ref["max_tokens"], ignore_eos=True)
@@ -100,8 +113,64 @@ class GemmaFamiliesTest(unittest.TestCase):
                 self.check(path, family, "float64")
 
 
-if __name__ == "__main__":
-    unittest.main()
+class SlidingWindowBlocksTest(unittest.TestCase):
+    """The engine lays Gemma 3 out in KV cache groups (one full, five sliding) and frees, in each sliding
+    group, the blocks behind the window as a request advances (vLLM's SlidingWindowManager). Oracle:
+    the rule itself, checked at every allocation (a sliding table's entries before the block of position
+    c - W + 1 are -1, the rest are blocks of the pool), and transformers' tokens with the pool filled
+    with NaN at the start and every freed block's K/V overwritten by NaN, so a kernel that read a freed
+    block, or a -1 entry, would change or fail the output."""
+
+    def test_blocks_behind_every_window_are_freed_and_never_read(self) -> None:
+        ref = reference("gemma3")
+        config = EngineConfig(
+            dtype="float64", num_kv_blocks=40, block_size=4, max_num_seqs=1, max_num_batched_tokens=8
+        )
+        engine = LLMEngine.from_pretrained(str(DATA / "gemma3"), config)
+        runner = engine.model_runner
+        assert isinstance(runner, ModelRunner)
+        groups = runner.kv_cache_groups
+        window = runner.model.config.sliding_window
+        self.assertEqual([g.sliding_window for g in groups], [None] + [window] * 5)
+        self.assertEqual(len({id(k) for k, _ in runner.kv_caches}), 1)  # one buffer: groups of one layer
+        kv = engine.scheduler.kv_cache_manager
+        pool = kv.block_pool
+        seen: list[tuple[int, tuple[list[int], ...]]] = []
+        allocate, free = kv.allocate_slots, pool.free_blocks
+
+        def allocate_and_look(request: Request, *args: Any) -> list[int] | None:
+            c = request.num_computed_tokens
+            out = allocate(request, *args)
+            seen.append((c, tuple(list(t) for t in kv.get_block_ids(request))))
+            return out
+
+        def free_and_poison(blocks: Any) -> None:
+            for k_cache, v_cache in runner.kv_caches:
+                for block in blocks:
+                    k_cache[block.block_id] = np.nan
+                    v_cache[block.block_id] = np.nan
+            free(blocks)
+
+        for k_cache, v_cache in runner.kv_caches:  # a slot read before it is written shows too
+            k_cache[...] = np.nan
+            v_cache[...] = np.nan
+        kv.allocate_slots = allocate_and_look  # type: ignore[method-assign]
+        pool.free_blocks = free_and_poison  # type: ignore[method-assign]
+        params = SamplingParams(max_tokens=ref["max_tokens"], ignore_eos=True)
+        self.assertEqual(engine.generate([ref["prompts"][1]], params)[0], ref["tokens"][1])
+        assert window is not None
+        for c, tables in seen:
+            first = max(0, c - window + 1) // 4
+            self.assertTrue(all(0 <= b < 40 for b in tables[0]))  # full attention keeps every block
+            for table in tables[1:]:
+                self.assertEqual(table[:first], [-1] * first, msg=f"c={c}")
+                self.assertTrue(all(0 <= b < 40 for b in table[first:]), msg=f"c={c}")
+        last_c, last = seen[-1]
+        self.assertEqual(last_c, 27 + ref["max_tokens"] - 2)  # the last decode step
+        held = [sum(b >= 0 for b in t) for t in last]
+        self.assertEqual(held[0], 9)  # 36 positions
+        self.assertTrue(all(n <= 3 for n in held[1:]), held)  # positions 30 .. 35 of window 6
+        self.assertEqual(kv.num_free_blocks, 40)
 
 
 def _loop_attention(
@@ -295,3 +364,7 @@ class GemmaGGUFMetadataTest(unittest.TestCase):
                         self.assertAlmostEqual(float(fields[key]), value, delta=1e-7 * abs(value), msg=key)
                     else:
                         self.assertEqual(fields[key], value, msg=key)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -14,7 +14,6 @@ Left out: vLLM's benchmarks have no probes; these are this project's own.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -90,7 +89,7 @@ def attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[[
     over the runner's KV caches with that step's block tables and context lengths, on random queries
     `[R, H, D]`. Returns None when the latest step was not a pure decode step."""
     c = model.config
-    scale = 1.0 / math.sqrt(c.head_dim)
+    scale = c.attention_scale
     rng = np.random.default_rng(seed)
     queries: dict[int, npt.NDArray[np.floating[Any]]] = {}  # R -> q [R, H, D], made once per R
 
@@ -106,10 +105,21 @@ def attention_replay(model: Model, runner: ModelRunner, seed: int) -> Callable[[
         out = np.empty_like(q)  # [R, H, D]
         context_lens = meta.context_lens.astype(np.int32)  # [R]
 
+        metas = inputs.layer_metadata or (meta,) * len(runner.kv_caches)
+
         def replay() -> None:
-            for k_cache, v_cache in runner.kv_caches:
+            for (k_cache, v_cache), layer, m in zip(runner.kv_caches, model.layers, metas, strict=True):
                 paged_decode_attention_into(
-                    q, k_cache, v_cache, meta.block_tables, context_lens, out, scale, model.threads
+                    q,
+                    k_cache,
+                    v_cache,
+                    m.block_tables,
+                    context_lens,
+                    out,
+                    scale,
+                    model.threads,
+                    window=layer.window,
+                    softcap=c.attn_logit_softcapping,
                 )
 
         return replay
@@ -183,8 +193,10 @@ def read_probe(buffer: npt.NDArray[np.floating[Any]], threads: int, pool: Thread
 
 def decode_kv_bytes(model: Model, num_positions: float) -> float:
     """KV bytes a decode step reads for num_positions attended positions summed over its requests:
-    K and V of every layer, 2 * L * H_kv * D * itemsize per position."""
-    per_position = ModelRunner.bytes_per_block(model.config, 1, model.dtype.name)
+    K and V of every layer, 2 * L * H_kv * D * itemsize per position (a sliding-window layer counted as
+    a full one: an upper bound for a context past its window)."""
+    c = model.config
+    per_position = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * model.dtype.itemsize
     return per_position * num_positions
 
 

@@ -34,6 +34,7 @@ from attention_kv_caceh.engine.spec_decode.config import SpeculativeConfig
 from attention_kv_caceh.options import ConfigError, check_field, flag_of, option_fields
 
 if TYPE_CHECKING:
+    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig
     from attention_kv_caceh.engine.request import SamplingParams
     from attention_kv_caceh.engine.tokenizer import Tokenizer
     from attention_kv_caceh.model_executor.model_config import ModelConfig
@@ -102,8 +103,9 @@ def engine_flags_given(args: argparse.Namespace) -> list[str]:
 class EnginePlan:
     """What the checks found: the engine config to load with (its `num_kv_blocks` fixed to the checked
     count), the model's config, the tokenizer, the effective max_model_len (tokens), the KV pool
-    (`num_blocks` blocks of `bytes_per_block` bytes each) and where the checkpoint is (`source.path`:
-    the folder or GGUF file to load, `source.name`: what a server calls it by default)."""
+    (`num_blocks` blocks of `bytes_per_block` bytes each), where the checkpoint is (`source.path`:
+    the folder or GGUF file to load, `source.name`: what a server calls it by default) and the pool as
+    the engine will check requests against it (`kv_cache_config`, with the model's KV cache groups)."""
 
     engine_config: EngineConfig
     model_config: ModelConfig
@@ -112,6 +114,7 @@ class EnginePlan:
     num_blocks: int
     bytes_per_block: int
     source: ModelSource
+    kv_cache_config: KVCacheConfig
 
 
 def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan:
@@ -124,6 +127,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     tensor's type, extent and alignment, NaN or infinite floats and block scales: `check_finite`), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
+    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig
     from attention_kv_caceh.engine.model_runner import ModelRunner
 
     source = model_source(model_flag)
@@ -158,8 +162,15 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         "--kv-cache-memory or --num-kv-blocks",
     )
     engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None)
+    pool = KVCacheConfig.for_engine(
+        num_blocks,
+        config.block_size,
+        max_model_len,
+        ModelRunner.model_kv_cache_groups(model_config),
+        config.max_num_batched_tokens,
+    )
     return EnginePlan(
-        engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source
+        engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source, pool
     )
 
 
@@ -219,9 +230,9 @@ def check_prompts_fit(plan: EnginePlan, prompt_ids: list[list[int]], params: Sam
     """UsageError for a prompt that encodes to no token, is longer than max_model_len, or whose prompt +
     max_tokens can never fit the whole KV pool (the engine's one admission rule,
     `KVCacheConfig.check_request_fits`, and its message). Prompts are counted from 0."""
-    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, RequestTooLargeError
+    from attention_kv_caceh.engine.kv_cache_manager import RequestTooLargeError
 
-    pool = KVCacheConfig(plan.num_blocks, plan.engine_config.block_size, plan.max_model_len)
+    pool = plan.kv_cache_config
     for i, ids in enumerate(prompt_ids):
         if not ids:
             raise UsageError(f"prompt {i} encodes to no token")

@@ -53,7 +53,7 @@ import zmq
 
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
-from .kv_cache_manager import KVCacheConfig
+from .kv_cache_manager import KVCacheConfig, KVCacheGroups
 from .model_runner import NON_FINITE_LOGITS, ModelRunnerLike, sample_tokens, set_aside_non_finite
 from .outputs import (
     EngineCoreOutput,
@@ -135,7 +135,9 @@ class EngineCore:
         self.model_runner = model_runner
         self.eos_token_id = eos_token_id
         self.extra_eos_token_ids = tuple(t for t in extra_eos_token_ids if t != eos_token_id)
-        self.scheduler = Scheduler(config, blocks, model_len)
+        # the runner's KV cache groups (a model with sliding-window layers); runners without: one group
+        groups: KVCacheGroups = getattr(model_runner, "kv_cache_groups", ())
+        self.scheduler = Scheduler(config, blocks, model_len, groups)
         # Requests that skip the prefix cache entirely (caching off) are not hashed, as in vLLM.
         self._block_hasher = (
             get_request_block_hasher(config.block_size) if config.enable_prefix_caching else None

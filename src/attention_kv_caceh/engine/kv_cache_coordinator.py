@@ -33,6 +33,8 @@ __all__ = [
     "kv_cache_groups_for",
     "layer_buffer_index",
     "max_blocks_needed",
+    "model_kv_cache_groups",
+    "num_kv_buffers",
 ]
 
 
@@ -88,10 +90,36 @@ def kv_cache_groups_for(
     return tuple(groups)
 
 
+def model_kv_cache_groups(
+    num_layers: int, layer_types: Sequence[str] = (), sliding_window: int | None = None
+) -> KVCacheGroups:
+    """The groups the engine runs a model with: () (one full-attention group of every layer, the
+    engine's layout before groups) when no layer is a sliding one, else `kv_cache_groups_for`.
+
+    Raises:
+        ValueError: as `kv_cache_groups_for`.
+    """
+    if "sliding_attention" not in layer_types:
+        kv_cache_groups_for(num_layers, layer_types, sliding_window)  # checks the types
+        return ()
+    return kv_cache_groups_for(num_layers, layer_types, sliding_window)
+
+
+def num_kv_buffers(groups: Sequence[KVCacheGroupSpec], num_layers: int) -> int:
+    """K/V buffers the model runner allocates: the largest group's layer count (group_size), or
+    num_layers for no groups. One pool block costs that many layers of K and V."""
+    return max((len(g.layer_indices) for g in groups), default=num_layers)
+
+
 def layer_buffer_index(groups: Sequence[KVCacheGroupSpec], num_layers: int) -> tuple[tuple[int, int], ...]:
-    """(group, K/V buffer) of each layer: layer groups[g].layer_indices[j] is (g, j)."""
+    """(group, K/V buffer) of each layer: layer groups[g].layer_indices[j] is (g, j); no groups: every
+    layer is in group 0 with a buffer of its own.
+
+    Raises:
+        ValueError: a layer is in no group.
+    """
     out: list[tuple[int, int] | None] = [None] * num_layers
-    for g, group in enumerate(groups):
+    for g, group in enumerate(groups or (KVCacheGroupSpec(tuple(range(num_layers))),)):
         for j, layer in enumerate(group.layer_indices):
             out[layer] = (g, j)
     missing = [i for i, v in enumerate(out) if v is None]

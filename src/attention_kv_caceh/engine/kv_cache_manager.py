@@ -65,6 +65,22 @@ class KVCacheConfig:
     kv_cache_groups: tuple[KVCacheGroupSpec, ...] = ()
     max_num_batched_tokens: int | None = None
 
+    @classmethod
+    def for_engine(
+        cls,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        kv_cache_groups: Sequence[KVCacheGroupSpec],
+        max_num_batched_tokens: int,
+    ) -> KVCacheConfig:
+        """The pool of an engine with these groups (`kv_cache_coordinator.model_kv_cache_groups`); the token
+        budget is kept only with groups, since it bounds only a sliding group's blocks. The scheduler
+        and the CLI's check before loading build it the same way."""
+        groups = tuple(kv_cache_groups)
+        chunk = max_num_batched_tokens if groups else None
+        return cls(num_kv_blocks, block_size, max_model_len, groups, chunk)
+
     @property
     def kv_capacity_tokens(self) -> int:
         """KV positions of the whole pool, num_kv_blocks * block_size: the most one request can hold."""

@@ -36,8 +36,14 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.engine.config import EngineConfig
+from attention_kv_caceh.engine.kv_cache_coordinator import (
+    KVCacheGroups,
+    layer_buffer_index,
+    model_kv_cache_groups,
+    num_kv_buffers,
+)
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
-from attention_kv_caceh.engine.request import TokenLogprobs
+from attention_kv_caceh.engine.request import Request, TokenLogprobs
 from attention_kv_caceh.engine.sampler import _MAX_LOGIT, sample, token_logprobs  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
@@ -66,7 +72,9 @@ NON_FINITE_LOGITS = (
 
 @dataclass(frozen=True)
 class ModelInputs:
-    """The flattened batch of one step: input_ids and positions `[N]`, the attention metadata,
+    """The flattened batch of one step: input_ids and positions `[N]`, the attention metadata of
+    KV cache group 0 (`metadata`) and of each layer's group (`layer_metadata` `[L]`; they differ only in
+    block tables and slots),
     `logits_indices` `[R + D]` (the rows whose logits are returned: each request's last 1 + d_r
     tokens, d_r its scheduled drafts) and `query_start_loc` `[R + 1]` (request r's tokens are rows
     query_start_loc[r] : query_start_loc[r + 1], whatever the metadata's layout)."""
@@ -76,6 +84,7 @@ class ModelInputs:
     metadata: AttentionMetadata
     logits_indices: npt.NDArray[np.int64]
     query_start_loc: npt.NDArray[np.int64]
+    layer_metadata: tuple[AttentionMetadata, ...] = ()
 
 
 class ModelRunnerLike(Protocol):
@@ -89,12 +98,17 @@ class ModelRunnerLike(Protocol):
 
 
 class ModelRunner:
-    """Runs `model` on scheduler outputs against per-layer paged K/V buffers.
+    """Runs `model` on scheduler outputs against paged K/V buffers.
 
-    kv_caches: one (K, V) pair per layer in the model's dtype, zero-filled, K `[num_blocks, H_kv, D,
-    block_size]` and V `[num_blocks, H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`); block b
-    holds positions [i * block_size, (i + 1) * block_size) of whichever request lists b as its i-th
-    block. warmup_s: seconds the warm-up run at construction took (a dummy forward pass that compiles,
+    kv_cache_groups: the model's KV cache groups (`kv_cache_coordinator.model_kv_cache_groups`; () for a
+    model without sliding-window layers: one group of every layer). kv_caches: one (K, V) pair per
+    layer in the model's dtype, zero-filled, K `[num_blocks, H_kv, D, block_size]` and V `[num_blocks,
+    H_kv, block_size, D]` (`paged_attention.allocate_kv_cache`); block b holds positions [i *
+    block_size, (i + 1) * block_size) of whichever request lists b as its i-th block in the layer's
+    group. With groups, the j-th layer of every group shares buffer j (vLLM's hybrid allocator: a
+    block id belongs to one group at a time), so there are only group_size buffers
+    (`kv_cache_coordinator.num_kv_buffers`) and `kv_caches` lists some of them more than once.
+    warmup_s: seconds the warm-up run at construction took (a dummy forward pass that compiles,
     or loads from Numba's disk cache, every kernel a step calls), so no step time includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone. threads: the Numba threads every
@@ -115,14 +129,26 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.block_size = config.block_size
         c = model.config
-        self.kv_caches: list[tuple[FloatArray, FloatArray]] = [
+        self.kv_cache_groups = self.model_kv_cache_groups(c)
+        groups = self.kv_cache_groups
+        buffers = [
             allocate_kv_cache(num_blocks, config.block_size, c.num_key_value_heads, c.head_dim, model.dtype)
-            for _ in range(c.num_hidden_layers)
+            for _ in range(num_kv_buffers(groups, c.num_hidden_layers))
         ]
+        where = layer_buffer_index(groups, c.num_hidden_layers)  # (group, buffer) per layer
+        self.kv_caches: list[tuple[FloatArray, FloatArray]] = [buffers[j] for _, j in where]
+        self.layer_group = tuple(g for g, _ in where)  # [L]
+        self.group_windows = tuple(g.sliding_window for g in groups) or (None,)  # per group
         self.last_inputs: ModelInputs | None = None
         self.threads = config.resolved_threads()
         self._use_threads()
         self.warmup_s = self._warm_up()
+
+    @staticmethod
+    def model_kv_cache_groups(model_config: ModelConfig) -> KVCacheGroups:
+        """The KV cache groups the runner lays a model out in (`kv_cache_coordinator.model_kv_cache_groups`)."""
+        c = model_config
+        return model_kv_cache_groups(c.num_hidden_layers, c.layer_types, c.sliding_window)
 
     def _use_threads(self) -> None:
         """This runner's thread count for the calling thread (Numba's count is per thread) and the model."""
@@ -138,21 +164,26 @@ class ModelRunner:
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
-        """Bytes of one KV block over all layers, K and V: 2 * L * block_size * H_kv * D * itemsize, the
+        """Bytes of one pool block, K and V over the layers it spans: 2 * L_b * block_size * H_kv * D *
+        itemsize, L_b the number of K/V buffers (every layer, or group_size with KV cache groups), the
         itemsize of engine `dtype`'s compute dtype (bfloat16 keeps a float32 KV cache)."""
         c = model_config
+        layers = num_kv_buffers(ModelRunner.model_kv_cache_groups(c), c.num_hidden_layers)
         itemsize = compute_dtype(dtype).itemsize
-        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
+        return 2 * layers * block_size * c.num_key_value_heads * c.head_dim * itemsize
 
     def prepare_inputs(self, scheduler_output: SchedulerOutput) -> ModelInputs:
         """Flatten the step: request r's tokens (all_token_ids + its scheduled drafts)[c : c + n] at
         positions c .. c + n - 1.
 
-        c = num_computed_tokens, n = num_scheduled_tokens[request_id]; position p goes to slot
-        block_ids[p // block_size] * block_size + p % block_size. This is the step's one validation:
-        the model and its kernels trust what it returns. Raises ValueError for an empty step, n < 1,
-        c + n beyond the request's tokens, drafts that are not the step's last tokens of their request, a
-        token id outside the vocabulary, too few blocks, or a block id outside the pool.
+        c = num_computed_tokens, n = num_scheduled_tokens[request_id]; in each KV cache group, position
+        p goes to slot table[p // block_size] * block_size + p % block_size of the request's table in
+        that group (`SchedulerOutput.block_ids`, or r.block_ids for a model of one group). This is the
+        step's one validation: the model and its kernels trust what it returns. Raises ValueError for
+        an empty step, n < 1, c + n beyond the request's tokens, drafts that are not the step's last
+        tokens of their request, a token id outside the vocabulary, block tables for another number of
+        groups, too few blocks, or a block the step reads (a sliding group's: from the block of
+        position c - W + 1 on) that is outside the pool.
         """
         requests = scheduler_output.scheduled_requests
         if not requests:
@@ -161,8 +192,7 @@ class ModelRunner:
         ids: list[npt.NDArray[np.int64]] = []
         positions: list[npt.NDArray[np.int64]] = []
         context_lens = np.empty(len(requests), dtype=np.int64)  # [R]
-        max_blocks = max(len(r.block_ids) for r in requests)
-        block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)  # [R, max_blocks]
+        tables_of: list[tuple[list[int], ...]] = []  # [R][groups]
         spec = scheduler_output.scheduled_spec_decode_tokens
         num_logits = np.ones(len(requests), dtype=np.int64)  # [R], 1 + d_r
         for i, r in enumerate(requests):
@@ -179,15 +209,10 @@ class ModelRunner:
                     f"request {r.request_id!r}: its {len(drafts)} draft tokens must end the step"
                 )
             num_logits[i] = 1 + len(drafts)
-            if len(r.block_ids) * bs < c + n or any(not 0 <= b < self.num_blocks for b in r.block_ids):
-                raise ValueError(
-                    f"request {r.request_id!r}: block_ids {r.block_ids} must cover {c + n} positions "
-                    f"with blocks in 0 .. {self.num_blocks - 1} (block_size {bs})"
-                )
+            tables_of.append(self._check_block_tables(scheduler_output, r, c + n))
             ids.append(np.asarray(tokens[c : c + n], dtype=np.int64))
             positions.append(np.arange(c, c + n, dtype=np.int64))
             context_lens[i] = c + n
-            block_tables[i, : len(r.block_ids)] = r.block_ids
         input_ids = np.concatenate(ids)  # [N]
         vocab = self.model.config.vocab_size
         if input_ids.min() < 0 or input_ids.max() >= vocab:
@@ -197,30 +222,62 @@ class ModelRunner:
         counts = np.array([p.shape[0] for p in positions], dtype=np.int64)  # [R]
         query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)  # [R+1]
         request_of_token = np.repeat(np.arange(len(requests)), counts)  # [N]
-        slot_mapping = block_tables[request_of_token, pos // bs].astype(np.int64) * bs + pos % bs  # [N]
         # each request's last 1 + d_r rows: [R + D]
         last_rows: list[npt.NDArray[np.int64]] = [
             np.arange(int(end) - int(k), int(end), dtype=np.int64)
             for end, k in zip(query_start_loc[1:], num_logits, strict=True)
         ]
         logits_indices = np.concatenate(last_rows)
-        if spec and np.array_equal(counts, num_logits):  # one token + drafts each: a row per token
-            metadata = AttentionMetadata(
-                slot_mapping=slot_mapping,
-                query_start_loc=np.arange(pos.shape[0] + 1, dtype=np.int64),  # [N+1]
-                block_tables=block_tables[request_of_token],  # [N, max_blocks]
-                context_lens=pos + 1,  # [N]
-                block_size=bs,
+        row_per_token = bool(spec) and np.array_equal(counts, num_logits)  # one token + drafts each
+        group_metadata: list[AttentionMetadata] = []
+        for g in range(len(self.group_windows)):
+            max_blocks = max(len(tables[g]) for tables in tables_of)
+            block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)  # [R, max_blocks]
+            for i, tables in enumerate(tables_of):
+                block_tables[i, : len(tables[g])] = tables[g]
+            slot_mapping = block_tables[request_of_token, pos // bs].astype(np.int64) * bs + pos % bs  # [N]
+            if row_per_token:  # a row per token, each attending up to its own position
+                metadata = AttentionMetadata(
+                    slot_mapping=slot_mapping,
+                    query_start_loc=np.arange(pos.shape[0] + 1, dtype=np.int64),  # [N+1]
+                    block_tables=block_tables[request_of_token],  # [N, max_blocks]
+                    context_lens=pos + 1,  # [N]
+                    block_size=bs,
+                )
+            else:
+                metadata = AttentionMetadata(
+                    slot_mapping=slot_mapping,
+                    query_start_loc=query_start_loc,
+                    block_tables=block_tables,
+                    context_lens=context_lens,
+                    block_size=bs,
+                )
+            group_metadata.append(metadata)
+        layer_metadata = tuple(group_metadata[g] for g in self.layer_group)
+        return ModelInputs(input_ids, pos, group_metadata[0], logits_indices, query_start_loc, layer_metadata)
+
+    def _check_block_tables(
+        self, scheduler_output: SchedulerOutput, r: Request, num_positions: int
+    ) -> tuple[list[int], ...]:
+        """Request r's block table per group, checked to cover num_positions with blocks of the pool
+        wherever the step reads or writes (a sliding group's entries before the window may be -1)."""
+        bs = self.block_size
+        tables = scheduler_output.block_ids.get(r.request_id) or (r.block_ids,)
+        if len(tables) != len(self.group_windows):
+            raise ValueError(
+                f"request {r.request_id!r}: block tables of {len(tables)} KV cache groups, "
+                f"the model has {len(self.group_windows)}"
             )
-        else:
-            metadata = AttentionMetadata(
-                slot_mapping=slot_mapping,
-                query_start_loc=query_start_loc,
-                block_tables=block_tables,
-                context_lens=context_lens,
-                block_size=bs,
-            )
-        return ModelInputs(input_ids, pos, metadata, logits_indices, query_start_loc)
+        for g, (table, window) in enumerate(zip(tables, self.group_windows, strict=True)):
+            first = 0 if window is None else max(0, r.num_computed_tokens - window + 1) // bs
+            used = table[first : -(-num_positions // bs)]
+            if len(table) * bs < num_positions or any(not 0 <= b < self.num_blocks for b in used):
+                raise ValueError(
+                    f"request {r.request_id!r}: block_ids {table} of KV cache group {g} must cover "
+                    f"{num_positions} positions with blocks in 0 .. {self.num_blocks - 1} from block "
+                    f"{first} on (block_size {bs})"
+                )
+        return tables
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
         """Run one step; logits `[R + D, V]` in the engine dtype: for each of scheduled_requests in
@@ -232,7 +289,7 @@ class ModelRunner:
         self.last_inputs = inputs
         self._use_threads()
         hidden = self.model.forward(
-            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata
+            inputs.input_ids, inputs.positions, self.kv_caches, inputs.metadata, inputs.layer_metadata
         )  # [N, D_model]
         self._record_prompt_logprobs(scheduler_output, hidden, inputs.query_start_loc)
         return self.model.compute_logits(hidden[inputs.logits_indices])  # [R + D, V]

@@ -78,6 +78,10 @@ class SchedulerOutput:
         preempted_request_ids: requests preempted while scheduling this step.
         finished_request_ids: requests that finished or were aborted since the previous step (the
             runner may drop any state it keeps for them).
+        block_ids: request_id -> its block table in every KV cache group, copied when scheduling
+            (vLLM's `NewRequestData.block_ids`, a tuple of lists); filled only for a model of several
+            groups, where -1 marks a sliding group's block that was freed. Empty: each request's one
+            table is r.block_ids.
     """
 
     scheduled_requests: list[Request]
@@ -90,6 +94,7 @@ class SchedulerOutput:
     num_computed_tokens: dict[str, int] = field(default_factory=dict[str, int])
     preempted_request_ids: list[str] = field(default_factory=list[str])
     finished_request_ids: list[str] = field(default_factory=list[str])
+    block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict[str, tuple[list[int], ...]])
 
     def samples_token(self, request: Request) -> bool:
         """Whether this step computes the request's last token, so a token is sampled from its logits."""
@@ -122,8 +127,9 @@ class Scheduler:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config, self.max_model_len, bs, g = config, max_model_len, config.block_size, groups
         self.kv_cache_manager = KVCacheManager(num_blocks, bs, config.enable_prefix_caching, g)
-        chunk = config.max_num_batched_tokens if g else None  # bounds only a sliding group's blocks
-        self.kv_cache_config = KVCacheConfig(num_blocks, bs, max_model_len, g, chunk)
+        self.kv_cache_config = KVCacheConfig.for_engine(
+            num_blocks, bs, max_model_len, g, config.max_num_batched_tokens
+        )
         self.waiting: deque[Request] = deque()
         self.requests: dict[str, Request] = {}
         self.running: list[Request] = []
@@ -294,6 +300,11 @@ class Scheduler:
             num_computed_tokens=computed,
             preempted_request_ids=preempted,
             finished_request_ids=list(finished_ids),
+            block_ids=(
+                {r.request_id: tuple(list(t) for t in kv.get_block_ids(r)) for r in scheduled}
+                if kv.num_groups > 1
+                else {}
+            ),
         )
 
     def _grammar_ready(self, request: Request) -> bool:

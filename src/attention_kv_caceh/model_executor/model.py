@@ -37,6 +37,7 @@ heads, D head dim, I MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -242,12 +243,14 @@ class Model:
         positions: npt.NDArray[np.integer[Any]],
         kv_caches: list[tuple[FloatArray, FloatArray]],
         metadata: AttentionMetadata,
+        layer_metadata: Sequence[AttentionMetadata] = (),
     ) -> FloatArray:
         """Hidden states after the final norm, `[N, D_model]`, for the step's N flattened tokens.
 
         input_ids, positions `[N]`; kv_caches one (K, V) pair per layer as
         `paged_attention.allocate_kv_cache` makes them, in the compute dtype: this step's K/V are written into them
-        at metadata.slot_mapping. Each layer (Touvron et al., 2023, Llama):
+        at the slot_mapping of the layer's metadata: layer_metadata[i] for layer i (one per layer: the
+        block tables of the layer's KV cache group), or `metadata` for every layer when it is empty. Each layer (Touvron et al., 2023, Llama):
             h = x + o_proj(attention(rope(q), rope(k), v)),  q, k, v = qkv_proj(rms_norm(x))
             x' = h + down_proj(silu(gate_proj(rms_norm(h))) * up_proj(rms_norm(h)))
         Gemma (Gemma Team, 2024) wraps each of the two in a second norm, gates with the tanh GELU:
@@ -275,7 +278,8 @@ class Model:
         context_lens = metadata.context_lens.astype(np.int32)  # [R]
         decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
         scale, cap = c.attention_scale, c.attn_logit_softcapping
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        metas = tuple(layer_metadata) or (metadata,) * len(self.layers)
+        for layer, (k_cache, v_cache), meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = local if layer.local_rope and local is not None else tables
             qkv = linear(
                 norm(x, layer.input_layernorm, eps), layer.qkv_proj, self.threads
@@ -291,10 +295,10 @@ class Model:
                 if layer.q_norm is not None and layer.k_norm is not None:  # Qwen3: RMSNorm over each head
                     q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
-            write_kv(k_cache, v_cache, k, v, metadata.slot_mapping)
+            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             if decode:  # one query per request: [R, H, D] with R == N
                 q = np.ascontiguousarray(q)  # [R, H, D]
-                blocks = metadata.block_tables  # [R, max_blocks]
+                blocks = meta.block_tables  # [R, max_blocks]
                 paged_decode_attention_into(
                     q,
                     k_cache,
@@ -310,7 +314,7 @@ class Model:
                 attn = decode_out
             else:  # [N, H, D]
                 attn = paged_attention(
-                    q, k_cache, v_cache, metadata, scale=scale, window=layer.window, softcap=cap
+                    q, k_cache, v_cache, meta, scale=scale, window=layer.window, softcap=cap
                 )
             out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads)  # [N, D_model]
             out = out if layer.o_bias is None else out + layer.o_bias
