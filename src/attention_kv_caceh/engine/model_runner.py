@@ -22,6 +22,10 @@ request's queries, so verification never takes the gather-and-matmul prefill pat
 A step with structured outputs passes `sample_tokens` the core's GrammarOutput (vLLM's `grammar_output`
 argument): the sampler and the rejection sampler apply each masked row before choosing a token.
 
+KV cache groups (a model with sliding-window layers, `kv_cache_coordinator.py`): the runner keeps a
+block table per group, as vLLM's `MultiGroupBlockTable`, builds each group's slot mapping and
+attention metadata, and gives each layer its group's; the j-th layer of every group shares K/V buffer j.
+
 Left out: persistent input buffers, CUDA graphs, pipeline/tensor parallelism, and batched sampling kernels (one request's row at a time).
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
