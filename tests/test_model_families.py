@@ -26,6 +26,7 @@ from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.request import Request, SamplingParams
+from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
@@ -171,6 +172,27 @@ class SlidingWindowBlocksTest(unittest.TestCase):
         self.assertEqual(held[0], 9)  # 36 positions
         self.assertTrue(all(n <= 3 for n in held[1:]), held)  # positions 30 .. 35 of window 6
         self.assertEqual(kv.num_free_blocks, 40)
+
+    def test_the_runner_refuses_tables_that_do_not_fit_its_groups(self) -> None:
+        model = Model.load(DATA / "gemma2", "float64")  # groups: full (1, 3), sliding (0, 2)
+        runner = ModelRunner(model, EngineConfig(dtype="float64", block_size=4, num_kv_blocks=20), 20)
+        self.assertEqual(len(runner.kv_cache_groups), 2)
+        self.assertEqual(len({id(k) for k, _ in runner.kv_caches}), 2)
+        prompt = list(range(1, 15))  # 14 tokens; computed 12, the step computes 2 (window 6)
+        full, sliding = [0, 1, 2, 3], [-1, 6, 4, 5]  # positions 7 .. 13 are read: blocks 1 .. 3
+        request = Request("r", prompt, SamplingParams(max_tokens=1))
+        request.num_computed_tokens = 12
+
+        def step(tables: tuple[list[int], ...]) -> SchedulerOutput:
+            return SchedulerOutput([request], {"r": 2}, 2, 2, 0, block_ids={"r": tables})
+
+        inputs = runner.prepare_inputs(step((full, sliding)))  # -1 before the window is fine
+        np.testing.assert_array_equal(inputs.layer_metadata[0].slot_mapping, [5 * 4 + 0, 5 * 4 + 1])
+        np.testing.assert_array_equal(inputs.layer_metadata[1].slot_mapping, [3 * 4 + 0, 3 * 4 + 1])
+        with self.assertRaisesRegex(ValueError, "KV cache groups"):
+            runner.prepare_inputs(step((full,)))
+        with self.assertRaisesRegex(ValueError, "group 1"):
+            runner.prepare_inputs(step((full, [-1, -1, 4, 5])))  # block 1 holds position 7
 
 
 def _loop_attention(

@@ -45,12 +45,7 @@ def decode_weight_bytes(model: Model, num_seqs: float) -> float:
     weight format, packed padding included: `LinearWeight.nbytes`), the final norm, the LM head, and
     num_seqs rows of the embedding table (the rest of the table is not read unless it is the tied LM
     head, which is counted once as the LM head)."""
-    layer_bytes = sum(
-        int(a.nbytes)
-        for layer in model.layers
-        for a in vars(layer).values()
-        if a is not None and not isinstance(a, int)
-    )
+    layer_bytes = sum(int(a.nbytes) for layer in model.layers for a in layer.tensors())
     return layer_bytes + model.norm.nbytes + model.lm_head.nbytes + num_seqs * model.embedding.row_bytes
 
 

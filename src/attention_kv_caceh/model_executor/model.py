@@ -36,6 +36,7 @@ heads, D head dim, I MLP width, V vocabulary, L layers.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -95,6 +96,12 @@ class _Layer:
     mlp_out_norm: FloatArray | None = None  # [D_model]   (Gemma: post_feedforward_layernorm)
     window: int | None = None  # sliding window of this layer, None for full attention
     local_rope: bool = False  # RoPE with rope_local_theta (Gemma 3's sliding layers)
+
+    def tensors(self) -> list[FloatArray | LinearWeight]:
+        """The layer's weights that are set (norms, biases, linear layers), in field order; not the
+        window and RoPE settings."""
+        values = [getattr(self, f.name) for f in dataclasses.fields(self)]
+        return [v for v in values if isinstance(v, np.ndarray | LinearWeight)]
 
 
 class Model:
@@ -232,9 +239,7 @@ class Model:
         if not self.config.tie_word_embeddings:
             sizes.append(self.lm_head.size)
         for layer in self.layers:
-            sizes += [
-                a.size for a in vars(layer).values() if a is not None and not isinstance(a, int)
-            ]  # not window, local_rope
+            sizes += [a.size for a in layer.tensors()]
         return sum(int(size) for size in sizes)
 
     def forward(
