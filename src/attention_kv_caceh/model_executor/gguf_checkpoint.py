@@ -11,8 +11,11 @@ the file stores it (its type, its shape, its raw blocks), for kernels that compu
 Gemma 2 / Gemma 3 name their norms differently (`ffn_norm` is Gemma's pre_feedforward_layernorm,
 `post_attention_norm` its post_attention_layernorm, `post_ffw_norm` its post_feedforward_layernorm:
 the gguf library's `TensorNameMap`), and the converter stores each Gemma norm weight as 1 + w (the
-model adds no 1 for a GGUF file). Left out: architectures other than llama / qwen2 / qwen3 / gemma2 /
-gemma3 and anything those do not use (MoE experts, RoPE scaling other than linear).
+model adds no 1 for a GGUF file). Phi-3 (`phi3`) stores q/k/v fused row-wise (`attn_qkv`: q; k; v,
+Hugging Face's `qkv_proj`; files that hold `attn_q` / `attn_k` / `attn_v` apart are read too) and gate/up
+fused (`ffn_up`: 2 I rows, gate first, as llama.cpp's SwiGLU splits it: Hugging Face's `gate_up_proj`).
+Left out: architectures other than llama / qwen2 / qwen3 / gemma2 / gemma3 / phi3 and anything those do
+not use (MoE experts, RoPE scaling other than linear).
 
 **llama.cpp's Q/K row order.** llama.cpp rotates adjacent pairs (x[2i], x[2i+1]) of a head, Hugging
 Face's Llama the two halves (x[i], x[i + D/2]); its converter (`convert_hf_to_gguf.py`,
@@ -22,7 +25,8 @@ head. For head h, 0 <= i < D/2 and j in {0, 1}:
     GGUF row  h*D + 2*i + j  =  Hugging Face row  h*D + j*D/2 + i
 
 `unpermute_rows` undoes it (heads = num_attention_heads for q, num_key_value_heads for k). Only the
-llama architecture is permuted: llama.cpp runs qwen2 and qwen3 with the halves convention (NeoX RoPE).
+llama architecture is permuted: llama.cpp runs qwen2, qwen3, gemma2, gemma3 and phi3 with the halves
+convention (NeoX RoPE).
 
 Every problem with the file (not GGUF, truncated, a tensor type the library does not define or cannot
 dequantize, an architecture or setting the model does not implement, a missing or mistyped metadata
@@ -68,6 +72,7 @@ GGUF_ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 _GLOBAL_NAMES = {
@@ -95,7 +100,12 @@ _GEMMA_LAYER_NAMES = _LAYER_NAMES | {
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES}
+# Phi-3's fused q/k/v and gate/up (llama.cpp's `ffn_up` holds both; there is no `ffn_gate`)
+_PHI3_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k != "ffn_gate"} | {
+    "attn_qkv": "self_attn.qkv_proj",
+    "ffn_up": "mlp.gate_up_proj",
+}
+_ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
 _Q = GGMLQuantizationType
@@ -363,9 +373,10 @@ def _hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str 
     return f"model.layers.{layer}.{layer_names[part]}.{kind}"
 
 
-def gguf_name(hf_name: str) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (for messages): "blk.3.ffn_up.weight"."""
-    return _gguf_name(hf_name)
+def gguf_name(hf_name: str, arch: str = "llama") -> str:
+    """The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (for
+    messages): "blk.3.ffn_up.weight"."""
+    return _gguf_name(hf_name, _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES))
 
 
 def _gguf_name(hf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:

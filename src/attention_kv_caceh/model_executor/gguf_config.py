@@ -1,8 +1,8 @@
 """ModelConfig from a GGUF file's metadata: llama.cpp's keys for the settings a Hugging Face config.json holds.
 
-What vLLM leaves to transformers' `integrations/ggml.py` (GGUF metadata -> a config) for the five
-architectures the engine runs (llama, qwen2, qwen3, gemma2, gemma3). The keys are llama.cpp's (`gguf.Keys.LLM`, prefixed by the
-architecture, `llama.block_count`):
+What vLLM leaves to transformers' `integrations/ggml.py` (GGUF metadata -> a config) for the six
+architectures the engine runs (llama, qwen2, qwen3, gemma2, gemma3, phi3). The keys are llama.cpp's
+(`gguf.Keys.LLM`, prefixed by the architecture, `llama.block_count`):
 
     config.json                GGUF metadata
     hidden_size                {arch}.embedding_length
@@ -18,7 +18,8 @@ architecture, `llama.block_count`):
     tie_word_embeddings        no `output.weight` tensor (llama.cpp writes it only when untied)
     eos_token_id               tokenizer.ggml.eos_token_id, then eot / eom ids (end-of-turn tokens)
     bos_token_id               tokenizer.ggml.bos_token_id
-    attention_bias             a `blk.0.attn_q.bias` / `blk.0.attn_output.bias` tensor (Qwen2: q/k/v)
+    attention_bias             a `blk.0.attn_q.bias` (phi3: or `attn_qkv.bias`) / `blk.0.attn_output.bias`
+                               tensor (Qwen2: q/k/v)
     rope_scaling (linear)      {arch}.rope.scaling.type "linear", {arch}.rope.scaling.factor
 
 Gemma 2 / Gemma 3 (llama.cpp's `src/models/gemma2.cpp` / `gemma3.cpp` decide what a file leaves out):
@@ -34,12 +35,25 @@ Gemma 2 / Gemma 3 (llama.cpp's `src/models/gemma2.cpp` / `gemma3.cpp` decide wha
     query_pre_attn_scalar      not stored: llama.cpp scales by 1/sqrt(head_dim), or by
                                1/sqrt(hidden / heads) for the 27B models (46 layers Gemma 2, 62 Gemma 3)
 
-Refused, naming the key: a missing or mistyped required key, per-layer head counts that differ, a RoPE
-over part of a head (`rope.dimension_count` below head_dim), RoPE scaling (`rope.scaling.type` other
-than none or linear, or llama3's `rope_freqs.weight` tensor), a sliding window outside Gemma,
+Phi-3 (llama.cpp's `phi3`, `convert_hf_to_gguf.py`'s Phi3MiniModel, also Phi-4):
+
+    sliding_window             {arch}.attention.sliding_window on every layer, as transformers' Phi3
+                               applies config.json's (0 or absent: none; the converter writes 0 for
+                               Phi-4's null). llama.cpp itself currently ignores the key for phi3
+                               (`src/models/phi3.cpp` logs "Phi SWA is currently disabled" and runs
+                               full attention), as does transformers' GGUF reader; past the window
+                               their tokens for such a file differ from the folder's and from these.
+    head_dim                   hidden / heads (the converter writes no key_length)
+    rope.scaling.original_context_length   written always; nothing to do without LongRoPE
+
+Refused, naming the key or tensor: a missing or mistyped required key, per-layer head counts that
+differ, a RoPE over part of a head (`rope.dimension_count` below head_dim: Phi-3's
+partial_rotary_factor), RoPE scaling (`rope.scaling.type` other than none or linear, a
+`rope.scaling.attn_factor` other than 1, llama3's `rope_freqs.weight` tensor, Phi-3's LongRoPE
+`rope_factors_long.weight` / `rope_factors_short.weight`), a sliding window outside Gemma and Phi-3,
 mixture-of-experts, and values ModelConfig refuses (heads that do not divide, ...).
 
-Left out: the many other architectures transformers maps (Qwen2-MoE, Phi-3, Falcon, ...), RoPE scaling
+Left out: the many other architectures transformers maps (Qwen2-MoE, Phi-2, Falcon, ...), RoPE scaling
 from GGUF metadata other than linear (a config.json's llama3 scaling is honoured, model_config.py), and
 transformers' conversion of the GGUF vocabulary into a fast tokenizer, which gguf_tokenizer.py does here.
 """
@@ -54,6 +68,13 @@ from attention_kv_caceh.model_executor.gguf_checkpoint import GGUF_ARCHITECTURES
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["model_config_from_gguf"]
+
+# tensors of per-frequency RoPE factors (llama.cpp's names) -> the scaling they carry
+_ROPE_FACTOR_TENSORS = {
+    "rope_freqs.weight": "llama3 RoPE scaling (per-frequency factors)",
+    "rope_factors_long.weight": "LongRoPE (Phi-3's per-frequency factors past the original context)",
+    "rope_factors_short.weight": "LongRoPE (Phi-3's per-frequency factors within the original context)",
+}
 
 
 def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
@@ -90,8 +111,9 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
         return float(value)
 
     p = f"{arch}."
-    gemma = arch in ("gemma2", "gemma3")
-    for key in (p + "expert_count",) if gemma else (p + "expert_count", p + "attention.sliding_window"):
+    gemma, phi3 = arch in ("gemma2", "gemma3"), arch == "phi3"
+    windowed = gemma or phi3
+    for key in (p + "expert_count",) if windowed else (p + "expert_count", p + "attention.sliding_window"):
         if ckpt.metadata(key):
             raise fail(key, f"not implemented ({ckpt.metadata(key)!r})")
     scaling = ckpt.metadata(p + "rope.scaling.type")
@@ -103,9 +125,13 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
         rope_scaling = {"factor": factor}
     elif scaling not in (None, "none"):
         raise fail(p + "rope.scaling.type", f"RoPE scaling {scaling!r} is not implemented")
-    if "rope_freqs.weight" in ckpt.gguf_names:
-        raise CheckpointError(
-            f"{source}: tensor 'rope_freqs.weight': llama3 RoPE scaling (per-frequency factors) is not implemented"
+    for tensor, what in _ROPE_FACTOR_TENSORS.items():
+        if tensor in ckpt.gguf_names:
+            raise CheckpointError(f"{source}: tensor {tensor!r}: {what} is not implemented")
+    attn_factor = number(p + "rope.scaling.attn_factor", 1.0)
+    if attn_factor != 1.0:
+        raise fail(
+            p + "rope.scaling.attn_factor", f"a RoPE attention factor ({attn_factor}) is not implemented"
         )
     hidden = integer(p + "embedding_length")
     heads = integer(p + "attention.head_count", per_layer=True)
@@ -129,11 +155,17 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
         if token is not None and integer(f"tokenizer.ggml.{key}") not in eos_ids:
             eos_ids.append(int(token))
     bos = ckpt.metadata("tokenizer.ggml.bos_token_id")
-    bias = "model.layers.0.self_attn.q_proj.bias" in ckpt
+    bias = any(f"model.layers.0.self_attn.{n}.bias" in ckpt for n in ("q_proj", "qkv_proj"))
     layers = integer(p + "block_count")
-    extra = (
-        _gemma_settings(ckpt, arch, layers, hidden, heads, head_dim, fail, integer, number) if gemma else {}
-    )
+    extra: dict[str, Any] = {}
+    if gemma:
+        extra = _gemma_settings(ckpt, arch, layers, hidden, heads, head_dim, fail, integer, number)
+    elif phi3:
+        window = integer(p + "attention.sliding_window", 0)
+        if window < 0:
+            raise fail(p + "attention.sliding_window", f"must be >= 0, got {window}")
+        if window:  # transformers' Phi3: the window on every layer
+            extra = {"sliding_window": window, "layer_types": ("sliding_attention",) * layers}
     try:
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[arch],

@@ -7,7 +7,8 @@ chunks and decode tokens of different requests share each weight read; only atte
 request a token belongs to (`paged_attention`). The architectures differ in three switches:
 Qwen2 adds biases to the q/k/v projections, Qwen3 RMS-normalises each query and key head before RoPE
 (`q_norm`/`k_norm`) and sets `head_dim` explicitly; Mistral's tensors are Llama's, its sliding window on
-every layer; Phi-3 stores q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`), as the model fuses them. Gemma (`ModelConfig.gemma_norms`) scales the embeddings by sqrt(D_model), normalises with
+every layer; Phi-3 stores q/k/v and gate/up fused (`qkv_proj`, `gate_up_proj`; a GGUF file's
+`attn_qkv`, or q/k/v apart, and `ffn_up`), as the model fuses them. Gemma (`ModelConfig.gemma_norms`) scales the embeddings by sqrt(D_model), normalises with
 (1 + w) (the 1 added here at load for a Hugging Face folder; llama.cpp's converter stores 1 + w in a
 GGUF file), adds a norm after attention and after the MLP, gates with the tanh GELU, scales scores by
 query_pre_attn_scalar^-1/2, interleaves sliding-window layers with global ones (Gemma 3: each kind
@@ -158,12 +159,15 @@ class Model:
             proj = ("q_proj", q_dim), ("k_proj", kv_dim), ("v_proj", kv_dim)
             qkv_parts = [(f"{a}{n}.weight", (rows, hidden)) for n, rows in proj]
             gate_up_parts = [(f"{p}mlp.{n}.weight", (inter, hidden)) for n in ("gate_proj", "up_proj")]
-            if phi3:  # stored fused, in the order the model fuses them
-                qkv_parts = [(a + "qkv_proj.weight", (q_dim + 2 * kv_dim, hidden))]
+            if phi3:  # stored fused, in the order the model fuses them (a GGUF file may hold q/k/v apart)
+                if a + "qkv_proj.weight" in checkpoint:
+                    qkv_parts = [(a + "qkv_proj.weight", (q_dim + 2 * kv_dim, hidden))]
                 gate_up_parts = [(p + "mlp.gate_up_proj.weight", (2 * inter, hidden))]
-            qkv_bias = (
-                np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj]) if c.qkv_bias else None
-            )
+            qkv_bias = None
+            if c.qkv_bias and a + "qkv_proj.bias" in checkpoint:  # Phi-3's GGUF attn_qkv.bias
+                qkv_bias = get(a + "qkv_proj.bias", (q_dim + 2 * kv_dim,))
+            elif c.qkv_bias:
+                qkv_bias = np.concatenate([get(f"{a}{n}.bias", (rows,)) for n, rows in proj])
             pre_mlp = p + ("pre_feedforward_layernorm" if gemma else "post_attention_layernorm") + ".weight"
             self.layers.append(
                 _Layer(

@@ -134,7 +134,7 @@ class WeightReader:
                 )
         refused = [(t.name, why) for t in stored if (why := why_not_kept(t)) is not None]
         if refused:
-            names = ", ".join(f"{name} ({gguf_name(name)}: {why})" for name, why in refused)
+            names = ", ".join(f"{name} ({gguf_name(name, checkpoint.arch)}: {why})" for name, why in refused)
             note = f"{' + '.join(name for name, _ in parts)}: dequantized to float32 panels: {names}"
             logger.warning("%s: %s", checkpoint.source, note)
             self.notes.append(note)
