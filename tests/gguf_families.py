@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,11 +120,13 @@ def phi3_gguf(
     out: Path,
     qtype: GGMLQuantizationType = GGMLQuantizationType.F32,
     separate_qkv: bool = False,
+    edit: Callable[[dict[str, np.ndarray]], None] | None = None,
     **changes: Any,
 ) -> Path:
     """The GGUF file llama.cpp's converter writes for Phi-3 folder `folder` (module docstring), its
     config.json updated with `changes` first (a LongRoPE `rope_parameters`, a partial_rotary_factor);
-    2-D weights stored as `qtype`, norms F32."""
+    2-D weights stored as `qtype`, norms F32. `edit` may change or add float32 tensors (by Hugging
+    Face name, in place) before they are stored."""
     config: dict[str, Any] = json.loads((folder / "config.json").read_text()) | changes
     layers, hidden, heads = config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"]
     rope: dict[str, Any] = dict(config.get("rope_parameters") or {})
@@ -164,6 +167,8 @@ def phi3_gguf(
             fused = tensors.pop(a + "qkv_proj.weight")
             for n, part in zip(("q_proj", "k_proj", "v_proj"), np.split(fused, [q, q + kv]), strict=True):
                 tensors[f"{a}{n}.weight"] = part
+    if edit is not None:
+        edit(tensors)
     return _write(writer, get_tensor_name_map(MODEL_ARCH.PHI3, layers), tensors, qtype, out)
 
 

@@ -145,6 +145,7 @@ class RefusalTest(unittest.TestCase):
     def test_settings_the_model_does_not_implement(self) -> None:
         cases = {
             "llama.rope.scaling.type": lambda w: w.add_string("llama.rope.scaling.type", "yarn"),
+            "llama.rope.scaling.attn_factor": lambda w: w.add_float32("llama.rope.scaling.attn_factor", 1.5),
             "llama.expert_count": lambda w: w.add_uint32("llama.expert_count", 8),
             "llama.attention.sliding_window": lambda w: w.add_uint32("llama.attention.sliding_window", 64),
         }

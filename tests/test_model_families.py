@@ -3,16 +3,16 @@
 Oracle: tests/data/<family>/reference.json, written with the tiny checkpoint beside it by
 scripts/family_references.py (transformers' Gemma3ForCausalLM / Gemma2ForCausalLM / Phi3ForCausalLM, float64 throughout,
 full recompute per token). The engine runs the same folder, and the GGUF file llama.cpp's converter
-would write for it (tests/gguf_families.py, norms stored as 1 + w), through chunked prefill (8 tokens a
+would write for it (tests/gguf_families.py; Gemma's norms stored as 1 + w), through chunked prefill (8 tokens a
 step), preemption (a pool too small for all three prompts) and prefix-cache hits, with prompts longer
 than the sliding window. float32 (the packed path where the CPU has it) must give the same tokens: each
 prompt's smallest top-1 / top-2 gap in the reference is checked to exceed 1e-3, far above float32's
-error on these sizes, so no near-tie excuses a difference.
+error on these sizes, so no near-tie excuses a difference. The GGUF files' metadata and refusals are
+in tests/test_model_families_gguf.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import tempfile
 import unittest
@@ -29,8 +29,6 @@ from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
-from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
-from attention_kv_caceh.model_executor.gguf_config import model_config_from_gguf
 from attention_kv_caceh.model_executor.model import Model
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 from attention_kv_caceh.model_executor.paged_attention import (
@@ -38,11 +36,10 @@ from attention_kv_caceh.model_executor.paged_attention import (
     pack_kv_blocks,
     paged_attention,
 )
-from tests.gguf_families import gemma_gguf
+from tests.gguf_families import family_gguf
 
 DATA = Path(__file__).parent / "data"
-FAMILIES = ("gemma3", "gemma2")  # as Hugging Face folders and as GGUF files
-HF_FAMILIES = (*FAMILIES, "phi3")  # Phi-3: the folder only (its GGUF architecture is not implemented)
+FAMILIES = ("gemma3", "gemma2", "phi3")  # as Hugging Face folders and as GGUF files
 
 
 def reference(family: str) -> dict[str, Any]:
@@ -84,7 +81,7 @@ class GemmaFamiliesTest(unittest.TestCase):
         self.assertGreater(engine.scheduler.kv_cache_manager.prefix_cache_hits, 0)
 
     def test_prompts_cross_the_sliding_window(self) -> None:
-        for family in HF_FAMILIES:
+        for family in FAMILIES:
             model = Model.load(DATA / family, "float64")
             window = model.config.sliding_window
             self.assertIsNotNone(window)
@@ -95,12 +92,12 @@ class GemmaFamiliesTest(unittest.TestCase):
                 self.assertIn("full_attention", model.config.layer_types)
 
     def test_hf_folder_float64_equals_transformers(self) -> None:
-        for family in HF_FAMILIES:
+        for family in FAMILIES:
             with self.subTest(family=family):
                 self.check(DATA / family, family, "float64")
 
     def test_hf_folder_float32_equals_transformers(self) -> None:
-        for family in HF_FAMILIES:
+        for family in FAMILIES:
             with self.subTest(family=family):
                 self.assertGreater(min(reference(family)["min_gap"]), 1e-3)
                 self.check(DATA / family, family, "float32")
@@ -110,7 +107,7 @@ class GemmaFamiliesTest(unittest.TestCase):
             with self.subTest(family=family), tempfile.TemporaryDirectory() as tmp:
                 folder = Path(tmp) / family
                 folder.mkdir()
-                path = gemma_gguf(DATA / family, folder / "model.gguf")
+                path = family_gguf(DATA / family, folder / "model.gguf")
                 self.check(path, family, "float64")
 
 
@@ -367,25 +364,6 @@ class FamilyConfigTest(unittest.TestCase):
         hidden = np.random.default_rng(0).standard_normal((3, model.config.hidden_size)) * 10
         raw = hidden @ model.lm_head.dense().T
         np.testing.assert_allclose(model.compute_logits(hidden), cap * np.tanh(raw / cap), rtol=1e-12)
-
-
-class GemmaGGUFMetadataTest(unittest.TestCase):
-    def test_the_file_gives_the_folders_config(self) -> None:
-        for family in FAMILIES:
-            with self.subTest(family=family), tempfile.TemporaryDirectory() as tmp:
-                path = gemma_gguf(DATA / family, Path(tmp) / "model.gguf")
-                from_file = model_config_from_gguf(GGUFCheckpoint(path))
-                from_folder = ModelConfig.from_hf_config(
-                    json.loads((DATA / family / "config.json").read_text())
-                )
-                # the file stores floats as float32 (rms_norm_eps 1e-6 comes back rounded)
-                fields: dict[str, Any] = dataclasses.asdict(from_file)
-                fields["eos_token_ids"] = from_folder.eos_token_ids
-                for key, value in dataclasses.asdict(from_folder).items():
-                    if isinstance(value, float):
-                        self.assertAlmostEqual(float(fields[key]), value, delta=1e-7 * abs(value), msg=key)
-                    else:
-                        self.assertEqual(fields[key], value, msg=key)
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ from attention_kv_caceh.model_executor.gguf_split import split_parts
 
 __all__ = [
     "GGUF_ARCHITECTURES",
+    "ROPE_FACTOR_TENSORS",
     "GGUFCheckpoint",
     "QuantizedTensor",
     "dequantizable_types",
@@ -106,6 +107,12 @@ _PHI3_LAYER_NAMES = {k: v for k, v in _LAYER_NAMES.items() if k != "ffn_gate"} |
     "ffn_up": "mlp.gate_up_proj",
 }
 _ARCH_LAYER_NAMES = {"gemma2": _GEMMA_LAYER_NAMES, "gemma3": _GEMMA_LAYER_NAMES, "phi3": _PHI3_LAYER_NAMES}
+# per-frequency RoPE factors -> the scaling they carry (gguf_config refuses them; not logged as ignored)
+ROPE_FACTOR_TENSORS = {
+    "rope_freqs.weight": "llama3 RoPE scaling (per-frequency factors)",
+    "rope_factors_long.weight": "LongRoPE (Phi-3's per-frequency factors past the original context)",
+    "rope_factors_short.weight": "LongRoPE (Phi-3's per-frequency factors within the original context)",
+}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _PLAIN_FLOATS = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64}
 _Q = GGMLQuantizationType
@@ -182,7 +189,8 @@ class GGUFCheckpoint:
 
     Raises CheckpointError (from the constructor) for a file that is not GGUF, truncated or corrupt, an
     architecture outside GGUF_ARCHITECTURES, or a tensor the model reads whose type cannot be
-    dequantized. Tensors the model does not read are logged as a warning and ignored.
+    dequantized. Tensors the model does not read are logged as a warning and ignored (but for the RoPE
+    factors of ROPE_FACTOR_TENSORS, which the config refuses).
     """
 
     def __init__(self, file: str | Path) -> None:
@@ -195,10 +203,10 @@ class GGUFCheckpoint:
         self._layer_names = _ARCH_LAYER_NAMES.get(self.arch, _LAYER_NAMES)
         for tensor in (t for part in self.parts for t in part.tensors):
             hf = _hf_name(tensor.name, self._layer_names)
-            if hf is None:
-                ignored.append(tensor.name)
-            else:
+            if hf is not None:
                 self._tensors[hf] = tensor
+            elif tensor.name not in ROPE_FACTOR_TENSORS:  # those: refused by the config
+                ignored.append(tensor.name)
         if ignored:
             logger.warning(
                 "%s: ignoring tensors the model does not read: %s", self.source, ", ".join(ignored)
@@ -273,7 +281,7 @@ class GGUFCheckpoint:
             return self._tensors[name]
         except KeyError:
             raise CheckpointError(
-                f"{self.source}: missing tensor {name!r} ({_gguf_name(name, self._layer_names)})"
+                f"{self.source}: missing tensor {name!r} ({gguf_name(name, self.arch)})"
             ) from None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -318,9 +326,7 @@ class GGUFCheckpoint:
         try:
             return unpermute_rows(rows, heads)
         except ValueError as err:
-            raise CheckpointError(
-                f"{self.source}: tensor {_gguf_name(name, self._layer_names)!r}: {err}"
-            ) from err
+            raise CheckpointError(f"{self.source}: tensor {gguf_name(name, self.arch)!r}: {err}") from err
 
     def _heads(self, key: str, fallback: str | None = None) -> int:
         value: Any = self.metadata(f"{self.arch}.{key}")
@@ -375,18 +381,13 @@ def _hf_name(gguf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str:
     """The llama.cpp name of a Hugging Face tensor name in a file of architecture `arch` (for
-    messages): "blk.3.ffn_up.weight"."""
-    return _gguf_name(hf_name, _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES))
-
-
-def _gguf_name(hf_name: str, layer_names: dict[str, str] = _LAYER_NAMES) -> str:
-    """The llama.cpp name of a Hugging Face tensor name (for messages)."""
-    for gguf_name, hf in _GLOBAL_NAMES.items():
+    messages): "blk.3.ffn_up.weight"; `hf_name` itself when it has none."""
+    for name, hf in _GLOBAL_NAMES.items():
         if hf == hf_name:
-            return gguf_name
+            return name
     match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf_name)
     if match:
-        for part, hf in layer_names.items():
+        for part, hf in _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES).items():
             if hf == match.group(2):
                 return f"blk.{match.group(1)}.{part}.{match.group(3)}"
     return hf_name

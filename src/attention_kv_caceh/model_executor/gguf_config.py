@@ -64,17 +64,14 @@ import math
 from typing import Any, cast
 
 from attention_kv_caceh.model_executor.checkpoint import CheckpointError
-from attention_kv_caceh.model_executor.gguf_checkpoint import GGUF_ARCHITECTURES, GGUFCheckpoint
+from attention_kv_caceh.model_executor.gguf_checkpoint import (
+    GGUF_ARCHITECTURES,
+    ROPE_FACTOR_TENSORS,
+    GGUFCheckpoint,
+)
 from attention_kv_caceh.model_executor.model_config import ModelConfig
 
 __all__ = ["model_config_from_gguf"]
-
-# tensors of per-frequency RoPE factors (llama.cpp's names) -> the scaling they carry
-_ROPE_FACTOR_TENSORS = {
-    "rope_freqs.weight": "llama3 RoPE scaling (per-frequency factors)",
-    "rope_factors_long.weight": "LongRoPE (Phi-3's per-frequency factors past the original context)",
-    "rope_factors_short.weight": "LongRoPE (Phi-3's per-frequency factors within the original context)",
-}
 
 
 def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
@@ -125,7 +122,7 @@ def model_config_from_gguf(ckpt: GGUFCheckpoint) -> ModelConfig:
         rope_scaling = {"factor": factor}
     elif scaling not in (None, "none"):
         raise fail(p + "rope.scaling.type", f"RoPE scaling {scaling!r} is not implemented")
-    for tensor, what in _ROPE_FACTOR_TENSORS.items():
+    for tensor, what in ROPE_FACTOR_TENSORS.items():
         if tensor in ckpt.gguf_names:
             raise CheckpointError(f"{source}: tensor {tensor!r}: {what} is not implemented")
     attn_factor = number(p + "rope.scaling.attn_factor", 1.0)
