@@ -148,6 +148,8 @@ def phi3_gguf(
     writer.add_sliding_window(config.get("sliding_window") or 0)
     _add_tokenizer(writer, config)
     writer.add_tokenizer_pre("default")
+    if config.get("pad_token_id") is not None:  # gguf.SpecialVocab reads config.json's ids too
+        writer.add_pad_token_id(config["pad_token_id"])
     tensors = load_float32(folder)
     if rope.get("long_factor"):  # generate_extra_tensors: LongRoPE's factors and attention factor
         scale = config["max_position_embeddings"] / rope["original_max_position_embeddings"]
