@@ -3,7 +3,8 @@
 Corresponds to vLLM's `vllm/model_executor/` (`models/`, `layers/`, `model_loader/`) and the warm-up of
 `vllm/v1/worker/`. Modules:
 
-- `model`: Model, the decoder (Llama, Qwen2, Qwen3 shapes) over packed or GGUF-block weights.
+- `model`: Model, the decoder (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3) over packed or
+  GGUF-block weights.
 - `layers`: the linear layers, RMSNorm, SiLU-and-mul and rotary embedding.
 - `paged_attention`: the paged KV buffers, the K/V writes and attention over block tables.
 - `warmup`: one forward pass on dummy inputs so the first real step compiles nothing.

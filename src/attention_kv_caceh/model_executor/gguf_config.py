@@ -41,8 +41,8 @@ Phi-3 (llama.cpp's `phi3`, `convert_hf_to_gguf.py`'s Phi3MiniModel, also Phi-4):
                                applies config.json's (0 or absent: none; the converter writes 0 for
                                Phi-4's null). llama.cpp itself currently ignores the key for phi3
                                (`src/models/phi3.cpp` logs "Phi SWA is currently disabled" and runs
-                               full attention), as does transformers' GGUF reader; past the window
-                               their tokens for such a file differ from the folder's and from these.
+                               full attention), as does transformers' GGUF reader: past the window
+                               their tokens for such a file differ from the folder's; these do not.
     head_dim                   hidden / heads (the converter writes no key_length)
     rope.scaling.original_context_length   written always; nothing to do without LongRoPE
 
