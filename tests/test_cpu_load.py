@@ -272,7 +272,10 @@ class RunnerTest(unittest.TestCase):
         cls._tmp.cleanup()
 
     def runner(self, threads: int | None) -> ModelRunner:
-        return ModelRunner(self.model, EngineConfig(threads=threads, block_size=4), num_blocks=8)
+        return self.runner_of(EngineConfig(threads=threads, block_size=4))
+
+    def runner_of(self, config: EngineConfig) -> ModelRunner:
+        return ModelRunner(self.model, config, num_blocks=8)
 
     def step(self, runner: ModelRunner) -> None:
         req = FakeRequest("a", [1, 2, 3], 0, [0])
@@ -285,6 +288,11 @@ class RunnerTest(unittest.TestCase):
             self.step(runner)
             self.assertEqual(runner.active_threads, 1)
             self.assertEqual(runner.model.threads, 1)
+
+    def test_a_count_filled_in_as_a_default_follows_the_load(self) -> None:
+        runner = self.runner_of(EngineConfig(threads=1, follow_load=True, block_size=4))
+        self.assertIsNotNone(runner.governor)
+        self.assertEqual(runner.governor.limit if runner.governor else 0, 1)
 
     def test_the_default_count_follows_the_governor(self) -> None:
         runner = self.runner(None)

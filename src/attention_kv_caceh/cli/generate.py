@@ -132,7 +132,10 @@ def run(args: argparse.Namespace) -> int:
                           scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load))  # fmt: skip
     if isinstance(engine.model_runner, ModelRunner):
         print(engine.model_runner.model.gemm_note)
-        print(threads_note(engine.model_runner.threads))
+        note = threads_note(engine.model_runner.threads)
+        if engine.model_runner.governor is not None:
+            note += " at most, fewer while other processes keep CPUs busy (the default follows the load)"
+        print(note)
     return _run_steps(config, offline, prompts, prompt_ids, plan.tokenizer)
 
 

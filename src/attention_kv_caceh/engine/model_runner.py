@@ -122,7 +122,8 @@ class ModelRunner:
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
     `bench-engine` reads to replay a decode step's attention alone. threads: the most Numba threads a
     step computes on (`config.resolved_threads()`), set in the thread that runs each step.
-    governor: with `config.threads` None (the default), the `cpu_load.LoadGovernor` asked before each
+    governor: with `config.threads` None (the default) or `config.follow_load` (a default filled in by
+    the caller), the `cpu_load.LoadGovernor` asked before each
     step for how many of them to use (the usable CPUs less those other processes keep busy, re-read
     at most every 0.5 s); None for an explicit count, which every step uses as given.
     active_threads: the count the latest step used (`threads` before the first).
@@ -156,7 +157,7 @@ class ModelRunner:
         self.threads = config.resolved_threads()
         self.active_threads = self.threads
         self.governor = None
-        if config.threads is None:
+        if config.threads is None or config.follow_load:
             self.governor = LoadGovernor(self.threads, usable_cpus().ids)
             self.governor.threads()  # the baseline reading, so the first step after warm-up has a delta
         self._use_threads()
