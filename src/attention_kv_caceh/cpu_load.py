@@ -104,9 +104,8 @@ def parse_proc_stat(text: str, cpu_ids: Iterable[int] | None = None) -> StatTime
     None or one of them has no line. ValueError when the lines needed are absent or malformed."""
     lines: dict[str, str] = {}
     for line in text.splitlines():
-        name = line.split(maxsplit=1)[0] if line.strip() else ""
-        if name.startswith("cpu"):
-            lines[name] = line
+        if line.startswith("cpu"):  # the long intr line is not split
+            lines[line.split(maxsplit=1)[0]] = line
     ids = None if cpu_ids is None else sorted(set(cpu_ids))
     if ids and all(f"cpu{i}" in lines for i in ids):
         busy = total = 0
