@@ -179,7 +179,8 @@ class EngineConfig:
     threads: int | None = option(
         None,
         help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
-        "its cgroup's quota; serve: one less on four or more, for the API process)",
+        "its cgroup's quota; serve: one less on four or more, for the API process; fewer while other "
+        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given)",
         metavar="N",
         minimum=1,
     )
