@@ -46,6 +46,7 @@ from pathlib import Path
 
 __all__ = [
     "DROP_AT",
+    "FOLLOWS_LOAD",
     "INTERVAL_S",
     "PROC_STAT",
     "TAKE_AT",
@@ -65,6 +66,10 @@ DROP_AT = 0.6
 """Thread k is dropped when other processes keep more than CPUs - k + DROP_AT CPUs busy."""
 TAKE_AT = 0.3
 """Thread k is taken back when other processes keep less than CPUs - k + TAKE_AT CPUs busy."""
+FOLLOWS_LOAD = (
+    "the default follows the load: one thread fewer per CPU other processes keep busy, re-read every 0.5 s"
+)
+"""What a command adds to its threads line when the count is the governed default."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
 from attention_kv_caceh.cpus import CpuSet, default_threads, numba_pool_size, threads_note
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         def announce(port: int) -> None:
             note = threads_note(threads, None if cpu is None else CpuSet((cpu,), None))
             if plan.engine_config.follow_load:
-                note += " at most, fewer while other processes keep CPUs busy (the default follows the load)"
+                note += f"; {FOLLOWS_LOAD}"
             print(note, file=sys.stderr, flush=True)
             print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
 

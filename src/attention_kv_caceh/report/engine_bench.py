@@ -98,10 +98,9 @@ def threads_line(note: str, given: bool) -> str:
     """The line above a table: `cpus.threads_note`'s, and for the default count that it follows the load."""
     if given:
         return note
-    return (
-        f"{note}; the default follows the load: one thread fewer per CPU other processes keep busy, "
-        "re-read every 0.5 s (`threads` column: the steps' mean)"
-    )
+    from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
+
+    return f"{note}; {FOLLOWS_LOAD} (`threads` column: the steps' mean)"
 
 
 def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
