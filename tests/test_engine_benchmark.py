@@ -19,6 +19,7 @@ import numpy as np
 
 from attention_kv_caceh.benchmarks import engine as benchmark
 from attention_kv_caceh.benchmarks.engine import run_engine_benchmark
+from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.model_runner import ModelRunner
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.kernels.gemm import pack_weight
@@ -139,6 +140,12 @@ class TestEngineBenchmark(unittest.TestCase):
                     self.assertLessEqual(row.decode_step_ms_p50, row.decode_step_ms_p95)
                     self.assertGreater(row.decode_step_cpu_ms_p50, 0.0)
                     self.assertLess(row.decode_time_s, row.total_time_s)
+                    self.assertEqual(row.threads, EngineConfig().resolved_threads())  # the default
+                    self.assertTrue(1.0 <= row.mean_threads <= row.threads)  # what the load left of it
+
+    def test_a_given_thread_count_is_every_steps(self) -> None:
+        result = run_engine_benchmark(self.llama, (2,), prompt_len=PROMPT, output_len=OUT, threads=1)
+        self.assertEqual((result.rows[0].threads, result.rows[0].mean_threads), (1, 1.0))
 
     def test_tied_lm_head_is_counted_once(self) -> None:
         result = run_engine_benchmark(self.qwen, (2,), prompt_len=PROMPT, output_len=OUT, probe_every=3)

@@ -69,20 +69,24 @@ __all__ = [
 
 
 class _RecordingRunner:
-    """A ModelRunner that also records, for each pure-decode step, (requests, positions attended)."""
+    """A ModelRunner that also records, for each pure-decode step, (requests, positions attended) in
+    `decode_steps` and the threads it computed on (`ModelRunner.active_threads`) in `decode_threads`."""
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
         self.decode_steps: list[tuple[int, int]] = []
+        self.decode_threads: list[int] = []
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> npt.NDArray[np.floating[Any]]:
+        logits = self.runner.execute_model(scheduler_output)
         if scheduler_output.num_prefill_tokens == 0:
             reqs = scheduler_output.scheduled_requests
             positions = sum(
                 r.num_computed_tokens + scheduler_output.num_scheduled_tokens[r.request_id] for r in reqs
             )
             self.decode_steps.append((len(reqs), positions))
-        return self.runner.execute_model(scheduler_output)
+            self.decode_threads.append(self.runner.active_threads)
+        return logits
 
 
 def _engine(model: Model, tokenizer: Tokenizer | None, config: EngineConfig) -> LLMEngine:
@@ -289,6 +293,7 @@ def _bench_one(setup: _Setup, num_seqs: int, rng: np.random.Generator) -> Engine
     runner = engine.model_runner
     assert isinstance(runner, _RecordingRunner)
     runner.decode_steps.clear()
+    runner.decode_threads.clear()
     # The probe buffer holds the bytes of a decode step of requests in lockstep (mean context
     # prompt_len + output_len / 2); the run's actual mean differs by a few KV positions at most,
     # and a read rate does not depend on so small a size difference.
@@ -311,7 +316,10 @@ def _bench_one(setup: _Setup, num_seqs: int, rng: np.random.Generator) -> Engine
             f"from its solo run {solo[0]}; refusing to report timings"
         )
     stats = [s for s in engine.step_stats if s.step_index >= stats_start and s.num_prefill_tokens == 0]
-    return _row(setup, num_seqs, stats, runner.decode_steps, probes, probe.nbytes, outputs, total_s, cpu_ms)
+    threads = (runner.runner.threads, float(np.mean(runner.decode_threads)))
+    return _row(
+        setup, num_seqs, stats, runner.decode_steps, probes, probe.nbytes, outputs, total_s, cpu_ms, threads
+    )
 
 
 def _row(
@@ -324,9 +332,11 @@ def _row(
     outputs: list[list[int]],
     total_s: float,
     cpu_ms: list[float],
+    threads: tuple[int, float],
 ) -> EngineBenchRow:
     """The row of one run from its pure-decode steps' StepStats, the runner's (requests, positions) of
-    those steps and the probes' samples (`EngineBenchRow` says what each number is)."""
+    those steps, the probes' samples and the runner's (threads, mean threads of those steps)
+    (`EngineBenchRow` says what each number is)."""
     model = setup.model
     read_ms, lin_ms = float(np.median(probes.read_ms)), float(np.median(probes.linear_ms))
     fma_gflops = float(np.median(probes.fma_flops)) / 1e9
@@ -376,5 +386,6 @@ def _row(
         gemm_path=model.gemm_path,
         gemm_kernel=model.layers[0].qkv_proj.kernel,
         oracle_tokens=setup.oracle_tokens,
-        threads=model.threads,
+        threads=threads[0],
+        mean_threads=threads[1],
     )

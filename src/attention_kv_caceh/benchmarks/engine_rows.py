@@ -61,8 +61,11 @@ class EngineBenchRow:
         gemm_kernel: the kernel that multiplies the layers' weights (`LinearWeight.kernel` of the
             first layer's qkv projection, e.g. "avx2 float32", "avx512 q4_1", "numpy float64").
         oracle_tokens: first tokens of request 0 checked against its solo run.
-        threads: the engine's threads (`EngineConfig.threads`); the read probe ran on as many
-            (`kernels.threads.read_probe`) when the run was given a thread count, else np.dot.
+        threads: the engine's threads (`EngineConfig.threads`, or its default); the read probe ran on
+            as many (`kernels.threads.read_probe`) when the run was given a thread count, else np.dot.
+        mean_threads: mean threads the pure-decode steps computed on (`ModelRunner.active_threads`):
+            `threads` when it was given, else what the default's load governor left of it
+            (`cpu_load.LoadGovernor`: fewer while other processes keep CPUs busy).
     """
 
     max_num_seqs: int
@@ -97,6 +100,7 @@ class EngineBenchRow:
     gemm_kernel: str
     oracle_tokens: int
     threads: int = 1
+    mean_threads: float = 1.0
 
 
 @dataclass(frozen=True)

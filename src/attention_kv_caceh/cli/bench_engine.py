@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         print(text.format_load(result.environment, source.path, open_s))
         for count in config.threads or (None,):
             rows = [r for r in result.rows if count is None or r["threads"] == count]
-            print(threads_note(rows[0]["threads"]))
+            print(text.threads_line(threads_note(rows[0]["threads"]), given=count is not None))
             print(text.format_rows(rows))
         if config.threads is not None:
             print(format_thread_table(result.rows))

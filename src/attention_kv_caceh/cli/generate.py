@@ -38,6 +38,7 @@ from attention_kv_caceh.cli.engine_args import (
     plan_engine,
 )
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
 from attention_kv_caceh.cpus import threads_note
 from attention_kv_caceh.entrypoints.llm import GenerateConfig, OfflineRun, SamplingOptions
 from attention_kv_caceh.report import generate as text
@@ -132,7 +133,10 @@ def run(args: argparse.Namespace) -> int:
                           scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load))  # fmt: skip
     if isinstance(engine.model_runner, ModelRunner):
         print(engine.model_runner.model.gemm_note)
-        print(threads_note(engine.model_runner.threads))
+        note = threads_note(engine.model_runner.threads)
+        if engine.model_runner.governor is not None:
+            note += f"; {FOLLOWS_LOAD}"
+        print(note)
     return _run_steps(config, offline, prompts, prompt_ids, plan.tokenizer)
 
 

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
+from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
 from attention_kv_caceh.cpus import CpuSet, default_threads, numba_pool_size, threads_note
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
@@ -131,11 +132,10 @@ def run(args: argparse.Namespace) -> int:
             )
 
         def announce(port: int) -> None:
-            print(
-                threads_note(threads, None if cpu is None else CpuSet((cpu,), None)),
-                file=sys.stderr,
-                flush=True,
-            )
+            note = threads_note(threads, None if cpu is None else CpuSet((cpu,), None))
+            if plan.engine_config.follow_load:
+                note += f"; {FOLLOWS_LOAD}"
+            print(note, file=sys.stderr, flush=True)
             print(f"serving {name} at {url_of(serve.host, port)}", flush=True)
 
         threads = plan.engine_config.resolved_threads()
@@ -150,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
 
 def _core_threads(config: EngineConfig, cpu: int | None) -> EngineConfig:
     """The engine config with its threads fixed here: --threads, or the default of a server (one CPU
-    left to this process on four or more; 1 with --engine-core-cpu). UsageError for --threads above 1
+    left to this process on four or more; 1 with --engine-core-cpu), which follows the load
+    (`EngineConfig.follow_load`). UsageError for --threads above 1
     with --engine-core-cpu (the core then has one CPU)."""
     if cpu is not None:
         if config.threads not in (None, 1):
@@ -158,7 +159,8 @@ def _core_threads(config: EngineConfig, cpu: int | None) -> EngineConfig:
         return dataclasses.replace(config, threads=1)
     if config.threads is not None:
         return config
-    return dataclasses.replace(config, threads=min(default_threads(serving=True), numba_pool_size()))
+    threads = min(default_threads(serving=True), numba_pool_size())
+    return dataclasses.replace(config, threads=threads, follow_load=True)
 
 
 def _core_cpu(cpu: int | None) -> int | None:

@@ -119,7 +119,11 @@ class EngineConfig:
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
         threads: threads the engine core computes a step on (Numba's pool, `kernels.threads`); None:
             `cpus.default_threads()` in the core's process (`resolved_threads`). Checked against the
-            CPUs this process may use and NUMBA_NUM_THREADS (`cpus.check_threads`).
+            CPUs this process may use and NUMBA_NUM_THREADS (`cpus.check_threads`). At None, each
+            step computes on what other processes' load leaves of it (`cpu_load.LoadGovernor`).
+        follow_load: not a flag: `threads` is a default its caller filled in (serve's, for the core's
+            process), which the load governor may lower as it does at None; False: a count given is
+            used as given.
 
     Raises:
         ConfigError (a ValueError naming the field): a count is not a positive int, both cache sizes
@@ -175,10 +179,12 @@ class EngineConfig:
     threads: int | None = option(
         None,
         help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
-        "its cgroup's quota; serve: one less on four or more, for the API process)",
+        "its cgroup's quota; serve: one less on four or more, for the API process; fewer while other "
+        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given)",
         metavar="N",
         minimum=1,
     )
+    follow_load: bool = False
 
     def __post_init__(self) -> None:
         for name in _COUNTS[:3]:

@@ -26,6 +26,9 @@ KV cache groups (a model with sliding-window layers, `kv_cache_coordinator.py`):
 block table per group, as vLLM's `MultiGroupBlockTable`, builds each group's slot mapping and
 attention metadata, and gives each layer its group's; the j-th layer of every group shares K/V buffer j.
 
+Threads: each step computes on `threads` of Numba's pool, or, at the default count, on as many of them
+as other processes leave free (`cpu_load.LoadGovernor`, asked before each step; docs/kernels.md).
+
 Left out: persistent input buffers, CUDA graphs, pipeline/tensor parallelism, and batched sampling kernels (one request's row at a time).
 
 Shape legend: N scheduled tokens, R scheduled requests, L layers, H_kv KV heads, D head dim, V vocabulary.
@@ -39,6 +42,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from attention_kv_caceh.cpu_load import LoadGovernor
+from attention_kv_caceh.cpus import usable_cpus
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.kv_cache_coordinator import (
     KVCacheGroups,
@@ -115,8 +120,13 @@ class ModelRunner:
     warmup_s: seconds the warm-up run at construction took (a dummy forward pass that compiles,
     or loads from Numba's disk cache, every kernel a step calls), so no step time includes a compile.
     last_inputs: the ModelInputs of the latest `execute_model` (None before the first), which
-    `bench-engine` reads to replay a decode step's attention alone. threads: the Numba threads every
+    `bench-engine` reads to replay a decode step's attention alone. threads: the most Numba threads a
     step computes on (`config.resolved_threads()`), set in the thread that runs each step.
+    governor: with `config.threads` None (the default) or `config.follow_load` (a default filled in by
+    the caller), the `cpu_load.LoadGovernor` asked before each
+    step for how many of them to use (the usable CPUs less those other processes keep busy, re-read
+    at most every 0.5 s); None for an explicit count, which every step uses as given.
+    active_threads: the count the latest step used (`threads` before the first).
     """
 
     def __init__(self, model: Model, config: EngineConfig, num_blocks: int) -> None:
@@ -145,6 +155,11 @@ class ModelRunner:
         self.group_windows = tuple(g.sliding_window for g in groups) or (None,)  # per group
         self.last_inputs: ModelInputs | None = None
         self.threads = config.resolved_threads()
+        self.active_threads = self.threads
+        self.governor = None
+        if config.threads is None or config.follow_load:
+            self.governor = LoadGovernor(self.threads, usable_cpus().ids)
+            self.governor.threads()  # the baseline reading, so the first step after warm-up has a delta
         self._use_threads()
         self.warmup_s = self._warm_up()
 
@@ -155,9 +170,11 @@ class ModelRunner:
         return model_kv_cache_groups(c.num_hidden_layers, c.layer_types, c.sliding_window)
 
     def _use_threads(self) -> None:
-        """This runner's thread count for the calling thread (Numba's count is per thread) and the model."""
-        set_threads(self.threads)
-        self.model.threads = self.threads
+        """This step's thread count (`threads`, or the governor's count of it) for the calling thread
+        (Numba's count is per thread) and the model; kept in `active_threads`."""
+        self.active_threads = self.threads if self.governor is None else self.governor.threads()
+        set_threads(self.active_threads)
+        self.model.threads = self.active_threads
 
     def _warm_up(self) -> float:
         """Run the model once on dummy tokens (`model_executor/warmup.py:warm_up`), so that its first real step

@@ -13,7 +13,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
 
-__all__ = ["format_load", "format_rows", "format_spec_rows", "header_line", "summary", "summary_json"]
+__all__ = [
+    "format_load",
+    "format_rows",
+    "format_spec_rows",
+    "header_line",
+    "summary",
+    "summary_json",
+    "threads_line",
+]
 
 
 def header_line(config: BenchEngineConfig, longest: int | None = None) -> str:
@@ -58,16 +66,17 @@ def summary(sizes: list[int], rows: list[dict[str, Any]], speculative: bool) -> 
 
 
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line."""
+    """Fixed-width table of `EngineBenchRow`s (as dicts); the batching gain on the last line. `threads`
+    is the row's mean_threads: the threads its timed decode steps computed on, on average."""
     header = (
-        f"{'max_num_seqs':>12}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
+        f"{'max_num_seqs':>12}{'threads':>8}{'out tok/s':>11}{'decode tok/s':>13}{'step p50 ms':>12}{'step p95 ms':>12}"
         f"{'cpu p50 ms':>11}{'MB/step':>9}{'weight MB':>10}{'GB/s':>7}{'probe GB/s':>11}{'ratio':>7}"
         f"{'linear %':>9}{'attn %':>7}{'GFLOP/s':>9}{'FMA GFLOP/s':>12}{'ratio':>7}  {'kernel'}"
     )
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['max_num_seqs']:>12}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
+            f"{r['max_num_seqs']:>12}{r.get('mean_threads', r.get('threads', 1)):>8.2f}{r['output_tokens_per_s']:>11.1f}{r['decode_tokens_per_s']:>13.1f}"
             f"{r['decode_step_ms_p50']:>12.2f}{r['decode_step_ms_p95']:>12.2f}{r['decode_step_cpu_ms_p50']:>11.2f}"
             f"{r['bytes_per_decode_step'] / 1e6:>9.1f}{r['weight_bytes_per_decode_step'] / 1e6:>10.1f}"
             f"{r['decode_gb_per_s']:>7.2f}"
@@ -83,6 +92,15 @@ def format_rows(rows: list[dict[str, Any]]) -> str:
             f"over {first['max_num_seqs']}"
         )
     return "\n".join(lines)
+
+
+def threads_line(note: str, given: bool) -> str:
+    """The line above a table: `cpus.threads_note`'s, and for the default count that it follows the load."""
+    if given:
+        return note
+    from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
+
+    return f"{note}; {FOLLOWS_LOAD} (`threads` column: the steps' mean)"
 
 
 def format_load(environment: dict[str, Any], path: Path, open_s: float) -> str:
