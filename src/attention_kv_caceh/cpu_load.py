@@ -67,7 +67,8 @@ DROP_AT = 0.6
 TAKE_AT = 0.3
 """Thread k is taken back when other processes keep less than CPUs - k + TAKE_AT CPUs busy."""
 FOLLOWS_LOAD = (
-    "the default follows the load: one thread fewer per CPU other processes keep busy, re-read every 0.5 s"
+    "at most: the default follows the load, one thread fewer per CPU other processes keep busy "
+    "(re-read every 0.5 s)"
 )
 """What a command adds to its threads line when the count is the governed default."""
 

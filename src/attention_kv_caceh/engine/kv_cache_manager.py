@@ -127,9 +127,15 @@ class RequestTooLargeError(ValueError):
     ) -> None:
         c = kv_cache_config
         need = c.num_blocks_needed(num_positions)
+        groups = len(c.kv_cache_groups)
+        where = (
+            f" in its {groups} KV cache groups (each group's layers hold blocks of their own)"
+            if groups > 1
+            else ""
+        )
         super().__init__(
             f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {need} KV blocks of "
-            f"{c.block_size} tokens ({num_positions} positions), the pool has {c.num_kv_blocks} "
+            f"{c.block_size} tokens ({num_positions} positions){where}, the pool has {c.num_kv_blocks} "
             f"({c.kv_capacity_tokens} positions)"
         )
         self.num_prompt_tokens = num_prompt_tokens

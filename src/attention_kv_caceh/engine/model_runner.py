@@ -180,8 +180,20 @@ class ModelRunner:
         """Run the model once on dummy tokens (`model_executor/warmup.py:warm_up`), so that its first real step
         compiles nothing: every Numba kernel a step calls is compiled (or loaded from Numba's disk cache)
         here for the argument types the model passes, its own weights and KV buffers included. The KV
-        buffers are left zero-filled. Returns the seconds it took."""
-        return warm_up(self.model, self.kv_caches)
+        buffers are left zero-filled. Returns the seconds it took.
+
+        With a governor the count can change between steps, and one thread takes the kernels' serial
+        variants while more take the parallel ones, so the warm-up runs at one thread and at `threads`.
+        """
+        counts = {self.active_threads} if self.governor is None else {1, self.threads}
+        seconds = 0.0
+        for count in sorted(counts):
+            set_threads(count)
+            self.model.threads = count
+            seconds += warm_up(self.model, self.kv_caches)
+        set_threads(self.active_threads)
+        self.model.threads = self.active_threads
+        return seconds
 
     @staticmethod
     def bytes_per_block(model_config: ModelConfig, block_size: int, dtype: str) -> int:
