@@ -24,7 +24,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     n, k = 1536, 576
     w = rng.standard_normal((n, k)).astype(np.float32)
-    for fmt in ("q4_1", "q8_0"):
+    for fmt in ("q4_1", "q8_0", "q5_0"):
         weight = block_weight(quantize_weight(w, fmt), fmt)
         for m in (1, 8, 32):
             x = rng.standard_normal((m, k)).astype(np.float32)

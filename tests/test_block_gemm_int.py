@@ -20,26 +20,30 @@ from attention_kv_caceh.kernels.block_formats import quantize_weight
 from attention_kv_caceh.kernels.block_gemm import block_weight
 from attention_kv_caceh.kernels.block_gemm_int import INT_FORMATS, dot_form, int_linear, int_linear_quantized
 from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
+from attention_kv_caceh.kernels.threads import set_threads
 
 VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in _block_gemm_int_jit.BLOCK_SPECS]
 EPS32 = float(np.finfo(np.float32).eps)
 
 
 def weight_quants(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(qw int64 [N, B, 32], d float64 [N, B], m float64 [N, B]) of Q4_1 / Q4_0 / Q8_0 blocks."""
-    size = {"q4_1": 20, "q4_0": 18, "q8_0": 34}[fmt]
+    """(qw int64 [N, B, 32], d float64 [N, B], m float64 [N, B]) of Q4_1 / Q4_0 / Q8_0 / Q5_0 / Q5_1 blocks."""
+    size = {"q4_1": 20, "q4_0": 18, "q8_0": 34, "q5_0": 22, "q5_1": 24}[fmt]
     b = blocks.reshape(blocks.shape[0], -1, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
     m = np.zeros_like(d)
     if fmt == "q8_0":
         return b[..., 2:34].view(np.int8).astype(np.int64), d, m
-    start = 4 if fmt == "q4_1" else 2
+    start = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}[fmt]
     qs = b[..., start : start + 16].astype(np.int64)
     q = np.concatenate([qs & 15, qs >> 4], axis=2)
-    if fmt == "q4_1":
+    if fmt in ("q5_0", "q5_1"):  # bit j of the little-endian 32-bit qh is weight j's fifth bit
+        qh = b[..., start - 4 : start].copy().view("<u4")[..., 0].astype(np.int64)
+        q = q | (((qh[..., None] >> np.arange(32)) & 1) << 4)
+    if fmt in ("q4_1", "q5_1"):
         m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         return q, d, m
-    return q - 8, d, m
+    return q - (16 if fmt == "q5_0" else 8), d, m
 
 
 def exact_and_bound(x: np.ndarray, blocks: np.ndarray, fmt: str, lanes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,11 +96,32 @@ class IntBlockGemmTest(unittest.TestCase):
                 wide = np.full((11, 20), np.nan, dtype=np.float32)
                 part = wide[:, 4:8]  # W rows 2 .. 5 into columns 4 .. 7 of a wider y
                 int_linear_quantized(xq, block_weight(blocks[2:6], fmt, variant), part)
-                rows = int_linear(x[3:6], block_weight(blocks, fmt, variant))
+                weight = block_weight(blocks, fmt, variant)
+                rows = int_linear(x[3:6], weight)
                 with self.subTest(isa=variant.isa, fmt=fmt):
                     np.testing.assert_array_equal(part, full[:, 2:6])
                     self.assertTrue(np.isnan(wide[:, :4]).all() and np.isnan(wide[:, 8:]).all())
                     np.testing.assert_array_equal(rows, full[3:6])
+                    for lo, hi in ((3, 4), (3, 5), (0, 11)):  # the tiles of one or two rows of x, and of many
+                        np.testing.assert_array_equal(int_linear(x[lo:hi], weight), full[lo:hi])
+
+    def test_every_thread_count_gives_the_same_bits(self) -> None:
+        rng = np.random.default_rng(3)
+        set_threads(2)
+        try:
+            for fmt in INT_FORMATS:
+                x, blocks = _case(rng, 3, 37, 64, fmt)
+                weight = block_weight(blocks, fmt, VARIANTS[0])
+                pair = activation_format_for(fmt)
+                assert pair is not None
+                xq = quantize_activations(x, pair.name)
+                one, two = (np.empty((3, 37), np.float32) for _ in range(2))
+                int_linear_quantized(xq, weight, one, threads=1)
+                int_linear_quantized(xq, weight, two, threads=2)
+                with self.subTest(fmt=fmt):
+                    np.testing.assert_array_equal(one, two)
+        finally:
+            set_threads(1)
 
     def test_mismatched_input_is_refused(self) -> None:
         rng = np.random.default_rng(2)

@@ -96,6 +96,7 @@ class BenchEngineConfig:
     block_size: int = 16
     dtype: str = "float32"
     quantization: str | None = None
+    activations: str = "auto"
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
@@ -166,6 +167,7 @@ def bench_engine(
         "gemm": config.gemm,
         "temperature": config.temperature,
         "quantization": config.quantization,
+        "activations": config.activations,
     }
     if config.speculative_config is None and config.threads is not None:
         from attention_kv_caceh.benchmarks.thread_table import run_thread_sweep

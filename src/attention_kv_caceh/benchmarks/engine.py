@@ -147,6 +147,7 @@ def run_engine_benchmark(
     temperature: float = 0.0,
     quantization: str | None = None,
     threads: int | None = None,
+    activations: str = "auto",
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 
@@ -161,7 +162,8 @@ def run_engine_benchmark(
     machine's load). With detokenize, requests stream text through the tokenizer as a server's would:
     `tokenizer`, or (None) the one Tokenizer.load reads from model_dir after the weights are loaded.
     gemm: the model's GEMM path choice (`Model`'s gemm: "auto", "packed" or "numpy"); quantization: the
-    GGUF block format of the linear weights (`Model`'s quantization; None: dtype). threads: the
+    GGUF block format of the linear weights (`Model`'s quantization; None: dtype); activations: `Model`'s
+    (`dispatch.ACTIVATION_CHOICES`). threads: the
     engine's threads (`EngineConfig.threads`), the replays' too, and the read probe's
     (`kernels.threads.read_probe`); None: the engine's default and np.dot's one thread. The oracle holds
     at any temperature: request 0's generator draws the same numbers alone as in the batch.
@@ -181,7 +183,7 @@ def run_engine_benchmark(
     )
     rss_before = resident_bytes()
     load_start = time.perf_counter()
-    model = Model.load(model_dir, dtype, gemm, quantization)
+    model = Model.load(model_dir, dtype, gemm, quantization, activations)
     load_s = time.perf_counter() - load_start
     loaded = {"load_s": load_s, "rss_before_load_bytes": rss_before, "rss_after_load_bytes": resident_bytes()}
     if prompt_len + output_len > model.config.max_position_embeddings:
@@ -209,6 +211,7 @@ def run_engine_benchmark(
         "weight_format": model.weight_format,
         "weight_notes": model.weight_notes,
         "quantization": quantization,
+        "activations": activations,
         "temperature": temperature,
         "seed": seed,
         "weight_bytes": decode_weight_bytes(model, 0),

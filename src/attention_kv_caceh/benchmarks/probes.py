@@ -69,11 +69,11 @@ def linear_replay(model: Model, num_rows: int, rng: np.random.Generator) -> Call
 
     def replay() -> None:
         for layer in model.layers:
-            linear(x, layer.qkv_proj, model.threads)
-            linear(attn, layer.o_proj, model.threads)
-            linear(x, layer.gate_up_proj, model.threads)
-            linear(inter, layer.down_proj, model.threads)
-        linear(x, model.lm_head, model.threads)
+            linear(x, layer.qkv_proj, model.threads, model.activations)
+            linear(attn, layer.o_proj, model.threads, model.activations)
+            linear(x, layer.gate_up_proj, model.threads, model.activations)
+            linear(inter, layer.down_proj, model.threads, model.activations)
+        linear(x, model.lm_head, model.threads, model.activations)
 
     return replay
 

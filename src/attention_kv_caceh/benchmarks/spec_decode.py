@@ -182,11 +182,13 @@ def run_spec_benchmark(
     seed: int = 0,
     detokenize: bool = True,
     quantization: str | None = None,
+    activations: str = "auto",
 ) -> tuple[list[SpecBenchRow], dict[str, Any]]:
     """For each max_num_seqs B: the first B of `prompts` (token ids; the list must hold at least the
     largest B), ignore_eos, max_tokens=output_len, sampled at `temperature` with each request's
     generator seeded with `seed`, in `pairs` alternating pairs without and with `speculative_config`.
-    quantization: the linear weights' GGUF block format (`Model.load`'s; None: weights in dtype).
+    quantization: the linear weights' GGUF block format (`Model.load`'s; None: weights in dtype);
+    activations: `Model.load`'s (`dispatch.ACTIVATION_CHOICES`).
 
     Returns the rows (max_num_seqs_list order) and the environment (`timing.capture_environment()`
     plus the model, the speculative config, the workload).
@@ -207,7 +209,7 @@ def run_spec_benchmark(
     if max_num_batched_tokens < max(seqs):
         raise ValueError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= every max_num_seqs")
     k = speculative_config.num_speculative_tokens
-    model = Model.load(model_dir, dtype, gemm, quantization)
+    model = Model.load(model_dir, dtype, gemm, quantization, activations)
     longest = max(len(p) for p in prompts[: max(seqs)])
     max_model_len = longest + output_len + k + 1
     if max_model_len > model.config.max_position_embeddings:

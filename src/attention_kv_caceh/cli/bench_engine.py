@@ -54,7 +54,14 @@ HELP = (
     "the last stdout line is JSON for scripts ({max_num_seqs, output_tokens_per_s})"
 )
 
-_ENGINE = ("max_num_batched_tokens", "block_size", "dtype", "quantization", "speculative_config")
+_ENGINE = (
+    "max_num_batched_tokens",
+    "block_size",
+    "dtype",
+    "quantization",
+    "activations",
+    "speculative_config",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -169,7 +169,7 @@ class EngineCore:
         from .tokenizer import Tokenizer
 
         cfg = config or EngineConfig()
-        model = Model.load(model_path, cfg.dtype, quantization=cfg.quantization)
+        model = Model.load(model_path, cfg.dtype, quantization=cfg.quantization, activations=cfg.activations)
         max_model_len = cfg.resolve_max_model_len(model.config.max_position_embeddings)
         bytes_per_block = ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype)
         num_blocks = cfg.num_blocks_for(bytes_per_block)

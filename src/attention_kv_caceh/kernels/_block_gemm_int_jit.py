@@ -34,26 +34,51 @@ from attention_kv_caceh.kernels import ir as v
 
 __all__: list[str] = []
 
-# isa -> (L int32 lanes, row tile heights in decreasing order)
+# isa -> (L int32 lanes of the generic form, row tile heights in decreasing order)
 BLOCK_SPECS = {"avx512": (16, (8, 4, 2, 1)), "avx2": (8, (8, 4, 2, 1)), "neon": (4, (4, 2, 1))}
-INT_FORMATS = ("q4_1", "q4_0", "q8_0")
+INT_FORMATS = ("q4_1", "q4_0", "q8_0", "q5_0", "q5_1")
 """Weight formats with an integer-dot kernel, in the order of the entry points' codes."""
-_BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34}
+_BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34, "q5_0": 22, "q5_1": 24}
+_QS_AT = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}  # byte offset of the 16 bytes of nibbles
+_OFFSET_FORMATS = ("q4_1", "q5_1")  # weight = d q + m: the m_w s_x term
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in INT_FORMATS]
+_FEW_ROWS = 2
+TILES = {
+    "avx512": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
+    "avx2": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
+    "neon": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
+}
+"""isa -> ((NR heights, MR heights) for M <= `_FEW_ROWS` rows of x, (NR, MR) heights above): a tile
+is NR rows of W by MR rows of x, one accumulator each. At one or two rows of x the weights come from
+memory, and one row of W at a time streams them in file order (W [49152, 576] in Q8_0 at one row of x:
+2.6 ms with one row of W per tile against 4.9 with two and 6.3 with four, AVX2, Zen 3); with more
+rows of x two rows of W share each load of x's quants."""
 
 
 def _weight_quants(builder, fmt, block):
-    """The block's 32 weight quants as `<32 x i8>` (ggml's order: low nibbles, then high ones), and
-    whether they are signed (Q4_0, Q8_0) or not (Q4_1: 0 .. 15)."""
+    """The block's 32 weight quants as `<32 x i8>` (ggml's order: low nibbles, then high ones, Q5's
+    fifth bit j of the little-endian 32-bit qh on lane j), and whether they are signed (Q4_0 q - 8,
+    Q5_0 q - 16, Q8_0) or not (Q4_1: 0 .. 15, Q5_1: 0 .. 31)."""
+    bytes32 = v.vec(32, v.I8)
     if fmt == "q8_0":
-        return v.load_vec(builder, block, 2, v.vec(32, v.I8)), True
-    raw = v.load_vec(builder, block, 4 if fmt == "q4_1" else 2, v.vec(16, v.I8))
+        return v.load_vec(builder, block, 2, bytes32), True
+    raw = v.load_vec(builder, block, _QS_AT[fmt], v.vec(16, v.I8))
     low = builder.and_(raw, v.splat(v.vec(16, v.I8), 15))
     high = builder.lshr(raw, v.splat(v.vec(16, v.I8), 4))
     q = builder.shuffle_vector(low, high, ir.Constant(v.vec(32, v.I32), list(range(32))))
-    if fmt == "q4_1":
+    if fmt in ("q5_0", "q5_1"):
+        qh = v.load_vec(builder, block, _QS_AT[fmt] - 4, v.vec(4, v.I8))
+        spread = builder.shuffle_vector(qh, qh, ir.Constant(v.vec(32, v.I32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, ir.Constant(bytes32, [1 << (j % 8) for j in range(32)]))
+        fifth = builder.select(
+            builder.icmp_unsigned("!=", bit, ir.Constant(bytes32, None)),
+            v.splat(bytes32, 16),
+            ir.Constant(bytes32, None),
+        )
+        q = builder.or_(q, fifth)
+    if fmt in _OFFSET_FORMATS:
         return q, False
-    return builder.sub(q, v.splat(v.vec(32, v.I8), 8)), True
+    return builder.sub(q, v.splat(bytes32, 16 if fmt == "q5_0" else 8)), True
 
 
 def _x86(builder, name, ret, args):
@@ -108,9 +133,9 @@ def host_dot(isa: str) -> tuple[str, int]:
 
 
 def _codegen(isa, fmt):
-    heights = BLOCK_SPECS[isa][1]
     how, lanes = host_dot(isa)
     block_bytes = _BLOCK_BYTES[fmt]
+    with_offset = fmt in _OFFSET_FORMATS
 
     def codegen(context, builder, signature, args):
         qa, da, sa, wa, ya = (
@@ -126,41 +151,55 @@ def _codegen(isa, fmt):
         w_data = builder.bitcast(wa.data, v.I8.as_pointer())
         q_data = builder.bitcast(qa.data, v.I8.as_pointer())
 
-        def tile(rows, row0, n):
-            acc = v.zeroed(builder, v.vec(lanes), rows)
-            offsets = v.zeroed(builder, v.F32, rows) if fmt == "q4_1" else []
-            w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
-            r = [builder.add(row0, v.I64(i)) for i in range(rows)]
+        def tile(nr, mr, n0, row0):
+            """y[row0 .. row0 + mr, n0 .. n0 + nr]: one accumulator per (row of W, row of x)."""
+            acc = [v.zeroed(builder, v.vec(lanes), mr) for _ in range(nr)]
+            offsets = [v.zeroed(builder, v.F32, mr) for _ in range(nr)] if with_offset else []
+            ns = [builder.add(n0, v.I64(j)) for j in range(nr)]
+            w_rows = [v.at(builder, w_data, builder.mul(n, row_bytes)) for n in ns]
+            r = [builder.add(row0, v.I64(i)) for i in range(mr)]
             q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
             d_rows = [v.at(builder, da.data, builder.mul(ri, d_stride)) for ri in r]
             s_rows = [v.at(builder, sa.data, builder.mul(ri, d_stride)) for ri in r]
-            with v.loop(builder, blocks) as b:
-                here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
-                wq, signed = _weight_quants(builder, fmt, here)
-                dw = v.half_to_float(builder, here)
-                mw = v.half_to_float(builder, v.at(builder, here, 2)) if fmt == "q4_1" else None
+            with v.loop(builder, blocks, unroll=False) as b:
                 k0 = builder.mul(b, v.I64(32))
-                for i in range(rows):
-                    xq = v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8))
-                    dot = builder.sitofp(_dot(builder, wq, signed, xq, lanes, how), v.vec(lanes))
-                    scale = builder.fmul(dw, builder.load(v.at(builder, d_rows[i], b)))
-                    total = v.fma(builder, dot, v.broadcast(builder, scale, lanes), builder.load(acc[i]))
-                    builder.store(total, acc[i])
-                    if mw is not None:
-                        sx = builder.load(v.at(builder, s_rows[i], b))
-                        builder.store(
-                            _x86(builder, "llvm.fma.f32", v.F32, [mw, sx, builder.load(offsets[i])]),
-                            offsets[i],
-                        )
-            for i in range(rows):
-                total = v.hsum(builder, builder.load(acc[i]))
-                if offsets:
-                    total = builder.fadd(total, builder.load(offsets[i]))
-                out = builder.add(builder.mul(r[i], y_stride), n)
-                builder.store(total, v.at(builder, ya.data, out))
+                xq = [v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8)) for i in range(mr)]
+                dx = [builder.load(v.at(builder, d_rows[i], b)) for i in range(mr)]
+                sx = [builder.load(v.at(builder, s_rows[i], b)) for i in range(mr)] if with_offset else []
+                for j in range(nr):
+                    here = v.at(builder, w_rows[j], builder.mul(b, v.I64(block_bytes)))
+                    wq, signed = _weight_quants(builder, fmt, here)
+                    dw = v.half_to_float(builder, here)
+                    mw = v.half_to_float(builder, v.at(builder, here, 2)) if with_offset else None
+                    for i in range(mr):
+                        dot = builder.sitofp(_dot(builder, wq, signed, xq[i], lanes, how), v.vec(lanes))
+                        scale = v.broadcast(builder, builder.fmul(dw, dx[i]), lanes)
+                        builder.store(v.fma(builder, dot, scale, builder.load(acc[j][i])), acc[j][i])
+                        if mw is not None:
+                            total = _x86(
+                                builder, "llvm.fma.f32", v.F32, [mw, sx[i], builder.load(offsets[j][i])]
+                            )
+                            builder.store(total, offsets[j][i])
+            for j in range(nr):
+                for i in range(mr):
+                    total = v.hsum(builder, builder.load(acc[j][i]))
+                    if offsets:
+                        total = builder.fadd(total, builder.load(offsets[j][i]))
+                    out = builder.add(builder.mul(r[i], y_stride), ns[j])
+                    builder.store(total, v.at(builder, ya.data, out))
 
-        with v.loop(builder, n_count) as n:
-            v.row_tiles(builder, v.I64(0), m_count, heights, lambda rows, row0: tile(rows, row0, n))
+        def shape(nr_heights, mr_heights):
+            def rows_of_w(nr, n0):
+                v.row_tiles(builder, v.I64(0), m_count, mr_heights, lambda mr, row0: tile(nr, mr, n0, row0))
+
+            v.row_tiles(builder, v.I64(0), n_count, nr_heights, rows_of_w)
+
+        few = builder.icmp_unsigned("<=", m_count, v.I64(_FEW_ROWS))
+        with builder.if_else(few) as (then, otherwise):
+            with then:
+                shape(*TILES[isa][0])
+            with otherwise:
+                shape(*TILES[isa][1])
         return context.get_dummy_value()
 
     return codegen
@@ -180,49 +219,80 @@ _JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
 
 
 @numba.njit(**_JIT)
-def avx512_q4_1(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 0)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
+def avx512_q4_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 0)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
 
 
 @numba.njit(**_JIT)
-def avx512_q4_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 1)  # pyright: ignore[reportCallIssue]
+def avx512_q4_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 1)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx512_q8_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 2)  # pyright: ignore[reportCallIssue]
+def avx512_q8_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 2)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q4_1(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 3)  # pyright: ignore[reportCallIssue]
+def avx512_q5_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 3)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q4_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 4)  # pyright: ignore[reportCallIssue]
+def avx512_q5_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 4)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q8_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 5)  # pyright: ignore[reportCallIssue]
+def avx2_q4_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 5)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_1(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 6)  # pyright: ignore[reportCallIssue]
+def avx2_q4_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 6)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 7)  # pyright: ignore[reportCallIssue]
+def avx2_q8_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 7)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q8_0(q, d, s, w, y):
-    _int_matmul(q, d, s, w, y, 8)  # pyright: ignore[reportCallIssue]
+def avx2_q5_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 8)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q5_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 9)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 10)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 11)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q8_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 12)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_0(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 13)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_1(x, w, y):
+    _int_matmul(x[0], x[1], x[2], w, y, 14)  # pyright: ignore[reportCallIssue]
 
 
 ENTRY_POINTS = {key: globals()[f"{key[0]}_{key[1]}"] for key in _KEYS}
-"""(isa, weight format) -> its compiled kernel (q, d, s, w, y)."""
+"""(isa, weight format) -> its compiled kernel `(x, w, y)`, x the tuple (q, d, s) of `_int_matmul`
+(the `(x, W rows, y columns)` contract of `threads.row_split`)."""

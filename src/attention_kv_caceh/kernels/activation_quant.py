@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 import numpy as np
@@ -77,10 +77,11 @@ def activation_format_for(weight_format: str) -> ActivationFormat | None:
     return None
 
 
-@dataclass(frozen=True)
-class QuantizedActivations:
+class QuantizedActivations(NamedTuple):
     """x `[M, K]` as 8-bit blocks: q int8 `[M, K]`; d float32 `[M, K / block]`; sums float32
-    `[M, K / block]` (Q8_1: s = d sum(q)) or int32 `[M, K / 16]` (Q8_K: bsums), empty `[M, 0]` for Q8_0."""
+    `[M, K / block]` (Q8_1: s = d sum(q)) or int32 `[M, K / 16]` (Q8_K: bsums), empty `[M, 0]` for Q8_0.
+    (A NamedTuple: it is made once per product of a decode step, where a frozen dataclass's
+    construction shows.)"""
 
     format: str
     q: npt.NDArray[np.int8]
@@ -88,7 +89,10 @@ class QuantizedActivations:
     sums: npt.NDArray[Any]
 
 
-def _check(x: npt.NDArray[Any], fmt: str) -> ActivationFormat:
+_NOT_FINITE = "x holds a non-finite value (NaN or infinity); it has no 8-bit scale"
+
+
+def _check(x: npt.NDArray[Any], fmt: str, finite: bool = True) -> ActivationFormat:
     if fmt not in ACTIVATION_FORMATS:
         raise ValueError(f"unknown activation format {fmt!r} (known: {', '.join(ACTIVATION_FORMATS)})")
     row = ACTIVATION_FORMATS[fmt]
@@ -96,8 +100,8 @@ def _check(x: npt.NDArray[Any], fmt: str) -> ActivationFormat:
         raise ValueError(
             f"x must be float32 [M, K] with M >= 1 and K a multiple of {row.block}, got {x.dtype} {x.shape}"
         )
-    if not np.isfinite(x).all():
-        raise ValueError("x holds a non-finite value (NaN or infinity); it has no 8-bit scale")
+    if finite and not np.isfinite(x).all():
+        raise ValueError(_NOT_FINITE)
     return row
 
 
@@ -140,7 +144,7 @@ def quantize_activations_reference(x: npt.NDArray[Any], fmt: str) -> QuantizedAc
 def quantize_activations(x: npt.NDArray[Any], fmt: str) -> QuantizedActivations:
     """x float32 `[M, K]` -> its 8-bit blocks of `fmt`, in one compiled pass over x (bit-equal to
     `quantize_activations_reference`). Raises ValueError as the reference does."""
-    row = _check(x, fmt)
+    row = _check(x, fmt, finite=False)  # the compiled pass checks finiteness on its way
     m, k = x.shape
     q = np.empty((m, k), dtype=np.int8)
     d = np.empty((m, k // row.block), dtype=np.float32)
@@ -148,18 +152,22 @@ def quantize_activations(x: npt.NDArray[Any], fmt: str) -> QuantizedActivations:
     sums = np.zeros(shape, dtype=dtype)
     xc = np.ascontiguousarray(x)
     if row.sums_per:
-        _quantize_q8_k(xc, q, d, sums)
+        finite = _quantize_q8_k(xc, q, d, sums)
     else:
-        _quantize_q8_0_1(xc, q, d, sums, row.block, row.has_sum)
+        finite = _quantize_q8_0_1(xc, q, d, sums, row.block, row.has_sum)
+    if not finite:
+        raise ValueError(_NOT_FINITE)
     return QuantizedActivations(fmt, q, d, sums)
 
 
 _JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
+_FLOAT32_MAX = np.float32(np.finfo(np.float32).max)
 
 
 @numba.njit(**_JIT)
 def _quantize_q8_0_1(x, q, d, sums, block, has_sum):  # pragma: no cover (compiled)
-    """ggml's `quantize_row_q8_0_ref` / `_q8_1_ref` over every row: float32 scale, roundf quants."""
+    """ggml's `quantize_row_q8_0_ref` / `_q8_1_ref` over every row: float32 scale, roundf quants.
+    Returns False (the quants then unspecified) where x holds a NaN or an infinity."""
     m, k = x.shape
     for i in range(m):
         for b in range(k // block):
@@ -167,6 +175,8 @@ def _quantize_q8_0_1(x, q, d, sums, block, has_sum):  # pragma: no cover (compil
             amax = np.float32(0.0)
             for j in range(start, start + block):
                 a = abs(x[i, j])
+                if not a <= _FLOAT32_MAX:  # NaN or infinity
+                    return False
                 if a > amax:
                     amax = a
             scale = np.float32(amax / np.float32(127.0))
@@ -181,11 +191,13 @@ def _quantize_q8_0_1(x, q, d, sums, block, has_sum):  # pragma: no cover (compil
             d[i, b] = scale
             if has_sum:
                 sums[i, b] = np.float32(scale * np.float32(total))
+    return True
 
 
 @numba.njit(**_JIT)
 def _quantize_q8_k(x, q, d, sums):  # pragma: no cover (compiled)
-    """ggml's `quantize_row_q8_K_ref` over every row: signed max, iscale = -127 / max, rint, bsums."""
+    """ggml's `quantize_row_q8_K_ref` over every row: signed max, iscale = -127 / max, rint, bsums.
+    Returns False (the quants then unspecified) where x holds a NaN or an infinity."""
     m, k = x.shape
     for i in range(m):
         for b in range(k // 256):
@@ -194,6 +206,8 @@ def _quantize_q8_k(x, q, d, sums):  # pragma: no cover (compiled)
             big = np.float32(0.0)
             for j in range(start, start + 256):
                 a = abs(x[i, j])
+                if not a <= _FLOAT32_MAX:  # NaN or infinity
+                    return False
                 if a > amax:
                     amax = a
                     big = x[i, j]
@@ -212,3 +226,4 @@ def _quantize_q8_k(x, q, d, sums):  # pragma: no cover (compiled)
                     total += q[i, j]
                 sums[i, (start // 16) + g] = total
             d[i, b] = np.float32(np.float32(1.0) / iscale)
+    return True

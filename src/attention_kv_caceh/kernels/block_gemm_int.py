@@ -25,18 +25,24 @@ from attention_kv_caceh.kernels.activation_quant import (
     quantize_activations,
 )
 from attention_kv_caceh.kernels.block_gemm import BlockWeight
+from attention_kv_caceh.kernels.threads import chunk_rows, row_split
 
 __all__ = [
     "INT_FORMATS",
+    "INT_PAIRS",
     "dot_form",
     "has_int_kernel",
     "int_linear",
     "int_linear_into",
     "int_linear_quantized",
+    "int_linear_quantized_into",
 ]
 
 INT_FORMATS = _jit.INT_FORMATS
+INT_PAIRS = {fmt: row.name for fmt in INT_FORMATS if (row := activation_format_for(fmt)) is not None}
+"""Weight format with an integer-dot kernel -> the activation format it pairs with (`activation_quant`)."""
 F32Array = npt.NDArray[np.float32]
+_ROW_GROUP = 4  # rows of W per chunk of the thread split: whole tiles of the widest kernel tile
 
 
 def dot_form(isa: str) -> tuple[str, int]:
@@ -49,9 +55,13 @@ def has_int_kernel(weight: BlockWeight) -> bool:
     return (weight.isa, weight.format) in _jit.ENTRY_POINTS
 
 
-def int_linear_quantized(xq: QuantizedActivations, weight: BlockWeight, out: F32Array) -> None:
+def int_linear_quantized(
+    xq: QuantizedActivations, weight: BlockWeight, out: F32Array, threads: int = 1
+) -> None:
     """out `[M, N]` (float32, unit-stride rows; a column slice of a wider array is fine) = x W^T from
-    x's 8-bit blocks `xq` (of the format `activation_format_for(weight.format)`).
+    x's 8-bit blocks `xq` (of the format `activation_format_for(weight.format)`). threads > 1: W's
+    rows split into chunks over that many of Numba's threads (`threads.row_split`); the result is
+    bit-identical for every count.
 
     Raises ValueError for a weight without an integer kernel, or shapes that do not match."""
     if not has_int_kernel(weight):
@@ -66,17 +76,31 @@ def int_linear_quantized(xq: QuantizedActivations, weight: BlockWeight, out: F32
         raise ValueError(
             f"out must be float32 [{m}, {weight.out_features}] with unit-stride rows, got {out.dtype} {out.shape}"
         )
+    int_linear_quantized_into(xq, weight, out, threads)
+
+
+def int_linear_quantized_into(
+    xq: QuantizedActivations, weight: BlockWeight, out: F32Array, threads: int = 1
+) -> None:
+    """The hot path of `int_linear_quantized`: no checks (a mismatch reads or writes out of bounds)."""
     sums = xq.sums if xq.sums.shape[1] else xq.d  # Q8_0: s is never read
-    _jit.ENTRY_POINTS[(weight.isa, weight.format)](xq.q, xq.d, sums, weight.blocks, out)
+    kernel = _jit.ENTRY_POINTS[(weight.isa, weight.format)]
+    rows = weight.blocks.shape[0]
+    if threads == 1 or rows <= _ROW_GROUP:
+        kernel((xq.q, xq.d, sums), weight.blocks, out)
+        return
+    row_split(kernel)(
+        (xq.q, xq.d, sums), weight.blocks, out, chunk_rows(rows, threads, _ROW_GROUP), 1, threads
+    )
 
 
-def int_linear_into(x: F32Array, weight: BlockWeight, out: F32Array) -> None:
+def int_linear_into(x: F32Array, weight: BlockWeight, out: F32Array, threads: int = 1) -> None:
     """out = x W^T with x (float32 `[M, K]`) quantized to 8 bits first; raises as the above and as
     `activation_quant.quantize_activations`."""
     pair = activation_format_for(weight.format)
     if pair is None:
         raise ValueError(f"no integer-dot kernel for {weight.path}")
-    int_linear_quantized(quantize_activations(x, pair.name), weight, out)
+    int_linear_quantized(quantize_activations(x, pair.name), weight, out, threads)
 
 
 def int_linear(x: npt.NDArray[Any], weight: BlockWeight) -> F32Array:

@@ -50,7 +50,7 @@ import numpy.typing as npt
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
 from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
-from attention_kv_caceh.kernels.dispatch import compute_dtype, resolve_gemm_path
+from attention_kv_caceh.kernels.dispatch import check_activations, compute_dtype, resolve_gemm_path
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
 from attention_kv_caceh.model_executor.checkpoint import SafetensorsCheckpoint, read_config_json
 from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
@@ -125,16 +125,21 @@ class Model:
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
+        activations: str = "auto",
     ) -> None:
         """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
         the linear layers' weights as `dispatch.weight_format(dtype, quantization)` for the GEMM path
         (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
-        Raises ValueError for a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
+        activations: how the linear layers over GGUF blocks treat x (`dispatch.ACTIVATION_CHOICES`,
+        `layers.linear`).
+
+        Raises ValueError for an activations setting outside ACTIVATION_CHOICES, a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
         format with an input width that is not a multiple of 32), CheckpointError (naming the file
         and key) for a missing tensor or one of the wrong shape.
         """
         self.gemm_path, self.gemm_note, self.weight_format = resolve_gemm_path(gemm, dtype, quantization)
+        self.activations = check_activations(activations)
         self.config = config
         self.dtype = compute_dtype(dtype)
         c = config
@@ -216,7 +221,12 @@ class Model:
 
     @classmethod
     def load(
-        cls, path: str | Path, dtype: str = "float32", gemm: str = "auto", quantization: str | None = None
+        cls,
+        path: str | Path,
+        dtype: str = "float32",
+        gemm: str = "auto",
+        quantization: str | None = None,
+        activations: str = "auto",
     ) -> Model:
         """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
         Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
@@ -232,9 +242,9 @@ class Model:
         gguf = gguf_file_of(path)
         if gguf is not None:
             checkpoint = GGUFCheckpoint(gguf)
-            return cls(model_config_from_gguf(checkpoint), checkpoint, dtype, gemm, quantization)
+            return cls(model_config_from_gguf(checkpoint), checkpoint, dtype, gemm, quantization, activations)
         config = ModelConfig.from_hf_config(read_config_json(path), source=Path(path) / "config.json")
-        return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization)
+        return cls(config, SafetensorsCheckpoint(path), dtype, gemm, quantization, activations)
 
     @property
     def num_parameters(self) -> int:
@@ -291,7 +301,7 @@ class Model:
         for layer, (k_cache, v_cache), meta in zip(self.layers, kv_caches, metas, strict=True):
             cos, sin = local if layer.local_rope and local is not None else tables
             qkv = linear(
-                norm(x, layer.input_layernorm, eps), layer.qkv_proj, self.threads
+                norm(x, layer.input_layernorm, eps), layer.qkv_proj, self.threads, self.activations
             )  # [N, (H + 2 H_kv) D]
             if layer.qkv_bias is not None:
                 qkv = qkv + layer.qkv_bias
@@ -325,19 +335,24 @@ class Model:
                 attn = paged_attention(
                     q, k_cache, v_cache, meta, scale=scale, window=layer.window, softcap=cap
                 )
-            out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads)  # [N, D_model]
+            out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads, self.activations)  # [N, D_model]
             out = out if layer.o_bias is None else out + layer.o_bias
             x = x + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))
             gate_up = linear(
-                norm(x, layer.post_attention_layernorm, eps), layer.gate_up_proj, self.threads
+                norm(x, layer.post_attention_layernorm, eps),
+                layer.gate_up_proj,
+                self.threads,
+                self.activations,
             )  # [N, 2 I]
-            mlp = linear(act_mul(gate_up), layer.down_proj, self.threads)  # [N, I] -> [N, D_model]
+            mlp = linear(
+                act_mul(gate_up), layer.down_proj, self.threads, self.activations
+            )  # [N, I] -> [N, D_model]
             x = x + (mlp if layer.mlp_out_norm is None else norm(mlp, layer.mlp_out_norm, eps))
         return norm(x, self.norm, eps)  # [N, D_model]
 
     def compute_logits(self, hidden: FloatArray) -> FloatArray:
         """LM head: hidden `[R, D_model]` -> logits `[R, V]` = hidden @ lm_head^T, in the engine dtype
         (Gemma 2: soft-capped, cap * tanh(logits / cap))."""
-        logits = linear(hidden, self.lm_head, self.threads)  # [R, V]
+        logits = linear(hidden, self.lm_head, self.threads, self.activations)  # [R, V]
         cap = self.config.final_logit_softcapping
         return logits if cap is None else softcap(logits, cap)
