@@ -127,7 +127,7 @@ class EveryTypeAsStoredTest(unittest.TestCase):
         self.assertEqual(decode_weight_bytes(model, 0), tensors - embedding)
 
     def test_the_packed_kernels_give_the_greedy_tokens_of_numpy_on_the_same_weights(self) -> None:
-        packed = Model.load(self.path, "float32", "packed", "gguf")
+        packed = Model.load(self.path, "float32", "packed", "gguf", activations="float32")
         oracle = Model.load(self.path, "float32", "numpy", "gguf")  # x @ W.T on the decoded blocks
         np.testing.assert_array_equal(packed.layers[0].qkv_proj.dense(), oracle.layers[0].qkv_proj.dense())
         self.assertEqual(greedy(packed), greedy(oracle))

@@ -141,10 +141,6 @@ class EngineFormatsTest(unittest.TestCase):
                         )
 
 
-if __name__ == "__main__":
-    unittest.main()
-
-
 @unittest.skipUnless(PACKED, "no packed kernel for this CPU")
 class GGUFBlocksTest(unittest.TestCase):
     """The real model (SmolLM2-135M-Instruct, Q4_1 layers and a Q8_0 embedding) from its file's bytes."""
@@ -153,7 +149,7 @@ class GGUFBlocksTest(unittest.TestCase):
         from attention_kv_caceh.model_executor.gguf_checkpoint import GGUFCheckpoint
         from attention_kv_caceh.model_executor.model_source import resolve_model
 
-        packed = Model.load("smollm2", "float32", "packed", "gguf")
+        packed = Model.load("smollm2", "float32", "packed", "gguf", activations="float32")
         self.assertEqual({layer.gate_up_proj.format for layer in packed.layers}, {"q4_1"})
         self.assertEqual((packed.lm_head.format, packed.embedding.format), ("q8_0", "q8_0"))
         assert packed.lm_head.blocks is not None and packed.embedding.blocks is not None
@@ -164,3 +160,45 @@ class GGUFBlocksTest(unittest.TestCase):
         np.testing.assert_array_equal(down.blocks, file.data)  # the bytes as the file stores them
         oracle = Model.load("smollm2", "float32", "numpy", "gguf")  # x @ W.T on the decoded blocks
         self.assertEqual(greedy(packed), greedy(oracle))
+
+    def test_8_bit_activations_keep_the_greedy_token_except_at_near_ties(self) -> None:
+        """The real model with x quantized to 8 bits per product (the default) against float32
+        activations, teacher-forced on the same text: every row's argmax is the same unless the
+        float32 logits' top two are closer than twice the largest logit difference of that row, and
+        no logit moves by more than half the logits' standard deviation (a wrong block or a wrong
+        scale moves them by more than the whole spread)."""
+        from attention_kv_caceh.engine.tokenizer import Tokenizer
+        from attention_kv_caceh.model_executor.model_source import resolve_model
+        from attention_kv_caceh.model_executor.paged_attention import allocate_kv_cache
+        from attention_kv_caceh.model_executor.warmup import _metadata
+
+        def logits(model: Model, ids: list[int]) -> np.ndarray:
+            c, n = model.config, len(ids)
+            caches = [
+                allocate_kv_cache(-(-n // 16), 16, c.num_key_value_heads, c.head_dim, np.float32)
+                for _ in model.layers
+            ]
+            hidden = model.forward(np.array(ids), np.arange(n), caches, _metadata(n, 16))
+            return model.compute_logits(hidden).astype(np.float64)  # [N, V], every row
+
+        float32 = Model.load("smollm2", "float32", "packed", "gguf", activations="float32")
+        int8 = Model.load("smollm2", "float32", "packed", "gguf")
+        self.assertEqual(int8.activations, "int8")
+        tokenizer = Tokenizer.load(resolve_model("smollm2").path)
+        for text in (
+            "The capital of France is Paris. The capital of Germany is",
+            "def add(a, b):\n    return",
+        ):
+            ids = tokenizer.encode(text)
+            want, got = logits(float32, ids), logits(int8, ids)
+            moved = np.abs(got - want).max(axis=1)  # [N]
+            top2 = np.sort(want, axis=1)[:, -2:]
+            near_tie = top2[:, 1] - top2[:, 0] < 2 * moved
+            with self.subTest(text=text):
+                self.assertTrue((moved < 0.5 * want.std(axis=1)).all(), moved)
+                self.assertTrue(np.logical_or(want.argmax(1) == got.argmax(1), near_tie).all())
+                self.assertFalse(np.array_equal(got, want))  # the 8-bit path did run
+
+
+if __name__ == "__main__":
+    unittest.main()

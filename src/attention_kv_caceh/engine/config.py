@@ -24,7 +24,6 @@ from attention_kv_caceh.cpus import check_threads, default_threads, numba_pool_s
 from attention_kv_caceh.kernels.dispatch import (
     ACTIVATION_CHOICES,
     ENGINE_DTYPES,
-    INT8_AUTO_ROWS,
     QUANTIZATIONS,
 )
 from attention_kv_caceh.options import ConfigError, check_options, option
@@ -121,7 +120,7 @@ class EngineConfig:
             float checkpoint quantized at load; or "gguf": a GGUF file's own tensors of every type of
             `block_formats` (Q4_0 to Q8_0, the k-quants Q2_K to Q6_K, F32, F16, BF16), as stored.
             Not with dtype "bfloat16".
-        activations: "auto", "int8" or "float32" (`dispatch.ACTIVATION_CHOICES`): how a linear layer
+        activations: "int8" or "float32" (`dispatch.ACTIVATION_CHOICES`): how a linear layer
             over GGUF blocks with an integer-dot kernel (`block_gemm_int.INT_FORMATS`) treats x; other
             weights ignore it (`layers.linear`).
         speculative_config: speculative decoding (n-gram drafts, `spec_decode/config.py`); None: off.
@@ -177,11 +176,10 @@ class EngineConfig:
         choices=SUPPORTED_QUANTIZATIONS,
     )
     activations: str = option(
-        "auto",
-        help="the linear layers' activations against GGUF blocks with an integer kernel: int8 quantizes "
-        "each row of x to 8 bits once per product (llama.cpp's Q8_0 / Q8_1) and multiplies integers; "
-        "float32 decodes the weights to float32 for each row; auto: int8 on steps of at most "
-        f"{INT8_AUTO_ROWS} rows, float32 above (where it is faster)",
+        "int8",
+        help="the linear layers' activations against GGUF blocks with an integer kernel (Q4_0, Q4_1, "
+        "Q5_0, Q5_1, Q8_0): int8 quantizes each row of x to 8 bits once per product (llama.cpp's Q8_0 / "
+        "Q8_1) and multiplies integers; float32 decodes the weights to float32 for each row",
         choices=ACTIVATION_CHOICES,
     )
     speculative_config: SpeculativeConfig | None = option(

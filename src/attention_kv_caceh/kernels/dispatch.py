@@ -29,14 +29,12 @@ __all__ = [
     "GEMM_CHOICES",
     "GEMM_PATHS",
     "GGUF",
-    "INT8_AUTO_ROWS",
     "QUANTIZATIONS",
     "WEIGHT_DTYPES",
     "WEIGHT_FORMATS",
     "GemmPath",
     "check_activations",
     "compute_dtype",
-    "int8_activations",
     "resolve_gemm_path",
     "weight_format",
 ]
@@ -57,15 +55,12 @@ GEMM_PATHS = ("packed", "numpy")
 """How `layers.linear` multiplies (module docstring)."""
 GEMM_CHOICES = ("auto", *GEMM_PATHS)
 """The `gemm` setting: a GEMM path, or "auto" (`resolve_gemm_path`)."""
-ACTIVATION_CHOICES = ("auto", "int8", "float32")
+ACTIVATION_CHOICES = ("int8", "float32")
 """The `activations` setting of a linear layer over GGUF blocks that have an integer-dot kernel:
 "int8" (x quantized to 8 bits per block of 32 once per product, integer dot products:
-`block_gemm_int`), "float32" (each weight decoded to float32 for every row of x: `block_gemm`), or
-"auto" (int8 for at most `INT8_AUTO_ROWS` rows of x, float32 above)."""
-INT8_AUTO_ROWS = 4
-"""Rows of x up to which "auto" takes the integer kernel: with one or a few rows a step is bound by
-decoding the weights, which the integer kernel does in fewer instructions; with more rows the float
-kernel's decode is shared by the rows of its tile and it is the faster one (docs/kernels.md)."""
+`block_gemm_int`; llama.cpp's way), or "float32" (each weight decoded to float32 for every row of x:
+`block_gemm`, the oracle). Each row of x is quantized on its own, so either way a row's result does
+not depend on the other rows of its step."""
 
 
 def check_activations(activations: str) -> str:
@@ -73,13 +68,6 @@ def check_activations(activations: str) -> str:
     if activations not in ACTIVATION_CHOICES:
         raise ValueError(f"activations must be one of {ACTIVATION_CHOICES}, got {activations!r}")
     return activations
-
-
-def int8_activations(activations: str, rows: int) -> bool:
-    """Whether a product of `rows` rows of x takes 8-bit activations under the setting `activations`.
-    "auto" makes a row's result depend on how many rows share its product (a decode step of 4
-    sequences against one of 5); "int8" and "float32" do not."""
-    return activations == "int8" or (activations == "auto" and rows <= INT8_AUTO_ROWS)
 
 
 def compute_dtype(dtype: str) -> np.dtype[Any]:

@@ -41,7 +41,7 @@ from attention_kv_caceh.kernels.activation_quant import (
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS, dequantize_blocks, quantize_weight
 from attention_kv_caceh.kernels.block_gemm import BlockWeight, block_linear_into, block_weight
 from attention_kv_caceh.kernels.block_gemm_int import INT_PAIRS, int_linear_quantized_into
-from attention_kv_caceh.kernels.dispatch import GEMM_PATHS, WEIGHT_FORMATS, int8_activations
+from attention_kv_caceh.kernels.dispatch import GEMM_PATHS, WEIGHT_FORMATS
 from attention_kv_caceh.kernels.gemm import (
     PackedWeight,
     bfloat16_bits,
@@ -216,16 +216,16 @@ def linear(x: FloatArray, weight: LinearWeight, threads: int = 1, activations: s
     compute the same sums over the same weights and may differ in the last bits (summation order;
     bfloat16 panels on a CPU with `vdpbf16ps` also round x to bfloat16). threads: the packed path's
     output rows split over that many of Numba's threads (`kernels.threads`; bit-identical results).
-    activations (`dispatch.ACTIVATION_CHOICES`): where it says int8 for N rows
-    (`dispatch.int8_activations`), GGUF blocks with an integer kernel take x quantized to 8 bits once
-    per call and activation format (`block_gemm_int.int_linear_quantized`), which adds x's rounding
-    to 8 bits (half a step of max |x| / 127 per block of 32) to the result.
+    activations (`dispatch.ACTIVATION_CHOICES`): "int8": GGUF blocks with an integer kernel
+    (`block_gemm_int.INT_PAIRS`) take x quantized to 8 bits once per call and activation format
+    (`block_gemm_int.int_linear_quantized_into`), which adds x's rounding to 8 bits (half a step of
+    max |x| / 127 per block of 32) to the result.
     """
     packed, blocks = weight.packed, weight.blocks
     if blocks is not None:
         x = np.ascontiguousarray(x)
         out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
-        pair = INT_PAIRS.get(blocks.format) if int8_activations(activations, x.shape[0]) else None
+        pair = INT_PAIRS.get(blocks.format) if activations == "int8" else None
         if pair is None:
             block_linear_into(x, blocks, out, threads)
         else:
@@ -235,9 +235,8 @@ def linear(x: FloatArray, weight: LinearWeight, threads: int = 1, activations: s
         x = np.ascontiguousarray(x)
         outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in weight.stacked]
         quantized: dict[str, QuantizedActivations] = {}  # x's 8-bit blocks per activation format, made once
-        int8 = int8_activations(activations, x.shape[0])
         for part, part_out in zip(weight.stacked, outs, strict=True):
-            pair = INT_PAIRS.get(part.format) if int8 else None
+            pair = INT_PAIRS.get(part.format) if activations == "int8" else None
             if pair is None:
                 block_linear_into(x, part, part_out, threads)  # [N, C_out_i]
                 continue

@@ -125,7 +125,7 @@ class Model:
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
-        activations: str = "auto",
+        activations: str = "int8",
     ) -> None:
         """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
         the linear layers' weights as `dispatch.weight_format(dtype, quantization)` for the GEMM path
@@ -226,7 +226,7 @@ class Model:
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
-        activations: str = "auto",
+        activations: str = "int8",
     ) -> Model:
         """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
         Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
