@@ -27,7 +27,9 @@ EPS32 = float(np.finfo(np.float32).eps)
 
 
 def weight_quants(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(qw int64 [N, B, 32], d float64 [N, B], m float64 [N, B]) of Q4_1 / Q4_0 / Q8_0 / Q5_0 / Q5_1 blocks."""
+    """(qw int64 [N, B, 32], d float64 [N, B], m float64 [N, B]) of Q4_1 / Q4_0 / Q8_0 / Q5_0 / Q5_1
+    blocks, each weight d qw + m: the 4- and 5-bit quants unsigned as the kernels multiply them (Q4_0's
+    and Q5_0's offset -8 d and -16 d in m), Q8_0's signed with m = 0."""
     size = {"q4_1": 20, "q4_0": 18, "q8_0": 34, "q5_0": 22, "q5_1": 24}[fmt]
     b = blocks.reshape(blocks.shape[0], -1, size)
     d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float64)
@@ -43,7 +45,7 @@ def weight_quants(blocks: np.ndarray, fmt: str) -> tuple[np.ndarray, np.ndarray,
     if fmt in ("q4_1", "q5_1"):
         m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float64)
         return q, d, m
-    return q - (16 if fmt == "q5_0" else 8), d, m
+    return q, d, -(16.0 if fmt == "q5_0" else 8.0) * d  # weight = d (q - 8) = d q + m
 
 
 def exact_and_bound(x: np.ndarray, blocks: np.ndarray, fmt: str, lanes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +58,7 @@ def exact_and_bound(x: np.ndarray, blocks: np.ndarray, fmt: str, lanes: int) -> 
     dots = np.einsum("mbj,nbj->mnb", qx, qw)  # int64, exact
     mags = np.einsum("mbj,nbj->mnb", np.abs(qx), np.abs(qw)).astype(np.float64)
     dx = xq.d.astype(np.float64)[:, None, :]
-    sx = xq.sums.astype(np.float64)[:, None, :] if pair.has_sum else np.zeros_like(dx)
+    sx = dx * qx.sum(axis=2)[:, None, :]  # d_x sum(qx), exact (the kernel reads Q8_1's float32 rounding of it)
     terms = dw[None] * dx * dots + mw[None] * sx
     sizes = dw[None] * np.abs(dx) * mags + np.abs(mw[None] * sx)
     roundings = x.shape[1] // 32 + math.log2(lanes) + 4

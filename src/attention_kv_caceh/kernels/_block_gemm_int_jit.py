@@ -5,15 +5,20 @@ M rows of x, K input features (a multiple of 32), N output features, L int32 lan
 (`BLOCK_SPECS`), MR rows of x per tile.
 
 Per block of 32 (ggml's `ggml_vec_dot_q4_1_q8_1` and its siblings, ggml-cpu/arch/x86/quants.c):
-the weight's 32 quants qw (0 .. 15 for Q4_1, q - 8 for Q4_0, the int8 of Q8_0) and the row of x's
-32 quants qx (int8) are widened to 16 bits and multiplied (|qw qx| <= 128 * 127 fits in int16), the
-products of neighbouring lanes are added in 32 bits (the shape of `vpmaddwd`, which LLVM selects on
-x86), and the 16 sums are folded to L lanes; those lanes, converted to float32 (exact: at most
-32 * 128 * 127 in magnitude), meet one FMA with the broadcast of d_w d_x (one float32 rounding) into
-the row's accumulator, and Q4_1 adds m_w s_x (s_x = d_x sum(qx), `activation_quant`) into a scalar
-accumulator. At the end of the row the lanes are summed. So y[m, n] is
-sum_b d_w d_x (qw . qx) + m_w s_x with K / 32 + log2 L + 2 float32 roundings per term, whatever
-tile or chunk of rows of W or x it is computed in.
+the weight's 32 quants qw (unsigned 0 .. 15 for Q4_0 / Q4_1, 0 .. 31 for Q5_0 / Q5_1 with the fifth
+bit from qh, the int8 of Q8_0) and the row of x's 32 quants qx (int8) are multiplied (|qw qx| <=
+128 * 127 fits in int16), the products of neighbouring lanes are added in 32 bits (`vpmaddwd`), and
+the sums are folded to L lanes; those lanes, converted to float32 (exact: at most 32 * 128 * 127 in
+magnitude), meet one FMA with the broadcast of d_w d_x (one float32 rounding) into the row's
+accumulator. The 4- and 5-bit types add m_w s_x (s_x = d_x sum(qx), Q8_1's sum; m_w the block's m,
+or -8 d_w for Q4_0 and -16 d_w for Q5_0: `_OFFSET`) into a scalar accumulator. At the end of the row
+the lanes are summed. So y[m, n] is sum_b d_w d_x (qw . qx) + m_w s_x with K / 32 + log2 L + 2
+float32 roundings per term, whatever tile or chunk of rows of W or x it is computed in.
+
+The kernel walks W one row at a time (its blocks stream in file order, the next ones prefetched
+`_PREFETCH` bytes ahead) against tiles of MR rows of x, one accumulator per row of x. Tried on AVX2
+(Zen 3), W [49152, 576] in Q8_0 at one row of x: 2.6 ms with one row of W per tile against 4.9 with
+two rows and 6.3 with four side by side.
 """
 
 # pyright: basic
@@ -40,25 +45,19 @@ INT_FORMATS = ("q4_1", "q4_0", "q8_0", "q5_0", "q5_1")
 """Weight formats with an integer-dot kernel, in the order of the entry points' codes."""
 _BLOCK_BYTES = {"q4_1": 20, "q4_0": 18, "q8_0": 34, "q5_0": 22, "q5_1": 24}
 _QS_AT = {"q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}  # byte offset of the 16 bytes of nibbles
-_OFFSET_FORMATS = ("q4_1", "q5_1")  # weight = d q + m: the m_w s_x term
+_OFFSET = {"q4_1": None, "q5_1": None, "q4_0": -8.0, "q5_0": -16.0}
+"""Formats multiplied as unsigned quants q (0 .. 15 or 0 .. 31) with an offset: weight = d q + m, m the
+block's m (Q4_1, Q5_1; None here) or d times this constant (Q4_0: q - 8, Q5_0: q - 16). Each block then
+adds m_w s_x (s_x = d_x sum(qx), Q8_1's sum) in one scalar FMA, in place of moving the weight's sign
+onto x for every product."""
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in INT_FORMATS]
-_FEW_ROWS = 2
-TILES = {
-    "avx512": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
-    "avx2": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
-    "neon": (((1,), (2, 1)), ((2, 1), (4, 2, 1))),
-}
-"""isa -> ((NR heights, MR heights) for M <= `_FEW_ROWS` rows of x, (NR, MR) heights above): a tile
-is NR rows of W by MR rows of x, one accumulator each. At one or two rows of x the weights come from
-memory, and one row of W at a time streams them in file order (W [49152, 576] in Q8_0 at one row of x:
-2.6 ms with one row of W per tile against 4.9 with two and 6.3 with four, AVX2, Zen 3); with more
-rows of x two rows of W share each load of x's quants."""
+_PREFETCH = 768  # bytes ahead of the block being read, in the row of W (about 12 cache lines)
 
 
 def _weight_quants(builder, fmt, block):
     """The block's 32 weight quants as `<32 x i8>` (ggml's order: low nibbles, then high ones, Q5's
-    fifth bit j of the little-endian 32-bit qh on lane j), and whether they are signed (Q4_0 q - 8,
-    Q5_0 q - 16, Q8_0) or not (Q4_1: 0 .. 15, Q5_1: 0 .. 31)."""
+    fifth bit j of the little-endian 32-bit qh on lane j), and whether they are signed (Q8_0) or not
+    (the 4- and 5-bit types: 0 .. 15 or 0 .. 31, their offset in `_OFFSET`)."""
     bytes32 = v.vec(32, v.I8)
     if fmt == "q8_0":
         return v.load_vec(builder, block, 2, bytes32), True
@@ -76,9 +75,7 @@ def _weight_quants(builder, fmt, block):
             ir.Constant(bytes32, None),
         )
         q = builder.or_(q, fifth)
-    if fmt in _OFFSET_FORMATS:
-        return q, False
-    return builder.sub(q, v.splat(bytes32, 16 if fmt == "q5_0" else 8)), True
+    return q, False
 
 
 def _x86(builder, name, ret, args):
@@ -133,9 +130,10 @@ def host_dot(isa: str) -> tuple[str, int]:
 
 
 def _codegen(isa, fmt):
+    heights = BLOCK_SPECS[isa][1]
     how, lanes = host_dot(isa)
     block_bytes = _BLOCK_BYTES[fmt]
-    with_offset = fmt in _OFFSET_FORMATS
+    with_offset = fmt in _OFFSET
 
     def codegen(context, builder, signature, args):
         qa, da, sa, wa, ya = (
@@ -151,55 +149,49 @@ def _codegen(isa, fmt):
         w_data = builder.bitcast(wa.data, v.I8.as_pointer())
         q_data = builder.bitcast(qa.data, v.I8.as_pointer())
 
-        def tile(nr, mr, n0, row0):
-            """y[row0 .. row0 + mr, n0 .. n0 + nr]: one accumulator per (row of W, row of x)."""
-            acc = [v.zeroed(builder, v.vec(lanes), mr) for _ in range(nr)]
-            offsets = [v.zeroed(builder, v.F32, mr) for _ in range(nr)] if with_offset else []
-            ns = [builder.add(n0, v.I64(j)) for j in range(nr)]
-            w_rows = [v.at(builder, w_data, builder.mul(n, row_bytes)) for n in ns]
-            r = [builder.add(row0, v.I64(i)) for i in range(mr)]
+        def tile(rows, row0, n):
+            """y[row0 .. row0 + rows, n]: one accumulator per row of x."""
+            acc = v.zeroed(builder, v.vec(lanes), rows)
+            offsets = v.zeroed(builder, v.F32, rows) if with_offset else []
+            w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
+            r = [builder.add(row0, v.I64(i)) for i in range(rows)]
             q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
             d_rows = [v.at(builder, da.data, builder.mul(ri, d_stride)) for ri in r]
             s_rows = [v.at(builder, sa.data, builder.mul(ri, d_stride)) for ri in r]
             with v.loop(builder, blocks, unroll=False) as b:
+                here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
+                v.prefetch(builder, v.at(builder, here, _PREFETCH))
+                wq, signed = _weight_quants(builder, fmt, here)
+                dw = v.half_to_float(builder, here)
+                mw = None
+                if with_offset:
+                    m = _OFFSET[fmt]
+                    mw = (
+                        v.half_to_float(builder, v.at(builder, here, 2))
+                        if m is None
+                        else builder.fmul(dw, ir.Constant(v.F32, m))
+                    )
                 k0 = builder.mul(b, v.I64(32))
-                xq = [v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8)) for i in range(mr)]
-                dx = [builder.load(v.at(builder, d_rows[i], b)) for i in range(mr)]
-                sx = [builder.load(v.at(builder, s_rows[i], b)) for i in range(mr)] if with_offset else []
-                for j in range(nr):
-                    here = v.at(builder, w_rows[j], builder.mul(b, v.I64(block_bytes)))
-                    wq, signed = _weight_quants(builder, fmt, here)
-                    dw = v.half_to_float(builder, here)
-                    mw = v.half_to_float(builder, v.at(builder, here, 2)) if with_offset else None
-                    for i in range(mr):
-                        dot = builder.sitofp(_dot(builder, wq, signed, xq[i], lanes, how), v.vec(lanes))
-                        scale = v.broadcast(builder, builder.fmul(dw, dx[i]), lanes)
-                        builder.store(v.fma(builder, dot, scale, builder.load(acc[j][i])), acc[j][i])
-                        if mw is not None:
-                            total = _x86(
-                                builder, "llvm.fma.f32", v.F32, [mw, sx[i], builder.load(offsets[j][i])]
-                            )
-                            builder.store(total, offsets[j][i])
-            for j in range(nr):
-                for i in range(mr):
-                    total = v.hsum(builder, builder.load(acc[j][i]))
-                    if offsets:
-                        total = builder.fadd(total, builder.load(offsets[j][i]))
-                    out = builder.add(builder.mul(r[i], y_stride), ns[j])
-                    builder.store(total, v.at(builder, ya.data, out))
+                for i in range(rows):
+                    xq = v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8))
+                    dot = builder.sitofp(_dot(builder, wq, signed, xq, lanes, how), v.vec(lanes))
+                    scale = v.broadcast(
+                        builder, builder.fmul(dw, builder.load(v.at(builder, d_rows[i], b))), lanes
+                    )
+                    builder.store(v.fma(builder, dot, scale, builder.load(acc[i])), acc[i])
+                    if mw is not None:
+                        sx = builder.load(v.at(builder, s_rows[i], b))
+                        total = _x86(builder, "llvm.fma.f32", v.F32, [mw, sx, builder.load(offsets[i])])
+                        builder.store(total, offsets[i])
+            for i in range(rows):
+                total = v.hsum(builder, builder.load(acc[i]))
+                if offsets:
+                    total = builder.fadd(total, builder.load(offsets[i]))
+                out = builder.add(builder.mul(r[i], y_stride), n)
+                builder.store(total, v.at(builder, ya.data, out))
 
-        def shape(nr_heights, mr_heights):
-            def rows_of_w(nr, n0):
-                v.row_tiles(builder, v.I64(0), m_count, mr_heights, lambda mr, row0: tile(nr, mr, n0, row0))
-
-            v.row_tiles(builder, v.I64(0), n_count, nr_heights, rows_of_w)
-
-        few = builder.icmp_unsigned("<=", m_count, v.I64(_FEW_ROWS))
-        with builder.if_else(few) as (then, otherwise):
-            with then:
-                shape(*TILES[isa][0])
-            with otherwise:
-                shape(*TILES[isa][1])
+        with v.loop(builder, n_count) as n:  # one row of W at a time: the blocks stream in file order
+            v.row_tiles(builder, v.I64(0), m_count, heights, lambda rows, row0: tile(rows, row0, n))
         return context.get_dummy_value()
 
     return codegen

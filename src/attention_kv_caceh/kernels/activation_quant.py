@@ -6,8 +6,8 @@ weight type's `vec_dot_type` in ggml-cpu.c): the products of the quants are then
 int32, and each block's sum is scaled once. The rows of `ACTIVATION_FORMATS` are those formats:
 
     format  block  per block                                 pairs with (weight formats)
-    Q8_0    32     d = max |x| / 127, q = round(x / d)       Q8_0, Q4_0, Q5_0
-    Q8_1    32     as Q8_0, and s = d sum(q)                  Q4_1, Q5_1
+    Q8_0    32     d = max |x| / 127, q = round(x / d)       Q8_0
+    Q8_1    32     as Q8_0, and s = d sum(q)                  Q4_1, Q5_1, Q4_0, Q5_0
     Q8_K    256    d = -max / 127 for the x of largest        Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
                    magnitude, q = min(127, round(x / d)),
                    bsums: sum(q) per 16
@@ -61,11 +61,13 @@ class ActivationFormat:
 
 
 ACTIVATION_FORMATS = {
-    "q8_0": ActivationFormat("q8_0", 32, False, 0, ("q8_0", "q4_0", "q5_0")),
-    "q8_1": ActivationFormat("q8_1", 32, True, 0, ("q4_1", "q5_1")),
+    "q8_0": ActivationFormat("q8_0", 32, False, 0, ("q8_0",)),
+    "q8_1": ActivationFormat("q8_1", 32, True, 0, ("q4_1", "q5_1", "q4_0", "q5_0")),
     "q8_k": ActivationFormat("q8_k", 256, False, 16, ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k")),
 }
-"""Activation format -> its row; the pairing is ggml's `vec_dot_type` of each weight type."""
+"""Activation format -> its row; the pairing is ggml's `vec_dot_type` of each weight type, except that
+Q4_0 and Q5_0 (ggml: Q8_0) take Q8_1, whose quants and scales are Q8_0's: their integer kernels
+multiply the unsigned quants and add -8 d_w s_x or -16 d_w s_x per block (`_block_gemm_int_jit._OFFSET`)."""
 
 
 def activation_format_for(weight_format: str) -> ActivationFormat | None:

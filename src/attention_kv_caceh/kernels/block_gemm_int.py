@@ -42,7 +42,7 @@ INT_FORMATS = _jit.INT_FORMATS
 INT_PAIRS = {fmt: row.name for fmt in INT_FORMATS if (row := activation_format_for(fmt)) is not None}
 """Weight format with an integer-dot kernel -> the activation format it pairs with (`activation_quant`)."""
 F32Array = npt.NDArray[np.float32]
-_ROW_GROUP = 4  # rows of W per chunk of the thread split: whole tiles of the widest kernel tile
+_ROW_GROUP = 4  # rows of W per chunk of the thread split, at least
 
 
 def dot_form(isa: str) -> tuple[str, int]:
