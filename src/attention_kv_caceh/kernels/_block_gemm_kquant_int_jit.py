@@ -1,0 +1,292 @@
+"""Integer-dot kernels for the k-quants: Q8_K activations (`activation_quant`) times Q4_K / Q6_K blocks.
+
+No argument checks here: the caller validates first. Legend as `_block_gemm_int_jit`: M rows of x, K
+input features (a multiple of 256), N output features, L int32 lanes of the dot product (`host_dot`),
+MR rows of x per tile (`BLOCK_SPECS`). Each entry point is kernel(q, d, sums, w, y): q int8 `[M, K]`,
+d float32 `[M, K / 256]`, sums int32 `[M, K / 16]` (Q8_K's bsums), w uint8 `[N, K / 256 * bytes]`
+(C-contiguous), y float32 `[M, N]`; q, d, sums and y with unit-stride rows.
+
+Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q4_K_q8_K`, `ggml_vec_dot_q6_K_q8_K`):
+the weight's scales are unpacked once per super-block and row of W, shared by the rows of x of a tile;
+each sub-block of 32 is one dot product of unsigned weight quants and x's int8 quants with the scale
+folded in (`_scaled_dot`: `vpmaddubsw` then `vpmaddwd` by the scales, or `vpdpbusd` then a multiply,
+or int16 products), summed in int32 over the whole super-block (exact: at most 256 * 63 * 128 * 128 in
+magnitude), then one float combine per super-block and row of x:
+
+    Q4_K  (q 0 .. 15, sc and mn 6 bits per 32, `get_scale_min_k4`):
+          acc += f(isum) * (d_w d_x);  acc += f(msum) * -(dmin_w d_x)
+          isum = sum_s sc_s (q_s . x_s),  msum = sum_s mn_s (bsums[2s] + bsums[2s + 1])
+    Q6_K  (q = ql nibble | qh 2 bits << 4, 0 .. 63; the weight is q - 32; sc int8 per 16):
+          acc += f(isum) * (d_w d_x),  isum = sum_t sc_t (q_t . x_t) - 32 sum_t sc_t bsums[t]
+
+acc is one `<L x float>` per row of x (the lanes of isum and msum are added lane by lane; msum's 8
+lanes are folded to L first, in int32), summed across lanes at the end of the row. So y[m, n] carries
+per super-block the rounding of d_w d_x (or dmin_w d_x), of the int32-to-float conversion (exact below
+2^24) and of its FMAs (two for Q4_K, one for Q6_K), then log2 L roundings of the lane sum, whatever
+tile of rows of W or x it is computed in: the rows of a tile share only integer work.
+"""
+
+# pyright: basic
+# (Numba compiles these from their argument types at the first call; they carry no annotations.)
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from attention_kv_caceh.kernels import ir as v
+from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, _x86, host_dot
+
+__all__: list[str] = []
+
+KQUANT_INT_FORMATS = ("q4_k", "q6_k")
+"""Weight formats with an integer-dot kernel here, in the order of the entry points' codes."""
+_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+_KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in KQUANT_INT_FORMATS]
+_I32V16 = v.vec(16, v.I32)
+
+
+def _shuffle(builder, src, indices):
+    """`<len(indices) x T>` of src's lanes `indices` (one `vpshufb` / broadcast when constant)."""
+    return builder.shuffle_vector(src, src, ir.Constant(v.vec(len(indices), v.I32), list(indices)))
+
+
+def _fold(builder, ints, lanes):
+    """An int vector folded to `lanes` lanes by adding neighbouring pairs (lane k: lanes 2k, 2k + 1),
+    so that each half of the result sums only the matching half of the input; widened with zero
+    lanes when shorter."""
+    width = ints.type.count
+    while width > lanes:
+        half = width // 2
+        even, odd = _shuffle(builder, ints, range(0, width, 2)), _shuffle(builder, ints, range(1, width, 2))
+        ints, width = builder.add(even, odd), half
+    if width < lanes:
+        zero = ir.Constant(ints.type, None)
+        pad = list(range(width)) + [width] * (lanes - width)
+        ints = builder.shuffle_vector(ints, zero, ir.Constant(v.vec(lanes, v.I32), pad))
+    return ints
+
+
+def _scaled_dot(builder, wq, xq, scales, lo, hi, how, lanes):
+    """`<L x i32>` whose lanes sum to sum_l sc(l) wq[l] xq[l] over the 32 lanes of wq (unsigned
+    `<32 x i8>`, at most 63) and xq (int8), sc(l) = scales[lo] for l < 16 and scales[hi] from 16.
+    `scales` is `<16 x i16>` for how "pmadd", `<16 x i32>` otherwise (`_scale_source`).
+
+    pmadd: `vpmaddubsw` (u8 x s8 pairs into int16: at most 2 * 63 * 128, no saturation) then
+    `vpmaddwd` by the scales (int16 pairs times int16 into int32). vnni: `vpdpbusd` (four products
+    into each of 8 int32 lanes), times the scales. generic: int16 products, neighbouring pairs added
+    in int32 and folded to L (`_fold`), times the scales. In every form the first half of the lanes
+    holds l < 16, so one scale vector [lo] * (L / 2) + [hi] * (L / 2) applies."""
+    if how == "pmadd":
+        pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v.vec(16, v.I16), [wq, xq])
+        sv = _shuffle(builder, scales, [lo] * 8 + [hi] * 8)
+        return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, sv])
+    if how == "vnni":
+        ints = v.vec(8, v.I32)
+        a, b = builder.bitcast(wq, ints), builder.bitcast(xq, ints)
+        dot = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", ints, [ir.Constant(ints, None), a, b])
+        return builder.mul(dot, _shuffle(builder, scales, [lo] * 4 + [hi] * 4))
+    wide = v.vec(32, v.I16)
+    prod = builder.mul(builder.zext(wq, wide), builder.sext(xq, wide))
+    even = builder.sext(_shuffle(builder, prod, range(0, 32, 2)), _I32V16)
+    odd = builder.sext(_shuffle(builder, prod, range(1, 32, 2)), _I32V16)
+    dot = _fold(builder, builder.add(even, odd), lanes)
+    return builder.mul(dot, _shuffle(builder, scales, [lo] * (lanes // 2) + [hi] * (lanes // 2)))
+
+
+def _scale_source(builder, scales16, how, signed):
+    """The 16 scales `<16 x i8>` widened as `_scaled_dot` reads them (int16 for pmadd, else int32)."""
+    widen = builder.sext if signed else builder.zext
+    return widen(scales16, v.vec(16, v.I16) if how == "pmadd" else _I32V16)
+
+
+def _k4_scales_mins(builder, block):
+    """Q4_K's 12 scale bytes at 4 unpacked as ggml's x86 kernel does (three uint32 words and the masks
+    0x3f3f3f3f, 0x0f0f0f0f, 0x03030303): `<16 x i8>` sc0 .. sc7, mn0 .. mn7 (`get_scale_min_k4`)."""
+    word = lambda j: builder.load(  # noqa: E731
+        builder.bitcast(v.at(builder, block, 4 + 4 * j), v.I32.as_pointer()), align=1
+    )
+    u0, u1, u2 = word(0), word(1), word(2)
+    k1, k2, k3 = v.I32(0x3F3F3F3F), v.I32(0x0F0F0F0F), v.I32(0x03030303)
+
+    def top_bits(u):  # bits 6, 7 of each byte, moved to bits 4, 5
+        return builder.shl(builder.and_(builder.lshr(u, v.I32(6)), k3), v.I32(4))
+
+    sc_lo = builder.and_(u0, k1)
+    sc_hi = builder.or_(builder.and_(u2, k2), top_bits(u0))
+    mn_lo = builder.and_(u1, k1)
+    mn_hi = builder.or_(builder.and_(builder.lshr(u2, v.I32(4)), k2), top_bits(u1))
+    words = ir.Constant(v.vec(4, v.I32), None)
+    for i, value in enumerate((sc_lo, sc_hi, mn_lo, mn_hi)):
+        words = builder.insert_element(words, value, v.I64(i))
+    return builder.bitcast(words, v.vec(16, v.I8))
+
+
+def _q4_k_block(builder, here, how):
+    """Per super-block of a Q4_K row: (8 weight vectors `<32 x i8>` 0 .. 15, one per sub-block s,
+    the scale source for `_scaled_dot`, the mins `<8 x i32>`, d_w, dmin_w as float)."""
+    ms = _k4_scales_mins(builder, here)
+    quants = []
+    for pair in range(4):  # 32 bytes: sub-block 2 pair in the low nibbles, 2 pair + 1 in the high
+        raw = v.load_vec(builder, here, 16 + 32 * pair, v.vec(32, v.I8))
+        quants.append(builder.and_(raw, v.splat(v.vec(32, v.I8), 15)))
+        quants.append(builder.lshr(raw, v.splat(v.vec(32, v.I8), 4)))
+    mins = builder.zext(_shuffle(builder, ms, range(8, 16)), v.vec(8, v.I32))
+    dw, dmin = v.half_to_float(builder, here), v.half_to_float(builder, v.at(builder, here, 2))
+    return quants, _scale_source(builder, ms, how, False), mins, dw, dmin
+
+
+def _q6_k_block(builder, here, how):
+    """Per super-block of a Q6_K row: (8 weight vectors `<32 x i8>` 0 .. 63, one per 32 weights t =
+    4 h + g, the scale source, the 16 int8 scales as `<16 x i32>`, d_w as float)."""
+    quants = []
+    for h in range(2):
+        qh = v.load_vec(builder, here, 128 + 32 * h, v.vec(32, v.I8))
+        for g in range(4):
+            low = v.load_vec(builder, here, 64 * h + 32 * (g % 2), v.vec(32, v.I8))
+            low = (
+                builder.lshr(low, v.splat(v.vec(32, v.I8), 4))
+                if g >= 2
+                else builder.and_(low, v.splat(v.vec(32, v.I8), 15))
+            )
+            high = builder.and_(
+                builder.lshr(qh, v.splat(v.vec(32, v.I8), 2 * g)), v.splat(v.vec(32, v.I8), 3)
+            )
+            quants.append(builder.or_(low, builder.shl(high, v.splat(v.vec(32, v.I8), 4))))
+    sc = v.load_vec(builder, here, 192, v.vec(16, v.I8))
+    dw = v.half_to_float(builder, v.at(builder, here, 208))
+    return quants, _scale_source(builder, sc, how, True), builder.sext(sc, _I32V16), dw
+
+
+def _codegen(isa, fmt):
+    heights = BLOCK_SPECS[isa][1]
+    how, lanes = host_dot(isa)
+    block_bytes = _BLOCK_BYTES[fmt]
+
+    def codegen(context, builder, signature, args):
+        qa, da, sa, wa, ya = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in range(5)
+        )
+        q_stride = builder.extract_value(qa.strides, 0)  # bytes
+        d_stride = builder.udiv(builder.extract_value(da.strides, 0), v.I64(4))
+        s_stride = builder.udiv(builder.extract_value(sa.strides, 0), v.I64(4))
+        y_stride = builder.udiv(builder.extract_value(ya.strides, 0), v.I64(4))
+        m_count = builder.extract_value(qa.shape, 0)
+        n_count = builder.extract_value(wa.shape, 0)
+        row_bytes = builder.extract_value(wa.shape, 1)
+        blocks = builder.udiv(row_bytes, v.I64(block_bytes))
+        w_data = builder.bitcast(wa.data, v.I8.as_pointer())
+        q_data = builder.bitcast(qa.data, v.I8.as_pointer())
+
+        def tile(rows, row0, n):
+            acc = v.zeroed(builder, v.vec(lanes), rows)
+            w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
+            r = [builder.add(row0, v.I64(i)) for i in range(rows)]
+            q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
+            d_rows = [v.at(builder, da.data, builder.mul(ri, d_stride)) for ri in r]
+            s_rows = [v.at(builder, sa.data, builder.mul(ri, s_stride)) for ri in r]
+            with v.loop(builder, blocks) as b:
+                here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
+                if fmt == "q4_k":
+                    quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how)
+                    subs = [(s, s) for s in range(8)]
+                else:
+                    quants, scales, sc32, dw = _q6_k_block(builder, here, how)
+                    subs = [(2 * t, 2 * t + 1) for t in range(8)]
+                k0 = builder.mul(b, v.I64(256))
+                isum = [None] * rows
+                for t, (lo, hi) in enumerate(subs):
+                    for i in range(rows):
+                        xq = v.load_vec(builder, q_rows[i], builder.add(k0, v.I64(32 * t)), v.vec(32, v.I8))
+                        dot = _scaled_dot(builder, quants[t], xq, scales, lo, hi, how, lanes)
+                        isum[i] = dot if isum[i] is None else builder.add(isum[i], dot)
+                for i in range(rows):
+                    bsums = v.load_vec(builder, s_rows[i], builder.mul(b, v.I64(16)), _I32V16)
+                    dx = builder.load(v.at(builder, d_rows[i], b))
+                    total = builder.load(acc[i])
+                    if fmt == "q4_k":
+                        pairs = _fold(builder, bsums, 8)  # lane s: bsums[2s] + bsums[2s + 1]
+                        msum = _fold(builder, builder.mul(pairs, mins), lanes)
+                        total = v.fma(
+                            builder,
+                            builder.sitofp(isum[i], v.vec(lanes)),
+                            v.broadcast(builder, builder.fmul(dw, dx), lanes),
+                            total,
+                        )
+                        scale = builder.fneg(builder.fmul(dmin, dx))
+                        total = v.fma(
+                            builder,
+                            builder.sitofp(msum, v.vec(lanes)),
+                            v.broadcast(builder, scale, lanes),
+                            total,
+                        )
+                    else:
+                        corr = _fold(builder, builder.mul(bsums, sc32), lanes)
+                        ints = builder.sub(isum[i], builder.shl(corr, v.splat(v.vec(lanes, v.I32), 5)))
+                        total = v.fma(
+                            builder,
+                            builder.sitofp(ints, v.vec(lanes)),
+                            v.broadcast(builder, builder.fmul(dw, dx), lanes),
+                            total,
+                        )
+                    builder.store(total, acc[i])
+            for i in range(rows):
+                out = builder.add(builder.mul(r[i], y_stride), n)
+                builder.store(v.hsum(builder, builder.load(acc[i])), v.at(builder, ya.data, out))
+
+        with v.loop(builder, n_count) as n:
+            v.row_tiles(builder, v.I64(0), m_count, heights, lambda rows, row0: tile(rows, row0, n))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+@intrinsic
+def _kquant_matmul(typingctx, q, d, s, w, y, code):
+    """y `[M, N]` = x W^T for x's Q8_K quants q int8 `[M, K]`, scales d float32 `[M, K / 256]`, bsums
+    s int32 `[M, K / 16]` and W the blocks uint8 `[N, K / 256 * bytes]` of `_KEYS[code]`; q, d, s and
+    y with unit-stride rows, W C-contiguous."""
+    if not isinstance(code, types.IntegerLiteral):
+        return None
+    return types.void(q, d, s, w, y, code), _codegen(*_KEYS[code.literal_value])
+
+
+_JIT: dict[str, Any] = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+@numba.njit(**_JIT)
+def avx512_q4_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 0)  # pyright: ignore[reportCallIssue]  (typingctx is Numba's)
+
+
+@numba.njit(**_JIT)
+def avx512_q6_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 1)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q4_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 2)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q6_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 3)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 4)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q6_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 5)  # pyright: ignore[reportCallIssue]
+
+
+ENTRY_POINTS = {key: globals()[f"{key[0]}_{key[1]}"] for key in _KEYS}
+"""(isa, weight format) -> its compiled kernel (q, d, sums, w, y)."""
