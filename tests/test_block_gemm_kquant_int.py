@@ -1,16 +1,16 @@
-"""kernels/_block_gemm_kquant_int_jit.py: integer dot products of Q8_K activations and Q4_K / Q6_K blocks.
+"""kernels/_block_gemm_kquant_int_jit.py: integer dot products of Q8_K activations and Q4_K / Q5_K / Q6_K blocks.
 
 Oracle: exact NumPy int64 arithmetic on the same quants (x's from `quantize_activations(x, "q8_k")`,
-the weight's integer q, sc, mn decoded here from the bytes as ggml's `dequantize_row_q4_K` /
-`dequantize_row_q6_K` loops read them), combined in float64. The kernel may differ only by its float32
+the weight's integer q, sc, mn decoded here from the bytes as ggml's `dequantize_row_q4_K`,
+`_q5_K` and `_q6_K` loops read them), combined in float64. The kernel may differ only by its float32
 roundings; per super-block b and lane it adds c_b D_b to an accumulator, c_b an exact int32 sum and
 D_b = d_w d_x (or -dmin_w d_x) rounded once, c_b converted to float32 (exact below 2^24, else one
 rounding), one FMA each (two per super-block for Q4_K, one for Q6_K), then log2 L additions of the
 lanes. With u = eps / 2 the first-order bound is (F B + 2 + log2 L) u sum |terms|, F the FMAs per
 super-block and B = K / 256; the test allows (2 B + log2 L + 4) eps sum |terms|, about twice that,
 where sum |terms| is sum_b |D_b| times the sum of the magnitudes of the integers the kernel adds:
-Q4_K  sum_s sc_s sum |q qx| + (dmin) sum_s mn_s |S_s|    (S_s = x's quants summed over sub-block s),
-Q6_K  sum_t |sc_t| (sum q6 |qx| + 32 |S_t|)               (q6 = 0 .. 63 before the - 32, t per 16).
+Q4_K, Q5_K  sum_s sc_s sum |q qx| + (dmin) sum_s mn_s |S_s|    (S_s = x's quants summed over sub-block s),
+Q6_K        sum_t |sc_t| (sum q6 |qx| + 32 |S_t|)               (q6 = 0 .. 63 before the - 32, t per 16).
 Also: every row tile gives the same bits (M = 9 at once against each row alone, slices of W's rows,
 a strided y), and the float32-activation kernel `block_gemm.block_linear` agrees within the
 quantization of x; on every kernel variant (their loops run on any CPU).
@@ -52,10 +52,11 @@ def _half(b: np.ndarray, at: int) -> np.ndarray:
     return b[..., at : at + 2].copy().view("<f2")[..., 0].astype(np.float64)
 
 
-def q4_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
+def q4_k_quants(blocks: np.ndarray, fifth: bool = False) -> dict[str, np.ndarray]:
     """Q4_K blocks uint8 `[N, B * 144]` -> d, dmin float64 `[N, B]`; q, sc, mn int64 `[N, B, 256]`
-    (each weight's 4-bit quant and its sub-block's 6-bit scale and min), as `dequantize_row_q4_K`."""
-    raw = blocks.reshape(blocks.shape[0], -1, 144)
+    (each weight's 4-bit quant and its sub-block's 6-bit scale and min), as `dequantize_row_q4_K`.
+    fifth: Q5_K blocks `[N, B * 176]` (`dequantize_row_q5_K`: q gains 16 where its bit of qh is set)."""
+    raw = blocks.reshape(blocks.shape[0], -1, 176 if fifth else 144)
     b = raw.astype(np.int64)
     scales = b[..., 4:16]
     q = np.zeros((*b.shape[:2], 256), np.int64)
@@ -68,10 +69,15 @@ def q4_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
             m = (scales[..., j + 4] >> 4) | ((scales[..., j] >> 6) << 4)
         sc[..., 32 * j : 32 * j + 32] = s[..., None]
         mn[..., 32 * j : 32 * j + 32] = m[..., None]
+    start = 48 if fifth else 16
+    qh = b[..., 16:48]
     for chunk in range(4):  # 64 weights from 32 bytes: low nibbles, then high
-        qs = b[..., 16 + 32 * chunk : 48 + 32 * chunk]
+        qs = b[..., start + 32 * chunk : start + 32 + 32 * chunk]
         q[..., 64 * chunk : 64 * chunk + 32] = qs & 0xF
         q[..., 64 * chunk + 32 : 64 * chunk + 64] = qs >> 4
+        if fifth:  # u1 = 1 << 2 chunk, u2 = 2 << 2 chunk
+            q[..., 64 * chunk : 64 * chunk + 32] += np.where(qh & (1 << 2 * chunk), 16, 0)
+            q[..., 64 * chunk + 32 : 64 * chunk + 64] += np.where(qh & (2 << 2 * chunk), 16, 0)
     return {"d": _half(raw, 0), "dmin": _half(raw, 2), "q": q, "sc": sc, "mn": mn}
 
 
@@ -98,8 +104,8 @@ def q6_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
 
 def decoded(blocks: np.ndarray, fmt: str) -> np.ndarray:
     """The weights float64 `[N, K]` from the integer fields (checked against `dequantize_blocks`)."""
-    if fmt == "q4_k":
-        f = q4_k_quants(blocks)
+    if fmt in ("q4_k", "q5_k"):
+        f = q4_k_quants(blocks, fmt == "q5_k")
         w = f["d"][..., None] * f["sc"] * f["q"] - f["dmin"][..., None] * f["mn"]
     else:
         f = q6_k_quants(blocks)
@@ -113,13 +119,13 @@ def exact_and_bound(
     """(the exact float64 combine of the int64 super-block sums `[M, N]`, the float32 rounding bound)."""
     m, k = xq.q.shape
     qx = xq.q.reshape(m, -1, 256).astype(np.int64)  # [M, B, 256]
-    sub = 32 if fmt == "q4_k" else 16
+    sub = 16 if fmt == "q6_k" else 32
     runs = qx.reshape(m, qx.shape[1], -1, sub).sum(axis=3)  # S per sub-block [M, B, 256 / sub]
     np.testing.assert_array_equal(xq.sums, qx.reshape(m, -1, 16).sum(axis=2))  # bsums: x's quants per 16
     spread = np.repeat(runs, sub, axis=2)  # [M, B, 256]: each value's S
     dx = xq.d.astype(np.float64)[:, None, :]  # [M, 1, B]
-    if fmt == "q4_k":
-        f = q4_k_quants(blocks)
+    if fmt in ("q4_k", "q5_k"):
+        f = q4_k_quants(blocks, fmt == "q5_k")
         isum = np.einsum("mbl,nbl->mnb", qx, f["sc"] * f["q"])
         msum = np.einsum("mbl,nbl->mnb", qx, f["mn"])
         terms = f["d"][None] * dx * isum - f["dmin"][None] * dx * msum

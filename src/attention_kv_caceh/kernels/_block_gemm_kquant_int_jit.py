@@ -1,4 +1,4 @@
-"""Integer-dot kernels for the k-quants: Q8_K activations (`activation_quant`) times Q4_K / Q6_K blocks.
+"""Integer-dot kernels for the k-quants: Q8_K activations (`activation_quant`) times Q4_K / Q5_K / Q6_K blocks.
 
 No argument checks here: the caller validates first. Legend as `_block_gemm_int_jit`: M rows of x, K
 input features (a multiple of 256), N output features, L int32 lanes of the dot product (`host_dot`),
@@ -6,24 +6,26 @@ MR rows of x per tile (`BLOCK_SPECS`). Each entry point is kernel(q, d, sums, w,
 d float32 `[M, K / 256]`, sums int32 `[M, K / 16]` (Q8_K's bsums), w uint8 `[N, K / 256 * bytes]`
 (C-contiguous), y float32 `[M, N]`; q, d, sums and y with unit-stride rows.
 
-Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q4_K_q8_K`, `ggml_vec_dot_q6_K_q8_K`):
+Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q4_K_q8_K`, `_q5_K_q8_K`, `_q6_K_q8_K`):
 the weight's scales are unpacked once per super-block and row of W, shared by the rows of x of a tile;
 each sub-block of 32 is one dot product of unsigned weight quants and x's int8 quants with the scale
 folded in (`_scaled_dot`: `vpmaddubsw` then `vpmaddwd` by the scales, or `vpdpbusd` then a multiply,
-or int16 products), summed in int32 over the whole super-block (exact: at most 256 * 63 * 128 * 128 in
-magnitude), then one float combine per super-block and row of x:
+or int16 products), summed in int32 over the whole super-block (exact: each sum is at most
+256 * 128 * 63 * 127 + 32 * 256 * 128 * 127 < 2^29 in magnitude), then one float combine per
+super-block and row of x:
 
     Q4_K  (q 0 .. 15, sc and mn 6 bits per 32, `get_scale_min_k4`):
           acc += f(isum) * (d_w d_x);  acc += f(msum) * -(dmin_w d_x)
           isum = sum_s sc_s (q_s . x_s),  msum = sum_s mn_s (bsums[2s] + bsums[2s + 1])
+    Q5_K  as Q4_K, q 0 .. 31: the nibble plus bit s of qh[l] at bit 4
     Q6_K  (q = ql nibble | qh 2 bits << 4, 0 .. 63; the weight is q - 32; sc int8 per 16):
           acc += f(isum) * (d_w d_x),  isum = sum_t sc_t (q_t . x_t) - 32 sum_t sc_t bsums[t]
 
 acc is one `<L x float>` per row of x (the lanes of isum and msum are added lane by lane; msum's 8
 lanes are folded to L first, in int32), summed across lanes at the end of the row. So y[m, n] carries
-per super-block the rounding of d_w d_x (or dmin_w d_x), of the int32-to-float conversion (exact below
-2^24) and of its FMAs (two for Q4_K, one for Q6_K), then log2 L roundings of the lane sum, whatever
-tile of rows of W or x it is computed in: the rows of a tile share only integer work.
+per super-block the rounding of d_w d_x (or dmin_w d_x), of the int32-to-float conversion (exact
+below 2^24) and of its FMAs (two for Q4_K and Q5_K, one for Q6_K), then log2 L roundings of the lane
+sum, whatever tile of rows of W or x it is computed in: the rows of a tile share only integer work.
 """
 
 # pyright: basic
@@ -43,9 +45,9 @@ from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, _x86, ho
 
 __all__: list[str] = []
 
-KQUANT_INT_FORMATS = ("q4_k", "q6_k")
+KQUANT_INT_FORMATS = ("q4_k", "q6_k", "q5_k")
 """Weight formats with an integer-dot kernel here, in the order of the entry points' codes."""
-_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210}
+_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q5_k": 176}
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in KQUANT_INT_FORMATS]
 _I32V16 = v.vec(16, v.I32)
 
@@ -138,16 +140,22 @@ def _k4_scales_mins(builder, block):
     return builder.bitcast(words, v.vec(16, v.I8))
 
 
-def _q4_k_block(builder, here, how):
-    """Per super-block of a Q4_K row: (8 weight vectors `<32 x i8>` 0 .. 15, one per sub-block s,
-        the scale source for `_scaled_dot`, the mins `<16 x i16>` (each twice: mn0, mn0, mn1, ..., the
-    weights of the bsums), d_w, dmin_w as float)."""
+def _q4_k_block(builder, here, how, fifth=False):
+    """Per super-block of a Q4_K row (Q5_K with `fifth`): (8 weight vectors `<32 x i8>`, one per
+    sub-block s: 0 .. 15, Q5_K's 0 .. 31 with bit s of qh[l] at bit 4; the scale source for
+    `_scaled_dot`, the mins `<8 x i32>`, d_w, dmin_w as float)."""
     ms = _k4_scales_mins(builder, here)
+    byte = v.vec(32, v.I8)
+    qh = v.load_vec(builder, here, 16, byte) if fifth else None
     quants = []
     for pair in range(4):  # 32 bytes: sub-block 2 pair in the low nibbles, 2 pair + 1 in the high
-        raw = v.load_vec(builder, here, 16 + 32 * pair, v.vec(32, v.I8))
-        quants.append(builder.and_(raw, v.splat(v.vec(32, v.I8), 15)))
-        quants.append(builder.lshr(raw, v.splat(v.vec(32, v.I8), 4)))
+        raw = v.load_vec(builder, here, (48 if fifth else 16) + 32 * pair, byte)
+        low, high = builder.and_(raw, v.splat(byte, 15)), builder.lshr(raw, v.splat(byte, 4))
+        for s, q in ((2 * pair, low), (2 * pair + 1, high)):
+            if qh is not None:
+                bit = builder.and_(builder.lshr(qh, v.splat(byte, s)), v.splat(byte, 1))
+                q = builder.or_(q, builder.shl(bit, v.splat(byte, 4)))
+            quants.append(q)
     mins = builder.zext(_shuffle(builder, ms, range(8, 16)), v.vec(8, v.I32))
     dw, dmin = v.half_to_float(builder, here), v.half_to_float(builder, v.at(builder, here, 2))
     return quants, _scale_source(builder, ms, how, False), mins, dw, dmin
@@ -204,8 +212,8 @@ def _codegen(isa, fmt):
             s_rows = [v.at(builder, sa.data, builder.mul(ri, s_stride)) for ri in r]
             with v.loop(builder, blocks) as b:
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
-                if fmt == "q4_k":
-                    quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how)
+                if fmt in ("q4_k", "q5_k"):
+                    quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how, fmt == "q5_k")
                     subs = [(s, s) for s in range(8)]
                 else:
                     quants, scales, sc16, dw = _q6_k_block(builder, here, how)
@@ -221,7 +229,7 @@ def _codegen(isa, fmt):
                     bsums = v.load_vec(builder, s_rows[i], builder.mul(b, v.I64(16)), _I32V16)
                     dx = builder.load(v.at(builder, d_rows[i], b))
                     total = builder.load(acc[i])
-                    if fmt == "q4_k":
+                    if fmt in ("q4_k", "q5_k"):
                         # lane s: mn_s (bsums[2s] + bsums[2s + 1]); narrowing to int16 and vpmaddwd
                         # (as Q6_K's correction) measured slower at one row of x
                         msum = _fold(builder, builder.mul(_fold(builder, bsums, 8), mins), lanes)
@@ -283,23 +291,38 @@ def avx512_q6_k(q, d, s, w, y):
 
 
 @numba.njit(**_JIT)
-def avx2_q4_k(q, d, s, w, y):
+def avx512_q5_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 2)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q6_k(q, d, s, w, y):
+def avx2_q4_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 3)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_k(q, d, s, w, y):
+def avx2_q6_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 4)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q6_k(q, d, s, w, y):
+def avx2_q5_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 5)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 6)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q6_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 7)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 8)  # pyright: ignore[reportCallIssue]
 
 
 ENTRY_POINTS = {key: globals()[f"{key[0]}_{key[1]}"] for key in _KEYS}
