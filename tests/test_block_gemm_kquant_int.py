@@ -1,16 +1,18 @@
-"""kernels/_block_gemm_kquant_int_jit.py: integer dot products of Q8_K activations and Q4_K / Q5_K / Q6_K blocks.
+"""kernels/_block_gemm_kquant_int_jit.py: integer dot products of Q8_K activations and k-quant blocks.
 
 Oracle: exact NumPy int64 arithmetic on the same quants (x's from `quantize_activations(x, "q8_k")`,
-the weight's integer q, sc, mn decoded here from the bytes as ggml's `dequantize_row_q4_K`,
-`_q5_K` and `_q6_K` loops read them), combined in float64. The kernel may differ only by its float32
-roundings; per super-block b and lane it adds c_b D_b to an accumulator, c_b an exact int32 sum and
-D_b = d_w d_x (or -dmin_w d_x) rounded once, c_b converted to float32 (exact below 2^24, else one
-rounding), one FMA each (two per super-block for Q4_K, one for Q6_K), then log2 L additions of the
-lanes. With u = eps / 2 the first-order bound is (F B + 2 + log2 L) u sum |terms|, F the FMAs per
-super-block and B = K / 256; the test allows (2 B + log2 L + 4) eps sum |terms|, about twice that,
-where sum |terms| is sum_b |D_b| times the sum of the magnitudes of the integers the kernel adds:
-Q4_K, Q5_K  sum_s sc_s sum |q qx| + (dmin) sum_s mn_s |S_s|    (S_s = x's quants summed over sub-block s),
-Q6_K        sum_t |sc_t| (sum q6 |qx| + 32 |S_t|)               (q6 = 0 .. 63 before the - 32, t per 16).
+the weight's integer q, sc, mn decoded here from the bytes as ggml's `dequantize_row_q2_K` .. `_q6_K`
+loops read them), combined in float64. The kernel may differ only by its float32 roundings: per
+super-block b and lane it adds c_b D_b to an accumulator, c_b an exact int32 sum and D_b = d_w d_x
+(or -dmin_w d_x) rounded once, c_b converted to float32 (exact below 2^24, else one rounding), by F
+FMAs (F = 2 with minimums: Q2_K, Q4_K, Q5_K; F = 1 for Q3_K, Q6_K), then log2 L additions of the
+lanes. With u = eps / 2 the first-order bound is (F B + 2 + log2 L) u sum |terms|, B = K / 256; the
+test allows (F B + log2 L + 4) eps sum |terms|, about twice that, where sum |terms| is sum_b |D_b|
+times the magnitudes of the integers the kernel adds (S_j: x's quants summed over the run j of one
+scale; q before the offset o subtracted, o = 32 for Q6_K, 4 for Q3_K, else 0):
+
+    sum_j |sc_j| (sum |q qx| + o |S_j|)  +  (with minimums, at dmin_w) sum_j mn_j |S_j|
+
 Also: every row tile gives the same bits (M = 9 at once against each row alone, slices of W's rows,
 a strided y), and the float32-activation kernel `block_gemm.block_linear` agrees within the
 quantization of x; on every kernel variant (their loops run on any CPU).
@@ -102,14 +104,69 @@ def q6_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
     return {"d": _half(raw, 208), "q": q, "sc": sc}
 
 
+def _two_bit_quants(b: np.ndarray, start: int) -> np.ndarray:
+    """The 2-bit quants `[N, B, 256]` of the 64 bytes at `start` (`dequantize_row_q2_K`'s loop: value
+    128 h + 32 j + l is bits 2 j of byte 32 h + l)."""
+    q = np.zeros((*b.shape[:2], 256), np.int64)
+    for h in range(2):
+        for j in range(4):
+            q[..., 128 * h + 32 * j : 128 * h + 32 * j + 32] = (
+                b[..., start + 32 * h : start + 32 * h + 32] >> 2 * j
+            ) & 3
+    return q
+
+
+def q2_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q2_K blocks uint8 `[N, B * 84]` -> d, dmin float64 `[N, B]`; q (0 .. 3), sc, mn (the low and
+    high nibble of its 16's scale byte) int64 `[N, B, 256]`, as `dequantize_row_q2_K`."""
+    raw = blocks.reshape(blocks.shape[0], -1, 84)
+    b = raw.astype(np.int64)
+    scales = np.repeat(b[..., 0:16], 16, axis=2)
+    return {
+        "d": _half(raw, 80),
+        "dmin": _half(raw, 82),
+        "q": _two_bit_quants(b, 16),
+        "sc": scales & 15,
+        "mn": scales >> 4,
+    }
+
+
+def q3_k_quants(blocks: np.ndarray) -> dict[str, np.ndarray]:
+    """Q3_K blocks uint8 `[N, B * 110]` -> d float64 `[N, B]`; q (0 .. 7: the 2 bits plus 4 where bit
+    4 h + j of hmask[l] is set; the weight is q - 4) and sc (its 16's 6-bit scale minus 32) int64
+    `[N, B, 256]`, as `dequantize_row_q3_K`."""
+    raw = blocks.reshape(blocks.shape[0], -1, 110)
+    b = raw.astype(np.int64)
+    q = _two_bit_quants(b, 32)
+    for g in range(8):
+        q[..., 32 * g : 32 * g + 32] += 4 * ((b[..., 0:32] >> g) & 1)
+    s = b[..., 96:108]
+    sc = np.zeros((*b.shape[:2], 16), np.int64)
+    for j in range(16):
+        low = s[..., j] & 15 if j < 8 else s[..., j - 8] >> 4
+        sc[..., j] = (low | ((s[..., 8 + j % 4] >> 2 * (j // 4)) & 3) << 4) - 32
+    return {"d": _half(raw, 108), "q": q, "sc": np.repeat(sc, 16, axis=2)}
+
+
+SUB = {"q2_k": 16, "q3_k": 16, "q4_k": 32, "q5_k": 32, "q6_k": 16}
+"""Values per scale."""
+OFFSET = {"q3_k": 4, "q6_k": 32}
+"""What the weight's quant has subtracted (the weight is sc (q - offset))."""
+
+
+def int_fields(blocks: np.ndarray, fmt: str) -> dict[str, np.ndarray]:
+    """The integer fields of `fmt`'s blocks (q, sc; dmin, mn for the formats with minimums) and d."""
+    if fmt in ("q4_k", "q5_k"):
+        return q4_k_quants(blocks, fmt == "q5_k")
+    return {"q2_k": q2_k_quants, "q3_k": q3_k_quants, "q6_k": q6_k_quants}[fmt](blocks)
+
+
 def decoded(blocks: np.ndarray, fmt: str) -> np.ndarray:
     """The weights float64 `[N, K]` from the integer fields (checked against `dequantize_blocks`)."""
-    if fmt in ("q4_k", "q5_k"):
-        f = q4_k_quants(blocks, fmt == "q5_k")
-        w = f["d"][..., None] * f["sc"] * f["q"] - f["dmin"][..., None] * f["mn"]
-    else:
-        f = q6_k_quants(blocks)
-        w = f["d"][..., None] * f["sc"] * (f["q"] - 32)
+    f = int_fields(blocks, fmt)
+    w = f["d"][..., None] * f["sc"] * (f["q"] - OFFSET.get(fmt, 0))
+    if "dmin" in f:
+        w = w - f["dmin"][..., None] * f["mn"]
     return w.reshape(blocks.shape[0], -1)
 
 
@@ -119,28 +176,23 @@ def exact_and_bound(
     """(the exact float64 combine of the int64 super-block sums `[M, N]`, the float32 rounding bound)."""
     m, k = xq.q.shape
     qx = xq.q.reshape(m, -1, 256).astype(np.int64)  # [M, B, 256]
-    sub = 16 if fmt == "q6_k" else 32
-    runs = qx.reshape(m, qx.shape[1], -1, sub).sum(axis=3)  # S per sub-block [M, B, 256 / sub]
+    sub, offset = SUB[fmt], OFFSET.get(fmt, 0)
+    runs = qx.reshape(m, qx.shape[1], -1, sub).sum(axis=3)  # S per scale [M, B, 256 / sub]
     np.testing.assert_array_equal(xq.sums, qx.reshape(m, -1, 16).sum(axis=2))  # bsums: x's quants per 16
     spread = np.repeat(runs, sub, axis=2)  # [M, B, 256]: each value's S
     dx = xq.d.astype(np.float64)[:, None, :]  # [M, 1, B]
-    if fmt in ("q4_k", "q5_k"):
-        f = q4_k_quants(blocks, fmt == "q5_k")
-        isum = np.einsum("mbl,nbl->mnb", qx, f["sc"] * f["q"])
-        msum = np.einsum("mbl,nbl->mnb", qx, f["mn"])
-        terms = f["d"][None] * dx * isum - f["dmin"][None] * dx * msum
-        mag_i = np.einsum("mbl,nbl->mnb", np.abs(qx), f["sc"] * f["q"]).astype(np.float64)
-        mag_m = np.einsum("mbl,nbl->mnb", np.abs(spread), f["mn"]).astype(np.float64) / sub
-        sizes = np.abs(f["d"][None] * dx) * mag_i + np.abs(f["dmin"][None] * dx) * mag_m
+    f = int_fields(blocks, fmt)
+    dot = lambda a, w: np.einsum("mbl,nbl->mnb", a, w)  # noqa: E731  (int64, exact)
+    terms = f["d"][None] * dx * dot(qx, f["sc"] * (f["q"] - offset))
+    mags = dot(np.abs(qx), np.abs(f["sc"]) * f["q"]) + offset * dot(np.abs(spread), np.abs(f["sc"])) // sub
+    sizes = np.abs(f["d"][None] * dx) * mags.astype(np.float64)
+    per_block = 1
+    if "dmin" in f:
+        terms = terms - f["dmin"][None] * dx * dot(qx, f["mn"])
+        sizes = sizes + np.abs(f["dmin"][None] * dx) * (dot(np.abs(spread), f["mn"]) // sub).astype(
+            np.float64
+        )
         per_block = 2
-    else:
-        f = q6_k_quants(blocks)
-        isum = np.einsum("mbl,nbl->mnb", qx, f["sc"] * (f["q"] - 32))
-        terms = f["d"][None] * dx * isum
-        mags = np.einsum("mbl,nbl->mnb", np.abs(qx), np.abs(f["sc"]) * f["q"])
-        mags = mags + 32 * np.einsum("mbl,nbl->mnb", np.abs(spread), np.abs(f["sc"])) // sub
-        sizes = np.abs(f["d"][None] * dx) * mags.astype(np.float64)
-        per_block = 1
     roundings = per_block * (k // 256) + math.log2(lanes) + 4
     return terms.sum(axis=2), roundings * EPS32 * sizes.sum(axis=2)
 

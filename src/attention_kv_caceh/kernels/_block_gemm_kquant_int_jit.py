@@ -1,4 +1,4 @@
-"""Integer-dot kernels for the k-quants: Q8_K activations (`activation_quant`) times Q4_K / Q5_K / Q6_K blocks.
+"""Integer-dot kernels for the k-quants: Q8_K activations (`activation_quant`) times Q2_K .. Q6_K blocks.
 
 No argument checks here: the caller validates first. Legend as `_block_gemm_int_jit`: M rows of x, K
 input features (a multiple of 256), N output features, L int32 lanes of the dot product (`host_dot`),
@@ -6,7 +6,7 @@ MR rows of x per tile (`BLOCK_SPECS`). Each entry point is kernel(q, d, sums, w,
 d float32 `[M, K / 256]`, sums int32 `[M, K / 16]` (Q8_K's bsums), w uint8 `[N, K / 256 * bytes]`
 (C-contiguous), y float32 `[M, N]`; q, d, sums and y with unit-stride rows.
 
-Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q4_K_q8_K`, `_q5_K_q8_K`, `_q6_K_q8_K`):
+Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q2_K_q8_K` .. `ggml_vec_dot_q6_K_q8_K`):
 the weight's scales are unpacked once per super-block and row of W, shared by the rows of x of a tile;
 each sub-block of 32 is one dot product of unsigned weight quants and x's int8 quants with the scale
 folded in (`_scaled_dot`: `vpmaddubsw` then `vpmaddwd` by the scales, or `vpdpbusd` then a multiply,
@@ -20,12 +20,16 @@ super-block and row of x:
     Q5_K  as Q4_K, q 0 .. 31: the nibble plus bit s of qh[l] at bit 4
     Q6_K  (q = ql nibble | qh 2 bits << 4, 0 .. 63; the weight is q - 32; sc int8 per 16):
           acc += f(isum) * (d_w d_x),  isum = sum_t sc_t (q_t . x_t) - 32 sum_t sc_t bsums[t]
+    Q2_K  (q 2 bits, 0 .. 3; sc, mn the nibbles of one byte per 16): as Q4_K, msum = sum_t mn_t bsums[t]
+    Q3_K  (u = 2 bits | hmask bit << 2, 0 .. 7; the weight is u - 4; sc 6 bits - 32 per 16):
+          as Q6_K with 4 for 32
 
-acc is one `<L x float>` per row of x (the lanes of isum and msum are added lane by lane; msum's 8
-lanes are folded to L first, in int32), summed across lanes at the end of the row. So y[m, n] carries
-per super-block the rounding of d_w d_x (or dmin_w d_x), of the int32-to-float conversion (exact
-below 2^24) and of its FMAs (two for Q4_K and Q5_K, one for Q6_K), then log2 L roundings of the lane
-sum, whatever tile of rows of W or x it is computed in: the rows of a tile share only integer work.
+acc is one `<L x float>` per row of x (the lanes of isum and msum are added lane by lane; msum's
+lanes are folded to L first, in int32), summed across lanes at the end of the row. So y[m, n]
+carries per super-block the rounding of d_w d_x (or dmin_w d_x), of the int32-to-float conversion
+(exact below 2^24) and of its FMAs (two with minimums: Q2_K, Q4_K, Q5_K; one for Q3_K, Q6_K), then
+log2 L roundings of the lane sum, whatever tile of rows of W or x it is computed in: the rows of a
+tile share only integer work.
 """
 
 # pyright: basic
@@ -45,9 +49,9 @@ from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, _x86, ho
 
 __all__: list[str] = []
 
-KQUANT_INT_FORMATS = ("q4_k", "q6_k", "q5_k")
+KQUANT_INT_FORMATS = ("q4_k", "q6_k", "q5_k", "q2_k", "q3_k")
 """Weight formats with an integer-dot kernel here, in the order of the entry points' codes."""
-_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q5_k": 176}
+_BLOCK_BYTES = {"q4_k": 144, "q6_k": 210, "q5_k": 176, "q2_k": 84, "q3_k": 110}
 _KEYS = [(isa, fmt) for isa in BLOCK_SPECS for fmt in KQUANT_INT_FORMATS]
 _I32V16 = v.vec(16, v.I32)
 
@@ -183,6 +187,70 @@ def _q6_k_block(builder, here, how):
     return quants, _scale_source(builder, sc, how, True), builder.sext(sc, v.vec(16, v.I16)), dw
 
 
+def _two_bit_runs(builder, here, start):
+    """Q2_K / Q3_K: the 2-bit quants of the 64 bytes at `start` as 8 runs `<32 x i8>` (run g: bits
+    2 (g % 4) of bytes 32 (g // 4) + l)."""
+    byte = v.vec(32, v.I8)
+    runs = []
+    for half in range(2):
+        raw = v.load_vec(builder, here, start + 32 * half, byte)
+        for shift in range(4):
+            runs.append(builder.and_(builder.lshr(raw, v.splat(byte, 2 * shift)), v.splat(byte, 3)))
+    return runs
+
+
+def _q2_k_block(builder, here, how):
+    """Per super-block of a Q2_K row: (8 runs `<32 x i8>` 0 .. 3, the scale source of the 16
+    sc = scales[j] & 15, the 16 mn = scales[j] >> 4 as `<16 x i16>`, d_w, dmin_w as float)."""
+    scales = v.load_vec(builder, here, 0, v.vec(16, v.I8))
+    sc = builder.and_(scales, v.splat(v.vec(16, v.I8), 15))
+    mn = builder.zext(builder.lshr(scales, v.splat(v.vec(16, v.I8), 4)), v.vec(16, v.I16))
+    dw, dmin = (
+        v.half_to_float(builder, v.at(builder, here, 80)),
+        v.half_to_float(builder, v.at(builder, here, 82)),
+    )
+    return _two_bit_runs(builder, here, 16), _scale_source(builder, sc, how, False), mn, dw, dmin
+
+
+def _k3_scales(builder, here):
+    """Q3_K's 16 six-bit scales minus 32, `<16 x i8>` (-32 .. 31), from the 12 bytes at 96 as ggml's
+    x86 kernel unpacks them (three uint32 words, masks 0x0f0f0f0f and 0x03030303)."""
+    word = lambda j: builder.load(  # noqa: E731
+        builder.bitcast(v.at(builder, here, 96 + 4 * j), v.I32.as_pointer()), align=1
+    )
+    a0, a1, tmp = word(0), word(1), word(2)
+    k1, k2 = v.I32(0x03030303), v.I32(0x0F0F0F0F)
+
+    def high(shift):  # two bits of each byte of tmp, at bits 4, 5
+        return builder.shl(builder.and_(builder.lshr(tmp, v.I32(shift)), k1), v.I32(4))
+
+    parts = (
+        builder.or_(builder.and_(a0, k2), high(0)),
+        builder.or_(builder.and_(a1, k2), high(2)),
+        builder.or_(builder.and_(builder.lshr(a0, v.I32(4)), k2), high(4)),
+        builder.or_(builder.and_(builder.lshr(a1, v.I32(4)), k2), high(6)),
+    )
+    words = ir.Constant(v.vec(4, v.I32), None)
+    for i, value in enumerate(parts):
+        words = builder.insert_element(words, value, v.I64(i))
+    return builder.sub(builder.bitcast(words, v.vec(16, v.I8)), v.splat(v.vec(16, v.I8), 32))
+
+
+def _q3_k_block(builder, here, how):
+    """Per super-block of a Q3_K row: (8 runs `<32 x i8>` u = q2 | hbit << 2, 0 .. 7 (the weight is
+    u - 4: ggml subtracts 4 where bit g of hmask[l] is clear), the scale source, the 16 scales as
+    `<16 x i16>`, d_w as float)."""
+    byte = v.vec(32, v.I8)
+    hmask = v.load_vec(builder, here, 0, byte)
+    runs = []
+    for g, q in enumerate(_two_bit_runs(builder, here, 32)):
+        bit = builder.and_(builder.lshr(hmask, v.splat(byte, g)), v.splat(byte, 1))
+        runs.append(builder.or_(q, builder.shl(bit, v.splat(byte, 2))))
+    sc = _k3_scales(builder, here)
+    dw = v.half_to_float(builder, v.at(builder, here, 108))
+    return runs, _scale_source(builder, sc, how, True), builder.sext(sc, v.vec(16, v.I16)), dw
+
+
 def _codegen(isa, fmt):
     heights = BLOCK_SPECS[isa][1]
     how, lanes = host_dot(isa)
@@ -212,11 +280,16 @@ def _codegen(isa, fmt):
             s_rows = [v.at(builder, sa.data, builder.mul(ri, s_stride)) for ri in r]
             with v.loop(builder, blocks) as b:
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
+                dmin = mins = sc16 = None
                 if fmt in ("q4_k", "q5_k"):
                     quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how, fmt == "q5_k")
                     subs = [(s, s) for s in range(8)]
+                elif fmt == "q2_k":
+                    quants, scales, mins, dw, dmin = _q2_k_block(builder, here, how)
+                    subs = [(2 * t, 2 * t + 1) for t in range(8)]
                 else:
-                    quants, scales, sc16, dw = _q6_k_block(builder, here, how)
+                    block = _q6_k_block if fmt == "q6_k" else _q3_k_block
+                    quants, scales, sc16, dw = block(builder, here, how)
                     subs = [(2 * t, 2 * t + 1) for t in range(8)]
                 k0 = builder.mul(b, v.I64(256))
                 isum = [None] * rows
@@ -229,30 +302,29 @@ def _codegen(isa, fmt):
                     bsums = v.load_vec(builder, s_rows[i], builder.mul(b, v.I64(16)), _I32V16)
                     dx = builder.load(v.at(builder, d_rows[i], b))
                     total = builder.load(acc[i])
-                    if fmt in ("q4_k", "q5_k"):
-                        # lane s: mn_s (bsums[2s] + bsums[2s + 1]); narrowing to int16 and vpmaddwd
-                        # (as Q6_K's correction) measured slower at one row of x
-                        msum = _fold(builder, builder.mul(_fold(builder, bsums, 8), mins), lanes)
-                        total = v.fma(
-                            builder,
-                            builder.sitofp(isum[i], v.vec(lanes)),
-                            v.broadcast(builder, builder.fmul(dw, dx), lanes),
-                            total,
-                        )
+                    ints = isum[i]
+                    if sc16 is not None:  # Q6_K: q - 32, Q3_K: u - 4, as sc (q . x) - 32 (or 4) sc bsums
+                        corr = _weighted_bsums(builder, bsums, sc16, how, lanes)
+                        shift = 5 if fmt == "q6_k" else 2
+                        ints = builder.sub(ints, builder.shl(corr, v.splat(v.vec(lanes, v.I32), shift)))
+                    total = v.fma(
+                        builder,
+                        builder.sitofp(ints, v.vec(lanes)),
+                        v.broadcast(builder, builder.fmul(dw, dx), lanes),
+                        total,
+                    )
+                    if dmin is not None:
+                        if fmt == "q2_k":  # a min per 16: mn_j bsums[j]
+                            msum = _weighted_bsums(builder, bsums, mins, how, lanes)
+                        else:
+                            # lane s: mn_s (bsums[2s] + bsums[2s + 1]); narrowing to int16 and vpmaddwd
+                            # (as Q6_K's correction) measured slower at one row of x
+                            msum = _fold(builder, builder.mul(_fold(builder, bsums, 8), mins), lanes)
                         scale = builder.fneg(builder.fmul(dmin, dx))
                         total = v.fma(
                             builder,
                             builder.sitofp(msum, v.vec(lanes)),
                             v.broadcast(builder, scale, lanes),
-                            total,
-                        )
-                    else:
-                        corr = _weighted_bsums(builder, bsums, sc16, how, lanes)
-                        ints = builder.sub(isum[i], builder.shl(corr, v.splat(v.vec(lanes, v.I32), 5)))
-                        total = v.fma(
-                            builder,
-                            builder.sitofp(ints, v.vec(lanes)),
-                            v.broadcast(builder, builder.fmul(dw, dx), lanes),
                             total,
                         )
                     builder.store(total, acc[i])
@@ -296,33 +368,63 @@ def avx512_q5_k(q, d, s, w, y):
 
 
 @numba.njit(**_JIT)
-def avx2_q4_k(q, d, s, w, y):
+def avx512_q2_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 3)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q6_k(q, d, s, w, y):
+def avx512_q3_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 4)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def avx2_q5_k(q, d, s, w, y):
+def avx2_q4_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 5)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q4_k(q, d, s, w, y):
+def avx2_q6_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 6)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q6_k(q, d, s, w, y):
+def avx2_q5_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 7)  # pyright: ignore[reportCallIssue]
 
 
 @numba.njit(**_JIT)
-def neon_q5_k(q, d, s, w, y):
+def avx2_q2_k(q, d, s, w, y):
     _kquant_matmul(q, d, s, w, y, 8)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def avx2_q3_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 9)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q4_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 10)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q6_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 11)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q5_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 12)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q2_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 13)  # pyright: ignore[reportCallIssue]
+
+
+@numba.njit(**_JIT)
+def neon_q3_k(q, d, s, w, y):
+    _kquant_matmul(q, d, s, w, y, 14)  # pyright: ignore[reportCallIssue]
 
 
 ENTRY_POINTS = {key: globals()[f"{key[0]}_{key[1]}"] for key in _KEYS}
