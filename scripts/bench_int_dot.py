@@ -7,8 +7,9 @@ dot products). Each figure is the best of 7 rounds of 100 calls, microseconds pe
 paths alternate within a round.
 
 With --kquants: W [576, 1536] (the real model's down_proj shape, K = 1536 = 6 super-blocks) in each
-k-quant (Q4_K, Q6_K, Q5_K, Q2_K, Q3_K), random blocks with finite float16 scales (the k-quants have no quantizer here), against
-`_block_gemm_kquant_int_jit` (x quantized to Q8_K once per call, included).
+k-quant (Q4_K, Q6_K, Q5_K, Q2_K, Q3_K), random blocks with finite float16 scales (the k-quants have
+no quantizer here), against `_block_gemm_kquant_int_jit` (x quantized to Q8_K once per call,
+included).
 
     OPENBLAS_NUM_THREADS=1 uv run python scripts/bench_int_dot.py [--kquants]
 """
