@@ -80,16 +80,20 @@ def _fold(builder, ints, lanes):
 def _scaled_dot(builder, wq, xq, scales, lo, hi, how, lanes):
     """`<L x i32>` whose lanes sum to sum_l sc(l) wq[l] xq[l] over the 32 lanes of wq (unsigned
     `<32 x i8>`, at most 63) and xq (int8), sc(l) = scales[lo] for l < 16 and scales[hi] from 16.
-    `scales` is `<16 x i16>` for how "pmadd", `<16 x i32>` otherwise (`_scale_source`).
+    `scales` as `_scale_source` makes them; for pmadd lo and hi in the same eight.
 
     pmadd: `vpmaddubsw` (u8 x s8 pairs into int16: at most 2 * 63 * 128, no saturation) then
-    `vpmaddwd` by the scales (int16 pairs times int16 into int32). vnni: `vpdpbusd` (four products
+    `vpmaddwd` by the scales (int16 pairs times int16 into int32), spread by one `vpshufb`. vnni: `vpdpbusd` (four products
     into each of 8 int32 lanes), times the scales. generic: int16 products, neighbouring pairs added
     in int32 and folded to L (`_fold`), times the scales. In every form the first half of the lanes
     holds l < 16, so one scale vector [lo] * (L / 2) + [hi] * (L / 2) applies."""
     if how == "pmadd":
         pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v.vec(16, v.I16), [wq, xq])
-        sv = _shuffle(builder, scales, [lo] * 8 + [hi] * 8)
+        assert lo // 8 == hi // 8
+        mask = [b for at in (lo % 8, hi % 8) for b in [2 * at, 2 * at + 1] * 8]
+        bytes32 = v.vec(32, v.I8)
+        sv = _x86(builder, "llvm.x86.avx2.pshuf.b", bytes32, [scales[lo // 8], ir.Constant(bytes32, mask)])
+        sv = builder.bitcast(sv, v.vec(16, v.I16))
         return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, sv])
     if how == "vnni":
         ints = v.vec(8, v.I32)
@@ -117,9 +121,16 @@ def _weighted_bsums(builder, bsums, weights16, how, lanes):
 
 
 def _scale_source(builder, scales16, how, signed):
-    """The 16 scales `<16 x i8>` widened as `_scaled_dot` reads them (int16 for pmadd, else int32)."""
+    """The 16 scales `<16 x i8>` as `_scaled_dot` reads them: widened to `<16 x i32>`, or for pmadd
+    to int16 in two `<32 x i8>` vectors, scales 0 .. 7 in both 128-bit halves and 8 .. 15 in both
+    (so that one in-lane `vpshufb` spreads a scale over a half)."""
     widen = builder.sext if signed else builder.zext
-    return widen(scales16, v.vec(16, v.I16) if how == "pmadd" else _I32V16)
+    if how != "pmadd":
+        return widen(scales16, _I32V16)
+    words = widen(scales16, v.vec(16, v.I16))
+    return [
+        builder.bitcast(_shuffle(builder, words, list(range(h, h + 8)) * 2), v.vec(32, v.I8)) for h in (0, 8)
+    ]
 
 
 def _k4_scales_mins(builder, block):
