@@ -9,8 +9,8 @@ d float32 `[M, K / 256]`, sums int32 `[M, K / 16]` (Q8_K's bsums), w uint8 `[N, 
 Per super-block of 256 (ggml-cpu arch/x86/quants.c `ggml_vec_dot_q2_K_q8_K` .. `ggml_vec_dot_q6_K_q8_K`):
 the weight's scales are unpacked once per super-block and row of W, shared by the rows of x of a tile;
 each sub-block of 32 is one dot product of unsigned weight quants and x's int8 quants with the scale
-folded in (`_scaled_dot`: `vpmaddubsw` then `vpmaddwd` by the scales, or `vpdpbusd` then a multiply,
-or int16 products), summed in int32 over the whole super-block (exact: each sum is at most
+folded in (`_scaled_dot`: `vpmaddubsw` then `vpmaddwd` by the scales, or `vpdpwssd` with AVX-512
+VNNI, or int16 products), summed in int32 over the whole super-block (exact: each sum is at most
 256 * 128 * 63 * 127 + 32 * 256 * 128 * 127 < 2^29 in magnitude), then one float combine per
 super-block and row of x:
 
@@ -77,35 +77,43 @@ def _fold(builder, ints, lanes):
     return ints
 
 
-def _scaled_dot(builder, wq, xq, scales, lo, hi, how, lanes):
-    """`<L x i32>` whose lanes sum to sum_l sc(l) wq[l] xq[l] over the 32 lanes of wq (unsigned
-    `<32 x i8>`, at most 63) and xq (int8), sc(l) = scales[lo] for l < 16 and scales[hi] from 16.
-    `scales` as `_scale_source` makes them; for pmadd lo and hi in the same eight.
+def _scaled_dot(builder, wq, xq, scales, lo, hi, how, lanes, acc):
+    """acc (`<L x i32>`, or None for zero) plus a `<L x i32>` whose lanes sum to sum_l sc(l) wq[l]
+    xq[l] over the 32 lanes of wq (unsigned `<32 x i8>`, at most 63) and xq (int8), sc(l) =
+    scales[lo] for l < 16 and scales[hi] from 16. `scales` as `_scale_source` makes them; on x86 lo
+    and hi in the same eight.
 
-    pmadd: `vpmaddubsw` (u8 x s8 pairs into int16: at most 2 * 63 * 128, no saturation) then
-    `vpmaddwd` by the scales (int16 pairs times int16 into int32), spread by one `vpshufb`. vnni: `vpdpbusd` (four products
-    into each of 8 int32 lanes), times the scales. generic: int16 products, neighbouring pairs added
-    in int32 and folded to L (`_fold`), times the scales. In every form the first half of the lanes
-    holds l < 16, so one scale vector [lo] * (L / 2) + [hi] * (L / 2) applies."""
-    if how == "pmadd":
+    pmadd: `vpmaddubsw` (u8 x s8 pairs into int16: at most 2 * 63 * 128, no saturation), then
+    `vpmaddwd` by the scales (int16 pairs times int16 into int32; the scales spread by one
+    `vpshufb`) and an add. vnni: the same `vpmaddubsw`, then `vpdpwssd` (AVX-512 VNNI: `vpmaddwd`
+    and the add in one instruction; `vpdpbusd` would need an int32 multiply by the scale after it).
+    generic: int16 products, neighbouring pairs added in int32 and folded to L (`_fold`), times the
+    scales. In every form the first half of the lanes holds l < 16, so one scale vector [lo] * (L /
+    2) + [hi] * (L / 2) applies."""
+    if how in ("pmadd", "vnni"):
         pairs = _x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v.vec(16, v.I16), [wq, xq])
         assert lo // 8 == hi // 8
         mask = [b for at in (lo % 8, hi % 8) for b in [2 * at, 2 * at + 1] * 8]
         bytes32 = v.vec(32, v.I8)
         sv = _x86(builder, "llvm.x86.avx2.pshuf.b", bytes32, [scales[lo // 8], ir.Constant(bytes32, mask)])
-        sv = builder.bitcast(sv, v.vec(16, v.I16))
-        return _x86(builder, "llvm.x86.avx2.pmadd.wd", v.vec(8, v.I32), [pairs, sv])
-    if how == "vnni":
         ints = v.vec(8, v.I32)
-        a, b = builder.bitcast(wq, ints), builder.bitcast(xq, ints)
-        dot = _x86(builder, "llvm.x86.avx512.vpdpbusd.256", ints, [ir.Constant(ints, None), a, b])
-        return builder.mul(dot, _shuffle(builder, scales, [lo] * 4 + [hi] * 4))
+        if how == "vnni":
+            start = ir.Constant(ints, None) if acc is None else acc
+            return _x86(
+                builder,
+                "llvm.x86.avx512.vpdpwssd.256",
+                ints,
+                [start, builder.bitcast(pairs, ints), builder.bitcast(sv, ints)],
+            )
+        dot = _x86(builder, "llvm.x86.avx2.pmadd.wd", ints, [pairs, builder.bitcast(sv, v.vec(16, v.I16))])
+        return dot if acc is None else builder.add(acc, dot)
     wide = v.vec(32, v.I16)
     prod = builder.mul(builder.zext(wq, wide), builder.sext(xq, wide))
     even = builder.sext(_shuffle(builder, prod, range(0, 32, 2)), _I32V16)
     odd = builder.sext(_shuffle(builder, prod, range(1, 32, 2)), _I32V16)
     dot = _fold(builder, builder.add(even, odd), lanes)
-    return builder.mul(dot, _shuffle(builder, scales, [lo] * (lanes // 2) + [hi] * (lanes // 2)))
+    dot = builder.mul(dot, _shuffle(builder, scales, [lo] * (lanes // 2) + [hi] * (lanes // 2)))
+    return dot if acc is None else builder.add(acc, dot)
 
 
 def _weighted_bsums(builder, bsums, weights16, how, lanes):
@@ -121,11 +129,11 @@ def _weighted_bsums(builder, bsums, weights16, how, lanes):
 
 
 def _scale_source(builder, scales16, how, signed):
-    """The 16 scales `<16 x i8>` as `_scaled_dot` reads them: widened to `<16 x i32>`, or for pmadd
+    """The 16 scales `<16 x i8>` as `_scaled_dot` reads them: widened to `<16 x i32>`, or on x86
     to int16 in two `<32 x i8>` vectors, scales 0 .. 7 in both 128-bit halves and 8 .. 15 in both
     (so that one in-lane `vpshufb` spreads a scale over a half)."""
     widen = builder.sext if signed else builder.zext
-    if how != "pmadd":
+    if how == "generic":
         return widen(scales16, _I32V16)
     words = widen(scales16, v.vec(16, v.I16))
     return [
@@ -307,8 +315,7 @@ def _codegen(isa, fmt):
                 for t, (lo, hi) in enumerate(subs):
                     for i in range(rows):
                         xq = v.load_vec(builder, q_rows[i], builder.add(k0, v.I64(32 * t)), v.vec(32, v.I8))
-                        dot = _scaled_dot(builder, quants[t], xq, scales, lo, hi, how, lanes)
-                        isum[i] = dot if isum[i] is None else builder.add(isum[i], dot)
+                        isum[i] = _scaled_dot(builder, quants[t], xq, scales, lo, hi, how, lanes, isum[i])
                 for i in range(rows):
                     bsums = v.load_vec(builder, s_rows[i], builder.mul(b, v.I64(16)), _I32V16)
                     dx = builder.load(v.at(builder, d_rows[i], b))
