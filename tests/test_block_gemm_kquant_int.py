@@ -28,7 +28,7 @@ import numpy as np
 from attention_kv_caceh.kernels import _block_gemm_kquant_int_jit as kq
 from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, host_dot
 from attention_kv_caceh.kernels.activation_quant import QuantizedActivations, quantize_activations
-from attention_kv_caceh.kernels.block_formats import dequantize_blocks
+from attention_kv_caceh.kernels.block_formats import FORMATS, dequantize_blocks
 from attention_kv_caceh.kernels.block_gemm import block_linear, block_weight
 from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
 from attention_kv_caceh.oracle import tolerance_for
@@ -230,6 +230,27 @@ class KQuantIntTest(unittest.TestCase):
                         error = np.abs(got.astype(np.float64) - want)
                         self.assertTrue((error <= bound).all(), f"{error.max():.3e} > {bound.min():.3e}")
                         self.assertTrue(np.isfinite(got).all())
+
+    def test_the_largest_quants_and_scales_stay_exact(self) -> None:
+        """Every byte 0xff, 0x80 or 0x7f (the largest q, and int8 scales -1, -128, 127 for Q6_K) against
+        x whose quants are all -127 or all 127: the int16 pairs of `vpmaddubsw` (at most 2 * 63 * 127)
+        and the int32 sums stay exact."""
+        x = np.stack([np.full(512, 0.5), np.full(512, -3.0), np.tile([1.0, -1.0], 256)]).astype(np.float32)
+        xq = quantize_activations(x, "q8_k")
+        for fmt in kq.KQUANT_INT_FORMATS:
+            row = FORMATS[fmt]
+            for fill in (0xFF, 0x80, 0x7F):
+                raw = np.full((2, 2, row.nbytes), fill, np.uint8)
+                for field in row.half_fields:
+                    at = row.field_offset(field)
+                    raw[..., at : at + 2] = np.array([0.75], "<f2").view(np.uint8)
+                raw = raw.reshape(2, -1)
+                for isa in ISA_NAMES:
+                    got = np.empty((3, 2), np.float32)
+                    run_kernel(xq, raw, fmt, isa, got)
+                    want, bound = exact_and_bound(xq, raw, fmt, host_dot(isa)[1])
+                    with self.subTest(fmt=fmt, fill=fill, isa=isa):
+                        self.assertTrue((np.abs(got - want) <= bound).all(), f"{got} {want}")
 
     def test_every_row_tile_gives_the_same_bits(self) -> None:
         rng = np.random.default_rng(1)
