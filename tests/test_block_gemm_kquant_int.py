@@ -13,9 +13,10 @@ scale; q before the offset o subtracted, o = 32 for Q6_K, 4 for Q3_K, else 0):
 
     sum_j |sc_j| (sum |q qx| + o |S_j|)  +  (with minimums, at dmin_w) sum_j mn_j |S_j|
 
-Also: every row tile gives the same bits (M = 9 at once against each row alone, slices of W's rows,
-a strided y), and the float32-activation kernel `block_gemm.block_linear` agrees within the
-quantization of x; on every kernel variant (their loops run on any CPU).
+Also: the largest quants and scales against x quants of +-127 stay exact, every row tile gives the
+same bits (M = 9 at once against each row alone, slices of W's rows, a strided y), and the
+float32-activation kernel `block_gemm.block_linear` agrees within the quantization of x; on every
+kernel variant (their loops run on any CPU).
 """
 
 from __future__ import annotations
