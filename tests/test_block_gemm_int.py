@@ -18,10 +18,13 @@ from attention_kv_caceh.kernels import _block_gemm_int_jit
 from attention_kv_caceh.kernels.activation_quant import activation_format_for, quantize_activations
 from attention_kv_caceh.kernels.block_formats import quantize_weight
 from attention_kv_caceh.kernels.block_gemm import block_weight
-from attention_kv_caceh.kernels.block_gemm_int import INT_FORMATS, dot_form, int_linear, int_linear_quantized
+from attention_kv_caceh.kernels.block_gemm_int import dot_form, int_linear, int_linear_quantized
 from attention_kv_caceh.kernels.isa import ISAS, SimdVariant
 from attention_kv_caceh.kernels.threads import set_threads
 
+INT_FORMATS = (
+    _block_gemm_int_jit.INT_FORMATS
+)  # the 32-weight types (the k-quants: test_block_gemm_kquant_int)
 VARIANTS = [SimdVariant(isa, *ISAS[isa], False, "test") for isa in _block_gemm_int_jit.BLOCK_SPECS]
 EPS32 = float(np.finfo(np.float32).eps)
 
@@ -58,7 +61,9 @@ def exact_and_bound(x: np.ndarray, blocks: np.ndarray, fmt: str, lanes: int) -> 
     dots = np.einsum("mbj,nbj->mnb", qx, qw)  # int64, exact
     mags = np.einsum("mbj,nbj->mnb", np.abs(qx), np.abs(qw)).astype(np.float64)
     dx = xq.d.astype(np.float64)[:, None, :]
-    sx = dx * qx.sum(axis=2)[:, None, :]  # d_x sum(qx), exact (the kernel reads Q8_1's float32 rounding of it)
+    sx = (
+        dx * qx.sum(axis=2)[:, None, :]
+    )  # d_x sum(qx), exact (the kernel reads Q8_1's float32 rounding of it)
     terms = dw[None] * dx * dots + mw[None] * sx
     sizes = dw[None] * np.abs(dx) * mags + np.abs(mw[None] * sx)
     roundings = x.shape[1] // 32 + math.log2(lanes) + 4
@@ -136,7 +141,7 @@ class IntBlockGemmTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             int_linear(x[:, :32], weight)
         with self.assertRaises(ValueError):
-            int_linear(x, block_weight(np.zeros((3, 8), np.uint8), "q4_k", VARIANTS[0]))
+            int_linear(x, block_weight(np.zeros((3, 128), np.uint8), "f16", VARIANTS[0]))  # no integer kernel
 
 
 if __name__ == "__main__":

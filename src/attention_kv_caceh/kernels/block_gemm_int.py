@@ -1,10 +1,12 @@
 """Linear layers over GGUF blocks with integer dot products: x quantized to 8 bits once per call.
 
 `block_gemm.block_linear` decodes each weight block to float32 in registers for every row of x; here
-x is quantized once per call to the 8-bit format ggml pairs with the weight's type (Q8_1 beside Q4_1,
-Q8_0 beside Q4_0 and Q8_0; `activation_quant`), and each block's products are integers summed in
-int32, scaled once by d_w d_x (plus Q4_1's m_w s_x; `_block_gemm_int_jit`, after ggml-cpu's
-`ggml_vec_dot_q4_1_q8_1`). The result differs from the float32-activation product by the
+x is quantized once per call to the 8-bit format paired with the weight's type (`activation_quant`:
+Q8_0 beside Q8_0, Q8_1 beside Q4_0 / Q4_1 / Q5_0 / Q5_1, Q8_K beside the k-quants), and each block's
+products are integers summed in int32, scaled once by d_w d_x (plus an offset term m_w s_x;
+`_block_gemm_int_jit`, after ggml-cpu's `ggml_vec_dot_q4_1_q8_1`), or for the k-quants once per
+super-block of 256 (`_block_gemm_kquant_int_jit`, after `ggml_vec_dot_q4_K_q8_K` and its siblings).
+The result differs from the float32-activation product by the
 quantization of x (half a step of d_x = max |x| / 127 per value and block); against exact int64
 arithmetic on the same quants it differs only by the float32 roundings of the per-block combine.
 
@@ -19,6 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from attention_kv_caceh.kernels import _block_gemm_int_jit as _jit
+from attention_kv_caceh.kernels import _block_gemm_kquant_int_jit as _kquant_jit
 from attention_kv_caceh.kernels.activation_quant import (
     QuantizedActivations,
     activation_format_for,
@@ -38,7 +41,11 @@ __all__ = [
     "int_linear_quantized_into",
 ]
 
-INT_FORMATS = _jit.INT_FORMATS
+INT_FORMATS = (*_jit.INT_FORMATS, *_kquant_jit.KQUANT_INT_FORMATS)
+"""Weight formats with an integer-dot kernel: the 32-weight types (`_block_gemm_int_jit`) and the
+k-quants against Q8_K (`_block_gemm_kquant_int_jit`)."""
+ENTRY_POINTS = {**_jit.ENTRY_POINTS, **_kquant_jit.ENTRY_POINTS}
+"""(isa, weight format) -> its compiled kernel `(x, w, y)`, x the tuple (q, d, sums)."""
 INT_PAIRS = {fmt: row.name for fmt in INT_FORMATS if (row := activation_format_for(fmt)) is not None}
 """Weight format with an integer-dot kernel -> the activation format it pairs with (`activation_quant`)."""
 F32Array = npt.NDArray[np.float32]
@@ -52,7 +59,7 @@ def dot_form(isa: str) -> tuple[str, int]:
 
 def has_int_kernel(weight: BlockWeight) -> bool:
     """Whether the weight's format and kernel variant have an integer-dot kernel."""
-    return (weight.isa, weight.format) in _jit.ENTRY_POINTS
+    return (weight.isa, weight.format) in ENTRY_POINTS
 
 
 def int_linear_quantized(
@@ -84,7 +91,7 @@ def int_linear_quantized_into(
 ) -> None:
     """The hot path of `int_linear_quantized`: no checks (a mismatch reads or writes out of bounds)."""
     sums = xq.sums if xq.sums.shape[1] else xq.d  # Q8_0: s is never read
-    kernel = _jit.ENTRY_POINTS[(weight.isa, weight.format)]
+    kernel = ENTRY_POINTS[(weight.isa, weight.format)]
     rows = weight.blocks.shape[0]
     if threads == 1 or rows <= _ROW_GROUP:
         kernel((xq.q, xq.d, sums), weight.blocks, out)
