@@ -177,9 +177,9 @@ class EngineConfig:
     )
     activations: str = option(
         "int8",
-        help="the linear layers' activations against GGUF blocks with an integer kernel (Q4_0, Q4_1, "
-        "Q5_0, Q5_1, Q8_0): int8 quantizes each row of x to 8 bits once per product (llama.cpp's Q8_0 / "
-        "Q8_1) and multiplies integers; float32 decodes the weights to float32 for each row",
+        help="the linear layers' activations against GGUF blocks with an integer kernel (Q4_0 to Q8_0, "
+        "Q2_K to Q6_K): int8 quantizes each row of x to 8 bits once per product (llama.cpp's Q8_0 / "
+        "Q8_1 / Q8_K) and multiplies integers; float32 decodes the weights to float32 for each row",
         choices=ACTIVATION_CHOICES,
     )
     speculative_config: SpeculativeConfig | None = option(
