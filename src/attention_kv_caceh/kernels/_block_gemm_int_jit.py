@@ -18,7 +18,8 @@ float32 roundings per term, whatever tile or chunk of rows of W or x it is compu
 The kernel walks W one row at a time (its blocks stream in file order, the next ones prefetched
 `_PREFETCH` bytes ahead) against tiles of MR rows of x, one accumulator per row of x. Tried on AVX2
 (Zen 3), W [49152, 576] in Q8_0 at one row of x: 2.6 ms with one row of W per tile against 4.9 with
-two rows and 6.3 with four side by side.
+two rows and 6.3 with four side by side. The loop over blocks is unrolled for tiles of one or two
+rows of x (Q8_0 above: 2.4 against 4.3 ms rolled), not for wider ones, which then spill.
 """
 
 # pyright: basic
@@ -158,7 +159,7 @@ def _codegen(isa, fmt):
             q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
             d_rows = [v.at(builder, da.data, builder.mul(ri, d_stride)) for ri in r]
             s_rows = [v.at(builder, sa.data, builder.mul(ri, d_stride)) for ri in r]
-            with v.loop(builder, blocks, unroll=False) as b:
+            with v.loop(builder, blocks, unroll=rows <= 2) as b:  # wider tiles spill when unrolled
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
                 v.prefetch(builder, v.at(builder, here, _PREFETCH))
                 wq, signed = _weight_quants(builder, fmt, here)
