@@ -189,6 +189,44 @@ class LoadLineTest(EngineCommandCase):
                 self.assertNotIn("compile included", out)
 
 
+class ExplicitThreadsWarningTest(EngineCommandCase):
+    """--threads N beside other processes' load: one warning, the count kept; the default measures nothing."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        from attention_kv_caceh.cpus import numba_pool_size, usable_cpus
+
+        if usable_cpus().count < 2 or numba_pool_size() < 2:
+            self.skipTest("needs two usable CPUs and a Numba pool of two")
+
+    def test_two_threads_beside_a_busy_cpu_warn_once_and_run_on_two(self) -> None:
+        from attention_kv_caceh import cpu_load
+
+        with unittest.mock.patch.object(cpu_load, "measure_others_busy", return_value=1.0) as measure:
+            code, out, err = self.generate("--prompt", "a", "--max-tokens", "2", "--threads", "2")
+        self.assertEqual(code, 0, err)
+        measure.assert_called_once()
+        warnings = [line for line in err.splitlines() if "warning" in line and "--threads" in line]
+        self.assertEqual(len(warnings), 1, err)
+        self.assertIn("generate: warning: --threads 2 on", warnings[0])
+        self.assertIn("keep 1.0 of them busy", warnings[0])
+        self.assertIn("the default (no --threads) follows the load", warnings[0])
+        self.assertIn("engine core: 2 threads", out)
+
+    def test_no_warning_on_free_cpus_and_no_measurement_at_the_default(self) -> None:
+        from attention_kv_caceh import cpu_load
+
+        for flags, calls in ((("--threads", "2"), 1), ((), 0), (("--threads", "1"), 0)):
+            with (
+                self.subTest(flags=flags),
+                unittest.mock.patch.object(cpu_load, "measure_others_busy", return_value=0.0) as measure,
+            ):
+                code, _, err = self.generate("--prompt", "a", "--max-tokens", "2", *flags)
+                self.assertEqual(code, 0, err)
+                self.assertEqual(measure.call_count, calls)
+                self.assertNotIn("--threads 2 on", err)
+
+
 class ReportOfGenerateFilesTest(EngineCommandCase):
     def test_report_lists_generate_output_and_trace_once_with_no_problem(self) -> None:
         from attention_kv_caceh.report.build import build_report

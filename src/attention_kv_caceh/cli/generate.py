@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, check_outputs
+from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, check_outputs, warn_if_threads_busy
 from attention_kv_caceh.cli.engine_args import (
     add_engine_arguments,
     check_prompts_fit,
@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         )
     prompt_ids = [plan.tokenizer.encode(p) for p in prompts]
     check_prompts_fit(plan, prompt_ids, params)
+    if plan.engine_config.threads is not None:
+        warn_if_threads_busy("generate", (plan.engine_config.threads,))
 
     from attention_kv_caceh.engine.llm_engine import LLMEngine
     from attention_kv_caceh.engine.model_runner import ModelRunner

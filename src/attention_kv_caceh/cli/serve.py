@@ -25,7 +25,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
+from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, warn_if_threads_busy
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
 from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(serve.engine_core_cpu)
     plan = dataclasses.replace(plan, engine_config=_core_threads(plan.engine_config, cpu))
+    if not plan.engine_config.follow_load and plan.engine_config.threads is not None:
+        warn_if_threads_busy("serve", (plan.engine_config.threads,))  # a count given is kept
     name = plan.source.name if serve.served_model_name is None else serve.served_model_name
     try:
         sock = listen(serve.host, serve.port)

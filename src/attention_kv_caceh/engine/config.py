@@ -180,7 +180,8 @@ class EngineConfig:
         None,
         help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
         "its cgroup's quota; serve: one less on four or more, for the API process; fewer while other "
-        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given)",
+        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given, with a warning "
+        "when other processes keep its CPUs busy at start)",
         metavar="N",
         minimum=1,
     )
