@@ -189,6 +189,48 @@ class LoadLineTest(EngineCommandCase):
                 self.assertNotIn("compile included", out)
 
 
+class KVPoolLineTest(EngineCommandCase):
+    """The default pool holds max_num_seqs requests of max_model_len; the first line gives its blocks and bytes."""
+
+    def test_the_default_pool_is_what_the_batch_needs_and_a_count_given_is_kept(self) -> None:
+        from attention_kv_caceh.engine.model_runner import ModelRunner
+        from attention_kv_caceh.memory import format_bytes
+        from attention_kv_caceh.model_executor.model_source import load_model_config
+
+        _, model_config = load_model_config(self.model)
+        per_block = ModelRunner.bytes_per_block(model_config, 16, "float32")
+        longest = model_config.max_position_embeddings
+        for flags, blocks in (
+            ((), 8 * -(-longest // 16)),
+            (("--max-num-seqs", "2", "--max-model-len", "100"), 2 * 7),
+            (("--num-kv-blocks", "5000"), 5000),
+        ):
+            with self.subTest(flags=flags):
+                code, out, err = self.generate("--prompt", "a", "--max-tokens", "2", *flags)
+                self.assertEqual(code, 0, err)
+                self.assertIn(
+                    f"{blocks} KV blocks of 16 tokens ({blocks * 16} positions, "
+                    f"{format_bytes(blocks * per_block)})",
+                    out.splitlines()[0],
+                )
+
+    def test_an_engine_built_without_the_cli_caps_its_default_pool_the_same_way(self) -> None:
+        engine = LLMEngine.from_pretrained(str(self.model), EngineConfig(max_num_seqs=2, max_model_len=64))
+        self.assertEqual(engine.scheduler.kv_cache_manager.num_blocks, 2 * 4)
+
+    def test_a_sliding_window_model_counts_each_groups_peak(self) -> None:
+        from attention_kv_caceh.cli.engine_args import plan_engine
+        from attention_kv_caceh.engine.kv_cache_manager import full_batch_blocks
+
+        folder = str(Path(__file__).parent / "data" / "gemma3")
+        plan = plan_engine(folder, {"max_num_seqs": 2, "block_size": 4, "max_num_batched_tokens": 16})
+        groups = plan.kv_cache_config.kv_cache_groups
+        self.assertGreater(len(groups), 1)
+        needed = full_batch_blocks(2, 4, plan.max_model_len, groups, 16)
+        self.assertEqual(plan.num_blocks, needed)
+        self.assertLess(needed, 2 * len(groups) * -(-plan.max_model_len // 4))  # the windows hold fewer
+
+
 class ExplicitThreadsWarningTest(EngineCommandCase):
     """--threads N beside other processes' load: one warning, the count kept; the default measures nothing."""
 

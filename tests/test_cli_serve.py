@@ -341,6 +341,7 @@ class ServeChildTest(unittest.TestCase):
         self.assertEqual(len(warnings), 1, err.getvalue())
         self.assertIn("serve: warning: --threads 2 on", warnings[0])
         self.assertIn("follows the load", warnings[0])
+        self.assertIn("KV cache: ", err.getvalue())  # the pool's blocks and bytes, beside the threads line
 
 
 class ListeningSocketTest(unittest.TestCase):

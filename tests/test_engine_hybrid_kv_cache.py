@@ -19,7 +19,12 @@ from attention_kv_caceh.engine.kv_cache_coordinator import (
     kv_cache_groups_for,
     layer_buffer_index,
 )
-from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, KVCacheManager, RequestTooLargeError
+from attention_kv_caceh.engine.kv_cache_manager import (
+    KVCacheConfig,
+    KVCacheManager,
+    RequestTooLargeError,
+    full_batch_blocks,
+)
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import Scheduler
@@ -92,6 +97,23 @@ class SlidingFreeTest(unittest.TestCase):
         # without a chunk bound, and with one full group, the sliding group counts every block
         self.assertEqual(KVCacheConfig(1, 4, 200, HYBRID).num_blocks_needed(99), 50)
         self.assertEqual(KVCacheConfig(1, 4, 200).num_blocks_needed(99), 25)
+
+
+class FullBatchBlocksTest(unittest.TestCase):
+    """What the default pool is capped at: max_num_seqs requests of max_model_len, in every group."""
+
+    def test_one_full_group_needs_cdiv_of_max_model_len_per_sequence(self) -> None:
+        self.assertEqual(full_batch_blocks(8, 16, 2048, (), 512), 8 * 128)
+        self.assertEqual(full_batch_blocks(3, 16, 100, (), 512), 3 * 7)
+        self.assertEqual(full_batch_blocks(1, 4, 4, (), 4), 1)
+
+    def test_each_group_counts_its_own_peak(self) -> None:
+        # 200 positions in blocks of 4: the full group 50; the sliding one (w 5, chunks of 8) 4
+        self.assertEqual(full_batch_blocks(2, 4, 200, HYBRID, 8), 2 * (50 + 4))
+        two_full = (KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,)))
+        self.assertEqual(full_batch_blocks(2, 4, 200, two_full, 8), 2 * 100)
+        with self.assertRaisesRegex(ValueError, "max_num_seqs"):
+            full_batch_blocks(0, 4, 200, (), 8)
 
 
 def _brute_force_hit(cached: list[set[int]], windows: list[int | None], max_blocks: int, bs: int) -> int:

@@ -132,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     scheduler = engine.scheduler
     load = f"{time.perf_counter() - t0:.2f} s{note}"
     print(text.start_line(engine.config, len(prompts), sum(map(len, prompt_ids)), params.max_tokens,
-                          scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load))  # fmt: skip
+                          scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load,
+                          plan.bytes_per_block))  # fmt: skip
     if isinstance(engine.model_runner, ModelRunner):
         print(engine.model_runner.model.gemm_note)
         note = threads_note(engine.model_runner.threads)
