@@ -456,6 +456,33 @@ class MakeModelTest(EngineCommandCase):
         code, _, err = quietly(["generate", "--model", str(target), "--prompt", "a", "--max-tokens", "2"])
         self.assertEqual(code, 0, err)
 
+    def test_a_gemma3_checkpoint_has_sliding_layers_and_batches_as_it_runs_alone(self) -> None:
+        # a prompt longer than the 64-token window, prefilled in chunks beside a short one: every
+        # request's tokens equal its solo run (float64), so the window's blocks were freed and read right
+        target = self.out / "gemma3"
+        code, _, err = quietly(["make-model", "--out", str(target), "--arch", "gemma3"])
+        self.assertEqual(code, 0, err)
+        config = json.loads((target / "config.json").read_text())
+        self.assertEqual(config["architectures"], ["Gemma3ForCausalLM"])
+        self.assertEqual(config["layer_types"], ["sliding_attention", "full_attention"])
+        self.assertEqual(config["sliding_window"], 64)
+        prompts = [" ".join(["the key and the value of a long sequence"] * 12), "Attention"]
+        output = self.out / "gemma3.jsonl"
+        flags = ("--max-tokens", "6", "--ignore-eos", "--dtype", "float64", "--block-size", "4")
+        code, _, err = quietly(
+            ["generate", "--model", str(target), "--prompt", *prompts, *flags,
+             "--max-num-batched-tokens", "32", "--output", str(output)]
+        )  # fmt: skip
+        self.assertEqual(code, 0, err)
+        records = read_jsonl(output)
+        self.assertGreater(len(records[0]["prompt_token_ids"]), 64)
+        engine_config = EngineConfig(dtype="float64", block_size=4, max_num_seqs=1, max_model_len=512)
+        engine = LLMEngine.from_pretrained(str(target), engine_config)
+        self.assertEqual(len(engine.model_runner.kv_cache_groups), 2)  # pyright: ignore[reportAttributeAccessIssue]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        for r in records:
+            self.assertEqual(r["token_ids"], engine.generate([r["prompt_token_ids"]], params)[0])
+
     def test_a_full_disk_exits_1_with_one_line_naming_out_not_the_staging_folder(self) -> None:
         from safetensors import SafetensorError
 
