@@ -293,6 +293,7 @@ def explicit_threads_warning(
     return (
         f"warning: {flag} {threads} on {cpus} CPU{'s' if cpus != 1 else ''} while other processes keep "
         f"{others:.1f} of them busy: a thread that shares its CPU holds every step back at a barrier "
-        f"(it can run many times slower than one thread; docs/kernels.md, Threads); the default (no {flag}) follows the load "
-        f"and would compute on {governed} now. The count given is kept."
+        "(it can run many times slower than one thread; docs/kernels.md, Threads); "
+        f"the default (no {flag}) follows the load and would compute on {governed} now. "
+        "The count given is kept."
     )
