@@ -12,8 +12,8 @@ nothing to profile against, so by default the cache gets `DEFAULT_KV_CACHE_FRACT
 kernel reports as available (`MemAvailable` in /proc/meminfo), capped at `DEFAULT_KV_CACHE_MAX_BYTES`
 and at the blocks max_num_seqs requests of max_model_len tokens hold at once (`blocks_needed`, which the
 caller computes from the model's KV cache groups: `kv_cache_manager.full_batch_blocks`), so a tiny model
-does not get a pool of hundreds of thousands of blocks no batch can fill; either `num_kv_blocks` or `kv_cache_memory`
-(bytes) overrides that.
+does not get a pool of hundreds of thousands of blocks no batch can fill; either `num_kv_blocks` or
+`kv_cache_memory` (bytes) overrides that.
 """
 
 from __future__ import annotations
