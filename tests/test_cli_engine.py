@@ -466,6 +466,10 @@ class MakeModelTest(EngineCommandCase):
         self.assertEqual(config["architectures"], ["Gemma3ForCausalLM"])
         self.assertEqual(config["layer_types"], ["sliding_attention", "full_attention"])
         self.assertEqual(config["sliding_window"], 64)
+        from attention_kv_caceh.toy_model.make_model import gemma3_layer_types
+
+        small = gemma3_layer_types(12)  # the small preset: Gemma 3's 5:1
+        self.assertEqual([i for i, t in enumerate(small) if t == "full_attention"], [5, 11])
         prompts = [" ".join(["the key and the value of a long sequence"] * 12), "Attention"]
         output = self.out / "gemma3.jsonl"
         flags = ("--max-tokens", "6", "--ignore-eos", "--dtype", "float64", "--block-size", "4")
