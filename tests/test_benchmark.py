@@ -75,6 +75,25 @@ class ScanCliTest(unittest.TestCase):
         last = json.loads(out.strip().splitlines()[-1])  # one JSON object on the last line
         self.assertEqual(last["rows"], 120)
 
+    def test_a_loaded_machine_is_said_once_before_timing_and_recorded_in_the_metadata(self) -> None:
+        from attention_kv_caceh import cpu_load
+
+        for others, warns, recorded in ((1.0, True, 1.0), (0.49, False, 0.49), (None, False, None)):
+            with (
+                self.subTest(others=others),
+                mock.patch.object(cpu_load, "measure_others_busy", return_value=others) as measure,
+            ):
+                code, _, err = run_cli("--csv", str(self.csv), "--batch-sizes", "1", "--repeats", "2")
+                self.assertEqual(code, 0, err)
+                measure.assert_called_once()
+                lines = [line for line in err.splitlines() if "other processes keep" in line]
+                self.assertEqual(len(lines), 1 if warns else 0, err)
+                if warns:
+                    self.assertIn("keep 1.0 CPUs busy (measured over 0.25 s before timing)", lines[0])
+                env = json.loads(self.csv.with_name("benchmark.csv.meta.json").read_text())["environment"]
+                self.assertEqual(env["others_busy_cpus"], recorded)
+                self.assertEqual(env["others_busy_window_s"], 0.25)
+
     def test_summary_is_recomputable_from_raw_rows(self) -> None:
         code, _, _ = run_cli(
             "--csv", str(self.csv), "--batch-sizes", "1,3", "--repeats", "5", "--warmup", "0"

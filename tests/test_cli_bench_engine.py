@@ -205,3 +205,28 @@ class BenchEngineSpeculativeTest(EngineCommandCase):
                 code, _, err = quietly(["bench-engine", "--model", str(self.model), *extra])
                 self.assertEqual(code, 2)
                 self.assertIn("needs --speculative-config", err)
+
+
+class BenchEngineThreadsWarningTest(EngineCommandCase):
+    def test_an_explicit_count_beside_a_busy_cpu_warns_once_before_the_benchmark(self) -> None:
+        from attention_kv_caceh import cpu_load
+        from attention_kv_caceh.benchmarks import bench_engine
+        from attention_kv_caceh.cpus import numba_pool_size, usable_cpus
+        from attention_kv_caceh.oracle import OracleMismatch
+
+        if usable_cpus().count < 2 or numba_pool_size() < 2:
+            self.skipTest("needs two usable CPUs and a Numba pool of two")
+        with (
+            mock.patch.object(cpu_load, "measure_others_busy", return_value=1.0),
+            mock.patch.object(bench_engine, "bench_engine", side_effect=OracleMismatch("stopped here")),
+        ):
+            code, _, err = quietly(
+                [
+                    *("bench-engine", "--model", str(self.model), "--max-num-seqs", "1"),
+                    *("--prompt-len", "3", "--output-len", "2", "--threads", "1", "2"),
+                ]
+            )
+        self.assertEqual(code, 1, err)
+        warnings = [line for line in err.splitlines() if "--threads 2 on" in line]
+        self.assertEqual(len(warnings), 1, err)
+        self.assertIn("bench-engine: warning:", warnings[0])

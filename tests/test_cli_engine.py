@@ -189,6 +189,86 @@ class LoadLineTest(EngineCommandCase):
                 self.assertNotIn("compile included", out)
 
 
+class KVPoolLineTest(EngineCommandCase):
+    """The default pool holds max_num_seqs requests of max_model_len; the first line gives its blocks and bytes."""
+
+    def test_the_default_pool_is_what_the_batch_needs_and_a_count_given_is_kept(self) -> None:
+        from attention_kv_caceh.engine.model_runner import ModelRunner
+        from attention_kv_caceh.memory import format_bytes
+        from attention_kv_caceh.model_executor.model_source import load_model_config
+
+        _, model_config = load_model_config(self.model)
+        per_block = ModelRunner.bytes_per_block(model_config, 16, "float32")
+        longest = model_config.max_position_embeddings
+        for flags, blocks in (
+            ((), 8 * -(-longest // 16)),
+            (("--max-num-seqs", "2", "--max-model-len", "100"), 2 * 7),
+            (("--num-kv-blocks", "5000"), 5000),
+        ):
+            with self.subTest(flags=flags):
+                code, out, err = self.generate("--prompt", "a", "--max-tokens", "2", *flags)
+                self.assertEqual(code, 0, err)
+                self.assertIn(
+                    f"{blocks} KV blocks of 16 tokens ({blocks * 16} positions, "
+                    f"{format_bytes(blocks * per_block)})",
+                    out.splitlines()[0],
+                )
+
+    def test_an_engine_built_without_the_cli_caps_its_default_pool_the_same_way(self) -> None:
+        engine = LLMEngine.from_pretrained(str(self.model), EngineConfig(max_num_seqs=2, max_model_len=64))
+        self.assertEqual(engine.scheduler.kv_cache_manager.num_blocks, 2 * 4)
+
+    def test_a_sliding_window_model_counts_each_groups_peak(self) -> None:
+        from attention_kv_caceh.cli.engine_args import plan_engine
+        from attention_kv_caceh.engine.kv_cache_manager import full_batch_blocks
+
+        folder = str(Path(__file__).parent / "data" / "gemma3")
+        plan = plan_engine(folder, {"max_num_seqs": 2, "block_size": 4, "max_num_batched_tokens": 16})
+        groups = plan.kv_cache_config.kv_cache_groups
+        self.assertGreater(len(groups), 1)
+        needed = full_batch_blocks(2, 4, plan.max_model_len, groups, 16)
+        self.assertEqual(plan.num_blocks, needed)
+        self.assertLess(needed, 2 * len(groups) * -(-plan.max_model_len // 4))  # the windows hold fewer
+
+
+class ExplicitThreadsWarningTest(EngineCommandCase):
+    """--threads N beside other processes' load: one warning, the count kept; the default measures nothing."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        from attention_kv_caceh.cpus import numba_pool_size, usable_cpus
+
+        if usable_cpus().count < 2 or numba_pool_size() < 2:
+            self.skipTest("needs two usable CPUs and a Numba pool of two")
+
+    def test_two_threads_beside_a_busy_cpu_warn_once_and_run_on_two(self) -> None:
+        from attention_kv_caceh import cpu_load
+
+        with unittest.mock.patch.object(cpu_load, "measure_others_busy", return_value=1.0) as measure:
+            code, out, err = self.generate("--prompt", "a", "--max-tokens", "2", "--threads", "2")
+        self.assertEqual(code, 0, err)
+        measure.assert_called_once()
+        warnings = [line for line in err.splitlines() if "warning" in line and "--threads" in line]
+        self.assertEqual(len(warnings), 1, err)
+        self.assertIn("generate: warning: --threads 2 on", warnings[0])
+        self.assertIn("keep 1.0 of them busy", warnings[0])
+        self.assertIn("the default (no --threads) follows the load", warnings[0])
+        self.assertIn("engine core: 2 threads", out)
+
+    def test_no_warning_on_free_cpus_and_no_measurement_at_the_default(self) -> None:
+        from attention_kv_caceh import cpu_load
+
+        for flags, calls in ((("--threads", "2"), 1), ((), 0), (("--threads", "1"), 0)):
+            with (
+                self.subTest(flags=flags),
+                unittest.mock.patch.object(cpu_load, "measure_others_busy", return_value=0.0) as measure,
+            ):
+                code, _, err = self.generate("--prompt", "a", "--max-tokens", "2", *flags)
+                self.assertEqual(code, 0, err)
+                self.assertEqual(measure.call_count, calls)
+                self.assertNotIn("--threads 2 on", err)
+
+
 class ReportOfGenerateFilesTest(EngineCommandCase):
     def test_report_lists_generate_output_and_trace_once_with_no_problem(self) -> None:
         from attention_kv_caceh.report.build import build_report
@@ -375,6 +455,37 @@ class MakeModelTest(EngineCommandCase):
         )
         code, _, err = quietly(["generate", "--model", str(target), "--prompt", "a", "--max-tokens", "2"])
         self.assertEqual(code, 0, err)
+
+    def test_a_gemma3_checkpoint_has_sliding_layers_and_batches_as_it_runs_alone(self) -> None:
+        # a prompt longer than the 64-token window, prefilled in chunks beside a short one: every
+        # request's tokens equal its solo run (float64), so the window's blocks were freed and read right
+        target = self.out / "gemma3"
+        code, _, err = quietly(["make-model", "--out", str(target), "--arch", "gemma3"])
+        self.assertEqual(code, 0, err)
+        config = json.loads((target / "config.json").read_text())
+        self.assertEqual(config["architectures"], ["Gemma3ForCausalLM"])
+        self.assertEqual(config["layer_types"], ["sliding_attention", "full_attention"])
+        self.assertEqual(config["sliding_window"], 64)
+        from attention_kv_caceh.toy_model.make_model import gemma3_layer_types
+
+        small = gemma3_layer_types(12)  # the small preset: Gemma 3's 5:1
+        self.assertEqual([i for i, t in enumerate(small) if t == "full_attention"], [5, 11])
+        prompts = [" ".join(["the key and the value of a long sequence"] * 12), "Attention"]
+        output = self.out / "gemma3.jsonl"
+        flags = ("--max-tokens", "6", "--ignore-eos", "--dtype", "float64", "--block-size", "4")
+        code, _, err = quietly(
+            ["generate", "--model", str(target), "--prompt", *prompts, *flags,
+             "--max-num-batched-tokens", "32", "--output", str(output)]
+        )  # fmt: skip
+        self.assertEqual(code, 0, err)
+        records = read_jsonl(output)
+        self.assertGreater(len(records[0]["prompt_token_ids"]), 64)
+        engine_config = EngineConfig(dtype="float64", block_size=4, max_num_seqs=1, max_model_len=512)
+        engine = LLMEngine.from_pretrained(str(target), engine_config)
+        self.assertEqual(len(engine.model_runner.kv_cache_groups), 2)  # pyright: ignore[reportAttributeAccessIssue]
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        for r in records:
+            self.assertEqual(r["token_ids"], engine.generate([r["prompt_token_ids"]], params)[0])
 
     def test_a_full_disk_exits_1_with_one_line_naming_out_not_the_staging_folder(self) -> None:
         from safetensors import SafetensorError

@@ -318,6 +318,31 @@ class ServeChildTest(unittest.TestCase):
         self.assertEqual(len(warnings), 1, err.getvalue())  # the threads line is not a warning
         self.assertIn("listening on 0.0.0.0", warnings[0])
 
+    def test_an_explicit_thread_count_beside_a_busy_cpu_warns_once_and_is_kept(self) -> None:
+        from attention_kv_caceh import cpu_load
+        from attention_kv_caceh.cpus import numba_pool_size, usable_cpus
+
+        if usable_cpus().count < 2 or numba_pool_size() < 2:
+            self.skipTest("needs two usable CPUs and a Numba pool of two")
+        err = io.StringIO()
+        args = parse(["--model", str(self.model), "--port", "0", "--threads", "2"])
+        with (
+            mock.patch.object(launcher, "DrainingServer") as server,
+            mock.patch.object(AsyncLLM, "from_checkpoint") as loader,
+            mock.patch.object(cpu_load, "measure_others_busy", return_value=1.0),
+            contextlib.redirect_stdout(io.StringIO()),
+            contextlib.redirect_stderr(err),
+        ):
+            loader.return_value = AsyncLLM.from_engine_core(make_text_core()[0], CharTokenizer())
+            server.return_value.serve = mock.AsyncMock(return_value=None)
+            self.assertEqual(serve.run(args), 0)
+        self.assertEqual(loader.call_args.args[1].threads, 2)  # the count given, not the governor's
+        warnings = [line for line in err.getvalue().splitlines() if "warning" in line]
+        self.assertEqual(len(warnings), 1, err.getvalue())
+        self.assertIn("serve: warning: --threads 2 on", warnings[0])
+        self.assertIn("follows the load", warnings[0])
+        self.assertIn("KV cache: ", err.getvalue())  # the pool's blocks and bytes, beside the threads line
+
 
 class ListeningSocketTest(unittest.TestCase):
     def test_accepted_connections_have_nagle_off(self) -> None:

@@ -4,7 +4,8 @@ Every reading is scripted (a fake /proc/stat text, CPU time and clock), so the d
 against hand-computed loads, never against the machine's: a busy other process gives fewer threads, an
 idle machine all of them, load that hovers between the thresholds keeps the count, this process's own
 time is never counted as another's (also with its real CPU time while it spins), and where /proc/stat
-cannot be read the count is the default. An explicit --threads is never governed.
+cannot be read the count is the default. An explicit --threads is never governed, but a count the
+governor would lower at start gets one warning (measured over a scripted window).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from attention_kv_caceh.cpu_load import (
     LoadReading,
     StatTimes,
     decide_threads,
+    explicit_threads_warning,
+    measure_others_busy,
     others_busy_cpus,
     own_cpu_seconds,
     parse_proc_stat,
@@ -257,6 +260,51 @@ class GovernorTest(unittest.TestCase):
             LoadGovernor(0)
         with self.assertRaises(ValueError):
             LoadGovernor(2, interval_s=-1.0)
+
+
+class StartMeasurementTest(unittest.TestCase):
+    """`measure_others_busy` over a scripted window, and the warning for an explicit count."""
+
+    def measure(self, machine: FakeMachine, others: float, own: float = 0.0) -> float | None:
+        return measure_others_busy(
+            (0, 1),
+            0.25,
+            read_stat=machine.read_stat,
+            own_time=machine.own_time,
+            sleep=lambda s: machine.advance(s, others, own),
+            ticks_per_s=TICKS,
+        )
+
+    def test_one_busy_process_reads_as_one_cpu_and_this_process_is_left_out(self) -> None:
+        m = FakeMachine()
+        self.assertAlmostEqual(self.measure(m, 1.0) or 0.0, 1.0, places=6)
+        self.assertAlmostEqual(self.measure(m, 0.0, own=1.0) or 0.0, 0.0, places=6)
+        self.assertEqual(m.reads, 4)
+
+    def test_without_proc_stat_nothing_is_measured(self) -> None:
+        def missing() -> str:
+            raise FileNotFoundError("/proc/stat")
+
+        self.assertIsNone(measure_others_busy(read_stat=missing, sleep=lambda s: None))
+        self.assertIsNone(measure_others_busy(read_stat=lambda: "no cpu lines\n", sleep=lambda s: None))
+        with self.assertRaises(ValueError):
+            measure_others_busy(window_s=0.0)
+
+    def test_a_count_the_governor_would_lower_is_warned_about_naming_count_and_load(self) -> None:
+        warning = explicit_threads_warning(2, 1.0, 2)
+        assert warning is not None
+        self.assertIn("--threads 2 on 2 CPUs", warning)
+        self.assertIn("keep 1.0 of them busy", warning)
+        self.assertIn("the default (no --threads) follows the load and would compute on 1 now", warning)
+        self.assertIn("kept", warning)
+
+    def test_no_warning_when_the_governor_would_keep_every_thread(self) -> None:
+        self.assertIsNone(explicit_threads_warning(2, 0.0, 2))
+        self.assertIsNone(explicit_threads_warning(2, DROP_AT - 0.01, 2))  # thread 2 kept below DROP_AT
+        self.assertIsNone(explicit_threads_warning(1, 2.0, 2))  # one thread always runs
+        self.assertIsNone(explicit_threads_warning(2, None, 2))  # not measured
+        self.assertIsNone(explicit_threads_warning(2, 1.5, 4))  # two of four CPUs free enough
+        self.assertIsNotNone(explicit_threads_warning(4, 1.0, 4))
 
 
 class RunnerTest(unittest.TestCase):

@@ -46,6 +46,16 @@ class EngineConfigTest(unittest.TestCase):
             EngineConfig().num_blocks_for(1024, 10**15), DEFAULT_KV_CACHE_MAX_BYTES // 1024
         )  # capped
 
+    def test_the_default_is_capped_at_the_blocks_a_full_batch_needs_and_a_size_given_is_kept(self) -> None:
+        self.assertEqual(EngineConfig().num_blocks_for(1000, 10**9, blocks_needed=1024), 1024)
+        self.assertEqual(EngineConfig().num_blocks_for(1000, 10**6, blocks_needed=1024), 250)  # memory first
+        self.assertEqual(
+            EngineConfig(num_kv_blocks=5000).num_blocks_for(1000, 10**9, blocks_needed=1024), 5000
+        )
+        self.assertEqual(EngineConfig(kv_cache_memory=10**7).num_blocks_for(1000, blocks_needed=1024), 10_000)
+        with self.assertRaisesRegex(ValueError, "blocks_needed"):
+            EngineConfig().num_blocks_for(1000, 10**9, blocks_needed=0)
+
     def test_num_blocks_refuses_a_budget_below_one_block(self) -> None:
         with self.assertRaisesRegex(ValueError, "holds no block"):
             EngineConfig(kv_cache_memory=999).num_blocks_for(1000)

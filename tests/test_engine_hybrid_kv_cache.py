@@ -11,7 +11,10 @@ from __future__ import annotations
 import random
 import unittest
 
+import numpy as np
+
 from attention_kv_caceh.engine.block_pool import BlockPool, hash_block_tokens
+from attention_kv_caceh.engine.block_table import MultiGroupBlockTable
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.kv_cache_coordinator import (
     KVCacheCoordinator,
@@ -19,11 +22,17 @@ from attention_kv_caceh.engine.kv_cache_coordinator import (
     kv_cache_groups_for,
     layer_buffer_index,
 )
-from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, KVCacheManager, RequestTooLargeError
+from attention_kv_caceh.engine.kv_cache_manager import (
+    KVCacheConfig,
+    KVCacheManager,
+    RequestTooLargeError,
+    full_batch_blocks,
+)
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
 from attention_kv_caceh.engine.request import Request, SamplingParams
 from attention_kv_caceh.engine.scheduler import Scheduler
 from attention_kv_caceh.engine.single_type_kv_cache_manager import NULL_BLOCK_ID, group_hash_key
+from tests.test_engine_model import FakeRequest, FakeSchedulerOutput
 
 S, F = "sliding_attention", "full_attention"
 HYBRID = (KVCacheGroupSpec((1,)), KVCacheGroupSpec((0,), sliding_window=5))
@@ -92,6 +101,51 @@ class SlidingFreeTest(unittest.TestCase):
         # without a chunk bound, and with one full group, the sliding group counts every block
         self.assertEqual(KVCacheConfig(1, 4, 200, HYBRID).num_blocks_needed(99), 50)
         self.assertEqual(KVCacheConfig(1, 4, 200).num_blocks_needed(99), 25)
+
+
+class FullBatchBlocksTest(unittest.TestCase):
+    """What the default pool is capped at: max_num_seqs requests of max_model_len, in every group."""
+
+    def test_one_full_group_needs_cdiv_of_max_model_len_per_sequence(self) -> None:
+        self.assertEqual(full_batch_blocks(8, 16, 2048, (), 512), 8 * 128)
+        self.assertEqual(full_batch_blocks(3, 16, 100, (), 512), 3 * 7)
+        self.assertEqual(full_batch_blocks(1, 4, 4, (), 4), 1)
+
+    def test_each_group_counts_its_own_peak(self) -> None:
+        # 200 positions in blocks of 4: the full group 50; the sliding one (w 5, chunks of 8) 4
+        self.assertEqual(full_batch_blocks(2, 4, 200, HYBRID, 8), 2 * (50 + 4))
+        two_full = (KVCacheGroupSpec((0,)), KVCacheGroupSpec((1,)))
+        self.assertEqual(full_batch_blocks(2, 4, 200, two_full, 8), 2 * 100)
+        with self.assertRaisesRegex(ValueError, "max_num_seqs"):
+            full_batch_blocks(0, 4, 200, (), 8)
+
+
+class MultiGroupBlockTableTest(unittest.TestCase):
+    """Each group's slots from its own table; a sliding group's freed entries only before its window."""
+
+    def test_slots_per_group_and_the_window_check(self) -> None:
+        table = MultiGroupBlockTable((None, 5), block_size=4, num_blocks=8)
+        req = FakeRequest("a", list(range(10)), 8, [0, 1, 2])
+        out = FakeSchedulerOutput([req], {"a": 2}, block_ids={"a": ([0, 1, 2], [-1, 6, 7])})
+        tables = table.check_request(out, req, 10)  # type: ignore[arg-type]
+        pos = np.array([8, 9], dtype=np.int64)
+        meta = table.attention_metadata(
+            [tables], pos, np.zeros(2, dtype=np.int64), np.array([0, 2]), np.array([10]), row_per_token=False
+        )
+        self.assertEqual(meta[0].slot_mapping.tolist(), [2 * 4, 2 * 4 + 1])  # full group: block 2
+        self.assertEqual(meta[1].slot_mapping.tolist(), [7 * 4, 7 * 4 + 1])  # sliding group: block 7
+        self.assertEqual(meta[1].block_tables.tolist(), [[-1, 6, 7]])
+        per_row = table.attention_metadata(
+            [tables], pos, np.zeros(2, dtype=np.int64), np.array([0, 2]), np.array([10]), row_per_token=True
+        )
+        self.assertEqual(per_row[0].context_lens.tolist(), [9, 10])
+        self.assertEqual(per_row[0].block_tables.shape, (2, 3))
+        early = FakeRequest("b", list(range(10)), 3, [0, 1, 2])  # its window reaches back into block 0
+        bad = FakeSchedulerOutput([early], {"b": 7}, block_ids={"b": ([0, 1, 2], [-1, 6, 7])})
+        with self.assertRaisesRegex(ValueError, "KV cache group 1"):
+            table.check_request(bad, early, 10)  # type: ignore[arg-type]
+        with self.assertRaisesRegex(ValueError, "block tables of 1 KV cache groups"):
+            table.check_request(FakeSchedulerOutput([req], {"a": 2}), req, 10)  # type: ignore[arg-type]
 
 
 def _brute_force_hit(cached: list[set[int]], windows: list[int | None], max_blocks: int, bs: int) -> int:

@@ -19,7 +19,7 @@ from attention_kv_caceh.engine.output_processor import OutputProcessor, RequestD
 from attention_kv_caceh.engine.request import SamplingParams
 from attention_kv_caceh.engine.tokenizer import IncrementalDetokenizer, TextDecoder
 from attention_kv_caceh.entrypoints.chat_utils import PLAIN_CHAT_TEMPLATE, ChatTemplate, load_chat_template
-from attention_kv_caceh.entrypoints.openai.protocol import CompletionRequest
+from attention_kv_caceh.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from attention_kv_caceh.entrypoints.openai.serving import HTTPError, sampling_params_for
 from tests.engine_fakes import CharTokenizer
 
@@ -236,6 +236,22 @@ class SamplingParamsTest(unittest.TestCase):
         self.assertEqual((caught.exception.status, caught.exception.param), (400, "min_tokens"))
         with self.assertRaises(HTTPError):
             sampling_params_for(CompletionRequest(prompt="x", temperature=-0.5), 4, 100, 16)
+
+    def test_a_max_tokens_below_one_names_echo_only_on_completions(self) -> None:
+        messages = [{"role": "user", "content": "u"}]
+        for value, name in itertools.product((-1, 0), ("max_tokens", "max_completion_tokens")):
+            with self.subTest(value=value, name=name):
+                with self.assertRaises(HTTPError) as chat:
+                    body = ChatCompletionRequest.model_validate({"messages": messages, name: value})
+                    sampling_params_for(body, 4, 100, 16)
+                self.assertEqual((chat.exception.status, chat.exception.param), (400, name))
+                self.assertEqual(chat.exception.message, f"{name} must be at least 1, got {value}")
+                self.assertNotIn("echo", chat.exception.message)
+                with self.assertRaises(HTTPError) as comp:
+                    sampling_params_for(
+                        CompletionRequest.model_validate({"prompt": "x", name: value}), 4, 100, 16
+                    )
+                self.assertIn("(or 0 with echo)", comp.exception.message)
 
 
 class ChatTemplateTest(unittest.TestCase):

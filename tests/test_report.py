@@ -172,6 +172,19 @@ class HelpersTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "not finite"):
             parse_rows(Sample, [good | {"elapsed_ms": "nan"}])
 
+    def test_the_environment_card_gives_the_load_measured_at_start(self) -> None:
+        from attention_kv_caceh.report.environment import environment_card
+
+        card = environment_card(
+            {
+                "a.csv.meta.json": {"environment": {"others_busy_cpus": 1.25}},
+                "b.csv.meta.json": {"environment": {"others_busy_cpus": None}},
+                "c.csv.meta.json": {"environment": {}},
+            }
+        )
+        row = next(line for line in card.splitlines() if "busy CPUs at start" in line)
+        self.assertEqual([c.strip() for c in row.strip("|").split("|")][1:], ["1.25", "not measured", "?"])
+
 
 class ReportTest(unittest.TestCase):
     def setUp(self) -> None:

@@ -29,6 +29,11 @@ A reading is taken at most every `interval_s` (0.5 s) when the count is asked fo
 the count stays. A count is a thread count only: the kernels give bit-identical results for every
 count (`kernels/threads.py`), so the load changes the step's time, never its tokens.
 
+At start (`measure_others_busy`): two readings `START_WINDOW_S` (0.25 s) apart give the CPUs other
+processes keep busy before a command computes anything. `explicit_threads_warning` words the warning a
+command prints when an explicit `--threads N` is more than the governor would take from that load, and
+`LOAD_WARNING_CPUS` (0.5) is the load above which the batch-size scan says the machine is loaded.
+
 Errors: where /proc/stat cannot be read or parsed (macOS, a sandbox), the governor keeps the limit
 (the default count); `parse_proc_stat` raises ValueError for text without the lines it needs.
 Niced processes count as busy as any other (/proc/stat cannot tell their weight), so a low-priority
@@ -48,12 +53,16 @@ __all__ = [
     "DROP_AT",
     "FOLLOWS_LOAD",
     "INTERVAL_S",
+    "LOAD_WARNING_CPUS",
     "PROC_STAT",
+    "START_WINDOW_S",
     "TAKE_AT",
     "LoadGovernor",
     "LoadReading",
     "StatTimes",
     "decide_threads",
+    "explicit_threads_warning",
+    "measure_others_busy",
     "others_busy_cpus",
     "own_cpu_seconds",
     "parse_proc_stat",
@@ -71,6 +80,10 @@ FOLLOWS_LOAD = (
     "(re-read every 0.5 s)"
 )
 """What a command adds to its threads line when the count is the governed default."""
+START_WINDOW_S = 0.25
+"""Seconds between the two readings of `measure_others_busy` (25 jiffies per CPU at USER_HZ 100)."""
+LOAD_WARNING_CPUS = 0.5
+"""Other processes' busy CPUs from which the batch-size scan warns that its timings share the machine."""
 
 
 @dataclass(frozen=True)
@@ -237,3 +250,50 @@ class LoadGovernor:
             self.last_others = others
             self.current = decide_threads(self.current, others, reading.times.cpus, self.limit)
         return self.current
+
+
+def measure_others_busy(
+    cpu_ids: Iterable[int] | None = None,
+    window_s: float = START_WINDOW_S,
+    *,
+    read_stat: Callable[[], str] = _read_proc_stat,
+    own_time: Callable[[], float] = own_cpu_seconds,
+    sleep: Callable[[float], None] = time.sleep,
+    ticks_per_s: float | None = None,
+) -> float | None:
+    """CPUs' worth other processes keep busy now, on the CPUs `cpu_ids` (None: all): two readings of
+    /proc/stat and this process's CPU time, `window_s` seconds apart (`others_busy_cpus`), the caller
+    sleeping in between. None where /proc/stat cannot be read or parsed, or no jiffy elapsed. The
+    readers are arguments so tests can script them. ValueError for window_s <= 0."""
+    if window_s <= 0:
+        raise ValueError(f"window_s must be > 0, got {window_s}")
+    ids = None if cpu_ids is None else tuple(cpu_ids)
+    ticks = _ticks_per_s() if ticks_per_s is None else ticks_per_s
+    try:
+        before = LoadReading(parse_proc_stat(read_stat(), ids), own_time(), 0.0)
+        sleep(window_s)
+        after = LoadReading(parse_proc_stat(read_stat(), ids), own_time(), window_s)
+    except (OSError, ValueError):
+        return None
+    return others_busy_cpus(before, after, ticks)
+
+
+def explicit_threads_warning(
+    threads: int, others: float | None, cpus: int, flag: str = "--threads"
+) -> str | None:
+    """The warning for an explicit thread count (`flag` THREADS) on `cpus` CPUs while other processes
+    keep `others` CPUs' worth busy, or None: None when `others` is None (not measured) or the governor
+    would keep all `threads` (`decide_threads` from `threads` with that load). Otherwise it names the
+    count, the busy CPUs, what the default would take now and that the default follows the load."""
+    if others is None or threads < 2:
+        return None
+    governed = decide_threads(threads, others, max(cpus, 1), threads)
+    if governed >= threads:
+        return None
+    return (
+        f"warning: {flag} {threads} on {cpus} CPU{'s' if cpus != 1 else ''} while other processes keep "
+        f"{others:.1f} of them busy: a thread that shares its CPU holds every step back at a barrier "
+        "(it can run many times slower than one thread; docs/kernels.md, Threads); "
+        f"the default (no {flag}) follows the load and would compute on {governed} now. "
+        "The count given is kept."
+    )

@@ -36,7 +36,13 @@ import json
 from typing import Any
 
 from attention_kv_caceh.benchmarks.bench_engine import BenchEngineConfig
-from attention_kv_caceh.cli.common import CommandFailed, UsageError, check_outputs, warn_if_blas_unpinned
+from attention_kv_caceh.cli.common import (
+    CommandFailed,
+    UsageError,
+    check_outputs,
+    warn_if_blas_unpinned,
+    warn_if_threads_busy,
+)
 from attention_kv_caceh.cli.engine_args import (
     add_engine_arguments,
     model_source,
@@ -121,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         flag = "--workload" if config.workload != "random" else "--pairs"
         raise UsageError(f"{flag} needs --speculative-config (it shapes the comparison with speculation)")
     warn_if_blas_unpinned()
+    warn_if_threads_busy("bench-engine", config.threads or ())
     prompts, longest = None, None
     if spec is not None:
         prompts = spec_prompts(config, model_config, tokenizer)

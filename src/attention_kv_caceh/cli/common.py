@@ -10,6 +10,8 @@
 - `check_markdown_file`: the `<stem>.md` written beside the raw file never replaces a Markdown file
   that no lab command wrote (a user's notes).
 - `warn_if_blas_unpinned`: the one BLAS-pinning warning.
+- `warn_if_threads_busy`: the one warning for an explicit `--threads N` on CPUs other processes keep
+  busy (`cpu_load.explicit_threads_warning`; generate, serve, bench-engine).
 - `HelpFormatter`: the one way defaults appear in `--help`: "(default: X)" is appended to every flag
   whose help text does not already say its default; flags without a value of their own spell it out
   ("(default: not written)").
@@ -22,7 +24,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -46,6 +48,7 @@ __all__ = [
     "check_side_files",
     "stdout_closed",
     "warn_if_blas_unpinned",
+    "warn_if_threads_busy",
 ]
 
 PROG = "attention-kv-caceh"
@@ -92,6 +95,25 @@ def warn_if_blas_unpinned(hint: str = "") -> None:
             f"OMP_NUM_THREADS=1{hint}); timings may vary with thread count",
             file=sys.stderr,
         )
+
+
+def warn_if_threads_busy(command: str, counts: Sequence[int]) -> float | None:
+    """Before an engine loads: with an explicit thread count of 2 or more (`counts`: the --threads
+    values given), measure the CPUs other processes keep busy (`cpu_load.measure_others_busy`, 0.25 s
+    on this process's CPU set) and print one warning on stderr when the largest count is more than the
+    load governor would take (`cpu_load.explicit_threads_warning`). The counts are kept as given.
+    Returns the measured busy CPUs (None: not measured, no count of 2 or more, or no /proc/stat)."""
+    if not counts or max(counts) < 2:
+        return None
+    from attention_kv_caceh.cpu_load import explicit_threads_warning, measure_others_busy
+    from attention_kv_caceh.cpus import usable_cpus
+
+    ids = usable_cpus().ids
+    others = measure_others_busy(ids)
+    warning = explicit_threads_warning(max(counts), others, len(ids))
+    if warning is not None:
+        print(f"{PROG} {command}: {warning}", file=sys.stderr, flush=True)
+    return others
 
 
 def stdout_closed() -> None:

@@ -127,7 +127,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     tensor's type, extent and alignment, NaN or infinite floats and block scales: `check_finite`), a combination EngineConfig refuses, --max-model-len over the checkpoint's, a
     KV cache of no block or over `memory.memory_budget_bytes()`.
     """
-    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig
+    from attention_kv_caceh.engine.kv_cache_manager import KVCacheConfig, full_batch_blocks
     from attention_kv_caceh.engine.model_runner import ModelRunner
 
     source = model_source(model_flag)
@@ -152,8 +152,12 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
         flag = f"--kv-cache-memory {config.kv_cache_memory}"
     else:
         flag = "the default KV cache size"
+    groups = ModelRunner.model_kv_cache_groups(model_config)
+    needed = full_batch_blocks(
+        config.max_num_seqs, config.block_size, max_model_len, groups, config.max_num_batched_tokens
+    )
     try:
-        num_blocks = config.num_blocks_for(bytes_per_block)
+        num_blocks = config.num_blocks_for(bytes_per_block, blocks_needed=needed)
     except ValueError as exc:
         raise UsageError(f"{flag}: {exc}") from None
     check_memory(
@@ -163,11 +167,7 @@ def plan_engine(model_flag: str, config_kwargs: dict[str, object]) -> EnginePlan
     )
     engine_config = dataclasses.replace(config, num_kv_blocks=num_blocks, kv_cache_memory=None)
     pool = KVCacheConfig.for_engine(
-        num_blocks,
-        config.block_size,
-        max_model_len,
-        ModelRunner.model_kv_cache_groups(model_config),
-        config.max_num_batched_tokens,
+        num_blocks, config.block_size, max_model_len, groups, config.max_num_batched_tokens
     )
     return EnginePlan(
         engine_config, model_config, tokenizer, max_model_len, num_blocks, bytes_per_block, source, pool

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, check_outputs
+from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, check_outputs, warn_if_threads_busy
 from attention_kv_caceh.cli.engine_args import (
     add_engine_arguments,
     check_prompts_fit,
@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         )
     prompt_ids = [plan.tokenizer.encode(p) for p in prompts]
     check_prompts_fit(plan, prompt_ids, params)
+    if plan.engine_config.threads is not None:
+        warn_if_threads_busy("generate", (plan.engine_config.threads,))
 
     from attention_kv_caceh.engine.llm_engine import LLMEngine
     from attention_kv_caceh.engine.model_runner import ModelRunner
@@ -130,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     scheduler = engine.scheduler
     load = f"{time.perf_counter() - t0:.2f} s{note}"
     print(text.start_line(engine.config, len(prompts), sum(map(len, prompt_ids)), params.max_tokens,
-                          scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load))  # fmt: skip
+                          scheduler.kv_cache_manager.num_blocks, scheduler.max_model_len, load,
+                          plan.bytes_per_block))  # fmt: skip
     if isinstance(engine.model_runner, ModelRunner):
         print(engine.model_runner.model.gemm_note)
         note = threads_note(engine.model_runner.threads)

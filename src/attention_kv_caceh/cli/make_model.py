@@ -25,7 +25,7 @@ from attention_kv_caceh.toy_model.folder import MakeModelConfig, stale_weight_fi
 
 __all__ = ["HELP", "add_arguments", "run", "stale_weight_files"]
 
-HELP = "write a random Llama/Qwen2/Qwen3 checkpoint (Hugging Face layout) for the engine, no download"
+HELP = "write a random Llama/Qwen2/Qwen3/Gemma 3 checkpoint (Hugging Face layout) for the engine, no download"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

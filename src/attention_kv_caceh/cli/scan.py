@@ -8,7 +8,9 @@
 
 Flags (`ScanConfig`, `ShapeOptions`, `scan_run.ScanOptions`) -> config -> `scan_run.record_scan` into
 a `RunRecorder` (predictions on disk before the first timed sample; every file rewritten after each B)
--> print (`report.scan_text`). Exit codes: 0 done, 1 an oracle check failed (that implementation was
+-> print (`report.scan_text`). Before anything is timed, the CPUs other processes keep busy are measured
+for 0.25 s (`measure_load`: `others_busy_cpus` in the metadata's environment; one warning on stderr
+from 0.5 CPUs up). Exit codes: 0 done, 1 an oracle check failed (that implementation was
 not timed from there on; every file is complete) or out of memory, 2 bad usage (nothing touched), 130
 interrupted (every sample taken, and the predictions, are on disk).
 """
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 from contextlib import nullcontext
+from typing import Any
 
 from attention_kv_caceh.cli.common import PROG, check_memory, check_raw_outputs, warn_if_blas_unpinned
 from attention_kv_caceh.cli.flags import add_shaped_options, config_from_args, shaped_config, usage_error
@@ -33,6 +36,7 @@ from attention_kv_caceh.options import ConfigError
 from attention_kv_caceh.recorder import RunRecorder
 from attention_kv_caceh.report.scan_text import (
     event_line,
+    load_warning,
     plot_title,
     prediction_cards,
     result_records,
@@ -93,8 +97,23 @@ def run(args: argparse.Namespace) -> int:
         return _scan(config, options, user)
 
 
+def measure_load(env: dict[str, Any]) -> None:
+    """Before timing: the CPUs other processes keep busy (`cpu_load.measure_others_busy`, 0.25 s on
+    this process's CPU set) into `env` (`others_busy_cpus`, None where /proc/stat cannot be read;
+    `others_busy_window_s`), and one warning on stderr from `cpu_load.LOAD_WARNING_CPUS` (0.5) up."""
+    from attention_kv_caceh import cpu_load
+    from attention_kv_caceh.cpus import usable_cpus
+
+    others = cpu_load.measure_others_busy(usable_cpus().ids)
+    env["others_busy_cpus"] = None if others is None else round(others, 3)
+    env["others_busy_window_s"] = cpu_load.START_WINDOW_S
+    if (warning := load_warning(others, cpu_load.START_WINDOW_S)) is not None:
+        print(warning, file=sys.stderr)
+
+
 def _scan(config: ScanConfig, options: ScanOptions, user: UserPrediction) -> int:
     env = capture_environment()
+    measure_load(env)
     impls = resolve_impls(options.impl)
     if (warning := threads_warning(options.blas_threads, os.cpu_count() or 1)) is not None:
         print(warning, file=sys.stderr)

@@ -5,7 +5,8 @@
 Starts the engine core in a process of its own (engine/core.py: it loads the checkpoint and runs the
 step loop; `ps -o pid,comm` shows it as EngineCore) and serves, from this process, `/v1/completions`, `/v1/chat/completions`,
 `/v1/models`, `/health`, `/tokenize`, `/detokenize` and `/metrics` (the OpenAI server's `build_app`) with uvicorn. Prints
-one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
+the KV pool (`KV cache: N KV blocks of B tokens (P positions, X MiB)`) and the engine core's threads on
+stderr, then one line `serving NAME at http://HOST:PORT` on stdout once the socket listens (with `--port 0`, the port the
 system chose; an IPv6 host in brackets, `http://[::1]:8000`). The default host is 127.0.0.1 (loopback):
 a non-loopback `--host` (0.0.0.0, a LAN address, a host name) is allowed, but without `--api-key-env` it
 prints a one-line warning on stderr, since anyone who reaches the port can then use the server. Ctrl-C or SIGTERM drains: no new connection is accepted, running requests get up to
@@ -25,7 +26,7 @@ import os
 import sys
 from typing import TYPE_CHECKING
 
-from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError
+from attention_kv_caceh.cli.common import PROG, CommandFailed, UsageError, warn_if_threads_busy
 from attention_kv_caceh.cli.engine_args import add_engine_arguments, engine_config_kwargs, plan_engine
 from attention_kv_caceh.cli.flags import add_options, config_from_args
 from attention_kv_caceh.cpu_load import FOLLOWS_LOAD
@@ -33,6 +34,7 @@ from attention_kv_caceh.cpus import CpuSet, default_threads, numba_pool_size, th
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.entrypoints.launcher import is_loopback, listen, serve_http, url_of
 from attention_kv_caceh.entrypoints.openai.cli_args import ServeConfig
+from attention_kv_caceh.report.generate import kv_pool_text
 
 if TYPE_CHECKING:
     from attention_kv_caceh.engine.async_llm import AsyncLLM
@@ -83,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
     model_path = plan.source.path  # the folder or GGUF file --model names
     cpu = _core_cpu(serve.engine_core_cpu)
     plan = dataclasses.replace(plan, engine_config=_core_threads(plan.engine_config, cpu))
+    if not plan.engine_config.follow_load and plan.engine_config.threads is not None:
+        warn_if_threads_busy("serve", (plan.engine_config.threads,))  # a count given is kept
     name = plan.source.name if serve.served_model_name is None else serve.served_model_name
     try:
         sock = listen(serve.host, serve.port)
@@ -132,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
             )
 
         def announce(port: int) -> None:
+            pool = kv_pool_text(plan.num_blocks, plan.engine_config.block_size, plan.bytes_per_block)
+            print(f"KV cache: {pool}", file=sys.stderr, flush=True)
             note = threads_note(threads, None if cpu is None else CpuSet((cpu,), None))
             if plan.engine_config.follow_load:
                 note += f"; {FOLLOWS_LOAD}"

@@ -9,8 +9,11 @@ devices and parallelism (one process; `threads` is the engine core's thread coun
 KV cache size. vLLM profiles a forward pass and gives the KV cache `gpu_memory_utilization` (0.9) of the
 GPU's memory minus what the weights and activations took. On a CPU shared with other processes there is
 nothing to profile against, so by default the cache gets `DEFAULT_KV_CACHE_FRACTION` of the memory the
-kernel reports as available (`MemAvailable` in /proc/meminfo), capped at `DEFAULT_KV_CACHE_MAX_BYTES`;
-either `num_kv_blocks` or `kv_cache_memory` (bytes) overrides that.
+kernel reports as available (`MemAvailable` in /proc/meminfo), capped at `DEFAULT_KV_CACHE_MAX_BYTES`
+and at the blocks max_num_seqs requests of max_model_len tokens hold at once (`blocks_needed`, which the
+caller computes from the model's KV cache groups: `kv_cache_manager.full_batch_blocks`), so a tiny model
+does not get a pool of hundreds of thousands of blocks no batch can fill; either `num_kv_blocks` or
+`kv_cache_memory` (bytes) overrides that.
 """
 
 from __future__ import annotations
@@ -148,7 +151,8 @@ class EngineConfig:
     )
     kv_cache_memory: int | None = option(
         None,
-        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB)",
+        help="bytes for K and V of all layers (default: 1/4 of the available memory, at most 4 GiB and "
+        "at most what --max-num-seqs requests of max_model_len tokens hold)",
         metavar="BYTES",
         exclusive="kv",
         minimum=1,
@@ -194,7 +198,8 @@ class EngineConfig:
         None,
         help="threads the engine core computes on (default: the CPUs this process may use, bounded by "
         "its cgroup's quota; serve: one less on four or more, for the API process; fewer while other "
-        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given)",
+        "processes keep CPUs busy, re-read every 0.5 s; a count given is used as given, with a warning "
+        "when other processes keep its CPUs busy at start)",
         metavar="N",
         minimum=1,
     )
@@ -228,21 +233,29 @@ class EngineConfig:
                 "quantization", f"{self.quantization!r} needs dtype float32 or float64, got bfloat16"
             )
 
-    def num_blocks_for(self, bytes_per_block: int, free_memory: int | None = None) -> int:
+    def num_blocks_for(
+        self, bytes_per_block: int, free_memory: int | None = None, blocks_needed: int | None = None
+    ) -> int:
         """Number of KV blocks the cache gets.
 
         `num_kv_blocks` if given; else `kv_cache_memory // bytes_per_block`; else
-        `min(DEFAULT_KV_CACHE_FRACTION * free_memory, DEFAULT_KV_CACHE_MAX_BYTES) // bytes_per_block`.
+        `min(DEFAULT_KV_CACHE_FRACTION * free_memory, DEFAULT_KV_CACHE_MAX_BYTES) // bytes_per_block`,
+        at most `blocks_needed`.
 
         Args:
             bytes_per_block: bytes of K and V of one block over all layers
                 (2 * layers * block_size * H_kv * D * itemsize; the model runner computes it).
             free_memory: available memory in bytes; None reads it with `available_memory_bytes()`.
+            blocks_needed: the blocks max_num_seqs requests of max_model_len tokens hold at once
+                (`kv_cache_manager.full_batch_blocks`); caps the default only. None: no cap.
 
         Raises:
-            ValueError: bytes_per_block or free_memory is not positive, or the memory holds no block.
+            ValueError: bytes_per_block, free_memory or blocks_needed is not positive, or the memory
+                holds no block.
         """
         _check_positive_int("bytes_per_block", bytes_per_block)
+        if blocks_needed is not None:
+            _check_positive_int("blocks_needed", blocks_needed)
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
         if self.kv_cache_memory is not None:
@@ -256,6 +269,8 @@ class EngineConfig:
         num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ValueError(f"the KV cache budget ({source}) holds no block of {bytes_per_block} bytes")
+        if self.kv_cache_memory is None and blocks_needed is not None:
+            return min(num_blocks, blocks_needed)
         return num_blocks
 
     def resolved_threads(self) -> int:

@@ -53,7 +53,7 @@ import zmq
 
 from .block_pool import get_request_block_hasher
 from .config import EngineConfig
-from .kv_cache_manager import KVCacheConfig, KVCacheGroups
+from .kv_cache_manager import KVCacheConfig, KVCacheGroups, full_batch_blocks
 from .model_runner import NON_FINITE_LOGITS, ModelRunnerLike, sample_tokens, set_aside_non_finite
 from .outputs import (
     EngineCoreOutput,
@@ -157,7 +157,8 @@ class EngineCore:
     def from_pretrained(cls, model_path: str, config: EngineConfig | None = None) -> EngineCore:
         """Load a Hugging Face checkpoint folder's model into a core (the tokenizer stays with the front end).
 
-        Builds Model and ModelRunner, sizing the KV cache with config.num_blocks_for; the eos ids come
+        Builds Model and ModelRunner, sizing the KV cache with config.num_blocks_for (the default
+        capped at what max_num_seqs requests of max_model_len hold, `full_batch_blocks`); the eos ids come
         from tokenizer_config.json and config.json.
 
         Raises:
@@ -172,7 +173,14 @@ class EngineCore:
         model = Model.load(model_path, cfg.dtype, quantization=cfg.quantization, activations=cfg.activations)
         max_model_len = cfg.resolve_max_model_len(model.config.max_position_embeddings)
         bytes_per_block = ModelRunner.bytes_per_block(model.config, cfg.block_size, cfg.dtype)
-        num_blocks = cfg.num_blocks_for(bytes_per_block)
+        needed = full_batch_blocks(
+            cfg.max_num_seqs,
+            cfg.block_size,
+            max_model_len,
+            ModelRunner.model_kv_cache_groups(model.config),
+            cfg.max_num_batched_tokens,
+        )
+        num_blocks = cfg.num_blocks_for(bytes_per_block, blocks_needed=needed)
         runner = ModelRunner(model, cfg, num_blocks)
         eos_ids = tuple(int(t) for t in model.config.eos_token_ids)
         tokenizer = Tokenizer.load(model_path)

@@ -37,7 +37,14 @@ from .block_pool import BlockPool, KVCacheBlock, get_request_block_hasher
 from .kv_cache_coordinator import KVCacheCoordinator, KVCacheGroups, KVCacheGroupSpec, max_blocks_needed
 from .request import Request, max_final_num_tokens
 
-__all__ = ["KVCacheConfig", "KVCacheGroups", "KVCacheManager", "RequestTooLargeError", "cdiv"]
+__all__ = [
+    "KVCacheConfig",
+    "KVCacheGroups",
+    "KVCacheManager",
+    "RequestTooLargeError",
+    "cdiv",
+    "full_batch_blocks",
+]
 
 
 def cdiv(a: int, b: int) -> int:
@@ -110,6 +117,29 @@ class KVCacheConfig:
         positions = self.num_positions_needed(num_prompt_tokens, max_tokens)
         if self.num_blocks_needed(positions) > self.num_kv_blocks:
             raise RequestTooLargeError(num_prompt_tokens, max_tokens, positions, self)
+
+
+def full_batch_blocks(
+    max_num_seqs: int,
+    block_size: int,
+    max_model_len: int,
+    kv_cache_groups: Sequence[KVCacheGroupSpec],
+    max_num_batched_tokens: int,
+) -> int:
+    """The blocks max_num_seqs requests of max_model_len tokens hold at once, in all KV cache groups:
+    max_num_seqs * the blocks one such request needs in the pool `KVCacheConfig.for_engine` builds
+    (cdiv(max_model_len, block_size) per full-attention group; a sliding group its window and one
+    step's chunk, `kv_cache_coordinator.max_blocks_needed`). What the default KV pool is capped at
+    (`EngineConfig.num_blocks_for`). ValueError for a count below 1."""
+    for name, value in (
+        ("max_num_seqs", max_num_seqs),
+        ("block_size", block_size),
+        ("max_model_len", max_model_len),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    pool = KVCacheConfig.for_engine(1, block_size, max_model_len, kv_cache_groups, max_num_batched_tokens)
+    return max_num_seqs * pool.num_blocks_needed(max_model_len)
 
 
 class RequestTooLargeError(ValueError):

@@ -23,8 +23,9 @@ A step with structured outputs passes `sample_tokens` the core's GrammarOutput (
 argument): the sampler and the rejection sampler apply each masked row before choosing a token.
 
 KV cache groups (a model with sliding-window layers, `kv_cache_coordinator.py`): the runner keeps a
-block table per group, as vLLM's `MultiGroupBlockTable`, builds each group's slot mapping and
-attention metadata, and gives each layer its group's; the j-th layer of every group shares K/V buffer j.
+block table per group (`block_table.MultiGroupBlockTable`, as vLLM's), which checks each group's table
+and builds its slot mapping and attention metadata, and gives each layer its group's; the j-th layer of
+every group shares K/V buffer j.
 
 Threads: each step computes on `threads` of Numba's pool, or, at the default count, on as many of them
 as other processes leave free (`cpu_load.LoadGovernor`, asked before each step; docs/kernels.md).
@@ -44,6 +45,7 @@ import numpy.typing as npt
 
 from attention_kv_caceh.cpu_load import LoadGovernor
 from attention_kv_caceh.cpus import usable_cpus
+from attention_kv_caceh.engine.block_table import MultiGroupBlockTable
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.kv_cache_coordinator import (
     KVCacheGroups,
@@ -52,7 +54,7 @@ from attention_kv_caceh.engine.kv_cache_coordinator import (
     num_kv_buffers,
 )
 from attention_kv_caceh.engine.outputs import ModelRunnerOutput
-from attention_kv_caceh.engine.request import Request, TokenLogprobs
+from attention_kv_caceh.engine.request import TokenLogprobs
 from attention_kv_caceh.engine.sampler import _MAX_LOGIT, sample, token_logprobs  # pyright: ignore[reportPrivateUsage]
 from attention_kv_caceh.engine.scheduler import SchedulerOutput
 from attention_kv_caceh.engine.spec_decode.rejection_sampler import verify_draft
@@ -153,6 +155,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[FloatArray, FloatArray]] = [buffers[j] for _, j in where]
         self.layer_group = tuple(g for g, _ in where)  # [L]
         self.group_windows = tuple(g.sliding_window for g in groups) or (None,)  # per group
+        self.block_table = MultiGroupBlockTable(self.group_windows, config.block_size, num_blocks)
         self.last_inputs: ModelInputs | None = None
         self.threads = config.resolved_threads()
         self.active_threads = self.threads
@@ -211,7 +214,8 @@ class ModelRunner:
 
         c = num_computed_tokens, n = num_scheduled_tokens[request_id]; in each KV cache group, position
         p goes to slot table[p // block_size] * block_size + p % block_size of the request's table in
-        that group (`SchedulerOutput.block_ids`, or r.block_ids for a model of one group). This is the
+        that group (`SchedulerOutput.block_ids`, or r.block_ids for a model of one group;
+        `block_table.MultiGroupBlockTable` checks the tables and builds each group's metadata). This is the
         step's one validation: the model and its kernels trust what it returns. Raises ValueError for
         an empty step, n < 1, c + n beyond the request's tokens, drafts that are not the step's last
         tokens of their request, a token id outside the vocabulary, block tables for another number of
@@ -221,7 +225,6 @@ class ModelRunner:
         requests = scheduler_output.scheduled_requests
         if not requests:
             raise ValueError("the scheduler output schedules no request")
-        bs = self.block_size
         ids: list[npt.NDArray[np.int64]] = []
         positions: list[npt.NDArray[np.int64]] = []
         context_lens = np.empty(len(requests), dtype=np.int64)  # [R]
@@ -242,7 +245,7 @@ class ModelRunner:
                     f"request {r.request_id!r}: its {len(drafts)} draft tokens must end the step"
                 )
             num_logits[i] = 1 + len(drafts)
-            tables_of.append(self._check_block_tables(scheduler_output, r, c + n))
+            tables_of.append(self.block_table.check_request(scheduler_output, r, c + n))
             ids.append(np.asarray(tokens[c : c + n], dtype=np.int64))
             positions.append(np.arange(c, c + n, dtype=np.int64))
             context_lens[i] = c + n
@@ -262,55 +265,11 @@ class ModelRunner:
         ]
         logits_indices = np.concatenate(last_rows)
         row_per_token = bool(spec) and np.array_equal(counts, num_logits)  # one token + drafts each
-        group_metadata: list[AttentionMetadata] = []
-        for g in range(len(self.group_windows)):
-            max_blocks = max(len(tables[g]) for tables in tables_of)
-            block_tables = np.full((len(requests), max_blocks), -1, dtype=np.int32)  # [R, max_blocks]
-            for i, tables in enumerate(tables_of):
-                block_tables[i, : len(tables[g])] = tables[g]
-            slot_mapping = block_tables[request_of_token, pos // bs].astype(np.int64) * bs + pos % bs  # [N]
-            if row_per_token:  # a row per token, each attending up to its own position
-                metadata = AttentionMetadata(
-                    slot_mapping=slot_mapping,
-                    query_start_loc=np.arange(pos.shape[0] + 1, dtype=np.int64),  # [N+1]
-                    block_tables=block_tables[request_of_token],  # [N, max_blocks]
-                    context_lens=pos + 1,  # [N]
-                    block_size=bs,
-                )
-            else:
-                metadata = AttentionMetadata(
-                    slot_mapping=slot_mapping,
-                    query_start_loc=query_start_loc,
-                    block_tables=block_tables,
-                    context_lens=context_lens,
-                    block_size=bs,
-                )
-            group_metadata.append(metadata)
+        group_metadata = self.block_table.attention_metadata(
+            tables_of, pos, request_of_token, query_start_loc, context_lens, row_per_token
+        )
         layer_metadata = tuple(group_metadata[g] for g in self.layer_group)
         return ModelInputs(input_ids, pos, group_metadata[0], logits_indices, query_start_loc, layer_metadata)
-
-    def _check_block_tables(
-        self, scheduler_output: SchedulerOutput, r: Request, num_positions: int
-    ) -> tuple[list[int], ...]:
-        """Request r's block table per group, checked to cover num_positions with blocks of the pool
-        wherever the step reads or writes (a sliding group's entries before the window may be -1)."""
-        bs = self.block_size
-        tables = scheduler_output.block_ids.get(r.request_id) or (r.block_ids,)
-        if len(tables) != len(self.group_windows):
-            raise ValueError(
-                f"request {r.request_id!r}: block tables of {len(tables)} KV cache groups, "
-                f"the model has {len(self.group_windows)}"
-            )
-        for g, (table, window) in enumerate(zip(tables, self.group_windows, strict=True)):
-            first = 0 if window is None else max(0, r.num_computed_tokens - window + 1) // bs
-            used = table[first : -(-num_positions // bs)]
-            if len(table) * bs < num_positions or any(not 0 <= b < self.num_blocks for b in used):
-                raise ValueError(
-                    f"request {r.request_id!r}: block_ids {table} of KV cache group {g} must cover "
-                    f"{num_positions} positions with blocks in 0 .. {self.num_blocks - 1} from block "
-                    f"{first} on (block_size {bs})"
-                )
-        return tables
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> FloatArray:
         """Run one step; logits `[R + D, V]` in the engine dtype: for each of scheduled_requests in

@@ -39,6 +39,7 @@ def environment_card(metas: Mapping[str, Mapping[str, Any]], missing: Sequence[s
         ("blas", "BLAS"),
         ("blas_threads", "BLAS threads"),
         ("thread_env", "thread variables"),
+        ("others_busy_cpus", "other processes' busy CPUs at start"),
         ("git_commit", "git commit"),
     ]
     names = list(metas)
@@ -57,6 +58,8 @@ def environment_card(metas: Mapping[str, Mapping[str, Any]], missing: Sequence[s
                 value = (
                     " ".join(f"{k}={v}" for k, v in typing.cast("dict[str, Any]", value).items()) or "none"
                 )
+            elif key == "others_busy_cpus":
+                value = "not measured" if value is None else value
             elif key == "git_commit" and isinstance(value, str):
                 value = value[:12]
             cells.append(str(value).replace("|", "/"))

@@ -19,6 +19,7 @@ __all__ = [
     "STEP_TABLE_HELP",
     "StepTable",
     "acceptance_line",
+    "kv_pool_text",
     "record_line",
     "spec_text",
     "start_line",
@@ -46,6 +47,17 @@ def record_line(r: dict[str, Any]) -> str:
     return f"[{r['index']}] {r['prompt']!r} -> {r['text']!r} ({len(r['token_ids'])} tokens, {r['finish_reason']})"
 
 
+def kv_pool_text(num_blocks: int, block_size: int, bytes_per_block: int) -> str:
+    """The KV pool in words: `N KV blocks of B tokens (P positions, X MiB)`; `bytes_per_block` is K and V
+    of one block over the layers that hold it (`ModelRunner.bytes_per_block`)."""
+    from attention_kv_caceh.memory import format_bytes
+
+    return (
+        f"{num_blocks} KV blocks of {block_size} tokens ({num_blocks * block_size} positions, "
+        f"{format_bytes(num_blocks * bytes_per_block)})"
+    )
+
+
 def start_line(
     config: EngineConfig,
     num_prompts: int,
@@ -54,12 +66,14 @@ def start_line(
     num_blocks: int,
     max_model_len: int,
     load: str,
+    bytes_per_block: int,
 ) -> str:
-    """The first line: the prompts, the engine's limits and KV pool, and how long loading took (`load`)."""
+    """The first line: the prompts, the engine's limits and KV pool (`kv_pool_text`), and how long
+    loading took (`load`)."""
     return (
         f"{num_prompts} prompts ({num_tokens} tokens), max_tokens {max_tokens}; "
         f"max_num_seqs {config.max_num_seqs}, max_num_batched_tokens {config.max_num_batched_tokens}, "
-        f"{num_blocks} KV blocks of {config.block_size} tokens, max_model_len {max_model_len}, "
+        f"{kv_pool_text(num_blocks, config.block_size, bytes_per_block)}, max_model_len {max_model_len}, "
         f"prefix caching {'on' if config.enable_prefix_caching else 'off'}, {config.dtype}, "
         f"speculative decoding {spec_text(config.speculative_config)}; loaded in {load}"
     )

@@ -25,6 +25,7 @@ from attention_kv_caceh.tables import text_table
 __all__ = [
     "event_line",
     "format_scan_table",
+    "load_warning",
     "plot_title",
     "prediction_cards",
     "result_records",
@@ -90,6 +91,20 @@ def threads_warning(blas_threads: int | None, cpus: int) -> str | None:
     return (
         f"warning: --blas-threads {blas_threads} is more than the {cpus} logical CPUs here; "
         "the threads will compete for cores"
+    )
+
+
+def load_warning(others: float | None, window_s: float) -> str | None:
+    """The warning for other processes keeping `others` CPUs' worth busy (measured over `window_s`
+    seconds before timing), or None below `cpu_load.LOAD_WARNING_CPUS` or when not measured."""
+    from attention_kv_caceh.cpu_load import LOAD_WARNING_CPUS
+
+    if others is None or others < LOAD_WARNING_CPUS:
+        return None
+    return (
+        f"warning: other processes keep {others:.1f} CPUs busy (measured over {window_s:g} s before "
+        "timing); the timings share the machine with them and may be slower and noisier "
+        "(recorded as others_busy_cpus in the metadata)"
     )
 
 

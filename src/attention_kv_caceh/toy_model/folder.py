@@ -29,7 +29,12 @@ class MakeModelConfig:
         metavar="DIR",
         required=True,
     )
-    arch: str = option("llama", help="model family", choices=("llama", "qwen2", "qwen3"))
+    arch: str = option(
+        "llama",
+        help="model family (gemma3: sliding-window layers beside global ones, a window of 64 tokens "
+        "in tiny, 512 in small)",
+        choices=("llama", "qwen2", "qwen3", "gemma3"),
+    )
     preset: str = option(
         "tiny",
         help="shapes: tiny (~0.5 M parameters, for tests) or small (~100-125 M, for benchmarks)",

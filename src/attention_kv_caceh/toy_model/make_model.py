@@ -3,7 +3,7 @@
 The engine needs real model folders for tests and benchmarks without downloading any: this writes
 `config.json`, `model.safetensors` (or shards plus `model.safetensors.index.json`), `tokenizer.json` and
 `tokenizer_config.json` with the tensor names, config keys and special tokens of Hugging Face's Llama,
-Qwen2 and Qwen3 classes, so transformers or vLLM could load the same folder. The weights are random
+Qwen2, Qwen3 and Gemma 3 (text) classes, so transformers or vLLM could load the same folder. The weights are random
 (no language is learned) but scaled so logits spread widely and greedy choices are not near-ties.
 
 Presets (shapes in PRESETS):
@@ -11,6 +11,13 @@ Presets (shapes in PRESETS):
            2 KV heads. head_dim 32 rather than 16 because vLLM's CPU attention backend rejects 16.
     small  ~100-125 M parameters (tied / untied), for benchmarks: vocab 32000, hidden 768, 12 layers,
            12 heads x head_dim 64, 4 KV heads, MLP 2048.
+Gemma 3 (`arch="gemma3"`, `Gemma3ForCausalLM`) interleaves sliding-window layers with global ones: layer i
+is global when (i + 1) % 6 == 0 or it is the last layer (`gemma3_layer_types`: tiny's two layers are one
+of each, small's twelve are 10 sliding and 2 global, Gemma 3's 5:1), with a window of
+`GEMMA3_WINDOWS[preset]` tokens (64 for tiny, 512 for small, Gemma 3 1B's), q/k norms, four norms per
+layer stored as Gemma's offsets from 1, tied embeddings and the two RoPE bases of transformers 5's
+`rope_parameters`. Its embeddings are drawn smaller (the model scales them by sqrt(hidden)) and its
+norms carry the gains (`_random_tensors`).
 The tokenizer is a byte-level BPE trained on `TRAINING_TEXT`; it has fewer ids than either vocabulary,
 so the rows above it are padding (as in real checkpoints whose vocab_size is rounded up), scaled down
 by 10 in the LM head so that greedy decoding mostly picks tokens that decode to text.
@@ -34,9 +41,24 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from attention_kv_caceh.toy_model.training_text import TRAINING_TEXT
 
-__all__ = ["ARCHITECTURES", "PRESETS", "Preset", "bfloat16_bits", "write_random_checkpoint"]
+__all__ = [
+    "ARCHITECTURES",
+    "GEMMA3_WINDOWS",
+    "PRESETS",
+    "Preset",
+    "bfloat16_bits",
+    "gemma3_layer_types",
+    "write_random_checkpoint",
+]
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+GEMMA3_WINDOWS = {"tiny": 64, "small": 512}
+"""sliding_window of a gemma3 checkpoint per preset (tokens)."""
 
 # Residual-branch gain of o_proj and down_proj: layer outputs outweigh the token's own embedding in the
 # residual stream, so tied-embedding models do not simply repeat their input token under greedy decoding.
@@ -67,13 +89,25 @@ PRESETS = {
 _SPECIAL = {
     "llama": (["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|>", "<|end_of_text|>"),
     "qwen": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
+    "gemma": (["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<eos>"),
 }
 _CHAT_TEMPLATES = {
     "llama": "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}",
     "qwen": "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "gemma": "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{{ m['content'] }}"
+    "<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}",
 }
+
+
+def gemma3_layer_types(num_layers: int) -> list[str]:
+    """Gemma 3's interleaving for a random checkpoint: layer i global when (i + 1) % 6 == 0 or it is the
+    last layer, sliding otherwise (so every checkpoint has both kinds)."""
+    return [
+        "full_attention" if (i + 1) % 6 == 0 or i == num_layers - 1 else "sliding_attention"
+        for i in range(num_layers)
+    ]
 
 
 def bfloat16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
@@ -115,18 +149,23 @@ def _random_tensors(
 
     Projections ~ N(0, 1/in) keep activations O(1) (o_proj and down_proj times OUT_GAIN); embeddings
     and LM head ~ N(0, 16/hidden) give logits of standard deviation about 4; norm weights
-    1 + N(0, 0.01); biases N(0, 0.01).
+    1 + N(0, 0.01); biases N(0, 0.01). Gemma 3 (tied): embeddings ~ N(0, 1/hidden), scaled by
+    sqrt(hidden) in the model; its norms are stored as offsets w of the scale 1 + w, the scale
+    1 + N(0, 0.01) but OUT_GAIN after attention and after the MLP (its branches' gain) and 4 for the
+    final norm (logits of standard deviation about 4); each layer has the pre/post feed-forward norms
+    and q/k norms of transformers' Gemma3DecoderLayer.
     """
+    gemma = arch == "gemma3"
 
     def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[np.float32]:
         return rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
 
-    def norm_weight(size: int) -> npt.NDArray[np.float32]:
-        return 1 + normal((size,), 0.1)
+    def norm_weight(size: int, scale: float = 1.0) -> npt.NDArray[np.float32]:
+        return normal((size,), 0.1) + np.float32(scale - 1 if gemma else scale)
 
     hidden, inter = p.hidden_size, p.intermediate_size
     q_dim, kv_dim = p.num_attention_heads * p.head_dim, p.num_key_value_heads * p.head_dim
-    head_std = 4 / np.sqrt(hidden)
+    head_std = (1 if gemma else 4) / np.sqrt(hidden)
     t: dict[str, npt.NDArray[np.float32]] = {
         "model.embed_tokens.weight": normal((p.vocab_size, hidden), head_std)
     }
@@ -137,20 +176,62 @@ def _random_tensors(
             t[f"{a}{name}.weight"] = normal((rows, hidden), 1 / np.sqrt(hidden))
             if arch == "qwen2":
                 t[f"{a}{name}.bias"] = normal((rows,), 0.1)
-        if arch == "qwen3":
+        if arch in ("qwen3", "gemma3"):
             t[f"{a}q_norm.weight"] = norm_weight(p.head_dim)
             t[f"{a}k_norm.weight"] = norm_weight(p.head_dim)
         t[f"{a}o_proj.weight"] = normal((hidden, q_dim), OUT_GAIN / np.sqrt(q_dim))
-        t[f"model.layers.{i}.post_attention_layernorm.weight"] = norm_weight(hidden)
+        # Gemma: the norm after attention (scale OUT_GAIN, as o_proj's gain elsewhere), then the MLP's two
+        t[f"model.layers.{i}.post_attention_layernorm.weight"] = norm_weight(hidden, OUT_GAIN if gemma else 1)
+        if gemma:
+            t[f"model.layers.{i}.pre_feedforward_layernorm.weight"] = norm_weight(hidden)
+            t[f"model.layers.{i}.post_feedforward_layernorm.weight"] = norm_weight(hidden, OUT_GAIN)
         t[f"{m}gate_proj.weight"] = normal((inter, hidden), 1 / np.sqrt(hidden))
         t[f"{m}up_proj.weight"] = normal((inter, hidden), 1 / np.sqrt(hidden))
         t[f"{m}down_proj.weight"] = normal((hidden, inter), OUT_GAIN / np.sqrt(inter))
-    t["model.norm.weight"] = norm_weight(hidden)
+    t["model.norm.weight"] = norm_weight(hidden, 4 if gemma else 1)  # Gemma: logits' spread about 4
     head = "model.embed_tokens.weight" if tie else "lm_head.weight"
     if not tie:
         t[head] = normal((p.vocab_size, hidden), head_std)
     t[head][num_text_tokens:] *= np.float32(0.1)  # padding rows of the vocabulary: rarely the argmax
     return t
+
+
+def _gemma3_config_json(
+    p: Preset, preset: str, tie: bool, dtype: str, bos_id: int, eos_id: int, pad_id: int
+) -> dict[str, Any]:
+    """config.json keys of transformers' Gemma3TextConfig (transformers 5: one RoPE object per layer type)."""
+    return {
+        "architectures": [ARCHITECTURES["gemma3"]],
+        "model_type": "gemma3_text",
+        "vocab_size": p.vocab_size,
+        "hidden_size": p.hidden_size,
+        "intermediate_size": p.intermediate_size,
+        "num_hidden_layers": p.num_hidden_layers,
+        "num_attention_heads": p.num_attention_heads,
+        "num_key_value_heads": p.num_key_value_heads,
+        "head_dim": p.head_dim,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": p.max_position_embeddings,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "query_pre_attn_scalar": p.head_dim,
+        "sliding_window": GEMMA3_WINDOWS[preset],
+        "layer_types": gemma3_layer_types(p.num_hidden_layers),
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "tie_word_embeddings": tie,
+        "dtype": dtype,
+        "use_cache": True,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+    }
 
 
 def _config_json(
@@ -202,9 +283,9 @@ def write_random_checkpoint(
 ) -> Path:
     """Write a random `arch` model of `preset` shapes into `out_dir` (created if needed); return the folder.
 
-    arch: "llama" | "qwen2" | "qwen3". dtype: "float32" | "float16" | "bfloat16" on disk (the weights
+    arch: "llama" | "qwen2" | "qwen3" | "gemma3" (module docstring). dtype: "float32" | "float16" | "bfloat16" on disk (the weights
     are drawn in float32 and rounded to nearest). tie_word_embeddings: None = the family's habit for
-    small models (Llama untied, Qwen tied). max_shard_bytes: split tensors over
+    small models (Llama untied, Qwen and Gemma tied). max_shard_bytes: split tensors over
     `model-0000i-of-0000n.safetensors` files plus `model.safetensors.index.json` once a shard would
     exceed it; None writes one `model.safetensors`. The same arguments write byte-identical files.
 
@@ -220,7 +301,7 @@ def write_random_checkpoint(
         raise ValueError(f"max_shard_bytes must be >= 1 or None, got {max_shard_bytes}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    family = "llama" if arch == "llama" else "qwen"
+    family = {"llama": "llama", "gemma3": "gemma"}.get(arch, "qwen")
     tie = (arch != "llama") if tie_word_embeddings is None else tie_word_embeddings
     p = PRESETS[preset]
     special, bos, eos = _SPECIAL[family]
@@ -231,7 +312,7 @@ def write_random_checkpoint(
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": bos,
         "eos_token": eos,
-        "pad_token": special[0] if family == "qwen" else eos,
+        "pad_token": special[0] if family in ("qwen", "gemma") else eos,
         "model_max_length": p.max_position_embeddings,
         "clean_up_tokenization_spaces": False,
         "chat_template": _CHAT_TEMPLATES[family],
@@ -241,7 +322,10 @@ def write_random_checkpoint(
     )
 
     bos_id = special.index(bos) if bos is not None else 0  # Qwen lists <|endoftext|> as bos_token_id
-    config = _config_json(arch, p, tie, dtype, bos_id, special.index(eos))
+    if arch == "gemma3":
+        config = _gemma3_config_json(p, preset, tie, dtype, bos_id, special.index(eos), 0)
+    else:
+        config = _config_json(arch, p, tie, dtype, bos_id, special.index(eos))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     tensors = _random_tensors(arch, p, tie, tok.get_vocab_size(), np.random.default_rng(seed))

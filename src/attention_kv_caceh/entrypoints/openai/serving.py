@@ -170,7 +170,8 @@ def sampling_params_for(
     `structured_outputs`: the compiled constraint the output follows (None: none). The body has passed
     `check_request_fields` (OpenAIServing.check_generation, once per request, before any tokenizing).
     Raises HTTPError(400), naming the field as `param`, for an empty prompt, a prompt of `max_model_len` tokens or more (the message
-    gives its exact length), max_tokens <= 0 (without echo) or above `max_model_len`, a sampling value
+    gives its exact length), max_tokens <= 0 (without echo; a chat request's message names no echo) or
+    above `max_model_len`, a sampling value
     out of range (temperature not finite or < 0, top_p not in (0, 1], top_k < -1, seed < 0, min_tokens
     not in [0, max_tokens] after the cap, a frequency or presence penalty outside [-2, 2], a
     repetition_penalty outside [1e-100, 1e100], a logit_bias value outside [-100, 100]), a token id
@@ -248,8 +249,9 @@ def _max_tokens(
         max_tokens = room if default_max_tokens is None else default_max_tokens
     if max_tokens == 0 and echo:
         max_tokens = 1  # the prompt's logprobs only: one token is sampled and dropped
-    if max_tokens <= 0:
-        raise HTTPError(400, f"{param} must be at least 1 (or 0 with echo), got {max_tokens}", param)
+    if max_tokens <= 0:  # `echo` is a completions field: a chat request's message names chat fields only
+        with_echo = " (or 0 with echo)" if isinstance(body, CompletionRequest) else ""
+        raise HTTPError(400, f"{param} must be at least 1{with_echo}, got {max_tokens}", param)
     if max_tokens > max_model_len:
         raise HTTPError(
             400,
