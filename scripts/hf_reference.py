@@ -258,12 +258,16 @@ GGUF_ENGINE_RUNS = (
         ["--dtype", "float32", *SMALL_BUDGET],
     ),
     (
-        "float32 on the file's blocks (--quantization gguf), batched",
+        "float32 on the file's blocks (--quantization gguf), 8-bit activations, batched",
         ["--dtype", "float32", "--quantization", "gguf"],
     ),
     (
-        "float32 on the file's blocks, budget 16, 4-token blocks, 48 blocks",
+        "float32 on the file's blocks, 8-bit activations, budget 16, 4-token blocks, 48 blocks",
         ["--dtype", "float32", "--quantization", "gguf", *SMALL_BUDGET],
+    ),
+    (
+        "float32 on the file's blocks, float32 activations (--activations float32), batched",
+        ["--dtype", "float32", "--quantization", "gguf", "--activations", "float32"],
     ),
 )
 
