@@ -121,6 +121,20 @@ class EngineFormatsTest(unittest.TestCase):
             )
 
     @unittest.skipUnless(PACKED, "no packed kernel for this CPU")
+    def test_activations_is_checked_and_a_setting_without_effect_is_named(self) -> None:
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny", seed=3)
+            with self.assertRaises(ValueError):
+                Model.load(folder, "float32", "packed", "q4_0", activations="int4")
+            with self.assertLogs("attention_kv_caceh.model_executor.model", "WARNING") as logs:
+                Model.load(folder, "float32", "packed", None, activations="float32")  # float32 panels
+            self.assertIn("activations='float32' has no effect", logs.output[0])
+            blocks = Model.load(folder, "float32", "packed", "q4_0")  # the default, on blocks: no warning
+            self.assertEqual(blocks.activations, "int8")
+            self.assertTrue(blocks.has_int_kernel_weights)
+            self.assertIn("8 bits, integer dot products", blocks.gemm_note)
+
+    @unittest.skipUnless(PACKED, "no packed kernel for this CPU")
     def test_compact_models_pick_the_greedy_tokens_of_numpy_on_the_same_weights(self) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             folder = write_random_checkpoint(Path(tmp) / "m", "llama", "tiny", seed=3)

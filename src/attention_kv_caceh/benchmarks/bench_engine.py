@@ -96,7 +96,7 @@ class BenchEngineConfig:
     block_size: int = 16
     dtype: str = "float32"
     quantization: str | None = None
-    activations: str = "int8"
+    activations: str | None = None
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:

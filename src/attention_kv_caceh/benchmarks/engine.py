@@ -147,7 +147,7 @@ def run_engine_benchmark(
     temperature: float = 0.0,
     quantization: str | None = None,
     threads: int | None = None,
-    activations: str = "int8",
+    activations: str | None = None,
 ) -> EngineBenchResult:
     """Run max_num_seqs requests at once on a fresh LLMEngine for each value of max_num_seqs_list.
 

@@ -182,7 +182,7 @@ def run_spec_benchmark(
     seed: int = 0,
     detokenize: bool = True,
     quantization: str | None = None,
-    activations: str = "int8",
+    activations: str | None = None,
 ) -> tuple[list[SpecBenchRow], dict[str, Any]]:
     """For each max_num_seqs B: the first B of `prompts` (token ids; the list must hold at least the
     largest B), ignore_eos, max_tokens=output_len, sampled at `temperature` with each request's

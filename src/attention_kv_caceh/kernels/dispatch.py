@@ -63,8 +63,11 @@ ACTIVATION_CHOICES = ("int8", "float32")
 not depend on the other rows of its step."""
 
 
-def check_activations(activations: str) -> str:
-    """`activations` if it is one of ACTIVATION_CHOICES; ValueError naming it otherwise."""
+def check_activations(activations: str | None) -> str:
+    """`activations` if it is one of ACTIVATION_CHOICES, "int8" for None (the default); ValueError
+    naming it otherwise."""
+    if activations is None:
+        return ACTIVATION_CHOICES[0]
     if activations not in ACTIVATION_CHOICES:
         raise ValueError(f"activations must be one of {ACTIVATION_CHOICES}, got {activations!r}")
     return activations

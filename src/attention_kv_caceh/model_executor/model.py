@@ -38,6 +38,7 @@ heads, D head dim, I MLP width, V vocabulary, L layers.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ import numpy.typing as npt
 
 from attention_kv_caceh.kernels.block_formats import BLOCK_FORMATS
 from attention_kv_caceh.kernels.block_gemm import prepare_block_linear
+from attention_kv_caceh.kernels.block_gemm_int import INT_PAIRS
 from attention_kv_caceh.kernels.decode_attention import paged_decode_attention_into
 from attention_kv_caceh.kernels.dispatch import check_activations, compute_dtype, resolve_gemm_path
 from attention_kv_caceh.kernels.gemm import prepare_packed_linear
@@ -75,6 +77,8 @@ from attention_kv_caceh.model_executor.model_weights import WeightReader
 from attention_kv_caceh.model_executor.paged_attention import AttentionMetadata, paged_attention, write_kv
 
 __all__ = ["Model", "ModelConfig"]
+
+logger = logging.getLogger(__name__)
 
 FloatArray = npt.NDArray[np.floating[Any]]
 
@@ -125,14 +129,15 @@ class Model:
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
-        activations: str = "int8",
+        activations: str | None = None,
     ) -> None:
         """Read every tensor `config` needs from `checkpoint`, converted to `compute_dtype(dtype)`; store
         the linear layers' weights as `dispatch.weight_format(dtype, quantization)` for the GEMM path
         (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
         activations: how the linear layers over GGUF blocks treat x (`dispatch.ACTIVATION_CHOICES`,
-        `layers.linear`).
+        `layers.linear`); None: int8. Given explicitly where no weight has an integer kernel, a logged
+        warning says it has no effect.
 
         Raises ValueError for an activations setting outside ACTIVATION_CHOICES, a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
         format with an input width that is not a multiple of 32), CheckpointError (naming the file
@@ -204,6 +209,16 @@ class Model:
         else:
             self.lm_head = read.linear([("lm_head.weight", (c.vocab_size, hidden))])  # [V, D_model]
         self.weight_notes = read.notes  # layers that could not keep the file's format
+        if self.has_int_kernel_weights:
+            how = "8 bits, integer dot products" if self.activations == "int8" else "float32"
+            self.gemm_note += f"; activations against the blocks: {how}"
+        elif activations is not None:
+            logger.warning(
+                "activations=%r has no effect: no linear layer keeps GGUF blocks with an integer kernel "
+                "(weight format %s; they come with quantization='gguf' or a block format)",
+                activations,
+                self.weight_format,
+            )
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         # Gemma 3's sliding layers: their own base, unscaled
         local = c.rope_local_theta
@@ -219,6 +234,19 @@ class Model:
             )
             self.gemm_compile_s = kernels + prepare_compiled_layers(self.dtype)
 
+    @property
+    def has_int_kernel_weights(self) -> bool:
+        """Whether some linear layer keeps GGUF blocks of a type with an integer-dot kernel."""
+        weights = [
+            w
+            for layer in self.layers
+            for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        ]
+        parts = [
+            p for w in (*weights, self.lm_head) for p in (w.stacked or ((w.blocks,) if w.blocks else ()))
+        ]
+        return any(p.format in INT_PAIRS for p in parts)
+
     @classmethod
     def load(
         cls,
@@ -226,7 +254,7 @@ class Model:
         dtype: str = "float32",
         gemm: str = "auto",
         quantization: str | None = None,
-        activations: str = "int8",
+        activations: str | None = None,
     ) -> Model:
         """Load a checkpoint in engine `dtype`, GEMM path `gemm`, linear weights as `quantization` says: a
         Hugging Face folder (config.json + safetensors) or a GGUF file, a folder holding one, or a model
