@@ -23,9 +23,13 @@ from attention_kv_caceh.experiments.scan import ScanConfig
 from attention_kv_caceh.experiments.scan_stats import scan_table
 from attention_kv_caceh.report.verdicts import saturation_verdict
 from attention_kv_caceh.timing import Sample
-from tests import ctrl_c_as_in_a_terminal
+from tests import as_on_a_quiet_machine, ctrl_c_as_in_a_terminal
 
 ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)
+
+
+def setUpModule() -> None:
+    as_on_a_quiet_machine()  # the scan's load warning would add a stderr line
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:

@@ -38,13 +38,17 @@ from attention_kv_caceh.experiments.cache_growth_stats import (
 )
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.presets import kv_cache_bytes
-from tests import ctrl_c_as_in_a_terminal
+from tests import as_on_a_quiet_machine, ctrl_c_as_in_a_terminal
 
 ctrl_c_as_in_a_terminal()  # the Ctrl-C tests also pass as a background job (tests/__init__.py)
 
 TINY = CacheGrowthConfig(
     steps=24, batch_size=2, num_heads=4, num_kv_heads=2, head_dim=8, repeats=2, warmup=1, seed=7
 )
+
+
+def setUpModule() -> None:
+    as_on_a_quiet_machine()  # the scan's load warning would add a stderr line
 
 
 def synthetic(kind: str, intercept: float, slope: float, steps: int, repeats: int) -> list[CacheStepSample]:

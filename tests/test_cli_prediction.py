@@ -29,8 +29,13 @@ from attention_kv_caceh.experiments.prediction import ScanPrediction
 from attention_kv_caceh.experiments.scan import BatchResult, ScanConfig, ScanInputs, kv_bytes_per_step
 from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.timing import Sample
+from tests import as_on_a_quiet_machine
 
 SMALL = ("--batch-sizes", "1,2,4,8", "--repeats", "5", "--warmup", "1")
+
+
+def setUpModule() -> None:
+    as_on_a_quiet_machine()  # the scan's load warning would add a stderr line
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:

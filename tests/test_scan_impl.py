@@ -35,9 +35,14 @@ from attention_kv_caceh.oracle import OracleMismatch
 from attention_kv_caceh.report import build as report
 from attention_kv_caceh.report.readers import classify_header
 from attention_kv_caceh.timing import Sample
+from tests import as_on_a_quiet_machine
 
 TINY = ("--batch-sizes", "1,2,4", "--seq-len", "16", "--repeats", "4", "--warmup", "1")
 REPEATS = 4
+
+
+def setUpModule() -> None:
+    as_on_a_quiet_machine()  # the scan's load warning would add a stderr line
 
 
 def run_cli(*argv: str) -> tuple[int, str, str]:
