@@ -27,7 +27,7 @@ rows of x (Q8_0 above: 2.4 against 4.3 ms rolled), not for wider ones, which the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numba
 from llvmlite import binding as llvm
@@ -130,6 +130,48 @@ def host_dot(isa: str) -> tuple[str, int]:
     return "generic", BLOCK_SPECS[isa][0]
 
 
+class Operands(NamedTuple):
+    """What an integer-dot kernel's codegen reads of its five arrays (q, d, s, w, y): the arrays,
+    their row strides (q's in bytes, d's, s's and y's in elements of 4 bytes), M, N, the bytes of a
+    row of W and its blocks of `block_bytes`, and q's and W's data as i8 pointers."""
+
+    q: Any
+    d: Any
+    s: Any
+    w: Any
+    y: Any
+    q_stride: Any
+    d_stride: Any
+    s_stride: Any
+    y_stride: Any
+    m_count: Any
+    n_count: Any
+    row_bytes: Any
+    blocks: Any
+    q_data: Any
+    w_data: Any
+
+
+def operands(context, builder, signature, args, block_bytes):
+    """The `Operands` of a call `(q, d, s, w, y)` (`_int_matmul`, `_kquant_matmul`)."""
+    qa, da, sa, wa, ya = (context.make_array(signature.args[i])(context, builder, args[i]) for i in range(5))
+    four = v.I64(4)
+    row_bytes = builder.extract_value(wa.shape, 1)
+    return Operands(
+        qa, da, sa, wa, ya,
+        builder.extract_value(qa.strides, 0),
+        builder.udiv(builder.extract_value(da.strides, 0), four),
+        builder.udiv(builder.extract_value(sa.strides, 0), four),
+        builder.udiv(builder.extract_value(ya.strides, 0), four),
+        builder.extract_value(qa.shape, 0),
+        builder.extract_value(wa.shape, 0),
+        row_bytes,
+        builder.udiv(row_bytes, v.I64(block_bytes)),
+        builder.bitcast(qa.data, v.I8.as_pointer()),
+        builder.bitcast(wa.data, v.I8.as_pointer()),
+    )  # fmt: skip
+
+
 def _codegen(isa, fmt):
     heights = BLOCK_SPECS[isa][1]
     how, lanes = host_dot(isa)
@@ -137,18 +179,10 @@ def _codegen(isa, fmt):
     with_offset = fmt in _OFFSET
 
     def codegen(context, builder, signature, args):
-        qa, da, sa, wa, ya = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in range(5)
-        )
-        q_stride = builder.extract_value(qa.strides, 0)  # bytes
-        d_stride = builder.udiv(builder.extract_value(da.strides, 0), v.I64(4))
-        y_stride = builder.udiv(builder.extract_value(ya.strides, 0), v.I64(4))
-        m_count = builder.extract_value(qa.shape, 0)
-        n_count = builder.extract_value(wa.shape, 0)
-        row_bytes = builder.extract_value(wa.shape, 1)
-        blocks = builder.udiv(row_bytes, v.I64(block_bytes))
-        w_data = builder.bitcast(wa.data, v.I8.as_pointer())
-        q_data = builder.bitcast(qa.data, v.I8.as_pointer())
+        op = operands(context, builder, signature, args, block_bytes)
+        da, sa, ya, row_bytes, q_data, w_data = op.d, op.s, op.y, op.row_bytes, op.q_data, op.w_data
+        q_stride, d_stride, y_stride, blocks = op.q_stride, op.d_stride, op.y_stride, op.blocks
+        m_count, n_count = op.m_count, op.n_count
 
         def tile(rows, row0, n):
             """y[row0 .. row0 + rows, n]: one accumulator per row of x."""

@@ -45,7 +45,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from attention_kv_caceh.kernels import ir as v
-from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, _x86, host_dot
+from attention_kv_caceh.kernels._block_gemm_int_jit import BLOCK_SPECS, _x86, host_dot, operands
 
 __all__: list[str] = []
 
@@ -276,19 +276,16 @@ def _codegen(isa, fmt):
     block_bytes = _BLOCK_BYTES[fmt]
 
     def codegen(context, builder, signature, args):
-        qa, da, sa, wa, ya = (
-            context.make_array(signature.args[i])(context, builder, args[i]) for i in range(5)
+        op = operands(context, builder, signature, args, block_bytes)
+        da, sa, ya, row_bytes, q_data, w_data = op.d, op.s, op.y, op.row_bytes, op.q_data, op.w_data
+        q_stride, d_stride, s_stride, y_stride, blocks = (
+            op.q_stride,
+            op.d_stride,
+            op.s_stride,
+            op.y_stride,
+            op.blocks,
         )
-        q_stride = builder.extract_value(qa.strides, 0)  # bytes
-        d_stride = builder.udiv(builder.extract_value(da.strides, 0), v.I64(4))
-        s_stride = builder.udiv(builder.extract_value(sa.strides, 0), v.I64(4))
-        y_stride = builder.udiv(builder.extract_value(ya.strides, 0), v.I64(4))
-        m_count = builder.extract_value(qa.shape, 0)
-        n_count = builder.extract_value(wa.shape, 0)
-        row_bytes = builder.extract_value(wa.shape, 1)
-        blocks = builder.udiv(row_bytes, v.I64(block_bytes))
-        w_data = builder.bitcast(wa.data, v.I8.as_pointer())
-        q_data = builder.bitcast(qa.data, v.I8.as_pointer())
+        m_count, n_count = op.m_count, op.n_count
 
         def tile(rows, row0, n):
             acc = v.zeroed(builder, v.vec(lanes), rows)
