@@ -128,7 +128,7 @@ class EngineFormatsTest(unittest.TestCase):
                 Model.load(folder, "float32", "packed", "q4_0", activations="int4")
             with self.assertLogs("attention_kv_caceh.model_executor.model", "WARNING") as logs:
                 Model.load(folder, "float32", "packed", None, activations="float32")  # float32 panels
-            self.assertIn("activations='float32' has no effect", logs.output[0])
+            self.assertIn("--activations float32 has no effect", logs.output[0])
             blocks = Model.load(folder, "float32", "packed", "q4_0")  # the default, on blocks: no warning
             self.assertEqual(blocks.activations, "int8")
             self.assertTrue(blocks.has_int_kernel_weights)

@@ -213,12 +213,13 @@ class Model:
             how = "8 bits, integer dot products" if self.activations == "int8" else "float32"
             self.gemm_note += f"; activations against the blocks: {how}"
         elif activations is not None:
-            logger.warning(
-                "activations=%r has no effect: no linear layer keeps GGUF blocks with an integer kernel "
-                "(weight format %s; they come with quantization='gguf' or a block format)",
-                activations,
-                self.weight_format,
+            why = (
+                f"the numpy GEMM path multiplies weights decoded to {self.dtype} ({self.gemm_note})"
+                if self.gemm_path == "numpy"
+                else f"no linear layer keeps GGUF blocks with an integer kernel (weight format {self.weight_format}; "
+                "they come with --quantization gguf or a block format)"
             )
+            logger.warning("--activations %s has no effect: %s", activations, why)
         self.inv_freq = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling)  # [D/2], float64
         # Gemma 3's sliding layers: their own base, unscaled
         local = c.rope_local_theta
@@ -233,6 +234,11 @@ class Model:
                 for f in read.kernels
             )
             self.gemm_compile_s = kernels + prepare_compiled_layers(self.dtype)
+
+    @property
+    def int8_products(self) -> bool:
+        """Whether some linear layer multiplies 8-bit activations by integer dot products."""
+        return self.activations == "int8" and self.has_int_kernel_weights
 
     @property
     def has_int_kernel_weights(self) -> bool:

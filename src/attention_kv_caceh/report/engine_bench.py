@@ -40,6 +40,7 @@ def header_line(config: BenchEngineConfig, longest: int | None = None) -> str:
     line = (
         f"{what}, max_num_seqs {c.sizes}, {c.dtype}"
         + (f" with {c.quantization} weights" if c.quantization else "")
+        + (f", {c.activations or 'int8'} activations against the blocks" if c.quantization else "")
         + ", "
         + ("greedy (temperature 0)" if c.temperature == 0 else f"temperature {c.temperature}")
         + f", seed {c.seed}"
