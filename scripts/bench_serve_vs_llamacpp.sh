@@ -4,7 +4,8 @@
 # one llama.cpp run, then one `serve` run, each C requests of PROMPT_LEN prompt tokens and OUTPUT_LEN
 # output tokens (ignore_eos), at TEMPERATURE (default 0, greedy) on both. Every run has its own prompt
 # seed, so no run finds another run's prompts in either server's prefix cache. `serve` computes on the
-# file's own blocks (--quantization gguf); llama-server runs SLOTS parallel sequences (default 8). With
+# file's own blocks (--quantization gguf) times 8-bit activations (--activations $ACTIVATIONS, default int8:
+# llama.cpp's own numerics); llama-server runs SLOTS parallel sequences (default 8). With
 # THREADS unset both run at their own default thread count (llama.cpp's `-t` default; serve's
 # `--threads` default, the CPUs this process may use); THREADS=N passes N to both (`--threads N` to
 # serve, `--threads N --threads-batch N` to llama-server). Both bind 127.0.0.1 and are stopped when the
@@ -19,7 +20,7 @@
 # request cuts the stream of the running one short).
 # Environment: MODEL (a GGUF file or model name; default smollm2), PAIRS (3), OUT
 # (results/serve-vs-llamacpp), PROMPT_LEN (128), OUTPUT_LEN (64), TEMPERATURE (0), THREADS (unset),
-# SLOTS (8), LLAMA_PORT (8300), SERVE_PORT (8200).
+# SLOTS (8), ACTIVATIONS (int8; float32 for the float32-activation kernels), LLAMA_PORT (8300), SERVE_PORT (8200).
 # A run that fails (the harness exits non-zero: a request failed, a server died, the 900 s timeout) is
 # reported in the table as failed with its count of failed requests; the other runs still run, and the
 # script exits 1 when any run failed (0 when all finished with every request ok).
@@ -36,6 +37,7 @@ if [ -n "$THREADS" ]; then
   llama_threads=(--threads "$THREADS" --threads-batch "$THREADS"); serve_threads=(--threads "$THREADS")
 fi
 SLOTS=${SLOTS:-8}
+ACTIVATIONS=${ACTIVATIONS:-int8}
 LLAMA_PORT=${LLAMA_PORT:-8300}
 SERVE_PORT=${SERVE_PORT:-8200}
 export OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1
@@ -56,7 +58,7 @@ else
   "$LLAMACPP_PYTHON" -c "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)" > "$OUT/versions.txt"
 fi
 pids+=($!)
-setsid uv run attention-kv-caceh serve --model "$MODEL" --quantization gguf --host 127.0.0.1 \
+setsid uv run attention-kv-caceh serve --model "$MODEL" --quantization gguf --activations "$ACTIVATIONS" --host 127.0.0.1 \
   --port "$SERVE_PORT" --max-num-seqs 32 "${serve_threads[@]}" > "$OUT/serve-server.log" 2>&1 &
 pids+=($!)
 for port in "$LLAMA_PORT" "$SERVE_PORT"; do

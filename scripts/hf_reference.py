@@ -258,15 +258,15 @@ GGUF_ENGINE_RUNS = (
         ["--dtype", "float32", *SMALL_BUDGET],
     ),
     (
-        "float32 on the file's blocks (--quantization gguf), 8-bit activations, batched",
-        ["--dtype", "float32", "--quantization", "gguf"],
+        "float32 on the file's blocks (--quantization gguf --activations int8), batched",
+        ["--dtype", "float32", "--quantization", "gguf", "--activations", "int8"],
     ),
     (
         "float32 on the file's blocks, 8-bit activations, budget 16, 4-token blocks, 48 blocks",
-        ["--dtype", "float32", "--quantization", "gguf", *SMALL_BUDGET],
+        ["--dtype", "float32", "--quantization", "gguf", "--activations", "int8", *SMALL_BUDGET],
     ),
     (
-        "float32 on the file's blocks, float32 activations (--activations float32), batched",
+        "float32 on the file's blocks, float32 activations (the default), batched",
         ["--dtype", "float32", "--quantization", "gguf", "--activations", "float32"],
     ),
 )
@@ -313,8 +313,8 @@ def agree_gguf(args: argparse.Namespace) -> None:
         reference.append((ids[0].tolist(), out[0, ids.shape[1] :].tolist()))
         print(f"transformers: {prompt[-40:]!r} -> {tok.decode(reference[-1][1])[:60]!r}", flush=True)
     failed = False
-    for label, flags in GGUF_ENGINE_RUNS:
-        out = work / f"engine-{len(flags)}-{flags[1]}.jsonl"
+    for index, (label, flags) in enumerate(GGUF_ENGINE_RUNS):
+        out = work / f"engine-{index}.jsonl"  # the run's index in GGUF_ENGINE_RUNS
         run = subprocess.run(
             [
                 "uv",

@@ -7,7 +7,7 @@ ids (`/completion`, top_k 1, no prompt cache), and prints for llama.cpp and each
 prompts give the reference's tokens and where each first differs (None: equal).
 
     python scripts/llamacpp_greedy_agree.py --llama-server /path/to/llama-server --gguf smollm2-Q4_K_M.gguf \
-        --reference /tmp/hf-q4km/engine-2-float32.jsonl --runs int8=/tmp/hf-q4km/engine-4-float32.jsonl
+        --reference /tmp/hf-q4km/engine-2.jsonl --runs int8=/tmp/hf-q4km/engine-4.jsonl
 """
 
 from __future__ import annotations

@@ -129,7 +129,9 @@ class EngineFormatsTest(unittest.TestCase):
             with self.assertLogs("attention_kv_caceh.model_executor.model", "WARNING") as logs:
                 Model.load(folder, "float32", "packed", None, activations="float32")  # float32 panels
             self.assertIn("--activations float32 has no effect", logs.output[0])
-            blocks = Model.load(folder, "float32", "packed", "q4_0")  # the default, on blocks: no warning
+            blocks = Model.load(
+                folder, "float32", "packed", "q4_0", activations="int8"
+            )  # on blocks: no warning
             self.assertEqual(blocks.activations, "int8")
             self.assertTrue(blocks.has_int_kernel_weights)
             self.assertIn("8 bits, integer dot products", blocks.gemm_note)
@@ -177,7 +179,7 @@ class GGUFBlocksTest(unittest.TestCase):
         self.assertEqual(greedy(packed), greedy(oracle))
 
     def test_8_bit_activations_keep_the_greedy_token_except_at_near_ties(self) -> None:
-        """The real model with x quantized to 8 bits per product (the default) against float32
+        """The real model with x quantized to 8 bits per product (`--activations int8`) against float32
         activations, teacher-forced on the same text: every row's argmax is the same unless the
         float32 logits' top two are closer than twice the largest logit difference of that row, and
         no logit moves by more than half the logits' standard deviation (a wrong block or a wrong
@@ -197,8 +199,10 @@ class GGUFBlocksTest(unittest.TestCase):
             return model.compute_logits(hidden).astype(np.float64)  # [N, V], every row
 
         float32 = Model.load("smollm2", "float32", "packed", "gguf", activations="float32")
-        int8 = Model.load("smollm2", "float32", "packed", "gguf")
-        self.assertEqual(int8.activations, "int8")
+        int8 = Model.load("smollm2", "float32", "packed", "gguf", activations="int8")
+        self.assertEqual(
+            Model.load("smollm2", "float32", "packed", "gguf").activations, "float32"
+        )  # the default
         tokenizer = Tokenizer.load(resolve_model("smollm2").path)
         for text in (
             "The capital of France is Paris. The capital of Germany is",

@@ -123,7 +123,7 @@ class EngineConfig:
             float checkpoint quantized at load; or "gguf": a GGUF file's own tensors of every type of
             `block_formats` (Q4_0 to Q8_0, the k-quants Q2_K to Q6_K, F32, F16, BF16), as stored.
             Not with dtype "bfloat16".
-        activations: "int8" or "float32" (`dispatch.ACTIVATION_CHOICES`); None: int8, and no warning
+        activations: "int8" or "float32" (`dispatch.ACTIVATION_CHOICES`); None: float32, and no warning
             when no weight has an integer kernel: how a linear layer
             over GGUF blocks with an integer-dot kernel (`block_gemm_int.INT_FORMATS`) treats x; other
             weights ignore it (`layers.linear`).
@@ -185,7 +185,7 @@ class EngineConfig:
         help="the linear layers' activations against GGUF blocks with an integer kernel (Q4_0 to Q8_0, "
         "Q2_K to Q6_K): int8 quantizes each row of x to 8 bits once per product (llama.cpp's Q8_0 / "
         "Q8_1 / Q8_K) and multiplies integers; float32 decodes the weights to float32 for each row "
-        "(default: int8)",
+        "(default: float32)",
         choices=ACTIVATION_CHOICES,
     )
     speculative_config: SpeculativeConfig | None = option(

@@ -59,15 +59,15 @@ ACTIVATION_CHOICES = ("int8", "float32")
 """The `activations` setting of a linear layer over GGUF blocks that have an integer-dot kernel:
 "int8" (x quantized to 8 bits per block of 32 once per product, integer dot products:
 `block_gemm_int`; llama.cpp's way), or "float32" (each weight decoded to float32 for every row of x:
-`block_gemm`, the oracle). Each row of x is quantized on its own, so either way a row's result does
+`block_gemm`; the default, and the oracle). Each row of x is quantized on its own, so either way a row's result does
 not depend on the other rows of its step."""
 
 
 def check_activations(activations: str | None) -> str:
-    """`activations` if it is one of ACTIVATION_CHOICES, "int8" for None (the default); ValueError
+    """`activations` if it is one of ACTIVATION_CHOICES, "float32" for None (the default); ValueError
     naming it otherwise."""
     if activations is None:
-        return ACTIVATION_CHOICES[0]
+        return "float32"
     if activations not in ACTIVATION_CHOICES:
         raise ValueError(f"activations must be one of {ACTIVATION_CHOICES}, got {activations!r}")
     return activations

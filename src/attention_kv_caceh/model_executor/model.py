@@ -136,7 +136,7 @@ class Model:
         (`resolve_gemm_path(gemm, dtype, quantization)`): packed for its kernel, or as floats for NumPy.
 
         activations: how the linear layers over GGUF blocks treat x (`dispatch.ACTIVATION_CHOICES`,
-        `layers.linear`); None: int8. Given explicitly where no weight has an integer kernel, a logged
+        `layers.linear`); None: float32. Given explicitly where no weight has an integer kernel, a logged
         warning says it has no effect.
 
         Raises ValueError for an activations setting outside ACTIVATION_CHOICES, a dtype, quantization or gemm `resolve_gemm_path` refuses (or a block
