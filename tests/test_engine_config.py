@@ -31,6 +31,7 @@ class EngineConfigTest(unittest.TestCase):
             ({"num_kv_blocks": 0}, "num_kv_blocks"),
             ({"max_model_len": 0}, "max_model_len"),
             ({"dtype": "float16"}, "dtype"),
+            ({"activations": "int4"}, "activations"),
         ]
         for kwargs, message in cases:
             with self.subTest(kwargs=kwargs), self.assertRaisesRegex(ValueError, message):
