@@ -222,28 +222,20 @@ def linear(x: FloatArray, weight: LinearWeight, threads: int = 1, activations: s
     max |x| / 127 per block of 32) to the result.
     """
     packed, blocks = weight.packed, weight.blocks
-    if blocks is not None:
+    if blocks is not None or weight.stacked:  # each part's kernel into its own buffer (C-contiguous)
         x = np.ascontiguousarray(x)
-        out = np.empty((x.shape[0], blocks.out_features), dtype=np.float32)  # [N, C_out]
-        pair = INT_PAIRS.get(blocks.format) if activations == "int8" else None
-        if pair is None:
-            block_linear_into(x, blocks, out, threads)
-        else:
-            int_linear_quantized_into(quantize_activations(x, pair), blocks, out, threads)
-        return out
-    if weight.stacked:  # each part's kernel into its own buffer (the kernels' C-contiguous signature)
-        x = np.ascontiguousarray(x)
-        outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in weight.stacked]
+        parts = weight.stacked or (blocks,)
+        outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in parts]  # [N, C_out_i]
         quantized: dict[str, QuantizedActivations] = {}  # x's 8-bit blocks per activation format, made once
-        for part, part_out in zip(weight.stacked, outs, strict=True):
+        for part, part_out in zip(parts, outs, strict=True):
             pair = INT_PAIRS.get(part.format) if activations == "int8" else None
             if pair is None:
-                block_linear_into(x, part, part_out, threads)  # [N, C_out_i]
+                block_linear_into(x, part, part_out, threads)
                 continue
             if pair not in quantized:
                 quantized[pair] = quantize_activations(x, pair)
             int_linear_quantized_into(quantized[pair], part, part_out, threads)
-        return np.concatenate(outs, axis=1)  # [N, C_out]
+        return outs[0] if len(outs) == 1 else np.concatenate(outs, axis=1)  # [N, C_out]
     if packed is None:
         assert weight.weight is not None
         return x @ weight.weight.T  # [N, C_out]
