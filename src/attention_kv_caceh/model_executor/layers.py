@@ -224,7 +224,7 @@ def linear(x: FloatArray, weight: LinearWeight, threads: int = 1, activations: s
     packed, blocks = weight.packed, weight.blocks
     if blocks is not None or weight.stacked:  # each part's kernel into its own buffer (C-contiguous)
         x = np.ascontiguousarray(x)
-        parts = weight.stacked or (blocks,)
+        parts = weight.stacked or ((blocks,) if blocks is not None else ())
         outs = [np.empty((x.shape[0], part.out_features), dtype=np.float32) for part in parts]  # [N, C_out_i]
         quantized: dict[str, QuantizedActivations] = {}  # x's 8-bit blocks per activation format, made once
         for part, part_out in zip(parts, outs, strict=True):
