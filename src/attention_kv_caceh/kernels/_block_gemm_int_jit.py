@@ -187,7 +187,7 @@ def _codegen(isa, fmt):
         def tile(rows, row0, n):
             """y[row0 .. row0 + rows, n]: one accumulator per row of x."""
             acc = v.zeroed(builder, v.vec(lanes), rows)
-            offsets = v.zeroed(builder, v.F32, rows) if with_offset else []
+            offsets = (v.zeroed(builder, v.vec(lanes) if rows <= 2 else v.F32, rows)) if with_offset else []
             w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
             r = [builder.add(row0, v.I64(i)) for i in range(rows)]
             q_rows = [v.at(builder, q_data, builder.mul(ri, q_stride)) for ri in r]
@@ -197,31 +197,36 @@ def _codegen(isa, fmt):
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
                 v.prefetch(builder, v.at(builder, here, _PREFETCH))
                 wq, signed = _weight_quants(builder, fmt, here)
-                dw = v.half_to_float(builder, here)
+                dw = v.half_to_floats(builder, here, lanes)
                 mw = None
                 if with_offset:
                     m = _OFFSET[fmt]
                     mw = (
-                        v.half_to_float(builder, v.at(builder, here, 2))
+                        v.half_to_floats(builder, v.at(builder, here, 2), lanes)
                         if m is None
-                        else builder.fmul(dw, ir.Constant(v.F32, m))
+                        else builder.fmul(dw, v.splat(v.vec(lanes), m))
                     )
                 k0 = builder.mul(b, v.I64(32))
                 for i in range(rows):
                     xq = v.load_vec(builder, q_rows[i], k0, v.vec(32, v.I8))
                     dot = builder.sitofp(_dot(builder, wq, signed, xq, lanes, how), v.vec(lanes))
-                    scale = v.broadcast(
-                        builder, builder.fmul(dw, builder.load(v.at(builder, d_rows[i], b))), lanes
-                    )
-                    builder.store(v.fma(builder, dot, scale, builder.load(acc[i])), acc[i])
-                    if mw is not None:
+                    dx = v.broadcast(builder, builder.load(v.at(builder, d_rows[i], b)), lanes)
+                    builder.store(v.fma(builder, dot, builder.fmul(dw, dx), builder.load(acc[i])), acc[i])
+                    if mw is not None and rows <= 2:
+                        sx = v.broadcast(builder, builder.load(v.at(builder, s_rows[i], b)), lanes)
+                        builder.store(v.fma(builder, mw, sx, builder.load(offsets[i])), offsets[i])
+                    elif mw is not None:
                         sx = builder.load(v.at(builder, s_rows[i], b))
-                        total = _x86(builder, "llvm.fma.f32", v.F32, [mw, sx, builder.load(offsets[i])])
+                        m0 = builder.extract_element(mw, v.I32(0))
+                        total = _x86(builder, "llvm.fma.f32", v.F32, [m0, sx, builder.load(offsets[i])])
                         builder.store(total, offsets[i])
             for i in range(rows):
                 total = v.hsum(builder, builder.load(acc[i]))
                 if offsets:
-                    total = builder.fadd(total, builder.load(offsets[i]))
+                    offset = builder.load(offsets[i])
+                    if rows <= 2:
+                        offset = builder.extract_element(offset, v.I32(0))
+                    total = builder.fadd(total, offset)
                 out = builder.add(builder.mul(r[i], y_stride), n)
                 builder.store(total, v.at(builder, ya.data, out))
 

@@ -46,7 +46,7 @@ def _half(builder, block, offset, lanes, memo):
     """The float16 at `offset` of the block, widened, as an `<L x float>` broadcast (kept in memo)."""
     key = ("half", offset)
     if key not in memo:
-        memo[key] = v.broadcast(builder, v.half_to_float(builder, v.at(builder, block, offset)), lanes)
+        memo[key] = v.half_to_floats(builder, v.at(builder, block, offset), lanes)
     return memo[key]
 
 

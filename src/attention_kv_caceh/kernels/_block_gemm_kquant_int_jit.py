@@ -163,10 +163,10 @@ def _k4_scales_mins(builder, block):
     return builder.bitcast(words, v.vec(16, v.I8))
 
 
-def _q4_k_block(builder, here, how, fifth=False):
+def _q4_k_block(builder, here, how, lanes, fifth=False):
     """Per super-block of a Q4_K row (Q5_K with `fifth`): (8 weight vectors `<32 x i8>`, one per
     sub-block s: 0 .. 15, Q5_K's 0 .. 31 with bit s of qh[l] at bit 4; the scale source for
-    `_scaled_dot`, the mins `<8 x i32>`, d_w, dmin_w as float)."""
+    `_scaled_dot`, the mins `<8 x i32>`, d_w, dmin_w as `<L x float>`)."""
     ms = _k4_scales_mins(builder, here)
     byte = v.vec(32, v.I8)
     qh = v.load_vec(builder, here, 16, byte) if fifth else None
@@ -180,13 +180,16 @@ def _q4_k_block(builder, here, how, fifth=False):
                 q = builder.or_(q, builder.shl(bit, v.splat(byte, 4)))
             quants.append(q)
     mins = builder.zext(_shuffle(builder, ms, range(8, 16)), v.vec(8, v.I32))
-    dw, dmin = v.half_to_float(builder, here), v.half_to_float(builder, v.at(builder, here, 2))
+    dw, dmin = (
+        v.half_to_floats(builder, here, lanes),
+        v.half_to_floats(builder, v.at(builder, here, 2), lanes),
+    )
     return quants, _scale_source(builder, ms, how, False), mins, dw, dmin
 
 
-def _q6_k_block(builder, here, how):
+def _q6_k_block(builder, here, how, lanes):
     """Per super-block of a Q6_K row: (8 weight vectors `<32 x i8>` 0 .. 63, one per 32 weights t =
-    4 h + g, the scale source, the 16 int8 scales as `<16 x i16>`, d_w as float)."""
+    4 h + g, the scale source, the 16 int8 scales as `<16 x i16>`, d_w as `<L x float>`)."""
     quants = []
     for h in range(2):
         qh = v.load_vec(builder, here, 128 + 32 * h, v.vec(32, v.I8))
@@ -202,7 +205,7 @@ def _q6_k_block(builder, here, how):
             )
             quants.append(builder.or_(low, builder.shl(high, v.splat(v.vec(32, v.I8), 4))))
     sc = v.load_vec(builder, here, 192, v.vec(16, v.I8))
-    dw = v.half_to_float(builder, v.at(builder, here, 208))
+    dw = v.half_to_floats(builder, v.at(builder, here, 208), lanes)
     return quants, _scale_source(builder, sc, how, True), builder.sext(sc, v.vec(16, v.I16)), dw
 
 
@@ -218,15 +221,15 @@ def _two_bit_runs(builder, here, start):
     return runs
 
 
-def _q2_k_block(builder, here, how):
+def _q2_k_block(builder, here, how, lanes):
     """Per super-block of a Q2_K row: (8 runs `<32 x i8>` 0 .. 3, the scale source of the 16
-    sc = scales[j] & 15, the 16 mn = scales[j] >> 4 as `<16 x i16>`, d_w, dmin_w as float)."""
+    sc = scales[j] & 15, the 16 mn = scales[j] >> 4 as `<16 x i16>`, d_w, dmin_w as `<L x float>`)."""
     scales = v.load_vec(builder, here, 0, v.vec(16, v.I8))
     sc = builder.and_(scales, v.splat(v.vec(16, v.I8), 15))
     mn = builder.zext(builder.lshr(scales, v.splat(v.vec(16, v.I8), 4)), v.vec(16, v.I16))
     dw, dmin = (
-        v.half_to_float(builder, v.at(builder, here, 80)),
-        v.half_to_float(builder, v.at(builder, here, 82)),
+        v.half_to_floats(builder, v.at(builder, here, 80), lanes),
+        v.half_to_floats(builder, v.at(builder, here, 82), lanes),
     )
     return _two_bit_runs(builder, here, 16), _scale_source(builder, sc, how, False), mn, dw, dmin
 
@@ -255,10 +258,10 @@ def _k3_scales(builder, here):
     return builder.sub(builder.bitcast(words, v.vec(16, v.I8)), v.splat(v.vec(16, v.I8), 32))
 
 
-def _q3_k_block(builder, here, how):
+def _q3_k_block(builder, here, how, lanes):
     """Per super-block of a Q3_K row: (8 runs `<32 x i8>` u = q2 | hbit << 2, 0 .. 7 (the weight is
     u - 4: ggml subtracts 4 where bit g of hmask[l] is clear), the scale source, the 16 scales as
-    `<16 x i16>`, d_w as float)."""
+    `<16 x i16>`, d_w as `<L x float>`)."""
     byte = v.vec(32, v.I8)
     hmask = v.load_vec(builder, here, 0, byte)
     runs = []
@@ -266,7 +269,7 @@ def _q3_k_block(builder, here, how):
         bit = builder.and_(builder.lshr(hmask, v.splat(byte, g)), v.splat(byte, 1))
         runs.append(builder.or_(q, builder.shl(bit, v.splat(byte, 2))))
     sc = _k3_scales(builder, here)
-    dw = v.half_to_float(builder, v.at(builder, here, 108))
+    dw = v.half_to_floats(builder, v.at(builder, here, 108), lanes)
     return runs, _scale_source(builder, sc, how, True), builder.sext(sc, v.vec(16, v.I16)), dw
 
 
@@ -287,6 +290,12 @@ def _codegen(isa, fmt):
         )
         m_count, n_count = op.m_count, op.n_count
 
+        def scaled(d_w, dx):
+            """d_w dx as `<L x float>`, d_w a vector (`half_to_floats`) or a scalar."""
+            if isinstance(d_w.type, ir.VectorType):
+                return builder.fmul(d_w, v.broadcast(builder, dx, lanes))
+            return v.broadcast(builder, builder.fmul(d_w, dx), lanes)
+
         def tile(rows, row0, n):
             acc = v.zeroed(builder, v.vec(lanes), rows)
             w_row = v.at(builder, w_data, builder.mul(n, row_bytes))
@@ -298,15 +307,18 @@ def _codegen(isa, fmt):
                 here = v.at(builder, w_row, builder.mul(b, v.I64(block_bytes)))
                 dmin = mins = sc16 = None
                 if fmt in ("q4_k", "q5_k"):
-                    quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how, fmt == "q5_k")
+                    quants, scales, mins, dw, dmin = _q4_k_block(builder, here, how, lanes, fmt == "q5_k")
                     subs = [(s, s) for s in range(8)]
                 elif fmt == "q2_k":
-                    quants, scales, mins, dw, dmin = _q2_k_block(builder, here, how)
+                    quants, scales, mins, dw, dmin = _q2_k_block(builder, here, how, lanes)
                     subs = [(2 * t, 2 * t + 1) for t in range(8)]
                 else:
                     block = _q6_k_block if fmt == "q6_k" else _q3_k_block
-                    quants, scales, sc16, dw = block(builder, here, how)
+                    quants, scales, sc16, dw = block(builder, here, how, lanes)
                     subs = [(2 * t, 2 * t + 1) for t in range(8)]
+                if rows > 2:  # scalar scales: in wide tiles the vectors' registers spill (measured)
+                    dw = builder.extract_element(dw, v.I32(0))
+                    dmin = None if dmin is None else builder.extract_element(dmin, v.I32(0))
                 k0 = builder.mul(b, v.I64(256))
                 isum = [None] * rows
                 for t, (lo, hi) in enumerate(subs):
@@ -325,7 +337,7 @@ def _codegen(isa, fmt):
                     total = v.fma(
                         builder,
                         builder.sitofp(ints, v.vec(lanes)),
-                        v.broadcast(builder, builder.fmul(dw, dx), lanes),
+                        scaled(dw, dx),
                         total,
                     )
                     if dmin is not None:
@@ -335,13 +347,8 @@ def _codegen(isa, fmt):
                             # lane s: mn_s (bsums[2s] + bsums[2s + 1]); narrowing to int16 and vpmaddwd
                             # (as Q6_K's correction) measured slower at one row of x
                             msum = _fold(builder, builder.mul(_fold(builder, bsums, 8), mins), lanes)
-                        scale = builder.fneg(builder.fmul(dmin, dx))
-                        total = v.fma(
-                            builder,
-                            builder.sitofp(msum, v.vec(lanes)),
-                            v.broadcast(builder, scale, lanes),
-                            total,
-                        )
+                        scale = builder.fneg(scaled(dmin, dx))
+                        total = v.fma(builder, builder.sitofp(msum, v.vec(lanes)), scale, total)
                     builder.store(total, acc[i])
             for i in range(rows):
                 out = builder.add(builder.mul(r[i], y_stride), n)

@@ -87,6 +87,17 @@ def half_to_float(builder, byte_ptr):
     return builder.fpext(builder.bitcast(bits, ir.HalfType()), F32)
 
 
+def half_to_floats(builder, byte_ptr, lanes):
+    """`<lanes x float>` copies of the IEEE half at `byte_ptr`, as `half_to_float` but widened as a
+    vector (`vpbroadcastw` + `vcvtph2ps` on x86). The scalar form compiles to `vpinsrw` into an
+    arbitrary register, which waits on that register's last writer: in a loop whose accumulator is
+    that register, every block's scale then waits on the previous block's sum."""
+    bits = builder.load(builder.bitcast(byte_ptr, I16.as_pointer()), align=1)
+    return builder.fpext(
+        builder.bitcast(broadcast(builder, bits, lanes), vec(lanes, ir.HalfType())), vec(lanes, F32)
+    )
+
+
 def prefetch(builder, address, locality=3):
     """Hint the CPU to load the cache line at `address` (any pointer; no fault past an array's end);
     locality 3 into every cache level, 2 into L2 and below."""
