@@ -8,7 +8,7 @@ microsecond per call). Nested parts are included in their callers (`linear` incl
 `compute_logits`; `execute_model` includes `forward`). Prints ms per step and calls per step.
 
     OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 uv run python scripts/profile_decode_step.py \
-        --model models/small-llama --num-seqs 32
+        --model models/small-llama --num-seqs 32 [--quantization gguf --activations int8]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-import attention_kv_caceh.engine.core as core
+import attention_kv_caceh.engine.model_runner as runner_module
 import attention_kv_caceh.model_executor.model as model_module
 from attention_kv_caceh.engine.config import EngineConfig
 from attention_kv_caceh.engine.llm_engine import LLMEngine
@@ -82,18 +82,20 @@ def main() -> None:
     parser.add_argument("--num-seqs", type=int, default=32, help="requests decoding together")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--quantization", default=None, help="as bench-engine's (gguf: the file's blocks)")
+    parser.add_argument("--activations", default=None, choices=("int8", "float32"), help="as bench-engine's")
     args = parser.parse_args()
 
     timers = Timers()
     for name in FORWARD_PARTS:
         if hasattr(model_module, name):  # the compiled layers exist from a given commit on
             setattr(model_module, name, timers.wrap(name, getattr(model_module, name)))
-    core.sample = timers.wrap("sample", core.sample)  # type: ignore[assignment]
+    runner_module.sample = timers.wrap("sample", runner_module.sample)  # type: ignore[assignment]
     for cls, name in METHODS:
         setattr(cls, name, timers.wrap(name, getattr(cls, name)))
 
     r, prompt_len, output_len = args.num_seqs, args.prompt_len, args.output_len
-    model = Model.load(args.model, "float32", "auto")
+    model = Model.load(args.model, "float32", "auto", args.quantization, args.activations)
     blocks = r * -(-(prompt_len + output_len) // 16)
     config = EngineConfig(
         max_num_seqs=r,

@@ -25,9 +25,10 @@ path's oracle. q/k/v and gate/up are fused row-wise (one matmul each). A tied LM
 embedding array on the numpy path and is a packed copy of it on the packed path (or, kept as a GGUF
 file's blocks, the same blocks). The packed path also runs RMSNorm, RoPE and SiLU-and-mul as the compiled
 passes of `layers` (`compiled_rms_norm`, ...), whose NumPy formulas the numpy path keeps, except
-RoPE after Qwen3's per-head norm. A step whose requests all decode uses the compiled
+RoPE after Qwen3's per-head norm. Requests with one query in the step (decoding) use the compiled
 `decode_attention.paged_decode_attention_into` (one call per layer: online softmax over each request's blocks
-read in place through its block table, no gather); the test-only NumPy reference
+read in place through its block table, no gather), in a step that also prefills too: a request's decode
+then computes the same bits whatever else the step holds (batch invariance); the test-only NumPy reference
 `oracle.reference_paged_decode_attention` is its oracle. `forward` trusts its inputs: the model runner validates
 a step once (`ModelRunner.prepare_inputs`).
 
@@ -326,10 +327,19 @@ class Model:
         if self.embed_scale is not None:
             x = x * self.embed_scale
         decode = metadata.is_pure_decode
+        # A step that mixes prefill and decode: its one-query requests (R1 of them, their rows `rows`)
+        # go through the decode kernel too, the others (`longer`) through `paged_attention`.
+        query_lens = np.diff(metadata.query_start_loc)  # [R]
+        single = np.flatnonzero(query_lens == 1)  # [R1]
+        mixed = not decode and single.shape[0] > 0
+        rows = metadata.query_start_loc[single]  # [R1]
+        longer = np.flatnonzero(query_lens != 1) if mixed else None
         # The compiled decode kernel's arguments, made once per step: int32 lengths, its output buffer
-        # (rewritten by every layer; R == N in a decode step) and the scale (1 / sqrt(D) but for Gemma).
-        context_lens = metadata.context_lens.astype(np.int32)  # [R]
-        decode_out = np.empty((n if decode else 0, h, d), dtype=self.dtype)  # [R, H, D]
+        # (rewritten by every layer) and the scale (1 / sqrt(D) but for Gemma).
+        context_lens = metadata.context_lens[single].astype(np.int32)  # [R1]
+        decode_out = np.empty(
+            (single.shape[0] if decode or mixed else 0, h, d), dtype=self.dtype
+        )  # [R1, H, D]
         scale, cap = c.attention_scale, c.attn_logit_softcapping
         metas = tuple(layer_metadata) or (metadata,) * len(self.layers)
         for layer, (k_cache, v_cache), meta in zip(self.layers, kv_caches, metas, strict=True):
@@ -349,14 +359,12 @@ class Model:
                     q, k = rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps)
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)  # [N, H, D], [N, H_kv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            if decode:  # one query per request: [R, H, D] with R == N
-                q = np.ascontiguousarray(q)  # [R, H, D]
-                blocks = meta.block_tables  # [R, max_blocks]
+            if decode or mixed:  # the one-query requests: [R1, H, D] (R1 == R == N in a decode step)
                 paged_decode_attention_into(
-                    q,
+                    np.ascontiguousarray(q if decode else q[rows]),
                     k_cache,
                     v_cache,
-                    blocks,
+                    meta.block_tables if decode else meta.block_tables[single],  # [R1, max_blocks]
                     context_lens,
                     decode_out,
                     scale,
@@ -364,11 +372,14 @@ class Model:
                     window=layer.window,
                     softcap=cap,
                 )
+            if decode:
                 attn = decode_out
             else:  # [N, H, D]
                 attn = paged_attention(
-                    q, k_cache, v_cache, meta, scale=scale, window=layer.window, softcap=cap
+                    q, k_cache, v_cache, meta, scale=scale, window=layer.window, softcap=cap, requests=longer
                 )
+                if mixed:
+                    attn[rows] = decode_out
             out = linear(attn.reshape(n, h * d), layer.o_proj, self.threads, self.activations)  # [N, D_model]
             out = out if layer.o_bias is None else out + layer.o_bias
             x = x + (out if layer.attn_out_norm is None else norm(out, layer.attn_out_norm, eps))

@@ -119,6 +119,7 @@ def paged_attention(
     scale: float | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    requests: IntArray | None = None,
 ) -> FloatArray:
     """Causal attention of each request's queries over its context, read through its block table.
 
@@ -128,11 +129,12 @@ def paged_attention(
     `attention_kv_caceh.attention.causal_mask`. scale: the factor of q k^T (None: 1/sqrt(D)). window:
     a sliding layer's window W (None: full attention): query position p sees only positions > p - W, and
     the blocks before the first query's window are not read. softcap: scores become
-    softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2; None: off).
+    softcap * tanh(scores / softcap) before the mask and softmax (Gemma 2; None: off). requests: the
+    indices of the requests to compute (None: all); the rows of the others are left unwritten.
     """
     _, h_kv, d, block_size = k_cache.shape
     out = np.empty_like(q)  # [N, H, D]
-    for r in range(metadata.context_lens.shape[0]):
+    for r in range(metadata.context_lens.shape[0]) if requests is None else requests.tolist():
         start, end = int(metadata.query_start_loc[r]), int(metadata.query_start_loc[r + 1])
         t = int(metadata.context_lens[r])
         first = 0 if window is None else max(0, t - (end - start) - window + 1) // block_size
