@@ -392,6 +392,24 @@ class TestModelRunner(EngineModelTestBase):
                         logits[row], self.run_alone(model, req.all_token_ids), rtol=1e-9, atol=1e-9
                     )
 
+    def test_a_decode_gives_the_same_bits_beside_a_prefill_as_alone(self) -> None:
+        # Batch invariance: request a's decode token in a step that also prefills b equals, bit for bit,
+        # its decode in a step of its own. With 8-bit activations each row of a linear layer is
+        # quantized and multiplied alone, so only attention could tell the two steps apart.
+        model = Model.load(self.folders["llama"], "float32", quantization="q8_0", activations="int8")
+        logits = []
+        for with_prefill in (False, True):
+            runner = ModelRunner(model, EngineConfig(block_size=4, dtype="float32"), num_blocks=8)
+            a = FakeRequest("a", self.prompt(9), 0, [5, 1, 6])
+            runner.execute_model(FakeSchedulerOutput([a], {"a": 9}))  # type: ignore[arg-type]
+            a.num_computed_tokens, a.all_token_ids = 9, [*a.all_token_ids, 3]
+            step = FakeSchedulerOutput([a], {"a": 1})
+            if with_prefill:
+                b = FakeRequest("b", self.prompt(7, seed=1), 0, [0, 7])
+                step = FakeSchedulerOutput([a, b], {"a": 1, "b": 7})
+            logits.append(runner.execute_model(step)[0])  # type: ignore[arg-type]
+        np.testing.assert_array_equal(logits[1], logits[0])
+
     def test_execute_model_rejects_missing_blocks_before_touching_the_cache(self) -> None:
         model = Model.load(self.folders["llama"], "float64")
         runner = ModelRunner(model, EngineConfig(block_size=4, dtype="float64"), num_blocks=4)
